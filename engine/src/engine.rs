@@ -1,0 +1,722 @@
+//! The embedded engine: routes each key to its shard, batches one message per shard per call
+//! phase, and copies bytes on the calling thread under the leases the shards grant.
+//!
+//! It owns the shard threads and the arena. It never touches a shard's index or allocator
+//! directly, and it never reports a key as done before every one of its bytes was copied.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use kvtide_tiers::dram::{Arena, PageBacking};
+use kvtide_transport::{copy_regions, MemoryKind, Region};
+
+use crate::api::{Fragment, PutOptions, Store};
+use crate::config::EngineConfig;
+use crate::error::{Error, OpenError, Result};
+use crate::shard::{
+    spawn_shard, LeaseId, ObjectRef, ReadGrant, Request, RuntimeConfig, ShardConfig, ShardCore, ShardThread, WriteGrant,
+};
+use crate::stats::{ShardCounters, Stats};
+use crate::ticket::{pending, BatchCollector, Ticket};
+
+/// Seed for routing keys to shards; differs from the index hash so a shard's keys do not all
+/// share low hash bits in its own table.
+const ROUTING_SEED: u64 = 0x6b76_7469_6465_0001;
+/// Grace between an explicit lease's TTL (when the guard stops handing out bytes) and the moment
+/// the shard reclaims it.
+const LEASE_EXPIRY_GRACE: Duration = Duration::from_secs(1);
+/// Allocation granularity inside a slice (cache-line aligned objects).
+const OBJECT_ALIGN_BYTES: u64 = 64;
+
+/// The embedded store. Cheap to share (`Arc<Engine>`); every method takes `&self`.
+pub struct Engine {
+    shards: Vec<ShardThread>,
+    joins: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    arena: Arc<Arena>,
+    config: EngineConfig,
+    max_value_bytes: u64,
+    tickets_in_flight: Arc<AtomicU64>,
+    shutting_down: AtomicBool,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("shards", &self.shards.len()).field("arena", &self.arena).finish()
+    }
+}
+
+impl Engine {
+    pub(crate) fn open(config: EngineConfig) -> Result<Engine, OpenError> {
+        let arena = Arena::new(config.dram_bytes as usize, config.shards)?;
+        let slice_bytes = arena.slice_bytes() as u64;
+        let max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
+        let cpus = crate::shard::allowed_cpus();
+        let mut shards = Vec::with_capacity(config.shards);
+        let mut joins = Vec::with_capacity(config.shards);
+        for index in 0..config.shards {
+            let slice = arena.slice(index)?;
+            let shard_config = ShardConfig {
+                shard: index,
+                high_watermark_bytes: (slice_bytes as f64 * config.high_watermark) as u64,
+                low_watermark_bytes: (slice_bytes as f64 * config.low_watermark) as u64,
+                policy: config.policy,
+                align_bytes: OBJECT_ALIGN_BYTES,
+                max_objects: config.max_objects_per_shard,
+                max_leases: config.max_leases_per_shard,
+            };
+            let counters = Arc::new(ShardCounters::default());
+            let core = ShardCore::new(shard_config, slice.clone(), counters)?;
+            let runtime = RuntimeConfig {
+                ring_entries: config.ring_entries,
+                idle_spin: config.idle_spin,
+                pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
+                register_fixed_buffers: config.register_fixed_buffers,
+            };
+            let mut thread =
+                spawn_shard(index, core, slice, runtime).map_err(|source| OpenError::Shard { shard: index, source })?;
+            if let Some(join) = thread.join.take() {
+                joins.push(join);
+            }
+            shards.push(thread);
+        }
+        tracing::info!(
+            shards = config.shards,
+            dram_bytes = arena.len_bytes(),
+            policy = config.policy.name(),
+            "kvtide engine open"
+        );
+        Ok(Engine {
+            shards,
+            joins: Mutex::new(joins),
+            arena,
+            config,
+            max_value_bytes,
+            tickets_in_flight: Arc::new(AtomicU64::new(0)),
+            shutting_down: AtomicBool::new(false),
+        })
+    }
+
+    /// Number of shards.
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Largest value this store accepts.
+    pub fn max_value_bytes(&self) -> u64 {
+        self.max_value_bytes
+    }
+
+    /// The DRAM arena (for transports that register it).
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    /// The shard `key` lives on.
+    pub fn shard_of(&self, key: &[u8]) -> usize {
+        (xxhash_rust::xxh3::xxh3_64_with_seed(key, ROUTING_SEED) % self.shards.len() as u64) as usize
+    }
+
+    /// Waits until every shard has handled everything this thread sent it before (releases are
+    /// fire-and-forget, so tests call this before asserting counters).
+    pub fn sync_shards(&self) -> Result<()> {
+        let replies: Vec<_> = (0..self.shards.len())
+            .map(|shard| self.send_with_reply(shard, |reply| Request::Barrier { reply }))
+            .collect::<Result<_>>()?;
+        replies.into_iter().try_for_each(|rx| rx.recv().map_err(|_| Error::ShuttingDown))
+    }
+
+    /// Takes an explicit lease on `key` for a caller that reads asynchronously. The bytes stay
+    /// in place until the guard drops; `ttl_ms` is only a backstop for a caller that vanishes.
+    pub fn lease(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
+        self.validate_key(key)?;
+        let ttl = Duration::from_millis(ttl_ms);
+        let shard = self.shard_of(key);
+        let rx = self.send_with_reply(shard, |reply| Request::LeaseRead {
+            keys: vec![key.into()],
+            ttl: Some(ttl + LEASE_EXPIRY_GRACE),
+            reply,
+        })?;
+        let grant = rx.recv().map_err(|_| Error::ShuttingDown)?.pop().ok_or(Error::Internal("empty lease reply"))??;
+        Ok(ObjectLease {
+            grant,
+            expires_at: Instant::now() + ttl,
+            inbox: Arc::clone(&self.shards[shard].inbox),
+            _arena: Arc::clone(&self.arena),
+        })
+    }
+
+    /// Stops accepting requests, lets in-flight work finish and joins the shard threads.
+    /// Later calls fail with `ShuttingDown`. Idempotent; `drop` calls it.
+    pub fn shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        for shard in &self.shards {
+            shard.inbox.close();
+        }
+        let joins = std::mem::take(&mut *self.joins.lock().unwrap_or_else(|p| p.into_inner()));
+        for join in joins {
+            if join.join().is_err() {
+                tracing::error!("a shard thread panicked");
+            }
+        }
+    }
+
+    // ---- plumbing ---------------------------------------------------------------------------
+
+    fn send(&self, shard: usize, request: Request) -> Result<()> {
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        self.shards[shard].inbox.send(request).map_err(|_| Error::ShuttingDown)
+    }
+
+    fn send_with_reply<T>(
+        &self,
+        shard: usize,
+        make: impl FnOnce(Sender<T>) -> Request,
+    ) -> Result<crossbeam_channel::Receiver<T>> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(shard, make(tx))?;
+        Ok(rx)
+    }
+
+    fn call<T>(&self, shard: usize, make: impl FnOnce(Sender<T>) -> Request) -> Result<T> {
+        self.send_with_reply(shard, make)?.recv().map_err(|_| Error::ShuttingDown)
+    }
+
+    fn validate_key(&self, key: &[u8]) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::EmptyKey);
+        }
+        if key.len() > self.config.max_key_bytes {
+            return Err(Error::TooLarge { what: "key", len: key.len() as u64, max: self.config.max_key_bytes as u64 });
+        }
+        Ok(())
+    }
+
+    fn validate_value_len(&self, len: u64) -> Result<()> {
+        if len > self.max_value_bytes {
+            return Err(Error::TooLarge { what: "value", len, max: self.max_value_bytes });
+        }
+        Ok(())
+    }
+
+    /// Leases `keys` (already validated; indices into the caller's arrays), one message per shard.
+    fn lease_many<'k>(
+        &self,
+        keys: impl Iterator<Item = (usize, &'k [u8])>,
+    ) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'_>) {
+        let mut per_shard: Vec<Vec<(usize, &[u8])>> = vec![Vec::new(); self.shards.len()];
+        for (index, key) in keys {
+            per_shard[self.shard_of(key)].push((index, key));
+        }
+        let mut leases = LeaseSet { engine: self, by_shard: vec![Vec::new(); self.shards.len()] };
+        let mut out = HashMap::new();
+        let pending: Vec<_> = per_shard
+            .iter()
+            .enumerate()
+            .filter(|(_, keys)| !keys.is_empty())
+            .map(|(shard, keys)| {
+                let owned = keys.iter().map(|(_, k)| Box::<[u8]>::from(*k)).collect();
+                (shard, self.send_with_reply(shard, |reply| Request::LeaseRead { keys: owned, ttl: None, reply }))
+            })
+            .collect();
+        for (shard, rx) in pending {
+            let grants = rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown));
+            match grants {
+                Ok(grants) => {
+                    for (&(index, _), grant) in per_shard[shard].iter().zip(grants) {
+                        if let Ok(g) = &grant {
+                            leases.by_shard[shard].push(g.lease);
+                        }
+                        out.insert(index, grant);
+                    }
+                }
+                Err(e) => per_shard[shard].iter().for_each(|&(index, _)| {
+                    out.insert(index, Err(e.clone()));
+                }),
+            }
+        }
+        (out, leases)
+    }
+
+    /// Reserves room for `items` (index, key, len), one message per shard.
+    fn reserve_many<'k>(
+        &self,
+        items: impl Iterator<Item = (usize, &'k [u8], u64)>,
+        upsert: bool,
+    ) -> (HashMap<usize, Result<WriteGrant>>, Reservations<'_>) {
+        let mut per_shard: Vec<Vec<(usize, &[u8], u64)>> = vec![Vec::new(); self.shards.len()];
+        for (index, key, len) in items {
+            per_shard[self.shard_of(key)].push((index, key, len));
+        }
+        let mut reservations = Reservations { engine: self, by_shard: vec![Vec::new(); self.shards.len()] };
+        let mut out = HashMap::new();
+        let pending: Vec<_> = per_shard
+            .iter()
+            .enumerate()
+            .filter(|(_, items)| !items.is_empty())
+            .map(|(shard, items)| {
+                let owned = items.iter().map(|(_, k, len)| (Box::<[u8]>::from(*k), *len)).collect();
+                (shard, self.send_with_reply(shard, |reply| Request::Reserve { items: owned, upsert, reply }))
+            })
+            .collect();
+        for (shard, rx) in pending {
+            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+                Ok(grants) => {
+                    for (&(index, _, _), grant) in per_shard[shard].iter().zip(grants) {
+                        if let Ok(g) = &grant {
+                            reservations.by_shard[shard].push((index, g.object));
+                        }
+                        out.insert(index, grant);
+                    }
+                }
+                Err(e) => per_shard[shard].iter().for_each(|&(index, _, _)| {
+                    out.insert(index, Err(e.clone()));
+                }),
+            }
+        }
+        (out, reservations)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Read leases taken by one call; released (one message per shard) when dropped, on every path.
+struct LeaseSet<'e> {
+    engine: &'e Engine,
+    by_shard: Vec<Vec<LeaseId>>,
+}
+
+impl Drop for LeaseSet<'_> {
+    fn drop(&mut self) {
+        for (shard, leases) in self.by_shard.iter_mut().enumerate() {
+            if !leases.is_empty() {
+                // A shard that is gone has dropped its leases with it.
+                let _ = self.engine.shards[shard].inbox.send(Request::Release { leases: std::mem::take(leases) });
+            }
+        }
+    }
+}
+
+/// Reservations taken by one call; those not committed are aborted when dropped.
+struct Reservations<'e> {
+    engine: &'e Engine,
+    by_shard: Vec<Vec<(usize, ObjectRef)>>,
+}
+
+impl Reservations<'_> {
+    /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
+    fn commit(mut self, upsert: bool, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
+        let mut out = HashMap::new();
+        let mut pending = Vec::new();
+        for shard in 0..self.by_shard.len() {
+            let (commit, abort): (Vec<_>, Vec<_>) = self.by_shard[shard].drain(..).partition(|(index, _)| keep(*index));
+            self.by_shard[shard] = abort;
+            if commit.is_empty() {
+                continue;
+            }
+            let objects = commit.iter().map(|(_, o)| *o).collect();
+            pending
+                .push((commit, self.engine.send_with_reply(shard, |reply| Request::Commit { objects, upsert, reply })));
+        }
+        for (commit, rx) in pending {
+            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+                Ok(results) => {
+                    for ((index, _), result) in commit.into_iter().zip(results) {
+                        out.insert(index, result);
+                    }
+                }
+                Err(e) => commit.into_iter().for_each(|(index, _)| {
+                    out.insert(index, Err(e.clone()));
+                }),
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Reservations<'_> {
+    fn drop(&mut self) {
+        for (shard, items) in self.by_shard.iter_mut().enumerate() {
+            if !items.is_empty() {
+                let objects = items.drain(..).map(|(_, o)| o).collect();
+                let _ = self.engine.shards[shard].inbox.send(Request::Abort { objects });
+            }
+        }
+    }
+}
+
+/// An explicit lease: the object's bytes stay in place until this drops.
+pub struct ObjectLease {
+    grant: ReadGrant,
+    expires_at: Instant,
+    inbox: Arc<crate::shard::Inbox>,
+    _arena: Arc<Arena>,
+}
+
+impl std::fmt::Debug for ObjectLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectLease").field("len", &self.grant.len).field("expires_at", &self.expires_at).finish()
+    }
+}
+
+impl ObjectLease {
+    /// The object's bytes, while the TTL has not passed.
+    pub fn bytes(&self) -> Result<&[u8]> {
+        if Instant::now() >= self.expires_at {
+            return Err(Error::LeaseExpired);
+        }
+        // SAFETY: the lease keeps these bytes in place and unchanged until it is released (drop)
+        // or reclaimed by the shard, which happens only LEASE_EXPIRY_GRACE after `expires_at`;
+        // the arena stays mapped because we hold it.
+        Ok(unsafe { std::slice::from_raw_parts(self.grant.ptr.as_ptr(), self.grant.len as usize) })
+    }
+
+    /// Object length.
+    pub fn len(&self) -> u64 {
+        self.grant.len
+    }
+
+    /// True for an empty object.
+    pub fn is_empty(&self) -> bool {
+        self.grant.len == 0
+    }
+}
+
+impl Drop for ObjectLease {
+    fn drop(&mut self) {
+        let _ = self.inbox.send(Request::Release { leases: vec![self.grant.lease] });
+    }
+}
+
+/// Checks that a destination can receive bytes on this path (host memory, writable).
+fn check_destination(dst: &Region<'_>) -> Result<()> {
+    if let MemoryKind::Device { .. } = dst.kind() {
+        return Err(Error::CudaUnavailable("device destinations need the cuda feature"));
+    }
+    dst.check_writable()?;
+    Ok(())
+}
+
+fn check_source(src: &Region<'_>) -> Result<()> {
+    if let MemoryKind::Device { .. } = src.kind() {
+        return Err(Error::CudaUnavailable("device sources need the cuda feature"));
+    }
+    Ok(())
+}
+
+fn grant_region(ptr: std::ptr::NonNull<u8>, len: u64) -> Region<'static> {
+    // SAFETY: callers only build this from a live grant, whose lease or reservation keeps the
+    // bytes valid for as long as the region is used (within the same call).
+    unsafe { Region::from_raw(ptr.as_ptr() as u64, len as usize, MemoryKind::Host) }
+}
+
+/// Copies a leased object across `dsts` in order (their lengths add up to `grant.len`).
+fn scatter(grant: &ReadGrant, dsts: &[Region<'_>]) -> Result<()> {
+    let src = grant_region(grant.ptr, grant.len);
+    let mut offset = 0u64;
+    for dst in dsts {
+        // SAFETY: `src` is leased for this call; `dst` is caller memory borrowed for the call.
+        unsafe { copy_regions(&src, offset, dst, 0, dst.len() as u64)? };
+        offset += dst.len() as u64;
+    }
+    Ok(())
+}
+
+fn total_len(regions: &[Region<'_>]) -> Result<u64> {
+    regions
+        .iter()
+        .try_fold(0u64, |acc, r| acc.checked_add(r.len() as u64))
+        .ok_or_else(|| Error::InvalidArgument("region lengths overflow".into()))
+}
+
+impl Store for Engine {
+    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<()> {
+        self.put_from(key, &[Region::host_readonly(value)], opts)
+    }
+
+    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
+        let mut results = self.batch_put_from_multi_buffers(&[key], &[sources.to_vec()], opts);
+        results.pop().unwrap_or(Err(Error::Internal("no result for a single put")))
+    }
+
+    fn batch_put_from_multi_buffers(
+        &self,
+        keys: &[&[u8]],
+        sources: &[Vec<Region<'_>>],
+        opts: PutOptions,
+    ) -> Vec<Result<()>> {
+        let _span = tracing::trace_span!("batch_put", keys = keys.len()).entered();
+        if keys.len() != sources.len() {
+            let e = Error::InvalidArgument(format!("{} keys but {} source lists", keys.len(), sources.len()));
+            return vec![Err(e); keys.len()];
+        }
+        let mut results: Vec<Result<()>> = vec![Ok(()); keys.len()];
+        let mut items = Vec::with_capacity(keys.len());
+        for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
+            let checked = self
+                .validate_key(key)
+                .and_then(|()| srcs.iter().try_for_each(check_source))
+                .and_then(|()| total_len(srcs))
+                .and_then(|len| self.validate_value_len(len).map(|()| len));
+            match checked {
+                Ok(len) => items.push((i, *key, len)),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let (grants, reservations) = self.reserve_many(items.into_iter(), opts.upsert);
+        let mut copied = vec![false; keys.len()];
+        for (&i, grant) in &grants {
+            match grant {
+                Ok(grant) => {
+                    let dst = grant_region(grant.ptr, grant.len);
+                    let mut offset = 0u64;
+                    let copy = sources[i].iter().try_for_each(|src| {
+                        // SAFETY: `dst` is our reservation (exclusive until commit); `src` is
+                        // caller memory borrowed for this call. Lengths add up to grant.len.
+                        unsafe { copy_regions(src, 0, &dst, offset, src.len() as u64)? };
+                        offset += src.len() as u64;
+                        Ok::<(), Error>(())
+                    });
+                    match copy {
+                        Ok(()) => copied[i] = true,
+                        Err(e) => results[i] = Err(e),
+                    }
+                }
+                Err(e) => results[i] = Err(e.clone()),
+            }
+        }
+        for (i, result) in reservations.commit(opts.upsert, |i| copied[i]) {
+            results[i] = result;
+        }
+        results
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Vec<u8>> {
+        let _span = tracing::trace_span!("get").entered();
+        self.validate_key(key)?;
+        let (mut grants, _leases) = self.lease_many(std::iter::once((0, key)));
+        let grant = grants.remove(&0).ok_or(Error::Internal("no grant"))??;
+        let len = grant.len as usize;
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: the lease keeps `len` bytes at grant.ptr valid; `out` has capacity `len` and
+        // they do not overlap; set_len follows a copy of exactly `len` initialised bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(grant.ptr.as_ptr(), out.as_mut_ptr(), len);
+            out.set_len(len);
+        }
+        Ok(out)
+    }
+
+    fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
+        let _span = tracing::trace_span!("get_into").entered();
+        self.validate_key(key)?;
+        check_destination(&dst)?;
+        let (mut grants, _leases) = self.lease_many(std::iter::once((0, key)));
+        let grant = grants.remove(&0).ok_or(Error::Internal("no grant"))??;
+        if (dst.len() as u64) < grant.len {
+            return Err(Error::BufferTooSmall { object_bytes: grant.len, buffer_bytes: dst.len() as u64 });
+        }
+        scatter(&grant, &[dst.slice(0, grant.len)?])?;
+        Ok(grant.len as usize)
+    }
+
+    fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
+        let _span = tracing::trace_span!("batch_get", keys = keys.len()).entered();
+        if keys.len() != dsts.len() {
+            let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
+            return vec![Err(e); keys.len()];
+        }
+        let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+            let checked = self.validate_key(key).and_then(|()| regions.iter().try_for_each(check_destination));
+            match checked.and_then(|()| total_len(regions)) {
+                Ok(_) => valid.push((i, *key)),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let (grants, _leases) = self.lease_many(valid.into_iter());
+        for (i, grant) in grants {
+            results[i] = grant.and_then(|grant| {
+                let dst_bytes = total_len(&dsts[i])?;
+                if dst_bytes != grant.len {
+                    return Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: dst_bytes });
+                }
+                scatter(&grant, &dsts[i]).map(|()| grant.len as usize)
+            });
+        }
+        results
+    }
+
+    fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
+        let _span = tracing::trace_span!("get_into_ranges", buffers = buffers.len()).entered();
+        let mut results: Vec<Vec<Result<usize>>> =
+            fragments.iter().map(|f| (0..f.len()).map(|_| pending()).collect()).collect();
+        // Unique keys of the valid fragments, leased once each.
+        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut todo = Vec::new();
+        for (b, frags) in fragments.iter().enumerate() {
+            for (f, frag) in frags.iter().enumerate() {
+                let checked = buffers
+                    .get(b)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
+                    })
+                    .and_then(|buffer| {
+                        check_destination(buffer)?;
+                        buffer.check_range(frag.dst_offset, frag.len)?;
+                        self.validate_key(&frag.key)
+                    });
+                match checked {
+                    Ok(()) => {
+                        let k = *key_index.entry(frag.key.as_slice()).or_insert_with(|| {
+                            keys.push(frag.key.as_slice());
+                            keys.len() - 1
+                        });
+                        todo.push((b, f, k));
+                    }
+                    Err(e) => results[b][f] = Err(e),
+                }
+            }
+        }
+        let (grants, _leases) = self.lease_many(keys.iter().copied().enumerate());
+        for (b, f, k) in todo {
+            let frag = &fragments[b][f];
+            results[b][f] = match grants.get(&k) {
+                Some(Ok(grant)) => {
+                    let src = grant_region(grant.ptr, grant.len);
+                    let copy = || -> Result<usize> {
+                        kvtide_transport::region::check_range("object", frag.src_offset, frag.len, grant.len)?;
+                        // SAFETY: the object is leased for this call; the destination range was
+                        // checked against its buffer, which the caller lends for the call.
+                        unsafe { copy_regions(&src, frag.src_offset, &buffers[b], frag.dst_offset, frag.len)? };
+                        Ok(frag.len as usize)
+                    };
+                    copy()
+                }
+                Some(Err(e)) => Err(e.clone()),
+                None => Err(Error::Internal("fragment key was not leased")),
+            };
+        }
+        results
+    }
+
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        self.batch_exists(&[key]).pop().unwrap_or(Err(Error::Internal("no result")))
+    }
+
+    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
+        let _span = tracing::trace_span!("batch_exists", keys = keys.len()).entered();
+        let mut results: Vec<Result<bool>> = vec![Ok(false); keys.len()];
+        let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards.len()];
+        for (i, key) in keys.iter().enumerate() {
+            match self.validate_key(key) {
+                Ok(()) => per_shard[self.shard_of(key)].push(i),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let pending: Vec<_> = per_shard
+            .iter()
+            .enumerate()
+            .filter(|(_, idx)| !idx.is_empty())
+            .map(|(shard, idx)| {
+                let owned = idx.iter().map(|&i| Box::<[u8]>::from(keys[i])).collect();
+                (shard, self.send_with_reply(shard, |reply| Request::Exists { keys: owned, reply }))
+            })
+            .collect();
+        for (shard, rx) in pending {
+            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+                Ok(found) => per_shard[shard].iter().zip(found).for_each(|(&i, f)| results[i] = Ok(f)),
+                Err(e) => per_shard[shard].iter().for_each(|&i| results[i] = Err(e.clone())),
+            }
+        }
+        results
+    }
+
+    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize> {
+        let mut hits = 0;
+        for found in self.batch_exists(keys) {
+            if !found? {
+                break;
+            }
+            hits += 1;
+        }
+        Ok(hits)
+    }
+
+    fn remove(&self, key: &[u8], force: bool) -> Result<()> {
+        self.validate_key(key)?;
+        self.call(self.shard_of(key), |reply| Request::Remove { key: key.into(), force, reply })?
+    }
+
+    fn pin(&self, key: &[u8]) -> Result<()> {
+        self.validate_key(key)?;
+        self.call(self.shard_of(key), |reply| Request::Pin { key: key.into(), reply })?
+    }
+
+    fn unpin(&self, key: &[u8]) -> Result<()> {
+        self.validate_key(key)?;
+        self.call(self.shard_of(key), |reply| Request::Unpin { key: key.into(), reply })?
+    }
+
+    fn stats(&self) -> Stats {
+        let mut stats = Stats::from_shards(self.shards.iter().map(|s| s.counters.snapshot()).collect());
+        stats.arena_backing = match self.arena.backing() {
+            PageBacking::HugeTlb => "hugetlb".into(),
+            PageBacking::TransparentHugeAdvised => "thp-advised".into(),
+        };
+        stats.arena_registered_with = self.arena.registered_with().into_iter().map(String::from).collect();
+        stats.tickets_in_flight = self.tickets_in_flight.load(Ordering::Relaxed);
+        stats
+    }
+
+    fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>> {
+        if keys.len() != dsts.len() {
+            return Err(Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len())));
+        }
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        let limit = self.config.max_tickets_in_flight;
+        if self.tickets_in_flight.load(Ordering::Relaxed) >= limit as u64 {
+            return Err(Error::Busy { limit });
+        }
+        let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
+        let mut per_shard: Vec<Vec<crate::shard::task::BatchGetItem>> =
+            (0..self.shards.len()).map(|_| Vec::new()).collect();
+        for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+            let checked = self
+                .validate_key(key)
+                .and_then(|()| regions.iter().try_for_each(check_destination))
+                .and_then(|()| total_len(&regions));
+            match checked {
+                Ok(_) => per_shard[self.shard_of(key)].push(crate::shard::task::BatchGetItem {
+                    result_index: i,
+                    key: (*key).into(),
+                    dsts: regions,
+                }),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let parts = per_shard.iter().filter(|items| !items.is_empty()).count();
+        let (ticket, cell, cancel) = Ticket::new();
+        let collector = BatchCollector::new(results, parts, cell, Arc::clone(&self.tickets_in_flight));
+        for (shard, items) in per_shard.into_iter().enumerate().filter(|(_, items)| !items.is_empty()) {
+            let indices: Vec<usize> = items.iter().map(|item| item.result_index).collect();
+            let task = crate::shard::task::BatchGetTask::new(items, Arc::clone(&cancel), Arc::clone(&collector));
+            if self.send(shard, Request::Task(Box::new(task))).is_err() {
+                collector.complete_part(indices.into_iter().map(|i| (i, Err(Error::ShuttingDown))).collect());
+            }
+        }
+        Ok(ticket)
+    }
+}

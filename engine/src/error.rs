@@ -1,0 +1,71 @@
+//! Typed errors. One enum for per-key results (what users match on) and one for opening a store.
+
+use kvtide_transport::{RegionError, TransportError};
+
+/// A per-key or per-call failure.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("key not found")]
+    NotFound,
+    #[error("key already exists (use PutOptions::upsert to replace it)")]
+    AlreadyExists,
+    #[error("no space: every evictable byte is gone and the rest is leased, pinned or being written")]
+    NoSpace,
+    #[error("{what} is {len} bytes, the limit is {max}")]
+    TooLarge { what: &'static str, len: u64, max: u64 },
+    #[error("keys must not be empty")]
+    EmptyKey,
+    #[error("invalid range: {0}")]
+    InvalidRange(#[from] RegionError),
+    #[error("destination sizes add up to {destination_bytes} bytes but the object is {object_bytes} bytes")]
+    SizeMismatch { object_bytes: u64, destination_bytes: u64 },
+    #[error("destination is {buffer_bytes} bytes but the object is {object_bytes} bytes")]
+    BufferTooSmall { object_bytes: u64, buffer_bytes: u64 },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("the explicit lease passed its TTL; its bytes may have been reused")]
+    LeaseExpired,
+    #[error("object is leased by an in-flight read (pass force to remove it anyway)")]
+    Leased,
+    #[error("object is pinned (unpin it, or pass force to remove it anyway)")]
+    Pinned,
+    #[error("object is not pinned")]
+    NotPinned,
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(&'static str),
+    #[error("too many requests in flight (limit {limit}); wait for some tickets to complete")]
+    Busy { limit: usize },
+    #[error("the request was cancelled")]
+    Cancelled,
+    #[error("the store is shutting down")]
+    ShuttingDown,
+    #[error("the engine broke an internal invariant: {0}")]
+    Internal(&'static str),
+}
+
+impl From<TransportError> for Error {
+    fn from(e: TransportError) -> Self {
+        match e {
+            TransportError::CudaUnavailable(why) => Error::CudaUnavailable(why),
+            TransportError::Region(r) => Error::InvalidRange(r),
+        }
+    }
+}
+
+/// Result of one key or one call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a store could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("could not read config file {path}: {source}")]
+    ConfigFile { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Arena(#[from] kvtide_tiers::dram::ArenaError),
+    #[error(transparent)]
+    Alloc(#[from] kvtide_tiers::dram::AllocError),
+    #[error("could not start shard {shard}: {source}")]
+    Shard { shard: usize, source: std::io::Error },
+}

@@ -1,0 +1,32 @@
+//! kvtide: a storage engine for LLM KV cache.
+//!
+//! Inference workers save KV blocks into it and load them back (into host buffers now, GPU
+//! pages with the CUDA transport) when a prompt prefix is reused. Shard-per-core executors each
+//! own an io_uring ring, a slice of one DRAM arena and their part of the index; callers batch
+//! one message per shard and copy bytes themselves under leases the shards grant.
+//!
+//! ```no_run
+//! use kvtide::{PutOptions, Region, Store, StoreBuilder};
+//! let store = StoreBuilder::new().dram_bytes(256 << 20).open()?;
+//! store.put(b"layer0/block7", &[1u8; 4096], PutOptions::INSERT)?;
+//! let mut page = vec![0u8; 4096];
+//! store.get_into(b"layer0/block7", Region::host(&mut page))?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod api;
+mod config;
+mod engine;
+mod error;
+pub mod shard;
+mod stats;
+mod ticket;
+
+pub use api::{Fragment, PutOptions, Store};
+pub use config::{parse_bytes, StoreBuilder};
+pub use engine::{Engine, ObjectLease};
+pub use error::{Error, OpenError, Result};
+pub use kvtide_tiers::eviction::EvictionPolicy;
+pub use kvtide_transport::{MemoryKind, Region, RegionError};
+pub use stats::{HeldResources, ShardStats, Stats};
+pub use ticket::Ticket;

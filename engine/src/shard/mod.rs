@@ -1,0 +1,78 @@
+//! Shards: one pinned thread per core, each owning an io_uring ring, an arena slice and its part
+//! of the index. This module owns the messages callers send and the inbox they go through; it
+//! never lets a caller touch a shard's state except by a message.
+
+pub mod core;
+pub(crate) mod inbox;
+mod ring;
+mod runtime;
+pub(crate) mod task;
+
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+
+pub use self::core::{LeaseId, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant};
+pub(crate) use inbox::Inbox;
+pub(crate) use runtime::{allowed_cpus, spawn_shard, RuntimeConfig, ShardThread};
+
+/// CPUs this process may run on (the default shard count).
+pub(crate) fn allowed_cpu_count() -> usize {
+    allowed_cpus().len().max(1)
+}
+pub(crate) use task::ShardTask;
+
+use crate::error::Result;
+
+/// A request to one shard. Batched: one message per shard per call phase, not per key.
+pub(crate) enum Request {
+    /// Lease each key for reading; `ttl` makes them explicit leases with a backstop deadline.
+    LeaseRead {
+        keys: Vec<Box<[u8]>>,
+        ttl: Option<Duration>,
+        reply: Sender<Vec<Result<ReadGrant>>>,
+    },
+    /// Give leases back (fire and forget; duplicates are harmless).
+    Release {
+        leases: Vec<LeaseId>,
+    },
+    /// Allocate room for new objects (not visible until committed).
+    Reserve {
+        items: Vec<(Box<[u8]>, u64)>,
+        upsert: bool,
+        reply: Sender<Vec<Result<WriteGrant>>>,
+    },
+    /// Publish reserved objects.
+    Commit {
+        objects: Vec<ObjectRef>,
+        upsert: bool,
+        reply: Sender<Vec<Result<()>>>,
+    },
+    /// Drop reservations whose writer failed (fire and forget).
+    Abort {
+        objects: Vec<ObjectRef>,
+    },
+    Exists {
+        keys: Vec<Box<[u8]>>,
+        reply: Sender<Vec<bool>>,
+    },
+    Remove {
+        key: Box<[u8]>,
+        force: bool,
+        reply: Sender<Result<()>>,
+    },
+    Pin {
+        key: Box<[u8]>,
+        reply: Sender<Result<()>>,
+    },
+    Unpin {
+        key: Box<[u8]>,
+        reply: Sender<Result<()>>,
+    },
+    /// Work the shard advances between other work (async copies now; SSD, sockets, CUDA later).
+    Task(Box<dyn ShardTask>),
+    /// Replies once everything sent before it from the same thread has been handled.
+    Barrier {
+        reply: Sender<()>,
+    },
+}

@@ -1,0 +1,175 @@
+//! A shard's io_uring ring and its table of in-flight operations.
+//!
+//! Every SQE's `user_data` is a key into `ops`; the entry owns whatever memory the kernel may
+//! write until the CQE arrives (the eventfd read buffer, the timeout's timespec, later SSD
+//! buffers and socket state), so nothing the kernel can touch is freed early. The ring never
+//! decides what an operation means: `reap` hands each completion back to the loop.
+
+use std::time::Duration;
+
+use io_uring::{opcode, types, IoUring};
+use slab::Slab;
+
+/// `user_data` of cancellation requests, whose own completions carry nothing.
+const CANCEL_TAG: u64 = u64::MAX;
+
+/// io_uring caps one registered buffer at 1 GiB.
+const FIXED_BUFFER_MAX_BYTES: usize = 1 << 30;
+
+/// An operation the kernel holds. Its fields live until the completion arrives.
+// The boxed fields are never read by us: they exist so the kernel has somewhere to write.
+#[allow(dead_code)]
+pub(crate) enum RingOp {
+    /// An 8-byte read of the inbox eventfd: completes when a sender wakes the shard.
+    Wake { buf: Box<u64> },
+    /// A wake-up at the next timer deadline.
+    Timer { spec: Box<types::Timespec> },
+}
+
+/// What a completion was for.
+pub(crate) enum Completion {
+    Wake,
+    Timer,
+}
+
+pub(crate) struct Ring {
+    ring: IoUring,
+    ops: Slab<RingOp>,
+    wake_armed: bool,
+    timer_armed: bool,
+}
+
+impl Ring {
+    pub(crate) fn new(entries: u32) -> std::io::Result<Ring> {
+        Ok(Ring { ring: IoUring::new(entries)?, ops: Slab::new(), wake_armed: false, timer_armed: false })
+    }
+
+    /// Registers `pieces` (address, length) of the shard's arena slice as fixed buffers, so SSD
+    /// I/O can use ReadFixed/WriteFixed into it. The caller keeps the memory mapped for as long
+    /// as the ring lives.
+    pub(crate) fn register_fixed_buffers(&mut self, pieces: &[(usize, usize)]) -> std::io::Result<()> {
+        let iovecs: Vec<libc::iovec> = pieces
+            .iter()
+            .map(|&(addr, len)| {
+                debug_assert!(len <= FIXED_BUFFER_MAX_BYTES);
+                libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }
+            })
+            .collect();
+        // SAFETY: every iovec describes memory of the arena slice, which the shard keeps mapped
+        // longer than the ring (the ring is dropped first); the kernel pins those pages.
+        unsafe { self.ring.submitter().register_buffers(&iovecs) }
+    }
+
+    pub(crate) fn fixed_buffer_piece_bytes() -> usize {
+        FIXED_BUFFER_MAX_BYTES
+    }
+
+    /// Makes sure an eventfd read is outstanding, so a sender's write completes a CQE.
+    pub(crate) fn arm_wake(&mut self, eventfd: i32) -> std::io::Result<()> {
+        if self.wake_armed {
+            return Ok(());
+        }
+        let mut buf = Box::new(0u64);
+        let ptr: *mut u64 = &mut *buf;
+        let key = self.ops.insert(RingOp::Wake { buf });
+        let sqe = opcode::Read::new(types::Fd(eventfd), ptr.cast(), 8).build().user_data(key as u64);
+        // SAFETY: the buffer lives in `ops[key]` until its completion is reaped, and the eventfd
+        // stays open for the shard's lifetime.
+        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            self.ops.remove(key);
+            return Err(std::io::Error::other("submission queue full"));
+        }
+        self.wake_armed = true;
+        Ok(())
+    }
+
+    /// Makes sure a timeout fires within `after` (only one is kept; an early one is harmless).
+    pub(crate) fn arm_timer(&mut self, after: Duration) -> std::io::Result<()> {
+        if self.timer_armed {
+            return Ok(());
+        }
+        let spec = Box::new(types::Timespec::from(after));
+        let ptr: *const types::Timespec = &*spec;
+        let key = self.ops.insert(RingOp::Timer { spec });
+        let sqe = opcode::Timeout::new(ptr).build().user_data(key as u64);
+        // SAFETY: the timespec lives in `ops[key]` until the timeout's completion is reaped.
+        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            self.ops.remove(key);
+            return Err(std::io::Error::other("submission queue full"));
+        }
+        self.timer_armed = true;
+        Ok(())
+    }
+
+    /// Submits pending SQEs and blocks until at least one completion.
+    pub(crate) fn submit_and_wait(&mut self) -> std::io::Result<()> {
+        match self.ring.submit_and_wait(1) {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Submits pending SQEs without waiting.
+    pub(crate) fn submit(&mut self) -> std::io::Result<()> {
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes every available completion, frees its op entry and reports what it was.
+    pub(crate) fn reap(&mut self, mut on_completion: impl FnMut(Completion, i32)) -> usize {
+        let mut reaped = 0;
+        let cq: Vec<(u64, i32)> = self.ring.completion().map(|cqe| (cqe.user_data(), cqe.result())).collect();
+        for (user_data, result) in cq {
+            if user_data == CANCEL_TAG {
+                continue;
+            }
+            let Some(op) = self.ops.try_remove(user_data as usize) else {
+                tracing::warn!(user_data, "completion for an unknown operation");
+                continue;
+            };
+            reaped += 1;
+            match op {
+                RingOp::Wake { .. } => {
+                    self.wake_armed = false;
+                    on_completion(Completion::Wake, result);
+                }
+                RingOp::Timer { .. } => {
+                    self.timer_armed = false;
+                    on_completion(Completion::Timer, result);
+                }
+            }
+        }
+        reaped
+    }
+
+    /// Cancels every outstanding operation and waits for the kernel to let go of their memory.
+    /// Called at shutdown, before the ring is dropped.
+    pub(crate) fn drain(&mut self) {
+        let keys: Vec<u64> = self.ops.iter().map(|(key, _)| key as u64).collect();
+        for key in keys {
+            let sqe = opcode::AsyncCancel::new(key).build().user_data(CANCEL_TAG);
+            // SAFETY: a cancel SQE carries no pointers.
+            if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+                break;
+            }
+        }
+        for _ in 0..1000 {
+            if self.ops.is_empty() {
+                return;
+            }
+            if self.submit_and_wait().is_err() {
+                break;
+            }
+            self.reap(|_, _| {});
+        }
+        // The kernel would not give them back: leak the buffers rather than free memory it may
+        // still write (a few bytes per shard, only on a broken kernel).
+        let stuck = std::mem::take(&mut self.ops);
+        tracing::error!(ops = stuck.len(), "io_uring operations did not drain at shutdown");
+        std::mem::forget(stuck);
+    }
+}

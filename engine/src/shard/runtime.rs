@@ -1,0 +1,290 @@
+//! The shard loop: one pinned thread that drains its inbox, advances its tasks, evicts towards
+//! the low watermark, reaps io_uring completions and fires timers, then spins briefly and parks
+//! in `submit_and_wait` with an eventfd read outstanding. It never blocks while it has work.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvtide_tiers::dram::ArenaSlice;
+
+use super::core::ShardCore;
+use super::inbox::Inbox;
+use super::ring::{Completion, Ring};
+use super::{Request, ShardTask};
+use crate::stats::ShardCounters;
+
+/// Requests handled per loop turn before the loop looks at its other work.
+const INBOX_BATCH: usize = 256;
+/// Bytes of task copying per loop turn, so a large async read cannot starve the inbox.
+const TASK_BUDGET_BYTES: u64 = 1 << 20;
+/// Objects evicted per loop turn when above the high watermark.
+const EVICTIONS_PER_TURN: usize = 64;
+
+/// How a shard thread runs (derived from the builder).
+#[derive(Clone, Debug)]
+pub(crate) struct RuntimeConfig {
+    pub(crate) ring_entries: u32,
+    pub(crate) idle_spin: Duration,
+    pub(crate) pin_to_cpu: Option<usize>,
+    pub(crate) register_fixed_buffers: bool,
+}
+
+/// The engine's handle on a running shard.
+pub(crate) struct ShardThread {
+    pub(crate) inbox: Arc<Inbox>,
+    pub(crate) counters: Arc<ShardCounters>,
+    pub(crate) join: Option<JoinHandle<()>>,
+}
+
+struct ShardLoop {
+    index: usize,
+    // Dropped first: the ring unregisters the fixed buffers before the slice (in `core`) can go.
+    ring: Ring,
+    core: ShardCore,
+    inbox: Arc<Inbox>,
+    tasks: Vec<Box<dyn ShardTask>>,
+    config: RuntimeConfig,
+}
+
+/// Starts a shard thread. Its ring is created on the thread so it is owned there from birth.
+pub(crate) fn spawn_shard(
+    index: usize,
+    core: ShardCore,
+    slice: ArenaSlice,
+    config: RuntimeConfig,
+) -> std::io::Result<ShardThread> {
+    let inbox = Arc::new(Inbox::new()?);
+    let counters = Arc::clone(core.counters());
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<std::io::Result<()>>(1);
+    let thread_inbox = Arc::clone(&inbox);
+    let join = std::thread::Builder::new().name(format!("kvtide-shard-{index}")).spawn(move || {
+        if let Some(cpu) = config.pin_to_cpu {
+            pin_current_thread(cpu);
+        }
+        let mut ring = match Ring::new(config.ring_entries) {
+            Ok(ring) => ring,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        if config.register_fixed_buffers {
+            let pieces: Vec<(usize, usize)> = slice
+                .pieces(Ring::fixed_buffer_piece_bytes())
+                .into_iter()
+                .map(|(offset, len)| (slice.base().as_ptr() as usize + offset as usize, len))
+                .collect();
+            match ring.register_fixed_buffers(&pieces) {
+                Ok(()) => core.counters().fixed_buffers_registered.store(true, Relaxed),
+                Err(e) => tracing::warn!(
+                    shard = index,
+                    error = %e,
+                    "io_uring refused to register the arena slice as fixed buffers (raise RLIMIT_MEMLOCK, \
+                     e.g. `ulimit -l unlimited`); SSD I/O will use plain reads and writes"
+                ),
+            }
+        }
+        let _ = ready_tx.send(Ok(()));
+        let mut shard = ShardLoop { index, ring, core, inbox: thread_inbox, tasks: Vec::new(), config };
+        shard.run();
+    })?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(ShardThread { inbox, counters, join: Some(join) }),
+        Ok(Err(e)) => {
+            let _ = join.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = join.join();
+            Err(std::io::Error::other("shard thread exited during start-up"))
+        }
+    }
+}
+
+impl ShardLoop {
+    fn run(&mut self) {
+        let span = tracing::debug_span!("shard", shard = self.index);
+        let _enter = span.enter();
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            let mut worked = self.drain_inbox();
+            worked |= self.advance_tasks();
+            if self.core.above_high_watermark() {
+                let before = self.core.used_bytes();
+                self.core.evict_to_low_watermark(EVICTIONS_PER_TURN);
+                worked |= self.core.used_bytes() != before;
+            }
+            let now = Instant::now();
+            if self.core.next_lease_deadline().is_some_and(|d| d <= now) {
+                self.core.expire_leases(now);
+                worked = true;
+            }
+            self.reap();
+            if self.inbox.quiesced() && self.inbox_is_drained() && self.tasks.is_empty() {
+                break;
+            }
+            if worked {
+                idle_since = None;
+                continue;
+            }
+            let idle_start = *idle_since.get_or_insert(now);
+            if now.duration_since(idle_start) < self.config.idle_spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.park(now);
+            idle_since = None;
+        }
+        self.ring.drain();
+    }
+
+    /// Blocks until a sender wakes us, a completion arrives or the next timer is due.
+    fn park(&mut self, now: Instant) {
+        if let Err(e) = self.ring.arm_wake(self.inbox.eventfd()) {
+            tracing::error!(error = %e, "could not arm the wake-up read; spinning instead");
+            return;
+        }
+        if let Some(deadline) = self.core.next_lease_deadline() {
+            let after = deadline.saturating_duration_since(now).max(Duration::from_micros(100));
+            if let Err(e) = self.ring.arm_timer(after) {
+                tracing::error!(error = %e, "could not arm the timer; spinning instead");
+                return;
+            }
+        }
+        if !self.inbox.prepare_park() {
+            // Work arrived between the last drain and now; the armed ops stay for next time.
+            let _ = self.ring.submit();
+            return;
+        }
+        self.core.counters().parks.fetch_add(1, Relaxed);
+        let waited = self.ring.submit_and_wait();
+        self.inbox.unpark();
+        if let Err(e) = waited {
+            tracing::error!(error = %e, "io_uring wait failed");
+        }
+    }
+
+    fn reap(&mut self) {
+        let counters = Arc::clone(self.core.counters());
+        self.ring.reap(|completion, result| match completion {
+            Completion::Wake => {
+                counters.wakeups.fetch_add(1, Relaxed);
+                if result < 0 && result != -libc::EAGAIN {
+                    tracing::warn!(result, "eventfd read failed");
+                }
+            }
+            // The loop checks timers itself; a timeout only ends a park.
+            Completion::Timer => {}
+        });
+    }
+
+    fn inbox_is_drained(&mut self) -> bool {
+        // After close, handle what is left rather than dropping it.
+        match self.inbox.pop() {
+            Some(request) => {
+                self.handle(request);
+                false
+            }
+            None => true,
+        }
+    }
+
+    fn drain_inbox(&mut self) -> bool {
+        let mut handled = 0;
+        while handled < INBOX_BATCH {
+            let Some(request) = self.inbox.pop() else { break };
+            self.handle(request);
+            handled += 1;
+        }
+        if handled > 0 {
+            self.core.counters().requests.fetch_add(handled as u64, Relaxed);
+        }
+        handled > 0
+    }
+
+    fn advance_tasks(&mut self) -> bool {
+        if self.tasks.is_empty() {
+            return false;
+        }
+        let mut budget = TASK_BUDGET_BYTES;
+        let core = &mut self.core;
+        self.tasks.retain_mut(|task| {
+            let finished = task.poll(core, &mut budget);
+            if finished {
+                core.counters().tasks_in_flight.fetch_sub(1, Relaxed);
+            }
+            !finished
+        });
+        true
+    }
+
+    fn handle(&mut self, request: Request) {
+        let core = &mut self.core;
+        // A reply whose caller gave up is simply dropped; the caller's guard cleans up.
+        match request {
+            Request::LeaseRead { keys, ttl, reply } => {
+                let deadline = ttl.map(|ttl| Instant::now() + ttl);
+                let grants = keys.iter().map(|key| core.lease_read(key, deadline)).collect();
+                let _ = reply.send(grants);
+            }
+            Request::Release { leases } => leases.into_iter().for_each(|lease| core.release(lease)),
+            Request::Reserve { items, upsert, reply } => {
+                let grants = items.iter().map(|(key, len)| core.reserve(key, *len, upsert)).collect();
+                let _ = reply.send(grants);
+            }
+            Request::Commit { objects, upsert, reply } => {
+                let results = objects.into_iter().map(|object| core.commit(object, upsert)).collect();
+                let _ = reply.send(results);
+            }
+            Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
+            Request::Exists { keys, reply } => {
+                let found = keys.iter().map(|key| core.exists(key)).collect();
+                let _ = reply.send(found);
+            }
+            Request::Remove { key, force, reply } => {
+                let _ = reply.send(core.remove(&key, force));
+            }
+            Request::Pin { key, reply } => {
+                let _ = reply.send(core.pin(&key));
+            }
+            Request::Unpin { key, reply } => {
+                let _ = reply.send(core.unpin(&key));
+            }
+            Request::Task(mut task) => {
+                core.counters().tasks_in_flight.fetch_add(1, Relaxed);
+                task.start(core);
+                self.tasks.push(task);
+            }
+            Request::Barrier { reply } => {
+                let _ = reply.send(());
+            }
+        }
+    }
+}
+
+fn pin_current_thread(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; CPU_ZERO/CPU_SET write inside it; sched_setaffinity reads
+    // it. A refusal (e.g. a cgroup without that CPU) only costs locality, so it is logged.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_ZERO(&mut set);
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            tracing::warn!(cpu, error = %std::io::Error::last_os_error(), "could not pin shard thread");
+        }
+    }
+}
+
+/// CPUs this process may run on, in order.
+pub(crate) fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: as in pin_current_thread; sched_getaffinity fills the zeroed set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&cpu| libc::CPU_ISSET(cpu, &set)).collect()
+    }
+}

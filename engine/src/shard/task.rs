@@ -1,0 +1,142 @@
+//! Work a shard advances a bounded slice at a time between other work.
+//!
+//! Owns the async batch read: the shard leases the objects, copies them into the caller's
+//! destinations in bounded slices so no single request stalls the loop, honours cancellation
+//! between slices and releases every lease it took, whatever happened.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use kvtide_transport::Region;
+
+use super::core::{ReadGrant, ShardCore};
+use crate::error::{Error, Result};
+use crate::ticket::BatchCollector;
+
+/// Something the shard loop drives until it is finished.
+pub(crate) trait ShardTask: Send {
+    /// Called once, on the shard, when the task arrives.
+    fn start(&mut self, core: &mut ShardCore);
+    /// Advances, spending at most `budget_bytes` of copying. Returns true when finished (the
+    /// task has then reported its results and released what it held).
+    fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> bool;
+}
+
+/// One key of an async batch read.
+pub(crate) struct BatchGetItem {
+    pub(crate) result_index: usize,
+    pub(crate) key: Box<[u8]>,
+    pub(crate) dsts: Vec<Region<'static>>,
+}
+
+struct ItemState {
+    item: BatchGetItem,
+    grant: Option<ReadGrant>,
+    copied_bytes: u64,
+    result: Option<Result<usize>>,
+}
+
+/// Async `batch_get_into_multi_buffers` for the keys of one shard.
+pub(crate) struct BatchGetTask {
+    items: Vec<ItemState>,
+    cursor: usize,
+    cancel: Arc<AtomicBool>,
+    collector: Arc<BatchCollector>,
+}
+
+impl BatchGetTask {
+    pub(crate) fn new(items: Vec<BatchGetItem>, cancel: Arc<AtomicBool>, collector: Arc<BatchCollector>) -> Self {
+        let items =
+            items.into_iter().map(|item| ItemState { item, grant: None, copied_bytes: 0, result: None }).collect();
+        BatchGetTask { items, cursor: 0, cancel, collector }
+    }
+
+    fn finish(&mut self, core: &mut ShardCore) {
+        let mut part = Vec::with_capacity(self.items.len());
+        for state in &mut self.items {
+            if let Some(grant) = state.grant.take() {
+                core.release(grant.lease);
+            }
+            let result = state.result.take().unwrap_or(Err(Error::Cancelled));
+            part.push((state.item.result_index, result));
+        }
+        self.collector.complete_part(part);
+    }
+}
+
+impl ShardTask for BatchGetTask {
+    fn start(&mut self, core: &mut ShardCore) {
+        for state in &mut self.items {
+            match core.lease_read(&state.item.key, None) {
+                Ok(grant) => {
+                    let dst_bytes = state.item.dsts.iter().map(|d| d.len() as u64).sum::<u64>();
+                    if dst_bytes != grant.len {
+                        core.release(grant.lease);
+                        state.result =
+                            Some(Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: dst_bytes }));
+                    } else {
+                        state.grant = Some(grant);
+                    }
+                }
+                Err(e) => state.result = Some(Err(e)),
+            }
+        }
+    }
+
+    fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> bool {
+        while self.cursor < self.items.len() {
+            if self.cancel.load(Ordering::Acquire) {
+                // Everything not yet delivered (including a half-copied key) stays an error.
+                self.finish(core);
+                return true;
+            }
+            let state = &mut self.items[self.cursor];
+            let Some(grant) = state.grant else {
+                self.cursor += 1;
+                continue;
+            };
+            if *budget_bytes == 0 {
+                return false;
+            }
+            // Copy the next piece: walk the destinations to the one holding `copied_bytes`.
+            let mut dst_start = 0u64;
+            for dst in &state.item.dsts {
+                let dst_len = dst.len() as u64;
+                if state.copied_bytes < dst_start + dst_len && *budget_bytes > 0 {
+                    let within = state.copied_bytes - dst_start;
+                    let n = (dst_len - within).min(*budget_bytes);
+                    // SAFETY: the lease keeps `grant.ptr[..grant.len]` in place; copied_bytes + n
+                    // <= grant.len because the destinations add up to grant.len (checked at start)
+                    // and the destination region is 'static memory the submitter handed over.
+                    let copied = unsafe {
+                        let src = Region::from_raw(
+                            grant.ptr.as_ptr() as u64,
+                            grant.len as usize,
+                            kvtide_transport::MemoryKind::Host,
+                        );
+                        kvtide_transport::copy_regions(&src, state.copied_bytes, dst, within, n)
+                    };
+                    if let Err(e) = copied {
+                        state.result = Some(Err(e.into()));
+                        core.release(grant.lease);
+                        state.grant = None;
+                        break;
+                    }
+                    state.copied_bytes += n;
+                    *budget_bytes -= n;
+                }
+                dst_start += dst_len;
+            }
+            if state.grant.is_some() && state.copied_bytes == grant.len {
+                core.release(grant.lease);
+                state.grant = None;
+                state.result = Some(Ok(grant.len as usize));
+            }
+            if state.grant.is_none() {
+                self.cursor += 1;
+            }
+        }
+        self.finish(core);
+        true
+    }
+}

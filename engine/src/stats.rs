@@ -1,0 +1,163 @@
+//! Counters: each shard publishes relaxed atomics that only it writes; `stats()` sums them
+//! without messaging the shards, so reading stats never waits behind work.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// One shard's counters. Gauges (`*_held`, `bytes_used`, `objects`, ...) go up and down;
+/// the rest only grow.
+#[derive(Debug, Default)]
+pub struct ShardCounters {
+    pub capacity_bytes: AtomicU64,
+    pub bytes_used: AtomicU64,
+    pub objects: AtomicU64,
+    pub pinned_objects: AtomicU64,
+    pub retired_objects: AtomicU64,
+    pub leases_held: AtomicU64,
+    pub writes_in_flight: AtomicU64,
+    pub tasks_in_flight: AtomicU64,
+    pub puts: AtomicU64,
+    pub removes: AtomicU64,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub evictions: AtomicU64,
+    pub no_space: AtomicU64,
+    pub leases_expired: AtomicU64,
+    pub stale_releases: AtomicU64,
+    pub requests: AtomicU64,
+    pub wakeups: AtomicU64,
+    pub parks: AtomicU64,
+    pub fixed_buffers_registered: AtomicBool,
+}
+
+/// A snapshot of one shard.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardStats {
+    pub capacity_bytes: u64,
+    pub bytes_used: u64,
+    pub objects: u64,
+    pub pinned_objects: u64,
+    pub retired_objects: u64,
+    pub leases_held: u64,
+    pub writes_in_flight: u64,
+    pub tasks_in_flight: u64,
+    pub puts: u64,
+    pub removes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    pub evictions: u64,
+    pub no_space: u64,
+    pub leases_expired: u64,
+    pub stale_releases: u64,
+    pub requests: u64,
+    pub wakeups: u64,
+    pub parks: u64,
+    pub fixed_buffers_registered: bool,
+}
+
+impl ShardCounters {
+    /// Reads every counter (each one atomically; the set is not a single instant).
+    pub fn snapshot(&self) -> ShardStats {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ShardStats {
+            capacity_bytes: r(&self.capacity_bytes),
+            bytes_used: r(&self.bytes_used),
+            objects: r(&self.objects),
+            pinned_objects: r(&self.pinned_objects),
+            retired_objects: r(&self.retired_objects),
+            leases_held: r(&self.leases_held),
+            writes_in_flight: r(&self.writes_in_flight),
+            tasks_in_flight: r(&self.tasks_in_flight),
+            puts: r(&self.puts),
+            removes: r(&self.removes),
+            hits: r(&self.hits),
+            misses: r(&self.misses),
+            bytes_written: r(&self.bytes_written),
+            bytes_read: r(&self.bytes_read),
+            evictions: r(&self.evictions),
+            no_space: r(&self.no_space),
+            leases_expired: r(&self.leases_expired),
+            stale_releases: r(&self.stale_releases),
+            requests: r(&self.requests),
+            wakeups: r(&self.wakeups),
+            parks: r(&self.parks),
+            fixed_buffers_registered: self.fixed_buffers_registered.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What `Store::stats` returns: totals plus every shard.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub total: ShardStats,
+    pub shards: Vec<ShardStats>,
+    /// Page backing of the DRAM arena ("hugetlb" or "thp-advised"); empty for remote stores.
+    pub arena_backing: String,
+    /// Transports the arena is registered with ("io_uring" per shard ring is in `shards`).
+    pub arena_registered_with: Vec<String>,
+    /// Async tickets not yet completed.
+    pub tickets_in_flight: u64,
+}
+
+impl Stats {
+    /// Sums per-shard snapshots into `total`.
+    pub fn from_shards(shards: Vec<ShardStats>) -> Stats {
+        let mut t = ShardStats { fixed_buffers_registered: !shards.is_empty(), ..ShardStats::default() };
+        for s in &shards {
+            t.capacity_bytes += s.capacity_bytes;
+            t.bytes_used += s.bytes_used;
+            t.objects += s.objects;
+            t.pinned_objects += s.pinned_objects;
+            t.retired_objects += s.retired_objects;
+            t.leases_held += s.leases_held;
+            t.writes_in_flight += s.writes_in_flight;
+            t.tasks_in_flight += s.tasks_in_flight;
+            t.puts += s.puts;
+            t.removes += s.removes;
+            t.hits += s.hits;
+            t.misses += s.misses;
+            t.bytes_written += s.bytes_written;
+            t.bytes_read += s.bytes_read;
+            t.evictions += s.evictions;
+            t.no_space += s.no_space;
+            t.leases_expired += s.leases_expired;
+            t.stale_releases += s.stale_releases;
+            t.requests += s.requests;
+            t.wakeups += s.wakeups;
+            t.parks += s.parks;
+            t.fixed_buffers_registered &= s.fixed_buffers_registered;
+        }
+        Stats { total: t, shards, ..Stats::default() }
+    }
+
+    /// Resources that must be back at zero when no work is running.
+    pub fn held_resources(&self) -> HeldResources {
+        HeldResources {
+            leases: self.total.leases_held,
+            writes_in_flight: self.total.writes_in_flight,
+            tasks_in_flight: self.total.tasks_in_flight,
+            retired_objects: self.total.retired_objects,
+            tickets_in_flight: self.tickets_in_flight,
+        }
+    }
+}
+
+/// Held-resource gauges; all zero when idle. Tests assert on this.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeldResources {
+    pub leases: u64,
+    pub writes_in_flight: u64,
+    pub tasks_in_flight: u64,
+    pub retired_objects: u64,
+    pub tickets_in_flight: u64,
+}
+
+impl HeldResources {
+    /// True when nothing is held.
+    pub fn is_zero(&self) -> bool {
+        *self == HeldResources::default()
+    }
+}

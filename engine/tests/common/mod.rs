@@ -1,0 +1,33 @@
+//! Helpers shared by the integration tests: self-verifying values and a small engine.
+#![allow(dead_code)]
+
+use kvtide::{Engine, Store, StoreBuilder};
+
+/// A store small enough for tests: 2 shards, no CPU pinning, short idle spin.
+pub fn small_store(dram_bytes: u64) -> Engine {
+    StoreBuilder::new().dram_bytes(dram_bytes).shards(2).pin_threads(false).idle_spin_us(20).open().expect("open store")
+}
+
+/// Deterministic bytes for (key, version): any mix-up of keys, versions or offsets shows.
+pub fn value_for(key: &[u8], version: u64, len: usize) -> Vec<u8> {
+    let mut state = xxhash(key) ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ len as u64;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+pub fn xxhash(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Asserts nothing is held once the shards have caught up.
+pub fn assert_idle(store: &Engine) {
+    store.sync_shards().expect("sync");
+    let held = store.stats().held_resources();
+    assert!(held.is_zero(), "resources still held: {held:?}");
+}

@@ -1,0 +1,374 @@
+//! The object API end to end on the embedded engine: every operation, every error path, and
+//! held-resource counters back at zero after success, failure and cancellation.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_idle, small_store, value_for};
+use kvtide::{Error, Fragment, MemoryKind, PutOptions, Region, RegionError, Store, StoreBuilder};
+
+#[test]
+fn put_get_roundtrip_and_insert_only_semantics() {
+    let store = small_store(16 << 20);
+    let v1 = value_for(b"k", 1, 5000);
+    store.put(b"k", &v1, PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"k").expect("get"), v1);
+    assert_eq!(store.put(b"k", &value_for(b"k", 2, 10), PutOptions::INSERT), Err(Error::AlreadyExists));
+    assert_eq!(store.get(b"k").expect("still v1"), v1);
+    let v2 = value_for(b"k", 2, 123);
+    store.put(b"k", &v2, PutOptions::UPSERT).expect("upsert");
+    assert_eq!(store.get(b"k").expect("v2"), v2);
+    store.put(b"empty", &[], PutOptions::INSERT).expect("empty value");
+    assert_eq!(store.get(b"empty").expect("empty"), Vec::<u8>::new());
+    assert_eq!(store.get(b"missing"), Err(Error::NotFound));
+    let stats = store.stats();
+    assert_eq!(stats.total.objects, 2);
+    assert!(stats.total.hits >= 3 && stats.total.misses >= 1, "{stats:?}");
+    assert_idle(&store);
+}
+
+#[test]
+fn put_from_gathers_and_get_into_checks_the_buffer() {
+    let store = small_store(16 << 20);
+    let value = value_for(b"g", 0, 3000);
+    let parts: Vec<Region<'_>> = value.chunks(700).map(Region::host_readonly).collect();
+    store.put_from(b"g", &parts, PutOptions::INSERT).expect("gather");
+    let mut big = vec![0xEEu8; 4000];
+    assert_eq!(store.get_into(b"g", Region::host(&mut big)).expect("get_into"), 3000);
+    assert_eq!(&big[..3000], &value[..]);
+    assert!(big[3000..].iter().all(|&b| b == 0xEE), "bytes past the object untouched");
+    let mut small = vec![0u8; 100];
+    assert_eq!(
+        store.get_into(b"g", Region::host(&mut small)),
+        Err(Error::BufferTooSmall { object_bytes: 3000, buffer_bytes: 100 })
+    );
+    let readonly = [0u8; 4000];
+    assert_eq!(store.get_into(b"g", Region::host_readonly(&readonly)), Err(Error::InvalidRange(RegionError::ReadOnly)));
+    assert_idle(&store);
+}
+
+#[test]
+fn batch_scatter_gives_per_key_results() {
+    let store = small_store(32 << 20);
+    let keys: Vec<Vec<u8>> = (0..20).map(|i| format!("layer/{i}").into_bytes()).collect();
+    for key in &keys {
+        store.put(key, &value_for(key, 0, 4 * 1024), PutOptions::INSERT).expect("put");
+    }
+    // Each object scattered across 4 pages of 1 KiB; key 3 missing, key 5 wrong sizes, key 7 twice.
+    let mut query: Vec<Vec<u8>> = keys.clone();
+    query[3] = b"layer/missing".to_vec();
+    query.push(keys[7].clone());
+    let mut pages = vec![vec![0u8; 1024]; query.len() * 4];
+    let mut wrong = vec![0u8; 1000];
+    let key_refs: Vec<&[u8]> = query.iter().map(|k| k.as_slice()).collect();
+    let mut dsts: Vec<Vec<Region<'_>>> = Vec::new();
+    let mut wrong_slot = Some(&mut wrong);
+    for (i, chunk) in pages.chunks_mut(4).enumerate() {
+        match (i, wrong_slot.take()) {
+            (5, Some(w)) => dsts.push(vec![Region::host(w)]),
+            (_, slot) => {
+                wrong_slot = wrong_slot.or(slot);
+                dsts.push(chunk.iter_mut().map(|p| Region::host(p)).collect());
+            }
+        }
+    }
+    let results = store.batch_get_into_multi_buffers(&key_refs, &dsts);
+    drop(dsts);
+    for (i, result) in results.iter().enumerate() {
+        match i {
+            3 => assert_eq!(result, &Err(Error::NotFound)),
+            5 => assert_eq!(result, &Err(Error::SizeMismatch { object_bytes: 4096, destination_bytes: 1000 })),
+            _ => {
+                assert_eq!(result, &Ok(4096), "key {i}");
+                let got: Vec<u8> = pages[i * 4..i * 4 + 4].concat();
+                assert_eq!(got, value_for(&query[i], 0, 4096), "key {i} bytes");
+            }
+        }
+    }
+    assert!(wrong.iter().all(|&b| b == 0), "a failed key's destination is untouched");
+    // Argument shape errors are per call, not a panic.
+    let r = store.batch_get_into_multi_buffers(&key_refs[..2], &[]);
+    assert!(r.iter().all(|r| matches!(r, Err(Error::InvalidArgument(_)))));
+    assert_idle(&store);
+}
+
+#[test]
+fn ranges_are_checked_against_objects_and_buffers() {
+    let store = small_store(16 << 20);
+    let a = value_for(b"a", 0, 1000);
+    let b = value_for(b"b", 0, 500);
+    store.put(b"a", &a, PutOptions::INSERT).expect("a");
+    store.put(b"b", &b, PutOptions::INSERT).expect("b");
+    let mut buf0 = vec![0u8; 600];
+    let mut buf1 = vec![0u8; 100];
+    let fragments = vec![
+        vec![
+            Fragment::new(b"a".to_vec(), 100, 0, 200),
+            Fragment::new(b"b".to_vec(), 0, 200, 300),
+            Fragment::new(b"a".to_vec(), 990, 500, 20),   // past the object
+            Fragment::new(b"b".to_vec(), 0, 590, 20),     // past the buffer
+            Fragment::new(b"zz".to_vec(), 0, 0, 1),       // missing key
+            Fragment::new(b"a".to_vec(), u64::MAX, 0, 2), // overflow
+        ],
+        vec![Fragment::new(b"b".to_vec(), 400, 0, 100)],
+        vec![Fragment::new(b"a".to_vec(), 0, 0, 1)], // no such buffer
+    ];
+    let buffers = [Region::host(&mut buf0), Region::host(&mut buf1)];
+    let results = store.get_into_ranges(&buffers, &fragments);
+    assert_eq!(results[0][0], Ok(200));
+    assert_eq!(results[0][1], Ok(300));
+    assert!(matches!(results[0][2], Err(Error::InvalidRange(RegionError::OutOfBounds { what: "object", .. }))));
+    assert!(matches!(results[0][3], Err(Error::InvalidRange(RegionError::OutOfBounds { what: "buffer", .. }))));
+    assert_eq!(results[0][4], Err(Error::NotFound));
+    assert!(matches!(results[0][5], Err(Error::InvalidRange(_))));
+    assert_eq!(results[1][0], Ok(100));
+    assert!(matches!(results[2][0], Err(Error::InvalidArgument(_))));
+    assert_eq!(&buf0[..200], &a[100..300]);
+    assert_eq!(&buf0[200..500], &b[..300]);
+    assert!(buf0[500..].iter().all(|&x| x == 0), "failed fragments wrote nothing");
+    assert_eq!(&buf1[..], &b[400..500]);
+    assert_idle(&store);
+}
+
+#[test]
+fn exists_and_prefix_hits() {
+    let store = small_store(16 << 20);
+    let keys: Vec<Vec<u8>> = (0..10).map(|i| format!("p/{i}").into_bytes()).collect();
+    for key in &keys[..6] {
+        store.put(key, b"x", PutOptions::INSERT).expect("put");
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    assert_eq!(store.prefix_hits(&refs), Ok(6));
+    assert_eq!(store.prefix_hits(&refs[6..]), Ok(0));
+    assert_eq!(store.prefix_hits(&[]), Ok(0));
+    let found = store.batch_exists(&refs);
+    assert_eq!(found.iter().filter(|r| **r == Ok(true)).count(), 6);
+    assert_eq!(store.exists(b"p/0"), Ok(true));
+    assert_eq!(store.exists(b"p/9"), Ok(false));
+    assert_eq!(store.exists(b""), Err(Error::EmptyKey));
+}
+
+#[test]
+fn remove_respects_leases_and_readers_keep_their_bytes() {
+    let store = small_store(16 << 20);
+    let v1 = value_for(b"r", 1, 8192);
+    store.put(b"r", &v1, PutOptions::INSERT).expect("put");
+    let lease = store.lease(b"r", 60_000).expect("lease");
+    assert_eq!(store.remove(b"r", false), Err(Error::Leased));
+    // Upsert while leased: the reader still sees v1, new readers see v2.
+    let v2 = value_for(b"r", 2, 100);
+    store.put(b"r", &v2, PutOptions::UPSERT).expect("upsert");
+    assert_eq!(store.get(b"r").expect("v2"), v2);
+    assert_eq!(lease.bytes().expect("lease bytes"), &v1[..]);
+    store.sync_shards().expect("sync");
+    assert_eq!(store.stats().total.retired_objects, 1);
+    drop(lease);
+    store.remove(b"r", false).expect("remove");
+    assert_eq!(store.get(b"r"), Err(Error::NotFound));
+    assert_eq!(store.remove(b"r", false), Err(Error::NotFound));
+
+    // Forced removal of a leased object.
+    store.put(b"f", &v1, PutOptions::INSERT).expect("put f");
+    let lease = store.lease(b"f", 60_000).expect("lease f");
+    store.remove(b"f", true).expect("forced");
+    assert_eq!(store.exists(b"f"), Ok(false));
+    assert_eq!(lease.bytes().expect("bytes"), &v1[..]);
+    drop(lease);
+    assert_idle(&store);
+    assert_eq!(store.stats().total.bytes_used, 0);
+}
+
+#[test]
+fn pin_and_unpin() {
+    let store = small_store(16 << 20);
+    assert_eq!(store.pin(b"nope"), Err(Error::NotFound));
+    store.put(b"p", b"v", PutOptions::INSERT).expect("put");
+    assert_eq!(store.unpin(b"p"), Err(Error::NotPinned));
+    store.pin(b"p").expect("pin");
+    store.pin(b"p").expect("pin twice");
+    assert_eq!(store.remove(b"p", false), Err(Error::Pinned));
+    store.unpin(b"p").expect("unpin");
+    assert_eq!(store.remove(b"p", false), Err(Error::Pinned));
+    store.unpin(b"p").expect("unpin 2");
+    store.remove(b"p", false).expect("remove");
+    assert_eq!(store.stats().total.pinned_objects, 0);
+}
+
+#[test]
+fn everything_pinned_gives_prompt_no_space() {
+    // Two 4 MiB shards; no background eviction, so a put is never evicted before its pin.
+    let store = StoreBuilder::new()
+        .dram_bytes(8 << 20)
+        .shards(2)
+        .pin_threads(false)
+        .high_watermark(1.0)
+        .low_watermark(0.99)
+        .open()
+        .expect("open");
+    let value = vec![7u8; 256 << 10];
+    let mut stored = Vec::new();
+    let started = Instant::now();
+    let mut no_space = 0;
+    for i in 0..64 {
+        let key = format!("pinned/{i}").into_bytes();
+        match store.put(&key, &value, PutOptions::INSERT) {
+            Ok(()) => {
+                store.pin(&key).expect("pin");
+                stored.push(key);
+            }
+            Err(Error::NoSpace) => no_space += 1,
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    assert!(no_space > 0, "the pool must fill up");
+    assert!(started.elapsed() < Duration::from_secs(30), "NoSpace must not hang");
+    for key in &stored {
+        assert_eq!(store.get(key).expect("pinned objects survive").len(), value.len());
+    }
+    let stats = store.stats();
+    assert_eq!(stats.total.evictions, 0);
+    assert!(stats.total.no_space >= no_space);
+    // Unpinned, they become evictable again and puts succeed.
+    for key in &stored {
+        store.unpin(key).expect("unpin");
+    }
+    store.put(b"after", &value, PutOptions::INSERT).expect("put after unpin");
+    assert_idle(&store);
+}
+
+#[test]
+fn eviction_keeps_the_pool_bounded_and_never_returns_wrong_bytes() {
+    let store = StoreBuilder::new()
+        .dram_bytes(8 << 20)
+        .shards(2)
+        .pin_threads(false)
+        .eviction(kvtide::EvictionPolicy::S3Fifo)
+        .open()
+        .expect("open");
+    for i in 0..400u64 {
+        let key = format!("e/{i}").into_bytes();
+        store.put(&key, &value_for(&key, i, 64 << 10), PutOptions::INSERT).expect("put under eviction");
+    }
+    store.sync_shards().expect("sync");
+    let stats = store.stats();
+    assert!(stats.total.evictions > 0);
+    assert!(stats.total.bytes_used <= stats.total.capacity_bytes);
+    let mut present = 0;
+    for i in 0..400u64 {
+        let key = format!("e/{i}").into_bytes();
+        match store.get(&key) {
+            Ok(bytes) => {
+                assert_eq!(bytes, value_for(&key, i, 64 << 10), "key {i}");
+                present += 1;
+            }
+            Err(Error::NotFound) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(present > 0 && present < 400, "present {present}");
+    assert_idle(&store);
+}
+
+#[test]
+fn limits_and_bad_arguments_are_typed_errors() {
+    let store = StoreBuilder::new()
+        .dram_bytes(8 << 20)
+        .shards(1)
+        .pin_threads(false)
+        .max_key_bytes(16)
+        .max_value_bytes(1 << 20)
+        .open()
+        .expect("open");
+    assert!(matches!(store.put(&[b'k'; 17], b"v", PutOptions::INSERT), Err(Error::TooLarge { what: "key", .. })));
+    assert_eq!(store.put(b"", b"v", PutOptions::INSERT), Err(Error::EmptyKey));
+    let big = vec![0u8; (1 << 20) + 1];
+    assert!(matches!(store.put(b"big", &big, PutOptions::INSERT), Err(Error::TooLarge { what: "value", .. })));
+    store.put(b"ok", &[1u8; 64], PutOptions::INSERT).expect("ok");
+    // SAFETY: the device region is never dereferenced: the engine refuses device memory first.
+    let dev = unsafe { Region::from_raw(0xdead_0000, 64, MemoryKind::Device { ordinal: 0 }) };
+    assert!(matches!(store.get_into(b"ok", dev), Err(Error::CudaUnavailable(_))));
+    assert!(matches!(store.put_from(b"dev", &[dev], PutOptions::INSERT), Err(Error::CudaUnavailable(_))));
+    // Batch puts: one bad key never fails its neighbours.
+    let good = [2u8; 32];
+    let keys: [&[u8]; 3] = [b"b1", &[b'x'; 40], b"b3"];
+    let srcs = vec![vec![Region::host_readonly(&good)], vec![Region::host_readonly(&good)], vec![dev]];
+    let results = store.batch_put_from_multi_buffers(&keys, &srcs, PutOptions::INSERT);
+    assert_eq!(results[0], Ok(()));
+    assert!(matches!(results[1], Err(Error::TooLarge { what: "key", .. })));
+    assert!(matches!(results[2], Err(Error::CudaUnavailable(_))));
+    assert_eq!(store.get(b"b1").expect("b1"), good.to_vec());
+    assert_eq!(store.exists(b"b3"), Ok(false));
+    assert_idle(&store);
+}
+
+#[test]
+fn async_batch_get_completes_and_cancels_cleanly() {
+    let store = small_store(64 << 20);
+    let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("async/{i}").into_bytes()).collect();
+    for key in &keys {
+        store.put(key, &value_for(key, 0, 3 << 20), PutOptions::INSERT).expect("put");
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let buffers: Vec<&'static mut [u8]> = (0..8).map(|_| Box::leak(vec![0u8; 3 << 20].into_boxed_slice())).collect();
+    let addrs: Vec<(u64, usize)> = buffers.iter().map(|b| (b.as_ptr() as u64, b.len())).collect();
+    let dsts: Vec<Vec<Region<'static>>> = buffers.into_iter().map(|b| vec![Region::host(b)]).collect();
+    let ticket = store.submit_batch_get(&refs, dsts).expect("submit");
+    let results = ticket.wait();
+    for (i, result) in results.iter().enumerate() {
+        assert_eq!(result, &Ok(3 << 20));
+        // SAFETY: the ticket completed, so nothing writes these leaked buffers any more.
+        let got = unsafe { std::slice::from_raw_parts(addrs[i].0 as *const u8, addrs[i].1) };
+        assert_eq!(got, &value_for(&keys[i], 0, 3 << 20)[..]);
+    }
+    assert_idle(&store);
+
+    // Cancel right away: every key is either fully delivered or Cancelled, never half-reported.
+    let dsts: Vec<Vec<Region<'static>>> =
+        addrs.iter().map(|&(_, len)| vec![Region::host(Box::leak(vec![0u8; len].into_boxed_slice()))]).collect();
+    let _ = addrs;
+    let ticket = store.submit_batch_get(&refs, dsts).expect("submit");
+    ticket.cancel();
+    let results = ticket.wait();
+    assert!(results.iter().all(|r| matches!(r, Ok(n) if *n == 3 << 20) || *r == Err(Error::Cancelled)), "{results:?}");
+    assert_idle(&store);
+}
+
+#[test]
+fn explicit_lease_ttl_is_a_backstop() {
+    let store = small_store(16 << 20);
+    store.put(b"ttl", &[9u8; 100], PutOptions::INSERT).expect("put");
+    let lease = store.lease(b"ttl", 10).expect("lease");
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(lease.bytes(), Err(Error::LeaseExpired));
+    // The shard reclaims it after the grace period even though the guard still exists.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.stats().total.leases_held > 0 {
+        assert!(Instant::now() < deadline, "expired lease never reclaimed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(store.stats().total.leases_expired, 1);
+    drop(lease); // a late release is a harmless no-op
+    store.sync_shards().expect("sync");
+    assert_eq!(store.stats().total.stale_releases, 1);
+    store.remove(b"ttl", false).expect("removable once the lease expired");
+}
+
+#[test]
+fn shutdown_fails_new_calls_and_joins() {
+    let store = small_store(16 << 20);
+    store.put(b"s", b"v", PutOptions::INSERT).expect("put");
+    store.shutdown();
+    assert_eq!(store.get(b"s"), Err(Error::ShuttingDown));
+    assert_eq!(store.put(b"t", b"v", PutOptions::INSERT), Err(Error::ShuttingDown));
+    assert!(matches!(store.submit_batch_get(&[b"s"], vec![vec![]]), Err(Error::ShuttingDown)));
+    store.shutdown(); // idempotent
+}
+
+#[test]
+fn config_errors_are_clear() {
+    let err = StoreBuilder::new().dram_bytes(1 << 20).shards(2).open().expect_err("too small");
+    assert!(err.to_string().contains("too small"), "{err}");
+    let err = StoreBuilder::new().high_watermark(1.5).open().expect_err("watermark");
+    assert!(err.to_string().contains("watermark"), "{err}");
+}

@@ -1,0 +1,1180 @@
+//! Offset allocator for one shard's slice of the DRAM arena: TLSF (two-level segregated fit).
+//!
+//! Owns: the bookkeeping of which byte ranges of a slice `[0, capacity)` are in use. Offsets are
+//! relative to the slice. It hands out offsets and lengths only.
+//!
+//! Must never: read, write, map or register the memory it describes; panic or unwrap on a
+//! run-time path (misuse is caught by `debug_assert!` and ignored in release builds); do work
+//! proportional to the number of blocks in `allocate` or `free`.
+//!
+//! Why TLSF: KV objects range from 4 KiB to hundreds of MiB and come and go under load. TLSF gives
+//! O(1) allocate and free (two bitmap scans, no list walks) for any mix of sizes, bounded
+//! fragmentation (good fit within size classes 1/16 of a power of two wide, and free neighbours
+//! are merged at once), and it works on offsets, so all metadata lives out of band in a node
+//! table on the ordinary heap. The arena therefore stays pure data: it can be registered for DMA
+//! as a whole and no device or peer write can corrupt allocator headers. The design follows
+//! Sebastian Aaltonen's OffsetAllocator, widened to `u64` sizes.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Second-level subdivisions per power of two: 16 linear classes, so a good-fit search skips at
+/// most 1/16 of a power of two worth of candidates.
+const SL_LOG2: u32 = 4;
+const SL_COUNT: usize = 1 << SL_LOG2;
+/// First level = floor(log2(units)) - SL_LOG2 + 1, at most 60 for `u64` sizes: one `u64` bitmap.
+const FL_COUNT: usize = 64;
+const BIN_COUNT: usize = FL_COUNT * SL_COUNT;
+/// "No node" in the intrusive links. Node indices therefore stop at `u32::MAX - 1`.
+const NIL: u32 = u32::MAX;
+/// When the good-fit bin search fails, look at this many blocks of the request's own bin before
+/// giving up. A constant bound, so `allocate` stays O(1); it lets e.g. an allocation of the
+/// whole capacity succeed on an empty allocator, which pure good fit would refuse.
+const FALLBACK_SCAN: usize = 8;
+
+/// Hands each allocator a distinct id so `free` can recognise an `Allocation` from another one.
+static NEXT_OWNER: AtomicU32 = AtomicU32::new(1);
+
+/// Why an [`OffsetAllocator`] could not be built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    /// `align_bytes` is not a power of two, or is below 8.
+    #[error("align_bytes must be a power of two >= 8, got {0}")]
+    BadAlign(u64),
+    /// After rounding `capacity_bytes` down to `align_bytes`, nothing is left.
+    #[error("capacity of {capacity_bytes} bytes holds no whole {align_bytes}-byte unit")]
+    ZeroCapacity {
+        /// Capacity as given.
+        capacity_bytes: u64,
+        /// Alignment as given.
+        align_bytes: u64,
+    },
+    /// `max_allocations` is 0: the allocator could never hand anything out.
+    #[error("max_allocations must be at least 1")]
+    ZeroMaxAllocations,
+    /// The node table (reserved up front so `allocate` never reallocates) did not fit in memory.
+    #[error("could not reserve the allocator node table ({nodes} nodes)")]
+    NodeTable {
+        /// Nodes that were to be reserved.
+        nodes: u64,
+    },
+}
+
+/// One live allocation. Not Clone/Copy: freeing it consumes it, so a double free cannot compile.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "dropping an Allocation leaks its bytes; pass it to OffsetAllocator::free"]
+pub struct Allocation {
+    offset: u64,
+    len: u64,
+    node: u32,
+    owner: u32,
+}
+
+impl Allocation {
+    /// Start of the allocation, in bytes from the start of the allocator's slice. Aligned to the
+    /// allocator's `align_bytes`.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes reserved: the requested size rounded up to `align_bytes`.
+    #[allow(clippy::len_without_is_empty)] // never empty: size 0 is refused.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// One past the last reserved byte (`offset + len`).
+    pub fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+}
+
+/// A snapshot of an allocator's accounting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AllocStats {
+    /// Bytes managed (the constructor's capacity rounded down to the alignment).
+    pub capacity_bytes: u64,
+    /// Bytes reserved by live allocations (rounded sizes).
+    pub used_bytes: u64,
+    /// `capacity_bytes - used_bytes`.
+    pub free_bytes: u64,
+    /// Exact size of the largest free block (0 when none). Note: `allocate` uses good fit, so a
+    /// request of exactly this size is not guaranteed to succeed when several blocks share its
+    /// size class; a request no larger than the lower bound of that class always does.
+    pub largest_free_bytes: u64,
+    /// Live allocations.
+    pub allocations: u64,
+    /// Free blocks. Neighbouring free blocks are always merged, so this is the number of holes.
+    pub free_blocks: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NodeState {
+    /// A free block, linked into its bin's free list.
+    Free,
+    /// A live allocation.
+    Used,
+    /// Not a block: on the spare-node stack (linked through `next_free`).
+    Spare,
+}
+
+/// One block of the slice, or a spare node. 40 bytes.
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    offset: u64,
+    size: u64,
+    prev_phys: u32,
+    next_phys: u32,
+    prev_free: u32,
+    next_free: u32,
+    state: NodeState,
+}
+
+impl Node {
+    const SPARE: Node = Node {
+        offset: 0,
+        size: 0,
+        prev_phys: NIL,
+        next_phys: NIL,
+        prev_free: NIL,
+        next_free: NIL,
+        state: NodeState::Spare,
+    };
+}
+
+/// Bin holding free blocks of `units` (rounded down: every block in the bin is at least the
+/// bin's lower bound). `units` must be > 0.
+#[inline]
+fn bin_floor(units: u64) -> (usize, usize) {
+    debug_assert!(units > 0);
+    if units < SL_COUNT as u64 {
+        return (0, units as usize);
+    }
+    let log2 = 63 - units.leading_zeros();
+    let shift = log2 - SL_LOG2;
+    let fl = (shift + 1) as usize;
+    let sl = ((units >> shift) as usize) & (SL_COUNT - 1);
+    (fl, sl)
+}
+
+/// First bin whose every block holds `units`: `units` rounded up to the next bin boundary.
+#[inline]
+fn bin_ceil(units: u64) -> (usize, usize) {
+    if units < SL_COUNT as u64 {
+        return (0, units as usize);
+    }
+    let log2 = 63 - units.leading_zeros();
+    let step = 1u64 << (log2 - SL_LOG2);
+    bin_floor(units.saturating_add(step - 1))
+}
+
+/// O(1) offset allocator over `[0, capacity)`; see the module docs.
+pub struct OffsetAllocator {
+    capacity: u64,
+    align: u64,
+    align_log2: u32,
+    max_allocations: u32,
+    /// Nodes never exceed this: at most `max_allocations` used blocks, and free blocks are never
+    /// adjacent, so at most `max_allocations + 1` free ones.
+    node_limit: usize,
+    owner: u32,
+    /// Reserved to `node_limit` up front, so pushes never reallocate.
+    nodes: Vec<Node>,
+    /// Top of the spare-node stack, linked through `Node::next_free`.
+    spare_head: u32,
+    /// Bit `fl` set iff `sl_bitmaps[fl] != 0`.
+    fl_bitmap: u64,
+    /// Bit `sl` of `sl_bitmaps[fl]` set iff bin (fl, sl) has a free block.
+    sl_bitmaps: [u16; FL_COUNT],
+    /// Head of each bin's doubly linked free list.
+    bin_heads: Box<[u32]>,
+    used_bytes: u64,
+    allocations: u32,
+    free_blocks: u32,
+}
+
+impl fmt::Debug for OffsetAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OffsetAllocator")
+            .field("align_bytes", &self.align)
+            .field("max_allocations", &self.max_allocations)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl OffsetAllocator {
+    /// Builds an allocator over `[0, capacity_bytes)`.
+    ///
+    /// `capacity_bytes` is rounded DOWN to `align_bytes`, which must be a power of two >= 8.
+    /// `max_allocations` bounds live allocations (and so the node table, `2 * max + 1` nodes of
+    /// 40 bytes, reserved up front so that `allocate` never reallocates: size it from
+    /// capacity / smallest object, not `u32::MAX`). `allocate` returns `None` past it.
+    pub fn new(capacity_bytes: u64, align_bytes: u64, max_allocations: u32) -> Result<Self, AllocError> {
+        if !align_bytes.is_power_of_two() || align_bytes < 8 {
+            return Err(AllocError::BadAlign(align_bytes));
+        }
+        let capacity = capacity_bytes & !(align_bytes - 1);
+        if capacity == 0 {
+            return Err(AllocError::ZeroCapacity { capacity_bytes, align_bytes });
+        }
+        if max_allocations == 0 {
+            return Err(AllocError::ZeroMaxAllocations);
+        }
+        let node_limit = (2 * u64::from(max_allocations) + 1).min(u64::from(NIL));
+        let mut nodes = Vec::new();
+        nodes.try_reserve_exact(node_limit as usize).map_err(|_| AllocError::NodeTable { nodes: node_limit })?;
+        let mut this = Self {
+            capacity,
+            align: align_bytes,
+            align_log2: align_bytes.trailing_zeros(),
+            max_allocations,
+            node_limit: node_limit as usize,
+            owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
+            nodes,
+            spare_head: NIL,
+            fl_bitmap: 0,
+            sl_bitmaps: [0; FL_COUNT],
+            bin_heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
+            used_bytes: 0,
+            allocations: 0,
+            free_blocks: 0,
+        };
+        // Node 0 is the block at offset 0 for the allocator's whole life: it has no physical
+        // predecessor to be merged into, so it is never released.
+        this.nodes.push(Node { offset: 0, size: capacity, state: NodeState::Free, ..Node::SPARE });
+        this.link_free(0);
+        Ok(this)
+    }
+
+    /// Reserves `size_bytes` rounded up to `align_bytes`. O(1).
+    ///
+    /// Returns `None` when `size_bytes` is 0 (there is no empty allocation), when no free block
+    /// is large enough, or when `max_allocations` allocations are live. Uses good fit: it takes
+    /// the first block from the smallest size class whose every block is large enough, then
+    /// (bounded) looks in the request's own class; it may therefore refuse a request that some
+    /// block of that class could hold, but never one `largest_free_bytes` rounded down to its
+    /// class lower bound could hold.
+    #[must_use = "dropping an Allocation leaks its bytes; pass it to OffsetAllocator::free"]
+    pub fn allocate(&mut self, size_bytes: u64) -> Option<Allocation> {
+        if size_bytes == 0 || self.allocations >= self.max_allocations {
+            return None;
+        }
+        let len = size_bytes.checked_add(self.align - 1)? & !(self.align - 1);
+        if len > self.free_bytes() {
+            return None;
+        }
+        let block = self.find_free_block(len)?;
+        let remainder = self.nodes[block as usize].size - len;
+        // Take the remainder's node before changing anything, so a refusal leaves no trace.
+        let split = if remainder > 0 { Some(self.take_spare_node()?) } else { None };
+        self.unlink_free(block);
+        let b = block as usize;
+        if let Some(rest) = split {
+            let next = self.nodes[b].next_phys;
+            self.nodes[rest as usize] = Node {
+                offset: self.nodes[b].offset + len,
+                size: remainder,
+                prev_phys: block,
+                next_phys: next,
+                prev_free: NIL,
+                next_free: NIL,
+                state: NodeState::Free,
+            };
+            if next != NIL {
+                self.nodes[next as usize].prev_phys = rest;
+            }
+            self.nodes[b].next_phys = rest;
+            self.nodes[b].size = len;
+            self.link_free(rest);
+        }
+        self.nodes[b].state = NodeState::Used;
+        self.used_bytes += len;
+        self.allocations += 1;
+        Some(Allocation { offset: self.nodes[b].offset, len, node: block, owner: self.owner })
+    }
+
+    /// Returns an allocation's bytes and merges them with free neighbours. O(1).
+    ///
+    /// An allocation from another allocator (or otherwise not live here) is a caller bug: it
+    /// panics in debug builds and is ignored in release builds.
+    pub fn free(&mut self, allocation: Allocation) {
+        let idx = allocation.node;
+        let belongs = allocation.owner == self.owner
+            && self.nodes.get(idx as usize).is_some_and(|n| {
+                n.state == NodeState::Used && n.offset == allocation.offset && n.size == allocation.len
+            });
+        debug_assert!(belongs, "OffsetAllocator::free: {allocation:?} does not belong to this allocator");
+        if !belongs {
+            return;
+        }
+        let mut node = idx;
+        self.nodes[node as usize].state = NodeState::Free;
+        self.used_bytes -= allocation.len;
+        self.allocations -= 1;
+
+        // Merge into a free predecessor: it keeps its node, ours goes back to the spare stack.
+        let prev = self.nodes[node as usize].prev_phys;
+        if prev != NIL && self.nodes[prev as usize].state == NodeState::Free {
+            self.unlink_free(prev);
+            self.absorb_next(prev);
+            node = prev;
+        }
+        // Absorb a free successor.
+        let next = self.nodes[node as usize].next_phys;
+        if next != NIL && self.nodes[next as usize].state == NodeState::Free {
+            self.unlink_free(next);
+            self.absorb_next(node);
+        }
+        self.link_free(node);
+    }
+
+    /// Accounting snapshot. O(1) except `largest_free_bytes`; see [`Self::largest_free_bytes`].
+    pub fn stats(&self) -> AllocStats {
+        AllocStats {
+            capacity_bytes: self.capacity,
+            used_bytes: self.used_bytes,
+            free_bytes: self.free_bytes(),
+            largest_free_bytes: self.largest_free_bytes(),
+            allocations: u64::from(self.allocations),
+            free_blocks: u64::from(self.free_blocks),
+        }
+    }
+
+    /// Exact size of the largest free block, 0 when there is none. Finds the highest non-empty
+    /// bin with two bitmap scans (the largest block must be there), then walks that one bin's
+    /// list, so the cost is the number of free blocks in the top size class. For stats, not for
+    /// hot paths.
+    pub fn largest_free_bytes(&self) -> u64 {
+        if self.fl_bitmap == 0 {
+            return 0;
+        }
+        let fl = (63 - self.fl_bitmap.leading_zeros()) as usize;
+        let sl = (15 - self.sl_bitmaps[fl].leading_zeros()) as usize;
+        let mut largest = 0;
+        let mut n = self.bin_heads[fl * SL_COUNT + sl];
+        while n != NIL {
+            let node = &self.nodes[n as usize];
+            largest = largest.max(node.size);
+            n = node.next_free;
+        }
+        largest
+    }
+
+    /// Bytes managed: the constructor's capacity rounded down to the alignment.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes reserved by live allocations (rounded sizes).
+    pub fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    /// `capacity_bytes() - used_bytes()`; may be spread over several blocks.
+    pub fn free_bytes(&self) -> u64 {
+        self.capacity - self.used_bytes
+    }
+
+    /// Alignment of every offset and granularity of every length.
+    pub fn align_bytes(&self) -> u64 {
+        self.align
+    }
+
+    /// Live allocations.
+    pub fn allocations(&self) -> u32 {
+        self.allocations
+    }
+
+    /// The bound on live allocations given to `new`.
+    pub fn max_allocations(&self) -> u32 {
+        self.max_allocations
+    }
+
+    /// Free blocks (holes); neighbouring free blocks are always merged.
+    pub fn free_blocks(&self) -> u32 {
+        self.free_blocks
+    }
+
+    /// Walks every block and free list and checks all internal invariants: blocks tile
+    /// `[0, capacity)` in order, no two free blocks touch, every free block sits in the right bin
+    /// and the bitmaps match the lists, and the counters match. O(blocks); for tests and fuzzing.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let limit = self.nodes.len();
+        if limit > self.node_limit {
+            return Err(format!("{limit} nodes exceed the limit {}", self.node_limit));
+        }
+        // Physical chain from node 0 (always the block at offset 0).
+        let (mut n, mut prev, mut expect_offset) = (0u32, NIL, 0u64);
+        let (mut used, mut used_count, mut free_count, mut steps) = (0u64, 0u64, 0u64, 0usize);
+        let mut prev_free = false;
+        while n != NIL {
+            steps += 1;
+            if steps > limit {
+                return Err("physical chain has a cycle".into());
+            }
+            let node = self.nodes.get(n as usize).ok_or_else(|| format!("physical link to missing node {n}"))?;
+            if node.prev_phys != prev {
+                return Err(format!("node {n}: prev_phys {} != {prev}", node.prev_phys));
+            }
+            if node.offset != expect_offset {
+                return Err(format!("node {n}: offset {} != {expect_offset}", node.offset));
+            }
+            if node.size == 0 || node.size % self.align != 0 || node.offset % self.align != 0 {
+                return Err(format!("node {n}: bad size/offset {node:?}"));
+            }
+            match node.state {
+                NodeState::Used => {
+                    used += node.size;
+                    used_count += 1;
+                    prev_free = false;
+                }
+                NodeState::Free => {
+                    if prev_free {
+                        return Err(format!("node {n}: two free blocks touch"));
+                    }
+                    free_count += 1;
+                    prev_free = true;
+                }
+                NodeState::Spare => return Err(format!("spare node {n} in the physical chain")),
+            }
+            expect_offset = node.offset.checked_add(node.size).ok_or_else(|| format!("node {n}: end overflows"))?;
+            prev = n;
+            n = node.next_phys;
+        }
+        if expect_offset != self.capacity {
+            return Err(format!("blocks end at {expect_offset}, capacity {}", self.capacity));
+        }
+        if used != self.used_bytes || used_count != u64::from(self.allocations) {
+            return Err(format!(
+                "chain has {used_count} used blocks / {used} bytes, counters say {} / {}",
+                self.allocations, self.used_bytes
+            ));
+        }
+        if free_count != u64::from(self.free_blocks) {
+            return Err(format!("chain has {free_count} free blocks, counter says {}", self.free_blocks));
+        }
+        // Bins and bitmaps.
+        let mut listed = 0u64;
+        for fl in 0..FL_COUNT {
+            if ((self.fl_bitmap >> fl) & 1 == 1) != (self.sl_bitmaps[fl] != 0) {
+                return Err(format!("first-level bit {fl} disagrees with its second level"));
+            }
+            for sl in 0..SL_COUNT {
+                let head = self.bin_heads[fl * SL_COUNT + sl];
+                if ((self.sl_bitmaps[fl] >> sl) & 1 == 1) != (head != NIL) {
+                    return Err(format!("bin ({fl},{sl}): bitmap disagrees with its list"));
+                }
+                let (mut n, mut prev) = (head, NIL);
+                while n != NIL {
+                    listed += 1;
+                    if listed > free_count {
+                        return Err("free lists hold more nodes than free blocks".into());
+                    }
+                    let node = self.nodes.get(n as usize).ok_or_else(|| format!("free link to missing node {n}"))?;
+                    if node.state != NodeState::Free || node.prev_free != prev {
+                        return Err(format!("bin ({fl},{sl}): bad node {n}: {node:?}"));
+                    }
+                    if bin_floor(node.size >> self.align_log2) != (fl, sl) {
+                        return Err(format!("node {n} of size {} in wrong bin ({fl},{sl})", node.size));
+                    }
+                    prev = n;
+                    n = node.next_free;
+                }
+            }
+        }
+        if listed != free_count {
+            return Err(format!("free lists hold {listed} nodes, chain has {free_count} free blocks"));
+        }
+        // Spare stack: everything else.
+        let (mut n, mut spare) = (self.spare_head, 0usize);
+        while n != NIL {
+            spare += 1;
+            if spare > limit {
+                return Err("spare stack has a cycle".into());
+            }
+            let node = self.nodes.get(n as usize).ok_or_else(|| format!("spare link to missing node {n}"))?;
+            if node.state != NodeState::Spare {
+                return Err(format!("node {n} on the spare stack is {:?}", node.state));
+            }
+            n = node.next_free;
+        }
+        if spare as u64 + used_count + free_count != limit as u64 {
+            return Err(format!("{spare} spare + {used_count} used + {free_count} free != {limit} nodes"));
+        }
+        Ok(())
+    }
+
+    /// First free block that holds `len` bytes: good fit, then a bounded look in the request's
+    /// own bin.
+    #[inline]
+    fn find_free_block(&self, len: u64) -> Option<u32> {
+        let units = len >> self.align_log2;
+        let (fl, sl) = bin_ceil(units);
+        if let Some(bin) = self.first_bin_at_or_above(fl, sl) {
+            return Some(self.bin_heads[bin]);
+        }
+        let (fl, sl) = bin_floor(units);
+        let mut n = self.bin_heads[fl * SL_COUNT + sl];
+        for _ in 0..FALLBACK_SCAN {
+            if n == NIL {
+                break;
+            }
+            let node = &self.nodes[n as usize];
+            if node.size >= len {
+                return Some(n);
+            }
+            n = node.next_free;
+        }
+        None
+    }
+
+    /// Smallest non-empty bin >= (fl, sl), found with two bitmap scans.
+    #[inline]
+    fn first_bin_at_or_above(&self, fl: usize, sl: usize) -> Option<usize> {
+        if fl >= FL_COUNT {
+            return None;
+        }
+        let sl_map = self.sl_bitmaps[fl] & (u16::MAX << sl);
+        if sl_map != 0 {
+            return Some(fl * SL_COUNT + sl_map.trailing_zeros() as usize);
+        }
+        let fl_map = self.fl_bitmap & u64::MAX.checked_shl(fl as u32 + 1).unwrap_or(0);
+        if fl_map == 0 {
+            return None;
+        }
+        let fl = fl_map.trailing_zeros() as usize;
+        Some(fl * SL_COUNT + self.sl_bitmaps[fl].trailing_zeros() as usize)
+    }
+
+    /// Pushes free node `n` onto the head of its bin's list.
+    #[inline]
+    fn link_free(&mut self, n: u32) {
+        let (fl, sl) = bin_floor(self.nodes[n as usize].size >> self.align_log2);
+        let bin = fl * SL_COUNT + sl;
+        let head = self.bin_heads[bin];
+        {
+            let node = &mut self.nodes[n as usize];
+            node.state = NodeState::Free;
+            node.prev_free = NIL;
+            node.next_free = head;
+        }
+        if head != NIL {
+            self.nodes[head as usize].prev_free = n;
+        }
+        self.bin_heads[bin] = n;
+        self.sl_bitmaps[fl] |= 1 << sl;
+        self.fl_bitmap |= 1 << fl;
+        self.free_blocks += 1;
+    }
+
+    /// Takes free node `n` out of its bin's list (its size must be unchanged since linking).
+    #[inline]
+    fn unlink_free(&mut self, n: u32) {
+        let Node { size, prev_free, next_free, .. } = self.nodes[n as usize];
+        if prev_free != NIL {
+            self.nodes[prev_free as usize].next_free = next_free;
+        } else {
+            let (fl, sl) = bin_floor(size >> self.align_log2);
+            let bin = fl * SL_COUNT + sl;
+            debug_assert_eq!(self.bin_heads[bin], n);
+            self.bin_heads[bin] = next_free;
+            if next_free == NIL {
+                self.sl_bitmaps[fl] &= !(1 << sl);
+                if self.sl_bitmaps[fl] == 0 {
+                    self.fl_bitmap &= !(1 << fl);
+                }
+            }
+        }
+        if next_free != NIL {
+            self.nodes[next_free as usize].prev_free = prev_free;
+        }
+        let node = &mut self.nodes[n as usize];
+        node.prev_free = NIL;
+        node.next_free = NIL;
+        self.free_blocks -= 1;
+    }
+
+    /// Grows block `n` over its physical successor (which must be unlinked from any free list)
+    /// and returns the successor's node to the spare stack.
+    #[inline]
+    fn absorb_next(&mut self, n: u32) {
+        let next = self.nodes[n as usize].next_phys;
+        let Node { size, next_phys, .. } = self.nodes[next as usize];
+        self.nodes[n as usize].size += size;
+        self.nodes[n as usize].next_phys = next_phys;
+        if next_phys != NIL {
+            self.nodes[next_phys as usize].prev_phys = n;
+        }
+        self.release_node(next);
+    }
+
+    /// A node for a new block: from the spare stack, else a fresh one within the reservation.
+    #[inline]
+    fn take_spare_node(&mut self) -> Option<u32> {
+        if self.spare_head != NIL {
+            let n = self.spare_head;
+            self.spare_head = self.nodes[n as usize].next_free;
+            return Some(n);
+        }
+        if self.nodes.len() < self.node_limit {
+            // Within the capacity reserved in `new`: never reallocates.
+            self.nodes.push(Node::SPARE);
+            return Some((self.nodes.len() - 1) as u32);
+        }
+        None
+    }
+
+    #[inline]
+    fn release_node(&mut self, n: u32) {
+        self.nodes[n as usize] = Node { next_free: self.spare_head, ..Node::SPARE };
+        self.spare_head = n;
+    }
+
+    /// Smallest request size (bytes) that the good-fit search maps to a class above the largest
+    /// free block's, i.e. any failed request of `len` bytes must have a ceil-class lower bound
+    /// above the largest free block. For tests.
+    #[cfg(test)]
+    fn good_fit_lower_bound(&self, len: u64) -> u128 {
+        let (fl, sl) = bin_ceil(len >> self.align_log2);
+        bin_lower_units(fl, sl) << self.align_log2
+    }
+}
+
+/// Smallest size (in units) of bin (fl, sl). u128 because the top classes overflow u64.
+#[cfg(test)]
+fn bin_lower_units(fl: usize, sl: usize) -> u128 {
+    if fl == 0 {
+        sl as u128
+    } else {
+        ((SL_COUNT + sl) as u128) << (fl - 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
+    const GIB: u64 = 1024 * MIB;
+
+    /// splitmix64: deterministic, dependency-free randomness for the churn test.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        fn unit(&mut self) -> f64 {
+            (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        }
+        /// Log-uniform in [lo, hi].
+        fn log_uniform(&mut self, lo: u64, hi: u64) -> u64 {
+            let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+            ((a + self.unit() * (b - a)).exp() as u64).clamp(lo, hi)
+        }
+    }
+
+    fn check(a: &OffsetAllocator) {
+        if let Err(e) = a.check_invariants() {
+            panic!("invariant violated: {e}");
+        }
+    }
+
+    fn alloc(a: &mut OffsetAllocator, size: u64) -> Allocation {
+        a.allocate(size).expect("allocation should succeed")
+    }
+
+    fn assert_fully_coalesced(a: &OffsetAllocator) {
+        let s = a.stats();
+        assert_eq!(s.used_bytes, 0);
+        assert_eq!(s.allocations, 0);
+        assert_eq!(s.free_bytes, s.capacity_bytes);
+        assert_eq!(s.free_blocks, 1);
+        assert_eq!(s.largest_free_bytes, s.capacity_bytes);
+        check(a);
+    }
+
+    #[test]
+    fn bins_bracket_sizes() {
+        let mut units = 1u64;
+        while units < (1 << 40) {
+            for u in [units, units + 1, units.saturating_mul(3) / 2] {
+                let (fl, sl) = bin_floor(u);
+                assert!(fl < FL_COUNT && sl < SL_COUNT);
+                let lower = bin_lower_units(fl, sl);
+                let next = if sl + 1 < SL_COUNT { bin_lower_units(fl, sl + 1) } else { bin_lower_units(fl + 1, 0) };
+                assert!(lower <= u as u128 && (u as u128) < next, "u={u} bin=({fl},{sl})");
+                let (cfl, csl) = bin_ceil(u);
+                let clower = bin_lower_units(cfl, csl);
+                assert!(clower >= u as u128, "ceil bin lower {clower} < {u}");
+                assert!((cfl, csl) >= (fl, sl));
+                // Ceil moves at most one class up.
+                assert!(clower == u as u128 || (cfl, csl) == (fl, sl + 1) || (cfl, csl) == (fl + 1, 0));
+            }
+            units = units * 5 / 4 + 1;
+        }
+        let (fl, _) = bin_floor(u64::MAX);
+        assert!(fl < FL_COUNT);
+    }
+
+    #[test]
+    fn bad_align_is_an_error() {
+        for align in [0, 1, 2, 4, 7, 12, 48, 100, u64::MAX] {
+            assert_eq!(OffsetAllocator::new(GIB, align, 16).err(), Some(AllocError::BadAlign(align)));
+        }
+        assert!(OffsetAllocator::new(GIB, 8, 16).is_ok());
+        assert!(OffsetAllocator::new(GIB, 1 << 63, 16).is_err()); // capacity rounds to 0
+        assert_eq!(
+            OffsetAllocator::new(63, 64, 16).err(),
+            Some(AllocError::ZeroCapacity { capacity_bytes: 63, align_bytes: 64 })
+        );
+        assert_eq!(OffsetAllocator::new(GIB, 64, 0).err(), Some(AllocError::ZeroMaxAllocations));
+        let msg = AllocError::BadAlign(48).to_string();
+        assert!(msg.contains("power of two") && msg.contains("48"), "{msg}");
+    }
+
+    #[test]
+    fn capacity_rounds_down_and_sizes_round_up() {
+        let mut a = OffsetAllocator::new(10_000, 64, 64).expect("new");
+        assert_eq!(a.capacity_bytes(), 9_984);
+        assert_eq!(a.align_bytes(), 64);
+        let x = alloc(&mut a, 1);
+        assert_eq!((x.offset(), x.len()), (0, 64));
+        let y = alloc(&mut a, 64);
+        assert_eq!((y.offset(), y.len()), (64, 64));
+        let z = alloc(&mut a, 65);
+        assert_eq!((z.offset(), z.len(), z.end()), (128, 128, 256));
+        assert_eq!(a.used_bytes(), 256);
+        assert_eq!(a.free_bytes(), 9_984 - 256);
+        for al in [&x, &y, &z] {
+            assert_eq!(al.offset() % 64, 0);
+        }
+        check(&a);
+        a.free(y);
+        a.free(x);
+        a.free(z);
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
+    fn zero_size_returns_none() {
+        let mut a = OffsetAllocator::new(MIB, 64, 8).expect("new");
+        assert!(a.allocate(0).is_none());
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
+    fn oversize_returns_none() {
+        let mut a = OffsetAllocator::new(MIB, 64, 8).expect("new");
+        assert!(a.allocate(MIB + 1).is_none());
+        assert!(a.allocate(u64::MAX).is_none());
+        assert!(a.allocate(u64::MAX - 62).is_none());
+        // The whole capacity fits (bounded fallback beyond good fit).
+        let all = alloc(&mut a, MIB);
+        assert_eq!((all.offset(), all.len()), (0, MIB));
+        assert!(a.allocate(1).is_none());
+        let s = a.stats();
+        assert_eq!((s.free_blocks, s.largest_free_bytes, s.free_bytes), (0, 0, 0));
+        check(&a);
+        a.free(all);
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
+    fn huge_capacity() {
+        let cap = 700 * GIB;
+        let mut a = OffsetAllocator::new(cap, 4096, 1024).expect("new");
+        let big = alloc(&mut a, 300 * GIB);
+        let small = alloc(&mut a, 4 * KIB);
+        let rest = alloc(&mut a, cap - 300 * GIB - 4 * KIB);
+        assert_eq!(rest.end(), cap);
+        check(&a);
+        a.free(small);
+        a.free(big);
+        a.free(rest);
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
+    fn exhaust_and_free() {
+        let mut a = OffsetAllocator::new(64 * KIB, 64, 4096).expect("new");
+        let mut live = Vec::new();
+        while let Some(x) = a.allocate(1000) {
+            live.push(x);
+        }
+        // 1000 rounds to 1024: exactly 64 fit.
+        assert_eq!(live.len(), 64);
+        assert_eq!(a.free_bytes(), 0);
+        assert_eq!(a.stats().free_blocks, 0);
+        check(&a);
+        // Free every other one: 32 holes of 1 KiB, none mergeable.
+        let mut kept = Vec::new();
+        for (i, x) in live.into_iter().enumerate() {
+            if i % 2 == 0 {
+                a.free(x);
+            } else {
+                kept.push(x);
+            }
+        }
+        let s = a.stats();
+        assert_eq!((s.free_blocks, s.largest_free_bytes), (32, 1024));
+        assert!(a.allocate(1025).is_none(), "no hole holds 1025 bytes");
+        check(&a);
+        for x in kept {
+            a.free(x);
+        }
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
+    fn coalesces_after_random_order_free() {
+        let mut rng = Rng(7);
+        for round in 0..20 {
+            let mut a = OffsetAllocator::new(256 * MIB, 64, 1 << 12).expect("new");
+            let mut live = Vec::new();
+            while let Some(x) = a.allocate(rng.log_uniform(64, 4 * MIB)) {
+                live.push(x);
+            }
+            check(&a);
+            // Fisher-Yates, then free in that order.
+            for i in (1..live.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                live.swap(i, j);
+            }
+            for (k, x) in live.into_iter().enumerate() {
+                a.free(x);
+                if k % 64 == 0 || round == 0 {
+                    check(&a);
+                }
+            }
+            assert_fully_coalesced(&a);
+        }
+    }
+
+    #[test]
+    fn middle_free_merges_both_neighbours() {
+        let mut a = OffsetAllocator::new(4 * KIB, 64, 16).expect("new");
+        let x = alloc(&mut a, 1024);
+        let y = alloc(&mut a, 1024);
+        let z = alloc(&mut a, 1024);
+        let w = alloc(&mut a, 1024);
+        a.free(x);
+        a.free(z);
+        assert_eq!(a.stats().free_blocks, 2);
+        a.free(y); // merges x, y, z into one 3 KiB block
+        let s = a.stats();
+        assert_eq!((s.free_blocks, s.largest_free_bytes), (1, 3 * KIB));
+        check(&a);
+        let big = alloc(&mut a, 3 * KIB);
+        assert_eq!(big.offset(), 0);
+        a.free(w);
+        a.free(big);
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
+    fn node_table_bound() {
+        let mut a = OffsetAllocator::new(MIB, 64, 3).expect("new");
+        assert_eq!(a.max_allocations(), 3);
+        let x = alloc(&mut a, 64);
+        let y = alloc(&mut a, 64);
+        let z = alloc(&mut a, 64);
+        assert!(a.allocate(64).is_none(), "4th allocation past max_allocations");
+        assert!(a.free_bytes() > 0);
+        a.free(y);
+        let y2 = alloc(&mut a, 64);
+        assert_eq!(y2.offset(), 64, "reuses the hole");
+        assert_eq!(a.allocations(), 3);
+        check(&a);
+        for v in [x, y2, z] {
+            a.free(v);
+        }
+        assert_fully_coalesced(&a);
+        // Worst case for nodes: max live allocations, each with a hole beside it.
+        let mut a = OffsetAllocator::new(MIB, 64, 8).expect("new");
+        let mut live: Vec<_> = (0..8).map(|_| alloc(&mut a, 64)).collect();
+        for i in (0..8).step_by(2).rev() {
+            a.free(live.remove(i));
+        }
+        let mut live2: Vec<_> = (0..4).map(|_| alloc(&mut a, 32)).collect();
+        assert!(a.allocate(8).is_none());
+        check(&a);
+        live.append(&mut live2);
+        for v in live {
+            a.free(v);
+        }
+        assert_fully_coalesced(&a);
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "does not belong")]
+    fn free_of_foreign_allocation_panics_in_debug() {
+        let mut a = OffsetAllocator::new(MIB, 64, 8).expect("new");
+        let mut b = OffsetAllocator::new(MIB, 64, 8).expect("new");
+        let x = alloc(&mut a, 64);
+        b.free(x);
+    }
+
+    #[test]
+    fn good_fit_never_refuses_a_fitting_class() {
+        // Holes of 33 units (2112 bytes) sit in class [32, 34) units; a request for 33 units
+        // rounds up to class [34, 36), which is empty, so only the bounded fallback finds them.
+        let mut a = OffsetAllocator::new(64 * KIB, 64, 64).expect("new");
+        assert_eq!((bin_floor(33), bin_ceil(33)), ((2, 0), (2, 1)));
+        let mut live: Vec<_> = (0..20).map(|_| alloc(&mut a, 2112)).collect();
+        let rest = a.free_bytes();
+        let tail = alloc(&mut a, rest);
+        let mut holes = Vec::new();
+        for i in (0..20).step_by(2).rev() {
+            holes.push(live.remove(i));
+        }
+        for h in holes {
+            a.free(h);
+        }
+        assert_eq!(a.free_blocks(), 10);
+        let x = alloc(&mut a, 2112);
+        check(&a);
+        a.free(x);
+        a.free(tail);
+        for v in live {
+            a.free(v);
+        }
+        assert_fully_coalesced(&a);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc(u64),
+        Free(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => (0u64..256).prop_map(Op::Alloc),
+            2 => (0u64..8192).prop_map(Op::Alloc),
+            1 => (0u64..(1 << 20)).prop_map(Op::Alloc),
+            3 => any::<usize>().prop_map(Op::Free),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn matches_model(
+            capacity in 1u64..(1 << 20),
+            align_log2 in 3u32..13,
+            max_allocations in 1u32..48,
+            ops in vec(op(), 0..200),
+        ) {
+            let align = 1u64 << align_log2;
+            let cap = capacity & !(align - 1);
+            let mut a = match OffsetAllocator::new(capacity, align, max_allocations) {
+                Ok(a) => a,
+                Err(e) => {
+                    prop_assert_eq!(cap, 0);
+                    prop_assert_eq!(e, AllocError::ZeroCapacity { capacity_bytes: capacity, align_bytes: align });
+                    return Ok(());
+                }
+            };
+            prop_assert_eq!(a.capacity_bytes(), cap);
+            // The model: live allocations; their (offset, len) are what we check.
+            let mut live: Vec<Allocation> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(size) => {
+                        let len = size.div_ceil(align) * align;
+                        let free_before = a.free_bytes();
+                        let largest_before = a.largest_free_bytes();
+                        match a.allocate(size) {
+                            Some(x) => {
+                                prop_assert!(size > 0);
+                                prop_assert!(live.len() < max_allocations as usize);
+                                prop_assert_eq!(x.len(), len);
+                                prop_assert_eq!(x.offset() % align, 0);
+                                prop_assert!(x.end() <= cap);
+                                for y in &live {
+                                    prop_assert!(
+                                        x.end() <= y.offset() || y.end() <= x.offset(),
+                                        "{:?} overlaps {:?}", x, y
+                                    );
+                                }
+                                live.push(x);
+                            }
+                            None => {
+                                let justified = size == 0
+                                    || live.len() >= max_allocations as usize
+                                    || len > free_before
+                                    || a.good_fit_lower_bound(len) > u128::from(largest_before);
+                                prop_assert!(justified,
+                                    "refused {} bytes: free {}, largest {}", size, free_before, largest_before);
+                                if live.is_empty() && size > 0 && len <= cap {
+                                    prop_assert!(false, "empty allocator refused {} of {}", size, cap);
+                                }
+                            }
+                        }
+                    }
+                    Op::Free(i) => {
+                        if !live.is_empty() {
+                            let x = live.swap_remove(i % live.len());
+                            a.free(x);
+                        }
+                    }
+                }
+                let s = a.stats();
+                prop_assert_eq!(s.used_bytes, live.iter().map(Allocation::len).sum::<u64>());
+                prop_assert_eq!(s.used_bytes + s.free_bytes, cap);
+                prop_assert_eq!(s.allocations, live.len() as u64);
+                prop_assert!(s.largest_free_bytes <= s.free_bytes);
+                prop_assert!(s.free_blocks <= s.allocations + 1);
+                if let Err(e) = a.check_invariants() {
+                    prop_assert!(false, "{}", e);
+                }
+            }
+            for x in live.drain(..) {
+                a.free(x);
+            }
+            let s = a.stats();
+            prop_assert_eq!(s.free_blocks, 1);
+            prop_assert_eq!(s.largest_free_bytes, cap);
+            prop_assert_eq!(s.free_bytes, cap);
+            prop_assert_eq!(s.used_bytes, 0);
+        }
+    }
+
+    #[derive(Default)]
+    struct Counters {
+        attempts: u64,
+        failed: u64,
+        failed_with_room: u64,
+    }
+
+    impl Counters {
+        fn try_alloc(&mut self, a: &mut OffsetAllocator, live: &mut Vec<Allocation>, rng: &mut Rng) {
+            let size = rng.log_uniform(4 * KIB, 4 * MIB);
+            self.attempts += 1;
+            match a.allocate(size) {
+                Some(x) => live.push(x),
+                None => {
+                    self.failed += 1;
+                    if a.free_bytes() >= size {
+                        self.failed_with_room += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fragmentation under churn: fill to ~90% with log-uniform 4 KiB..4 MiB objects, then
+    /// 100k rounds of free-random + refill. Reports, asserts invariants only.
+    #[test]
+    fn churn_fragmentation() {
+        const CAP: u64 = 16 * GIB;
+        const TARGET: u64 = CAP / 10 * 9;
+        const ROUNDS: u32 = 100_000;
+        let mut rng = Rng(0x6b76_7469_6465);
+        let mut a = OffsetAllocator::new(CAP, 64, 1 << 17).expect("new");
+        let mut live: Vec<Allocation> = Vec::new();
+        let mut n = Counters::default();
+        let mut min_ratio = 1.0f64;
+        let mut ratio_sum = 0.0f64;
+        let mut ratio_samples = 0u32;
+        // Fill.
+        let mut guard = 0;
+        while a.used_bytes() < TARGET && guard < 1_000_000 {
+            n.try_alloc(&mut a, &mut live, &mut rng);
+            guard += 1;
+        }
+        assert!(a.used_bytes() >= TARGET);
+        let fill_failed = n.failed;
+        check(&a);
+        for round in 0..ROUNDS {
+            if !live.is_empty() {
+                let i = rng.below(live.len() as u64) as usize;
+                a.free(live.swap_remove(i));
+            }
+            // Refill to the target; a few tries so a refusal does not spin.
+            for _ in 0..4 {
+                if a.used_bytes() >= TARGET {
+                    break;
+                }
+                n.try_alloc(&mut a, &mut live, &mut rng);
+            }
+            if round % 1000 == 999 {
+                let s = a.stats();
+                let ratio = s.largest_free_bytes as f64 / s.free_bytes.max(1) as f64;
+                min_ratio = min_ratio.min(ratio);
+                ratio_sum += ratio;
+                ratio_samples += 1;
+                assert_eq!(s.used_bytes + s.free_bytes, CAP);
+                assert_eq!(s.allocations, live.len() as u64);
+                assert!(s.free_blocks <= s.allocations + 1);
+            }
+            if round % 25_000 == 0 {
+                check(&a);
+            }
+        }
+        let s = a.stats();
+        let used_sum: u64 = live.iter().map(Allocation::len).sum();
+        assert_eq!(s.used_bytes, used_sum);
+        check(&a);
+        println!(
+            "churn: cap {} GiB, {} live, used {:.1}%, {} free blocks; largest_free/free end {:.3}, \
+             min {:.3}, mean {:.3}; {} attempts, {} failed ({} during fill), {} failed with \
+             free_bytes >= request",
+            CAP / GIB,
+            s.allocations,
+            100.0 * s.used_bytes as f64 / CAP as f64,
+            s.free_blocks,
+            s.largest_free_bytes as f64 / s.free_bytes.max(1) as f64,
+            min_ratio,
+            ratio_sum / f64::from(ratio_samples.max(1)),
+            n.attempts,
+            n.failed,
+            fill_failed,
+            n.failed_with_room,
+        );
+        // How full can the fragmented allocator still get? Fill until 100 refusals in a row.
+        let churn_failed = n.failed;
+        let mut first_refusal_used = None;
+        let mut streak = 0;
+        while streak < 100 {
+            let before = n.failed;
+            n.try_alloc(&mut a, &mut live, &mut rng);
+            if n.failed > before {
+                streak += 1;
+                first_refusal_used.get_or_insert(a.used_bytes());
+            } else {
+                streak = 0;
+            }
+        }
+        let s = a.stats();
+        let pct = |b: u64| 100.0 * b as f64 / CAP as f64;
+        println!(
+            "churn then fill to refusal: first refusal at {:.1}% used, stopped at {:.1}% used \
+             ({} live, {} free blocks); {} refused, {} of them with free_bytes >= request",
+            pct(first_refusal_used.unwrap_or(0)),
+            pct(s.used_bytes),
+            s.allocations,
+            s.free_blocks,
+            n.failed - churn_failed,
+            n.failed_with_room,
+        );
+        check(&a);
+        for x in live.drain(..) {
+            a.free(x);
+        }
+        assert_fully_coalesced(&a);
+    }
+}

@@ -1,0 +1,7 @@
+//! The DRAM tier: the arena (memory), its per-shard slices and the allocator that carves them.
+
+pub mod alloc;
+pub mod arena;
+
+pub use alloc::{AllocError, AllocStats, Allocation, OffsetAllocator};
+pub use arena::{Arena, ArenaError, ArenaSlice, MemoryRegistrar, PageBacking, RegistrationHandle};

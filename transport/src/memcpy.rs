@@ -1,0 +1,93 @@
+//! The same-process transport: CPU copies between host regions.
+//!
+//! It copies exactly the bytes a validated descriptor names and nothing else. It refuses device
+//! memory with `CudaUnavailable` (the CUDA transport handles that) instead of dereferencing it.
+
+use crate::region::{MemoryKind, Region, RegionError};
+use crate::TransportError;
+
+/// CPU memcpy between host regions.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemcpyTransport;
+
+impl MemcpyTransport {
+    /// True when this transport can reach both kinds.
+    pub fn supports(src: MemoryKind, dst: MemoryKind) -> bool {
+        src.is_host() && dst.is_host()
+    }
+}
+
+/// Copies `len` bytes from `src[src_offset..]` to `dst[dst_offset..]`, both host regions.
+///
+/// # Safety
+/// The regions must honour `Region::from_raw`'s contract for the duration of the call, and no
+/// other thread may write the source range or touch the destination range meanwhile (the engine
+/// guarantees the source with a lease; the caller owns the destination).
+pub unsafe fn copy_regions(
+    src: &Region<'_>,
+    src_offset: u64,
+    dst: &Region<'_>,
+    dst_offset: u64,
+    len: u64,
+) -> Result<(), TransportError> {
+    if !MemcpyTransport::supports(src.kind(), dst.kind()) {
+        return Err(TransportError::CudaUnavailable("device regions need the cuda transport"));
+    }
+    dst.check_writable()?;
+    src.check_range(src_offset, len).map_err(|e| relabel(e, "source"))?;
+    dst.check_range(dst_offset, len)?;
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: both ranges were checked against their regions above, the regions are valid host
+    // memory by this function's contract, and a source range (leased arena bytes) never overlaps
+    // a caller's destination buffer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (src.addr() + src_offset) as *const u8,
+            (dst.addr() + dst_offset) as *mut u8,
+            len as usize,
+        );
+    }
+    Ok(())
+}
+
+fn relabel(e: RegionError, what: &'static str) -> RegionError {
+    match e {
+        RegionError::OutOfBounds { offset, len, bound, .. } => RegionError::OutOfBounds { what, offset, len, bound },
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_exact_bytes_and_checks_bounds() {
+        let src_buf: Vec<u8> = (0..64u8).collect();
+        let mut dst_buf = vec![0u8; 64];
+        let src = Region::host_readonly(&src_buf);
+        let dst = Region::host(&mut dst_buf);
+        // SAFETY: both regions borrow live local buffers that nothing else touches.
+        unsafe {
+            copy_regions(&src, 8, &dst, 16, 8).expect("copy");
+            assert!(copy_regions(&src, 60, &dst, 0, 8).is_err());
+            assert!(copy_regions(&src, 0, &dst, 60, 8).is_err());
+        }
+        assert_eq!(&dst_buf[16..24], &src_buf[8..16]);
+        assert!(dst_buf[..16].iter().all(|&b| b == 0));
+        assert!(dst_buf[24..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn device_regions_are_refused_without_cuda() {
+        let src_buf = [1u8; 8];
+        let src = Region::host_readonly(&src_buf);
+        // SAFETY: the region is never dereferenced: the transport refuses device memory first.
+        let dev = unsafe { Region::from_raw(0x1000, 8, MemoryKind::Device { ordinal: 0 }) };
+        // SAFETY: as above.
+        let err = unsafe { copy_regions(&src, 0, &dev, 0, 8) };
+        assert!(matches!(err, Err(TransportError::CudaUnavailable(_))));
+    }
+}
