@@ -64,7 +64,9 @@ impl Engine {
                 low_watermark_bytes: (slice_bytes as f64 * config.low_watermark) as u64,
                 policy: config.policy,
                 align_bytes: OBJECT_ALIGN_BYTES,
-                max_objects: config.max_objects_per_shard,
+                // The allocator reserves its node table up front: size it for an average object
+                // of 4 KiB at most, so a small pool does not pay for a million-entry table.
+                max_objects: config.max_objects_per_shard.min((slice_bytes / 4096).max(1024) as u32),
                 max_leases: config.max_leases_per_shard,
             };
             let counters = Arc::new(ShardCounters::default());

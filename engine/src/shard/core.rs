@@ -282,6 +282,9 @@ impl ShardCore {
         self.index.insert(key, id);
         if inherited_pins == 0 {
             self.policy.insert(id as EntryId, hash, len.max(1));
+        } else {
+            // The old version's pins moved here; `unlink` counted it out.
+            self.counters.pinned_objects.fetch_add(1, RELAXED);
         }
         self.counters.objects.fetch_add(1, RELAXED);
         self.counters.puts.fetch_add(1, RELAXED);
@@ -492,6 +495,16 @@ impl ShardCore {
         if self.policy.len() != live - pinned {
             return Err(format!("policy tracks {}, expected {}", self.policy.len(), live - pinned));
         }
+        let c = self.counters.snapshot();
+        let retired = self.objects.iter().filter(|(_, o)| o.state == ObjectState::Retired).count() as u64;
+        let reserved = self.objects.iter().filter(|(_, o)| o.state == ObjectState::Reserved).count() as u64;
+        let expected = (live as u64, pinned as u64, retired, reserved, used, self.leases.len() as u64);
+        let counted = (c.objects, c.pinned_objects, c.retired_objects, c.writes_in_flight, c.bytes_used, c.leases_held);
+        if expected != counted {
+            return Err(format!(
+                "counters (objects, pinned, retired, writes, bytes, leases) = {counted:?}, state says {expected:?}"
+            ));
+        }
         Ok(())
     }
 
@@ -517,3 +530,6 @@ impl ShardCore {
 }
 
 const RELAXED: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;
+
+#[cfg(test)]
+mod tests;

@@ -251,10 +251,11 @@ impl OffsetAllocator {
     ///
     /// Returns `None` when `size_bytes` is 0 (there is no empty allocation), when no free block
     /// is large enough, or when `max_allocations` allocations are live. Uses good fit: it takes
-    /// the first block from the smallest size class whose every block is large enough, then
-    /// (bounded) looks in the request's own class; it may therefore refuse a request that some
-    /// block of that class could hold, but never one `largest_free_bytes` rounded down to its
-    /// class lower bound could hold.
+    /// the first block of the smallest size class whose every block is large enough (the
+    /// request rounded up to a class boundary, at most 1/16 larger), then looks at a few
+    /// blocks of the request's own class. So it always succeeds when some free block is at
+    /// least that rounded size, but may refuse when the only blocks that fit share the
+    /// request's class and are not among the few it looks at.
     #[must_use = "dropping an Allocation leaks its bytes; pass it to OffsetAllocator::free"]
     pub fn allocate(&mut self, size_bytes: u64) -> Option<Allocation> {
         if size_bytes == 0 || self.allocations >= self.max_allocations {
@@ -631,9 +632,8 @@ impl OffsetAllocator {
         self.spare_head = n;
     }
 
-    /// Smallest request size (bytes) that the good-fit search maps to a class above the largest
-    /// free block's, i.e. any failed request of `len` bytes must have a ceil-class lower bound
-    /// above the largest free block. For tests.
+    /// Lower bound (bytes) of the class good fit searches first for `len`: when any free block
+    /// is at least this large, `allocate(len)` must succeed. For tests.
     #[cfg(test)]
     fn good_fit_lower_bound(&self, len: u64) -> u128 {
         let (fl, sl) = bin_ceil(len >> self.align_log2);

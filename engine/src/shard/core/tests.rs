@@ -1,0 +1,248 @@
+//! Property tests of the shard state machine against a model: index, leases, pins, eviction and
+//! the allocator together, with real bytes written through grants and read back through leases.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtide_tiers::dram::Arena;
+use kvtide_tiers::eviction::EvictionPolicy;
+use proptest::prelude::*;
+
+use super::*;
+
+fn core(capacity_bytes: usize, policy: EvictionPolicy) -> ShardCore {
+    let arena = Arena::new(capacity_bytes, 1).expect("arena");
+    let slice = arena.slice(0).expect("slice");
+    let config = ShardConfig {
+        shard: 0,
+        high_watermark_bytes: capacity_bytes as u64,
+        low_watermark_bytes: capacity_bytes as u64 * 9 / 10,
+        policy,
+        align_bytes: 64,
+        max_objects: 10_000,
+        max_leases: 10_000,
+    };
+    ShardCore::new(config, slice, Arc::new(ShardCounters::default())).expect("core")
+}
+
+fn fill(key: u8, version: u32, len: usize) -> Vec<u8> {
+    (0..len).map(|i| key.wrapping_mul(31) ^ (version as u8).wrapping_mul(7) ^ (i as u8)).collect()
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put { key: u8, len_kib: u16, upsert: bool },
+    Read { key: u8 },
+    Hold { key: u8 },
+    Release { which: usize },
+    Remove { key: u8, force: bool },
+    Pin { key: u8 },
+    Unpin { key: u8 },
+    Evict,
+    AbortedPut { key: u8, len_kib: u16 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let key = 0u8..24;
+    prop_oneof![
+        4 => (key.clone(), 0u16..600, any::<bool>()).prop_map(|(key, len_kib, upsert)| Op::Put { key, len_kib, upsert }),
+        3 => key.clone().prop_map(|key| Op::Read { key }),
+        2 => key.clone().prop_map(|key| Op::Hold { key }),
+        2 => (0usize..8).prop_map(|which| Op::Release { which }),
+        1 => (key.clone(), any::<bool>()).prop_map(|(key, force)| Op::Remove { key, force }),
+        1 => key.clone().prop_map(|key| Op::Pin { key }),
+        1 => key.clone().prop_map(|key| Op::Unpin { key }),
+        1 => Just(Op::Evict),
+        1 => (key, 0u16..600).prop_map(|(key, len_kib)| Op::AbortedPut { key, len_kib }),
+    ]
+}
+
+/// What the model knows of a key: its current version and length, and its pin count.
+#[derive(Debug, Clone)]
+struct Known {
+    version: u32,
+    len: usize,
+    pins: u32,
+}
+
+fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
+    let mut shard = core(4 << 20, policy);
+    let mut model: HashMap<u8, Known> = HashMap::new();
+    let mut held: Vec<(u8, u32, ReadGrant)> = Vec::new();
+    let mut version = 0u32;
+    for op in ops {
+        match op {
+            Op::Put { key, len_kib, upsert } => {
+                let len = usize::from(len_kib) * 1024 + usize::from(key);
+                version += 1;
+                match shard.reserve(&[key], len as u64, upsert) {
+                    Ok(grant) => {
+                        let bytes = fill(key, version, len);
+                        // SAFETY: the reservation gives us `len` exclusive bytes at grant.ptr.
+                        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), grant.ptr.as_ptr(), len) };
+                        let had = model.contains_key(&key) && shard.index.contains_key(&[key][..]);
+                        match shard.commit(grant.object, upsert) {
+                            Ok(()) => {
+                                prop_assert!(upsert || !had);
+                                let pins = if had { model.get(&key).map_or(0, |k| k.pins) } else { 0 };
+                                model.insert(key, Known { version, len, pins });
+                            }
+                            Err(Error::AlreadyExists) => prop_assert!(!upsert),
+                            Err(e) => return Err(TestCaseError::fail(format!("commit: {e}"))),
+                        }
+                    }
+                    Err(Error::AlreadyExists) => prop_assert!(!upsert && shard.index.contains_key(&[key][..])),
+                    Err(Error::NoSpace) => {
+                        // Only when pinned + leased + reserved bytes leave no room.
+                        prop_assert!(shard.policy.len() < shard.len() + 1);
+                    }
+                    Err(e) => return Err(TestCaseError::fail(format!("reserve: {e}"))),
+                }
+            }
+            Op::AbortedPut { key, len_kib } => {
+                if let Ok(grant) = shard.reserve(&[key], u64::from(len_kib) * 1024, true) {
+                    shard.abort(grant.object);
+                    shard.abort(grant.object); // duplicate is harmless
+                }
+            }
+            Op::Read { key } | Op::Hold { key } => match shard.lease_read(&[key], None) {
+                Ok(grant) => {
+                    let known = model.get(&key).cloned();
+                    let Some(known) = known else {
+                        return Err(TestCaseError::fail("read a key the model never stored"));
+                    };
+                    prop_assert_eq!(grant.len as usize, known.len);
+                    // SAFETY: the lease keeps `len` bytes at grant.ptr in place.
+                    let got = unsafe { std::slice::from_raw_parts(grant.ptr.as_ptr(), known.len) };
+                    prop_assert!(got == &fill(key, known.version, known.len)[..], "wrong bytes for key {}", key);
+                    if matches!(op, Op::Hold { .. }) {
+                        held.push((key, known.version, grant));
+                    } else {
+                        shard.release(grant.lease);
+                    }
+                }
+                Err(Error::NotFound) => {
+                    // Evicted or never stored; never while pinned.
+                    prop_assert!(model.get(&key).is_none_or(|k| k.pins == 0), "pinned key {} vanished", key);
+                    model.remove(&key);
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("lease: {e}"))),
+            },
+            Op::Release { which } => {
+                if !held.is_empty() {
+                    let (key, version, grant) = held.remove(which % held.len());
+                    // Held bytes stay intact through upserts, removes and eviction pressure.
+                    // SAFETY: still leased until the release below.
+                    let got = unsafe { std::slice::from_raw_parts(grant.ptr.as_ptr(), grant.len as usize) };
+                    prop_assert!(got == &fill(key, version, grant.len as usize)[..], "held bytes changed");
+                    shard.release(grant.lease);
+                    shard.release(grant.lease); // duplicate is harmless
+                }
+            }
+            Op::Remove { key, force } => {
+                let leased = held.iter().any(|(k, v, _)| *k == key && model.get(&key).is_some_and(|m| m.version == *v));
+                let pinned = model.get(&key).is_some_and(|m| m.pins > 0);
+                match shard.remove(&[key], force) {
+                    Ok(()) => {
+                        prop_assert!(force || (!leased && !pinned));
+                        model.remove(&key);
+                    }
+                    Err(Error::Leased) => prop_assert!(!force && leased),
+                    Err(Error::Pinned) => prop_assert!(!force && pinned),
+                    Err(Error::NotFound) => {
+                        prop_assert!(!pinned);
+                        model.remove(&key);
+                    }
+                    Err(e) => return Err(TestCaseError::fail(format!("remove: {e}"))),
+                }
+            }
+            Op::Pin { key } => match shard.pin(&[key]) {
+                Ok(()) => {
+                    let known = model.get_mut(&key).ok_or_else(|| TestCaseError::fail("pinned an unknown key"))?;
+                    known.pins += 1;
+                }
+                Err(Error::NotFound) => {
+                    prop_assert!(model.get(&key).is_none_or(|k| k.pins == 0));
+                    model.remove(&key);
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("pin: {e}"))),
+            },
+            Op::Unpin { key } => match shard.unpin(&[key]) {
+                Ok(()) => {
+                    let known = model.get_mut(&key).ok_or_else(|| TestCaseError::fail("unpinned an unknown key"))?;
+                    prop_assert!(known.pins > 0);
+                    known.pins -= 1;
+                }
+                Err(Error::NotPinned) => prop_assert!(model.get(&key).is_none_or(|k| k.pins == 0)),
+                Err(Error::NotFound) => prop_assert!(model.get(&key).is_none_or(|k| k.pins == 0)),
+                Err(e) => return Err(TestCaseError::fail(format!("unpin: {e}"))),
+            },
+            Op::Evict => {
+                shard.evict_to_low_watermark(8);
+            }
+        }
+        shard.check_invariants().map_err(TestCaseError::fail)?;
+        prop_assert_eq!(shard.leases_held(), held.len());
+        prop_assert!(shard.used_bytes() <= shard.capacity_bytes());
+    }
+    for (_, _, grant) in held.drain(..) {
+        shard.release(grant.lease);
+    }
+    shard.check_invariants().map_err(TestCaseError::fail)?;
+    prop_assert_eq!(shard.leases_held(), 0);
+    prop_assert_eq!(shard.counters.retired_objects.load(RELAXED), 0);
+    prop_assert_eq!(shard.counters.writes_in_flight.load(RELAXED), 0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn shard_matches_model_lru(ops in prop::collection::vec(op(), 1..160)) {
+        run(ops, EvictionPolicy::Lru)?;
+    }
+
+    #[test]
+    fn shard_matches_model_s3fifo(ops in prop::collection::vec(op(), 1..160)) {
+        run(ops, EvictionPolicy::S3Fifo)?;
+    }
+}
+
+#[test]
+fn ttl_leases_expire_and_stale_releases_are_counted() {
+    let mut shard = core(4 << 20, EvictionPolicy::Lru);
+    let grant = shard.reserve(b"k", 10, false).expect("reserve");
+    shard.commit(grant.object, false).expect("commit");
+    let now = Instant::now();
+    let lease = shard.lease_read(b"k", Some(now + Duration::from_millis(5))).expect("lease");
+    assert_eq!(shard.expire_leases(now), 0);
+    assert_eq!(shard.remove(b"k", false), Err(Error::Leased));
+    assert_eq!(shard.expire_leases(now + Duration::from_millis(10)), 1);
+    shard.release(lease.lease);
+    assert_eq!(shard.counters.stale_releases.load(RELAXED), 1);
+    shard.remove(b"k", false).expect("removable");
+    shard.check_invariants().expect("invariants");
+}
+
+#[test]
+fn everything_pinned_fails_fast() {
+    let mut shard = core(4 << 20, EvictionPolicy::S3Fifo);
+    let mut n = 0u32;
+    loop {
+        let key = n.to_le_bytes();
+        match shard.reserve(&key, 256 << 10, false) {
+            Ok(grant) => {
+                shard.commit(grant.object, false).expect("commit");
+                shard.pin(&key).expect("pin");
+                n += 1;
+            }
+            Err(Error::NoSpace) => break,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(n < 100, "a 4 MiB shard cannot hold 100 x 256 KiB");
+    }
+    assert_eq!(shard.len(), n as usize);
+    shard.check_invariants().expect("invariants");
+}
