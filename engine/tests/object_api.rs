@@ -372,3 +372,21 @@ fn config_errors_are_clear() {
     let err = StoreBuilder::new().high_watermark(1.5).open().expect_err("watermark");
     assert!(err.to_string().contains("watermark"), "{err}");
 }
+
+#[test]
+fn shutdown_lets_an_in_flight_ticket_finish() {
+    let store = small_store(64 << 20);
+    let keys: Vec<Vec<u8>> = (0..6).map(|i| format!("sd/{i}").into_bytes()).collect();
+    for key in &keys {
+        store.put(key, &value_for(key, 0, 4 << 20), PutOptions::INSERT).expect("put");
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let dsts: Vec<Vec<Region<'static>>> =
+        (0..6).map(|_| vec![Region::host(Box::leak(vec![0u8; 4 << 20].into_boxed_slice()))]).collect();
+    let ticket = store.submit_batch_get(&refs, dsts).expect("submit");
+    store.shutdown();
+    let results = ticket.wait();
+    assert!(results.iter().all(|r| *r == Ok(4 << 20)), "in-flight work finishes: {results:?}");
+    assert_eq!(store.stats().held_resources().tickets_in_flight, 0);
+    assert_eq!(store.stats().total.leases_held, 0);
+}
