@@ -7,3 +7,4 @@
 
 pub mod dram;
 pub mod eviction;
+pub mod ssd;

@@ -1,0 +1,17 @@
+//! The SSD tier: record format, segment space, recovery scan, the disk I/O trait and its
+//! simulator, and the data directory on a real file system. Sans-I/O: it describes reads and
+//! writes; the shard loop executes them on io_uring or on the simulator.
+
+pub mod disk;
+pub mod files;
+pub mod record;
+pub mod recovery;
+pub mod segments;
+pub mod sim;
+
+pub use disk::{DiskCompletion, DiskIo, DiskOp, DiskOpKind, FileId};
+pub use files::{DataDir, DataDirError, ShardFiles};
+pub use record::{RecordError, RecordKind, BLOCK_BYTES};
+pub use recovery::{scan_segment, Discarded, FoundRecord, SegmentScan};
+pub use segments::{Append, AppendError, SegmentTable, SsdLocation};
+pub use sim::{SimDisk, SimFaults, SimRng};

@@ -1,0 +1,250 @@
+//! A shard's segment table: which segment files are free, open for appends or sealed, their
+//! epochs, write pointers and who still uses them.
+//!
+//! Owns space on the SSD: appends go to the one open segment, full segments are sealed in FIFO
+//! order, and the oldest sealed segment is reclaimed when space runs out. It never hands out a
+//! segment for reuse while a read, a write or a sync can still touch it.
+
+use std::collections::VecDeque;
+
+use super::record::BLOCK_BYTES;
+
+/// Where a record lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SsdLocation {
+    pub segment: u32,
+    pub offset: u64,
+    pub record_bytes: u64,
+    pub epoch: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentState {
+    Free,
+    Open,
+    Sealed,
+}
+
+#[derive(Clone, Debug)]
+pub struct Segment {
+    pub state: SegmentState,
+    pub epoch: u64,
+    pub write_offset: u64,
+    pub live_bytes: u64,
+    pub readers: u32,
+    pub writes_in_flight: u32,
+    /// Writes completed since the last sync was submitted.
+    pub unsynced_writes: u32,
+    pub sync_in_flight: bool,
+    /// The segment header of the current epoch is durable.
+    pub header_durable: bool,
+}
+
+impl Segment {
+    fn free() -> Segment {
+        Segment {
+            state: SegmentState::Free,
+            epoch: 0,
+            write_offset: 0,
+            live_bytes: 0,
+            readers: 0,
+            writes_in_flight: 0,
+            unsynced_writes: 0,
+            sync_in_flight: false,
+            header_durable: false,
+        }
+    }
+
+    /// Nothing can touch the segment's bytes any more.
+    pub fn quiescent(&self) -> bool {
+        self.readers == 0 && self.writes_in_flight == 0 && !self.sync_in_flight
+    }
+}
+
+/// Why an append could not be placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AppendError {
+    /// The record is larger than a segment can hold.
+    TooLarge,
+    /// Every segment is in use: reclaim the oldest sealed one first.
+    Full,
+}
+
+/// A placed append. When `opens_segment` is set, the caller must also write the segment header
+/// (epoch `location.epoch`) at offset 0 of `location.segment`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Append {
+    pub location: SsdLocation,
+    pub opens_segment: bool,
+}
+
+/// See the module comment.
+#[derive(Debug)]
+pub struct SegmentTable {
+    segments: Vec<Segment>,
+    segment_bytes: u64,
+    open: Option<u32>,
+    sealed: VecDeque<u32>,
+    next_epoch: u64,
+}
+
+impl SegmentTable {
+    /// `count` free segments of `segment_bytes` (a multiple of 4 KiB, at least two blocks).
+    pub fn new(count: u32, segment_bytes: u64) -> SegmentTable {
+        SegmentTable {
+            segments: (0..count).map(|_| Segment::free()).collect(),
+            segment_bytes,
+            open: None,
+            sealed: VecDeque::new(),
+            next_epoch: 1,
+        }
+    }
+
+    /// Marks recovered segments sealed (oldest epoch first) with their valid lengths.
+    /// `recovered` is (segment, epoch, valid_end_bytes).
+    pub fn restore(&mut self, mut recovered: Vec<(u32, u64, u64)>) {
+        recovered.sort_by_key(|&(_, epoch, _)| epoch);
+        for (segment, epoch, end) in recovered {
+            if let Some(s) = self.segments.get_mut(segment as usize) {
+                s.state = SegmentState::Sealed;
+                s.epoch = epoch;
+                s.write_offset = end;
+                s.header_durable = true;
+                self.sealed.push_back(segment);
+                self.next_epoch = self.next_epoch.max(epoch + 1);
+            }
+        }
+    }
+
+    /// Largest record that fits a segment (after its header block).
+    pub fn max_record_bytes(&self) -> u64 {
+        self.segment_bytes.saturating_sub(BLOCK_BYTES)
+    }
+
+    /// Places a record of `record_bytes`.
+    pub fn append(&mut self, record_bytes: u64) -> Result<Append, AppendError> {
+        if record_bytes > self.max_record_bytes() || record_bytes == 0 {
+            return Err(AppendError::TooLarge);
+        }
+        if let Some(open) = self.open {
+            let s = &mut self.segments[open as usize];
+            if s.write_offset + record_bytes <= self.segment_bytes {
+                let location = SsdLocation { segment: open, offset: s.write_offset, record_bytes, epoch: s.epoch };
+                s.write_offset += record_bytes;
+                return Ok(Append { location, opens_segment: false });
+            }
+            s.state = SegmentState::Sealed;
+            self.sealed.push_back(open);
+            self.open = None;
+        }
+        let free = self.segments.iter().position(|s| s.state == SegmentState::Free).ok_or(AppendError::Full)?;
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        let s = &mut self.segments[free];
+        *s = Segment { state: SegmentState::Open, epoch, write_offset: BLOCK_BYTES + record_bytes, ..Segment::free() };
+        self.open = Some(free as u32);
+        let location = SsdLocation { segment: free as u32, offset: BLOCK_BYTES, record_bytes, epoch };
+        Ok(Append { location, opens_segment: true })
+    }
+
+    /// The oldest sealed segment, if nothing can still touch it and no newer segment's header
+    /// is still unsynced (so a crash cannot bring this one's old contents back while the newer
+    /// records that supersede them are lost).
+    pub fn reclaim_candidate(&self) -> Option<u32> {
+        let oldest = *self.sealed.front()?;
+        let headers_durable = self.segments.iter().all(|s| s.state == SegmentState::Free || s.header_durable);
+        (self.segments[oldest as usize].quiescent() && headers_durable).then_some(oldest)
+    }
+
+    /// The oldest sealed segment, whether or not it can be reclaimed yet.
+    pub fn oldest_sealed(&self) -> Option<u32> {
+        self.sealed.front().copied()
+    }
+
+    /// Frees a segment returned by `reclaim_candidate` (the caller dropped its index entries).
+    pub fn reclaim(&mut self, segment: u32) -> bool {
+        if self.reclaim_candidate() != Some(segment) {
+            return false;
+        }
+        self.sealed.pop_front();
+        self.segments[segment as usize] = Segment::free();
+        true
+    }
+
+    pub fn get(&self, segment: u32) -> Option<&Segment> {
+        self.segments.get(segment as usize)
+    }
+
+    pub fn get_mut(&mut self, segment: u32) -> Option<&mut Segment> {
+        self.segments.get_mut(segment as usize)
+    }
+
+    /// Whether `location` still names a record of the segment's current life.
+    pub fn is_current(&self, location: &SsdLocation) -> bool {
+        self.get(location.segment).is_some_and(|s| s.state != SegmentState::Free && s.epoch == location.epoch)
+    }
+
+    pub fn count(&self) -> u32 {
+        self.segments.len() as u32
+    }
+
+    pub fn segment_bytes(&self) -> u64 {
+        self.segment_bytes
+    }
+
+    /// Segments with completed writes waiting for a sync and none in flight.
+    pub fn needing_sync(&self) -> impl Iterator<Item = u32> + '_ {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.unsynced_writes > 0 && !s.sync_in_flight)
+            .map(|(i, _)| i as u32)
+    }
+
+    /// Bytes written into non-free segments.
+    pub fn used_bytes(&self) -> u64 {
+        self.segments.iter().filter(|s| s.state != SegmentState::Free).map(|s| s.write_offset).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appends_fill_segments_in_order_and_reclaim_oldest_first() {
+        let mut t = SegmentTable::new(2, 4 * BLOCK_BYTES);
+        let a = t.append(BLOCK_BYTES).expect("a");
+        assert!(a.opens_segment);
+        assert_eq!((a.location.segment, a.location.offset, a.location.epoch), (0, BLOCK_BYTES, 1));
+        let b = t.append(2 * BLOCK_BYTES).expect("b");
+        assert!(!b.opens_segment);
+        let c = t.append(2 * BLOCK_BYTES).expect("c opens segment 1");
+        assert_eq!((c.location.segment, c.location.epoch), (1, 2));
+        assert_eq!(t.append(3 * BLOCK_BYTES), Err(AppendError::Full));
+        assert_eq!(t.append(4 * BLOCK_BYTES), Err(AppendError::TooLarge));
+        // Headers not yet durable: no reclaim.
+        assert_eq!(t.reclaim_candidate(), None);
+        for s in 0..2 {
+            t.get_mut(s).expect("seg").header_durable = true;
+        }
+        // A reader pins segment 0.
+        t.get_mut(0).expect("seg").readers = 1;
+        assert_eq!(t.reclaim_candidate(), None);
+        t.get_mut(0).expect("seg").readers = 0;
+        assert_eq!(t.reclaim_candidate(), Some(0));
+        assert!(t.reclaim(0));
+        assert!(!t.is_current(&a.location));
+        let d = t.append(3 * BLOCK_BYTES).expect("d reuses segment 0");
+        assert_eq!((d.location.segment, d.location.epoch, d.opens_segment), (0, 3, true));
+    }
+
+    #[test]
+    fn restore_orders_by_epoch() {
+        let mut t = SegmentTable::new(3, 8 * BLOCK_BYTES);
+        t.restore(vec![(2, 5, 3 * BLOCK_BYTES), (0, 9, 2 * BLOCK_BYTES)]);
+        assert_eq!(t.oldest_sealed(), Some(2));
+        let a = t.append(BLOCK_BYTES).expect("append");
+        assert_eq!((a.location.segment, a.location.epoch), (1, 10));
+    }
+}
