@@ -44,6 +44,21 @@ pub struct StoreBuilder {
     pub max_objects_per_shard: u32,
     /// Leases per shard. Default 1 Mi.
     pub max_leases_per_shard: u32,
+    /// Directory of the SSD tier. None (default): DRAM only.
+    pub ssd_dir: Option<std::path::PathBuf>,
+    /// SSD tier capacity. Default 8 GiB.
+    #[serde(deserialize_with = "de_bytes")]
+    pub ssd_bytes: u64,
+    /// Segment file size. Default 64 MiB (smaller when the tier is small).
+    #[serde(deserialize_with = "de_bytes")]
+    pub ssd_segment_bytes: u64,
+    /// Acknowledge puts only once they are durable on SSD. Default false (write-back on eviction).
+    pub write_through: bool,
+    /// SSD loads in flight per shard, in bytes; more wait. Default 64 MiB.
+    #[serde(deserialize_with = "de_bytes")]
+    pub restore_budget_bytes: u64,
+    /// Keep objects read from SSD in DRAM. Default true.
+    pub promote_on_hit: bool,
 }
 
 impl Default for StoreBuilder {
@@ -55,7 +70,7 @@ impl Default for StoreBuilder {
             max_value_bytes: None,
             high_watermark: 0.95,
             low_watermark: 0.85,
-            eviction: "lru".into(),
+            eviction: "s3fifo".into(),
             idle_spin_us: 50,
             pin_threads: true,
             register_fixed_buffers: true,
@@ -63,6 +78,12 @@ impl Default for StoreBuilder {
             max_tickets_in_flight: 1024,
             max_objects_per_shard: 1 << 20,
             max_leases_per_shard: 1 << 20,
+            ssd_dir: None,
+            ssd_bytes: 8 << 30,
+            ssd_segment_bytes: 64 << 20,
+            write_through: false,
+            restore_budget_bytes: 64 << 20,
+            promote_on_hit: true,
         }
     }
 }
@@ -84,6 +105,18 @@ pub(crate) struct EngineConfig {
     pub(crate) max_tickets_in_flight: usize,
     pub(crate) max_objects_per_shard: u32,
     pub(crate) max_leases_per_shard: u32,
+    pub(crate) ssd: Option<SsdSettings>,
+}
+
+/// The SSD tier's derived settings.
+#[derive(Clone, Debug)]
+pub(crate) struct SsdSettings {
+    pub(crate) dir: std::path::PathBuf,
+    pub(crate) bytes: u64,
+    pub(crate) segment_bytes: u64,
+    pub(crate) write_through: bool,
+    pub(crate) restore_budget_bytes: u64,
+    pub(crate) promote_on_hit: bool,
 }
 
 macro_rules! setter {
@@ -128,6 +161,22 @@ impl StoreBuilder {
         max_objects_per_shard: u32);
     setter!(/// Leases per shard.
         max_leases_per_shard: u32);
+    setter!(/// SSD tier capacity in bytes.
+        ssd_bytes: u64);
+    setter!(/// SSD segment file size in bytes.
+        ssd_segment_bytes: u64);
+    setter!(/// Acknowledge puts once durable on SSD.
+        write_through: bool);
+    setter!(/// SSD load bytes in flight per shard.
+        restore_budget_bytes: u64);
+    setter!(/// Keep objects read from SSD in DRAM.
+        promote_on_hit: bool);
+
+    /// Enables the SSD tier in `dir`.
+    pub fn ssd_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.ssd_dir = Some(dir.into());
+        self
+    }
 
     /// Eviction policy.
     pub fn eviction(mut self, policy: EvictionPolicy) -> Self {
@@ -217,7 +266,27 @@ impl StoreBuilder {
         if self.dram_bytes > isize::MAX as u64 {
             return err(format!("dram_bytes = {} does not fit this address space", self.dram_bytes));
         }
+        let ssd = match &self.ssd_dir {
+            None => None,
+            Some(dir) => {
+                if self.ssd_bytes == 0 || self.restore_budget_bytes == 0 {
+                    return err("ssd_bytes and restore_budget_bytes must be positive".into());
+                }
+                // Small tiers get smaller segments so each shard still has a few to rotate.
+                let per_shard = self.ssd_bytes / shards as u64;
+                let segment_bytes = self.ssd_segment_bytes.min((per_shard / 4) / 4096 * 4096).max(64 << 10);
+                Some(SsdSettings {
+                    dir: dir.clone(),
+                    bytes: self.ssd_bytes,
+                    segment_bytes,
+                    write_through: self.write_through,
+                    restore_budget_bytes: self.restore_budget_bytes,
+                    promote_on_hit: self.promote_on_hit,
+                })
+            }
+        };
         Ok(EngineConfig {
+            ssd,
             shards,
             dram_bytes: self.dram_bytes,
             max_key_bytes: self.max_key_bytes,

@@ -11,11 +11,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use kvtide_tiers::dram::{Arena, PageBacking};
+use kvtide_tiers::ssd::DataDir;
 use kvtide_transport::{copy_regions, MemoryKind, Region};
 
 use crate::api::{Fragment, PutOptions, Store};
 use crate::config::EngineConfig;
 use crate::error::{Error, OpenError, Result};
+use crate::shard::core::{RecoveryReport, SsdConfig};
 use crate::shard::{
     spawn_shard, LeaseId, ObjectRef, ReadGrant, Request, RuntimeConfig, ShardConfig, ShardCore, ShardThread, WriteGrant,
 };
@@ -40,6 +42,7 @@ pub struct Engine {
     max_value_bytes: u64,
     tickets_in_flight: Arc<AtomicU64>,
     shutting_down: AtomicBool,
+    recovery: Vec<RecoveryReport>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -54,6 +57,11 @@ impl Engine {
         let slice_bytes = arena.slice_bytes() as u64;
         let max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
         let cpus = crate::shard::allowed_cpus();
+        let data_dir = match &config.ssd {
+            Some(ssd) => Some(DataDir::open(&ssd.dir, ssd.bytes, config.shards, ssd.segment_bytes)?),
+            None => None,
+        };
+        let mut recovery = Vec::with_capacity(config.shards);
         let mut shards = Vec::with_capacity(config.shards);
         let mut joins = Vec::with_capacity(config.shards);
         for index in 0..config.shards {
@@ -70,15 +78,30 @@ impl Engine {
                 max_leases: config.max_leases_per_shard,
             };
             let counters = Arc::new(ShardCounters::default());
-            let core = ShardCore::new(shard_config, slice.clone(), counters)?;
+            let (ssd_config, files) = match (&data_dir, &config.ssd) {
+                (Some(dir), Some(ssd)) => (
+                    Some(SsdConfig {
+                        segments: dir.segments_per_shard,
+                        segment_bytes: dir.segment_bytes,
+                        write_through: ssd.write_through,
+                        restore_budget_bytes: ssd.restore_budget_bytes,
+                        promote_on_hit: ssd.promote_on_hit,
+                    }),
+                    Some(dir.open_shard(index)?),
+                ),
+                _ => (None, None),
+            };
+            let core_slice = slice.clone();
+            let core_counters = Arc::clone(&counters);
+            let make_core = move || ShardCore::with_ssd(shard_config, core_slice, core_counters, ssd_config);
             let runtime = RuntimeConfig {
                 ring_entries: config.ring_entries,
                 idle_spin: config.idle_spin,
                 pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
                 register_fixed_buffers: config.register_fixed_buffers,
             };
-            let mut thread =
-                spawn_shard(index, core, slice, runtime).map_err(|source| OpenError::Shard { shard: index, source })?;
+            let (mut thread, report) = spawn_shard(index, make_core, counters, slice, files, runtime)?;
+            recovery.push(report);
             if let Some(join) = thread.join.take() {
                 joins.push(join);
             }
@@ -98,7 +121,13 @@ impl Engine {
             max_value_bytes,
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
             shutting_down: AtomicBool::new(false),
+            recovery,
         })
+    }
+
+    /// What each shard's SSD recovery found at open (empty reports without an SSD tier).
+    pub fn recovery_reports(&self) -> &[RecoveryReport] {
+        &self.recovery
     }
 
     /// Number of shards.

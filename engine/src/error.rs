@@ -23,6 +23,10 @@ pub enum Error {
     BufferTooSmall { object_bytes: u64, buffer_bytes: u64 },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error("corrupted on SSD: {0} (the object was dropped)")]
+    Corrupted(String),
+    #[error("I/O error: {0}")]
+    Io(String),
     #[error("the explicit lease passed its TTL; its bytes may have been reused")]
     LeaseExpired,
     #[error("object is leased by an in-flight read (pass force to remove it anyway)")]
@@ -66,6 +70,8 @@ pub enum OpenError {
     Arena(#[from] kvtide_tiers::dram::ArenaError),
     #[error(transparent)]
     Alloc(#[from] kvtide_tiers::dram::AllocError),
+    #[error(transparent)]
+    DataDir(#[from] kvtide_tiers::ssd::DataDirError),
     #[error("could not start shard {shard}: {source}")]
     Shard { shard: usize, source: std::io::Error },
 }

@@ -28,6 +28,25 @@ pub struct ShardCounters {
     pub requests: AtomicU64,
     pub wakeups: AtomicU64,
     pub parks: AtomicU64,
+    pub dram_objects: AtomicU64,
+    pub ssd_objects: AtomicU64,
+    pub ssd_bytes: AtomicU64,
+    pub demotions: AtomicU64,
+    pub loads: AtomicU64,
+    pub promotions: AtomicU64,
+    pub ssd_read_bytes: AtomicU64,
+    pub ssd_write_bytes: AtomicU64,
+    pub syncs: AtomicU64,
+    pub corrupted: AtomicU64,
+    pub io_errors: AtomicU64,
+    pub short_io: AtomicU64,
+    pub tombstones: AtomicU64,
+    pub tombstones_skipped: AtomicU64,
+    pub segments_reclaimed: AtomicU64,
+    pub ssd_evictions: AtomicU64,
+    pub restore_waits: AtomicU64,
+    pub recovered_objects: AtomicU64,
+    pub recovery_discarded: AtomicU64,
     pub fixed_buffers_registered: AtomicBool,
 }
 
@@ -55,6 +74,25 @@ pub struct ShardStats {
     pub requests: u64,
     pub wakeups: u64,
     pub parks: u64,
+    pub dram_objects: u64,
+    pub ssd_objects: u64,
+    pub ssd_bytes: u64,
+    pub demotions: u64,
+    pub loads: u64,
+    pub promotions: u64,
+    pub ssd_read_bytes: u64,
+    pub ssd_write_bytes: u64,
+    pub syncs: u64,
+    pub corrupted: u64,
+    pub io_errors: u64,
+    pub short_io: u64,
+    pub tombstones: u64,
+    pub tombstones_skipped: u64,
+    pub segments_reclaimed: u64,
+    pub ssd_evictions: u64,
+    pub restore_waits: u64,
+    pub recovered_objects: u64,
+    pub recovery_discarded: u64,
     pub fixed_buffers_registered: bool,
 }
 
@@ -84,6 +122,25 @@ impl ShardCounters {
             requests: r(&self.requests),
             wakeups: r(&self.wakeups),
             parks: r(&self.parks),
+            dram_objects: r(&self.dram_objects),
+            ssd_objects: r(&self.ssd_objects),
+            ssd_bytes: r(&self.ssd_bytes),
+            demotions: r(&self.demotions),
+            loads: r(&self.loads),
+            promotions: r(&self.promotions),
+            ssd_read_bytes: r(&self.ssd_read_bytes),
+            ssd_write_bytes: r(&self.ssd_write_bytes),
+            syncs: r(&self.syncs),
+            corrupted: r(&self.corrupted),
+            io_errors: r(&self.io_errors),
+            short_io: r(&self.short_io),
+            tombstones: r(&self.tombstones),
+            tombstones_skipped: r(&self.tombstones_skipped),
+            segments_reclaimed: r(&self.segments_reclaimed),
+            ssd_evictions: r(&self.ssd_evictions),
+            restore_waits: r(&self.restore_waits),
+            recovered_objects: r(&self.recovered_objects),
+            recovery_discarded: r(&self.recovery_discarded),
             fixed_buffers_registered: self.fixed_buffers_registered.load(Ordering::Relaxed),
         }
     }
@@ -128,6 +185,25 @@ impl Stats {
             t.requests += s.requests;
             t.wakeups += s.wakeups;
             t.parks += s.parks;
+            t.dram_objects += s.dram_objects;
+            t.ssd_objects += s.ssd_objects;
+            t.ssd_bytes += s.ssd_bytes;
+            t.demotions += s.demotions;
+            t.loads += s.loads;
+            t.promotions += s.promotions;
+            t.ssd_read_bytes += s.ssd_read_bytes;
+            t.ssd_write_bytes += s.ssd_write_bytes;
+            t.syncs += s.syncs;
+            t.corrupted += s.corrupted;
+            t.io_errors += s.io_errors;
+            t.short_io += s.short_io;
+            t.tombstones += s.tombstones;
+            t.tombstones_skipped += s.tombstones_skipped;
+            t.segments_reclaimed += s.segments_reclaimed;
+            t.ssd_evictions += s.ssd_evictions;
+            t.restore_waits += s.restore_waits;
+            t.recovered_objects += s.recovered_objects;
+            t.recovery_discarded += s.recovery_discarded;
             t.fixed_buffers_registered &= s.fixed_buffers_registered;
         }
         Stats { total: t, shards, ..Stats::default() }

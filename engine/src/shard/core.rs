@@ -1,24 +1,39 @@
-//! One shard's state machine: its index, objects, arena slice allocator, eviction policy and
-//! lease table.
+//! One shard's state machine: its index, objects, arena slice allocator, eviction policy, lease
+//! table and (when configured) its SSD tier.
 //!
-//! Pure and synchronous: no threads, no I/O, no clocks of its own (callers pass `now`), so the
-//! property tests drive it directly and the shard loop is only plumbing around it. It never copies
-//! object bytes (callers copy under the leases it grants) and it never frees memory a lease,
-//! a pin or an unfinished write can still reach.
+//! Sans-I/O: no threads, no syscalls, no clocks of its own (callers pass `now`). Disk work leaves
+//! as `DiskOp`s through `take_disk_ops` and comes back through `on_disk_completion`, so the shard
+//! loop runs it on io_uring and the tests run it on the simulator, with the same code. Requests
+//! that must wait (an SSD load, room freed by a demotion, a durable write) finish later through
+//! their `Done` callback. It never copies object bytes for callers (they copy under the leases it
+//! grants) and never frees memory that a lease, a pin, an unfinished write or an in-flight I/O can
+//! still reach.
+
+mod ssd;
+#[cfg(test)]
+mod tests;
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvtide_tiers::dram::{Allocation, ArenaSlice, OffsetAllocator};
 use kvtide_tiers::eviction::{EntryId, Eviction, EvictionPolicy};
+use kvtide_tiers::ssd::record::{self, HEADER_BYTES};
+use kvtide_tiers::ssd::SsdLocation;
 use slab::Slab;
 use xxhash_rust::xxh3::Xxh3Builder;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, OpenError, Result};
 use crate::stats::ShardCounters;
+
+use ssd::SsdState;
+pub use ssd::{RecoveryReport, SsdConfig};
+
+/// Called once with a request's results, possibly after disk I/O.
+pub type Done<T> = Box<dyn FnOnce(T)>;
 
 /// Identifies one object version in a shard; the generation makes stale references harmless.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -64,7 +79,7 @@ enum ObjectState {
     Reserved,
     /// Visible through the index.
     Live,
-    /// Unlinked (replaced or force-removed); freed when its last lease goes.
+    /// Unlinked (replaced or removed); freed when its last lease and I/O are gone.
     Retired,
 }
 
@@ -72,11 +87,34 @@ struct Object {
     key: Box<[u8]>,
     key_hash: u64,
     generation: u32,
-    allocation: Option<Allocation>,
+    /// Order of versions on disk: recovery keeps the highest.
+    seq: u64,
+    /// DRAM copy. With an SSD tier it holds a whole record image (header, key, value).
+    dram: Option<Allocation>,
+    /// Where the value starts inside `dram`.
+    value_offset: u64,
+    /// SSD copy, once its write completed.
+    ssd: Option<SsdLocation>,
     len: u64,
     leases: u32,
     pins: u32,
+    /// In-flight writes reading `dram`, or a load filling it.
+    io_refs: u32,
+    /// Loaded without promotion: the DRAM copy goes when the last reader does.
+    transient: bool,
+    /// The in-flight SSD load filling this object's DRAM copy (readers join it).
+    loading: Option<usize>,
     state: ObjectState,
+}
+
+impl Object {
+    fn evictable(&self) -> bool {
+        self.leases == 0
+            && self.io_refs == 0
+            && self.pins == 0
+            && self.dram.is_some()
+            && self.state == ObjectState::Live
+    }
 }
 
 struct Lease {
@@ -96,6 +134,35 @@ pub struct ShardConfig {
     pub max_leases: u32,
 }
 
+/// A batch read waiting for SSD loads.
+struct PendingRead {
+    results: Vec<Option<Result<ReadGrant>>>,
+    keys: Vec<Box<[u8]>>,
+    deadline: Option<Instant>,
+    remaining: usize,
+    done: Option<Done<Vec<Result<ReadGrant>>>>,
+}
+
+/// A batch reservation waiting for room.
+struct PendingReserve {
+    results: Vec<Option<Result<WriteGrant>>>,
+    remaining: usize,
+    done: Option<Done<Vec<Result<WriteGrant>>>>,
+}
+
+/// A batch commit waiting for its write-through records to be durable.
+struct PendingCommit {
+    results: Vec<Option<Result<()>>>,
+    remaining: usize,
+    done: Option<Done<Vec<Result<()>>>>,
+}
+
+/// Work parked until memory frees up, retried in arrival order.
+enum Waiter {
+    Reserve { pending: usize, slot: usize, key: Box<[u8]>, len: u64, upsert: bool },
+    Load { pending: usize, slot: usize },
+}
+
 /// The shard's state. See the module comment.
 pub struct ShardCore {
     config: ShardConfig,
@@ -107,19 +174,47 @@ pub struct ShardCore {
     leases: Slab<Lease>,
     lease_deadlines: BinaryHeap<Reverse<(Instant, LeaseId)>>,
     next_generation: u32,
+    next_seq: u64,
     counters: Arc<ShardCounters>,
+    ssd: Option<SsdState>,
+    pending_reads: Slab<PendingRead>,
+    pending_reserves: Slab<PendingReserve>,
+    pending_commits: Slab<PendingCommit>,
+    waiters: VecDeque<Waiter>,
+    /// DRAM bytes that in-flight demotions will free.
+    demoting_bytes: u64,
+    retrying: bool,
 }
 
 impl ShardCore {
-    /// A shard over `slice`, publishing counters to `counters`.
-    pub fn new(
-        config: ShardConfig,
+    /// A DRAM-only shard over `slice`, publishing counters to `counters`.
+    pub fn new(config: ShardConfig, slice: ArenaSlice, counters: Arc<ShardCounters>) -> Result<Self, OpenError> {
+        Self::with_ssd(config, slice, counters, None)
+    }
+
+    /// A shard with an SSD tier when `ssd` is given (call `recover` before serving).
+    pub fn with_ssd(
+        mut config: ShardConfig,
         slice: ArenaSlice,
         counters: Arc<ShardCounters>,
-    ) -> Result<Self, kvtide_tiers::dram::AllocError> {
+        ssd: Option<SsdConfig>,
+    ) -> Result<Self, OpenError> {
         let capacity = slice.len_bytes() as u64;
-        let allocator = OffsetAllocator::new(capacity, config.align_bytes, config.max_objects)?;
-        counters.capacity_bytes.store(allocator.capacity_bytes(), std::sync::atomic::Ordering::Relaxed);
+        if ssd.is_some() {
+            // Objects are record images written and read with O_DIRECT straight from DRAM.
+            config.align_bytes = config.align_bytes.max(record::BLOCK_BYTES);
+        }
+        let mut allocator = OffsetAllocator::new(capacity, config.align_bytes, config.max_objects)?;
+        let ssd = match ssd {
+            Some(c) => Some(SsdState::new(c, &mut allocator).ok_or_else(|| {
+                OpenError::Config(format!(
+                    "a {capacity}-byte arena slice cannot hold the SSD tier's scratch blocks; raise dram_bytes"
+                ))
+            })?),
+            None => None,
+        };
+        counters.capacity_bytes.store(allocator.capacity_bytes(), RELAXED);
+        counters.bytes_used.store(allocator.used_bytes(), RELAXED);
         Ok(ShardCore {
             policy: config.policy.build(capacity),
             config,
@@ -130,7 +225,15 @@ impl ShardCore {
             leases: Slab::new(),
             lease_deadlines: BinaryHeap::new(),
             next_generation: 1,
+            next_seq: 1,
             counters,
+            ssd,
+            pending_reads: Slab::new(),
+            pending_reserves: Slab::new(),
+            pending_commits: Slab::new(),
+            waiters: VecDeque::new(),
+            demoting_bytes: 0,
+            retrying: false,
         })
     }
 
@@ -144,22 +247,84 @@ impl ShardCore {
         self.allocator.capacity_bytes()
     }
 
+    /// True when the shard has an SSD tier.
+    pub fn has_ssd(&self) -> bool {
+        self.ssd.is_some()
+    }
+
     // ---- reads ------------------------------------------------------------------------------
 
-    /// Leases `key` for reading. `deadline` is the TTL backstop for explicit leases (None for the
-    /// RAII leases of a running copy).
-    pub fn lease_read(&mut self, key: &[u8], deadline: Option<Instant>) -> Result<ReadGrant> {
-        let Some(&id) = self.index.get(key) else {
-            self.counters.misses.fetch_add(1, RELAXED);
-            return Err(Error::NotFound);
+    /// Leases each key for reading; SSD-resident keys are loaded first. `deadline` is the TTL
+    /// backstop for explicit leases (None for the RAII leases of a running copy).
+    pub fn lease_read_batch(
+        &mut self,
+        keys: Vec<Box<[u8]>>,
+        deadline: Option<Instant>,
+        done: Done<Vec<Result<ReadGrant>>>,
+    ) {
+        let n = keys.len();
+        let pending = self.pending_reads.insert(PendingRead {
+            results: (0..n).map(|_| None).collect(),
+            keys,
+            deadline,
+            remaining: n,
+            done: Some(done),
+        });
+        for slot in 0..n {
+            if !self.start_read(pending, slot) {
+                self.waiters.push_back(Waiter::Load { pending, slot });
+            }
+        }
+        self.finish_read_if_done(pending);
+    }
+
+    /// Tries slot `slot` of a pending read: a DRAM hit resolves it now, an SSD object starts or
+    /// joins a load, a miss resolves it as NotFound. False when it must wait for memory.
+    fn start_read(&mut self, pending: usize, slot: usize) -> bool {
+        let (key, deadline) = match self.pending_reads.get(pending) {
+            Some(p) => (p.keys[slot].clone(), p.deadline),
+            None => return true,
         };
+        let Some(&id) = self.index.get(&key) else {
+            self.counters.misses.fetch_add(1, RELAXED);
+            self.resolve_read(pending, slot, Err(Error::NotFound));
+            return true;
+        };
+        if self.objects[id as usize].dram.is_some() {
+            let result = self.grant_lease(id, deadline);
+            self.resolve_read(pending, slot, result);
+            return true;
+        }
+        self.load_for_read(id, pending, slot)
+    }
+
+    fn resolve_read(&mut self, pending: usize, slot: usize, result: Result<ReadGrant>) {
+        if let Some(p) = self.pending_reads.get_mut(pending) {
+            if p.results[slot].is_none() {
+                p.results[slot] = Some(result);
+                p.remaining -= 1;
+            }
+        }
+    }
+
+    fn finish_read_if_done(&mut self, pending: usize) {
+        if self.pending_reads.get(pending).is_some_and(|p| p.remaining == 0) {
+            let mut p = self.pending_reads.remove(pending);
+            let results =
+                p.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("read slot unresolved")))).collect();
+            if let Some(done) = p.done.take() {
+                done(results);
+            }
+        }
+    }
+
+    /// Leases a DRAM-resident live object.
+    fn grant_lease(&mut self, id: u32, deadline: Option<Instant>) -> Result<ReadGrant> {
         if self.leases.len() >= self.config.max_leases as usize {
             return Err(Error::Busy { limit: self.config.max_leases as usize });
         }
-        let (ptr, len) = {
-            let object = &self.objects[id as usize];
-            (self.object_ptr(object)?, object.len)
-        };
+        let ptr = self.value_ptr(id)?;
+        let len = self.objects[id as usize].len;
         let lease = self.add_lease(id);
         if let Some(deadline) = deadline {
             self.lease_deadlines.push(Reverse((deadline, lease)));
@@ -179,11 +344,26 @@ impl ShardCore {
         }
         let entry = self.leases.remove(lease.slot as usize);
         self.counters.leases_held.fetch_sub(1, RELAXED);
-        let object = &mut self.objects[entry.object as usize];
+        let id = entry.object;
+        let object = &mut self.objects[id as usize];
         debug_assert!(object.leases > 0, "lease count underflow");
         object.leases -= 1;
-        if object.leases == 0 && object.state == ObjectState::Retired {
-            self.free_object(entry.object);
+        if object.leases == 0 {
+            self.after_last_use(id);
+        }
+    }
+
+    /// An object nobody reads or writes any more: free it if retired, drop its DRAM copy if it
+    /// was only loaded for this read.
+    fn after_last_use(&mut self, id: u32) {
+        let object = &self.objects[id as usize];
+        if object.leases > 0 || object.io_refs > 0 {
+            return;
+        }
+        if object.state == ObjectState::Retired {
+            self.free_object(id);
+        } else if object.transient && object.ssd.is_some() {
+            self.drop_dram(id);
         }
     }
 
@@ -209,7 +389,7 @@ impl ShardCore {
         self.lease_deadlines.peek().map(|Reverse((deadline, _))| *deadline)
     }
 
-    /// True if `key` is present (and counts a hit or miss).
+    /// True if `key` is present in any tier (and counts a hit or miss).
     pub fn exists(&mut self, key: &[u8]) -> bool {
         let found = self.index.contains_key(key);
         let counter = if found { &self.counters.hits } else { &self.counters.misses };
@@ -219,24 +399,59 @@ impl ShardCore {
 
     // ---- writes -----------------------------------------------------------------------------
 
-    /// Allocates `len` bytes for a new version of `key`, evicting as needed. The object stays
-    /// invisible until `commit`.
-    pub fn reserve(&mut self, key: &[u8], len: u64, upsert: bool) -> Result<WriteGrant> {
+    /// Allocates room for new versions of keys, evicting (and demoting) as needed. Objects stay
+    /// invisible until committed. Items that must wait for demotions finish later.
+    pub fn reserve_batch(&mut self, items: Vec<(Box<[u8]>, u64)>, upsert: bool, done: Done<Vec<Result<WriteGrant>>>) {
+        let n = items.len();
+        let pending = self.pending_reserves.insert(PendingReserve {
+            results: (0..n).map(|_| None).collect(),
+            remaining: n,
+            done: Some(done),
+        });
+        for (slot, (key, len)) in items.into_iter().enumerate() {
+            match self.try_reserve(&key, len, upsert) {
+                Ok(Some(grant)) => self.resolve_reserve(pending, slot, Ok(grant)),
+                Ok(None) => self.waiters.push_back(Waiter::Reserve { pending, slot, key, len, upsert }),
+                Err(e) => self.resolve_reserve(pending, slot, Err(e)),
+            }
+        }
+        self.finish_reserve_if_done(pending);
+    }
+
+    fn resolve_reserve(&mut self, pending: usize, slot: usize, result: Result<WriteGrant>) {
+        if let Some(p) = self.pending_reserves.get_mut(pending) {
+            if p.results[slot].is_none() {
+                p.results[slot] = Some(result);
+                p.remaining -= 1;
+            }
+        }
+    }
+
+    fn finish_reserve_if_done(&mut self, pending: usize) {
+        if self.pending_reserves.get(pending).is_some_and(|p| p.remaining == 0) {
+            let mut p = self.pending_reserves.remove(pending);
+            let results =
+                p.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("reserve slot unresolved")))).collect();
+            if let Some(done) = p.done.take() {
+                done(results);
+            }
+        }
+    }
+
+    /// Reserves now (`Some`), must wait for demotions (`None`), or fails.
+    fn try_reserve(&mut self, key: &[u8], len: u64, upsert: bool) -> Result<Option<WriteGrant>> {
         if !upsert && self.index.contains_key(key) {
             return Err(Error::AlreadyExists);
         }
-        if len > self.allocator.capacity_bytes() {
+        let (bytes, value_offset) = self.layout(key.len(), len);
+        if bytes > self.allocator.capacity_bytes() {
             return Err(Error::TooLarge { what: "value", len, max: self.allocator.capacity_bytes() });
         }
-        if self.objects.len() >= self.config.max_objects as usize {
-            // Room for the object record itself: evict one, else refuse.
-            if !self.evict_one() {
-                self.counters.no_space.fetch_add(1, RELAXED);
-                return Err(Error::NoSpace);
-            }
+        if self.objects.len() >= self.config.max_objects as usize && !self.evict_one_now() {
+            self.counters.no_space.fetch_add(1, RELAXED);
+            return Err(Error::NoSpace);
         }
-        // A zero-length object still takes one aligned unit, so every object has an address.
-        let allocation = self.allocate_evicting(len.max(1))?;
+        let Some(allocation) = self.allocate_or_wait(bytes)? else { return Ok(None) };
         let generation = self.bump_generation();
         let offset = allocation.offset();
         let reserved = allocation.len();
@@ -244,22 +459,84 @@ impl ShardCore {
             key: key.into(),
             key_hash: xxhash_rust::xxh3::xxh3_64(key),
             generation,
-            allocation: Some(allocation),
+            seq: 0,
+            dram: Some(allocation),
+            value_offset,
+            ssd: None,
             len,
             leases: 0,
             pins: 0,
+            io_refs: 0,
+            transient: false,
+            loading: None,
             state: ObjectState::Reserved,
         }) as u32;
         self.counters.bytes_used.fetch_add(reserved, RELAXED);
         self.counters.writes_in_flight.fetch_add(1, RELAXED);
-        let ptr = self.slice.ptr_at(offset, len).ok_or(Error::Internal("allocation outside slice"))?;
-        Ok(WriteGrant { object: ObjectRef { id, generation }, ptr, len })
+        if value_offset > 0 {
+            // The record image carries its key right after the header.
+            let key_ptr = self
+                .slice
+                .ptr_at(offset + HEADER_BYTES as u64, key.len() as u64)
+                .ok_or(Error::Internal("key outside slice"))?;
+            // SAFETY: the allocation is ours alone (reserved, unpublished) and holds the key range.
+            unsafe { std::ptr::copy_nonoverlapping(key.as_ptr(), key_ptr.as_ptr(), key.len()) };
+        }
+        let ptr = self.slice.ptr_at(offset + value_offset, len).ok_or(Error::Internal("allocation outside slice"))?;
+        Ok(Some(WriteGrant { object: ObjectRef { id, generation }, ptr, len }))
     }
 
-    /// Makes a reserved object visible. With `upsert`, an existing version is unlinked and freed
+    /// Bytes to allocate for an object and where its value starts in them.
+    fn layout(&self, key_len: usize, len: u64) -> (u64, u64) {
+        if self.ssd.is_some() {
+            (record::record_bytes(key_len, len), (HEADER_BYTES + key_len) as u64)
+        } else {
+            // A zero-length object still takes one aligned unit, so every object has an address.
+            (len.max(1), 0)
+        }
+    }
+
+    /// Makes reserved objects visible. With `upsert`, an existing version is unlinked and freed
     /// once its readers finish; without, an existing key fails the commit (and frees the
-    /// reservation).
-    pub fn commit(&mut self, object: ObjectRef, upsert: bool) -> Result<()> {
+    /// reservation). With write-through, each result waits until its record is durable.
+    pub fn commit_batch(&mut self, objects: Vec<ObjectRef>, upsert: bool, done: Done<Vec<Result<()>>>) {
+        let n = objects.len();
+        let pending = self.pending_commits.insert(PendingCommit {
+            results: (0..n).map(|_| None).collect(),
+            remaining: n,
+            done: Some(done),
+        });
+        for (slot, object) in objects.into_iter().enumerate() {
+            match self.commit_now(object, upsert) {
+                Ok(id) if self.write_through() => self.write_through_record(id, pending, slot),
+                Ok(_) => self.resolve_commit(pending, slot, Ok(())),
+                Err(e) => self.resolve_commit(pending, slot, Err(e)),
+            }
+        }
+        self.finish_commit_if_done(pending);
+    }
+
+    fn resolve_commit(&mut self, pending: usize, slot: usize, result: Result<()>) {
+        if let Some(p) = self.pending_commits.get_mut(pending) {
+            if p.results[slot].is_none() {
+                p.results[slot] = Some(result);
+                p.remaining -= 1;
+            }
+        }
+    }
+
+    fn finish_commit_if_done(&mut self, pending: usize) {
+        if self.pending_commits.get(pending).is_some_and(|p| p.remaining == 0) {
+            let mut p = self.pending_commits.remove(pending);
+            let results =
+                p.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("commit slot unresolved")))).collect();
+            if let Some(done) = p.done.take() {
+                done(results);
+            }
+        }
+    }
+
+    fn commit_now(&mut self, object: ObjectRef, upsert: bool) -> Result<u32> {
         if !self.is_reserved(object) {
             return Err(Error::Internal("commit of an unknown reservation"));
         }
@@ -275,9 +552,11 @@ impl ShardCore {
             inherited_pins = self.objects[old as usize].pins;
             self.unlink(old);
         }
+        let seq = self.bump_seq();
         let entry = &mut self.objects[id as usize];
         entry.state = ObjectState::Live;
         entry.pins = inherited_pins;
+        entry.seq = seq;
         let (hash, len) = (entry.key_hash, entry.len);
         self.index.insert(key, id);
         if inherited_pins == 0 {
@@ -287,9 +566,10 @@ impl ShardCore {
             self.counters.pinned_objects.fetch_add(1, RELAXED);
         }
         self.counters.objects.fetch_add(1, RELAXED);
+        self.counters.dram_objects.fetch_add(1, RELAXED);
         self.counters.puts.fetch_add(1, RELAXED);
         self.counters.bytes_written.fetch_add(len, RELAXED);
-        Ok(())
+        Ok(id)
     }
 
     /// Drops a reservation (the writer failed or gave up). Stale ids are ignored.
@@ -301,7 +581,8 @@ impl ShardCore {
     }
 
     /// Removes `key`. A leased or pinned object is refused unless `force`; forced, its readers
-    /// keep their bytes until they release them.
+    /// keep their bytes until they release them. With an SSD tier, a tombstone keeps it removed
+    /// across restarts.
     pub fn remove(&mut self, key: &[u8], force: bool) -> Result<()> {
         let Some(&id) = self.index.get(key) else {
             return Err(Error::NotFound);
@@ -313,7 +594,11 @@ impl ShardCore {
         if !force && object.pins > 0 {
             return Err(Error::Pinned);
         }
+        let on_ssd = object.ssd.is_some() || object.io_refs > 0;
         self.unlink(id);
+        if on_ssd {
+            self.write_tombstone(key);
+        }
         self.counters.removes.fetch_add(1, RELAXED);
         Ok(())
     }
@@ -343,9 +628,8 @@ impl ShardCore {
         }
         object.pins -= 1;
         if object.pins == 0 {
-            let (hash, len) = (object.key_hash, object.len);
-            self.policy.insert(id as EntryId, hash, len.max(1));
             self.counters.pinned_objects.fetch_sub(1, RELAXED);
+            self.track_if_resident(id);
         }
         Ok(())
     }
@@ -354,48 +638,158 @@ impl ShardCore {
 
     /// True when used bytes are above the high watermark.
     pub fn above_high_watermark(&self) -> bool {
-        self.allocator.used_bytes() > self.config.high_watermark_bytes
+        self.allocator.used_bytes().saturating_sub(self.demoting_bytes) > self.config.high_watermark_bytes
     }
 
-    /// Evicts towards the low watermark, at most `max_victims` objects (the loop calls this
-    /// between other work). Returns true when the low watermark is reached or nothing can go.
-    pub fn evict_to_low_watermark(&mut self, max_victims: usize) -> bool {
-        for _ in 0..max_victims {
-            if self.allocator.used_bytes() <= self.config.low_watermark_bytes {
-                return true;
-            }
+    /// Evicts (or starts demoting) towards the low watermark, at most `max_victims` objects.
+    /// Returns how many objects it evicted or started demoting.
+    pub fn evict_to_low_watermark(&mut self, max_victims: usize) -> usize {
+        let mut n = 0;
+        while n < max_victims
+            && self.allocator.used_bytes().saturating_sub(self.demoting_bytes) > self.config.low_watermark_bytes
+        {
             if !self.evict_one() {
-                return true;
+                break;
             }
+            n += 1;
         }
-        self.allocator.used_bytes() <= self.config.low_watermark_bytes
+        n
     }
 
-    fn allocate_evicting(&mut self, len: u64) -> Result<Allocation> {
+    /// Allocates `bytes`, evicting clean victims and starting demotions of dirty ones. `None`
+    /// means: wait, in-flight demotions will free enough.
+    fn allocate_or_wait(&mut self, bytes: u64) -> Result<Option<Allocation>> {
         loop {
-            if let Some(allocation) = self.allocator.allocate(len) {
-                return Ok(allocation);
+            if let Some(allocation) = self.allocator.allocate(bytes) {
+                return Ok(Some(allocation));
+            }
+            if self.demoting_bytes >= bytes {
+                return Ok(None);
             }
             if !self.evict_one() {
+                if self.demoting_bytes > 0 {
+                    return Ok(None);
+                }
                 self.counters.no_space.fetch_add(1, RELAXED);
                 return Err(Error::NoSpace);
             }
         }
     }
 
-    /// Evicts one unleased, unpinned live object. False when there is none.
+    /// Evicts one victim now, without starting I/O. False when none can go now.
+    fn evict_one_now(&mut self) -> bool {
+        let objects = &self.objects;
+        let victim = self.policy.pop_victim(&mut |id| objects.get(id as usize).is_some_and(Object::evictable));
+        let Some(id) = victim else { return false };
+        self.drop_or_evict(id);
+        true
+    }
+
+    /// Evicts one victim: a clean one (already on SSD) loses its DRAM copy, a dirty one is
+    /// demoted (its DRAM is freed when the write completes) or, without room on SSD, dropped.
+    /// False when nothing is evictable.
     fn evict_one(&mut self) -> bool {
         let objects = &self.objects;
-        let victim = self.policy.pop_victim(&mut |id| objects.get(id as usize).is_some_and(|o| o.leases == 0));
+        let victim = self.policy.pop_victim(&mut |id| objects.get(id as usize).is_some_and(Object::evictable));
         let Some(id) = victim else { return false };
         debug_assert_eq!(self.objects[id as usize].state, ObjectState::Live);
-        debug_assert_eq!(self.objects[id as usize].pins, 0);
+        if self.objects[id as usize].ssd.is_some() {
+            self.drop_dram(id);
+        } else if !self.start_demotion(id) {
+            self.drop_or_evict(id);
+        }
+        true
+    }
+
+    /// Removes a victim's DRAM copy: SSD-only if it has one, else gone from the shard.
+    fn drop_or_evict(&mut self, id: u32) {
+        if self.objects[id as usize].ssd.is_some() {
+            self.drop_dram(id);
+            return;
+        }
         let key = self.objects[id as usize].key.clone();
         self.index.remove(&key);
         self.counters.objects.fetch_sub(1, RELAXED);
         self.counters.evictions.fetch_add(1, RELAXED);
         self.free_object(id);
-        true
+    }
+
+    /// Frees the DRAM copy of an object that has an SSD copy.
+    fn drop_dram(&mut self, id: u32) {
+        let object = &mut self.objects[id as usize];
+        debug_assert!(object.ssd.is_some() && object.leases == 0 && object.io_refs == 0);
+        let Some(allocation) = object.dram.take() else { return };
+        object.transient = false;
+        self.policy.remove(id as EntryId);
+        self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+        self.counters.dram_objects.fetch_sub(1, RELAXED);
+        self.counters.evictions.fetch_add(1, RELAXED);
+        self.allocator.free(allocation);
+        self.retry_waiters();
+    }
+
+    /// Starts tracking an object in the eviction policy if it is live, unpinned and in DRAM.
+    fn track_if_resident(&mut self, id: u32) {
+        let o = &self.objects[id as usize];
+        if o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some() && o.io_refs == 0 && !o.transient {
+            let (hash, len) = (o.key_hash, o.len);
+            self.policy.insert(id as EntryId, hash, len.max(1));
+        }
+    }
+
+    /// Retries parked reservations and loads, oldest first, until one still has to wait.
+    /// Not reentrant: memory freed while retrying goes to the waiter being retried.
+    fn retry_waiters(&mut self) {
+        if self.retrying {
+            return;
+        }
+        self.retrying = true;
+        self.retry_waiters_inner();
+        self.retrying = false;
+    }
+
+    fn retry_waiters_inner(&mut self) {
+        while let Some(waiter) = self.waiters.pop_front() {
+            match waiter {
+                Waiter::Reserve { pending, slot, key, len, upsert } => match self.try_reserve(&key, len, upsert) {
+                    Ok(Some(grant)) => {
+                        self.resolve_reserve(pending, slot, Ok(grant));
+                        self.finish_reserve_if_done(pending);
+                    }
+                    Ok(None) => {
+                        self.waiters.push_front(Waiter::Reserve { pending, slot, key, len, upsert });
+                        return;
+                    }
+                    Err(e) => {
+                        self.resolve_reserve(pending, slot, Err(e));
+                        self.finish_reserve_if_done(pending);
+                    }
+                },
+                Waiter::Load { pending, slot } => {
+                    if !self.start_read(pending, slot) {
+                        self.waiters.push_front(Waiter::Load { pending, slot });
+                        return;
+                    }
+                    self.finish_read_if_done(pending);
+                }
+            }
+        }
+    }
+
+    /// Fails every parked reservation and load with `error` (shutdown).
+    pub fn fail_waiters(&mut self, error: Error) {
+        while let Some(waiter) = self.waiters.pop_front() {
+            match waiter {
+                Waiter::Reserve { pending, slot, .. } => {
+                    self.resolve_reserve(pending, slot, Err(error.clone()));
+                    self.finish_reserve_if_done(pending);
+                }
+                Waiter::Load { pending, slot } => {
+                    self.resolve_read(pending, slot, Err(error.clone()));
+                    self.finish_read_if_done(pending);
+                }
+            }
+        }
     }
 
     // ---- internals --------------------------------------------------------------------------
@@ -406,7 +800,8 @@ impl ShardCore {
             .is_some_and(|o| o.generation == object.generation && o.state == ObjectState::Reserved)
     }
 
-    /// Takes a live object out of the index and the policy; frees it now or on its last release.
+    /// Takes a live object out of the index and the policy; frees it now or when its last lease
+    /// and I/O are gone.
     fn unlink(&mut self, id: u32) {
         let object = &mut self.objects[id as usize];
         debug_assert_eq!(object.state, ObjectState::Live);
@@ -415,30 +810,37 @@ impl ShardCore {
             self.counters.pinned_objects.fetch_sub(1, RELAXED);
         }
         object.pins = 0;
-        let leased = object.leases > 0;
-        if leased {
+        let busy = object.leases > 0 || object.io_refs > 0;
+        if busy {
             object.state = ObjectState::Retired;
             self.counters.retired_objects.fetch_add(1, RELAXED);
         }
         self.index.remove(&key);
         self.policy.remove(id as EntryId);
         self.counters.objects.fetch_sub(1, RELAXED);
-        if !leased {
+        if !busy {
             self.free_object(id);
         }
     }
 
-    /// Returns an object's memory. Only for objects nothing can reach any more.
+    /// Returns an object's memory and SSD space. Only for objects nothing can reach any more.
     fn free_object(&mut self, id: u32) {
         let object = self.objects.remove(id as usize);
         debug_assert_eq!(object.leases, 0, "freeing a leased object");
+        debug_assert_eq!(object.io_refs, 0, "freeing an object under I/O");
         if object.state == ObjectState::Retired {
-            // Retired objects were counted when they had readers left; they are gone now.
             self.counters.retired_objects.fetch_sub(1, RELAXED);
         }
-        if let Some(allocation) = object.allocation {
+        if let Some(location) = object.ssd {
+            self.forget_ssd_copy(&location);
+        }
+        if let Some(allocation) = object.dram {
+            if object.state != ObjectState::Reserved {
+                self.counters.dram_objects.fetch_sub(1, RELAXED);
+            }
             self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
             self.allocator.free(allocation);
+            self.retry_waiters();
         }
     }
 
@@ -450,9 +852,13 @@ impl ShardCore {
         LeaseId { slot, generation }
     }
 
-    fn object_ptr(&self, object: &Object) -> Result<NonNull<u8>> {
-        let allocation = object.allocation.as_ref().ok_or(Error::Internal("live object without memory"))?;
-        self.slice.ptr_at(allocation.offset(), object.len).ok_or(Error::Internal("object outside slice"))
+    /// Address of a DRAM-resident object's value.
+    fn value_ptr(&self, id: u32) -> Result<NonNull<u8>> {
+        let object = &self.objects[id as usize];
+        let allocation = object.dram.as_ref().ok_or(Error::Internal("object not in DRAM"))?;
+        self.slice
+            .ptr_at(allocation.offset() + object.value_offset, object.len)
+            .ok_or(Error::Internal("object outside slice"))
     }
 
     fn bump_generation(&mut self) -> u32 {
@@ -461,13 +867,20 @@ impl ShardCore {
         generation
     }
 
+    fn bump_seq(&mut self) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        seq
+    }
+
     /// Checks the cross-structure invariants (tests and debug builds).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut live = 0usize;
         let mut used = 0u64;
         let mut leases = 0u64;
+        let mut tracked = 0usize;
         for (id, object) in self.objects.iter() {
-            used += object.allocation.as_ref().map_or(0, |a| a.len());
+            used += object.dram.as_ref().map_or(0, |a| a.len());
             leases += u64::from(object.leases);
             match object.state {
                 ObjectState::Live => {
@@ -475,9 +888,15 @@ impl ShardCore {
                     if self.index.get(&object.key) != Some(&(id as u32)) {
                         return Err(format!("live object {id} not indexed"));
                     }
+                    if object.dram.is_none() && object.ssd.is_none() && object.io_refs == 0 {
+                        return Err(format!("live object {id} has no copy anywhere"));
+                    }
+                    if object.pins == 0 && object.dram.is_some() && object.io_refs == 0 && !object.transient {
+                        tracked += 1;
+                    }
                 }
-                ObjectState::Retired if object.leases == 0 => {
-                    return Err(format!("retired object {id} without leases still allocated"));
+                ObjectState::Retired if object.leases == 0 && object.io_refs == 0 => {
+                    return Err(format!("retired object {id} without users still allocated"));
                 }
                 _ => {}
             }
@@ -485,20 +904,25 @@ impl ShardCore {
         if live != self.index.len() {
             return Err(format!("index has {} keys, {live} live objects", self.index.len()));
         }
-        if used != self.allocator.used_bytes() {
-            return Err(format!("objects hold {used} bytes, allocator says {}", self.allocator.used_bytes()));
+        let reserved_internal = self.ssd.as_ref().map_or(0, SsdState::reserved_bytes);
+        if used + reserved_internal != self.allocator.used_bytes() {
+            return Err(format!(
+                "objects hold {used} + {reserved_internal} internal bytes, allocator says {}",
+                self.allocator.used_bytes()
+            ));
         }
         if leases != self.leases.len() as u64 {
             return Err(format!("objects count {leases} leases, table has {}", self.leases.len()));
         }
-        let pinned = self.objects.iter().filter(|(_, o)| o.state == ObjectState::Live && o.pins > 0).count();
-        if self.policy.len() != live - pinned {
-            return Err(format!("policy tracks {}, expected {}", self.policy.len(), live - pinned));
+        if self.policy.len() != tracked {
+            return Err(format!("policy tracks {}, expected {tracked}", self.policy.len()));
         }
+        let pinned = self.objects.iter().filter(|(_, o)| o.state == ObjectState::Live && o.pins > 0).count();
         let c = self.counters.snapshot();
         let retired = self.objects.iter().filter(|(_, o)| o.state == ObjectState::Retired).count() as u64;
         let reserved = self.objects.iter().filter(|(_, o)| o.state == ObjectState::Reserved).count() as u64;
-        let expected = (live as u64, pinned as u64, retired, reserved, used, self.leases.len() as u64);
+        let expected =
+            (live as u64, pinned as u64, retired, reserved, used + reserved_internal, self.leases.len() as u64);
         let counted = (c.objects, c.pinned_objects, c.retired_objects, c.writes_in_flight, c.bytes_used, c.leases_held);
         if expected != counted {
             return Err(format!(
@@ -523,13 +947,19 @@ impl ShardCore {
         self.leases.len()
     }
 
-    /// Bytes allocated (live, reserved and retired objects).
+    /// Bytes allocated (live, reserved, retired objects and SSD scratch buffers).
     pub fn used_bytes(&self) -> u64 {
         self.allocator.used_bytes()
+    }
+
+    /// True when nothing waits and no I/O is in flight.
+    pub fn is_quiet(&self) -> bool {
+        self.waiters.is_empty()
+            && self.pending_reads.is_empty()
+            && self.pending_reserves.is_empty()
+            && self.pending_commits.is_empty()
+            && self.ssd.as_ref().is_none_or(SsdState::is_quiet)
     }
 }
 
 const RELAXED: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;
-
-#[cfg(test)]
-mod tests;

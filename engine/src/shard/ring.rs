@@ -5,9 +5,11 @@
 //! buffers and socket state), so nothing the kernel can touch is freed early. The ring never
 //! decides what an operation means: `reap` hands each completion back to the loop.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::Duration;
 
 use io_uring::{opcode, types, IoUring};
+use kvtide_tiers::ssd::{files::pread, DiskCompletion, DiskIo, DiskOp, DiskOpKind, FileId, ShardFiles};
 use slab::Slab;
 
 /// `user_data` of cancellation requests, whose own completions carry nothing.
@@ -24,6 +26,8 @@ pub(crate) enum RingOp {
     Wake { buf: Box<u64> },
     /// A wake-up at the next timer deadline.
     Timer { spec: Box<types::Timespec> },
+    /// An SSD operation; its buffer belongs to the shard core's operation `token`.
+    Disk { token: u64 },
 }
 
 /// What a completion was for.
@@ -32,16 +36,35 @@ pub(crate) enum Completion {
     Timer,
 }
 
+/// The shard's segment files as the ring sees them.
+struct Files {
+    files: ShardFiles,
+}
+
 pub(crate) struct Ring {
     ring: IoUring,
     ops: Slab<RingOp>,
     wake_armed: bool,
     timer_armed: bool,
+    /// Registered fixed buffers: (address, length) by buffer index.
+    fixed: Vec<(usize, usize)>,
+    files: Option<Files>,
+    disk_in_flight: usize,
+    disk_done: Vec<DiskCompletion>,
 }
 
 impl Ring {
     pub(crate) fn new(entries: u32) -> std::io::Result<Ring> {
-        Ok(Ring { ring: IoUring::new(entries)?, ops: Slab::new(), wake_armed: false, timer_armed: false })
+        Ok(Ring {
+            ring: IoUring::new(entries)?,
+            ops: Slab::new(),
+            wake_armed: false,
+            timer_armed: false,
+            fixed: Vec::new(),
+            files: None,
+            disk_in_flight: 0,
+            disk_done: Vec::new(),
+        })
     }
 
     /// Registers `pieces` (address, length) of the shard's arena slice as fixed buffers, so SSD
@@ -57,7 +80,26 @@ impl Ring {
             .collect();
         // SAFETY: every iovec describes memory of the arena slice, which the shard keeps mapped
         // longer than the ring (the ring is dropped first); the kernel pins those pages.
-        unsafe { self.ring.submitter().register_buffers(&iovecs) }
+        unsafe { self.ring.submitter().register_buffers(&iovecs) }?;
+        self.fixed = pieces.to_vec();
+        Ok(())
+    }
+
+    /// Gives the ring the shard's segment files.
+    pub(crate) fn attach_files(&mut self, files: ShardFiles) {
+        self.files = Some(Files { files });
+    }
+
+    /// The registered buffer holding `[addr, addr+len)`, if any.
+    fn fixed_index(&self, addr: usize, len: usize) -> Option<u16> {
+        self.fixed
+            .iter()
+            .position(|&(base, blen)| addr >= base && addr + len <= base + blen)
+            .and_then(|i| u16::try_from(i).ok())
+    }
+
+    fn fd(&self, file: FileId) -> Option<i32> {
+        self.files.as_ref().and_then(|f| f.files.io_fds.get(file as usize)).map(|fd| fd.as_raw_fd())
     }
 
     pub(crate) fn fixed_buffer_piece_bytes() -> usize {
@@ -120,7 +162,7 @@ impl Ring {
     }
 
     /// Takes every available completion, frees its op entry and reports what it was.
-    pub(crate) fn reap(&mut self, mut on_completion: impl FnMut(Completion, i32)) -> usize {
+    pub(crate) fn reap_cq(&mut self, mut on_completion: impl FnMut(Completion, i32)) -> usize {
         let mut reaped = 0;
         let cq: Vec<(u64, i32)> = self.ring.completion().map(|cqe| (cqe.user_data(), cqe.result())).collect();
         for (user_data, result) in cq {
@@ -140,6 +182,10 @@ impl Ring {
                 RingOp::Timer { .. } => {
                     self.timer_armed = false;
                     on_completion(Completion::Timer, result);
+                }
+                RingOp::Disk { token } => {
+                    self.disk_in_flight -= 1;
+                    self.disk_done.push(DiskCompletion { token, result: i64::from(result) });
                 }
             }
         }
@@ -164,12 +210,72 @@ impl Ring {
             if self.submit_and_wait().is_err() {
                 break;
             }
-            self.reap(|_, _| {});
+            self.reap_cq(|_, _| {});
         }
         // The kernel would not give them back: leak the buffers rather than free memory it may
         // still write (a few bytes per shard, only on a broken kernel).
         let stuck = std::mem::take(&mut self.ops);
         tracing::error!(ops = stuck.len(), "io_uring operations did not drain at shutdown");
         std::mem::forget(stuck);
+    }
+}
+
+impl DiskIo for Ring {
+    unsafe fn submit(&mut self, op: DiskOp) -> Result<(), DiskOp> {
+        let Some(fd) = self.fd(op.file) else {
+            self.disk_done.push(DiskCompletion { token: op.token, result: -i64::from(libc::EBADF) });
+            return Ok(());
+        };
+        let key = self.ops.vacant_key();
+        let sqe = match op.kind {
+            DiskOpKind::Read { buf, len, offset } => match self.fixed_index(buf as usize, len as usize) {
+                Some(index) => opcode::ReadFixed::new(types::Fd(fd), buf, len, index).offset(offset).build(),
+                None => opcode::Read::new(types::Fd(fd), buf, len).offset(offset).build(),
+            },
+            DiskOpKind::Write { buf, len, offset } => match self.fixed_index(buf as usize, len as usize) {
+                Some(index) => opcode::WriteFixed::new(types::Fd(fd), buf, len, index).offset(offset).build(),
+                None => opcode::Write::new(types::Fd(fd), buf, len).offset(offset).build(),
+            },
+            DiskOpKind::Sync => opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(),
+        }
+        .user_data(key as u64);
+        // SAFETY: the caller keeps the buffer valid until this op's completion is reaped (the
+        // DiskIo contract); the descriptor stays open while the ring lives.
+        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            // Make room by handing the queued entries to the kernel, then try once more.
+            let _ = self.submit();
+            // SAFETY: as above.
+            if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+                return Err(op);
+            }
+        }
+        self.ops.insert(RingOp::Disk { token: op.token });
+        self.disk_in_flight += 1;
+        Ok(())
+    }
+
+    fn reap(&mut self, out: &mut Vec<DiskCompletion>) {
+        out.append(&mut self.disk_done);
+    }
+
+    fn in_flight(&self) -> usize {
+        self.disk_in_flight
+    }
+
+    fn read_at(&mut self, file: FileId, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        let fd: &OwnedFd = self
+            .files
+            .as_ref()
+            .and_then(|f| f.files.scan_fds.get(file as usize))
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EBADF))?;
+        pread(fd, offset, buf)
+    }
+
+    fn file_count(&self) -> u32 {
+        self.files.as_ref().map_or(0, |f| f.files.scan_fds.len() as u32)
+    }
+
+    fn file_bytes(&self) -> u64 {
+        self.files.as_ref().map_or(0, |f| f.files.segment_bytes)
     }
 }

@@ -8,11 +8,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvtide_tiers::dram::ArenaSlice;
+use kvtide_tiers::ssd::{DiskCompletion, DiskIo, DiskOp, ShardFiles};
 
-use super::core::ShardCore;
+use super::core::{RecoveryReport, ShardCore};
 use super::inbox::Inbox;
 use super::ring::{Completion, Ring};
+use super::task::TaskPoll;
 use super::{Request, ShardTask};
+use crate::error::{Error, OpenError};
 use crate::stats::ShardCounters;
 
 /// Requests handled per loop turn before the loop looks at its other work.
@@ -46,59 +49,103 @@ struct ShardLoop {
     inbox: Arc<Inbox>,
     tasks: Vec<Box<dyn ShardTask>>,
     config: RuntimeConfig,
+    disk_ops: Vec<DiskOp>,
+    disk_done: Vec<DiskCompletion>,
 }
 
 /// Starts a shard thread. Its ring is created on the thread so it is owned there from birth.
 pub(crate) fn spawn_shard(
     index: usize,
-    core: ShardCore,
+    make_core: impl FnOnce() -> Result<ShardCore, OpenError> + Send + 'static,
+    counters: Arc<ShardCounters>,
     slice: ArenaSlice,
+    files: Option<ShardFiles>,
     config: RuntimeConfig,
-) -> std::io::Result<ShardThread> {
-    let inbox = Arc::new(Inbox::new()?);
-    let counters = Arc::clone(core.counters());
-    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<std::io::Result<()>>(1);
+) -> Result<(ShardThread, RecoveryReport), OpenError> {
+    let shard_error = move |source| OpenError::Shard { shard: index, source };
+    let inbox = Arc::new(Inbox::new().map_err(shard_error)?);
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<RecoveryReport, OpenError>>(1);
     let thread_inbox = Arc::clone(&inbox);
-    let join = std::thread::Builder::new().name(format!("kvtide-shard-{index}")).spawn(move || {
-        if let Some(cpu) = config.pin_to_cpu {
-            pin_current_thread(cpu);
-        }
-        let mut ring = match Ring::new(config.ring_entries) {
-            Ok(ring) => ring,
-            Err(e) => {
-                let _ = ready_tx.send(Err(e));
-                return;
+    let join = std::thread::Builder::new()
+        .name(format!("kvtide-shard-{index}"))
+        .spawn(move || {
+            if let Some(cpu) = config.pin_to_cpu {
+                pin_current_thread(cpu);
             }
-        };
-        if config.register_fixed_buffers {
-            let pieces: Vec<(usize, usize)> = slice
-                .pieces(Ring::fixed_buffer_piece_bytes())
-                .into_iter()
-                .map(|(offset, len)| (slice.base().as_ptr() as usize + offset as usize, len))
-                .collect();
-            match ring.register_fixed_buffers(&pieces) {
-                Ok(()) => core.counters().fixed_buffers_registered.store(true, Relaxed),
-                Err(e) => tracing::warn!(
+            // The core is built here: it holds callbacks and raw buffers that never leave this thread.
+            let mut core = match make_core() {
+                Ok(core) => core,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let mut ring = match Ring::new(config.ring_entries) {
+                Ok(ring) => ring,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(shard_error(e)));
+                    return;
+                }
+            };
+            if config.register_fixed_buffers {
+                let pieces: Vec<(usize, usize)> = slice
+                    .pieces(Ring::fixed_buffer_piece_bytes())
+                    .into_iter()
+                    .map(|(offset, len)| (slice.base().as_ptr() as usize + offset as usize, len))
+                    .collect();
+                match ring.register_fixed_buffers(&pieces) {
+                    Ok(()) => core.counters().fixed_buffers_registered.store(true, Relaxed),
+                    Err(e) => tracing::warn!(
+                        shard = index,
+                        error = %e,
+                        "io_uring refused to register the arena slice as fixed buffers (raise RLIMIT_MEMLOCK, \
+                         e.g. `ulimit -l unlimited`); SSD I/O will use plain reads and writes"
+                    ),
+                }
+            }
+            let mut report = RecoveryReport::default();
+            if let Some(files) = files {
+                ring.attach_files(files);
+                let started = Instant::now();
+                match core.recover(&mut ring) {
+                    Ok(r) => report = r,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(shard_error(e)));
+                        return;
+                    }
+                }
+                tracing::info!(
                     shard = index,
-                    error = %e,
-                    "io_uring refused to register the arena slice as fixed buffers (raise RLIMIT_MEMLOCK, \
-                     e.g. `ulimit -l unlimited`); SSD I/O will use plain reads and writes"
-                ),
+                    objects = report.objects,
+                    bytes = report.bytes,
+                    discarded = report.discarded.len(),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "SSD tier recovered"
+                );
             }
-        }
-        let _ = ready_tx.send(Ok(()));
-        let mut shard = ShardLoop { index, ring, core, inbox: thread_inbox, tasks: Vec::new(), config };
-        shard.run();
-    })?;
+            let _ = ready_tx.send(Ok(report));
+            let mut shard = ShardLoop {
+                index,
+                ring,
+                core,
+                inbox: thread_inbox,
+                tasks: Vec::new(),
+                config,
+                disk_ops: Vec::new(),
+                disk_done: Vec::new(),
+            };
+            shard.run();
+        })
+        .map_err(shard_error)?;
     match ready_rx.recv() {
-        Ok(Ok(())) => Ok(ShardThread { inbox, counters, join: Some(join) }),
+        Ok(Ok(report)) => Ok((ShardThread { inbox, counters, join: Some(join) }, report)),
         Ok(Err(e)) => {
             let _ = join.join();
             Err(e)
         }
         Err(_) => {
             let _ = join.join();
-            Err(std::io::Error::other("shard thread exited during start-up"))
+            Err(shard_error(std::io::Error::other("shard thread exited during start-up")))
         }
     }
 }
@@ -112,18 +159,25 @@ impl ShardLoop {
             let mut worked = self.drain_inbox();
             worked |= self.advance_tasks();
             if self.core.above_high_watermark() {
-                let before = self.core.used_bytes();
-                self.core.evict_to_low_watermark(EVICTIONS_PER_TURN);
-                worked |= self.core.used_bytes() != before;
+                worked |= self.core.evict_to_low_watermark(EVICTIONS_PER_TURN) > 0;
             }
             let now = Instant::now();
             if self.core.next_lease_deadline().is_some_and(|d| d <= now) {
                 self.core.expire_leases(now);
                 worked = true;
             }
+            worked |= self.core.schedule_syncs();
+            worked |= self.pump_disk();
             self.reap();
-            if self.inbox.quiesced() && self.inbox_is_drained() && self.tasks.is_empty() {
-                break;
+            worked |= self.complete_disk();
+            if self.inbox.quiesced() {
+                if self.inbox_is_drained() && self.tasks.is_empty() && self.core.disk_ops_in_flight() == 0 {
+                    self.core.fail_waiters(Error::ShuttingDown);
+                    if self.core.disk_ops_in_flight() == 0 {
+                        break;
+                    }
+                }
+                continue;
             }
             if worked {
                 idle_since = None;
@@ -131,13 +185,57 @@ impl ShardLoop {
             }
             let idle_start = *idle_since.get_or_insert(now);
             if now.duration_since(idle_start) < self.config.idle_spin {
-                std::hint::spin_loop();
+                // Yield rather than spin: a caller may be waiting for this CPU.
+                std::thread::yield_now();
                 continue;
             }
             self.park(now);
             idle_since = None;
         }
         self.ring.drain();
+    }
+
+    /// Hands queued disk operations to the ring. True if any went.
+    fn pump_disk(&mut self) -> bool {
+        self.core.take_disk_ops(&mut self.disk_ops);
+        if self.disk_ops.is_empty() {
+            return false;
+        }
+        let mut ops = std::mem::take(&mut self.disk_ops).into_iter();
+        let mut sent = false;
+        while let Some(op) = ops.next() {
+            // SAFETY: every op's buffer is arena memory that the core's operation holds until
+            // `on_disk_completion` for its token (the core never frees it earlier).
+            match unsafe { DiskIo::submit(&mut self.ring, op) } {
+                Ok(()) => sent = true,
+                Err(op) => {
+                    // The ring is full: give this and the rest back, in order, for next turn.
+                    let rest: Vec<DiskOp> = std::iter::once(op).chain(ops).collect();
+                    for op in rest.into_iter().rev() {
+                        self.core.requeue_disk_op(op);
+                    }
+                    break;
+                }
+            }
+        }
+        if sent {
+            if let Err(e) = self.ring.submit() {
+                tracing::error!(error = %e, "io_uring submit failed");
+            }
+        }
+        sent
+    }
+
+    /// Feeds disk completions to the core. True if any arrived.
+    fn complete_disk(&mut self) -> bool {
+        DiskIo::reap(&mut self.ring, &mut self.disk_done);
+        if self.disk_done.is_empty() {
+            return false;
+        }
+        for completion in std::mem::take(&mut self.disk_done) {
+            self.core.on_disk_completion(completion);
+        }
+        true
     }
 
     /// Blocks until a sender wakes us, a completion arrives or the next timer is due.
@@ -168,7 +266,7 @@ impl ShardLoop {
 
     fn reap(&mut self) {
         let counters = Arc::clone(self.core.counters());
-        self.ring.reap(|completion, result| match completion {
+        self.ring.reap_cq(|completion, result| match completion {
             Completion::Wake => {
                 counters.wakeups.fetch_add(1, Relaxed);
                 if result < 0 && result != -libc::EAGAIN {
@@ -209,15 +307,21 @@ impl ShardLoop {
             return false;
         }
         let mut budget = TASK_BUDGET_BYTES;
+        let mut progressed = false;
         let core = &mut self.core;
-        self.tasks.retain_mut(|task| {
-            let finished = task.poll(core, &mut budget);
-            if finished {
+        self.tasks.retain_mut(|task| match task.poll(core, &mut budget) {
+            TaskPoll::Finished => {
                 core.counters().tasks_in_flight.fetch_sub(1, Relaxed);
+                progressed = true;
+                false
             }
-            !finished
+            TaskPoll::Progressed => {
+                progressed = true;
+                true
+            }
+            TaskPoll::Waiting => true,
         });
-        true
+        progressed
     }
 
     fn handle(&mut self, request: Request) {
@@ -226,17 +330,14 @@ impl ShardLoop {
         match request {
             Request::LeaseRead { keys, ttl, reply } => {
                 let deadline = ttl.map(|ttl| Instant::now() + ttl);
-                let grants = keys.iter().map(|key| core.lease_read(key, deadline)).collect();
-                let _ = reply.send(grants);
+                core.lease_read_batch(keys, deadline, Box::new(move |grants| drop(reply.send(grants))));
             }
             Request::Release { leases } => leases.into_iter().for_each(|lease| core.release(lease)),
             Request::Reserve { items, upsert, reply } => {
-                let grants = items.iter().map(|(key, len)| core.reserve(key, *len, upsert)).collect();
-                let _ = reply.send(grants);
+                core.reserve_batch(items, upsert, Box::new(move |grants| drop(reply.send(grants))));
             }
             Request::Commit { objects, upsert, reply } => {
-                let results = objects.into_iter().map(|object| core.commit(object, upsert)).collect();
-                let _ = reply.send(results);
+                core.commit_batch(objects, upsert, Box::new(move |results| drop(reply.send(results))));
             }
             Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
             Request::Exists { keys, reply } => {

@@ -4,6 +4,8 @@
 //! destinations in bounded slices so no single request stalls the loop, honours cancellation
 //! between slices and releases every lease it took, whatever happened.
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -13,14 +15,27 @@ use super::core::{ReadGrant, ShardCore};
 use crate::error::{Error, Result};
 use crate::ticket::BatchCollector;
 
+/// What one poll of a task did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum TaskPoll {
+    /// Done: results reported, everything it held released.
+    Finished,
+    /// Moved forward; poll again soon.
+    Progressed,
+    /// Waiting for something else (an SSD load); nothing to do now.
+    Waiting,
+}
+
 /// Something the shard loop drives until it is finished.
 pub(crate) trait ShardTask: Send {
     /// Called once, on the shard, when the task arrives.
     fn start(&mut self, core: &mut ShardCore);
-    /// Advances, spending at most `budget_bytes` of copying. Returns true when finished (the
-    /// task has then reported its results and released what it held).
-    fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> bool;
+    /// Advances, spending at most `budget_bytes` of copying.
+    fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> TaskPoll;
 }
+
+/// Where the core drops a batch's grants once every key is leased.
+type GrantCell = Rc<RefCell<Option<Vec<Result<ReadGrant>>>>>;
 
 /// One key of an async batch read.
 pub(crate) struct BatchGetItem {
@@ -42,13 +57,19 @@ pub(crate) struct BatchGetTask {
     cursor: usize,
     cancel: Arc<AtomicBool>,
     collector: Arc<BatchCollector>,
+    /// Filled by the core once every key is leased (SSD keys after their loads).
+    grants: Option<GrantCell>,
 }
+
+// SAFETY: the Rc is created in `start` on the shard thread and only touched there afterwards;
+// before `start` the task holds no Rc (grants is None), so moving it across threads is sound.
+unsafe impl Send for BatchGetTask {}
 
 impl BatchGetTask {
     pub(crate) fn new(items: Vec<BatchGetItem>, cancel: Arc<AtomicBool>, collector: Arc<BatchCollector>) -> Self {
         let items =
             items.into_iter().map(|item| ItemState { item, grant: None, copied_bytes: 0, result: None }).collect();
-        BatchGetTask { items, cursor: 0, cancel, collector }
+        BatchGetTask { items, cursor: 0, cancel, collector, grants: None }
     }
 
     fn finish(&mut self, core: &mut ShardCore) {
@@ -66,29 +87,40 @@ impl BatchGetTask {
 
 impl ShardTask for BatchGetTask {
     fn start(&mut self, core: &mut ShardCore) {
-        for state in &mut self.items {
-            match core.lease_read(&state.item.key, None) {
-                Ok(grant) => {
-                    let dst_bytes = state.item.dsts.iter().map(|d| d.len() as u64).sum::<u64>();
-                    if dst_bytes != grant.len {
-                        core.release(grant.lease);
-                        state.result =
-                            Some(Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: dst_bytes }));
-                    } else {
-                        state.grant = Some(grant);
-                    }
-                }
-                Err(e) => state.result = Some(Err(e)),
-            }
-        }
+        let cell = Rc::new(RefCell::new(None));
+        let sink = Rc::clone(&cell);
+        let keys = self.items.iter().map(|s| s.item.key.clone()).collect();
+        self.grants = Some(cell);
+        core.lease_read_batch(keys, None, Box::new(move |grants| *sink.borrow_mut() = Some(grants)));
     }
 
-    fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> bool {
+    fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> TaskPoll {
+        if let Some(cell) = &self.grants {
+            let Some(grants) = cell.borrow_mut().take() else { return TaskPoll::Waiting };
+            self.grants = None;
+            for (state, grant) in self.items.iter_mut().zip(grants) {
+                match grant {
+                    Ok(grant) => {
+                        let dst_bytes = state.item.dsts.iter().map(|d| d.len() as u64).sum::<u64>();
+                        if dst_bytes != grant.len {
+                            core.release(grant.lease);
+                            state.result = Some(Err(Error::SizeMismatch {
+                                object_bytes: grant.len,
+                                destination_bytes: dst_bytes,
+                            }));
+                        } else {
+                            state.grant = Some(grant);
+                        }
+                    }
+                    Err(e) => state.result = Some(Err(e)),
+                }
+            }
+        }
         while self.cursor < self.items.len() {
             if self.cancel.load(Ordering::Acquire) {
                 // Everything not yet delivered (including a half-copied key) stays an error.
                 self.finish(core);
-                return true;
+                return TaskPoll::Finished;
             }
             let state = &mut self.items[self.cursor];
             let Some(grant) = state.grant else {
@@ -96,7 +128,7 @@ impl ShardTask for BatchGetTask {
                 continue;
             };
             if *budget_bytes == 0 {
-                return false;
+                return TaskPoll::Progressed;
             }
             // Copy the next piece: walk the destinations to the one holding `copied_bytes`.
             let mut dst_start = 0u64;
@@ -137,6 +169,6 @@ impl ShardTask for BatchGetTask {
             }
         }
         self.finish(core);
-        true
+        TaskPoll::Finished
     }
 }

@@ -1,0 +1,76 @@
+//! Criterion micro-benchmarks of the object API on a small embedded store (256 MiB, 2 shards):
+//! `put` (upsert over a fixed key set, so every write replaces a version and frees the old one)
+//! and `get_into` (hits into a reused host buffer), for 4 KiB, 64 KiB and 1 MiB values, with
+//! `Throughput::Bytes`. Baseline: a plain `memcpy` of the same size into the same buffer, the
+//! floor any copy-based store pays per operation.
+//!
+//! Run: `cargo bench -p kvtide-benches --bench object_api` (2 s, 10 samples per benchmark).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvtide::{Engine, PutOptions, Region, Store, StoreBuilder};
+
+const SIZES: [usize; 3] = [4 << 10, 64 << 10, 1 << 20];
+const STORE_BYTES: u64 = 256 << 20;
+/// Bytes of live values per size: well under the pool, so nothing is evicted.
+const WORKING_SET_BYTES: usize = 64 << 20;
+const MAX_KEYS: usize = 256;
+
+fn open_store() -> Engine {
+    StoreBuilder::new().dram_bytes(STORE_BYTES).shards(2).open().expect("open a 256 MiB store")
+}
+
+fn keys_for(size: usize) -> Vec<Vec<u8>> {
+    let n = (WORKING_SET_BYTES / size).clamp(1, MAX_KEYS);
+    (0..n).map(|i| format!("bench/{size}/{i:05}").into_bytes()).collect()
+}
+
+fn object_api(c: &mut Criterion) {
+    let store = open_store();
+    let mut group = c.benchmark_group("object_api");
+    group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500)).sample_size(10);
+    for size in SIZES {
+        let keys = keys_for(size);
+        let value = vec![0x5Au8; size];
+        for key in &keys {
+            store.put(key, &value, PutOptions::UPSERT).expect("prefill put");
+        }
+        let mut buf = vec![0u8; size];
+        group.throughput(Throughput::Bytes(size as u64));
+
+        group.bench_with_input(BenchmarkId::new("memcpy", size), &size, |b, _| {
+            b.iter(|| {
+                buf.copy_from_slice(black_box(&value));
+                black_box(&mut buf);
+            })
+        });
+
+        let mut i = 0usize;
+        group.bench_with_input(BenchmarkId::new("put_upsert", size), &size, |b, _| {
+            b.iter(|| {
+                i = (i + 1) % keys.len();
+                store.put(black_box(&keys[i]), black_box(&value), PutOptions::UPSERT).expect("put");
+            })
+        });
+
+        let mut i = 0usize;
+        group.bench_with_input(BenchmarkId::new("get_into", size), &size, |b, _| {
+            b.iter(|| {
+                i = (i + 1) % keys.len();
+                let n = store.get_into(black_box(&keys[i]), Region::host(&mut buf)).expect("get_into hit");
+                black_box(n);
+            })
+        });
+    }
+    group.finish();
+    let stats = store.stats();
+    eprintln!(
+        "store after the benchmarks: {} objects, {} evictions, {} no_space, arena {}",
+        stats.total.objects, stats.total.evictions, stats.total.no_space, stats.arena_backing
+    );
+}
+
+criterion_group!(benches, object_api);
+criterion_main!(benches);
