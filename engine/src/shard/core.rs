@@ -9,6 +9,8 @@
 //! grants) and never frees memory that a lease, a pin, an unfinished write or an in-flight I/O can
 //! still reach.
 
+#[cfg(test)]
+mod sim_tests;
 mod ssd;
 #[cfg(test)]
 mod tests;

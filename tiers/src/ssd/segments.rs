@@ -147,6 +147,15 @@ impl SegmentTable {
         Ok(Append { location, opens_segment: true })
     }
 
+    /// Seals the open segment (after a failed write: nothing appended after a hole is
+    /// recoverable), so the next append opens a new one.
+    pub fn seal_open(&mut self) {
+        if let Some(open) = self.open.take() {
+            self.segments[open as usize].state = SegmentState::Sealed;
+            self.sealed.push_back(open);
+        }
+    }
+
     /// The oldest sealed segment, if nothing can still touch it and no newer segment's header
     /// is still unsynced (so a crash cannot bring this one's old contents back while the newer
     /// records that supersede them are lost).

@@ -7,7 +7,7 @@
 //! it completed, never hands out bytes whose checksum failed, and never reuses a segment that a
 //! read, write or sync can still touch.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::ptr::NonNull;
 
 use kvtide_tiers::dram::{Allocation, OffsetAllocator};
@@ -57,7 +57,7 @@ enum IoKind {
     Write { id: u32, location: SsdLocation, durable_for: Option<(usize, usize)> },
     Tombstone { slot: usize, location: SsdLocation },
     Load { id: u32, location: SsdLocation, allocation: Option<Allocation>, waiters: Vec<(usize, usize)> },
-    Sync { segment: u32, waiters: Vec<(usize, usize)>, covers_header: bool },
+    Sync { segment: u32, covers: Vec<u64> },
 }
 
 struct Io {
@@ -69,14 +69,40 @@ struct Io {
     done: u64,
 }
 
+/// A write-through commit waiting for its record to become durable.
+#[derive(Clone, Copy)]
+struct DurableWaiter {
+    end: u64,
+    pending: usize,
+    slot: usize,
+    object: u32,
+    generation: u32,
+}
+
+/// Durability bookkeeping of one segment.
+///
+/// Recovery scans a segment front to back and stops at the first hole, so a record is durable
+/// only when every write before it in the segment is durable too: the durable prefix ends at the
+/// first write not yet covered by a completed sync. A failed write or sync breaks the segment at
+/// that offset: nothing after it can ever be acknowledged durable.
 #[derive(Default)]
 struct SegmentExtra {
     /// Objects whose SSD copy is in this segment: (id, generation).
     objects: Vec<(u32, u32)>,
-    /// Write-through commits whose write completed, waiting for the next sync.
-    awaiting_sync: Vec<(usize, usize)>,
-    header_written: bool,
-    header_failed: bool,
+    /// Write-through commits waiting for the durable prefix to pass `end`.
+    waiters: Vec<DurableWaiter>,
+    /// Start offsets of writes placed here and not yet covered by a completed sync.
+    uncovered: BTreeSet<u64>,
+    /// Writes completed since the last sync was submitted.
+    completed: Vec<u64>,
+    broken_at: Option<u64>,
+}
+
+impl SegmentExtra {
+    fn durable_prefix(&self) -> u64 {
+        let first_gap = self.uncovered.first().copied().unwrap_or(u64::MAX);
+        first_gap.min(self.broken_at.unwrap_or(u64::MAX))
+    }
 }
 
 pub(crate) struct SsdState {
@@ -153,14 +179,13 @@ impl ShardCore {
         let Some(ssd) = self.ssd.as_mut() else { return false };
         let due: Vec<u32> = ssd.segments.needing_sync().collect();
         for &segment in &due {
-            let covers_header = ssd.extra[segment as usize].header_written;
-            let waiters = std::mem::take(&mut ssd.extra[segment as usize].awaiting_sync);
+            let covers = std::mem::take(&mut ssd.extra[segment as usize].completed);
             if let Some(s) = ssd.segments.get_mut(segment) {
                 s.unsynced_writes = 0;
                 s.sync_in_flight = true;
             }
             let io = Io {
-                kind: IoKind::Sync { segment, waiters, covers_header },
+                kind: IoKind::Sync { segment, covers },
                 file: segment,
                 offset: 0,
                 ptr: NonNull::dangling(),
@@ -197,8 +222,9 @@ impl ShardCore {
     fn write_segment_header(&mut self, segment: u32, epoch: u64) {
         let Some(ssd) = self.ssd.as_mut() else { return };
         ssd.extra[segment as usize] = SegmentExtra::default();
+        ssd.extra[segment as usize].uncovered.insert(0);
         let Some(offset) = ssd.scratch_offset(u64::from(segment)) else {
-            ssd.extra[segment as usize].header_failed = true;
+            ssd.extra[segment as usize].broken_at = Some(0);
             return;
         };
         let Some(ptr) = self.slice.ptr_at(offset, BLOCK_BYTES) else { return };
@@ -206,7 +232,7 @@ impl ShardCore {
         // (the segment was free until now).
         let block = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), BLOCK_BYTES as usize) };
         if record::encode(block, RecordKind::SegmentHeader, &[], &[], 0, epoch).is_err() {
-            ssd.extra[segment as usize].header_failed = true;
+            ssd.extra[segment as usize].broken_at = Some(0);
             return;
         }
         if let Some(s) = ssd.segments.get_mut(segment) {
@@ -290,6 +316,7 @@ impl ShardCore {
         if let Some(s) = ssd.segments.get_mut(location.segment) {
             s.writes_in_flight += 1;
         }
+        ssd.extra[location.segment as usize].uncovered.insert(location.offset);
         self.objects[id as usize].io_refs += 1;
         let io = Io {
             kind: IoKind::Write { id, location, durable_for },
@@ -335,6 +362,7 @@ impl ShardCore {
         if let Some(s) = ssd.segments.get_mut(location.segment) {
             s.writes_in_flight += 1;
         }
+        ssd.extra[location.segment as usize].uncovered.insert(location.offset);
         let io = Io {
             kind: IoKind::Tombstone { slot, location },
             file: location.segment,
@@ -473,34 +501,18 @@ impl ShardCore {
         let Some(ssd) = self.ssd.as_mut() else { return };
         let io = ssd.ios.remove(token);
         match io.kind {
-            IoKind::Header { segment } => {
-                if let Some(s) = ssd.segments.get_mut(segment) {
-                    s.writes_in_flight -= 1;
-                    if result.is_ok() {
-                        s.unsynced_writes += 1;
-                    }
-                }
-                let extra = &mut ssd.extra[segment as usize];
-                extra.header_written = result.is_ok();
-                extra.header_failed |= result.is_err();
-            }
+            IoKind::Header { segment } => self.finish_segment_write(segment, 0, result.is_ok()),
             IoKind::Tombstone { slot, location } => {
                 ssd.tombstone_free.push(slot);
-                if let Some(s) = ssd.segments.get_mut(location.segment) {
-                    s.writes_in_flight -= 1;
-                    if result.is_ok() {
-                        s.unsynced_writes += 1;
-                    }
-                }
+                self.finish_segment_write(location.segment, location.offset, result.is_ok());
             }
             IoKind::Write { id, location, durable_for } => {
                 if let Some(s) = ssd.segments.get_mut(location.segment) {
-                    s.writes_in_flight -= 1;
                     if result.is_ok() {
-                        s.unsynced_writes += 1;
                         s.live_bytes += location.record_bytes;
                     }
                 }
+                self.finish_segment_write(location.segment, location.offset, result.is_ok());
                 self.counters
                     .ssd_write_bytes
                     .fetch_add(if result.is_ok() { location.record_bytes } else { 0 }, RELAXED);
@@ -513,30 +525,93 @@ impl ShardCore {
                 ssd.loading_bytes -= location.record_bytes;
                 self.finish_load(id, location, allocation, waiters, io.ptr, result);
             }
-            IoKind::Sync { segment, waiters, covers_header } => {
+            IoKind::Sync { segment, covers } => {
                 if let Some(s) = ssd.segments.get_mut(segment) {
                     s.sync_in_flight = false;
-                    if result.is_ok() && covers_header {
-                        s.header_durable = true;
-                    }
                 }
                 self.counters.syncs.fetch_add(1, RELAXED);
-                let header_failed = ssd.extra[segment as usize].header_failed;
-                let outcome = match (&result, header_failed) {
-                    (Ok(()), false) => Ok(()),
-                    (Ok(()), true) => Err(Error::Io("segment header could not be written".into())),
-                    (Err(e), _) => Err(e.clone()),
-                };
-                let mut touched = Vec::new();
-                for (pending, slot) in waiters {
-                    self.resolve_commit(pending, slot, outcome.clone());
-                    touched.push(pending);
+                let extra = &mut ssd.extra[segment as usize];
+                if result.is_ok() {
+                    for offset in &covers {
+                        extra.uncovered.remove(offset);
+                    }
+                } else if let Some(&first) = covers.iter().min() {
+                    // After a failed fdatasync the kernel may have dropped those pages: treat
+                    // the segment as broken from the first write the sync was meant to cover.
+                    extra.broken_at = Some(extra.broken_at.map_or(first, |b| b.min(first)));
                 }
-                touched.dedup();
-                for pending in touched {
-                    self.finish_commit_if_done(pending);
-                }
+                self.advance_durability(segment);
             }
+        }
+    }
+
+    /// Bookkeeping for a completed (or failed) write at `offset` of `segment`.
+    fn finish_segment_write(&mut self, segment: u32, offset: u64, ok: bool) {
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        let open =
+            ssd.segments.get(segment).is_some_and(|s| s.state == kvtide_tiers::ssd::segments::SegmentState::Open);
+        if let Some(s) = ssd.segments.get_mut(segment) {
+            s.writes_in_flight -= 1;
+            if ok {
+                s.unsynced_writes += 1;
+            }
+        }
+        let extra = &mut ssd.extra[segment as usize];
+        if ok {
+            extra.completed.push(offset);
+            return;
+        }
+        extra.broken_at = Some(extra.broken_at.map_or(offset, |b| b.min(offset)));
+        if open {
+            // Nothing appended after a hole could be recovered: move on to a new segment.
+            ssd.segments.seal_open();
+        }
+        self.advance_durability(segment);
+    }
+
+    /// Acknowledges the write-through commits the durable prefix now covers, and fails those
+    /// that a broken segment can never cover.
+    fn advance_durability(&mut self, segment: u32) {
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        let extra = &mut ssd.extra[segment as usize];
+        let prefix = extra.durable_prefix();
+        let header_durable = !extra.uncovered.contains(&0) && extra.broken_at != Some(0);
+        let broken_at = extra.broken_at;
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut extra.waiters).into_iter().partition(|w| w.end <= prefix);
+        let (failed, waiting): (Vec<_>, Vec<_>) =
+            waiting.into_iter().partition(|w| broken_at.is_some_and(|b| w.end > b));
+        extra.waiters = waiting;
+        if header_durable {
+            if let Some(s) = ssd.segments.get_mut(segment) {
+                s.header_durable = true;
+            }
+        }
+        let mut touched = Vec::new();
+        for w in ready {
+            self.resolve_commit(w.pending, w.slot, Ok(()));
+            touched.push(w.pending);
+        }
+        for w in failed {
+            // All or nothing: a put that cannot be made durable is not kept.
+            let live = self
+                .objects
+                .get(w.object as usize)
+                .is_some_and(|o| o.generation == w.generation && o.state == ObjectState::Live);
+            if live {
+                self.unlink(w.object);
+            }
+            self.resolve_commit(
+                w.pending,
+                w.slot,
+                Err(Error::Io("the SSD write or sync before this record failed".into())),
+            );
+            touched.push(w.pending);
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for pending in touched {
+            self.finish_commit_if_done(pending);
         }
     }
 
@@ -562,9 +637,14 @@ impl ShardCore {
                 if let Some(ssd) = self.ssd.as_mut() {
                     let extra = &mut ssd.extra[location.segment as usize];
                     extra.objects.push((id, generation));
-                    if let Some(waiter) = durable_for {
-                        extra.awaiting_sync.push(waiter);
+                    if let Some((pending, slot)) = durable_for {
+                        let end = location.offset + location.record_bytes;
+                        extra.waiters.push(DurableWaiter { end, pending, slot, object: id, generation });
                     }
+                }
+                if durable_for.is_some() {
+                    // Usually not yet durable; a sync that already covers it will say so.
+                    self.advance_durability(location.segment);
                 }
             }
             Err(e) => {
@@ -579,7 +659,11 @@ impl ShardCore {
                 }
             }
         }
-        let object = &self.objects[id as usize];
+        // A write-through object whose segment broke was unlinked (and freed) above.
+        let Some(object) = self.objects.get(id as usize) else {
+            self.retry_waiters();
+            return;
+        };
         if object.state == ObjectState::Retired {
             self.after_last_use(id);
         } else if durable_for.is_none() && object.ssd.is_some() && object.leases == 0 && object.pins == 0 {
