@@ -273,6 +273,35 @@ impl Engine {
         (out, leases)
     }
 
+    /// Leases `keys` and hands each grant (or error) to `deliver`, which copies while the lease
+    /// is held. A batch larger than DRAM can hold at once (its SSD-resident keys are loaded into
+    /// DRAM to be read) gets `NoSpace` for some keys; those are retried in another round once the
+    /// previous round's leases are released, as long as every round delivers at least one key.
+    fn lease_in_rounds<'k>(&self, keys: Vec<(usize, &'k [u8])>, mut deliver: impl FnMut(usize, Result<ReadGrant>)) {
+        let mut remaining = keys;
+        while !remaining.is_empty() {
+            let (grants, leases) = self.lease_many(remaining.iter().copied());
+            let mut retry = Vec::new();
+            let mut delivered = 0;
+            for &(index, key) in &remaining {
+                match grants.get(&index) {
+                    Some(Err(Error::NoSpace)) => retry.push((index, key)),
+                    Some(grant) => {
+                        deliver(index, grant.clone());
+                        delivered += 1;
+                    }
+                    None => deliver(index, Err(Error::Internal("key was not leased"))),
+                }
+            }
+            drop(leases);
+            if delivered == 0 {
+                retry.into_iter().for_each(|(index, _)| deliver(index, Err(Error::NoSpace)));
+                return;
+            }
+            remaining = retry;
+        }
+    }
+
     /// Reserves room for `items` (index, key, len), one message per shard.
     fn reserve_many<'k>(
         &self,
@@ -574,8 +603,7 @@ impl Store for Engine {
                 Err(e) => results[i] = Err(e),
             }
         }
-        let (grants, _leases) = self.lease_many(valid.into_iter());
-        for (i, grant) in grants {
+        self.lease_in_rounds(valid, |i, grant| {
             results[i] = grant.and_then(|grant| {
                 let dst_bytes = total_len(&dsts[i])?;
                 if dst_bytes != grant.len {
@@ -583,7 +611,7 @@ impl Store for Engine {
                 }
                 scatter(&grant, &dsts[i]).map(|()| grant.len as usize)
             });
-        }
+        });
         results
     }
 
@@ -619,25 +647,29 @@ impl Store for Engine {
                 }
             }
         }
-        let (grants, _leases) = self.lease_many(keys.iter().copied().enumerate());
+        let mut by_key: Vec<Vec<(usize, usize)>> = vec![Vec::new(); keys.len()];
         for (b, f, k) in todo {
-            let frag = &fragments[b][f];
-            results[b][f] = match grants.get(&k) {
-                Some(Ok(grant)) => {
-                    let src = grant_region(grant.ptr, grant.len);
-                    let copy = || -> Result<usize> {
-                        kvtide_transport::region::check_range("object", frag.src_offset, frag.len, grant.len)?;
-                        // SAFETY: the object is leased for this call; the destination range was
-                        // checked against its buffer, which the caller lends for the call.
-                        unsafe { copy_regions(&src, frag.src_offset, &buffers[b], frag.dst_offset, frag.len)? };
-                        Ok(frag.len as usize)
-                    };
-                    copy()
-                }
-                Some(Err(e)) => Err(e.clone()),
-                None => Err(Error::Internal("fragment key was not leased")),
-            };
+            by_key[k].push((b, f));
         }
+        self.lease_in_rounds(keys.iter().copied().enumerate().collect(), |k, grant| {
+            for &(b, f) in &by_key[k] {
+                let frag = &fragments[b][f];
+                results[b][f] = match &grant {
+                    Ok(grant) => {
+                        let src = grant_region(grant.ptr, grant.len);
+                        let copy = || -> Result<usize> {
+                            kvtide_transport::region::check_range("object", frag.src_offset, frag.len, grant.len)?;
+                            // SAFETY: the object is leased for this call; the destination range
+                            // was checked against its buffer, which the caller lends for the call.
+                            unsafe { copy_regions(&src, frag.src_offset, &buffers[b], frag.dst_offset, frag.len)? };
+                            Ok(frag.len as usize)
+                        };
+                        copy()
+                    }
+                    Err(e) => Err(e.clone()),
+                };
+            }
+        });
         results
     }
 

@@ -57,8 +57,13 @@ pub(crate) struct BatchGetTask {
     cursor: usize,
     cancel: Arc<AtomicBool>,
     collector: Arc<BatchCollector>,
-    /// Filled by the core once every key is leased (SSD keys after their loads).
+    /// Filled by the core once every key of the round is leased (SSD keys after their loads).
     grants: Option<GrantCell>,
+    /// Items leased in the current round, in request order.
+    round: Vec<usize>,
+    /// Items refused with NoSpace this round (the batch did not fit in DRAM at once).
+    retry: Vec<usize>,
+    delivered_this_round: usize,
 }
 
 // SAFETY: the Rc is created in `start` on the shard thread and only touched there afterwards;
@@ -69,7 +74,16 @@ impl BatchGetTask {
     pub(crate) fn new(items: Vec<BatchGetItem>, cancel: Arc<AtomicBool>, collector: Arc<BatchCollector>) -> Self {
         let items =
             items.into_iter().map(|item| ItemState { item, grant: None, copied_bytes: 0, result: None }).collect();
-        BatchGetTask { items, cursor: 0, cancel, collector, grants: None }
+        BatchGetTask {
+            items,
+            cursor: 0,
+            cancel,
+            collector,
+            grants: None,
+            round: Vec::new(),
+            retry: Vec::new(),
+            delivered_this_round: 0,
+        }
     }
 
     fn finish(&mut self, core: &mut ShardCore) {
@@ -85,21 +99,34 @@ impl BatchGetTask {
     }
 }
 
-impl ShardTask for BatchGetTask {
-    fn start(&mut self, core: &mut ShardCore) {
+impl BatchGetTask {
+    /// Leases `items` as one batch; their grants arrive in `self.grants`.
+    fn lease_round(&mut self, core: &mut ShardCore, items: Vec<usize>) {
         let cell = Rc::new(RefCell::new(None));
         let sink = Rc::clone(&cell);
-        let keys = self.items.iter().map(|s| s.item.key.clone()).collect();
+        let keys = items.iter().map(|&i| self.items[i].item.key.clone()).collect();
         self.grants = Some(cell);
+        self.round = items;
+        self.cursor = 0;
+        self.delivered_this_round = 0;
         core.lease_read_batch(keys, None, Box::new(move |grants| *sink.borrow_mut() = Some(grants)));
+    }
+}
+
+impl ShardTask for BatchGetTask {
+    fn start(&mut self, core: &mut ShardCore) {
+        let all = (0..self.items.len()).collect();
+        self.lease_round(core, all);
     }
 
     fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> TaskPoll {
         if let Some(cell) = &self.grants {
             let Some(grants) = cell.borrow_mut().take() else { return TaskPoll::Waiting };
             self.grants = None;
-            for (state, grant) in self.items.iter_mut().zip(grants) {
+            for (&index, grant) in self.round.iter().zip(grants) {
+                let state = &mut self.items[index];
                 match grant {
+                    Err(Error::NoSpace) => self.retry.push(index),
                     Ok(grant) => {
                         let dst_bytes = state.item.dsts.iter().map(|d| d.len() as u64).sum::<u64>();
                         if dst_bytes != grant.len {
@@ -116,13 +143,13 @@ impl ShardTask for BatchGetTask {
                 }
             }
         }
-        while self.cursor < self.items.len() {
+        while self.cursor < self.round.len() {
             if self.cancel.load(Ordering::Acquire) {
                 // Everything not yet delivered (including a half-copied key) stays an error.
                 self.finish(core);
                 return TaskPoll::Finished;
             }
-            let state = &mut self.items[self.cursor];
+            let state = &mut self.items[self.round[self.cursor]];
             let Some(grant) = state.grant else {
                 self.cursor += 1;
                 continue;
@@ -163,10 +190,21 @@ impl ShardTask for BatchGetTask {
                 core.release(grant.lease);
                 state.grant = None;
                 state.result = Some(Ok(grant.len as usize));
+                self.delivered_this_round += 1;
             }
             if state.grant.is_none() {
                 self.cursor += 1;
             }
+        }
+        // Keys that did not fit in DRAM with the rest get another round now that this round's
+        // leases are released, as long as rounds keep delivering.
+        let retry = std::mem::take(&mut self.retry);
+        if !retry.is_empty() && self.delivered_this_round > 0 && !self.cancel.load(Ordering::Acquire) {
+            self.lease_round(core, retry);
+            return TaskPoll::Progressed;
+        }
+        for index in retry {
+            self.items[index].result = Some(Err(Error::NoSpace));
         }
         self.finish(core);
         TaskPoll::Finished
