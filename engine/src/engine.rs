@@ -277,7 +277,7 @@ impl Engine {
     /// is held. A batch larger than DRAM can hold at once (its SSD-resident keys are loaded into
     /// DRAM to be read) gets `NoSpace` for some keys; those are retried in another round once the
     /// previous round's leases are released, as long as every round delivers at least one key.
-    fn lease_in_rounds<'k>(&self, keys: Vec<(usize, &'k [u8])>, mut deliver: impl FnMut(usize, Result<ReadGrant>)) {
+    fn lease_in_rounds(&self, keys: Vec<(usize, &[u8])>, mut deliver: impl FnMut(usize, Result<ReadGrant>)) {
         let mut remaining = keys;
         while !remaining.is_empty() {
             let (grants, leases) = self.lease_many(remaining.iter().copied());
