@@ -24,6 +24,9 @@ use crate::shard::{
 use crate::stats::{ShardCounters, Stats};
 use crate::ticket::{pending, BatchCollector, Ticket};
 
+#[cfg(feature = "cuda")]
+mod gpu;
+
 /// Seed for routing keys to shards; differs from the index hash so a shard's keys do not all
 /// share low hash bits in its own table.
 const ROUTING_SEED: u64 = 0x6b76_7469_6465_0001;
@@ -43,6 +46,8 @@ pub struct Engine {
     tickets_in_flight: Arc<AtomicU64>,
     shutting_down: AtomicBool,
     recovery: Vec<RecoveryReport>,
+    #[cfg(feature = "cuda")]
+    gpu: gpu::GpuState,
 }
 
 impl std::fmt::Debug for Engine {
@@ -86,6 +91,7 @@ impl Engine {
                         write_through: ssd.write_through,
                         restore_budget_bytes: ssd.restore_budget_bytes,
                         promote_on_hit: ssd.promote_on_hit,
+                        epoch_seed: random_seed(index),
                     }),
                     Some(dir.open_shard(index)?),
                 ),
@@ -114,6 +120,8 @@ impl Engine {
             "kvtide engine open"
         );
         Ok(Engine {
+            #[cfg(feature = "cuda")]
+            gpu: gpu::GpuState::new(&config),
             shards,
             joins: Mutex::new(joins),
             arena,
@@ -456,6 +464,16 @@ impl Drop for ObjectLease {
     }
 }
 
+/// A seed that differs per shard and per process start (segment epochs must never repeat).
+fn random_seed(shard: usize) -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into the buffer we pass; failure leaves zeroes,
+    // and the time and pid below still make the seed unique per start.
+    unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    u64::from_le_bytes(bytes) ^ nanos ^ (u64::from(std::process::id()) << 32) ^ (shard as u64).wrapping_mul(0x9E37_79B9)
+}
+
 /// Checks that a destination can receive bytes on this path (host memory, writable).
 fn check_destination(dst: &Region<'_>) -> Result<()> {
     if let MemoryKind::Device { .. } = dst.kind() {
@@ -518,6 +536,10 @@ impl Store for Engine {
             let e = Error::InvalidArgument(format!("{} keys but {} source lists", keys.len(), sources.len()));
             return vec![Err(e); keys.len()];
         }
+        #[cfg(feature = "cuda")]
+        if gpu::any_device(sources.iter().flatten()) {
+            return gpu::batch_put(self, keys, sources, opts);
+        }
         let mut results: Vec<Result<()>> = vec![Ok(()); keys.len()];
         let mut items = Vec::with_capacity(keys.len());
         for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
@@ -577,6 +599,10 @@ impl Store for Engine {
 
     fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
         let _span = tracing::trace_span!("get_into").entered();
+        #[cfg(feature = "cuda")]
+        if gpu::any_device(std::iter::once(&dst)) {
+            return gpu::get_into(self, key, dst);
+        }
         self.validate_key(key)?;
         check_destination(&dst)?;
         let (mut grants, _leases) = self.lease_many(std::iter::once((0, key)));
@@ -593,6 +619,10 @@ impl Store for Engine {
         if keys.len() != dsts.len() {
             let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
             return vec![Err(e); keys.len()];
+        }
+        #[cfg(feature = "cuda")]
+        if gpu::any_device(dsts.iter().flatten()) {
+            return gpu::batch_get(self, keys, dsts);
         }
         let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
         let mut valid = Vec::with_capacity(keys.len());
@@ -617,6 +647,10 @@ impl Store for Engine {
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
         let _span = tracing::trace_span!("get_into_ranges", buffers = buffers.len()).entered();
+        #[cfg(feature = "cuda")]
+        if gpu::any_device(buffers.iter()) {
+            return gpu::get_into_ranges(self, buffers, fragments);
+        }
         let mut results: Vec<Vec<Result<usize>>> =
             fragments.iter().map(|f| (0..f.len()).map(|_| pending()).collect()).collect();
         // Unique keys of the valid fragments, leased once each.
@@ -739,6 +773,10 @@ impl Store for Engine {
         };
         stats.arena_registered_with = self.arena.registered_with().into_iter().map(String::from).collect();
         stats.tickets_in_flight = self.tickets_in_flight.load(Ordering::Relaxed);
+        #[cfg(feature = "cuda")]
+        {
+            stats.gpu = self.gpu.stats();
+        }
         stats
     }
 

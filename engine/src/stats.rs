@@ -47,6 +47,8 @@ pub struct ShardCounters {
     pub restore_waits: AtomicU64,
     pub recovered_objects: AtomicU64,
     pub recovery_discarded: AtomicU64,
+    pub compactions: AtomicU64,
+    pub compacted_records: AtomicU64,
     pub fixed_buffers_registered: AtomicBool,
 }
 
@@ -93,6 +95,8 @@ pub struct ShardStats {
     pub restore_waits: u64,
     pub recovered_objects: u64,
     pub recovery_discarded: u64,
+    pub compactions: u64,
+    pub compacted_records: u64,
     pub fixed_buffers_registered: bool,
 }
 
@@ -141,6 +145,8 @@ impl ShardCounters {
             restore_waits: r(&self.restore_waits),
             recovered_objects: r(&self.recovered_objects),
             recovery_discarded: r(&self.recovery_discarded),
+            compactions: r(&self.compactions),
+            compacted_records: r(&self.compacted_records),
             fixed_buffers_registered: self.fixed_buffers_registered.load(Ordering::Relaxed),
         }
     }
@@ -157,6 +163,8 @@ pub struct Stats {
     pub arena_registered_with: Vec<String>,
     /// Async tickets not yet completed.
     pub tickets_in_flight: u64,
+    /// GPU transfers (all zero without the `cuda` feature or before the first GPU call).
+    pub gpu: GpuStats,
 }
 
 impl Stats {
@@ -204,6 +212,8 @@ impl Stats {
             t.restore_waits += s.restore_waits;
             t.recovered_objects += s.recovered_objects;
             t.recovery_discarded += s.recovery_discarded;
+            t.compactions += s.compactions;
+            t.compacted_records += s.compacted_records;
             t.fixed_buffers_registered &= s.fixed_buffers_registered;
         }
         Stats { total: t, shards, ..Stats::default() }
@@ -219,6 +229,32 @@ impl Stats {
             tickets_in_flight: self.tickets_in_flight,
         }
     }
+}
+
+/// GPU transfer counters of one store (feature `cuda`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuStats {
+    /// The DRAM arena is registered with CUDA (`cuMemHostRegister`, once per slice).
+    pub arena_registered: bool,
+    /// Time the registration took (lazily, at the first GPU call).
+    pub registration_us: u64,
+    /// Requests that took the staged path (staging buffer + one kernel per fill).
+    pub staged_requests: u64,
+    /// Requests that took the direct path.
+    pub direct_requests: u64,
+    /// Staging-buffer fills (one scatter or gather launch each).
+    pub staged_fills: u64,
+    pub kernel_launches: u64,
+    /// `cuMemcpy{HtoD,DtoH}Async` calls.
+    pub copy_calls: u64,
+    /// `cuMemcpyBatchAsync` calls.
+    pub batch_copy_calls: u64,
+    pub bytes_to_device: u64,
+    pub bytes_to_host: u64,
+    /// Keys that failed in a GPU transfer.
+    pub failed_keys: u64,
+    /// Why requests fell back to the direct path (reason, count), "disabled" not counted.
+    pub fallbacks: Vec<(String, u64)>,
 }
 
 /// Held-resource gauges; all zero when idle. Tests assert on this.

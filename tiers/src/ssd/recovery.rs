@@ -35,6 +35,8 @@ pub struct Discarded {
 pub struct SegmentScan {
     /// None when the segment has no valid header (never used, or its header was torn).
     pub epoch: Option<u64>,
+    /// The sequence number the header was written with (orders segments oldest first).
+    pub header_seq: u64,
     pub records: Vec<FoundRecord>,
     /// End of the valid prefix: appends would continue here.
     pub valid_end: u64,
@@ -59,7 +61,8 @@ pub fn scan_segment(disk: &mut dyn DiskIo, file: FileId) -> std::io::Result<Segm
         }
     };
     let epoch = header.epoch;
-    let mut scan = SegmentScan { epoch: Some(epoch), valid_end: BLOCK_BYTES, ..SegmentScan::default() };
+    let mut scan =
+        SegmentScan { epoch: Some(epoch), header_seq: header.seq, valid_end: BLOCK_BYTES, ..SegmentScan::default() };
     let mut offset = BLOCK_BYTES;
     let mut buf = Vec::new();
     while offset + BLOCK_BYTES <= file_bytes {

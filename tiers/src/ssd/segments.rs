@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 
 use super::record::BLOCK_BYTES;
+use super::sim::SimRng;
 
 /// Where a record lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,33 +86,45 @@ pub struct SegmentTable {
     segment_bytes: u64,
     open: Option<u32>,
     sealed: VecDeque<u32>,
-    next_epoch: u64,
+    /// Epochs are random, never counted: a crash can lose the record of which epochs were used,
+    /// and a reused epoch would let a reused segment's stale tail pass for new records.
+    epochs: SimRng,
 }
 
 impl SegmentTable {
     /// `count` free segments of `segment_bytes` (a multiple of 4 KiB, at least two blocks).
-    pub fn new(count: u32, segment_bytes: u64) -> SegmentTable {
+    /// `epoch_seed` seeds the epoch generator (random in production, fixed in simulations).
+    pub fn new(count: u32, segment_bytes: u64, epoch_seed: u64) -> SegmentTable {
         SegmentTable {
             segments: (0..count).map(|_| Segment::free()).collect(),
             segment_bytes,
             open: None,
             sealed: VecDeque::new(),
-            next_epoch: 1,
+            epochs: SimRng::new(epoch_seed),
         }
     }
 
-    /// Marks recovered segments sealed (oldest epoch first) with their valid lengths.
-    /// `recovered` is (segment, epoch, valid_end_bytes).
-    pub fn restore(&mut self, mut recovered: Vec<(u32, u64, u64)>) {
-        recovered.sort_by_key(|&(_, epoch, _)| epoch);
-        for (segment, epoch, end) in recovered {
+    /// Marks recovered segments sealed, oldest first by `order` (the sequence number their
+    /// header was written with), with their valid lengths.
+    /// `recovered` is (segment, epoch, order, valid_end_bytes).
+    pub fn restore(&mut self, mut recovered: Vec<(u32, u64, u64, u64)>) {
+        recovered.sort_by_key(|&(_, _, order, _)| order);
+        for (segment, epoch, _, end) in recovered {
             if let Some(s) = self.segments.get_mut(segment as usize) {
                 s.state = SegmentState::Sealed;
                 s.epoch = epoch;
                 s.write_offset = end;
                 s.header_durable = true;
                 self.sealed.push_back(segment);
-                self.next_epoch = self.next_epoch.max(epoch + 1);
+            }
+        }
+    }
+
+    fn fresh_epoch(&mut self, previous: u64) -> u64 {
+        loop {
+            let epoch = self.epochs.next_u64();
+            if epoch != 0 && epoch != previous {
+                return epoch;
             }
         }
     }
@@ -138,8 +151,7 @@ impl SegmentTable {
             self.open = None;
         }
         let free = self.segments.iter().position(|s| s.state == SegmentState::Free).ok_or(AppendError::Full)?;
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
+        let epoch = self.fresh_epoch(self.segments[free].epoch);
         let s = &mut self.segments[free];
         *s = Segment { state: SegmentState::Open, epoch, write_offset: BLOCK_BYTES + record_bytes, ..Segment::free() };
         self.open = Some(free as u32);
@@ -193,6 +205,11 @@ impl SegmentTable {
         self.get(location.segment).is_some_and(|s| s.state != SegmentState::Free && s.epoch == location.epoch)
     }
 
+    /// Segments neither open nor sealed.
+    pub fn free_count(&self) -> usize {
+        self.segments.iter().filter(|s| s.state == SegmentState::Free).count()
+    }
+
     pub fn count(&self) -> u32 {
         self.segments.len() as u32
     }
@@ -222,14 +239,15 @@ mod tests {
 
     #[test]
     fn appends_fill_segments_in_order_and_reclaim_oldest_first() {
-        let mut t = SegmentTable::new(2, 4 * BLOCK_BYTES);
+        let mut t = SegmentTable::new(2, 4 * BLOCK_BYTES, 1);
         let a = t.append(BLOCK_BYTES).expect("a");
         assert!(a.opens_segment);
-        assert_eq!((a.location.segment, a.location.offset, a.location.epoch), (0, BLOCK_BYTES, 1));
+        assert_eq!((a.location.segment, a.location.offset), (0, BLOCK_BYTES));
         let b = t.append(2 * BLOCK_BYTES).expect("b");
         assert!(!b.opens_segment);
         let c = t.append(2 * BLOCK_BYTES).expect("c opens segment 1");
-        assert_eq!((c.location.segment, c.location.epoch), (1, 2));
+        assert_eq!(c.location.segment, 1);
+        assert_ne!(c.location.epoch, a.location.epoch);
         assert_eq!(t.append(3 * BLOCK_BYTES), Err(AppendError::Full));
         assert_eq!(t.append(4 * BLOCK_BYTES), Err(AppendError::TooLarge));
         // Headers not yet durable: no reclaim.
@@ -245,15 +263,16 @@ mod tests {
         assert!(t.reclaim(0));
         assert!(!t.is_current(&a.location));
         let d = t.append(3 * BLOCK_BYTES).expect("d reuses segment 0");
-        assert_eq!((d.location.segment, d.location.epoch, d.opens_segment), (0, 3, true));
+        assert_eq!((d.location.segment, d.opens_segment), (0, true));
+        assert_ne!(d.location.epoch, a.location.epoch, "a reused segment gets a new epoch");
     }
 
     #[test]
-    fn restore_orders_by_epoch() {
-        let mut t = SegmentTable::new(3, 8 * BLOCK_BYTES);
-        t.restore(vec![(2, 5, 3 * BLOCK_BYTES), (0, 9, 2 * BLOCK_BYTES)]);
+    fn restore_orders_by_header_sequence() {
+        let mut t = SegmentTable::new(3, 8 * BLOCK_BYTES, 1);
+        t.restore(vec![(0, 77, 9, 2 * BLOCK_BYTES), (2, 12, 5, 3 * BLOCK_BYTES)]);
         assert_eq!(t.oldest_sealed(), Some(2));
         let a = t.append(BLOCK_BYTES).expect("append");
-        assert_eq!((a.location.segment, a.location.epoch), (1, 10));
+        assert_eq!(a.location.segment, 1);
     }
 }

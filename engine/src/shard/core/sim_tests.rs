@@ -20,6 +20,12 @@ use super::*;
 
 const SEGMENT_BYTES: u64 = 1 << 20;
 
+thread_local! {
+    /// Each core of a scenario gets a different (but reproducible) epoch seed, as a restarted
+    /// process would.
+    static EPOCH_SEED: std::cell::Cell<u64> = const { std::cell::Cell::new(1) };
+}
+
 fn new_core(arena: &Arc<Arena>, segments: u32, write_through: bool, promote: bool) -> ShardCore {
     let slice = arena.slice(0).expect("slice");
     let config = ShardConfig {
@@ -37,6 +43,11 @@ fn new_core(arena: &Arc<Arena>, segments: u32, write_through: bool, promote: boo
         write_through,
         restore_budget_bytes: 256 << 10,
         promote_on_hit: promote,
+        epoch_seed: EPOCH_SEED.with(|s| {
+            let v = s.get();
+            s.set(v.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407));
+            v
+        }),
     };
     ShardCore::with_ssd(config, slice, Arc::new(ShardCounters::default()), Some(ssd)).expect("core")
 }
@@ -120,6 +131,8 @@ struct KeyModel {
 struct Outcome {
     durable_checked: u64,
     crashes: u64,
+    compactions: u64,
+    evicted_segments: u64,
 }
 
 fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
@@ -143,10 +156,13 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
     let mut durable_checked = 0;
     let mut crashes = 0;
     let mut reclaimed = false;
+    let mut compactions = 0;
+    let mut evicted_segments = 0;
     let ctx = |seed: u64, step: usize| format!("seed {seed} step {step}");
     for step in 0..ops {
         let k = rng.below(u64::from(keys)) as u32;
         let key = format!("k{k}").into_bytes();
+        let trace = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) == Some(k);
         match rng.below(20) {
             0..=8 => {
                 version += 1;
@@ -154,7 +170,11 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 let v = value(k, version, len);
                 let m = model.entry(k).or_default();
                 m.written.push(v.clone());
-                match put(&mut core, &mut disk, &key, &v) {
+                let r = put(&mut core, &mut disk, &key, &v);
+                if trace {
+                    eprintln!("step {step}: put k{k} v{version} len {len} -> {r:?}");
+                }
+                match r {
                     Ok(()) => {
                         m.latest = Some(v.clone());
                         m.durable = write_through.then_some(v);
@@ -192,6 +212,9 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
             }
             17 => {
                 let m = model.entry(k).or_default();
+                if trace {
+                    eprintln!("step {step}: remove k{k}");
+                }
                 match core.remove(&key, false) {
                     Ok(()) | Err(Error::NotFound) => {
                         m.latest = None;
@@ -206,14 +229,40 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 // not at all. A new core recovers from the disk image.
                 pump_some(&mut core, &mut disk, rng.below(3) as usize);
                 reclaimed |= core.counters.segments_reclaimed.load(RELAXED) > 0;
+                compactions += core.counters.compactions.load(RELAXED);
+                evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
+                if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
+                    let c = core.counters.snapshot();
+                    let tkey = format!("k{tk}").into_bytes();
+                    let loc = core.index.get(&tkey[..]).map(|&id| {
+                        let o = &core.objects[id as usize];
+                        (o.ssd, o.dram.is_some(), o.seq)
+                    });
+                    let segs: Vec<_> = (0..segments)
+                        .filter_map(|i| {
+                            core.ssd.as_ref().and_then(|s| s.segments().get(i)).map(|g| (i, g.state, g.write_offset))
+                        })
+                        .collect();
+                    eprintln!(
+                        "step {step} crash: k{tk} at {loc:?}; reclaimed {} compactions {}; segs {segs:?}",
+                        c.segments_reclaimed, c.compactions
+                    );
+                }
                 drop(core);
                 disk.crash();
                 crashes += 1;
                 disk.set_faults(SimFaults::default());
                 core = new_core(&arena, segments, write_through, promote);
-                core.recover(&mut disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(seed, step)));
+                let report = core.recover(&mut disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(seed, step)));
+                if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
+                    let tkey = format!("k{tk}").into_bytes();
+                    eprintln!("  recovered {report:?}; traced key indexed: {}", core.index.contains_key(&tkey[..]));
+                }
                 for (&k, m) in model.iter_mut() {
                     let key = format!("k{k}").into_bytes();
+                    // Reads load objects, which may compact or evict segments: keys checked after
+                    // that may have been evicted legitimately.
+                    reclaimed |= core.counters.segments_reclaimed.load(RELAXED) > 0;
                     match get(&mut core, &mut disk, &key) {
                         Ok(bytes) => {
                             assert!(
@@ -224,6 +273,17 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                             m.latest = Some(bytes);
                         }
                         Err(Error::NotFound) => {
+                            if m.durable.is_some() && !reclaimed && std::env::var("KVTIDE_SIM_KEY").is_ok() {
+                                for seg in 0..segments {
+                                    let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
+                                    for r in scan.records.iter().filter(|r| r.key == key) {
+                                        eprintln!(
+                                            "  seg {seg} epoch {:?}: {:?} seq {} at {}",
+                                            scan.epoch, r.kind, r.seq, r.location.offset
+                                        );
+                                    }
+                                }
+                            }
                             assert!(
                                 m.durable.is_none() || reclaimed,
                                 "{}: durable k{k} lost in the crash",
@@ -257,7 +317,9 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
         "seed {seed}: held resources at the end"
     );
     assert!(core.is_quiet(), "seed {seed}: work still pending");
-    Outcome { durable_checked, crashes }
+    compactions += core.counters.compactions.load(RELAXED);
+    evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
+    Outcome { durable_checked, crashes, compactions, evicted_segments }
 }
 
 /// Runs a few rounds of disk work (so crashes land mid-flight, not only at quiet points).
@@ -275,6 +337,13 @@ fn pump_some(core: &mut ShardCore, disk: &mut SimDisk, rounds: usize) {
         for c in done.drain(..) {
             core.on_disk_completion(c);
         }
+    }
+}
+
+#[test]
+fn one_seed_from_env() {
+    if let Some(seed) = std::env::var("KVTIDE_SIM_SEED").ok().and_then(|s| s.parse().ok()) {
+        scenario(seed, 8, 150);
     }
 }
 
@@ -301,9 +370,14 @@ fn seeded_crash_and_fault_scenarios() {
 
 #[test]
 fn seeded_scenarios_with_segment_reclaim() {
+    let (mut compactions, mut reclaimed) = (0, 0);
     for seed in 0..seeds() / 4 {
-        scenario(1_000_000 + seed, 3, 200);
+        let o = scenario(1_000_000 + seed, 3, 200);
+        compactions += o.compactions;
+        reclaimed += o.evicted_segments;
     }
+    println!("reclaim scenarios: {reclaimed} segments reclaimed, {compactions} of them by compaction");
+    assert!(compactions > 0 && reclaimed > compactions, "both compaction and whole-segment eviction must run");
 }
 
 #[test]

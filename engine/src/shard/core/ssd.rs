@@ -21,6 +21,9 @@ use slab::Slab;
 use super::{Object, ObjectState, ShardCore, RELAXED};
 use crate::error::{Error, Result};
 
+/// The oldest segment is compacted (live records copied forward) rather than evicted when less
+/// than this share of it is live; fuller segments are evicted whole (their objects leave).
+const COMPACT_BELOW_LIVE_PERCENT: u64 = 50;
 /// Scratch blocks for tombstones (a tombstone with none free is skipped and counted).
 const TOMBSTONE_SLOTS: usize = 16;
 /// Largest single transfer; longer records continue like short transfers do.
@@ -37,6 +40,8 @@ pub struct SsdConfig {
     pub restore_budget_bytes: u64,
     /// Keep loaded objects in DRAM (else their DRAM copy goes with the last reader).
     pub promote_on_hit: bool,
+    /// Seeds the random segment epochs (fixed in simulations, random in production).
+    pub epoch_seed: u64,
 }
 
 /// What recovery found, per shard.
@@ -53,11 +58,30 @@ pub struct RecoveryReport {
 }
 
 enum IoKind {
-    Header { segment: u32 },
-    Write { id: u32, location: SsdLocation, durable_for: Option<(usize, usize)> },
-    Tombstone { slot: usize, location: SsdLocation },
-    Load { id: u32, location: SsdLocation, allocation: Option<Allocation>, waiters: Vec<(usize, usize)> },
-    Sync { segment: u32, covers: Vec<u64> },
+    Header {
+        segment: u32,
+    },
+    Write {
+        id: u32,
+        location: SsdLocation,
+        durable_for: Option<(usize, usize)>,
+        compaction: bool,
+    },
+    Tombstone {
+        slot: usize,
+        location: SsdLocation,
+    },
+    Load {
+        id: u32,
+        location: SsdLocation,
+        allocation: Option<Allocation>,
+        waiters: Vec<(usize, usize)>,
+        compaction: bool,
+    },
+    Sync {
+        segment: u32,
+        covers: Vec<u64>,
+    },
 }
 
 struct Io {
@@ -115,6 +139,17 @@ pub(crate) struct SsdState {
     scratch: Allocation,
     tombstone_free: Vec<usize>,
     loading_bytes: u64,
+    compaction: Option<Compaction>,
+}
+
+/// Compaction of the oldest segment: its live records are copied forward, then it is freed.
+struct Compaction {
+    segment: u32,
+    /// Loads and rewrites still in flight.
+    outstanding: u32,
+    /// Where the copies went: (segment, end offset). The old segment is freed only once all of
+    /// them are durable, so a crash never loses an object that was durable before.
+    copies: Vec<(u32, u64)>,
 }
 
 impl SsdState {
@@ -123,15 +158,22 @@ impl SsdState {
         let blocks = config.segments as u64 + TOMBSTONE_SLOTS as u64;
         let scratch = allocator.allocate(blocks * BLOCK_BYTES)?;
         Some(SsdState {
-            segments: SegmentTable::new(config.segments, config.segment_bytes),
+            segments: SegmentTable::new(config.segments, config.segment_bytes, config.epoch_seed),
             extra: (0..config.segments).map(|_| SegmentExtra::default()).collect(),
             ios: Slab::new(),
             outbox: VecDeque::new(),
             scratch,
             tombstone_free: (0..TOMBSTONE_SLOTS).collect(),
             loading_bytes: 0,
+            compaction: None,
             config,
         })
+    }
+
+    /// The segment table (tests and debugging).
+    #[cfg(test)]
+    pub(crate) fn segments(&self) -> &SegmentTable {
+        &self.segments
     }
 
     /// Bytes the tier keeps allocated for itself (scratch blocks).
@@ -173,9 +215,14 @@ impl ShardCore {
         self.ssd.as_ref().map_or(0, |s| s.ios.len())
     }
 
-    /// Group commit: one `fdatasync` per segment with completed, unsynced writes. Returns true if
-    /// it queued any.
+    /// SSD housekeeping between other work: group commit (one `fdatasync` per segment with
+    /// completed, unsynced writes) and compaction. Returns true if it queued any I/O.
     pub fn schedule_syncs(&mut self) -> bool {
+        let compacted = self.advance_compaction();
+        self.queue_syncs() || compacted
+    }
+
+    fn queue_syncs(&mut self) -> bool {
         let Some(ssd) = self.ssd.as_mut() else { return false };
         let due: Vec<u32> = ssd.segments.needing_sync().collect();
         for &segment in &due {
@@ -207,19 +254,22 @@ impl ShardCore {
                 Ok(append) => break append,
                 Err(AppendError::TooLarge) => return None,
                 Err(AppendError::Full) => {
-                    if !self.reclaim_oldest_segment() {
+                    // Evict the oldest segment whole, unless it is being compacted (then this
+                    // write has to do without: the caller drops or refuses it).
+                    if ssd.compaction.is_some() || !self.reclaim_oldest_segment() {
                         return None;
                     }
                 }
             }
         };
         if append.opens_segment {
-            self.write_segment_header(append.location.segment, append.location.epoch);
+            let order = self.bump_seq();
+            self.write_segment_header(append.location.segment, append.location.epoch, order);
         }
         Some(append.location)
     }
 
-    fn write_segment_header(&mut self, segment: u32, epoch: u64) {
+    fn write_segment_header(&mut self, segment: u32, epoch: u64, order: u64) {
         let Some(ssd) = self.ssd.as_mut() else { return };
         ssd.extra[segment as usize] = SegmentExtra::default();
         ssd.extra[segment as usize].uncovered.insert(0);
@@ -231,7 +281,7 @@ impl ShardCore {
         // SAFETY: this scratch block belongs to `segment` alone and no write of it is in flight
         // (the segment was free until now).
         let block = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), BLOCK_BYTES as usize) };
-        if record::encode(block, RecordKind::SegmentHeader, &[], &[], 0, epoch).is_err() {
+        if record::encode(block, RecordKind::SegmentHeader, &[], &[], order, epoch).is_err() {
             ssd.extra[segment as usize].broken_at = Some(0);
             return;
         }
@@ -275,10 +325,117 @@ impl ShardCore {
         reclaimed
     }
 
+    /// Starts compacting the oldest segment when at most one segment is free and it is mostly dead, and
+    /// frees it once its live records are copied forward and durable. True if it queued I/O.
+    fn advance_compaction(&mut self) -> bool {
+        let Some(ssd) = self.ssd.as_mut() else { return false };
+        if let Some(c) = &ssd.compaction {
+            if c.outstanding > 0 {
+                return false;
+            }
+            let durable = c.copies.iter().all(|&(segment, end)| {
+                let extra = &ssd.extra[segment as usize];
+                // A broken segment will never be durable past its break: stop waiting for it.
+                end <= extra.durable_prefix() || extra.broken_at.is_some()
+            });
+            if !durable || ssd.segments.reclaim_candidate() != Some(c.segment) {
+                return false;
+            }
+            let copied = c.copies.len() as u64;
+            ssd.compaction = None;
+            if self.reclaim_oldest_segment() {
+                self.counters.compactions.fetch_add(1, RELAXED);
+                self.counters.compacted_records.fetch_add(copied, RELAXED);
+            }
+            return false;
+        }
+        // Start while one segment is still free, so the copies have somewhere to go.
+        if ssd.segments.free_count() > 1 {
+            return false;
+        }
+        let Some(segment) = ssd.segments.oldest_sealed() else { return false };
+        let Some(seg) = ssd.segments.get(segment) else { return false };
+        if seg.live_bytes * 100 >= ssd.segments.segment_bytes() * COMPACT_BELOW_LIVE_PERCENT {
+            // Mostly live: evicting it whole (when space is needed) beats rewriting it.
+            return false;
+        }
+        let residents = ssd.extra[segment as usize].objects.clone();
+        ssd.compaction = Some(Compaction { segment, outstanding: 0, copies: Vec::new() });
+        let mut queued = false;
+        for (id, generation) in residents {
+            let Some(object) = self.objects.get(id as usize) else { continue };
+            let only_here = object.generation == generation
+                && object.state == ObjectState::Live
+                && object.dram.is_none()
+                && object.io_refs == 0
+                && object.ssd.is_some_and(|l| l.segment == segment);
+            if !only_here {
+                // In DRAM too (it just loses its SSD copy) or already gone.
+                continue;
+            }
+            let Some(location) = object.ssd else { continue };
+            // No eviction for compaction: what does not fit is evicted with the segment.
+            let Some(allocation) = self.allocator.allocate(location.record_bytes) else { continue };
+            let Some(ptr) = self.slice.ptr_at(allocation.offset(), location.record_bytes) else {
+                self.allocator.free(allocation);
+                continue;
+            };
+            self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
+            let Some(ssd) = self.ssd.as_mut() else { return queued };
+            if let Some(s) = ssd.segments.get_mut(segment) {
+                s.readers += 1;
+            }
+            ssd.loading_bytes += location.record_bytes;
+            let io = Io {
+                kind: IoKind::Load {
+                    id,
+                    location,
+                    allocation: Some(allocation),
+                    waiters: Vec::new(),
+                    compaction: true,
+                },
+                file: segment,
+                offset: location.offset,
+                ptr,
+                total: location.record_bytes,
+                done: 0,
+            };
+            let token = ssd.ios.insert(io);
+            ssd.outbox.push_back(DiskOp {
+                token: token as u64,
+                file: segment,
+                kind: DiskOpKind::Read {
+                    buf: ptr.as_ptr(),
+                    len: location.record_bytes.min(MAX_IO_BYTES) as u32,
+                    offset: location.offset,
+                },
+            });
+            if let Some(c) = ssd.compaction.as_mut() {
+                c.outstanding += 1;
+            }
+            let object = &mut self.objects[id as usize];
+            object.loading = Some(token);
+            object.io_refs += 1;
+            object.transient = true;
+            queued = true;
+        }
+        queued
+    }
+
+    /// One compaction load or rewrite finished; `copy` is where the record went, if it did.
+    fn compaction_step_done(&mut self, copy: Option<SsdLocation>) {
+        if let Some(c) = self.ssd.as_mut().and_then(|s| s.compaction.as_mut()) {
+            c.outstanding = c.outstanding.saturating_sub(1);
+            if let Some(l) = copy {
+                c.copies.push((l.segment, l.offset + l.record_bytes));
+            }
+        }
+    }
+
     /// Starts writing a dirty victim's record from its DRAM image. False when the SSD tier is
     /// absent or full; the caller then drops the object.
     pub(super) fn start_demotion(&mut self, id: u32) -> bool {
-        let Some(location) = self.start_record_write(id, None) else { return false };
+        let Some(location) = self.start_record_write(id, None, false) else { return false };
         let bytes = self.objects[id as usize].dram.as_ref().map_or(0, Allocation::len);
         self.demoting_bytes += bytes;
         self.counters.demotions.fetch_add(1, RELAXED);
@@ -288,7 +445,7 @@ impl ShardCore {
 
     /// Write-through: the commit's result waits for the record to be durable.
     pub(super) fn write_through_record(&mut self, id: u32, pending: usize, slot: usize) {
-        if self.start_record_write(id, Some((pending, slot))).is_some() {
+        if self.start_record_write(id, Some((pending, slot)), false).is_some() {
             self.policy.remove(id as EntryId);
             return;
         }
@@ -298,7 +455,12 @@ impl ShardCore {
     }
 
     /// Seals the record image in the object's DRAM and queues its write.
-    fn start_record_write(&mut self, id: u32, durable_for: Option<(usize, usize)>) -> Option<SsdLocation> {
+    fn start_record_write(
+        &mut self,
+        id: u32,
+        durable_for: Option<(usize, usize)>,
+        compaction: bool,
+    ) -> Option<SsdLocation> {
         let object = &self.objects[id as usize];
         let allocation = object.dram.as_ref()?;
         let (key_len, len, seq, offset) = (object.key.len(), object.len, object.seq, allocation.offset());
@@ -319,7 +481,7 @@ impl ShardCore {
         ssd.extra[location.segment as usize].uncovered.insert(location.offset);
         self.objects[id as usize].io_refs += 1;
         let io = Io {
-            kind: IoKind::Write { id, location, durable_for },
+            kind: IoKind::Write { id, location, durable_for, compaction },
             file: location.segment,
             offset: location.offset,
             ptr,
@@ -429,7 +591,13 @@ impl ShardCore {
         }
         ssd.loading_bytes += location.record_bytes;
         let io = Io {
-            kind: IoKind::Load { id, location, allocation: Some(allocation), waiters: vec![(pending, slot)] },
+            kind: IoKind::Load {
+                id,
+                location,
+                allocation: Some(allocation),
+                waiters: vec![(pending, slot)],
+                compaction: false,
+            },
             file: location.segment,
             offset: location.offset,
             ptr,
@@ -506,7 +674,7 @@ impl ShardCore {
                 ssd.tombstone_free.push(slot);
                 self.finish_segment_write(location.segment, location.offset, result.is_ok());
             }
-            IoKind::Write { id, location, durable_for } => {
+            IoKind::Write { id, location, durable_for, compaction } => {
                 if let Some(s) = ssd.segments.get_mut(location.segment) {
                     if result.is_ok() {
                         s.live_bytes += location.record_bytes;
@@ -516,14 +684,31 @@ impl ShardCore {
                 self.counters
                     .ssd_write_bytes
                     .fetch_add(if result.is_ok() { location.record_bytes } else { 0 }, RELAXED);
+                if compaction {
+                    self.compaction_step_done(result.is_ok().then_some(location));
+                }
                 self.finish_record_write(id, location, durable_for, result);
             }
-            IoKind::Load { id, location, allocation, waiters } => {
+            IoKind::Load { id, location, allocation, waiters, compaction } => {
                 if let Some(s) = ssd.segments.get_mut(location.segment) {
                     s.readers -= 1;
                 }
                 ssd.loading_bytes -= location.record_bytes;
-                self.finish_load(id, location, allocation, waiters, io.ptr, result);
+                let checked = self.verify_loaded(id, &location, io.ptr, result);
+                let loaded = self.finish_load(id, location, allocation, waiters, checked, compaction);
+                if compaction {
+                    // Copy forward what was loaded; its DRAM copy goes when the write completes.
+                    let copied = loaded && self.start_record_write(id, None, true).is_some();
+                    if copied {
+                        let bytes = self.objects[id as usize].dram.as_ref().map_or(0, Allocation::len);
+                        self.demoting_bytes += bytes;
+                    } else {
+                        if loaded {
+                            self.after_last_use(id);
+                        }
+                        self.compaction_step_done(None);
+                    }
+                }
             }
             IoKind::Sync { segment, covers } => {
                 if let Some(s) = ssd.segments.get_mut(segment) {
@@ -630,8 +815,12 @@ impl ShardCore {
         object.io_refs -= 1;
         match result {
             Ok(()) => {
-                object.ssd = Some(location);
+                let previous = object.ssd.replace(location);
                 let generation = object.generation;
+                if let Some(previous) = previous {
+                    // A compaction copy replaces the record in the segment being freed.
+                    self.forget_ssd_copy(&previous);
+                }
                 self.counters.ssd_objects.fetch_add(1, RELAXED);
                 self.counters.ssd_bytes.fetch_add(location.record_bytes, RELAXED);
                 if let Some(ssd) = self.ssd.as_mut() {
@@ -669,6 +858,7 @@ impl ShardCore {
         } else if durable_for.is_none() && object.ssd.is_some() && object.leases == 0 && object.pins == 0 {
             // A finished demotion: the DRAM copy goes (the policy no longer tracks it).
             let object = &mut self.objects[id as usize];
+            object.transient = false;
             if let Some(allocation) = object.dram.take() {
                 self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
                 self.counters.dram_objects.fetch_sub(1, RELAXED);
@@ -688,38 +878,44 @@ impl ShardCore {
         self.retry_waiters();
     }
 
+    /// Checks a loaded record image: checksums, epoch, and that it is this object's version.
+    fn verify_loaded(&self, id: u32, location: &SsdLocation, ptr: NonNull<u8>, result: Result<()>) -> Result<()> {
+        result?;
+        // SAFETY: the load wrote `record_bytes` bytes into this buffer, which the operation
+        // owned until now and which nothing else references.
+        let image = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), location.record_bytes as usize) };
+        let header = record::verify(image, Some(location.epoch)).map_err(|e| Error::Corrupted(e.to_string()))?;
+        let object = &self.objects[id as usize];
+        let matches = header.kind == RecordKind::Put
+            && header.seq == object.seq
+            && header.value_len == object.len
+            && record::key_of(image, &header) == &object.key[..];
+        if matches {
+            Ok(())
+        } else {
+            Err(Error::Corrupted("record does not belong to this key".into()))
+        }
+    }
+
+    /// Installs a verified load (granting its waiting readers) or reports its failure to them.
+    /// True when the object now has its DRAM copy.
     fn finish_load(
         &mut self,
         id: u32,
         location: SsdLocation,
         allocation: Option<Allocation>,
         waiters: Vec<(usize, usize)>,
-        ptr: NonNull<u8>,
-        result: Result<()>,
-    ) {
+        checked: Result<()>,
+        compaction: bool,
+    ) -> bool {
         let object = &mut self.objects[id as usize];
         object.loading = None;
         object.io_refs -= 1;
-        let checked = result.and_then(|()| {
-            // SAFETY: the load wrote `record_bytes` bytes into this buffer, which the operation
-            // owned until now and which nothing else references.
-            let image = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), location.record_bytes as usize) };
-            let header = record::verify(image, Some(location.epoch)).map_err(|e| Error::Corrupted(e.to_string()))?;
-            let object = &self.objects[id as usize];
-            let matches = header.kind == RecordKind::Put
-                && header.seq == object.seq
-                && header.value_len == object.len
-                && record::key_of(image, &header) == &object.key[..];
-            if matches {
-                Ok(())
-            } else {
-                Err(Error::Corrupted("record does not belong to this key".into()))
-            }
-        });
         match (checked, allocation) {
             (Ok(()), Some(allocation)) => {
                 self.counters.ssd_read_bytes.fetch_add(location.record_bytes, RELAXED);
-                let promote = self.ssd.as_ref().is_some_and(|s| s.config.promote_on_hit);
+                // A compaction load is not a hit: its DRAM copy only lives until it is rewritten.
+                let promote = !compaction && self.ssd.as_ref().is_some_and(|s| s.config.promote_on_hit);
                 let object = &mut self.objects[id as usize];
                 object.dram = Some(allocation);
                 object.value_offset = (HEADER_BYTES + object.key.len()) as u64;
@@ -735,8 +931,11 @@ impl ShardCore {
                     self.resolve_read(pending, slot, grant);
                     self.finish_read_if_done(pending);
                 }
-                self.after_last_use(id);
+                if !compaction {
+                    self.after_last_use(id);
+                }
                 self.retry_waiters();
+                true
             }
             (outcome, allocation) => {
                 if let Some(allocation) = allocation {
@@ -763,6 +962,7 @@ impl ShardCore {
                     self.finish_read_if_done(pending);
                 }
                 self.retry_waiters();
+                false
             }
         }
     }
@@ -781,7 +981,8 @@ impl ShardCore {
             report.segments_scanned += 1;
             report.discarded.extend(scan.discarded.iter().map(|d| (d.segment, d.offset, d.reason.clone())));
             let Some(epoch) = scan.epoch else { continue };
-            restored.push((segment, epoch, scan.valid_end));
+            max_seq = max_seq.max(scan.header_seq);
+            restored.push((segment, epoch, scan.header_seq, scan.valid_end));
             for found in scan.records {
                 report.records += 1;
                 max_seq = max_seq.max(found.seq);
