@@ -214,3 +214,49 @@ fn async_tickets_restore_from_ssd() {
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Measures open (recovery scan) time on a full tier. Run by hand:
+/// `KVTIDE_RECOVERY_GIB=4 cargo test --release -p kvtide --test ssd recovery_open_time -- --ignored --nocapture`
+#[test]
+#[ignore = "measurement, not a check: fills GiBs of disk"]
+fn recovery_open_time() {
+    let gib: u64 = std::env::var("KVTIDE_RECOVERY_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let dir = std::env::temp_dir().join(format!("kvtide-recovery-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let build = || {
+        StoreBuilder::new()
+            .dram_bytes(256 << 20)
+            .shards(2)
+            .ssd_dir(&dir)
+            .ssd_bytes(gib << 30)
+            .ssd_segment_bytes(64 << 20)
+            .write_through(true)
+    };
+    let value = vec![0x5Au8; 1 << 20];
+    let objects = (gib << 30) / (1 << 20) * 9 / 10;
+    {
+        let store = build().open().expect("open");
+        let keys: Vec<Vec<u8>> = (0..objects).map(key).collect();
+        for chunk in keys.chunks(64) {
+            let refs: Vec<&[u8]> = chunk.iter().map(|k| k.as_slice()).collect();
+            let srcs: Vec<Vec<Region<'_>>> = chunk.iter().map(|_| vec![Region::host_readonly(&value)]).collect();
+            for r in store.batch_put_from_multi_buffers(&refs, &srcs, PutOptions::UPSERT) {
+                r.expect("durable put");
+            }
+        }
+    }
+    let started = std::time::Instant::now();
+    let store = build().open().expect("reopen");
+    let elapsed = started.elapsed();
+    let recovered: u64 = store.recovery_reports().iter().map(|r| r.objects).sum();
+    let bytes: u64 = store.recovery_reports().iter().map(|r| r.bytes).sum();
+    println!(
+        "recovery: {recovered} objects, {:.2} GiB scanned in {:.2?} ({:.2} GB/s)",
+        bytes as f64 / (1u64 << 30) as f64,
+        elapsed,
+        bytes as f64 / elapsed.as_secs_f64() / 1e9
+    );
+    assert_eq!(recovered, objects);
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}

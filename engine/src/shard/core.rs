@@ -37,6 +37,15 @@ pub use ssd::{RecoveryReport, SsdConfig};
 /// Called once with a request's results, possibly after disk I/O.
 pub type Done<T> = Box<dyn FnOnce(T)>;
 
+/// Where an object lives and what reading it from SSD costs in DRAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub in_dram: bool,
+    pub len: u64,
+    /// DRAM a load of it occupies (its record size).
+    pub staging_bytes: u64,
+}
+
 /// Identifies one object version in a shard; the generation makes stale references harmless.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ObjectRef {
@@ -136,27 +145,42 @@ pub struct ShardConfig {
     pub max_leases: u32,
 }
 
-/// A batch read waiting for SSD loads.
+/// Per-slot results of one batch request, answered through `done` once every slot resolved.
+struct Batch<T> {
+    results: Vec<Option<Result<T>>>,
+    remaining: usize,
+    done: Option<Done<Vec<Result<T>>>>,
+}
+
+impl<T> Batch<T> {
+    fn new(n: usize, done: Done<Vec<Result<T>>>) -> Batch<T> {
+        Batch { results: (0..n).map(|_| None).collect(), remaining: n, done: Some(done) }
+    }
+
+    /// Records slot `slot`'s result; the first one wins (duplicate notifications are harmless).
+    fn resolve(&mut self, slot: usize, result: Result<T>) {
+        if let Some(r) = self.results.get_mut(slot) {
+            if r.is_none() {
+                *r = Some(result);
+                self.remaining -= 1;
+            }
+        }
+    }
+
+    fn finish(mut self) {
+        let results =
+            self.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("batch slot unresolved")))).collect();
+        if let Some(done) = self.done.take() {
+            done(results);
+        }
+    }
+}
+
+/// A batch read, waiting for SSD loads when some keys are on SSD only.
 struct PendingRead {
-    results: Vec<Option<Result<ReadGrant>>>,
+    batch: Batch<ReadGrant>,
     keys: Vec<Box<[u8]>>,
     deadline: Option<Instant>,
-    remaining: usize,
-    done: Option<Done<Vec<Result<ReadGrant>>>>,
-}
-
-/// A batch reservation waiting for room.
-struct PendingReserve {
-    results: Vec<Option<Result<WriteGrant>>>,
-    remaining: usize,
-    done: Option<Done<Vec<Result<WriteGrant>>>>,
-}
-
-/// A batch commit waiting for its write-through records to be durable.
-struct PendingCommit {
-    results: Vec<Option<Result<()>>>,
-    remaining: usize,
-    done: Option<Done<Vec<Result<()>>>>,
 }
 
 /// Work parked until memory frees up, retried in arrival order.
@@ -180,8 +204,8 @@ pub struct ShardCore {
     counters: Arc<ShardCounters>,
     ssd: Option<SsdState>,
     pending_reads: Slab<PendingRead>,
-    pending_reserves: Slab<PendingReserve>,
-    pending_commits: Slab<PendingCommit>,
+    pending_reserves: Slab<Batch<WriteGrant>>,
+    pending_commits: Slab<Batch<()>>,
     waiters: VecDeque<Waiter>,
     /// DRAM bytes that in-flight demotions will free.
     demoting_bytes: u64,
@@ -265,13 +289,7 @@ impl ShardCore {
         done: Done<Vec<Result<ReadGrant>>>,
     ) {
         let n = keys.len();
-        let pending = self.pending_reads.insert(PendingRead {
-            results: (0..n).map(|_| None).collect(),
-            keys,
-            deadline,
-            remaining: n,
-            done: Some(done),
-        });
+        let pending = self.pending_reads.insert(PendingRead { batch: Batch::new(n, done), keys, deadline });
         for slot in 0..n {
             if !self.start_read(pending, slot) {
                 self.waiters.push_back(Waiter::Load { pending, slot });
@@ -302,21 +320,13 @@ impl ShardCore {
 
     fn resolve_read(&mut self, pending: usize, slot: usize, result: Result<ReadGrant>) {
         if let Some(p) = self.pending_reads.get_mut(pending) {
-            if p.results[slot].is_none() {
-                p.results[slot] = Some(result);
-                p.remaining -= 1;
-            }
+            p.batch.resolve(slot, result);
         }
     }
 
     fn finish_read_if_done(&mut self, pending: usize) {
-        if self.pending_reads.get(pending).is_some_and(|p| p.remaining == 0) {
-            let mut p = self.pending_reads.remove(pending);
-            let results =
-                p.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("read slot unresolved")))).collect();
-            if let Some(done) = p.done.take() {
-                done(results);
-            }
+        if self.pending_reads.get(pending).is_some_and(|p| p.batch.remaining == 0) {
+            self.pending_reads.remove(pending).batch.finish();
         }
     }
 
@@ -391,6 +401,14 @@ impl ShardCore {
         self.lease_deadlines.peek().map(|Reverse((deadline, _))| *deadline)
     }
 
+    /// Where `key` lives, for restore planning.
+    pub fn locate(&self, key: &[u8]) -> Option<Location> {
+        let &id = self.index.get(key)?;
+        let o = &self.objects[id as usize];
+        let staging_bytes = o.ssd.map_or_else(|| self.layout(o.key.len(), o.len).0, |l| l.record_bytes);
+        Some(Location { in_dram: o.dram.is_some(), len: o.len, staging_bytes })
+    }
+
     /// True if `key` is present in any tier (and counts a hit or miss).
     pub fn exists(&mut self, key: &[u8]) -> bool {
         let found = self.index.contains_key(key);
@@ -404,12 +422,7 @@ impl ShardCore {
     /// Allocates room for new versions of keys, evicting (and demoting) as needed. Objects stay
     /// invisible until committed. Items that must wait for demotions finish later.
     pub fn reserve_batch(&mut self, items: Vec<(Box<[u8]>, u64)>, upsert: bool, done: Done<Vec<Result<WriteGrant>>>) {
-        let n = items.len();
-        let pending = self.pending_reserves.insert(PendingReserve {
-            results: (0..n).map(|_| None).collect(),
-            remaining: n,
-            done: Some(done),
-        });
+        let pending = self.pending_reserves.insert(Batch::new(items.len(), done));
         for (slot, (key, len)) in items.into_iter().enumerate() {
             match self.try_reserve(&key, len, upsert) {
                 Ok(Some(grant)) => self.resolve_reserve(pending, slot, Ok(grant)),
@@ -422,21 +435,13 @@ impl ShardCore {
 
     fn resolve_reserve(&mut self, pending: usize, slot: usize, result: Result<WriteGrant>) {
         if let Some(p) = self.pending_reserves.get_mut(pending) {
-            if p.results[slot].is_none() {
-                p.results[slot] = Some(result);
-                p.remaining -= 1;
-            }
+            p.resolve(slot, result);
         }
     }
 
     fn finish_reserve_if_done(&mut self, pending: usize) {
         if self.pending_reserves.get(pending).is_some_and(|p| p.remaining == 0) {
-            let mut p = self.pending_reserves.remove(pending);
-            let results =
-                p.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("reserve slot unresolved")))).collect();
-            if let Some(done) = p.done.take() {
-                done(results);
-            }
+            self.pending_reserves.remove(pending).finish();
         }
     }
 
@@ -502,12 +507,7 @@ impl ShardCore {
     /// once its readers finish; without, an existing key fails the commit (and frees the
     /// reservation). With write-through, each result waits until its record is durable.
     pub fn commit_batch(&mut self, objects: Vec<ObjectRef>, upsert: bool, done: Done<Vec<Result<()>>>) {
-        let n = objects.len();
-        let pending = self.pending_commits.insert(PendingCommit {
-            results: (0..n).map(|_| None).collect(),
-            remaining: n,
-            done: Some(done),
-        });
+        let pending = self.pending_commits.insert(Batch::new(objects.len(), done));
         for (slot, object) in objects.into_iter().enumerate() {
             match self.commit_now(object, upsert) {
                 Ok(id) if self.write_through() => self.write_through_record(id, pending, slot),
@@ -520,21 +520,13 @@ impl ShardCore {
 
     fn resolve_commit(&mut self, pending: usize, slot: usize, result: Result<()>) {
         if let Some(p) = self.pending_commits.get_mut(pending) {
-            if p.results[slot].is_none() {
-                p.results[slot] = Some(result);
-                p.remaining -= 1;
-            }
+            p.resolve(slot, result);
         }
     }
 
     fn finish_commit_if_done(&mut self, pending: usize) {
         if self.pending_commits.get(pending).is_some_and(|p| p.remaining == 0) {
-            let mut p = self.pending_commits.remove(pending);
-            let results =
-                p.results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("commit slot unresolved")))).collect();
-            if let Some(done) = p.done.take() {
-                done(results);
-            }
+            self.pending_commits.remove(pending).finish();
         }
     }
 

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use crossbeam_channel::Sender;
 
-pub use self::core::{LeaseId, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant};
+pub use self::core::{LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant};
 pub(crate) use inbox::Inbox;
-pub(crate) use runtime::{allowed_cpus, spawn_shard, RuntimeConfig, ShardThread};
+pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
 
 /// CPUs this process may run on (the default shard count).
 pub(crate) fn allowed_cpu_count() -> usize {
@@ -55,6 +55,11 @@ pub(crate) enum Request {
     Exists {
         keys: Vec<Box<[u8]>>,
         reply: Sender<Vec<bool>>,
+    },
+    /// Where each key lives and how big it is, for restore planning (no hit/miss counted).
+    Locate {
+        keys: Vec<Box<[u8]>>,
+        reply: Sender<Vec<Option<Location>>>,
     },
     Remove {
         key: Box<[u8]>,

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvtide_tiers::dram::ArenaSlice;
-use kvtide_tiers::ssd::{DiskCompletion, DiskIo, DiskOp, ShardFiles};
+use kvtide_tiers::ssd::{DiskCompletion, DiskIo, DiskOp, ShardFiles, SimDisk};
 
 use super::core::{RecoveryReport, ShardCore};
 use super::inbox::Inbox;
@@ -22,6 +22,8 @@ use crate::stats::ShardCounters;
 const INBOX_BATCH: usize = 256;
 /// Bytes of task copying per loop turn, so a large async read cannot starve the inbox.
 const TASK_BUDGET_BYTES: u64 = 1 << 20;
+/// Threads per shard reading segment files at open.
+const RECOVERY_SCAN_THREADS: usize = 4;
 /// Objects evicted per loop turn when above the high watermark.
 const EVICTIONS_PER_TURN: usize = 64;
 
@@ -32,6 +34,16 @@ pub(crate) struct RuntimeConfig {
     pub(crate) idle_spin: Duration,
     pub(crate) pin_to_cpu: Option<usize>,
     pub(crate) register_fixed_buffers: bool,
+}
+
+/// Where a shard's SSD I/O goes.
+pub(crate) enum DiskBackend {
+    /// No SSD tier.
+    None,
+    /// Segment files through the shard's io_uring ring.
+    Files(ShardFiles),
+    /// The in-memory fault-injecting simulator (tests and benchmarks).
+    Simulated(Box<SimDisk>),
 }
 
 /// The engine's handle on a running shard.
@@ -51,6 +63,10 @@ struct ShardLoop {
     config: RuntimeConfig,
     disk_ops: Vec<DiskOp>,
     disk_done: Vec<DiskCompletion>,
+    /// Set when the SSD tier runs on the simulator instead of the ring.
+    sim: Option<Box<SimDisk>>,
+    /// Some task polls something that cannot wake a parked shard (CUDA events).
+    polling_tasks: bool,
 }
 
 /// Starts a shard thread. Its ring is created on the thread so it is owned there from birth.
@@ -59,9 +75,9 @@ pub(crate) fn spawn_shard(
     make_core: impl FnOnce() -> Result<ShardCore, OpenError> + Send + 'static,
     counters: Arc<ShardCounters>,
     slice: ArenaSlice,
-    files: Option<ShardFiles>,
+    disk: DiskBackend,
     config: RuntimeConfig,
-) -> Result<(ShardThread, RecoveryReport), OpenError> {
+) -> Result<StartingShard, OpenError> {
     let shard_error = move |source| OpenError::Shard { shard: index, source };
     let inbox = Arc::new(Inbox::new().map_err(shard_error)?);
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<RecoveryReport, OpenError>>(1);
@@ -103,26 +119,36 @@ pub(crate) fn spawn_shard(
                     ),
                 }
             }
-            let mut report = RecoveryReport::default();
-            if let Some(files) = files {
-                ring.attach_files(files);
-                let started = Instant::now();
-                match core.recover(&mut ring) {
-                    Ok(r) => report = r,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(shard_error(e)));
-                        return;
-                    }
+            let started = Instant::now();
+            let mut sim = None;
+            let scanned = match disk {
+                DiskBackend::None => Ok(None),
+                // Real segment files are scanned by a few threads at once.
+                DiskBackend::Files(files) => {
+                    let scans = files.scan_all(RECOVERY_SCAN_THREADS);
+                    ring.attach_files(files);
+                    scans.map(|scans| Some(core.apply_recovery(scans)))
                 }
-                tracing::info!(
-                    shard = index,
-                    objects = report.objects,
-                    bytes = report.bytes,
-                    discarded = report.discarded.len(),
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "SSD tier recovered"
-                );
-            }
+                DiskBackend::Simulated(disk) => core.recover(&mut **sim.insert(disk)).map(Some),
+            };
+            let report = match scanned {
+                Ok(Some(report)) => {
+                    tracing::info!(
+                        shard = index,
+                        objects = report.objects,
+                        bytes = report.bytes,
+                        discarded = report.discarded.len(),
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "SSD tier recovered"
+                    );
+                    report
+                }
+                Ok(None) => RecoveryReport::default(),
+                Err(e) => {
+                    let _ = ready_tx.send(Err(shard_error(e)));
+                    return;
+                }
+            };
             let _ = ready_tx.send(Ok(report));
             let mut shard = ShardLoop {
                 index,
@@ -133,19 +159,44 @@ pub(crate) fn spawn_shard(
                 config,
                 disk_ops: Vec::new(),
                 disk_done: Vec::new(),
+                sim,
+                polling_tasks: false,
             };
             shard.run();
         })
         .map_err(shard_error)?;
-    match ready_rx.recv() {
-        Ok(Ok(report)) => Ok((ShardThread { inbox, counters, join: Some(join) }, report)),
-        Ok(Err(e)) => {
+    Ok(StartingShard { index, thread: ShardThread { inbox, counters, join: Some(join) }, ready: ready_rx })
+}
+
+/// A shard thread that is starting (recovering its SSD tier); shards start in parallel.
+pub(crate) struct StartingShard {
+    index: usize,
+    thread: ShardThread,
+    ready: crossbeam_channel::Receiver<Result<RecoveryReport, OpenError>>,
+}
+
+impl StartingShard {
+    /// Waits until the shard serves (or failed to start; its thread is then joined).
+    pub(crate) fn wait(self) -> Result<(ShardThread, RecoveryReport), OpenError> {
+        let StartingShard { index, mut thread, ready } = self;
+        let error = match ready.recv() {
+            Ok(Ok(report)) => return Ok((thread, report)),
+            Ok(Err(e)) => e,
+            Err(_) => {
+                OpenError::Shard { shard: index, source: std::io::Error::other("shard thread exited during start-up") }
+            }
+        };
+        thread.stop();
+        Err(error)
+    }
+}
+
+impl ShardThread {
+    /// Closes the inbox and joins the thread (a shard that started while another failed).
+    pub(crate) fn stop(&mut self) {
+        self.inbox.close();
+        if let Some(join) = self.join.take() {
             let _ = join.join();
-            Err(e)
-        }
-        Err(_) => {
-            let _ = join.join();
-            Err(shard_error(std::io::Error::other("shard thread exited during start-up")))
         }
     }
 }
@@ -173,6 +224,8 @@ impl ShardLoop {
             if self.inbox.quiesced() {
                 if self.inbox_is_drained() && self.tasks.is_empty() && self.core.disk_ops_in_flight() == 0 {
                     self.core.fail_waiters(Error::ShuttingDown);
+                    // A clean shutdown leaves every completed write durable.
+                    self.core.sync_everything();
                     if self.core.disk_ops_in_flight() == 0 {
                         break;
                     }
@@ -204,9 +257,13 @@ impl ShardLoop {
         let mut ops = std::mem::take(&mut self.disk_ops).into_iter();
         let mut sent = false;
         while let Some(op) = ops.next() {
+            let disk: &mut dyn DiskIo = match self.sim.as_deref_mut() {
+                Some(sim) => sim,
+                None => &mut self.ring,
+            };
             // SAFETY: every op's buffer is arena memory that the core's operation holds until
             // `on_disk_completion` for its token (the core never frees it earlier).
-            match unsafe { DiskIo::submit(&mut self.ring, op) } {
+            match unsafe { disk.submit(op) } {
                 Ok(()) => sent = true,
                 Err(op) => {
                     // The ring is full: give this and the rest back, in order, for next turn.
@@ -218,7 +275,7 @@ impl ShardLoop {
                 }
             }
         }
-        if sent {
+        if sent && self.sim.is_none() {
             if let Err(e) = self.ring.submit() {
                 tracing::error!(error = %e, "io_uring submit failed");
             }
@@ -228,7 +285,10 @@ impl ShardLoop {
 
     /// Feeds disk completions to the core. True if any arrived.
     fn complete_disk(&mut self) -> bool {
-        DiskIo::reap(&mut self.ring, &mut self.disk_done);
+        match self.sim.as_deref_mut() {
+            Some(sim) => sim.reap(&mut self.disk_done),
+            None => DiskIo::reap(&mut self.ring, &mut self.disk_done),
+        }
         if self.disk_done.is_empty() {
             return false;
         }
@@ -240,6 +300,11 @@ impl ShardLoop {
 
     /// Blocks until a sender wakes us, a completion arrives or the next timer is due.
     fn park(&mut self, now: Instant) {
+        if self.polling_tasks || self.sim.as_ref().is_some_and(|sim| sim.in_flight() > 0) {
+            // Simulated completions and CUDA events do not wake the ring: keep polling them.
+            std::thread::yield_now();
+            return;
+        }
         if let Err(e) = self.ring.arm_wake(self.inbox.eventfd()) {
             tracing::error!(error = %e, "could not arm the wake-up read; spinning instead");
             return;
@@ -308,6 +373,7 @@ impl ShardLoop {
         }
         let mut budget = TASK_BUDGET_BYTES;
         let mut progressed = false;
+        let mut polling = false;
         let core = &mut self.core;
         self.tasks.retain_mut(|task| match task.poll(core, &mut budget) {
             TaskPoll::Finished => {
@@ -320,7 +386,12 @@ impl ShardLoop {
                 true
             }
             TaskPoll::Waiting => true,
+            TaskPoll::Polling => {
+                polling = true;
+                true
+            }
         });
+        self.polling_tasks = polling;
         progressed
     }
 
@@ -342,6 +413,10 @@ impl ShardLoop {
             Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
             Request::Exists { keys, reply } => {
                 let found = keys.iter().map(|key| core.exists(key)).collect();
+                let _ = reply.send(found);
+            }
+            Request::Locate { keys, reply } => {
+                let found = keys.iter().map(|key| core.locate(key)).collect();
                 let _ = reply.send(found);
             }
             Request::Remove { key, force, reply } => {

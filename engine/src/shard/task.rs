@@ -22,8 +22,13 @@ pub(crate) enum TaskPoll {
     Finished,
     /// Moved forward; poll again soon.
     Progressed,
-    /// Waiting for something else (an SSD load); nothing to do now.
+    /// Waiting for something that wakes the shard (an SSD load, a message); nothing to do now.
     Waiting,
+    /// Waiting for something that does not wake the shard (a CUDA event): the loop keeps
+    /// polling (yielding between turns) instead of parking. Only GPU tickets (feature `cuda`)
+    /// return it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Polling,
 }
 
 /// Something the shard loop drives until it is finished.
@@ -32,6 +37,28 @@ pub(crate) trait ShardTask: Send {
     fn start(&mut self, core: &mut ShardCore);
     /// Advances, spending at most `budget_bytes` of copying.
     fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> TaskPoll;
+}
+
+/// How an async batch reaches GPU memory (feature `cuda`): built by the engine once the device
+/// pointers were checked. The task submits a round's copies with it on engine-owned streams and
+/// polls their CUDA events from the shard loop (`TaskPoll::Polling`), holding the leases until
+/// the events fired.
+#[cfg(feature = "cuda")]
+#[derive(Clone)]
+pub(crate) struct GpuCopier {
+    pub(crate) transport: Arc<kvtide_transport::cuda::CudaTransport>,
+    pub(crate) policy: kvtide_transport::cuda::plan::StagingPolicy,
+    /// Called once per round: what was submitted (None: the submission failed) and how many keys
+    /// failed.
+    #[allow(clippy::type_complexity)]
+    pub(crate) report: Arc<dyn Fn(Option<&kvtide_transport::cuda::Summary>, u64) + Send + Sync>,
+}
+
+/// A round's GPU submission: the copies in flight and, per transfer, the item it delivers.
+#[cfg(feature = "cuda")]
+struct GpuRound {
+    inflight: kvtide_transport::cuda::InFlight,
+    owners: Vec<usize>,
 }
 
 /// Where the core drops a batch's grants once every key is leased.
@@ -64,6 +91,11 @@ pub(crate) struct BatchGetTask {
     /// Items refused with NoSpace this round (the batch did not fit in DRAM at once).
     retry: Vec<usize>,
     delivered_this_round: usize,
+    /// Set when some destination is GPU memory: rounds go through the CUDA transport.
+    #[cfg(feature = "cuda")]
+    gpu: Option<GpuCopier>,
+    #[cfg(feature = "cuda")]
+    in_flight: Option<GpuRound>,
 }
 
 // SAFETY: the Rc is created in `start` on the shard thread and only touched there afterwards;
@@ -83,7 +115,117 @@ impl BatchGetTask {
             round: Vec::new(),
             retry: Vec::new(),
             delivered_this_round: 0,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            #[cfg(feature = "cuda")]
+            in_flight: None,
         }
+    }
+
+    /// Sends this task's rounds through the CUDA transport when some destination is GPU memory.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn with_gpu(mut self, copier: Option<GpuCopier>) -> Self {
+        let device = self
+            .items
+            .iter()
+            .flat_map(|s| &s.item.dsts)
+            .any(|r| matches!(r.kind(), kvtide_transport::MemoryKind::Device { .. }));
+        if device {
+            self.gpu = copier;
+        }
+        self
+    }
+
+    /// Runs the current round on the GPU: submits every leased key's copies at once (unless
+    /// cancelled first), then polls the events. Returns `Some` while the round is not over;
+    /// `None` once every key of the round has its result and its lease back.
+    #[cfg(feature = "cuda")]
+    fn poll_gpu(&mut self, core: &mut ShardCore) -> Option<TaskPoll> {
+        use kvtide_transport::cuda::plan::{Direction, Piece, Transfer};
+        let copier = self.gpu.clone()?;
+        if self.in_flight.is_none() {
+            if self.cursor >= self.round.len() {
+                return None;
+            }
+            if self.cancel.load(Ordering::Acquire) {
+                // Nothing submitted yet: stop here; every undelivered key reports Cancelled.
+                self.finish(core);
+                return Some(TaskPoll::Finished);
+            }
+            let mut transfers = Vec::with_capacity(self.round.len());
+            let mut owners = Vec::with_capacity(self.round.len());
+            for &index in &self.round {
+                let state = &self.items[index];
+                let Some(grant) = state.grant else { continue };
+                let mut offset = 0;
+                let pieces = state
+                    .item
+                    .dsts
+                    .iter()
+                    .map(|r| {
+                        let piece = Piece { host_offset: offset, addr: r.addr(), len: r.len() as u64, kind: r.kind() };
+                        offset += r.len() as u64;
+                        piece
+                    })
+                    .collect();
+                transfers.push(Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces });
+                owners.push(index);
+            }
+            self.cursor = self.round.len();
+            if transfers.is_empty() {
+                return None;
+            }
+            // SAFETY: every transfer's host bytes are leased by this task and stay leased until
+            // the round's events fired (or the streams were drained after a failure: `poll`
+            // returns true only then; dropping an unfinished `InFlight` drains too). The device
+            // pages were checked with cuPointerGetAttributes by the engine before the ticket was
+            // made, and the submitter's `Region::from_raw` contract keeps every destination
+            // valid until the ticket completes.
+            match unsafe {
+                kvtide_transport::cuda::submit(&copier.transport, Direction::HostToDevice, &transfers, copier.policy)
+            } {
+                Ok(inflight) => self.in_flight = Some(GpuRound { inflight, owners }),
+                Err(e) => {
+                    let error: Error = e.into();
+                    (copier.report)(None, owners.len() as u64);
+                    for index in owners {
+                        let state = &mut self.items[index];
+                        if let Some(grant) = state.grant.take() {
+                            core.release(grant.lease);
+                        }
+                        state.result = Some(Err(error.clone()));
+                    }
+                    return None;
+                }
+            }
+        }
+        let round = self.in_flight.as_mut()?;
+        // Cancellation no longer matters: once submitted, the copies run to their events.
+        if !round.inflight.poll() {
+            return Some(TaskPoll::Polling);
+        }
+        let GpuRound { mut inflight, owners } = self.in_flight.take()?;
+        let results = inflight.take_results();
+        let mut failed = 0;
+        for (index, result) in owners.into_iter().zip(results) {
+            let state = &mut self.items[index];
+            let Some(grant) = state.grant.take() else { continue };
+            // The events fired (or the streams were drained): the lease can go.
+            core.release(grant.lease);
+            state.result = Some(match result {
+                Ok(()) => {
+                    state.copied_bytes = grant.len;
+                    self.delivered_this_round += 1;
+                    Ok(grant.len as usize)
+                }
+                Err(e) => {
+                    failed += 1;
+                    Err(e.into())
+                }
+            });
+        }
+        (copier.report)(Some(inflight.summary()), failed);
+        None
     }
 
     fn finish(&mut self, core: &mut ShardCore) {
@@ -142,6 +284,10 @@ impl ShardTask for BatchGetTask {
                     Err(e) => state.result = Some(Err(e)),
                 }
             }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(poll) = self.poll_gpu(core) {
+            return poll;
         }
         while self.cursor < self.round.len() {
             if self.cancel.load(Ordering::Acquire) {

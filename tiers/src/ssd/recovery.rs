@@ -10,7 +10,7 @@ use super::record::{self, RecordError, RecordKind, BLOCK_BYTES};
 use super::segments::SsdLocation;
 
 /// Largest read issued while scanning.
-const SCAN_READ_BYTES: usize = 4 << 20;
+const SCAN_READ_BYTES: usize = 8 << 20;
 
 /// An intact record found by the scan.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,11 +44,26 @@ pub struct SegmentScan {
     pub discarded: Vec<Discarded>,
 }
 
+/// Synchronous reads of segment files, for the scan.
+pub trait ReadAt {
+    fn read_at(&mut self, file: FileId, offset: u64, buf: &mut [u8]) -> std::io::Result<usize>;
+    fn file_bytes(&self) -> u64;
+}
+
+impl<T: DiskIo + ?Sized> ReadAt for T {
+    fn read_at(&mut self, file: FileId, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        DiskIo::read_at(self, file, offset, buf)
+    }
+    fn file_bytes(&self) -> u64 {
+        DiskIo::file_bytes(self)
+    }
+}
+
 /// Scans segment `file` of `disk`.
-pub fn scan_segment(disk: &mut dyn DiskIo, file: FileId) -> std::io::Result<SegmentScan> {
+pub fn scan_segment<R: ReadAt + ?Sized>(disk: &mut R, file: FileId) -> std::io::Result<SegmentScan> {
     let file_bytes = disk.file_bytes();
-    let mut block = vec![0u8; BLOCK_BYTES as usize];
-    read_full(disk, file, 0, &mut block)?;
+    let mut reader = ScanReader { disk, file, file_bytes, window: AlignedBuf::default(), start: 0 };
+    let mut block = reader.get(0, BLOCK_BYTES)?.to_vec();
     let header = match record::verify(&block, None) {
         Ok(h) if h.kind == RecordKind::SegmentHeader => h,
         // All zeroes is a never-used segment; anything else at offset 0 is a torn header.
@@ -64,9 +79,8 @@ pub fn scan_segment(disk: &mut dyn DiskIo, file: FileId) -> std::io::Result<Segm
     let mut scan =
         SegmentScan { epoch: Some(epoch), header_seq: header.seq, valid_end: BLOCK_BYTES, ..SegmentScan::default() };
     let mut offset = BLOCK_BYTES;
-    let mut buf = Vec::new();
     while offset + BLOCK_BYTES <= file_bytes {
-        read_full(disk, file, offset, &mut block)?;
+        block.copy_from_slice(reader.get(offset, BLOCK_BYTES)?);
         let head = match record::decode_header(&block) {
             Ok(h) if h.epoch == epoch && h.kind != RecordKind::SegmentHeader => h,
             Ok(h) if h.epoch != epoch => {
@@ -87,18 +101,12 @@ pub fn scan_segment(disk: &mut dyn DiskIo, file: FileId) -> std::io::Result<Segm
             tail(&mut scan, file, offset, RecordError::BadHeader, &block);
             break;
         }
-        buf.resize(len as usize, 0);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let n = (buf.len() - done).min(SCAN_READ_BYTES);
-            read_full(disk, file, offset + done as u64, &mut buf[done..done + n])?;
-            done += n;
-        }
+        let record = reader.get(offset, len)?;
         let location = SsdLocation { segment: file, offset, record_bytes: len, epoch };
-        match record::verify(&buf, Some(epoch)) {
+        match record::verify(record, Some(epoch)) {
             Ok(h) => scan.records.push(FoundRecord {
                 kind: h.kind,
-                key: record::key_of(&buf, &h).to_vec(),
+                key: record::key_of(record, &h).to_vec(),
                 value_len: h.value_len,
                 seq: h.seq,
                 location,
@@ -112,6 +120,92 @@ pub fn scan_segment(disk: &mut dyn DiskIo, file: FileId) -> std::io::Result<Segm
     Ok(scan)
 }
 
+/// Sequential reads through a window of at least `SCAN_READ_BYTES`: one large read serves many
+/// small records, and a record is read once, header and body together.
+struct ScanReader<'d, R: ReadAt + ?Sized> {
+    disk: &'d mut R,
+    file: FileId,
+    file_bytes: u64,
+    window: AlignedBuf,
+    start: u64,
+}
+
+/// A 4 KiB-aligned buffer, so scans can read with O_DIRECT (offsets and lengths are 4 KiB
+/// multiples: records and segments are).
+#[derive(Default)]
+struct AlignedBuf {
+    ptr: Option<std::ptr::NonNull<u8>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl AlignedBuf {
+    fn layout(capacity: usize) -> Option<std::alloc::Layout> {
+        std::alloc::Layout::from_size_align(capacity.max(1), BLOCK_BYTES as usize).ok()
+    }
+
+    /// Resizes to `len` bytes (contents unspecified).
+    fn set_len(&mut self, len: usize) -> std::io::Result<()> {
+        if len > self.capacity {
+            self.release();
+            let layout = Self::layout(len).ok_or_else(|| std::io::Error::other("scan buffer too large"))?;
+            // SAFETY: the layout has a non-zero size.
+            let raw = unsafe { std::alloc::alloc(layout) };
+            self.ptr = Some(std::ptr::NonNull::new(raw).ok_or_else(|| std::io::Error::other("out of memory"))?);
+            self.capacity = len;
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self.ptr {
+            // SAFETY: ptr owns `capacity >= len` bytes, and &mut self gives exclusive access.
+            // Bytes a read has not written yet are only ever overwritten, never read as values.
+            Some(p) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), self.len) },
+            None => &mut [],
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self.ptr {
+            // SAFETY: as above, shared access.
+            Some(p) => unsafe { std::slice::from_raw_parts(p.as_ptr(), self.len) },
+            None => &[],
+        }
+    }
+
+    fn release(&mut self) {
+        if let (Some(p), Some(layout)) = (self.ptr.take(), Self::layout(self.capacity)) {
+            // SAFETY: p was allocated with exactly this layout in `set_len`.
+            unsafe { std::alloc::dealloc(p.as_ptr(), layout) };
+        }
+        self.capacity = 0;
+        self.len = 0;
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl<R: ReadAt + ?Sized> ScanReader<'_, R> {
+    /// The bytes `[offset, offset + len)` of the file (the caller checked they are inside it).
+    fn get(&mut self, offset: u64, len: u64) -> std::io::Result<&[u8]> {
+        let inside = offset >= self.start && offset + len <= self.start + self.window.len as u64;
+        if !inside {
+            let want = len.max(SCAN_READ_BYTES as u64).min(self.file_bytes - offset);
+            self.window.set_len(want as usize)?;
+            read_full(self.disk, self.file, offset, self.window.as_mut_slice())?;
+            self.start = offset;
+        }
+        let from = (offset - self.start) as usize;
+        Ok(&self.window.as_slice()[from..from + len as usize])
+    }
+}
+
 fn tail(scan: &mut SegmentScan, segment: u32, offset: u64, e: RecordError, block: &[u8]) {
     // A zero block is simply the end of what was written, not damage.
     if block.iter().any(|&b| b != 0) {
@@ -119,7 +213,7 @@ fn tail(scan: &mut SegmentScan, segment: u32, offset: u64, e: RecordError, block
     }
 }
 
-fn read_full(disk: &mut dyn DiskIo, file: FileId, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+fn read_full<R: ReadAt + ?Sized>(disk: &mut R, file: FileId, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
         let n = disk.read_at(file, offset + done as u64, &mut buf[done..])?;

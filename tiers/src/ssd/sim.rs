@@ -22,6 +22,11 @@ pub struct SimFaults {
     pub short_ppm: u32,
     /// Completions are delayed by 0..=max_delay_polls reaps.
     pub max_delay_polls: u32,
+    /// Wall-clock service time per operation (0 in deterministic tests): a slow disk for
+    /// engine-level tests that run real threads.
+    pub latency_us: u64,
+    /// Extra wall-clock time per MiB transferred.
+    pub us_per_mib: u64,
 }
 
 /// splitmix64: small, seeded, good enough to pick faults.
@@ -50,6 +55,7 @@ impl SimRng {
 
 struct Pending {
     ready_at: u64,
+    ready_time: Option<std::time::Instant>,
     op: DiskOp,
     /// Decided at submit: Err(errno) or the byte count to transfer.
     outcome: Result<usize, i32>,
@@ -74,6 +80,7 @@ pub struct SimDisk {
     rng: SimRng,
     polls: u64,
     write_seq: u64,
+    busy_until: Option<std::time::Instant>,
     /// Counts of injected faults, for test reports.
     pub injected: SimInjected,
 }
@@ -88,6 +95,11 @@ pub struct SimInjected {
     pub crashes: u64,
 }
 
+// SAFETY: the raw pointers a SimDisk holds are those of submitted operations, which the
+// submitter keeps valid until they are reaped (the DiskIo contract); nothing in them is tied to
+// the thread that submitted, and the disk is used by one owner at a time (`&mut self`).
+unsafe impl Send for SimDisk {}
+
 impl SimDisk {
     /// `files` zero-filled files of `file_bytes` each.
     pub fn new(files: u32, file_bytes: u64, seed: u64, faults: SimFaults) -> SimDisk {
@@ -101,6 +113,7 @@ impl SimDisk {
             rng: SimRng::new(seed),
             polls: 0,
             write_seq: 0,
+            busy_until: None,
             injected: SimInjected::default(),
         }
     }
@@ -184,6 +197,11 @@ impl SimDisk {
     }
 }
 
+/// The current time, read only when some pending operation has a wall-clock deadline.
+fn p_now(pending: &VecDeque<Pending>) -> Option<std::time::Instant> {
+    pending.iter().any(|p| p.ready_time.is_some()).then(std::time::Instant::now)
+}
+
 impl DiskIo for SimDisk {
     unsafe fn submit(&mut self, op: DiskOp) -> Result<(), DiskOp> {
         let delay = if self.faults.max_delay_polls > 0 {
@@ -226,15 +244,28 @@ impl DiskIo for SimDisk {
         };
         // A sync covers the writes completed so far (not those still pending).
         let covers_upto = self.write_seq;
-        self.pending.push_back(Pending { ready_at: self.polls + delay, op, outcome, covers_upto });
+        let bytes = match op.kind {
+            DiskOpKind::Read { len, .. } | DiskOpKind::Write { len, .. } => u64::from(len),
+            DiskOpKind::Sync => 0,
+        };
+        let service_us = self.faults.latency_us + self.faults.us_per_mib * bytes / (1 << 20);
+        // Operations are served one after another, like one queue on one device.
+        let ready_time = (service_us > 0).then(|| {
+            let start = self.busy_until.map_or(std::time::Instant::now(), |b| b.max(std::time::Instant::now()));
+            let done = start + std::time::Duration::from_micros(service_us);
+            self.busy_until = Some(done);
+            done
+        });
+        self.pending.push_back(Pending { ready_at: self.polls + delay, ready_time, op, outcome, covers_upto });
         Ok(())
     }
 
     fn reap(&mut self, out: &mut Vec<DiskCompletion>) {
         self.polls += 1;
         let mut still = VecDeque::with_capacity(self.pending.len());
+        let now = p_now(&self.pending);
         while let Some(p) = self.pending.pop_front() {
-            if p.ready_at <= self.polls {
+            if p.ready_at <= self.polls && p.ready_time.is_none_or(|t| now.is_some_and(|n| t <= n)) {
                 let c = self.complete(p);
                 out.push(c);
             } else {

@@ -145,6 +145,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
         sync_eio_ppm: [0, 0, 0, 30_000][rng.below(4) as usize],
         short_ppm: [0, 100_000, 300_000][rng.below(3) as usize],
         max_delay_polls: rng.below(4) as u32,
+        ..SimFaults::default()
     };
     let arena = Arena::new(2 << 20, 1).expect("arena");
     let mut disk = SimDisk::new(segments, SEGMENT_BYTES, seed ^ 0xD15C, faults.clone());

@@ -24,6 +24,9 @@ use crate::error::{Error, Result};
 /// The oldest segment is compacted (live records copied forward) rather than evicted when less
 /// than this share of it is live; fuller segments are evicted whole (their objects leave).
 const COMPACT_BELOW_LIVE_PERCENT: u64 = 50;
+/// Completed write-back writes per segment between syncs (nothing waits on them; syncing them
+/// in groups bounds what a crash loses without an fdatasync per write).
+const WRITE_BACK_SYNC_EVERY_WRITES: u32 = 64;
 /// Scratch blocks for tombstones (a tombstone with none free is skipped and counted).
 const TOMBSTONE_SLOTS: usize = 16;
 /// Largest single transfer; longer records continue like short transfers do.
@@ -219,12 +222,29 @@ impl ShardCore {
     /// completed, unsynced writes) and compaction. Returns true if it queued any I/O.
     pub fn schedule_syncs(&mut self) -> bool {
         let compacted = self.advance_compaction();
-        self.queue_syncs() || compacted
+        self.queue_syncs(false) || compacted
     }
 
-    fn queue_syncs(&mut self) -> bool {
+    /// Syncs every segment with completed writes (clean shutdown: a restart finds everything).
+    pub fn sync_everything(&mut self) -> bool {
+        self.queue_syncs(true)
+    }
+
+    fn queue_syncs(&mut self, all: bool) -> bool {
         let Some(ssd) = self.ssd.as_mut() else { return false };
-        let due: Vec<u32> = ssd.segments.needing_sync().collect();
+        // Write-back demotions promise nothing, so they are synced in groups; a sync is due at
+        // once when a write-through put waits on it or a segment header is not durable yet
+        // (reclaim waits for headers).
+        let due: Vec<u32> = ssd
+            .segments
+            .needing_sync()
+            .filter(|&segment| {
+                let waiting = !ssd.extra[segment as usize].waiters.is_empty();
+                ssd.segments.get(segment).is_some_and(|s| {
+                    all || waiting || !s.header_durable || s.unsynced_writes >= WRITE_BACK_SYNC_EVERY_WRITES
+                })
+            })
+            .collect();
         for &segment in &due {
             let covers = std::mem::take(&mut ssd.extra[segment as usize].completed);
             if let Some(s) = ssd.segments.get_mut(segment) {
@@ -376,47 +396,12 @@ impl ShardCore {
             let Some(location) = object.ssd else { continue };
             // No eviction for compaction: what does not fit is evicted with the segment.
             let Some(allocation) = self.allocator.allocate(location.record_bytes) else { continue };
-            let Some(ptr) = self.slice.ptr_at(allocation.offset(), location.record_bytes) else {
-                self.allocator.free(allocation);
+            if !self.submit_load(id, location, allocation, Vec::new(), true) {
                 continue;
-            };
-            self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
-            let Some(ssd) = self.ssd.as_mut() else { return queued };
-            if let Some(s) = ssd.segments.get_mut(segment) {
-                s.readers += 1;
             }
-            ssd.loading_bytes += location.record_bytes;
-            let io = Io {
-                kind: IoKind::Load {
-                    id,
-                    location,
-                    allocation: Some(allocation),
-                    waiters: Vec::new(),
-                    compaction: true,
-                },
-                file: segment,
-                offset: location.offset,
-                ptr,
-                total: location.record_bytes,
-                done: 0,
-            };
-            let token = ssd.ios.insert(io);
-            ssd.outbox.push_back(DiskOp {
-                token: token as u64,
-                file: segment,
-                kind: DiskOpKind::Read {
-                    buf: ptr.as_ptr(),
-                    len: location.record_bytes.min(MAX_IO_BYTES) as u32,
-                    offset: location.offset,
-                },
-            });
-            if let Some(c) = ssd.compaction.as_mut() {
+            if let Some(c) = self.ssd.as_mut().and_then(|s| s.compaction.as_mut()) {
                 c.outstanding += 1;
             }
-            let object = &mut self.objects[id as usize];
-            object.loading = Some(token);
-            object.io_refs += 1;
-            object.transient = true;
             queued = true;
         }
         queued
@@ -547,6 +532,55 @@ impl ShardCore {
         }
     }
 
+    /// Queues the read of `location` into `allocation` (already taken from the allocator) for
+    /// object `id`. False (and the allocation returned) if the buffer is outside the slice.
+    fn submit_load(
+        &mut self,
+        id: u32,
+        location: SsdLocation,
+        allocation: Allocation,
+        waiters: Vec<(usize, usize)>,
+        compaction: bool,
+    ) -> bool {
+        let Some(ptr) = self.slice.ptr_at(allocation.offset(), location.record_bytes) else {
+            self.allocator.free(allocation);
+            return false;
+        };
+        let Some(ssd) = self.ssd.as_mut() else {
+            self.allocator.free(allocation);
+            return false;
+        };
+        self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
+        if let Some(s) = ssd.segments.get_mut(location.segment) {
+            s.readers += 1;
+        }
+        ssd.loading_bytes += location.record_bytes;
+        let io = Io {
+            kind: IoKind::Load { id, location, allocation: Some(allocation), waiters, compaction },
+            file: location.segment,
+            offset: location.offset,
+            ptr,
+            total: location.record_bytes,
+            done: 0,
+        };
+        let token = ssd.ios.insert(io);
+        ssd.outbox.push_back(DiskOp {
+            token: token as u64,
+            file: location.segment,
+            kind: DiskOpKind::Read {
+                buf: ptr.as_ptr(),
+                len: location.record_bytes.min(MAX_IO_BYTES) as u32,
+                offset: location.offset,
+            },
+        });
+        let object = &mut self.objects[id as usize];
+        object.loading = Some(token);
+        object.io_refs += 1;
+        object.transient |= compaction;
+        self.counters.loads.fetch_add(1, RELAXED);
+        true
+    }
+
     /// Starts or joins the load of an SSD-only object for slot `slot` of a pending read. False
     /// when it must wait for memory or restore budget.
     pub(super) fn load_for_read(&mut self, id: u32, pending: usize, slot: usize) -> bool {
@@ -579,45 +613,10 @@ impl ShardCore {
             }
         };
         // The eviction above may have reclaimed memory but never this object (it has no DRAM).
-        let Some(ptr) = self.slice.ptr_at(allocation.offset(), location.record_bytes) else {
-            self.allocator.free(allocation);
+        if !self.submit_load(id, location, allocation, vec![(pending, slot)], false) {
             self.resolve_read(pending, slot, Err(Error::Internal("load buffer outside slice")));
             return true;
-        };
-        self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
-        let Some(ssd) = self.ssd.as_mut() else { return true };
-        if let Some(s) = ssd.segments.get_mut(location.segment) {
-            s.readers += 1;
         }
-        ssd.loading_bytes += location.record_bytes;
-        let io = Io {
-            kind: IoKind::Load {
-                id,
-                location,
-                allocation: Some(allocation),
-                waiters: vec![(pending, slot)],
-                compaction: false,
-            },
-            file: location.segment,
-            offset: location.offset,
-            ptr,
-            total: location.record_bytes,
-            done: 0,
-        };
-        let token = ssd.ios.insert(io);
-        ssd.outbox.push_back(DiskOp {
-            token: token as u64,
-            file: location.segment,
-            kind: DiskOpKind::Read {
-                buf: ptr.as_ptr(),
-                len: location.record_bytes.min(MAX_IO_BYTES) as u32,
-                offset: location.offset,
-            },
-        });
-        let object = &mut self.objects[id as usize];
-        object.loading = Some(token);
-        object.io_refs += 1;
-        self.counters.loads.fetch_add(1, RELAXED);
         true
     }
 
@@ -970,14 +969,23 @@ impl ShardCore {
     /// Rebuilds the index from the segments on `disk` (highest sequence number per key wins;
     /// tombstones keep keys removed). Call once, before serving.
     pub fn recover(&mut self, disk: &mut dyn DiskIo) -> std::io::Result<RecoveryReport> {
+        let Some(ssd) = self.ssd.as_ref() else { return Ok(RecoveryReport::default()) };
+        let scans = (0..ssd.segments.count().min(disk.file_count()))
+            .map(|segment| scan_segment(disk, segment))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        Ok(self.apply_recovery(scans))
+    }
+
+    /// Rebuilds the index from segment scans (scan `i` is segment `i`), made by `recover` or by
+    /// the caller (the shard loop scans real segment files in parallel).
+    pub fn apply_recovery(&mut self, scans: Vec<kvtide_tiers::ssd::SegmentScan>) -> RecoveryReport {
         let mut report = RecoveryReport::default();
-        let Some(ssd) = self.ssd.as_mut() else { return Ok(report) };
+        let Some(ssd) = self.ssd.as_mut() else { return report };
         let mut winners: std::collections::HashMap<Vec<u8>, kvtide_tiers::ssd::FoundRecord> =
             std::collections::HashMap::new();
         let mut restored = Vec::new();
         let mut max_seq = 0;
-        for segment in 0..ssd.segments.count().min(disk.file_count()) {
-            let scan = scan_segment(disk, segment)?;
+        for (segment, scan) in (0..ssd.segments.count()).zip(scans) {
             report.segments_scanned += 1;
             report.discarded.extend(scan.discarded.iter().map(|d| (d.segment, d.offset, d.reason.clone())));
             let Some(epoch) = scan.epoch else { continue };
@@ -1038,7 +1046,7 @@ impl ShardCore {
         }
         self.counters.recovered_objects.store(report.objects, RELAXED);
         self.counters.recovery_discarded.store(report.discarded.len() as u64, RELAXED);
-        Ok(report)
+        report
     }
 }
 
