@@ -1,0 +1,297 @@
+//! Pipelined SSD restore on the simulated disk: overlap of loads and transfers (from the
+//! sub-batch trace), identical results in every mode, failures mapped to their keys,
+//! cancellation, oversized objects, concurrent requests; staging credits and leases return to
+//! zero after each.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::value_for;
+use kvtide::{
+    Engine, Error, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, SubBatchState,
+    ThrottledTransfer,
+};
+
+const MIB: usize = 1 << 20;
+
+fn slow_disk() -> SimFaults {
+    // ~1 GB/s with 200 us per operation.
+    SimFaults { latency_us: 200, us_per_mib: 1000, ..SimFaults::default() }
+}
+
+fn store(faults: SimFaults, staging_bytes: u64) -> Engine {
+    StoreBuilder::new()
+        .dram_bytes(32 << 20)
+        .shards(2)
+        .pin_threads(false)
+        .idle_spin_us(10)
+        .ssd_bytes(256 << 20)
+        .ssd_segment_bytes(16 << 20)
+        .simulated_ssd(7, faults)
+        .promote_on_hit(false)
+        .restore_staging_bytes(staging_bytes)
+        .restore_sub_batch_bytes(2 << 20)
+        .open()
+        .expect("open")
+}
+
+fn key(i: usize) -> Vec<u8> {
+    format!("restore/{i}").into_bytes()
+}
+
+/// Puts `n` objects of `len` bytes, then enough filler that they are all demoted to SSD.
+fn fill(store: &Engine, n: usize, len: usize) {
+    for i in 0..n {
+        store.put(&key(i), &value_for(&key(i), 0, len), PutOptions::INSERT).expect("put");
+    }
+    for f in 0..48 {
+        let k = format!("filler/{f}").into_bytes();
+        store.put(&k, &vec![1u8; MIB], PutOptions::INSERT).expect("filler");
+    }
+    store.sync_shards().expect("sync");
+}
+
+fn buffers(n: usize, len: usize) -> Vec<Vec<u8>> {
+    (0..n).map(|_| vec![0u8; len]).collect()
+}
+
+fn restore(store: &Engine, keys: &[Vec<u8>], bufs: &mut [Vec<u8>], opts: &RestoreOptions) -> kvtide::RestoreReport {
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let dsts: Vec<Vec<Region<'_>>> =
+        bufs.iter_mut().map(|b| b.chunks_mut(256 << 10).map(Region::host).collect()).collect();
+    store.restore_batch(&refs, &dsts, opts)
+}
+
+fn assert_idle(store: &Engine) {
+    store.sync_shards().expect("sync");
+    let held = store.stats().held_resources();
+    assert!(held.is_zero(), "resources still held: {held:?}");
+}
+
+#[test]
+fn loads_overlap_transfers_and_every_mode_agrees() {
+    let store = store(slow_disk(), 16 << 20);
+    let n = 16;
+    fill(&store, n, MIB);
+    let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
+    let loads_before = store.stats().total.loads;
+    let transfer = Arc::new(ThrottledTransfer { bytes_per_sec: 1 << 30 });
+    let mut reports = Vec::new();
+    for mode in [RestoreMode::Barrier, RestoreMode::Serialized, RestoreMode::Pipelined] {
+        let opts = RestoreOptions { mode, trace: true, transfer: transfer.clone(), ..store.restore_options() };
+        let mut bufs = buffers(n, MIB);
+        let report = restore(&store, &keys, &mut bufs, &opts);
+        for i in 0..n {
+            assert_eq!(report.results[i], Ok(MIB), "{mode:?} key {i}");
+            assert_eq!(bufs[i], value_for(&keys[i], 0, MIB), "{mode:?} key {i} bytes");
+        }
+        assert_idle(&store);
+        reports.push((mode, report));
+    }
+    assert!(store.stats().total.loads >= loads_before + 3 * n as u64 - 4, "objects were read from SSD");
+    let (_, pipelined) = &reports[2];
+    let trace = &pipelined.sub_batches;
+    assert!(trace.len() >= 4, "several sub-batches: {trace:?}");
+    assert!(trace.iter().all(|t| t.state == SubBatchState::Released));
+    // The point of the pipeline: a sub-batch's load starts before the previous transfer ends.
+    let overlapped = trace.windows(2).filter(|w| w[1].load_start_us < w[0].transfer_end_us).count();
+    assert!(overlapped >= trace.len() / 2, "loads must overlap transfers: {}", lines(trace));
+    // Serialized never overlaps.
+    let (_, serialized) = &reports[1];
+    assert!(serialized.sub_batches.windows(2).all(|w| w[1].load_start_us >= w[0].release_us));
+    // JSON lines export.
+    assert!(trace[0].to_json_line().starts_with("{\"index\":0,"));
+    println!(
+        "barrier {} us, serialized {} us, pipelined {} us",
+        reports[0].1.elapsed_us, reports[1].1.elapsed_us, reports[2].1.elapsed_us
+    );
+}
+
+fn lines(trace: &[kvtide::SubBatchTrace]) -> String {
+    trace.iter().map(|t| t.to_json_line()).collect::<Vec<_>>().join("\n")
+}
+
+#[test]
+fn ordering_duplicates_missing_keys_and_wrong_sizes() {
+    let store = store(SimFaults::default(), 8 << 20);
+    fill(&store, 12, 300 << 10);
+    let mut keys: Vec<Vec<u8>> = (0..12).map(key).collect();
+    keys.insert(3, key(7)); // duplicate
+    keys.insert(5, b"restore/missing".to_vec());
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let mut bufs = buffers(keys.len(), 300 << 10);
+    let mut short = vec![0u8; 1000];
+    let baseline =
+        store.batch_get_into_multi_buffers(&refs, &bufs.iter_mut().map(|b| vec![Region::host(b)]).collect::<Vec<_>>());
+    for mode in [RestoreMode::Pipelined, RestoreMode::Serialized, RestoreMode::Barrier] {
+        let mut bufs = buffers(keys.len(), 300 << 10);
+        let mut dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+        dsts[8] = vec![Region::host(&mut short)];
+        let opts = RestoreOptions { mode, ..store.restore_options() };
+        let report = store.restore_batch(&refs, &dsts, &opts);
+        drop(dsts);
+        assert_eq!(report.results[5], Err(Error::NotFound), "{mode:?}");
+        assert!(matches!(report.results[8], Err(Error::SizeMismatch { .. })), "{mode:?}");
+        for (i, r) in report.results.iter().enumerate() {
+            if i != 5 && i != 8 {
+                assert_eq!(r, &baseline[i], "{mode:?} key {i} same as unpipelined");
+                assert_eq!(bufs[i], value_for(&keys[i], 0, 300 << 10), "{mode:?} key {i}");
+            }
+        }
+        assert!(short.iter().all(|&b| b == 0), "a failed key's destination is untouched");
+        assert_idle(&store);
+    }
+}
+
+#[test]
+fn read_errors_fail_only_their_keys() {
+    let faults = SimFaults { read_eio_ppm: 250_000, ..SimFaults::default() };
+    let store = store(faults, 8 << 20);
+    fill(&store, 24, 256 << 10);
+    let keys: Vec<Vec<u8>> = (0..24).map(key).collect();
+    let mut bufs = buffers(24, 256 << 10);
+    let report = restore(&store, &keys, &mut bufs, &store.restore_options());
+    let mut failed = 0;
+    for (i, r) in report.results.iter().enumerate() {
+        match r {
+            Ok(n) => {
+                assert_eq!(*n, 256 << 10);
+                assert_eq!(bufs[i], value_for(&keys[i], 0, 256 << 10), "key {i}");
+            }
+            Err(Error::Io(_)) => failed += 1,
+            Err(e) => panic!("key {i}: {e}"),
+        }
+    }
+    assert!(failed > 0 && failed < 24, "EIO hits some keys only ({failed})");
+    assert_idle(&store);
+}
+
+#[test]
+fn cancellation_drains_and_releases() {
+    let store = store(slow_disk(), 8 << 20);
+    fill(&store, 16, MIB);
+    let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&cancel);
+    let canceller = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(8));
+        flag.store(true, Ordering::Release);
+    });
+    let opts = RestoreOptions {
+        cancel: Some(cancel),
+        trace: true,
+        transfer: Arc::new(ThrottledTransfer { bytes_per_sec: 256 << 20 }),
+        ..store.restore_options()
+    };
+    let mut bufs = buffers(16, MIB);
+    let report = restore(&store, &keys, &mut bufs, &opts);
+    canceller.join().expect("canceller");
+    let delivered = report.results.iter().filter(|r| r.is_ok()).count();
+    assert!(delivered < 16, "cancel stops the restore early");
+    for (i, r) in report.results.iter().enumerate() {
+        match r {
+            Ok(_) => assert_eq!(bufs[i], value_for(&keys[i], 0, MIB)),
+            Err(Error::Cancelled) => {}
+            Err(e) => panic!("key {i}: {e}"),
+        }
+    }
+    assert!(
+        report.sub_batches.iter().any(|t| t.state == SubBatchState::Drained)
+            || delivered == 0
+            || report.sub_batches.len() < 8
+    );
+    assert_idle(&store);
+}
+
+#[test]
+fn single_and_oversized_objects() {
+    // Staging budget 4 MiB; one object of 6 MiB exceeds it and runs alone.
+    let store = store(SimFaults::default(), 4 << 20);
+    store.put(b"big", &value_for(b"big", 0, 6 * MIB), PutOptions::INSERT).expect("big");
+    fill(&store, 3, MIB);
+    let keys = [b"big".to_vec(), key(0), key(1), key(2)];
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let mut big = vec![0u8; 6 * MIB];
+    let mut small = buffers(3, MIB);
+    let mut dsts: Vec<Vec<Region<'_>>> = vec![vec![Region::host(&mut big)]];
+    dsts.extend(small.iter_mut().map(|b| vec![Region::host(b)]));
+    let report = store.restore_batch(&refs, &dsts, &store.restore_options());
+    drop(dsts);
+    assert_eq!(report.results[0], Ok(6 * MIB));
+    assert_eq!(big, value_for(b"big", 0, 6 * MIB));
+    for (i, buf) in small.iter().enumerate() {
+        assert_eq!(report.results[i + 1], Ok(MIB));
+        assert_eq!(buf, &value_for(&key(i), 0, MIB));
+    }
+    assert!(store.stats().restore.peak_credits_bytes <= 4 << 20, "credits never exceed the budget");
+    // Single-object request.
+    let mut one = vec![0u8; MIB];
+    let r = store.restore_batch(&[&key(1)], &[vec![Region::host(&mut one)]], &store.restore_options());
+    assert_eq!(r.results, vec![Ok(MIB)]);
+    assert_eq!(one, value_for(&key(1), 0, MIB));
+    assert_idle(&store);
+}
+
+#[test]
+fn concurrent_requests_share_bounded_staging() {
+    let store = Arc::new(store(slow_disk(), 6 << 20));
+    fill(&store, 32, 512 << 10);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let keys: Vec<Vec<u8>> = (0..32).map(|i| key((i * 7 + t * 5) % 32)).collect();
+                let mut bufs = buffers(32, 512 << 10);
+                let report = restore(&store, &keys, &mut bufs, &store.restore_options());
+                for (i, r) in report.results.iter().enumerate() {
+                    assert_eq!(r, &Ok(512 << 10), "thread {t} key {i}");
+                    assert_eq!(bufs[i], value_for(&keys[i], 0, 512 << 10));
+                }
+                report.credit_waits
+            })
+        })
+        .collect();
+    let waits: u64 = threads.into_iter().map(|t| t.join().expect("thread")).sum();
+    let stats = store.stats();
+    assert!(stats.restore.peak_credits_bytes <= 6 << 20, "{:?}", stats.restore);
+    assert!(waits > 0, "four requests over a 6 MiB budget must wait for credits");
+    assert_idle(&store);
+}
+
+/// Fails every transfer into a destination of exactly `fail_len` bytes, after writing half of it.
+struct FlakyTransfer {
+    fail_len: usize,
+}
+
+impl kvtide::TransferStage for FlakyTransfer {
+    fn transfer(&self, src: &Region<'_>, dsts: &[Region<'_>]) -> kvtide::Result<()> {
+        if dsts.iter().map(|d| d.len()).sum::<usize>() == self.fail_len {
+            return Err(Error::Io("link down".into()));
+        }
+        kvtide::MemcpyTransfer.transfer(src, dsts)
+    }
+}
+
+#[test]
+fn transfer_failures_fail_only_their_keys() {
+    let store = store(SimFaults::default(), 8 << 20);
+    fill(&store, 6, 512 << 10);
+    store.put(b"odd", &value_for(b"odd", 0, 100_000), PutOptions::INSERT).expect("odd");
+    let keys = [key(0), b"odd".to_vec(), key(1), key(2)];
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let mut bufs: Vec<Vec<u8>> =
+        vec![vec![0u8; 512 << 10], vec![0u8; 100_000], vec![0u8; 512 << 10], vec![0u8; 512 << 10]];
+    let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+    let opts = RestoreOptions { transfer: Arc::new(FlakyTransfer { fail_len: 100_000 }), ..store.restore_options() };
+    let report = store.restore_batch(&refs, &dsts, &opts);
+    drop(dsts);
+    assert!(matches!(report.results[1], Err(Error::Io(_))), "{:?}", report.results[1]);
+    for i in [0, 2, 3] {
+        assert_eq!(report.results[i], Ok(512 << 10));
+        assert_eq!(bufs[i], value_for(&keys[i], 0, 512 << 10));
+    }
+    assert_idle(&store);
+}
