@@ -1,10 +1,11 @@
 //! kvtide-transport: how kvtide's bytes move.
 //!
 //! Owns the typed memory regions that say where bytes come from or go to, and the transfer
-//! descriptors a transport executes. Today that is the same-process memcpy transport; CUDA, TCP,
-//! shared memory and RDMA join it behind features. It never looks up objects or takes leases: the
+//! descriptors a transport executes. Today that is the same-process memcpy transport and the CUDA transport (feature `cuda`); TCP,
+//! shared memory and RDMA join them later. It never looks up objects or takes leases: the
 //! engine hands it regions it has already validated and protected.
 
+pub mod cuda;
 pub mod memcpy;
 pub mod region;
 
@@ -20,4 +21,13 @@ pub enum TransportError {
     /// A descriptor named bytes outside its regions.
     #[error(transparent)]
     Region(#[from] RegionError),
+    /// A CUDA call failed (the driver's error name in `detail`).
+    #[error("{op} failed: {detail}")]
+    Cuda { op: &'static str, detail: String },
+    /// A device region is not memory of the GPU it claims (checked with cuPointerGetAttributes).
+    #[error("device range [{addr:#x}, +{len}) rejected: {why}")]
+    DevicePointer { addr: u64, len: u64, why: String },
+    /// No GPU with this ordinal.
+    #[error("no CUDA device with ordinal {ordinal}")]
+    NoSuchDevice { ordinal: u32 },
 }

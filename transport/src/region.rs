@@ -19,6 +19,7 @@ pub enum MemoryKind {
 
 impl MemoryKind {
     /// True for memory the CPU can read and write directly.
+    #[inline]
     pub fn is_host(self) -> bool {
         matches!(self, MemoryKind::Host | MemoryKind::Pinned)
     }
@@ -80,36 +81,43 @@ impl<'a> Region<'a> {
     }
 
     /// Start address.
+    #[inline]
     pub fn addr(&self) -> u64 {
         self.addr
     }
 
     /// Length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// True for a zero-length region.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Memory kind.
+    #[inline]
     pub fn kind(&self) -> MemoryKind {
         self.kind
     }
 
     /// False for regions made from shared borrows.
+    #[inline]
     pub fn is_writable(&self) -> bool {
         self.writable
     }
 
     /// Checks that `[offset, offset+len)` lies inside this region.
+    #[inline]
     pub fn check_range(&self, offset: u64, len: u64) -> Result<(), RegionError> {
         check_range("buffer", offset, len, self.len as u64)
     }
 
     /// Checks that this region can receive bytes.
+    #[inline]
     pub fn check_writable(&self) -> Result<(), RegionError> {
         if !self.writable {
             return Err(RegionError::ReadOnly);
@@ -128,6 +136,7 @@ impl<'a> Region<'a> {
 }
 
 /// Checks `[offset, offset+len)` against a `bound`-byte `what` without overflowing.
+#[inline]
 pub fn check_range(what: &'static str, offset: u64, len: u64, bound: u64) -> Result<(), RegionError> {
     match offset.checked_add(len) {
         Some(end) if end <= bound => Ok(()),

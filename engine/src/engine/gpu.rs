@@ -1,0 +1,613 @@
+//! GPU destinations and sources for the blocking object API (feature `cuda`).
+//!
+//! Owns the store's staging policy, the lazy `cuMemHostRegister` of the DRAM arena and the GPU
+//! counters. For a call that names device memory it validates every region (device pointers with
+//! `cuPointerGetAttributes`) before anything is submitted, takes the leases (or reservations) as
+//! the host paths do, hands the transfers to the CUDA transport, and then polls the transfer's
+//! CUDA events on the calling thread (spin, then yield; never `cuStreamSynchronize`) while the
+//! `LeaseSet` stays alive: leases are released only once the event fired (or the failure was
+//! drained). It never reports a key whose bytes did not all arrive as a success, and a failed
+//! staged transfer is never replayed through the direct path.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kvtide_transport::cuda::plan::{Direction, Fallback, Piece, StagingPolicy, Transfer};
+use kvtide_transport::cuda::{prestage, submit_with, CudaTransport, Prestaged, RangeChecker, Summary};
+use kvtide_transport::{MemoryKind, Region};
+
+use super::{total_len, Engine};
+use crate::api::{Fragment, PutOptions};
+use crate::config::EngineConfig;
+use crate::error::{Error, Result};
+use crate::shard::ReadGrant;
+use crate::stats::GpuStats;
+use crate::ticket::pending;
+
+/// True when any region is GPU memory (the call then takes this module's path).
+pub(super) fn any_device<'r>(mut regions: impl Iterator<Item = &'r Region<'r>>) -> bool {
+    regions.any(|r| matches!(r.kind(), MemoryKind::Device { .. }))
+}
+
+/// The store's GPU state.
+pub(super) struct GpuState {
+    policy: StagingPolicy,
+    /// Whether the arena registration was attempted (once per engine).
+    registration: Mutex<bool>,
+    /// Shared with async tickets' shard tasks, which report their submissions here.
+    counters: Arc<GpuCounters>,
+}
+
+/// When a read's phases ended (for the timing counters). For `batch_get` (the only caller
+/// that times): `checked_at` is when the leases were granted (the pointer checks now run later,
+/// while the prestaged copies move) and `leased_at` when the prestage was submitted; the third
+/// phase is then the pointer checks and building the transfers.
+#[derive(Clone, Copy)]
+struct Timing {
+    started: Instant,
+    checked_at: Instant,
+    leased_at: Instant,
+}
+
+#[derive(Default)]
+struct GpuCounters {
+    check_us: AtomicU64,
+    lease_us: AtomicU64,
+    plan_us: AtomicU64,
+    submit_us: AtomicU64,
+    wait_us: AtomicU64,
+    registered: AtomicU64,
+    registration_us: AtomicU64,
+    staged_requests: AtomicU64,
+    direct_requests: AtomicU64,
+    fills: AtomicU64,
+    kernel_launches: AtomicU64,
+    copy_calls: AtomicU64,
+    batch_calls: AtomicU64,
+    bytes_to_device: AtomicU64,
+    bytes_to_host: AtomicU64,
+    failed_keys: AtomicU64,
+    fallbacks: Mutex<HashMap<&'static str, u64>>,
+}
+
+impl GpuCounters {
+    fn record(&self, summary: &Summary, direction: Direction) {
+        let c = self;
+        if summary.staged {
+            c.staged_requests.fetch_add(1, Relaxed);
+        } else {
+            c.direct_requests.fetch_add(1, Relaxed);
+        }
+        if let Some(reason) = summary.fallback {
+            if reason != Fallback::Disabled {
+                *c.fallbacks.lock().unwrap_or_else(|p| p.into_inner()).entry(reason.name()).or_default() += 1;
+            }
+        }
+        c.fills.fetch_add(summary.fills, Relaxed);
+        c.kernel_launches.fetch_add(summary.kernel_launches, Relaxed);
+        c.copy_calls.fetch_add(summary.copy_calls, Relaxed);
+        c.batch_calls.fetch_add(summary.batch_calls, Relaxed);
+        let bytes = match direction {
+            Direction::HostToDevice => &c.bytes_to_device,
+            Direction::DeviceToHost => &c.bytes_to_host,
+        };
+        bytes.fetch_add(summary.bytes, Relaxed);
+    }
+}
+
+impl GpuState {
+    pub(super) fn new(config: &EngineConfig) -> GpuState {
+        GpuState {
+            policy: StagingPolicy { enabled: config.gpu_staging, buffer_bytes: config.gpu_staging_bytes },
+            registration: Mutex::new(false),
+            counters: Arc::new(GpuCounters::default()),
+        }
+    }
+
+    pub(super) fn stats(&self) -> GpuStats {
+        let c = &self.counters;
+        let mut fallbacks: Vec<(String, u64)> =
+            c.fallbacks.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        fallbacks.sort();
+        GpuStats {
+            arena_registered: c.registered.load(Relaxed) > 0,
+            registration_us: c.registration_us.load(Relaxed),
+            staged_requests: c.staged_requests.load(Relaxed),
+            direct_requests: c.direct_requests.load(Relaxed),
+            staged_fills: c.fills.load(Relaxed),
+            kernel_launches: c.kernel_launches.load(Relaxed),
+            copy_calls: c.copy_calls.load(Relaxed),
+            batch_copy_calls: c.batch_calls.load(Relaxed),
+            bytes_to_device: c.bytes_to_device.load(Relaxed),
+            bytes_to_host: c.bytes_to_host.load(Relaxed),
+            failed_keys: c.failed_keys.load(Relaxed),
+            fallbacks,
+            read_phase_us: [
+                c.check_us.load(Relaxed),
+                c.lease_us.load(Relaxed),
+                c.plan_us.load(Relaxed),
+                c.submit_us.load(Relaxed),
+                c.wait_us.load(Relaxed),
+            ],
+        }
+    }
+
+    /// The driver, with the arena registered (lazily, at first GPU use; timed and logged).
+    fn transport(&self, engine: &Engine) -> Result<Arc<CudaTransport>> {
+        let transport = CudaTransport::get()?;
+        let mut attempted = self.registration.lock().unwrap_or_else(|p| p.into_inner());
+        if !*attempted {
+            *attempted = true;
+            let registered = transport
+                .registrar()
+                .map_err(|e| e.to_string())
+                .and_then(|registrar| engine.arena.register_with(&registrar).map_err(|e| e.to_string()));
+            match registered {
+                Ok(elapsed) => {
+                    self.counters.registered.store(1, Relaxed);
+                    self.counters.registration_us.store(elapsed.as_micros() as u64, Relaxed);
+                    tracing::info!(
+                        dram_bytes = engine.arena.len_bytes(),
+                        slices = engine.arena.slice_count(),
+                        elapsed_ms = elapsed.as_millis() as u64,
+                        "DRAM arena registered with CUDA (cuMemHostRegister per slice)"
+                    );
+                }
+                // Copies still work from unregistered memory (the driver stages them), slower.
+                Err(e) => tracing::warn!(error = %e, "could not register the DRAM arena with CUDA"),
+            }
+        }
+        Ok(transport)
+    }
+
+    fn record(&self, summary: &Summary, direction: Direction) {
+        self.counters.record(summary, direction);
+    }
+
+    /// Runs `transfers` and waits for them by polling their events. The caller keeps the host
+    /// bytes leased (or reserved) until this returns. One result per transfer.
+    fn execute(
+        &self,
+        transport: &Result<Arc<CudaTransport>>,
+        direction: Direction,
+        transfers: &[Transfer],
+        timing: Option<Timing>,
+        prestaged: Option<Prestaged>,
+    ) -> Vec<Result<()>> {
+        let planned_at = Instant::now();
+        if transfers.is_empty() {
+            return Vec::new();
+        }
+        let results = match transport {
+            Err(e) => transfers.iter().map(|t| cpu_only(t, direction).ok_or_else(|| e.clone())).collect(),
+            Ok(transport) => {
+                // SAFETY: every transfer's host bytes are leased or reserved by our caller until
+                // we return, and we return only after `wait` saw every event fire (or drained the
+                // streams after a failure). Every device page was checked with
+                // cuPointerGetAttributes, and the caller's `Region::from_raw` contract keeps it
+                // valid for the call.
+                // A prestage, if any, copied these transfers' objects (still leased) into the
+                // staging buffer only.
+                match unsafe { submit_with(transport, direction, transfers, self.policy, prestaged) } {
+                    Ok(inflight) => {
+                        let submitted_at = Instant::now();
+                        let summary = inflight.summary().clone();
+                        let results: Vec<Result<()>> =
+                            inflight.wait().into_iter().map(|r| r.map_err(Error::from)).collect();
+                        self.record(&summary, direction);
+                        if let Some(t) = timing {
+                            let us = |a: Instant, b: Instant| b.saturating_duration_since(a).as_micros() as u64;
+                            let c = &self.counters;
+                            c.check_us.fetch_add(us(t.started, t.checked_at), Relaxed);
+                            c.lease_us.fetch_add(us(t.checked_at, t.leased_at), Relaxed);
+                            c.plan_us.fetch_add(us(t.leased_at, planned_at), Relaxed);
+                            c.submit_us.fetch_add(us(planned_at, submitted_at), Relaxed);
+                            c.wait_us.fetch_add(us(submitted_at, Instant::now()), Relaxed);
+                        }
+                        results
+                    }
+                    Err(e) => vec![Err(Error::from(e)); transfers.len()],
+                }
+            }
+        };
+        let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+        self.counters.failed_keys.fetch_add(failed, Relaxed);
+        results
+    }
+}
+
+/// Copies a transfer with no device piece on the CPU (when CUDA is unavailable); None if it has
+/// device pieces.
+fn cpu_only(transfer: &Transfer, direction: Direction) -> Option<()> {
+    if transfer.pieces.iter().any(|p| !p.kind.is_host()) {
+        return None;
+    }
+    for piece in &transfer.pieces {
+        let host = (transfer.host + piece.host_offset) as *mut u8;
+        let page = piece.addr as *mut u8;
+        let (src, dst) = match direction {
+            Direction::HostToDevice => (host.cast_const(), page),
+            Direction::DeviceToHost => (page.cast_const(), host),
+        };
+        // SAFETY: the host bytes are leased or reserved by the caller and the page is caller
+        // host memory lent for the call; they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, piece.len as usize) };
+    }
+    Some(())
+}
+
+/// Checks regions before anything is submitted: host ones as the host paths do, device ones
+/// against their GPU (one `cuPointerGetAttributes` per allocation, in a single pass). `lists[i]`
+/// are the regions of owner i (a key, or a buffer); `writable` for destinations. Returns the
+/// first error of each owner (None: all good).
+fn check_regions(
+    transport: &Result<Arc<CudaTransport>>,
+    lists: &[&[Region<'_>]],
+    writable: bool,
+) -> Vec<Option<Error>> {
+    let mut checkers: Vec<(u32, Result<RangeChecker>)> = Vec::new();
+    let checker_of = |checkers: &mut Vec<(u32, Result<RangeChecker>)>, ordinal: u32| -> usize {
+        match checkers.iter().position(|(o, _)| *o == ordinal) {
+            Some(i) => i,
+            None => {
+                let checker = transport
+                    .as_ref()
+                    .map_err(Clone::clone)
+                    .and_then(|t| t.device(ordinal).map(|d| d.range_checker()).map_err(Error::from));
+                checkers.push((ordinal, checker));
+                checkers.len() - 1
+            }
+        }
+    };
+    let mut out: Vec<Option<Error>> = vec![None; lists.len()];
+    let mut ordinals: Vec<u32> = Vec::new();
+    for (owner, regions) in lists.iter().enumerate() {
+        if writable {
+            if let Some(e) = regions.iter().find_map(|r| r.check_writable().err()) {
+                out[owner] = Some(e.into());
+                continue;
+            }
+        }
+        // The GPUs this list names (one, nearly always).
+        ordinals.clear();
+        for r in regions.iter() {
+            if let MemoryKind::Device { ordinal } = r.kind() {
+                if !ordinals.contains(&ordinal) {
+                    ordinals.push(ordinal);
+                }
+            }
+        }
+        for &ordinal in &ordinals {
+            let slot = checker_of(&mut checkers, ordinal);
+            let failed = match &mut checkers[slot].1 {
+                Ok(checker) => checker.check_list(regions).map(Error::from),
+                Err(e) => Some(e.clone()),
+            };
+            if let Some(e) = failed {
+                out[owner].get_or_insert(e);
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// The pieces of `regions` laid end to end over an object.
+fn pieces_in_order(regions: &[Region<'_>]) -> Vec<Piece> {
+    let mut offset = 0;
+    regions
+        .iter()
+        .map(|r| {
+            let piece = Piece { host_offset: offset, addr: r.addr(), len: r.len() as u64, kind: r.kind() };
+            offset += r.len() as u64;
+            piece
+        })
+        .collect()
+}
+
+/// `get_into` to a device region.
+pub(super) fn get_into(engine: &Engine, key: &[u8], dst: Region<'_>) -> Result<usize> {
+    engine.validate_key(key)?;
+    let transport = engine.gpu.transport(engine);
+    if let Some(e) = check_regions(&transport, &[std::slice::from_ref(&dst)], true).pop().flatten() {
+        return Err(e);
+    }
+    let (mut grants, _leases) = engine.lease_many(std::iter::once((0, key)));
+    let grant = grants.remove(&0).ok_or(Error::Internal("no grant"))??;
+    if (dst.len() as u64) < grant.len {
+        return Err(Error::BufferTooSmall { object_bytes: grant.len, buffer_bytes: dst.len() as u64 });
+    }
+    let transfer = Transfer {
+        host: grant.ptr.as_ptr() as u64,
+        host_len: grant.len,
+        pieces: vec![Piece { host_offset: 0, addr: dst.addr(), len: grant.len, kind: dst.kind() }],
+    };
+    let result =
+        engine.gpu.execute(&transport, Direction::HostToDevice, std::slice::from_ref(&transfer), None, None).pop();
+    result.unwrap_or(Err(Error::Internal("no transfer result"))).map(|()| grant.len as usize)
+}
+
+/// `batch_get_into_multi_buffers` with device destinations.
+///
+/// Ordered so the bytes start moving early: the lease requests go out first and the transfers'
+/// pieces are laid out while the shards lease; as soon as the grants are in, the objects' bulk
+/// copies into the engine's private staging buffer start (`prestage`) while the destinations
+/// are checked (`cuPointerGetAttributes`) and the request is qualified and planned. Nothing is
+/// submitted to a destination before every check passed; a request that does not qualify (or a
+/// key that fails its check) discards the staged bytes and is planned afresh.
+pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
+    let started = Instant::now();
+    let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
+    let transport = engine.gpu.transport(engine);
+    let mut valid = Vec::with_capacity(keys.len());
+    for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+        match engine.validate_key(key).and_then(|()| total_len(regions)) {
+            Ok(_) => valid.push((i, *key)),
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    let pending_leases = engine.send_leases(valid.iter().copied());
+    // While the shards lease: each key's destination bytes, and the one GPU every destination
+    // names, if so (a prestage is only worth it then). One pass, no allocation per page.
+    let mut dst_bytes: Vec<Option<u64>> = vec![None; keys.len()];
+    let mut one_gpu: Option<Option<u32>> = None;
+    let mut pieces_total = 0usize;
+    for &(i, _) in &valid {
+        let mut bytes = 0u64;
+        for r in &dsts[i] {
+            bytes += r.len() as u64;
+            let gpu = match r.kind() {
+                MemoryKind::Device { ordinal } => Some(ordinal),
+                _ => None,
+            };
+            if *one_gpu.get_or_insert(gpu) != gpu {
+                one_gpu = Some(None);
+            }
+        }
+        pieces_total += dsts[i].len();
+        dst_bytes[i] = Some(bytes);
+    }
+    let (grants, _leases) = pending_leases.wait();
+    let leased_at = Instant::now();
+    // Keys in request order, so fills split at the caller's key boundaries.
+    let mut by_key: Vec<Option<Result<ReadGrant>>> = (0..keys.len()).map(|_| None).collect();
+    for (i, grant) in grants {
+        by_key[i] = Some(grant);
+    }
+    let mut owners = Vec::with_capacity(keys.len());
+    for (i, grant) in by_key.iter().enumerate() {
+        if let (Some(Ok(grant)), Some(bytes)) = (grant, dst_bytes[i]) {
+            if bytes == grant.len {
+                owners.push((i, *grant));
+            }
+        }
+    }
+    let prestaged = match (&transport, one_gpu.flatten()) {
+        (Ok(transport), Some(ordinal)) if engine.gpu.policy.enabled && owners.len() < pieces_total => {
+            let objects: Vec<(u64, u64)> = owners.iter().map(|(_, g)| (g.ptr.as_ptr() as u64, g.len)).collect();
+            // SAFETY: the objects stay leased (`_leases`) until `execute` returned, which is
+            // after the prestage was continued and completed, or dropped (which waits for its
+            // copies). The copies write only the engine's staging buffer, no destination.
+            unsafe { prestage(transport, ordinal, &objects, engine.gpu.policy) }
+        }
+        _ => None,
+    };
+    let prestaged_at = Instant::now();
+    // The destinations are checked and the pieces laid out while the first bytes move into
+    // the staging buffer.
+    let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+    let checks = check_regions(&transport, &lists, true);
+    let mut transfers = Vec::with_capacity(owners.len());
+    let mut delivered = Vec::with_capacity(owners.len());
+    for (i, grant) in by_key.into_iter().enumerate() {
+        if let (Some(_), Some(e)) = (&grant, &checks[i]) {
+            results[i] = Err(e.clone());
+            continue;
+        }
+        let grant = match grant {
+            None => continue,
+            Some(Ok(grant)) => grant,
+            Some(Err(e)) => {
+                results[i] = Err(e);
+                continue;
+            }
+        };
+        let Some(bytes) = dst_bytes[i] else { continue };
+        if bytes != grant.len {
+            results[i] = Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: bytes });
+            continue;
+        }
+        transfers.push(Transfer {
+            host: grant.ptr.as_ptr() as u64,
+            host_len: grant.len,
+            pieces: pieces_in_order(&dsts[i]),
+        });
+        delivered.push((i, grant.len as usize));
+    }
+    // Phases of a batch read: leases (with the scan above), prestage, checks and transfers,
+    // then plan+submit and wait in `execute`.
+    let timing = Timing { started, checked_at: leased_at, leased_at: prestaged_at };
+    for ((i, len), result) in delivered.into_iter().zip(engine.gpu.execute(
+        &transport,
+        Direction::HostToDevice,
+        &transfers,
+        Some(timing),
+        prestaged,
+    )) {
+        results[i] = result.map(|()| len);
+    }
+    results
+}
+
+/// `get_into_ranges` when some buffer is device memory: fragments are grouped per key into one
+/// transfer, so a key's failure fails all of its fragments.
+pub(super) fn get_into_ranges(
+    engine: &Engine,
+    buffers: &[Region<'_>],
+    fragments: &[Vec<Fragment>],
+) -> Vec<Vec<Result<usize>>> {
+    let mut results: Vec<Vec<Result<usize>>> =
+        fragments.iter().map(|f| (0..f.len()).map(|_| pending()).collect()).collect();
+    let transport = engine.gpu.transport(engine);
+    let buffer_lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
+    let buffer_checks = check_regions(&transport, &buffer_lists, true);
+    let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+    let mut keys: Vec<&[u8]> = Vec::new();
+    let mut todo = Vec::new();
+    for (b, frags) in fragments.iter().enumerate() {
+        for (f, frag) in frags.iter().enumerate() {
+            let checked = buffers
+                .get(b)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
+                })
+                .and_then(|buffer| {
+                    buffer_checks[b].clone().map_or(Ok(()), Err)?;
+                    buffer.check_range(frag.dst_offset, frag.len)?;
+                    engine.validate_key(&frag.key)
+                });
+            match checked {
+                Ok(()) => {
+                    let k = *key_index.entry(frag.key.as_slice()).or_insert_with(|| {
+                        keys.push(frag.key.as_slice());
+                        keys.len() - 1
+                    });
+                    todo.push((b, f, k));
+                }
+                Err(e) => results[b][f] = Err(e),
+            }
+        }
+    }
+    let (grants, _leases) = engine.lease_many(keys.iter().copied().enumerate());
+    // One transfer per leased key, holding the fragments whose source range fits the object.
+    let mut transfer_of: HashMap<usize, usize> = HashMap::new();
+    let mut transfers: Vec<Transfer> = Vec::new();
+    let mut members: Vec<Vec<(usize, usize)>> = Vec::new();
+    for (b, f, k) in todo {
+        let frag = &fragments[b][f];
+        let grant = match grants.get(&k) {
+            Some(Ok(grant)) => grant,
+            Some(Err(e)) => {
+                results[b][f] = Err(e.clone());
+                continue;
+            }
+            None => {
+                results[b][f] = Err(Error::Internal("fragment key was not leased"));
+                continue;
+            }
+        };
+        if let Err(e) = kvtide_transport::region::check_range("object", frag.src_offset, frag.len, grant.len) {
+            results[b][f] = Err(e.into());
+            continue;
+        }
+        let t = *transfer_of.entry(k).or_insert_with(|| {
+            transfers.push(Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces: Vec::new() });
+            members.push(Vec::new());
+            transfers.len() - 1
+        });
+        let buffer = &buffers[b];
+        transfers[t].pieces.push(Piece {
+            host_offset: frag.src_offset,
+            addr: buffer.addr() + frag.dst_offset,
+            len: frag.len,
+            kind: buffer.kind(),
+        });
+        members[t].push((b, f));
+    }
+    let outcomes = engine.gpu.execute(&transport, Direction::HostToDevice, &transfers, None, None);
+    for (owners, outcome) in members.into_iter().zip(outcomes) {
+        for (b, f) in owners {
+            results[b][f] = outcome.clone().map(|()| fragments[b][f].len as usize);
+        }
+    }
+    results
+}
+
+/// `batch_put_from_multi_buffers` with device sources (gathered writes).
+pub(super) fn batch_put(
+    engine: &Engine,
+    keys: &[&[u8]],
+    sources: &[Vec<Region<'_>>],
+    opts: PutOptions,
+) -> Vec<Result<()>> {
+    let mut results: Vec<Result<()>> = vec![Ok(()); keys.len()];
+    let transport = engine.gpu.transport(engine);
+    let lists: Vec<&[Region<'_>]> = sources.iter().map(Vec::as_slice).collect();
+    let checks = check_regions(&transport, &lists, false);
+    let mut items = Vec::with_capacity(keys.len());
+    for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
+        let checked = engine
+            .validate_key(key)
+            .and_then(|()| checks[i].clone().map_or(Ok(()), Err))
+            .and_then(|()| total_len(srcs))
+            .and_then(|len| engine.validate_value_len(len).map(|()| len));
+        match checked {
+            Ok(len) => items.push((i, *key, len)),
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    let (grants, reservations) = engine.reserve_many(items.into_iter(), opts.upsert);
+    let mut transfers = Vec::with_capacity(grants.len());
+    let mut owners = Vec::with_capacity(grants.len());
+    let mut sorted: Vec<_> = grants.into_iter().collect();
+    sorted.sort_by_key(|(i, _)| *i);
+    for (i, grant) in sorted {
+        match grant {
+            Ok(grant) => {
+                transfers.push(Transfer {
+                    host: grant.ptr.as_ptr() as u64,
+                    host_len: grant.len,
+                    pieces: pieces_in_order(&sources[i]),
+                });
+                owners.push(i);
+            }
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    let mut copied = vec![false; keys.len()];
+    for (i, outcome) in
+        owners.into_iter().zip(engine.gpu.execute(&transport, Direction::DeviceToHost, &transfers, None, None))
+    {
+        match outcome {
+            Ok(()) => copied[i] = true,
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    // Only keys whose bytes all arrived are published; the rest are aborted when the
+    // reservations drop (after the copies completed or were drained).
+    for (i, result) in reservations.commit(opts.upsert, |i| copied[i]) {
+        results[i] = result;
+    }
+    results
+}
+
+/// Async `submit_batch_get` with device destinations: checks every key's regions now, on the
+/// calling thread, before anything is submitted (device pointers against their GPU, host ones
+/// as the host paths do). Returns each key's first error (None: good) and, when the transport is
+/// available, the copier the shard tasks submit with (copies on engine-owned streams, completion
+/// polled through CUDA events by the shard loop). Without CUDA the device keys get
+/// `CudaUnavailable`.
+pub(super) fn ticket_checks(
+    engine: &Engine,
+    dsts: &[Vec<Region<'static>>],
+) -> (Vec<Option<Error>>, Option<crate::shard::task::GpuCopier>) {
+    let transport = engine.gpu.transport(engine);
+    let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+    let checks = check_regions(&transport, &lists, true);
+    let copier = transport.ok().map(|transport| {
+        let counters = Arc::clone(&engine.gpu.counters);
+        crate::shard::task::GpuCopier {
+            transport,
+            policy: engine.gpu.policy,
+            report: Arc::new(move |summary: Option<&Summary>, failed: u64| {
+                if let Some(summary) = summary {
+                    counters.record(summary, Direction::HostToDevice);
+                }
+                counters.failed_keys.fetch_add(failed, Relaxed);
+            }),
+        }
+    });
+    (checks, copier)
+}

@@ -1,0 +1,1168 @@
+//! The GPU executor: submits planned transfers on engine-owned streams and reports completion
+//! through CUDA events that the caller polls.
+//!
+//! It owns, per GPU, a pool of streams and events and the staging unit (the device buffer, its
+//! descriptor tables and two streams). It never blocks in `cuStreamSynchronize` on the normal
+//! path: completion is `cuEventQuery`. Only when a submission failed half-way, or an `InFlight`
+//! is dropped unfinished, does it wait for the streams, so no DMA can still touch leased or
+//! reserved host bytes once it reports.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+use super::driver::{check, CudaDevice, CudaTransport};
+use super::kernel::{self, Kernels};
+use super::plan::{self, Descriptor, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
+use crate::region::MemoryKind;
+use crate::TransportError;
+
+/// Threads per block of the scatter/gather kernels.
+const KERNEL_THREADS: u32 = 256;
+/// Blocks per multiprocessor at most (a grid-stride loop over warps covers any table).
+const BLOCKS_PER_SM: u32 = 8;
+/// Rows per block at one row per warp.
+const ROWS_PER_BLOCK: u32 = KERNEL_THREADS / 32;
+/// How long a waiter spins on an event before it starts yielding its CPU.
+const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(200);
+
+struct Stream(sys::CUstream);
+struct Event(sys::CUevent);
+// SAFETY: stream and event handles are driver handles usable from any thread with the context
+// current; each is owned by one pool slot or one in-flight request at a time.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Send for Event {}
+
+/// Per-GPU executor state (inside `CudaDevice`).
+#[derive(Default)]
+pub(crate) struct Executor {
+    streams: Mutex<Vec<Stream>>,
+    events: Mutex<Vec<Event>>,
+    staging: Mutex<Option<StagingUnit>>,
+    staging_busy: AtomicBool,
+    kernels: OnceLock<Result<Kernels, TransportError>>,
+}
+
+/// The staging buffer and what it needs; held by one request at a time (`staging_busy`).
+struct StagingUnit {
+    buffer: sys::CUdeviceptr,
+    buffer_bytes: u64,
+    rows_device: sys::CUdeviceptr,
+    rows_host: *mut Descriptor,
+    rows_capacity: usize,
+    copy_stream: sys::CUstream,
+    kernel_stream: sys::CUstream,
+}
+
+// SAFETY: raw handles and a pinned host pointer owned by this unit; guarded by the executor's
+// mutex and busy flag.
+unsafe impl Send for StagingUnit {}
+
+/// Test hooks: make the next staged fills or direct submissions fail at submission, as a
+/// failed copy or kernel launch would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InjectedFault {
+    /// The scatter/gather launch of the next fill fails (after its copies were enqueued).
+    StagedLaunch,
+    /// The next direct submission fails after its first copy was enqueued.
+    DirectCopy,
+}
+
+/// 0: disarmed; n > 0: the n-th operation from now fails.
+static FAIL_STAGED: AtomicU32 = AtomicU32::new(0);
+static FAIL_DIRECT: AtomicU32 = AtomicU32::new(0);
+
+/// Makes the operation of kind `fault` that follows `after` successful ones fail (`None`
+/// disarms). Process-wide; GPU tests only.
+#[doc(hidden)]
+pub fn inject_fault(fault: InjectedFault, after: Option<u32>) {
+    let armed = after.map_or(0, |n| n.saturating_add(1));
+    match fault {
+        InjectedFault::StagedLaunch => FAIL_STAGED.store(armed, Ordering::SeqCst),
+        InjectedFault::DirectCopy => FAIL_DIRECT.store(armed, Ordering::SeqCst),
+    }
+}
+
+/// Counts one operation down; true when it is the one that must fail.
+fn take_fault(counter: &AtomicU32) -> bool {
+    counter.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) == Ok(1)
+}
+
+fn injected(op: &'static str) -> TransportError {
+    TransportError::Cuda { op, detail: "injected failure (test hook)".into() }
+}
+
+/// Keeps a GPU's staging buffer marked busy (see `CudaDevice::hold_staging`).
+#[doc(hidden)]
+pub struct StagingHold(Arc<CudaDevice>);
+
+impl std::fmt::Debug for StagingHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingHold").field("gpu", &self.0.ordinal).finish()
+    }
+}
+
+impl Drop for StagingHold {
+    fn drop(&mut self) {
+        self.0.exec.staging_busy.store(false, Ordering::Release);
+    }
+}
+
+/// What a submission did (for stats and tests).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// `None` for staged, the reason for direct.
+    pub fallback: Option<Fallback>,
+    /// True when the staged path ran.
+    pub staged: bool,
+    /// Staging-buffer fills (one kernel launch each).
+    pub fills: u64,
+    /// Scatter or gather kernel launches.
+    pub kernel_launches: u64,
+    /// Individual async copy calls (`cuMemcpy{HtoD,DtoH}Async`).
+    pub copy_calls: u64,
+    /// `cuMemcpyBatchAsync` calls.
+    pub batch_calls: u64,
+    /// Bytes moved between host and device.
+    pub bytes: u64,
+}
+
+/// A stage of a submission: transfers whose bytes are done when `event` has fired.
+struct Stage {
+    device: Arc<CudaDevice>,
+    event: Option<Event>,
+    transfers: Vec<usize>,
+    /// Streams to wait on if the event cannot tell us (error paths).
+    streams: Vec<sys::CUstream>,
+    done: bool,
+}
+
+// SAFETY: see Stream/Event; the stream handles are only used to wait on error paths.
+unsafe impl Send for Stage {}
+
+/// Work submitted to the GPU. Poll it (or `wait`) until complete; the host memory and the pages
+/// it names must stay valid until then (the engine keeps its leases alive with it).
+pub struct InFlight {
+    stages: Vec<Stage>,
+    errors: Vec<Option<TransportError>>,
+    /// Streams borrowed from device pools, returned at completion.
+    pooled_streams: Vec<(Arc<CudaDevice>, Stream)>,
+    /// The device whose staging unit this request holds.
+    staging_of: Option<Arc<CudaDevice>>,
+    summary: Summary,
+    finished: bool,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight").field("stages", &self.stages.len()).field("summary", &self.summary).finish()
+    }
+}
+
+impl InFlight {
+    fn new(transfers: usize) -> InFlight {
+        InFlight {
+            stages: Vec::new(),
+            errors: vec![None; transfers],
+            pooled_streams: Vec::new(),
+            staging_of: None,
+            summary: Summary::default(),
+            finished: false,
+        }
+    }
+
+    /// What was submitted.
+    pub fn summary(&self) -> &Summary {
+        &self.summary
+    }
+
+    /// Checks the events; true once every stage has completed (or failed) and every resource
+    /// went back. Never blocks, except to drain streams after a failure.
+    pub fn poll(&mut self) -> bool {
+        if self.finished {
+            return true;
+        }
+        for stage in self.stages.iter_mut().filter(|s| !s.done) {
+            let Some(event) = &stage.event else {
+                stage.done = true;
+                continue;
+            };
+            if stage.device.bind().is_err() {
+                return false;
+            }
+            // SAFETY: the event is ours until the stage is finished.
+            let status = unsafe { sys::cuEventQuery(event.0) };
+            if status == sys::CUresult::CUDA_ERROR_NOT_READY {
+                return false;
+            }
+            if status != sys::CUresult::CUDA_SUCCESS {
+                let error = TransportError::Cuda { op: "cuEventQuery", detail: super::driver::error_name(status) };
+                for &t in &stage.transfers {
+                    self.errors[t].get_or_insert_with(|| error.clone());
+                }
+                drain(&stage.device, &stage.streams);
+            }
+            stage.done = true;
+        }
+        self.finish();
+        true
+    }
+
+    /// Polls until complete (spinning briefly, then yielding the CPU) and returns one result per
+    /// transfer, in submission order.
+    pub fn wait(mut self) -> Vec<Result<(), TransportError>> {
+        let started = Instant::now();
+        while !self.poll() {
+            if started.elapsed() < SPIN_BEFORE_YIELD {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        self.take_results()
+    }
+
+    /// The per-transfer results (after `poll` returned true).
+    pub fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        std::mem::take(&mut self.errors).into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
+    }
+
+    fn fail(&mut self, transfers: impl IntoIterator<Item = usize>, error: &TransportError) {
+        for t in transfers {
+            if let Some(slot) = self.errors.get_mut(t) {
+                slot.get_or_insert_with(|| error.clone());
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.finished {
+            return;
+        }
+        for stage in &mut self.stages {
+            if let Some(event) = stage.event.take() {
+                stage.device.exec.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
+            }
+        }
+        for (device, stream) in self.pooled_streams.drain(..) {
+            device.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).push(stream);
+        }
+        if let Some(device) = self.staging_of.take() {
+            device.exec.staging_busy.store(false, Ordering::Release);
+        }
+        self.finished = true;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        // Dropped before completion (a panic, say): the GPU may still use the memory the caller
+        // is about to release, so wait for every stream before giving anything back.
+        for stage in &self.stages {
+            drain(&stage.device, &stage.streams);
+        }
+        self.finish();
+    }
+}
+
+/// Waits for streams (error and drop paths only).
+fn drain(device: &CudaDevice, streams: &[sys::CUstream]) {
+    if device.bind().is_ok() {
+        for &stream in streams {
+            // SAFETY: a stream this request used; it is still alive (pooled or staging-owned).
+            let _ = unsafe { sys::cuStreamSynchronize(stream) };
+        }
+    }
+}
+
+/// Submits `transfers` (already validated: device pages checked with `check_device_ranges`).
+/// Staged when `policy` allows and the request qualifies and the buffer is free; otherwise
+/// direct. Host pieces are copied by the calling thread before this returns.
+///
+/// # Safety
+/// Every transfer's host bytes and every piece's memory must stay valid, and not be touched by
+/// anyone else, until the returned `InFlight` has completed (`poll` true, `wait` returned, or
+/// dropped).
+pub unsafe fn submit(
+    transport: &CudaTransport,
+    direction: Direction,
+    transfers: &[Transfer],
+    policy: StagingPolicy,
+) -> Result<InFlight, TransportError> {
+    // SAFETY: forwarded contract.
+    unsafe { submit_with(transport, direction, transfers, policy, None) }
+}
+
+/// `submit`, continuing a `prestage` of the same objects when the request qualifies for staging
+/// with the prestaged layout (the copies already running into the staging buffer are then not
+/// issued again). Otherwise the prestage is discarded first (its copies, which only touched the
+/// private staging buffer, are waited for) and the request takes its path as `submit` would.
+///
+/// # Safety
+/// As `submit`; the prestaged host bytes are the transfers' own.
+pub unsafe fn submit_with(
+    transport: &CudaTransport,
+    direction: Direction,
+    transfers: &[Transfer],
+    policy: StagingPolicy,
+    prestaged: Option<Prestaged>,
+) -> Result<InFlight, TransportError> {
+    let choice = plan::qualify(policy, direction, transfers);
+    let prestaged = match (choice, prestaged) {
+        (PathChoice::Staged { ordinal }, Some(p)) if p.matches(ordinal, direction, transfers) => Some(p),
+        (_, other) => {
+            drop(other); // discarded: waits for its copies, frees the buffer
+            None
+        }
+    };
+    let fallback = match choice {
+        PathChoice::Staged { ordinal } => {
+            let device = transport.device(ordinal)?;
+            // SAFETY: forwarded contract.
+            match unsafe { submit_staged(&device, direction, transfers, policy, prestaged) } {
+                Ok(inflight) => return Ok(inflight),
+                Err(reason) => reason,
+            }
+        }
+        PathChoice::Direct(reason) => reason,
+    };
+    let mut inflight = InFlight::new(transfers.len());
+    inflight.summary.fallback = Some(fallback);
+    for ordinal in plan::ordinals(transfers) {
+        let device = match transport.device(ordinal) {
+            Ok(device) => device,
+            Err(e) => {
+                let touched = transfers_on(transfers, ordinal);
+                inflight.fail(touched, &e);
+                continue;
+            }
+        };
+        // SAFETY: forwarded contract.
+        unsafe { submit_direct(&device, direction, transfers, &mut inflight) };
+    }
+    // Host pieces of mixed requests: the CPU copies them while the DMA engines run.
+    for transfer in transfers {
+        for piece in transfer.pieces.iter().filter(|p| p.kind.is_host() && p.len > 0) {
+            let host = (transfer.host + piece.host_offset) as *mut u8;
+            let page = piece.addr as *mut u8;
+            let (src, dst) = match direction {
+                Direction::HostToDevice => (host.cast_const(), page),
+                Direction::DeviceToHost => (page.cast_const(), host),
+            };
+            // SAFETY: the caller vouches for both ranges (leased or reserved arena bytes and
+            // caller memory); they never overlap.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, piece.len as usize) };
+        }
+    }
+    Ok(inflight)
+}
+
+/// A read's bulk copies into the staging buffer, started as soon as its objects are leased,
+/// while the caller still checks the destinations and plans: they touch only the engine's
+/// private staging buffer, never a destination, so a request that then does not qualify simply
+/// discards them (dropping this waits for the copies' events, then frees the buffer) and takes
+/// the direct path with nothing submitted to its destinations. Holds the staging buffer (its
+/// busy flag) until dropped or continued by `submit_with`.
+pub struct Prestaged {
+    device: Arc<CudaDevice>,
+    /// (host address, length) of each object, in the order the transfers will have.
+    objects: Vec<(u64, u64)>,
+    /// The fills of the request (taken by the submission that continues this prestage).
+    fills: Vec<plan::Fill>,
+    /// One event per prestaged fill (the first `copied.len()` fills), recorded on the copy
+    /// stream after that fill's bulk copies.
+    copied: Vec<Event>,
+    copy_stream: sys::CUstream,
+    copy_calls: u64,
+    bytes: u64,
+    /// Continued by a submission (which took the events and the busy flag).
+    consumed: bool,
+}
+
+// SAFETY: driver handles usable from any thread with the context current (bound before use);
+// the staging unit they belong to is held through the busy flag.
+unsafe impl Send for Prestaged {}
+
+impl std::fmt::Debug for Prestaged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prestaged")
+            .field("gpu", &self.device.ordinal)
+            .field("objects", &self.objects.len())
+            .field("fills", &self.fills.len())
+            .field("prestaged_fills", &self.copied.len())
+            .finish()
+    }
+}
+
+impl Prestaged {
+    /// Fills whose bulk copies are already queued.
+    pub fn prestaged_fills(&self) -> usize {
+        self.copied.len()
+    }
+
+    /// True when `transfers` are the prestaged objects, whole, in the same order (their staged
+    /// layout is then the one planned here).
+    fn matches(&self, ordinal: u32, direction: Direction, transfers: &[Transfer]) -> bool {
+        self.device.ordinal == ordinal
+            && direction == Direction::HostToDevice
+            && transfers.len() == self.objects.len()
+            && transfers.iter().zip(&self.objects).all(|(t, &(host, len))| {
+                let span = t.span();
+                t.host == host && span.start == 0 && span.end == len
+            })
+    }
+}
+
+impl Drop for Prestaged {
+    fn drop(&mut self) {
+        if self.consumed {
+            return;
+        }
+        // Discarded: wait until the copies into the staging buffer completed (their events; a
+        // failure drains the stream), then give the buffer back.
+        if self.device.bind().is_ok() {
+            let mut failed = false;
+            for event in &self.copied {
+                loop {
+                    // SAFETY: our recorded event.
+                    let status = unsafe { sys::cuEventQuery(event.0) };
+                    if status != sys::CUresult::CUDA_ERROR_NOT_READY {
+                        failed |= status != sys::CUresult::CUDA_SUCCESS;
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+            }
+            if failed {
+                drain(&self.device, &[self.copy_stream]);
+            }
+        }
+        for event in std::mem::take(&mut self.copied) {
+            self.device.give_event(event);
+        }
+        self.device.exec.staging_busy.store(false, Ordering::Release);
+    }
+}
+
+/// Starts a read's bulk copies into GPU `ordinal`'s staging buffer for `objects` ((host address,
+/// length) of each whole object, in request order) before the request is checked and planned:
+/// every fill whose buffer region no earlier fill of the request reuses is copied now, each
+/// followed by an event. None (nothing submitted) when staging is off, the kernels, the buffer
+/// or the GPU are unavailable, an object does not fit, or another request holds the buffer.
+/// Continue it with `submit_with`, or drop it.
+///
+/// # Safety
+/// The objects' host bytes must stay valid and unchanged until the returned value is dropped or
+/// the `InFlight` of the submission that continued it completed.
+pub unsafe fn prestage(
+    transport: &CudaTransport,
+    ordinal: u32,
+    objects: &[(u64, u64)],
+    policy: StagingPolicy,
+) -> Option<Prestaged> {
+    if !policy.enabled || objects.is_empty() || objects.iter().any(|&(_, len)| len > policy.buffer_bytes) {
+        return None;
+    }
+    let device = transport.device(ordinal).ok()?;
+    device.bind().ok()?;
+    device.kernels().ok()?;
+    device.exec.staging_busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).ok()?;
+    // From here the flag belongs to `prestaged` (its drop frees it).
+    let mut prestaged = Prestaged {
+        device: Arc::clone(&device),
+        objects: objects.to_vec(),
+        fills: Vec::new(),
+        copied: Vec::new(),
+        copy_stream: std::ptr::null_mut(),
+        copy_calls: 0,
+        bytes: 0,
+        consumed: false,
+    };
+    // Whole objects: the layout `split_fills` gives the real transfers (it only looks at each
+    // transfer's host address and span).
+    let whole: Vec<Transfer> = objects
+        .iter()
+        .map(|&(host, len)| Transfer {
+            host,
+            host_len: len,
+            pieces: vec![plan::Piece { host_offset: 0, addr: 0, len, kind: MemoryKind::Device { ordinal } }],
+        })
+        .collect();
+    prestaged.fills = plan::split_fills(policy.buffer_bytes, &whole);
+    let (buffer, copy_stream) = {
+        let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
+        ensure_unit(&mut guard, policy.buffer_bytes, 0).ok()?;
+        let unit = guard.as_ref()?;
+        (unit.buffer, unit.copy_stream)
+    };
+    prestaged.copy_stream = copy_stream;
+    // The leading fills whose buffer regions no earlier fill of the request reuses (a reused
+    // region must wait for the earlier fill's scatter, which needs the checked destinations).
+    let fills = &prestaged.fills;
+    let mut count = (0..fills.len())
+        .find(|&f| fills[..f].iter().any(|e| plan::regions_overlap(&e.region, &fills[f].region)))
+        .unwrap_or(fills.len());
+    // The last fill of a request is left to the submission, which queues its table behind its
+    // bulk copies: the prestaged fills' tables are queued after every prestaged copy, so their
+    // scatters then run while the last fill copies, and only one scatter is left at the end.
+    if count == fills.len() && count > 1 {
+        count -= 1;
+    }
+    for fill in &prestaged.fills[..count] {
+        for copy in plan::staging_copies(fill, &whole) {
+            // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside
+            // the staging buffer this prestage holds.
+            let result = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    buffer + copy.device,
+                    copy.host as *const c_void,
+                    copy.len as usize,
+                    copy_stream,
+                )
+            };
+            if check(result, "cuMemcpyHtoDAsync").is_err() {
+                drain(&device, &[copy_stream]);
+                return None;
+            }
+            prestaged.copy_calls += 1;
+            prestaged.bytes += copy.len;
+        }
+        let Ok(event) = device.take_event() else {
+            drain(&device, &[copy_stream]);
+            return None;
+        };
+        // SAFETY: our event, the unit's live stream.
+        if check(unsafe { sys::cuEventRecord(event.0, copy_stream) }, "cuEventRecord").is_err() {
+            device.give_event(event);
+            drain(&device, &[copy_stream]);
+            return None;
+        }
+        prestaged.copied.push(event);
+    }
+    Some(prestaged)
+}
+
+fn transfers_on(transfers: &[Transfer], ordinal: u32) -> Vec<usize> {
+    transfers
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.pieces.iter().any(|p| p.kind == MemoryKind::Device { ordinal }))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+impl CudaDevice {
+    fn kernels(&self) -> Result<&Kernels, TransportError> {
+        self.exec.kernels.get_or_init(|| kernel::load(self)).as_ref().map_err(Clone::clone)
+    }
+
+    /// Holds the staging buffer as an in-flight request would, until the guard drops (tests of
+    /// the busy fallback). None when it is already held.
+    #[doc(hidden)]
+    pub fn hold_staging(self: &Arc<Self>) -> Option<StagingHold> {
+        self.exec
+            .staging_busy
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| StagingHold(Arc::clone(self)))
+    }
+
+    /// Compiles the staged kernels now (otherwise at first staged use). For warm-up and tests.
+    pub fn prepare_kernels(&self) -> Result<(), TransportError> {
+        self.kernels().map(|_| ())
+    }
+
+    fn take_stream(&self) -> Result<Stream, TransportError> {
+        if let Some(stream) = self.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(stream);
+        }
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        check(
+            // SAFETY: writes one stream handle; the context is current (callers bind first).
+            unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate",
+        )?;
+        Ok(Stream(stream))
+    }
+
+    fn take_event(&self) -> Result<Event, TransportError> {
+        if let Some(event) = self.exec.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(event);
+        }
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        check(
+            // SAFETY: writes one event handle; the context is current.
+            unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
+            "cuEventCreate",
+        )?;
+        Ok(Event(event))
+    }
+
+    fn give_event(&self, event: Event) {
+        self.exec.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
+    }
+}
+
+/// How a benchmark baseline submits its copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BaselineMode {
+    /// One `cuMemcpy{HtoD,DtoH}Async` per copy.
+    PerCopy,
+    /// One `cuMemcpyBatchAsync` for all of them.
+    Batch,
+}
+
+impl CudaDevice {
+    /// Benchmark baselines (no engine): submits `copies` on an engine-style stream and polls an
+    /// event until done. Returns the time from the first call to completion, as a caller sees it
+    /// (building the batch arrays included). `Batch` without driver support is `CudaUnavailable`.
+    ///
+    /// # Safety
+    /// Every copy's host and device ranges must be valid for the duration of the call.
+    pub unsafe fn timed_copies(
+        self: &Arc<Self>,
+        copies: &[plan::BulkCopy],
+        to_device: bool,
+        mode: BaselineMode,
+    ) -> Result<Duration, TransportError> {
+        self.bind()?;
+        let stream = self.take_stream()?;
+        let event = match self.take_event() {
+            Ok(e) => e,
+            Err(e) => {
+                self.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).push(stream);
+                return Err(e);
+            }
+        };
+        let started = Instant::now();
+        let submitted = (|| {
+            match mode {
+                BaselineMode::Batch => {
+                    let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) =
+                        copies.iter().map(|c| if to_device { (c.device, c.host) } else { (c.host, c.device) }).unzip();
+                    let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
+                    // SAFETY: forwarded contract.
+                    if !unsafe { self.batch_copy(&mut dsts, &mut srcs, &mut sizes, to_device, stream.0) }? {
+                        return Err(TransportError::CudaUnavailable("the driver has no cuMemcpyBatchAsync"));
+                    }
+                }
+                BaselineMode::PerCopy => {
+                    for c in copies {
+                        // SAFETY: forwarded contract.
+                        let result = unsafe {
+                            if to_device {
+                                sys::cuMemcpyHtoDAsync_v2(c.device, c.host as *const c_void, c.len as usize, stream.0)
+                            } else {
+                                sys::cuMemcpyDtoHAsync_v2(c.host as *mut c_void, c.device, c.len as usize, stream.0)
+                            }
+                        };
+                        check(result, "cuMemcpyAsync")?;
+                    }
+                }
+            }
+            // SAFETY: our event and stream.
+            check(unsafe { sys::cuEventRecord(event.0, stream.0) }, "cuEventRecord")
+        })();
+        let result = submitted.and_then(|()| loop {
+            // SAFETY: our recorded event.
+            let status = unsafe { sys::cuEventQuery(event.0) };
+            if status != sys::CUresult::CUDA_ERROR_NOT_READY {
+                break check(status, "cuEventQuery").map(|()| started.elapsed());
+            }
+            std::hint::spin_loop();
+        });
+        if result.is_err() {
+            drain(self, &[stream.0]);
+        }
+        self.give_event(event);
+        self.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).push(stream);
+        result
+    }
+}
+
+/// Direct path on one GPU: one copy per device piece, contiguous neighbours merged, as one
+/// `cuMemcpyBatchAsync` where the driver has it, else a `cuMemcpy*Async` loop.
+///
+/// # Safety
+/// As `submit`.
+unsafe fn submit_direct(
+    device: &Arc<CudaDevice>,
+    direction: Direction,
+    transfers: &[Transfer],
+    inflight: &mut InFlight,
+) {
+    let ordinal = device.ordinal;
+    let touched = transfers_on(transfers, ordinal);
+    let prepared = device.bind().and_then(|()| device.take_stream());
+    let stream = match prepared {
+        Ok(stream) => stream,
+        Err(e) => {
+            inflight.fail(touched, &e);
+            return;
+        }
+    };
+    let raw_stream = stream.0;
+    inflight.pooled_streams.push((Arc::clone(device), stream));
+    let copies = plan::direct_copies(transfers, ordinal);
+    let to_device = direction == Direction::HostToDevice;
+    let mut submitted = Ok(());
+    let inject = take_fault(&FAIL_DIRECT);
+    if device.has_batch_copy() && !inject {
+        let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) =
+            copies.iter().map(|c| if to_device { (c.device, c.host) } else { (c.host, c.device) }).unzip();
+        let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
+        // SAFETY: forwarded contract; the arrays describe exactly the planned copies.
+        submitted = unsafe { device.batch_copy(&mut dsts, &mut srcs, &mut sizes, to_device, raw_stream) }.map(|_| ());
+        inflight.summary.batch_calls += 1;
+    } else {
+        for (i, copy) in copies.iter().enumerate() {
+            if inject && i == 1 {
+                submitted = Err(injected("cuMemcpyHtoDAsync"));
+                break;
+            }
+            // SAFETY: forwarded contract: both ranges are valid for the life of the request.
+            let result = unsafe {
+                if to_device {
+                    sys::cuMemcpyHtoDAsync_v2(copy.device, copy.host as *const c_void, copy.len as usize, raw_stream)
+                } else {
+                    sys::cuMemcpyDtoHAsync_v2(copy.host as *mut c_void, copy.device, copy.len as usize, raw_stream)
+                }
+            };
+            inflight.summary.copy_calls += 1;
+            if let Err(e) = check(result, if to_device { "cuMemcpyHtoDAsync" } else { "cuMemcpyDtoHAsync" }) {
+                submitted = Err(e);
+                break;
+            }
+        }
+        if inject && copies.len() <= 1 {
+            submitted = Err(injected("cuMemcpyHtoDAsync"));
+        }
+    }
+    inflight.summary.bytes += copies.iter().map(|c| c.len).sum::<u64>();
+    if let Err(e) = &submitted {
+        // Some copies may be queued: these keys fail, and the stream is drained before the
+        // caller releases anything (the stage below waits for it).
+        inflight.fail(touched.iter().copied(), e);
+    }
+    let event = device.take_event().and_then(|event| {
+        // SAFETY: our event and stream; the context is current.
+        check(unsafe { sys::cuEventRecord(event.0, raw_stream) }, "cuEventRecord").map(|()| event)
+    });
+    match event {
+        Ok(event) => inflight.stages.push(Stage {
+            device: Arc::clone(device),
+            event: Some(event),
+            transfers: touched,
+            streams: vec![raw_stream],
+            done: false,
+        }),
+        Err(e) => {
+            inflight.fail(touched.iter().copied(), &e);
+            drain(device, &[raw_stream]);
+        }
+    }
+}
+
+/// Staged path: whole objects copied contiguously into the device buffer, then ONE kernel per
+/// fill scatters them to their pages (or, for writes, one kernel gathers the pages and large
+/// copies move them to the host). Returns the fallback reason, having submitted nothing, when the
+/// kernels, the buffer or its memory are not available.
+///
+/// # Safety
+/// As `submit`.
+unsafe fn submit_staged(
+    device: &Arc<CudaDevice>,
+    direction: Direction,
+    transfers: &[Transfer],
+    policy: StagingPolicy,
+    mut prestaged: Option<Prestaged>,
+) -> Result<InFlight, Fallback> {
+    if device.bind().is_err() {
+        return Err(Fallback::KernelUnavailable);
+    }
+    let kernels = match device.kernels() {
+        Ok(kernels) => kernels,
+        Err(e) => {
+            tracing::debug!(error = %e, "staged kernels unavailable; direct path");
+            return Err(Fallback::KernelUnavailable);
+        }
+    };
+    // A prestage already holds the busy flag (and hands it to this request below).
+    if prestaged.is_none()
+        && device.exec.staging_busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err()
+    {
+        return Err(Fallback::Busy);
+    }
+    let fills = match prestaged.as_mut() {
+        Some(p) => std::mem::take(&mut p.fills),
+        None => plan::split_fills(policy.buffer_bytes, transfers),
+    };
+    // Row tables are built per fill while the DMA engines already copy (reads); size for the
+    // unmerged upper bound.
+    let rows_total = plan::max_rows(transfers);
+    let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
+    if let Err(e) = ensure_unit(&mut guard, policy.buffer_bytes, rows_total) {
+        drop(guard);
+        // Dropping a prestage waits for its copies and frees the flag; else free it here.
+        if prestaged.take().is_none() {
+            device.exec.staging_busy.store(false, Ordering::Release);
+        }
+        tracing::warn!(error = %e, "staging buffer unavailable; direct path");
+        return Err(Fallback::NoBuffer);
+    }
+    let Some(unit) = guard.as_ref() else {
+        if prestaged.take().is_none() {
+            device.exec.staging_busy.store(false, Ordering::Release);
+        }
+        return Err(Fallback::NoBuffer);
+    };
+    let (buffer, rows_device, rows_host) = (unit.buffer, unit.rows_device, unit.rows_host);
+    let (copy_stream, kernel_stream) = (unit.copy_stream, unit.kernel_stream);
+    drop(guard);
+
+    let mut inflight = InFlight::new(transfers.len());
+    inflight.staging_of = Some(Arc::clone(device));
+    inflight.summary.staged = true;
+    // The prestaged fills: their bulk copies are queued on the copy stream already, each
+    // followed by its event. From here the request owns the busy flag.
+    let mut copied: Vec<Option<Event>> = Vec::new();
+    if let Some(mut p) = prestaged.take() {
+        inflight.summary.copy_calls += p.copy_calls;
+        inflight.summary.bytes += p.bytes;
+        copied = std::mem::take(&mut p.copied).into_iter().map(Some).collect();
+        p.consumed = true;
+    }
+    let streams = vec![copy_stream, kernel_stream];
+    let grid_cap = device.multiprocessors * BLOCKS_PER_SM;
+    let to_device = direction == Direction::HostToDevice;
+    // Per fill: the event after which its buffer region may be reused, and that region.
+    let mut reusable: Vec<(std::ops::Range<u64>, sys::CUevent)> = Vec::new();
+    let mut row_base = 0usize;
+    let mut failure: Option<(usize, TransportError)> = None;
+    for (f, fill) in fills.iter().enumerate() {
+        let fill_transfers: Vec<usize> = fill.transfers.clone().collect();
+        let copies = plan::staging_copies(fill, transfers);
+        let rows_ptr = rows_device + (row_base * std::mem::size_of::<Descriptor>()) as u64;
+        let waits: Vec<sys::CUevent> = reusable
+            .iter()
+            .filter(|(region, _)| plan::regions_overlap(region, &fill.region))
+            .map(|(_, e)| *e)
+            .collect();
+        let already = copied.get_mut(f).and_then(Option::take);
+        // SAFETY: forwarded contract for host bytes and pages; the buffer and row tables belong
+        // to the staging unit this request holds.
+        let result = unsafe {
+            enqueue_fill(
+                device,
+                kernels,
+                to_device,
+                (buffer, rows_ptr, rows_host.add(row_base), rows_total - row_base),
+                &|| plan::descriptors(fill, transfers),
+                &copies,
+                &waits,
+                (copy_stream, kernel_stream),
+                grid_cap,
+                &mut inflight.summary,
+                already,
+            )
+        };
+        match result {
+            Ok((done, rows)) => {
+                row_base += rows;
+                // The fill's completion event is also the moment its region may be reused.
+                reusable.push((fill.region.clone(), done.0));
+                inflight.stages.push(Stage {
+                    device: Arc::clone(device),
+                    event: Some(done),
+                    transfers: fill_transfers,
+                    streams: streams.clone(),
+                    done: false,
+                });
+                inflight.summary.fills += 1;
+            }
+            Err(e) => {
+                failure = Some((f, e));
+                break;
+            }
+        }
+    }
+    if let Some((f, error)) = failure {
+        // This fill and every later one fail (never replayed through the direct path); what was
+        // queued before it still completes and is reported by its own stage. The streams are
+        // drained so nothing of the failed fill can still run once the caller reports.
+        let failed: Vec<usize> = fills[f..].iter().flat_map(|fill| fill.transfers.clone()).collect();
+        inflight.fail(failed.iter().copied(), &error);
+        drain(device, &streams);
+        // Prestaged fills never reached: their copies are drained with the copy stream.
+        for event in copied.into_iter().flatten() {
+            device.give_event(event);
+        }
+        inflight.stages.push(Stage { device: Arc::clone(device), event: None, transfers: failed, streams, done: true });
+    }
+    Ok(inflight)
+}
+
+/// Enqueues one fill and returns the event after which its buffer region is free again, and the
+/// number of table rows it used.
+///
+/// # Safety
+/// As `submit`; `tables` are (buffer, device rows, host rows, rows left) of the held unit, and
+/// `make_rows` returns at most `rows left` rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn enqueue_fill(
+    device: &CudaDevice,
+    kernels: &Kernels,
+    to_device: bool,
+    tables: (sys::CUdeviceptr, sys::CUdeviceptr, *mut Descriptor, usize),
+    make_rows: &dyn Fn() -> Vec<Descriptor>,
+    copies: &[plan::BulkCopy],
+    waits: &[sys::CUevent],
+    (copy_stream, kernel_stream): (sys::CUstream, sys::CUstream),
+    grid_cap: u32,
+    summary: &mut Summary,
+    prestaged: Option<Event>,
+) -> Result<(Event, usize), TransportError> {
+    let (buffer, rows_device, rows_host, rows_left) = tables;
+    let mut row_count = 0usize;
+    // Builds this fill's rows into the pinned host table and queues their upload.
+    let upload_rows =
+        |row_count: &mut usize, summary: &mut Summary, stream: sys::CUstream| -> Result<(), TransportError> {
+            let rows = make_rows();
+            if rows.len() > rows_left {
+                return Err(TransportError::Cuda { op: "scatter table", detail: "more rows than planned".into() });
+            }
+            // SAFETY: rows_host has room for rows_left rows, checked above; nothing reads them until
+            // the upload below, queued after this write.
+            unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), rows_host, rows.len()) };
+            *row_count = rows.len();
+            let bytes = rows.len() * std::mem::size_of::<Descriptor>();
+            summary.copy_calls += 1;
+            // SAFETY: pinned host rows written above; rows_device has room (same capacity).
+            check(
+                unsafe { sys::cuMemcpyHtoDAsync_v2(rows_device, rows_host as *const c_void, bytes, stream) },
+                "cuMemcpyHtoDAsync",
+            )
+        };
+    let bulk = |summary: &mut Summary| -> Result<(), TransportError> {
+        for copy in copies {
+            // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside
+            // the staging buffer (the planner keeps fills inside it).
+            let result = unsafe {
+                if to_device {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        buffer + copy.device,
+                        copy.host as *const c_void,
+                        copy.len as usize,
+                        copy_stream,
+                    )
+                } else {
+                    sys::cuMemcpyDtoHAsync_v2(
+                        copy.host as *mut c_void,
+                        buffer + copy.device,
+                        copy.len as usize,
+                        copy_stream,
+                    )
+                }
+            };
+            summary.copy_calls += 1;
+            summary.bytes += copy.len;
+            check(result, if to_device { "cuMemcpyHtoDAsync" } else { "cuMemcpyDtoHAsync" })?;
+        }
+        Ok(())
+    };
+    let launch = |function: sys::CUfunction, stream: sys::CUstream, row_count: usize, summary: &mut Summary| {
+        if take_fault(&FAIL_STAGED) {
+            return Err(injected("cuLaunchKernel"));
+        }
+        if row_count == 0 {
+            return Ok(());
+        }
+        let mut staging_arg = buffer;
+        let mut rows_arg = rows_device;
+        let mut count_arg = row_count as u32;
+        let mut params: [*mut c_void; 3] = [
+            (&mut staging_arg as *mut u64).cast(),
+            (&mut rows_arg as *mut u64).cast(),
+            (&mut count_arg as *mut u32).cast(),
+        ];
+        let grid = (row_count as u32).div_ceil(ROWS_PER_BLOCK).min(grid_cap).max(1);
+        // SAFETY: the kernel takes (pointer, pointer, unsigned int), matching `params`; the
+        // driver copies the arguments during the call.
+        let result = unsafe {
+            sys::cuLaunchKernel(
+                function,
+                grid,
+                1,
+                1,
+                KERNEL_THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        summary.kernel_launches += 1;
+        check(result, "cuLaunchKernel")
+    };
+    let record = |event: &Event, stream: sys::CUstream| {
+        // SAFETY: our event, a live stream of the current context.
+        check(unsafe { sys::cuEventRecord(event.0, stream) }, "cuEventRecord")
+    };
+    let wait = |stream: sys::CUstream, event: sys::CUevent| {
+        // SAFETY: both handles are alive; the wait is enqueued device-side (the host does not block).
+        check(unsafe { sys::cuStreamWaitEvent(stream, event, 0) }, "cuStreamWaitEvent")
+    };
+    if let Some(copied) = prestaged {
+        // Reads whose bulk copies were queued by `prestage` (on the copy stream, before `copied`
+        // was recorded): the kernel stream uploads the table, waits for the copies and scatters,
+        // so the table never queues behind the other fills' bulk copies.
+        let done = match device.take_event() {
+            Ok(e) => e,
+            Err(e) => {
+                device.give_event(copied);
+                return Err(e);
+            }
+        };
+        let result = (|| {
+            for &w in waits {
+                wait(kernel_stream, w)?;
+            }
+            upload_rows(&mut row_count, summary, kernel_stream)?;
+            wait(kernel_stream, copied.0)?;
+            launch(kernels.scatter, kernel_stream, row_count, summary)?;
+            record(&done, kernel_stream)
+        })();
+        // The wait captured the event's record: the handle may go back to the pool now.
+        device.give_event(copied);
+        return match result {
+            Ok(()) => Ok((done, row_count)),
+            Err(e) => {
+                device.give_event(done);
+                Err(e)
+            }
+        };
+    }
+    let handoff = device.take_event()?;
+    let done = match device.take_event() {
+        Ok(e) => e,
+        Err(e) => {
+            device.give_event(handoff);
+            return Err(e);
+        }
+    };
+    let result = (|| {
+        if to_device {
+            // copy stream: wait until earlier fills of this region were scattered, fill it, and
+            // build this fill's table while those copies run.
+            for &w in waits {
+                wait(copy_stream, w)?;
+            }
+            bulk(summary)?;
+            upload_rows(&mut row_count, summary, copy_stream)?;
+            record(&handoff, copy_stream)?;
+            // kernel stream: scatter once the fill and its table are in.
+            wait(kernel_stream, handoff.0)?;
+            launch(kernels.scatter, kernel_stream, row_count, summary)?;
+            record(&done, kernel_stream)
+        } else {
+            // kernel stream: gather once the rows are up and earlier fills of the region drained.
+            upload_rows(&mut row_count, summary, copy_stream)?;
+            record(&handoff, copy_stream)?;
+            wait(kernel_stream, handoff.0)?;
+            for &w in waits {
+                wait(kernel_stream, w)?;
+            }
+            launch(kernels.gather, kernel_stream, row_count, summary)?;
+            let gathered = device.take_event()?;
+            let drained = record(&gathered, kernel_stream)
+                .and_then(|()| wait(copy_stream, gathered.0))
+                .and_then(|()| bulk(summary))
+                .and_then(|()| record(&done, copy_stream));
+            device.give_event(gathered);
+            drained
+        }
+    })();
+    device.give_event(handoff);
+    match result {
+        Ok(()) => Ok((done, row_count)),
+        Err(e) => {
+            device.give_event(done);
+            Err(e)
+        }
+    }
+}
+
+/// Allocates (or grows) the staging unit: a buffer of at least `buffer_bytes` and row tables
+/// for `rows` descriptors. Called only while holding the busy flag, so nothing uses the old
+/// allocations.
+fn ensure_unit(slot: &mut Option<StagingUnit>, buffer_bytes: u64, rows: usize) -> Result<(), TransportError> {
+    if slot.is_none() {
+        let mut copy_stream: sys::CUstream = std::ptr::null_mut();
+        let mut kernel_stream: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: each call writes one stream handle; the context is current.
+        check(unsafe { sys::cuStreamCreate(&mut copy_stream, flags) }, "cuStreamCreate")?;
+        // SAFETY: as above.
+        check(unsafe { sys::cuStreamCreate(&mut kernel_stream, flags) }, "cuStreamCreate")?;
+        *slot = Some(StagingUnit {
+            buffer: 0,
+            buffer_bytes: 0,
+            rows_device: 0,
+            rows_host: std::ptr::null_mut(),
+            rows_capacity: 0,
+            copy_stream,
+            kernel_stream,
+        });
+    }
+    let Some(unit) = slot.as_mut() else { return Err(TransportError::CudaUnavailable("no staging unit")) };
+    if unit.buffer_bytes < buffer_bytes {
+        if unit.buffer != 0 {
+            // SAFETY: the old buffer is idle (we hold the busy flag and every earlier request
+            // completed before releasing it).
+            let _ = unsafe { sys::cuMemFree_v2(unit.buffer) };
+            unit.buffer = 0;
+            unit.buffer_bytes = 0;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        let started = Instant::now();
+        // SAFETY: writes one device pointer.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, buffer_bytes as usize) }, "cuMemAlloc")?;
+        unit.buffer = ptr;
+        unit.buffer_bytes = buffer_bytes;
+        tracing::info!(buffer_bytes, elapsed_us = started.elapsed().as_micros() as u64, "GPU staging buffer allocated");
+    }
+    if unit.rows_capacity < rows {
+        let capacity = rows.next_power_of_two().max(4096);
+        let bytes = capacity * std::mem::size_of::<Descriptor>();
+        if unit.rows_device != 0 {
+            // SAFETY: idle, as above.
+            let _ = unsafe { sys::cuMemFree_v2(unit.rows_device) };
+            unit.rows_device = 0;
+        }
+        if !unit.rows_host.is_null() {
+            // SAFETY: idle pinned allocation of ours.
+            let _ = unsafe { sys::cuMemFreeHost(unit.rows_host.cast()) };
+            unit.rows_host = std::ptr::null_mut();
+        }
+        unit.rows_capacity = 0;
+        let mut device_rows: sys::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer.
+        check(unsafe { sys::cuMemAlloc_v2(&mut device_rows, bytes) }, "cuMemAlloc")?;
+        unit.rows_device = device_rows;
+        let mut host_rows: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one host pointer.
+        check(unsafe { sys::cuMemAllocHost_v2(&mut host_rows, bytes) }, "cuMemAllocHost")?;
+        unit.rows_host = host_rows.cast();
+        unit.rows_capacity = capacity;
+    }
+    Ok(())
+}

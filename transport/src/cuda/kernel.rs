@@ -1,0 +1,68 @@
+//! The staged-copy kernels: `scatter.cu` compiled with NVRTC at first use and loaded into a GPU's
+//! context. Without NVRTC (or when compilation fails) the staged path is unavailable and requests
+//! take the direct path; nothing panics.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::driver::{check, CudaDevice};
+use crate::TransportError;
+
+/// The kernel source, committed next to this file.
+pub const SCATTER_SOURCE: &str = include_str!("scatter.cu");
+
+/// A loaded module with both entry points.
+pub(crate) struct Kernels {
+    _module: sys::CUmodule,
+    pub(crate) scatter: sys::CUfunction,
+    pub(crate) gather: sys::CUfunction,
+}
+
+// SAFETY: module and function handles are plain driver handles, usable from any thread that
+// makes their context current; the module is never unloaded (it lives as long as the process).
+unsafe impl Send for Kernels {}
+// SAFETY: as above.
+unsafe impl Sync for Kernels {}
+
+/// Compiles `scatter.cu` for `device` and loads it.
+pub(crate) fn load(device: &CudaDevice) -> Result<Kernels, TransportError> {
+    // SAFETY: only tries to dlopen NVRTC's library names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(TransportError::CudaUnavailable("NVRTC (libnvrtc) was not found: no staged kernels"));
+    }
+    let _serial = super::driver::COMPILE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let (major, minor) = device.compute_capability;
+    let started = std::time::Instant::now();
+    let options = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}"), "-default-device".into()],
+        name: Some("kvtide_scatter.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SCATTER_SOURCE, options)
+        .map_err(|e| TransportError::Cuda { op: "nvrtcCompileProgram", detail: e.to_string() })?;
+    let image = ptx.as_bytes().ok_or(TransportError::Cuda { op: "nvrtcGetPTX", detail: "no PTX image".into() })?;
+    let mut text = image.to_vec();
+    if text.last() != Some(&0) {
+        text.push(0);
+    }
+    device.bind()?;
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `text` is a NUL-terminated PTX image that outlives the call.
+    check(unsafe { sys::cuModuleLoadData(&mut module, text.as_ptr().cast::<c_void>()) }, "cuModuleLoadData")?;
+    let function = |name: &std::ffi::CStr| -> Result<sys::CUfunction, TransportError> {
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: the module was just loaded; the name is NUL-terminated.
+        check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
+        Ok(f)
+    };
+    let kernels =
+        Kernels { scatter: function(c"kvtide_scatter")?, gather: function(c"kvtide_gather")?, _module: module };
+    tracing::info!(
+        gpu = device.ordinal,
+        arch = format!("compute_{major}{minor}"),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "staged-copy kernels compiled with NVRTC"
+    );
+    Ok(kernels)
+}

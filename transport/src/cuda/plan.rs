@@ -1,0 +1,656 @@
+//! GPU transfer planning: which path a request takes and how its bytes are laid out.
+//!
+//! Pure code, compiled in every build so CI tests it without a GPU. It decides between the
+//! staged path (one contiguous staging buffer on the GPU, ONE scatter or gather kernel launch per
+//! buffer fill) and the direct path (one copy per piece, contiguous neighbours merged), splits a
+//! staged batch into fills at object boundaries, places objects in the buffer and builds the
+//! kernel's descriptor table and the bulk copies. It never touches memory or the driver: the
+//! executor in `cuda::device` submits what this module describes.
+
+use std::ops::Range;
+
+use crate::region::MemoryKind;
+
+/// Which way the bytes of a transfer move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Reads: from the object's host bytes (the DRAM arena) to the pieces (GPU pages).
+    HostToDevice,
+    /// Writes: from the pieces (GPU pages) into the object's host bytes (an arena reservation).
+    DeviceToHost,
+}
+
+/// One contiguous run between an object's host bytes and a page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Offset inside the object's host bytes.
+    pub host_offset: u64,
+    /// Address of the page side (device memory, or host memory for mixed requests).
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// What the page side is.
+    pub kind: MemoryKind,
+}
+
+/// One object's transfer: its host bytes and the pieces they map to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// Address of the object's first byte in host memory (leased or reserved arena bytes).
+    pub host: u64,
+    /// Length of the object's host bytes.
+    pub host_len: u64,
+    /// Where its bytes go (or come from).
+    pub pieces: Vec<Piece>,
+}
+
+impl Transfer {
+    /// The host byte range the pieces touch, `[start, end)`; `0..0` without pieces.
+    pub fn span(&self) -> Range<u64> {
+        let (mut start, mut end) = (u64::MAX, 0);
+        for p in &self.pieces {
+            start = start.min(p.host_offset);
+            end = end.max(p.host_offset + p.len);
+        }
+        if start == u64::MAX {
+            return 0..0;
+        }
+        start..end.max(start)
+    }
+
+    /// Bytes this transfer moves.
+    pub fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+}
+
+/// A store's staging settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingPolicy {
+    /// Opt-in: false sends every request down the direct path.
+    pub enabled: bool,
+    /// Payload budget of the device staging buffer.
+    pub buffer_bytes: u64,
+}
+
+/// Why a request takes the direct path instead of the staged one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fallback {
+    /// Staging is off for this store.
+    Disabled,
+    /// Nothing to move.
+    Empty,
+    /// A page is host memory.
+    NotDevice,
+    /// Pages on more than one GPU.
+    SeveralDevices,
+    /// Two destination pages overlap.
+    Overlap,
+    /// An object does not fit the buffer.
+    TooLarge,
+    /// Every object goes to one contiguous page: staging would only add a pass.
+    NotFragmented,
+    /// Another request holds the staging buffer.
+    Busy,
+    /// The scatter/gather kernel could not be compiled or loaded (no NVRTC, say).
+    KernelUnavailable,
+    /// The staging buffer could not be allocated.
+    NoBuffer,
+}
+
+impl Fallback {
+    /// Short name for logs and stats.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fallback::Disabled => "disabled",
+            Fallback::Empty => "empty",
+            Fallback::NotDevice => "not-device",
+            Fallback::SeveralDevices => "several-devices",
+            Fallback::Overlap => "overlap",
+            Fallback::TooLarge => "too-large",
+            Fallback::NotFragmented => "not-fragmented",
+            Fallback::Busy => "busy",
+            Fallback::KernelUnavailable => "kernel-unavailable",
+            Fallback::NoBuffer => "no-buffer",
+        }
+    }
+}
+
+/// The outcome of qualification (before the busy check, which the executor makes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathChoice {
+    /// Staged through the buffer of this GPU.
+    Staged { ordinal: u32 },
+    /// Direct copies, for this reason.
+    Direct(Fallback),
+}
+
+/// Decides whether a request qualifies for staging. Reads need non-overlapping destinations;
+/// writes only read their pages, so overlapping sources are allowed.
+pub fn qualify(policy: StagingPolicy, direction: Direction, transfers: &[Transfer]) -> PathChoice {
+    if !policy.enabled {
+        return PathChoice::Direct(Fallback::Disabled);
+    }
+    let mut ordinal = None;
+    let (mut pieces, mut objects) = (0usize, 0usize);
+    let mut too_large = false;
+    for transfer in transfers.iter().filter(|t| !t.pieces.is_empty()) {
+        let (mut low, mut high) = (u64::MAX, 0u64);
+        for piece in &transfer.pieces {
+            let MemoryKind::Device { ordinal: o } = piece.kind else {
+                return PathChoice::Direct(Fallback::NotDevice);
+            };
+            if *ordinal.get_or_insert(o) != o {
+                return PathChoice::Direct(Fallback::SeveralDevices);
+            }
+            low = low.min(piece.host_offset);
+            high = high.max(piece.host_offset + piece.len);
+        }
+        too_large |= high.saturating_sub(low) > policy.buffer_bytes;
+        pieces += transfer.pieces.len();
+        objects += 1;
+    }
+    let Some(ordinal) = ordinal else { return PathChoice::Direct(Fallback::Empty) };
+    if too_large {
+        return PathChoice::Direct(Fallback::TooLarge);
+    }
+    if direction == Direction::HostToDevice && overlapping(transfers) {
+        return PathChoice::Direct(Fallback::Overlap);
+    }
+    if pieces <= objects {
+        return PathChoice::Direct(Fallback::NotFragmented);
+    }
+    PathChoice::Staged { ordinal }
+}
+
+/// True when two pieces' page ranges overlap. Linear time for page-sized pieces: starts are
+/// marked in a bitmap of buckets as wide as the smallest piece (two non-overlapping pieces never
+/// start in one bucket), so a piece only needs a look at the buckets it covers; an ambiguous or
+/// sparse layout falls back to a sort.
+pub fn overlapping(transfers: &[Transfer]) -> bool {
+    let (mut low, mut high, mut total, mut width, mut count) = (u64::MAX, 0u64, 0u64, u64::MAX, 0u64);
+    for p in transfers.iter().flat_map(|t| t.pieces.iter()) {
+        if p.len == 0 {
+            continue;
+        }
+        low = low.min(p.addr);
+        high = high.max(p.addr + p.len);
+        total += p.len;
+        width = width.min(p.len);
+        count += 1;
+    }
+    if count < 2 {
+        return false;
+    }
+    if total > high - low {
+        return true; // more bytes than room: some two must share one
+    }
+    let buckets = (high - low).div_ceil(width);
+    if buckets <= 8 * count + 65_536 {
+        let mut marks = vec![0u64; buckets.div_ceil(64) as usize];
+        for t in transfers {
+            for p in t.pieces.iter().filter(|p| p.len > 0) {
+                let k = (p.addr - low) / width;
+                let (word, bit) = ((k / 64) as usize, 1u64 << (k % 64));
+                if marks[word] & bit != 0 {
+                    return true;
+                }
+                marks[word] |= bit;
+            }
+        }
+        let marked = |k: u64| marks[(k / 64) as usize] & (1u64 << (k % 64)) != 0;
+        let mut ambiguous = false;
+        for t in transfers {
+            for p in t.pieces.iter().filter(|p| p.len > 0) {
+                let first = (p.addr - low) / width;
+                let last = (p.addr + p.len - 1 - low) / width;
+                // A start in a bucket wholly inside this piece overlaps it; one in the last bucket
+                // may begin at or after its end: the exact check below decides.
+                if (first + 1..last).any(marked) {
+                    return true;
+                }
+                ambiguous |= last > first && marked(last);
+            }
+        }
+        if !ambiguous {
+            return false;
+        }
+    }
+    let mut ranges: Vec<(u64, u64)> =
+        transfers.iter().flat_map(|t| &t.pieces).filter(|p| p.len > 0).map(|p| (p.addr, p.addr + p.len)).collect();
+    ranges.sort_unstable_by_key(|r| r.0);
+    ranges.windows(2).any(|w| w[1].0 < w[0].1)
+}
+
+/// Where one object sits in the staging buffer during its fill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Index into the request's transfers.
+    pub transfer: usize,
+    /// Offset of the staged span in the buffer.
+    pub staging_offset: u64,
+    /// The object's host byte range that is staged.
+    pub span: (u64, u64),
+}
+
+/// One buffer fill: whole objects, ONE kernel launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fill {
+    /// The objects of this fill (consecutive transfers: split at key boundaries).
+    pub transfers: Range<usize>,
+    pub placements: Vec<Placement>,
+    /// Buffer bytes used: `[region.start, region.end)` of the buffer.
+    pub region: Range<u64>,
+}
+
+/// Staged byte offsets keep the host address's alignment modulo this, so a page whose address
+/// agrees with its object bytes gets 16-byte vector copies.
+pub const STAGING_ALIGN_BYTES: u64 = 16;
+
+/// Largest fill: a quarter of the buffer when every object fits a quarter, else half, else the
+/// whole buffer. Fills take turns over the buffer, so the copy of one fill overlaps the kernel
+/// of the previous one and only the last (small) fill's kernel is not hidden behind copies.
+pub fn fill_capacity(buffer_bytes: u64, transfers: &[Transfer]) -> u64 {
+    let largest = transfers.iter().map(|t| t.span().end - t.span().start).max().unwrap_or(0);
+    if largest <= buffer_bytes / 4 {
+        buffer_bytes / 4
+    } else if largest <= buffer_bytes / 2 {
+        buffer_bytes / 2
+    } else {
+        buffer_bytes
+    }
+}
+
+/// An upper bound of the descriptor rows of a request (before merging), to size tables.
+pub fn max_rows(transfers: &[Transfer]) -> usize {
+    transfers.iter().flat_map(|t| &t.pieces).map(|p| p.len.div_ceil(DESCRIPTOR_CHUNK_BYTES) as usize).sum()
+}
+
+/// Splits a qualified request into fills at object boundaries, in order, and places each object
+/// in the buffer. Fills take turns over the buffer like a ring; the executor makes a fill wait
+/// for the earlier fills whose regions it reuses. Objects larger than the buffer must have been
+/// sent down the direct path by `qualify`; here they get a fill of their own and are clamped.
+pub fn split_fills(buffer_bytes: u64, transfers: &[Transfer]) -> Vec<Fill> {
+    let capacity = fill_capacity(buffer_bytes, transfers).max(1);
+    let mut fills: Vec<Fill> = Vec::new();
+    let mut ring_cursor = 0u64;
+    let mut current: Option<Fill> = None;
+    for (index, transfer) in transfers.iter().enumerate() {
+        let span = transfer.span();
+        let len = span.end - span.start;
+        let congruence = (transfer.host + span.start) % STAGING_ALIGN_BYTES;
+        let place_at = |cursor: u64| {
+            let misalign = (congruence + STAGING_ALIGN_BYTES - cursor % STAGING_ALIGN_BYTES) % STAGING_ALIGN_BYTES;
+            cursor + misalign
+        };
+        if let Some(fill) = current.as_mut() {
+            let at = place_at(fill.region.end);
+            if at + len - fill.region.start <= capacity && at + len <= buffer_bytes {
+                fill.placements.push(Placement { transfer: index, staging_offset: at, span: (span.start, span.end) });
+                fill.region.end = at + len;
+                fill.transfers.end = index + 1;
+                continue;
+            }
+            if let Some(mut closed) = current.take() {
+                place_by_address(&mut closed, capacity, buffer_bytes, transfers);
+                ring_cursor = closed.region.end;
+                fills.push(closed);
+            }
+        }
+        // A new fill continues the ring where the last one ended, or wraps to the start when a
+        // full fill would not fit before the end.
+        let start = if ring_cursor + capacity > buffer_bytes { 0 } else { ring_cursor };
+        // Clamped only when padding would push an object of nearly the buffer's size past its
+        // end (it then loses the alignment congruence, not correctness).
+        let at = place_at(start).min(buffer_bytes.saturating_sub(len));
+        current = Some(Fill {
+            transfers: index..index + 1,
+            placements: vec![Placement { transfer: index, staging_offset: at, span: (span.start, span.end) }],
+            region: start.min(at)..at + len,
+        });
+    }
+    if let Some(mut closed) = current {
+        place_by_address(&mut closed, capacity, buffer_bytes, transfers);
+        fills.push(closed);
+    }
+    fills
+}
+
+/// Re-places a fill's objects in host-address order: objects that sit next to each other in the
+/// arena (written one after another) then sit next to each other in the buffer too, and their
+/// host copies merge. Kept only when it still fits (alignment padding can differ).
+fn place_by_address(fill: &mut Fill, capacity: u64, buffer_bytes: u64, transfers: &[Transfer]) {
+    let mut order = fill.placements.clone();
+    order.sort_by_key(|p| transfers[p.transfer].host + p.span.0);
+    let mut cursor = fill.region.start;
+    for p in &mut order {
+        let congruence = (transfers[p.transfer].host + p.span.0) % STAGING_ALIGN_BYTES;
+        cursor += (congruence + STAGING_ALIGN_BYTES - cursor % STAGING_ALIGN_BYTES) % STAGING_ALIGN_BYTES;
+        p.staging_offset = cursor;
+        cursor += p.span.1 - p.span.0;
+    }
+    if cursor - fill.region.start <= capacity && cursor <= buffer_bytes {
+        fill.placements = order;
+        fill.region.end = cursor;
+    }
+}
+
+/// True when two buffer regions overlap (a later fill must wait for the earlier one's kernel).
+pub fn regions_overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+/// One row of the scatter/gather kernel's table: `len` bytes between the page at `page` and the
+/// buffer at `staging_offset`. Same layout as `struct Desc` in `scatter.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub page: u64,
+    pub staging_offset: u32,
+    pub len: u32,
+}
+
+/// Rows longer than this are split, so one thread block never gets a whole 12 MiB page.
+pub const DESCRIPTOR_CHUNK_BYTES: u64 = 64 << 10;
+
+/// The kernel table of a fill: one row per piece (contiguous neighbours merged), long rows cut
+/// into `DESCRIPTOR_CHUNK_BYTES`.
+pub fn descriptors(fill: &Fill, transfers: &[Transfer]) -> Vec<Descriptor> {
+    let mut rows: Vec<(u64, u64, u64)> = Vec::new(); // (page, staging offset, len)
+    for placement in &fill.placements {
+        for piece in transfers[placement.transfer].pieces.iter().filter(|p| p.len > 0) {
+            let staging = placement.staging_offset + (piece.host_offset - placement.span.0);
+            match rows.last_mut() {
+                Some(last) if last.0 + last.2 == piece.addr && last.1 + last.2 == staging => last.2 += piece.len,
+                _ => rows.push((piece.addr, staging, piece.len)),
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(rows.len());
+    for (page, staging, len) in rows {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(DESCRIPTOR_CHUNK_BYTES);
+            out.push(Descriptor { page: page + done, staging_offset: (staging + done) as u32, len: n as u32 });
+            done += n;
+        }
+    }
+    out
+}
+
+/// One bulk copy between host memory and device memory (`device_offset` is inside the staging
+/// buffer for staged plans, an absolute device address for direct ones).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BulkCopy {
+    pub host: u64,
+    pub device: u64,
+    pub len: u64,
+}
+
+/// The host <-> buffer copies of a fill: one per object, merged where both the host bytes and the
+/// buffer offsets are contiguous (objects written one after another sit next to each other in the
+/// arena).
+pub fn staging_copies(fill: &Fill, transfers: &[Transfer]) -> Vec<BulkCopy> {
+    let mut copies: Vec<BulkCopy> = Vec::new();
+    let mut placements = fill.placements.clone();
+    placements.sort_unstable_by_key(|p| p.staging_offset);
+    for p in placements {
+        let host = transfers[p.transfer].host + p.span.0;
+        let len = p.span.1 - p.span.0;
+        if len == 0 {
+            continue;
+        }
+        match copies.last_mut() {
+            Some(last) if last.host + last.len == host && last.device + last.len == p.staging_offset => last.len += len,
+            _ => copies.push(BulkCopy { host, device: p.staging_offset, len }),
+        }
+    }
+    copies
+}
+
+/// The direct path's copies for one GPU: one per device piece, contiguous neighbours (in request
+/// order) merged. Host pieces are left to the CPU.
+pub fn direct_copies(transfers: &[Transfer], ordinal: u32) -> Vec<BulkCopy> {
+    let mut copies: Vec<BulkCopy> = Vec::new();
+    for transfer in transfers {
+        for piece in &transfer.pieces {
+            if piece.kind != (MemoryKind::Device { ordinal }) || piece.len == 0 {
+                continue;
+            }
+            let host = transfer.host + piece.host_offset;
+            match copies.last_mut() {
+                Some(last) if last.host + last.len == host && last.device + last.len == piece.addr => {
+                    last.len += piece.len
+                }
+                _ => copies.push(BulkCopy { host, device: piece.addr, len: piece.len }),
+            }
+        }
+    }
+    copies
+}
+
+/// The GPUs a request touches, in first-seen order.
+pub fn ordinals(transfers: &[Transfer]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for piece in transfers.iter().flat_map(|t| &t.pieces) {
+        if let MemoryKind::Device { ordinal } = piece.kind {
+            if !out.contains(&ordinal) {
+                out.push(ordinal);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GPU0: MemoryKind = MemoryKind::Device { ordinal: 0 };
+
+    /// An object of `pages * page` bytes at `host`, scattered to `dst(i)`.
+    fn object(host: u64, page: u64, pages: u64, dst: impl Fn(u64) -> u64) -> Transfer {
+        Transfer {
+            host,
+            host_len: page * pages,
+            pieces: (0..pages).map(|i| Piece { host_offset: i * page, addr: dst(i), len: page, kind: GPU0 }).collect(),
+        }
+    }
+
+    fn on() -> StagingPolicy {
+        StagingPolicy { enabled: true, buffer_bytes: 1 << 20 }
+    }
+
+    #[test]
+    fn qualification_and_every_fallback() {
+        let base = 0x7000_0000_0000;
+        let good = vec![object(0x1000, 4096, 4, |i| base + (3 - i) * 8192)];
+        assert_eq!(qualify(on(), Direction::HostToDevice, &good), PathChoice::Staged { ordinal: 0 });
+        let off = StagingPolicy { enabled: false, ..on() };
+        assert_eq!(qualify(off, Direction::HostToDevice, &good), PathChoice::Direct(Fallback::Disabled));
+        assert_eq!(qualify(on(), Direction::HostToDevice, &[]), PathChoice::Direct(Fallback::Empty));
+
+        let mut host_page = good.clone();
+        host_page[0].pieces[1].kind = MemoryKind::Host;
+        assert_eq!(qualify(on(), Direction::HostToDevice, &host_page), PathChoice::Direct(Fallback::NotDevice));
+
+        let mut two_gpus = good.clone();
+        two_gpus[0].pieces[2].kind = MemoryKind::Device { ordinal: 1 };
+        assert_eq!(qualify(on(), Direction::HostToDevice, &two_gpus), PathChoice::Direct(Fallback::SeveralDevices));
+
+        let overlap = vec![object(0x1000, 4096, 2, |i| base + i * 2048)];
+        assert_eq!(qualify(on(), Direction::HostToDevice, &overlap), PathChoice::Direct(Fallback::Overlap));
+        // Gathers only read their pages: overlapping sources are fine.
+        assert_eq!(qualify(on(), Direction::DeviceToHost, &overlap), PathChoice::Staged { ordinal: 0 });
+
+        let big = vec![object(0x1000, 1 << 20, 2, |i| base + i * (2 << 20))];
+        assert_eq!(qualify(on(), Direction::HostToDevice, &big), PathChoice::Direct(Fallback::TooLarge));
+
+        let whole = vec![object(0x1000, 4096, 1, |_| base), object(0x9000, 4096, 1, |_| base + 8192)];
+        assert_eq!(qualify(on(), Direction::HostToDevice, &whole), PathChoice::Direct(Fallback::NotFragmented));
+    }
+
+    #[test]
+    fn seven_keys_over_four_fills_split_at_key_boundaries() {
+        // An 8 MiB buffer and seven 1 MiB objects (four 256 KiB pages each): fills hold a quarter
+        // of the buffer, so two objects each -> 2 + 2 + 2 + 1.
+        let page = 256 << 10;
+        let transfers: Vec<Transfer> = (0..7u64)
+            .map(|k| object(0x10_0000 + k * (1 << 20), page, 4, move |i| 0x7000_0000_0000 + (k * 4 + i) * page))
+            .collect();
+        let fills = split_fills(8 << 20, &transfers);
+        let shape: Vec<Range<usize>> = fills.iter().map(|f| f.transfers.clone()).collect();
+        assert_eq!(shape, vec![0..2, 2..4, 4..6, 6..7]);
+        assert!(max_rows(&transfers) >= fills.iter().map(|f| descriptors(f, &transfers).len()).sum::<usize>());
+        for fill in &fills {
+            assert!(fill.region.end <= 8 << 20);
+            assert!(fill.region.end - fill.region.start <= 2 << 20);
+            // Objects contiguous in the arena are staged contiguously: one copy per fill.
+            assert_eq!(staging_copies(fill, &transfers).len(), 1);
+        }
+        // The ring alternates halves, so fill i+1 never overwrites fill i.
+        for pair in fills.windows(2) {
+            assert!(!regions_overlap(&pair[0].region, &pair[1].region));
+        }
+    }
+
+    #[test]
+    fn objects_interleaved_by_shard_are_staged_in_arena_order_and_merge() {
+        // Keys alternate between two arena slices (shards); each slice holds its keys back to back.
+        let transfers: Vec<Transfer> = (0..8u64)
+            .map(|k| {
+                object((k % 2) * (1 << 30) + (k / 2) * 65536, 8192, 8, move |i| 0x9_0000_0000 + (k * 8 + i) * 8192)
+            })
+            .collect();
+        let fills = split_fills(16 << 20, &transfers);
+        assert_eq!(fills.len(), 1);
+        let copies = staging_copies(&fills[0], &transfers);
+        assert_eq!(copies.len(), 2, "one copy per slice: {copies:?}");
+        let rows = descriptors(&fills[0], &transfers);
+        assert_eq!(rows.iter().map(|r| r.len as u64).sum::<u64>(), 8 * 65536);
+    }
+
+    #[test]
+    fn a_batch_that_fits_a_quarter_of_the_buffer_is_one_fill() {
+        let transfers = vec![object(0x1000, 4096, 8, |i| 0x9000_0000 + (7 - i) * 4096)];
+        let fills = split_fills(1 << 20, &transfers);
+        assert_eq!(fills.len(), 1);
+        let rows = descriptors(&fills[0], &transfers);
+        assert_eq!(rows.len(), 8, "reversed pages cannot merge");
+        assert!(rows.iter().all(|r| r.len == 4096));
+    }
+
+    #[test]
+    fn objects_larger_than_half_get_whole_buffer_fills() {
+        // Between a quarter and a half: half-buffer fills, alternating halves.
+        let mid: Vec<Transfer> =
+            (0..3u64).map(|k| object(k << 24, 64 << 10, 5, move |i| (k << 28) + i * (128 << 10))).collect();
+        let regions: Vec<Range<u64>> = split_fills(1 << 20, &mid).into_iter().map(|f| f.region).collect();
+        assert_eq!(regions, vec![0..320 << 10, 320 << 10..640 << 10, 0..320 << 10]);
+        let transfers: Vec<Transfer> =
+            (0..3u64).map(|k| object(k << 24, 64 << 10, 10, move |i| (k << 28) + i * (128 << 10))).collect();
+        let fills = split_fills(1 << 20, &transfers);
+        assert_eq!(fills.len(), 3);
+        assert!(fills.iter().all(|f| f.region == (0..640 << 10)));
+    }
+
+    #[test]
+    fn staging_keeps_host_alignment_modulo_16() {
+        let t = Transfer {
+            host: 0x1003,
+            host_len: 100,
+            pieces: vec![
+                Piece { host_offset: 5, addr: 0x5000_0008, len: 40, kind: GPU0 },
+                Piece { host_offset: 45, addr: 0x5000_1001, len: 55, kind: GPU0 },
+            ],
+        };
+        let fills = split_fills(4096, std::slice::from_ref(&t));
+        let p = fills[0].placements[0];
+        assert_eq!(p.span, (5, 100));
+        assert_eq!(p.staging_offset % 16, (0x1003 + 5) % 16);
+        let rows = descriptors(&fills[0], std::slice::from_ref(&t));
+        assert_eq!(rows[1].staging_offset as u64, p.staging_offset + 40);
+        assert_eq!(
+            staging_copies(&fills[0], std::slice::from_ref(&t)),
+            vec![BulkCopy { host: 0x1008, device: p.staging_offset, len: 95 }]
+        );
+    }
+
+    #[test]
+    fn overlap_detection_matches_a_sort() {
+        let mut state = 12345u64;
+        let mut next = move |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        for round in 0..400 {
+            let n = 1 + next(40);
+            let pieces: Vec<Piece> = (0..n)
+                .map(|_| {
+                    let len = if round % 2 == 0 { 4096 } else { 1 + next(5000) };
+                    let addr = if round % 3 == 0 { next(64) * 4096 } else { next(1 << 20) };
+                    Piece { host_offset: 0, addr, len, kind: GPU0 }
+                })
+                .collect();
+            let t = vec![Transfer { host: 0, host_len: 0, pieces: pieces.clone() }];
+            let mut r: Vec<(u64, u64)> = pieces.iter().map(|p| (p.addr, p.addr + p.len)).collect();
+            r.sort_unstable();
+            let expected = r.windows(2).any(|w| w[1].0 < w[0].1);
+            assert_eq!(overlapping(&t), expected, "round {round}: {r:?}");
+        }
+        // Touching pages do not overlap; a sparse layout takes the sort path.
+        let touching = vec![object(0, 4096, 3, |i| 0x1000 + (2 - i) * 4096)];
+        assert!(!overlapping(&touching));
+        let sparse = vec![object(0, 16, 3, |i| i << 40)];
+        assert!(!overlapping(&sparse));
+    }
+
+    #[test]
+    fn long_pieces_are_chunked_and_neighbours_merge() {
+        let t = object(0x4000, 96 << 10, 2, |i| 0x8000_0000 + i * (96 << 10)); // contiguous pages
+        let fills = split_fills(1 << 20, std::slice::from_ref(&t));
+        let rows = descriptors(&fills[0], std::slice::from_ref(&t));
+        assert_eq!(rows.iter().map(|r| r.len as u64).sum::<u64>(), 192 << 10);
+        assert_eq!(rows.len(), 3, "merged to 192 KiB, cut at 64 KiB");
+        let direct = direct_copies(std::slice::from_ref(&t), 0);
+        assert_eq!(direct, vec![BulkCopy { host: 0x4000, device: 0x8000_0000, len: 192 << 10 }]);
+        let reversed = object(0x4000, 4096, 3, |i| 0x8000_0000 + (2 - i) * 4096);
+        assert_eq!(direct_copies(std::slice::from_ref(&reversed), 0).len(), 3);
+        assert_eq!(direct_copies(std::slice::from_ref(&reversed), 1).len(), 0);
+        assert_eq!(ordinals(std::slice::from_ref(&reversed)), vec![0]);
+    }
+
+    #[test]
+    fn fills_cover_every_byte_exactly_once() {
+        // Odd sizes and odd host addresses: every piece appears in exactly one descriptor range.
+        let transfers: Vec<Transfer> = (0..9u64)
+            .map(|k| {
+                let len = 1000 + k * 777;
+                Transfer {
+                    host: 0x10_0001 + k * 10_000,
+                    host_len: len,
+                    pieces: vec![
+                        Piece { host_offset: 0, addr: 0x9_0000_0000 + k * 20_000, len: len / 3, kind: GPU0 },
+                        Piece {
+                            host_offset: len / 3,
+                            addr: 0x9_0000_0000 + k * 20_000 + 9_001,
+                            len: len - len / 3,
+                            kind: GPU0,
+                        },
+                    ],
+                }
+            })
+            .collect();
+        let fills = split_fills(8192, &transfers);
+        let covered: usize = fills.iter().map(|f| f.transfers.len()).sum();
+        assert_eq!(covered, transfers.len());
+        for fill in &fills {
+            let rows = descriptors(fill, &transfers);
+            let bytes: u64 = rows.iter().map(|r| r.len as u64).sum();
+            assert_eq!(bytes, transfers[fill.transfers.clone()].iter().map(Transfer::bytes).sum::<u64>());
+            assert!(rows.iter().all(|r| r.staging_offset as u64 + r.len as u64 <= 8192));
+        }
+    }
+}
