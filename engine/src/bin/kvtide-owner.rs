@@ -1,0 +1,106 @@
+//! `kvtide-owner`: runs a kvtide engine and serves it to other processes (Unix socket with the
+//! DRAM arena shared read-only) and other hosts (TCP, token-authenticated).
+//!
+//! With no flags it starts a usable owner: a DRAM pool sized from available memory (capped), an
+//! SSD tier in the data directory, a Unix socket there (0600), TCP on 127.0.0.1:7370 with a
+//! generated token. Flags and a TOML file override everything (`--help`). SIGINT/SIGTERM stop it
+//! cleanly: in-flight requests finish, new ones get `ShuttingDown`, then the engine shuts down.
+
+use std::sync::Arc;
+
+use kvtide::remote::{Owner, OwnerSettings, OWNER_USAGE};
+use kvtide::Store;
+
+fn main() {
+    let filter = std::env::var("KVTIDE_LOG").unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    if let Err(e) = run() {
+        tracing::error!("{e}");
+        eprintln!("kvtide-owner: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let Some((flags, config_file)) = OwnerSettings::from_args(std::env::args().skip(1))? else {
+        print!("{OWNER_USAGE}");
+        return Ok(());
+    };
+    let file = match &config_file {
+        Some(path) => OwnerSettings::from_toml_file(path)?,
+        None => OwnerSettings::default(),
+    };
+    let settings = file.overlay(flags);
+    let vars: Vec<(String, String)> = std::env::vars().collect();
+    let resolved = settings.resolve(&vars)?;
+
+    // Block the stop signals in every thread (shards and connections inherit the mask), and
+    // take them synchronously on one thread below.
+    let signals = stop_signals();
+    // SAFETY: pthread_sigmask only changes this thread's mask, from a valid set.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
+
+    let engine = Arc::new(resolved.store.clone().open().map_err(|e| format!("cannot open the store: {e}"))?);
+    let stats = engine.stats();
+    tracing::info!(
+        data_dir = %resolved.data_dir.display(),
+        dram_bytes = stats.total.capacity_bytes,
+        shards = engine.shard_count(),
+        arena = %stats.arena_backing,
+        ssd_dir = ?resolved.store.ssd_dir,
+        ssd_bytes = resolved.store.ssd_dir.as_ref().map(|_| resolved.store.ssd_bytes),
+        max_value_bytes = engine.max_value_bytes(),
+        "store open"
+    );
+    if let Some((path, created)) = &resolved.token_file {
+        tracing::info!(
+            token_file = %path.display(),
+            created,
+            "TCP clients authenticate with this token (KVTIDE_TOKEN_FILE=<copy of it> for RemoteStore::connect)"
+        );
+    }
+    let owner = Owner::start(Arc::clone(&engine), resolved.owner).map_err(|e| e.to_string())?;
+    if let Some(path) = owner.unix_path() {
+        tracing::info!(socket = %path.display(), "listening (Unix socket, mode 0600)");
+    }
+    if let Some(addr) = owner.tcp_addr() {
+        tracing::info!(%addr, "listening (TCP)");
+    }
+
+    let mut signal: libc::c_int = 0;
+    // SAFETY: sigwait reads the set and writes the received signal number into `signal`.
+    let rc = unsafe { libc::sigwait(&signals, &mut signal) };
+    if rc != 0 {
+        return Err(format!("sigwait failed: {}", std::io::Error::from_raw_os_error(rc)));
+    }
+    tracing::info!(signal, "stopping: finishing in-flight requests");
+    // A second signal while draining ends the process at once.
+    std::thread::spawn(move || {
+        let mut again: libc::c_int = 0;
+        // SAFETY: as above.
+        if unsafe { libc::sigwait(&signals, &mut again) } == 0 {
+            eprintln!("kvtide-owner: second signal, exiting now");
+            std::process::exit(130);
+        }
+    });
+    owner.shutdown();
+    drop(owner);
+    engine.shutdown();
+    tracing::info!("kvtide owner stopped");
+    Ok(())
+}
+
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it before sigaddset adds to it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        set
+    }
+}

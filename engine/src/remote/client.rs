@@ -1,0 +1,1180 @@
+//! `RemoteStore`: the `Store` API over a connection to a `kvtide-owner`, so code written
+//! against the embedded engine runs unchanged against a shared one.
+//!
+//! It owns a pool of connections (reused across calls, one per concurrent caller), the
+//! read-only mapping of the owner's arena (Unix socket), and the client half of the protocol.
+//! Gets over a Unix socket are one copy: the owner leases the object and names its offset in
+//! the shared arena, the client copies it into the caller's buffer and releases the lease.
+//! Elsewhere values stream in chunks straight into the caller's buffers. Every request has a
+//! deadline; a connection that failed is never reused; a call that finds its pooled connection
+//! dead (the owner restarted) retries once on a fresh one. It never reports a destination that
+//! was only partly written as a success.
+
+use std::io::IoSlice;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvtide_transport::{MemoryKind, Region};
+
+use super::auth::Token;
+use super::protocol::{
+    decode_error_frame, decode_exists, decode_grants, decode_mac, decode_object, FrameHeader, GetItem, Hello, HelloOk,
+    LenCheck, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
+    HELLO_WANT_SHM, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+};
+use super::shm::ShmMapping;
+use super::sock::{self, Stream};
+use super::wire::{FrameIo, WResult, WireError};
+use crate::api::{Fragment, PutOptions, Store};
+use crate::error::{Error, Result};
+use crate::stats::Stats;
+use crate::ticket::Ticket;
+
+/// A lease is trusted only if the copy finished this long before its TTL.
+const LEASE_MARGIN: Duration = Duration::from_millis(500);
+/// First allocation for `get` over a stream (grown as bytes arrive, so a lying length cannot
+/// make the client allocate more than it received).
+const GET_INITIAL_ALLOC: u64 = 64 << 20;
+
+/// How a `RemoteStore` connects and behaves.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Deadline of each request, and of each socket operation within it. Default 30 s.
+    pub timeout_ms: u64,
+    /// Deadline of connecting and the handshake. Default 5 s.
+    pub connect_timeout_ms: u64,
+    /// Token for TCP owners that require one.
+    pub token: Option<Token>,
+    /// Map the owner's arena for one-copy gets (Unix socket only). Default true.
+    pub shared_memory: bool,
+    /// Idle connections kept for reuse. Default 16.
+    pub max_idle_connections: usize,
+    /// `submit_batch_get` tickets in flight at once. Default 64.
+    pub max_tickets_in_flight: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            timeout_ms: 30_000,
+            connect_timeout_ms: 5_000,
+            token: None,
+            shared_memory: true,
+            max_idle_connections: 16,
+            max_tickets_in_flight: 64,
+        }
+    }
+}
+
+impl ClientOptions {
+    /// Defaults, overridden by `KVTIDE_TOKEN_FILE` (token for TCP owners),
+    /// `KVTIDE_TIMEOUT_MS` and `KVTIDE_SHARED_MEMORY` (0/1).
+    pub fn from_env() -> Result<ClientOptions> {
+        let mut o = ClientOptions::default();
+        if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
+            o.token = Some(Token::from_file(path.as_ref()).map_err(Error::InvalidArgument)?);
+        }
+        if let Ok(ms) = std::env::var("KVTIDE_TIMEOUT_MS") {
+            o.timeout_ms =
+                ms.trim().parse().map_err(|_| Error::InvalidArgument(format!("KVTIDE_TIMEOUT_MS={ms:?}")))?;
+        }
+        if let Ok(v) = std::env::var("KVTIDE_SHARED_MEMORY") {
+            o.shared_memory = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
+        Ok(o)
+    }
+
+    /// Uses the token in `path`.
+    pub fn token_file(mut self, path: impl AsRef<std::path::Path>) -> Result<ClientOptions> {
+        self.token = Some(Token::from_file(path.as_ref()).map_err(Error::InvalidArgument)?);
+        Ok(self)
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl Endpoint {
+    fn parse(address: &str) -> Result<Endpoint> {
+        let a = address.trim();
+        if let Some(path) = a.strip_prefix("unix:") {
+            return Ok(Endpoint::Unix(PathBuf::from(path)));
+        }
+        if a.starts_with('/') || a.starts_with("./") {
+            return Ok(Endpoint::Unix(PathBuf::from(a)));
+        }
+        let hostport = a.strip_prefix("tcp:").unwrap_or(a);
+        if hostport.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
+            return Err(Error::InvalidArgument(format!(
+                "{address:?}: expected \"unix:/path/to/owner.sock\" or \"host:port\""
+            )));
+        }
+        Ok(Endpoint::Tcp(hostport.to_string()))
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+            Endpoint::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+/// A store served by a `kvtide-owner` process, over a Unix socket (with shared memory) or TCP.
+/// Cheap to share; every method takes `&self` and may be called from many threads.
+pub struct RemoteStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RemoteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteStore").field("endpoint", &self.inner.endpoint.to_string()).finish()
+    }
+}
+
+struct Inner {
+    endpoint: Endpoint,
+    options: ClientOptions,
+    pool: Mutex<Vec<Conn>>,
+    mapping: Mutex<Option<Arc<ShmMapping>>>,
+    next_request: AtomicU64,
+    tickets_in_flight: Arc<AtomicU64>,
+    last_limits: Mutex<Option<Limits>>,
+    last_max_leases: AtomicU64,
+}
+
+struct Conn {
+    io: FrameIo,
+    hello: HelloOk,
+    limits: Limits,
+    shm: Option<Arc<ShmMapping>>,
+}
+
+/// One object read: its length, and its bytes when the target was `Owned`.
+type ReadResult = Result<(usize, Option<Vec<u8>>)>;
+
+/// Where one object's bytes go.
+enum Target<'a> {
+    /// In order across these regions (their lengths were checked against the object's).
+    Regions(Vec<Region<'a>>),
+    /// A new vector (`get`).
+    Owned(Vec<u8>),
+}
+
+impl RemoteStore {
+    /// Connects to `address`: `"unix:/path/owner.sock"` (or an absolute path) or `"host:port"`.
+    /// Options come from `ClientOptions::from_env` (`KVTIDE_TOKEN_FILE` for TCP owners).
+    pub fn connect(address: &str) -> Result<RemoteStore> {
+        RemoteStore::connect_with(address, ClientOptions::from_env()?)
+    }
+
+    /// Connects with explicit options. One connection is made now, so a wrong address, token or
+    /// protocol version is reported here.
+    pub fn connect_with(address: &str, options: ClientOptions) -> Result<RemoteStore> {
+        let inner = Arc::new(Inner {
+            endpoint: Endpoint::parse(address)?,
+            options,
+            pool: Mutex::new(Vec::new()),
+            mapping: Mutex::new(None),
+            next_request: AtomicU64::new(1),
+            tickets_in_flight: Arc::new(AtomicU64::new(0)),
+            last_limits: Mutex::new(None),
+            last_max_leases: AtomicU64::new(u64::MAX),
+        });
+        let conn = inner.open()?;
+        inner.checkin(conn);
+        Ok(RemoteStore { inner })
+    }
+
+    /// True when gets copy straight from the owner's shared memory.
+    pub fn uses_shared_memory(&self) -> bool {
+        self.inner.mapping.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// The owner's statistics, or the error that prevented reading them (`Store::stats` returns
+    /// empty statistics instead).
+    pub fn try_stats(&self) -> Result<Stats> {
+        let mut stats = self.inner.call("stats", |conn, rid| {
+            conn.io.push_frame(Op::Stats, rid, &[]);
+            conn.io.flush()?;
+            let h = conn.read_reply_header(rid)?;
+            let payload = conn.io.read_payload(h.payload_len)?;
+            Ok(match h.op {
+                Op::StatsReply => std::str::from_utf8(&payload)
+                    .map_err(|_| Error::Protocol("stats are not UTF-8".into()))
+                    .and_then(|text| toml::from_str::<Stats>(text).map_err(|e| Error::Protocol(format!("stats: {e}")))),
+                Op::Error => Err(decode_error_frame(&payload)?.1),
+                other => return Err(ProtocolError::Unexpected { expected: "stats", got: other }.into()),
+            })
+        })?;
+        stats.tickets_in_flight += self.inner.tickets_in_flight.load(Ordering::Relaxed);
+        Ok(stats)
+    }
+}
+
+impl Inner {
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.options.timeout_ms)
+    }
+
+    fn checkout(&self) -> Option<Conn> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    fn checkin(&self, conn: Conn) {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < self.options.max_idle_connections {
+            pool.push(conn);
+        }
+    }
+
+    /// Runs one request. A pooled connection that turns out dead is dropped with the rest of
+    /// the pool (the owner restarted) and the request is retried once on a new connection.
+    fn call<T>(&self, op: &'static str, mut f: impl FnMut(&mut Conn, u64) -> WResult<Result<T>>) -> Result<T> {
+        let mut pooled = self.checkout();
+        loop {
+            let reused = pooled.is_some();
+            let mut conn = match pooled.take() {
+                Some(c) => c,
+                None => self.open()?,
+            };
+            let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
+            match f(&mut conn, rid) {
+                Ok(result) => {
+                    self.checkin(conn);
+                    return result;
+                }
+                Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
+                    self.pool.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                    continue;
+                }
+                Err(e) => return Err(e.into_error(op, self.options.timeout_ms)),
+            }
+        }
+    }
+
+    fn open(&self) -> Result<Conn> {
+        let connect_timeout = Duration::from_millis(self.options.connect_timeout_ms);
+        let unreachable = |e: std::io::Error| Error::Disconnected(format!("cannot connect to {}: {e}", self.endpoint));
+        let stream = match &self.endpoint {
+            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(unreachable)?),
+            Endpoint::Tcp(addr) => {
+                let addrs: Vec<_> = addr.to_socket_addrs().map_err(unreachable)?.collect();
+                let mut last = std::io::Error::other("no address");
+                let mut connected = None;
+                for a in addrs {
+                    match TcpStream::connect_timeout(&a, connect_timeout) {
+                        Ok(s) => {
+                            connected = Some(s);
+                            break;
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                let s = connected.ok_or_else(|| unreachable(last))?;
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }
+        };
+        stream.set_timeouts(Some(connect_timeout)).map_err(unreachable)?;
+        let mut io = FrameIo::new(stream);
+        let handshake = |e: WireError| e.into_error("handshake", self.options.connect_timeout_ms);
+        let hello = self.handshake(&mut io).map_err(handshake)??;
+        io.stream().set_timeouts(Some(self.timeout())).map_err(unreachable)?;
+        *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(hello.0.limits());
+        self.last_max_leases.store(hello.0.max_leases.into(), Ordering::Relaxed);
+        Ok(hello_conn(io, hello.0, hello.1))
+    }
+
+    fn handshake(&self, io: &mut FrameIo) -> WResult<Result<(HelloOk, Option<Arc<ShmMapping>>)>> {
+        let unix = io.stream().is_unix();
+        let mut client_nonce = [0u8; NONCE_BYTES];
+        sock::random_bytes(&mut client_nonce)?;
+        let flags = if unix && self.options.shared_memory { HELLO_WANT_SHM } else { 0 };
+        let mut payload = Vec::new();
+        Hello { client_nonce, flags }.encode(&mut payload);
+        io.push_frame(Op::Hello, 0, &payload);
+        io.flush()?;
+        let limits = Limits { max_payload_bytes: 4096, ..Limits::default() };
+        let mut fd: Option<OwnedFd> = None;
+        let h = io.read_header_with_fd(&limits, if unix { Some(&mut fd) } else { None })?;
+        let payload = io.read_payload(h.payload_len)?;
+        let hello = match h.op {
+            Op::HelloOk => HelloOk::decode(&payload)?,
+            Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+            other => return Err(ProtocolError::Unexpected { expected: "hello reply", got: other }.into()),
+        };
+        if hello.flags & HELLO_AUTH_REQUIRED != 0 {
+            let Some(token) = &self.options.token else {
+                return Ok(Err(Error::Unauthorized(format!(
+                    "{} requires a token (ClientOptions::token or KVTIDE_TOKEN_FILE)",
+                    self.endpoint
+                ))));
+            };
+            let proof = token.client_proof(&hello.server_nonce, &client_nonce);
+            io.push_frame(Op::Auth, 0, &proof);
+            io.flush()?;
+            let h = io.read_header(&limits)?;
+            let payload = io.read_payload(h.payload_len)?;
+            match h.op {
+                Op::AuthOk => {
+                    let owner_proof = decode_mac(&payload)?;
+                    if !token.verify_owner(&client_nonce, &hello.server_nonce, &owner_proof) {
+                        return Ok(Err(Error::Unauthorized("the owner could not prove it knows the token".into())));
+                    }
+                }
+                Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+                other => return Err(ProtocolError::Unexpected { expected: "auth reply", got: other }.into()),
+            }
+        }
+        let mut mapping = None;
+        if hello.flags & HELLO_SHM_ATTACHED != 0 {
+            let Some(fd) = fd else {
+                return Err(ProtocolError::Invalid { what: "shared memory announced without a descriptor" }.into());
+            };
+            let mut current = self.mapping.lock().unwrap_or_else(|p| p.into_inner());
+            match current.as_ref() {
+                Some(m) if m.instance_id() == hello.instance_id && m.len() == hello.arena_bytes => {
+                    mapping = Some(Arc::clone(m));
+                }
+                _ => match ShmMapping::map(fd, hello.arena_bytes, hello.instance_id) {
+                    Ok(m) => {
+                        let m = Arc::new(m);
+                        *current = Some(Arc::clone(&m));
+                        mapping = Some(m);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot map the owner's arena; streaming instead");
+                        *current = None;
+                    }
+                },
+            }
+        }
+        Ok(Ok((hello, mapping)))
+    }
+
+    fn validate_key(&self, conn_limits: &Limits, key: &[u8]) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::EmptyKey);
+        }
+        if key.len() > conn_limits.max_key_bytes as usize {
+            return Err(Error::TooLarge {
+                what: "key",
+                len: key.len() as u64,
+                max: u64::from(conn_limits.max_key_bytes),
+            });
+        }
+        Ok(())
+    }
+
+    /// The limits of the owner as of the last handshake (connecting if there was none).
+    fn limits(&self) -> Result<Limits> {
+        if let Some(l) = *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(l);
+        }
+        let conn = self.open()?;
+        let limits = conn.limits;
+        self.checkin(conn);
+        Ok(limits)
+    }
+
+    /// Most keys per request: the owner's item limit, and its lease limit when leasing.
+    fn max_batch(&self, limits: &Limits) -> usize {
+        let leases = self.last_max_leases.load(Ordering::Relaxed).max(1) as usize;
+        (limits.max_items as usize).min(leases).min(4096)
+    }
+
+    // ---- reads ---------------------------------------------------------------------------------
+
+    /// Reads `items` (key, check, target); results in the same order.
+    fn read_objects<'a>(&self, items: Vec<(&[u8], LenCheck, Target<'a>)>) -> Vec<ReadResult> {
+        let mut results: Vec<Option<ReadResult>> = (0..items.len()).map(|_| None).collect();
+        let limits = match self.limits() {
+            Ok(l) => l,
+            Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let max_items = self.max_batch(&limits);
+        let key_lens: Vec<usize> = items.iter().map(|i| i.0.len()).collect();
+        let mut items: Vec<_> = items.into_iter().map(Some).collect();
+        for (start, end) in batches(&key_lens, 11, max_items, &limits) {
+            let mut batch: Vec<(&[u8], LenCheck, Target<'a>)> =
+                items[start..end].iter_mut().filter_map(Option::take).collect();
+            let outcome = self.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.timeout()));
+            match outcome {
+                Ok(per_key) => {
+                    for (slot, r) in results[start..end].iter_mut().zip(per_key) {
+                        *slot = Some(r);
+                    }
+                }
+                Err(e) => results[start..end].iter_mut().for_each(|slot| *slot = Some(Err(e.clone()))),
+            }
+        }
+        results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("key result never reported")))).collect()
+    }
+}
+
+/// Splits items (by key length) into runs that fit one request: at most `max_items`, and a
+/// payload of at most the owner's limit (`per_item` bytes of each item besides its key).
+fn batches(key_lens: &[usize], per_item: usize, max_items: usize, limits: &Limits) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < key_lens.len() {
+        let mut end = start;
+        let mut bytes = 16usize;
+        while end < key_lens.len() && end - start < max_items {
+            let item = key_lens[end] + per_item;
+            if end > start && bytes + item > limits.max_payload_bytes as usize {
+                break;
+            }
+            bytes += item;
+            end += 1;
+        }
+        out.push((start, end));
+        start = end;
+    }
+    out
+}
+
+fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>) -> Conn {
+    Conn { io, limits: hello.limits(), hello, shm }
+}
+
+fn check_destination(dst: &Region<'_>) -> Result<()> {
+    if let MemoryKind::Device { .. } = dst.kind() {
+        return Err(Error::CudaUnavailable("device destinations are not supported by the remote client yet"));
+    }
+    dst.check_writable()?;
+    Ok(())
+}
+
+fn check_source(src: &Region<'_>) -> Result<()> {
+    if let MemoryKind::Device { .. } = src.kind() {
+        return Err(Error::CudaUnavailable("device sources are not supported by the remote client yet"));
+    }
+    Ok(())
+}
+
+fn total_len(regions: &[Region<'_>]) -> Result<u64> {
+    regions
+        .iter()
+        .try_fold(0u64, |acc, r| acc.checked_add(r.len() as u64))
+        .ok_or_else(|| Error::InvalidArgument("region lengths overflow".into()))
+}
+
+/// `[pos, pos + n)` of the concatenation of `sources`, as slices.
+fn source_slices<'s>(sources: &'s [Region<'_>], mut pos: u64, mut n: u64) -> Vec<IoSlice<'s>> {
+    let mut out = Vec::new();
+    for src in sources {
+        if n == 0 {
+            break;
+        }
+        let len = src.len() as u64;
+        if pos >= len {
+            pos -= len;
+            continue;
+        }
+        let take = (len - pos).min(n);
+        // SAFETY: host regions are valid for reads for the duration of the call that lent them
+        // (Region's contract); `[pos, pos + take)` lies inside this one.
+        let bytes = unsafe { std::slice::from_raw_parts((src.addr() + pos) as *const u8, take as usize) };
+        out.push(IoSlice::new(bytes));
+        n -= take;
+        pos = 0;
+    }
+    out
+}
+
+/// Calls `f(addr, len)` for the parts of `regions` covering `[pos, pos + n)` of their
+/// concatenation (the caller checked that it lies inside).
+fn for_region_parts(
+    regions: &[Region<'_>],
+    mut pos: u64,
+    mut n: u64,
+    mut f: impl FnMut(u64, u64) -> WResult<()>,
+) -> WResult<()> {
+    for r in regions {
+        if n == 0 {
+            break;
+        }
+        let len = r.len() as u64;
+        if pos >= len {
+            pos -= len;
+            continue;
+        }
+        let take = (len - pos).min(n);
+        f(r.addr() + pos, take)?;
+        n -= take;
+        pos = 0;
+    }
+    Ok(())
+}
+
+impl Conn {
+    /// Reads a reply header for request `rid`.
+    fn read_reply_header(&mut self, rid: u64) -> WResult<FrameHeader> {
+        let h = self.io.read_header(&self.limits)?;
+        if h.request_id != rid {
+            return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
+        }
+        Ok(h)
+    }
+
+    /// Reads an `Ok` / `Error` reply.
+    fn read_status(&mut self, rid: u64) -> WResult<Result<()>> {
+        let h = self.read_reply_header(rid)?;
+        let payload = self.io.read_payload(h.payload_len)?;
+        match h.op {
+            Op::Ok if payload.is_empty() => Ok(Ok(())),
+            Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
+            other => Err(ProtocolError::Unexpected { expected: "a status", got: other }.into()),
+        }
+    }
+
+    /// Sends one put (value gathered from `sources`, `total` bytes) and reads its status.
+    fn put(&mut self, rid: u64, key: &[u8], sources: &[Region<'_>], total: u64, upsert: bool) -> WResult<Result<()>> {
+        let chunk = u64::from(self.hello.chunk_bytes);
+        let inline = total.min(chunk.saturating_sub((PUT_HEAD_BYTES + key.len()) as u64));
+        let payload_len = (PUT_HEAD_BYTES + key.len()) as u64 + inline;
+        let out = self.io.out();
+        out.extend_from_slice(&FrameHeader::new(Op::Put, rid, payload_len as u32).encode());
+        PutHead::encode(out, upsert, key, total);
+        out.extend_from_slice(key);
+        self.io.send_with(&source_slices(sources, 0, inline))?;
+        let mut pos = inline;
+        while pos < total {
+            let n = chunk.min(total - pos);
+            self.io.send_data(Op::Data, rid, &source_slices(sources, pos, n))?;
+            pos += n;
+        }
+        self.read_status(rid)
+    }
+
+    /// One `Get` request: leases through shared memory when mapped, else a stream.
+    fn get_batch(
+        &mut self,
+        rid: u64,
+        batch: &mut [(&[u8], LenCheck, Target<'_>)],
+        timeout: Duration,
+    ) -> WResult<Result<Vec<ReadResult>>> {
+        let lease = self.shm.is_some();
+        let items: Vec<GetItem<'_>> = batch.iter().map(|(key, check, _)| GetItem { key, check: *check }).collect();
+        let start = self.io.begin(Op::Get, rid);
+        Request::Get { lease, items }.encode(self.io.out());
+        self.io.end(start);
+        let sent = Instant::now();
+        self.io.flush()?;
+        if lease {
+            self.read_grants(rid, batch, sent)
+        } else {
+            let mut targets: Vec<&mut Target<'_>> = batch.iter_mut().map(|(_, _, t)| t).collect();
+            let results = self.read_stream(rid, &mut targets, sent + timeout)?;
+            Ok(results.map(|per_item| {
+                per_item
+                    .into_iter()
+                    .zip(batch.iter_mut())
+                    .map(|(res, (_, _, target))| {
+                        res.map(|len| match target {
+                            Target::Owned(v) => (len, Some(std::mem::take(v))),
+                            Target::Regions(_) => (len, None),
+                        })
+                    })
+                    .collect()
+            }))
+        }
+    }
+
+    /// Reads a `Grants` reply, copies each granted object out of the shared arena into its
+    /// target, and releases the leases.
+    fn read_grants(
+        &mut self,
+        rid: u64,
+        batch: &mut [(&[u8], LenCheck, Target<'_>)],
+        sent: Instant,
+    ) -> WResult<Result<Vec<ReadResult>>> {
+        let h = self.read_reply_header(rid)?;
+        let payload = self.io.read_payload(h.payload_len)?;
+        let Some(mapping) = self.shm.clone() else {
+            return Err(ProtocolError::Invalid { what: "grants without shared memory" }.into());
+        };
+        let (ttl_ms, grants) = match h.op {
+            Op::Grants => decode_grants(&payload, self.limits.max_items, mapping.len())?,
+            Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+            other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+        };
+        if grants.len() != batch.len() {
+            return Err(ProtocolError::Invalid { what: "grant count" }.into());
+        }
+        let mut leases = Vec::with_capacity(grants.len());
+        let mut results = Vec::with_capacity(grants.len());
+        for (grant, (_, check, target)) in grants.into_iter().zip(batch.iter_mut()) {
+            let r = grant.and_then(|g| {
+                leases.push(g.lease);
+                check.check(g.len)?;
+                copy_grant(&mapping, g.offset, g.len, target)
+            });
+            results.push(r);
+        }
+        // The owner keeps leased bytes in place until the TTL; a copy that finished later than
+        // that cannot be trusted.
+        let ttl = Duration::from_millis(u64::from(ttl_ms));
+        if sent.elapsed() + LEASE_MARGIN >= ttl {
+            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(Error::LeaseExpired));
+        }
+        if !leases.is_empty() {
+            let start = self.io.begin(Op::Release, rid);
+            Request::Release { leases }.encode(self.io.out());
+            self.io.end(start);
+            self.io.flush()?;
+        }
+        Ok(Ok(results))
+    }
+
+    /// Reads `Object`/`Data`/`Abort`/`Error` frames up to `End`, writing each object into its
+    /// target. Returns the byte count per item.
+    fn read_stream(
+        &mut self,
+        rid: u64,
+        targets: &mut [&mut Target<'_>],
+        deadline: Instant,
+    ) -> WResult<Result<Vec<Result<usize>>>> {
+        let mut results: Vec<Option<Result<usize>>> = (0..targets.len()).map(|_| None).collect();
+        loop {
+            if Instant::now() > deadline {
+                return Err(WireError::Timeout);
+            }
+            let h = self.read_reply_header(rid)?;
+            match h.op {
+                Op::End => {
+                    if h.payload_len != 0 {
+                        return Err(ProtocolError::Invalid { what: "end frame" }.into());
+                    }
+                    break;
+                }
+                Op::Error => {
+                    let payload = self.io.read_payload(h.payload_len)?;
+                    let (index, error) = decode_error_frame(&payload)?;
+                    if index == WHOLE_REQUEST {
+                        return Ok(Err(error));
+                    }
+                    let slot = results.get_mut(index as usize).ok_or(ProtocolError::Invalid { what: "item index" })?;
+                    if slot.is_some() {
+                        return Err(ProtocolError::Invalid { what: "item answered twice" }.into());
+                    }
+                    *slot = Some(Err(error));
+                }
+                Op::Object => {
+                    let payload = self.io.read_payload(h.payload_len)?;
+                    let (index, len) = decode_object(&payload)?;
+                    let i = index as usize;
+                    if i >= targets.len() || results[i].is_some() {
+                        return Err(ProtocolError::Invalid { what: "item index" }.into());
+                    }
+                    results[i] = Some(self.read_object(rid, len, targets[i], deadline)?);
+                }
+                other => {
+                    return Err(
+                        ProtocolError::Unexpected { expected: "an object, an error or the end", got: other }.into()
+                    )
+                }
+            }
+        }
+        Ok(Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(Error::Protocol("the owner did not answer for every key".into()))))
+            .collect()))
+    }
+
+    /// Reads one object's `Data` frames (or its `Abort`) into `target`.
+    fn read_object(
+        &mut self,
+        rid: u64,
+        len: u64,
+        target: &mut Target<'_>,
+        deadline: Instant,
+    ) -> WResult<Result<usize>> {
+        match target {
+            Target::Regions(regions) => {
+                let room: u64 = regions.iter().map(|r| r.len() as u64).sum();
+                if len > room {
+                    return Err(ProtocolError::Invalid { what: "object longer than its destination" }.into());
+                }
+            }
+            Target::Owned(v) => {
+                v.clear();
+                v.reserve(len.min(GET_INITIAL_ALLOC) as usize);
+            }
+        }
+        let mut pos = 0u64;
+        while pos < len {
+            if Instant::now() > deadline {
+                return Err(WireError::Timeout);
+            }
+            let h = self.read_reply_header(rid)?;
+            match h.op {
+                Op::Data => {
+                    let n = u64::from(h.payload_len);
+                    if n == 0 || n > len - pos {
+                        return Err(ProtocolError::Invalid { what: "data frame length" }.into());
+                    }
+                    match target {
+                        Target::Regions(regions) => {
+                            let io = &mut self.io;
+                            for_region_parts(regions, pos, n, |addr, part| {
+                                // SAFETY: the region is caller memory lent writable for this
+                                // call (checked by check_destination); the part lies inside it.
+                                unsafe { io.read_raw(addr as *mut u8, part as usize) }
+                            })?;
+                        }
+                        Target::Owned(v) => {
+                            v.reserve(n as usize);
+                            // SAFETY: reserve made room for n more bytes; read_raw writes exactly
+                            // n bytes there (or fails, and then set_len is not reached).
+                            unsafe {
+                                self.io.read_raw(v.as_mut_ptr().add(v.len()), n as usize)?;
+                                v.set_len(v.len() + n as usize);
+                            }
+                        }
+                    }
+                    pos += n;
+                }
+                Op::Abort => {
+                    let payload = self.io.read_payload(h.payload_len)?;
+                    let (_, error) = decode_error_frame(&payload)?;
+                    return Ok(Err(error));
+                }
+                other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
+            }
+        }
+        Ok(Ok(len as usize))
+    }
+}
+
+/// Copies a granted object out of the shared arena into `target`.
+fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &mut Target<'_>) -> ReadResult {
+    match target {
+        Target::Regions(regions) => {
+            let room = total_len(regions)?;
+            if len > room {
+                return Err(Error::BufferTooSmall { object_bytes: len, buffer_bytes: room });
+            }
+            let mut pos = 0;
+            for r in regions.iter() {
+                if pos == len {
+                    break;
+                }
+                let take = (r.len() as u64).min(len - pos);
+                // SAFETY: the destination is caller memory lent writable for this call; the
+                // source is leased to this connection until we release it, after this copy.
+                unsafe { mapping.copy_out(offset + pos, take, r.addr() as *mut u8)? };
+                pos += take;
+            }
+            Ok((len as usize, None))
+        }
+        Target::Owned(_) => {
+            let mut v = Vec::<u8>::with_capacity(len as usize);
+            // SAFETY: v has capacity for len bytes; copy_out writes exactly len bytes (or fails
+            // before writing, and then set_len is not reached).
+            unsafe {
+                mapping.copy_out(offset, len, v.as_mut_ptr())?;
+                v.set_len(len as usize);
+            }
+            Ok((len as usize, Some(v)))
+        }
+    }
+}
+
+impl Store for RemoteStore {
+    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<()> {
+        self.put_from(key, &[Region::host_readonly(value)], opts)
+    }
+
+    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
+        let mut results = self.batch_put_from_multi_buffers(&[key], &[sources.to_vec()], opts);
+        results.pop().unwrap_or(Err(Error::Internal("no result for a single put")))
+    }
+
+    fn batch_put_from_multi_buffers(
+        &self,
+        keys: &[&[u8]],
+        sources: &[Vec<Region<'_>>],
+        opts: PutOptions,
+    ) -> Vec<Result<()>> {
+        if keys.len() != sources.len() {
+            let e = Error::InvalidArgument(format!("{} keys but {} source lists", keys.len(), sources.len()));
+            return vec![Err(e); keys.len()];
+        }
+        let limits = match self.inner.limits() {
+            Ok(l) => l,
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        keys.iter()
+            .zip(sources)
+            .map(|(key, srcs)| {
+                self.inner.validate_key(&limits, key)?;
+                srcs.iter().try_for_each(check_source)?;
+                let total = total_len(srcs)?;
+                if total > limits.max_value_bytes {
+                    return Err(Error::TooLarge { what: "value", len: total, max: limits.max_value_bytes });
+                }
+                self.inner.call("put", |conn, rid| conn.put(rid, key, srcs, total, opts.upsert))
+            })
+            .collect()
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Vec<u8>> {
+        let limits = self.inner.limits()?;
+        self.inner.validate_key(&limits, key)?;
+        let mut r = self.inner.read_objects(vec![(key, LenCheck::Any, Target::Owned(Vec::new()))]);
+        let (_, owned) = r.pop().unwrap_or(Err(Error::Internal("no result")))?;
+        owned.ok_or(Error::Internal("no value"))
+    }
+
+    fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
+        let limits = self.inner.limits()?;
+        self.inner.validate_key(&limits, key)?;
+        check_destination(&dst)?;
+        let check = LenCheck::AtMost(dst.len() as u64);
+        let mut r = self.inner.read_objects(vec![(key, check, Target::Regions(vec![dst]))]);
+        r.pop().unwrap_or(Err(Error::Internal("no result"))).map(|(n, _)| n)
+    }
+
+    fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
+        if keys.len() != dsts.len() {
+            let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
+            return vec![Err(e); keys.len()];
+        }
+        let limits = match self.inner.limits() {
+            Ok(l) => l,
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| Err(Error::Internal("unset"))).collect();
+        let mut valid = Vec::new();
+        let mut items = Vec::new();
+        for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+            let checked = self
+                .inner
+                .validate_key(&limits, key)
+                .and_then(|()| regions.iter().try_for_each(check_destination))
+                .and_then(|()| total_len(regions));
+            match checked {
+                Ok(total) => {
+                    valid.push(i);
+                    items.push((*key, LenCheck::Exactly(total), Target::Regions(regions.clone())));
+                }
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        for (i, r) in valid.into_iter().zip(self.inner.read_objects(items)) {
+            results[i] = r.map(|(n, _)| n);
+        }
+        results
+    }
+
+    fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
+        let mut results: Vec<Vec<Result<usize>>> =
+            fragments.iter().map(|f| (0..f.len()).map(|_| Err(Error::Internal("unset"))).collect()).collect();
+        let limits = match self.inner.limits() {
+            Ok(l) => l,
+            Err(e) => return fragments.iter().map(|f| vec![Err(e.clone()); f.len()]).collect(),
+        };
+        let mut todo = Vec::new();
+        for (b, frags) in fragments.iter().enumerate() {
+            for (f, frag) in frags.iter().enumerate() {
+                let checked = buffers
+                    .get(b)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
+                    })
+                    .and_then(|buffer| {
+                        check_destination(buffer)?;
+                        buffer.check_range(frag.dst_offset, frag.len)?;
+                        self.inner.validate_key(&limits, &frag.key)
+                    });
+                match checked {
+                    Ok(()) => todo.push((b, f)),
+                    Err(e) => results[b][f] = Err(e),
+                }
+            }
+        }
+        let shm = self.uses_shared_memory();
+        let max_items = self.inner.max_batch(&limits);
+        for chunk in todo.chunks(max_items) {
+            let outcome = if shm {
+                self.ranges_via_leases(buffers, fragments, chunk)
+            } else {
+                self.ranges_via_stream(buffers, fragments, chunk, &limits)
+            };
+            for (&(b, f), r) in chunk.iter().zip(outcome) {
+                results[b][f] = r;
+            }
+        }
+        results
+    }
+
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        self.batch_exists(&[key]).pop().unwrap_or(Err(Error::Internal("no result")))
+    }
+
+    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
+        let limits = match self.inner.limits() {
+            Ok(l) => l,
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        let mut results: Vec<Result<bool>> = vec![Ok(false); keys.len()];
+        let mut valid = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            match self.inner.validate_key(&limits, key) {
+                Ok(()) => valid.push(i),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
+        for (start, end) in batches(&key_lens, 2, (limits.max_items as usize).min(8192), &limits) {
+            let chunk = &valid[start..end];
+            let batch: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
+            let outcome = self.inner.call("exists", |conn, rid| {
+                let start = conn.io.begin(Op::Exists, rid);
+                Request::Exists { keys: batch.clone() }.encode(conn.io.out());
+                conn.io.end(start);
+                conn.io.flush()?;
+                let h = conn.read_reply_header(rid)?;
+                let payload = conn.io.read_payload(h.payload_len)?;
+                match h.op {
+                    Op::ExistsReply => {
+                        let found = decode_exists(&payload, conn.limits.max_items)?;
+                        if found.len() != batch.len() {
+                            return Err(ProtocolError::Invalid { what: "exists result count" }.into());
+                        }
+                        Ok(Ok(found))
+                    }
+                    Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
+                    other => Err(ProtocolError::Unexpected { expected: "exists results", got: other }.into()),
+                }
+            });
+            match outcome {
+                Ok(found) => chunk.iter().zip(found).for_each(|(&i, f)| results[i] = f),
+                Err(e) => chunk.iter().for_each(|&i| results[i] = Err(e.clone())),
+            }
+        }
+        results
+    }
+
+    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize> {
+        let mut hits = 0;
+        for found in self.batch_exists(keys) {
+            if !found? {
+                break;
+            }
+            hits += 1;
+        }
+        Ok(hits)
+    }
+
+    fn remove(&self, key: &[u8], force: bool) -> Result<()> {
+        self.simple("remove", Request::Remove { key, force })
+    }
+
+    fn pin(&self, key: &[u8]) -> Result<()> {
+        self.simple("pin", Request::Pin { key })
+    }
+
+    fn unpin(&self, key: &[u8]) -> Result<()> {
+        self.simple("unpin", Request::Unpin { key })
+    }
+
+    fn stats(&self) -> Stats {
+        self.try_stats().unwrap_or_default()
+    }
+
+    fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>> {
+        if keys.len() != dsts.len() {
+            return Err(Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len())));
+        }
+        let limit = self.inner.options.max_tickets_in_flight;
+        let in_flight = Arc::clone(&self.inner.tickets_in_flight);
+        if in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Busy { limit });
+        }
+        let (ticket, cell, cancel) = Ticket::new();
+        let store = RemoteStore { inner: Arc::clone(&self.inner) };
+        let owned_keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
+        let worker_in_flight = Arc::clone(&in_flight);
+        let spawned = std::thread::Builder::new().name("kvtide-remote-ticket".into()).spawn(move || {
+            let results = if cancel.load(Ordering::Acquire) {
+                (0..owned_keys.len()).map(|_| Err(Error::Cancelled)).collect()
+            } else {
+                let keys: Vec<&[u8]> = owned_keys.iter().map(Vec::as_slice).collect();
+                store.batch_get_into_multi_buffers(&keys, &dsts)
+            };
+            worker_in_flight.fetch_sub(1, Ordering::AcqRel);
+            cell.fulfil(results);
+        });
+        if let Err(e) = spawned {
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Io(format!("cannot start a ticket thread: {e}")));
+        }
+        Ok(ticket)
+    }
+}
+
+impl RemoteStore {
+    fn simple(&self, op: &'static str, request: Request<'_>) -> Result<()> {
+        let limits = self.inner.limits()?;
+        let key = match &request {
+            Request::Remove { key, .. } | Request::Pin { key } | Request::Unpin { key } => *key,
+            _ => return Err(Error::Internal("not a single-key request")),
+        };
+        self.inner.validate_key(&limits, key)?;
+        self.inner.call(op, |conn, rid| {
+            let start = conn.io.begin(request.op(), rid);
+            request.encode(conn.io.out());
+            conn.io.end(start);
+            conn.io.flush()?;
+            conn.read_status(rid)
+        })
+    }
+
+    /// Ranges over shared memory: lease each key once, copy each fragment out of the arena.
+    fn ranges_via_leases(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+        chunk: &[(usize, usize)],
+    ) -> Vec<Result<usize>> {
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut key_of = Vec::with_capacity(chunk.len());
+        let mut index = std::collections::HashMap::new();
+        for &(b, f) in chunk {
+            let key = fragments[b][f].key.as_slice();
+            let k = *index.entry(key).or_insert_with(|| {
+                keys.push(key);
+                keys.len() - 1
+            });
+            key_of.push(k);
+        }
+        let outcome = self.inner.call("get_into_ranges", |conn, rid| {
+            let Some(mapping) = conn.shm.clone() else {
+                return Ok(Err(Error::Protocol("shared memory went away".into())));
+            };
+            let items = keys.iter().map(|key| GetItem { key, check: LenCheck::Any }).collect();
+            let start = conn.io.begin(Op::Get, rid);
+            Request::Get { lease: true, items }.encode(conn.io.out());
+            conn.io.end(start);
+            let sent = Instant::now();
+            conn.io.flush()?;
+            let h = conn.read_reply_header(rid)?;
+            let payload = conn.io.read_payload(h.payload_len)?;
+            let (ttl_ms, grants) = match h.op {
+                Op::Grants => decode_grants(&payload, conn.limits.max_items, mapping.len())?,
+                Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+                other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+            };
+            if grants.len() != keys.len() {
+                return Err(ProtocolError::Invalid { what: "grant count" }.into());
+            }
+            let mut results = Vec::with_capacity(chunk.len());
+            for (&(b, f), &k) in chunk.iter().zip(&key_of) {
+                let frag = &fragments[b][f];
+                results.push(grants[k].clone().and_then(|g| {
+                    kvtide_transport::region::check_range("object", frag.src_offset, frag.len, g.len)?;
+                    let dst = buffers[b].slice(frag.dst_offset, frag.len)?;
+                    // SAFETY: dst is a checked slice of a caller buffer lent writable for this
+                    // call; the source is leased to this connection until the release below.
+                    unsafe { mapping.copy_out(g.offset + frag.src_offset, frag.len, dst.addr() as *mut u8)? };
+                    Ok(frag.len as usize)
+                }));
+            }
+            if sent.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(ttl_ms)) {
+                results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(Error::LeaseExpired));
+            }
+            let leases: Vec<u64> = grants.iter().filter_map(|g| g.as_ref().ok().map(|g| g.lease)).collect();
+            if !leases.is_empty() {
+                let start = conn.io.begin(Op::Release, rid);
+                Request::Release { leases }.encode(conn.io.out());
+                conn.io.end(start);
+                conn.io.flush()?;
+            }
+            Ok(Ok(results))
+        });
+        match outcome {
+            Ok(r) => r,
+            Err(e) => vec![Err(e); chunk.len()],
+        }
+    }
+
+    /// Ranges over a stream: the owner sends each fragment's bytes.
+    fn ranges_via_stream(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+        chunk: &[(usize, usize)],
+        limits: &Limits,
+    ) -> Vec<Result<usize>> {
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        let mut items = Vec::with_capacity(chunk.len());
+        let mut payload_bytes = 8usize;
+        for &(b, f) in chunk {
+            let frag = &fragments[b][f];
+            let key = frag.key.as_slice();
+            let k = *index.entry(key).or_insert_with(|| {
+                keys.push(key);
+                payload_bytes += key.len() + 2;
+                keys.len() - 1
+            });
+            payload_bytes += 20;
+            items.push(RangeItem { key_index: k as u32, src_offset: frag.src_offset, len: frag.len });
+        }
+        if payload_bytes > limits.max_payload_bytes as usize {
+            // Too big for one frame: split in halves.
+            let (a, b) = chunk.split_at(chunk.len() / 2);
+            if a.is_empty() {
+                return vec![
+                    Err(Error::TooLarge {
+                        what: "fragment",
+                        len: payload_bytes as u64,
+                        max: limits.max_payload_bytes.into()
+                    });
+                    chunk.len()
+                ];
+            }
+            let mut out = self.ranges_via_stream(buffers, fragments, a, limits);
+            out.extend(self.ranges_via_stream(buffers, fragments, b, limits));
+            return out;
+        }
+        let timeout = self.inner.timeout();
+        let outcome = self.inner.call("get_into_ranges", |conn, rid| {
+            let start = conn.io.begin(Op::GetRanges, rid);
+            Request::GetRanges { keys: keys.clone(), fragments: items.clone() }.encode(conn.io.out());
+            conn.io.end(start);
+            let sent = Instant::now();
+            conn.io.flush()?;
+            let mut targets: Vec<Target<'_>> = Vec::with_capacity(chunk.len());
+            for &(b, f) in chunk {
+                let frag = &fragments[b][f];
+                match buffers[b].slice(frag.dst_offset, frag.len) {
+                    Ok(dst) => targets.push(Target::Regions(vec![dst])),
+                    // Checked before; an empty target makes a mismatch a protocol error.
+                    Err(_) => targets.push(Target::Regions(Vec::new())),
+                }
+            }
+            let mut refs: Vec<&mut Target<'_>> = targets.iter_mut().collect();
+            conn.read_stream(rid, &mut refs, sent + timeout)
+        });
+        match outcome {
+            Ok(r) => r,
+            Err(e) => vec![Err(e); chunk.len()],
+        }
+    }
+}

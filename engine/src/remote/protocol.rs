@@ -1,0 +1,1147 @@
+//! The wire protocol between `kvtide-owner` and `RemoteStore`: frame headers, message payloads,
+//! and the validation of every field that arrives from the network.
+//!
+//! It is pure (no sockets, no engine), so both ends and the fuzz targets share one decoder. It
+//! owns every bound check on received bytes: magic, version, operation, payload length, counts,
+//! key lengths, indices and offsets are checked against the bytes actually present and the
+//! configured limits before anything is allocated or touched. It never sizes an allocation from
+//! a count it has not checked against the bytes that carry the counted items.
+//!
+//! A frame is a 20-byte header and `payload_len` payload bytes (all integers little endian):
+//!
+//! ```text
+//! magic u32 "KVTD" | version u16 | op u8 | flags u8 | request_id u64 | payload_len u32
+//! ```
+//!
+//! Values larger than one chunk travel as a run of `Data` frames after the frame that announces
+//! them, so neither side holds a whole object in a buffer: the receiver reads each chunk straight
+//! into its destination (the owner's reservation, the client's buffer).
+
+use crate::error::Error;
+use kvtide_transport::RegionError;
+
+/// "KVTD".
+pub const MAGIC: u32 = u32::from_le_bytes(*b"KVTD");
+/// The only version this build speaks; a peer with another one gets `ProtocolVersion`.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Frame header size.
+pub const HEADER_BYTES: usize = 20;
+/// Challenge nonce size.
+pub const NONCE_BYTES: usize = 32;
+/// HMAC-SHA256 size.
+pub const MAC_BYTES: usize = 32;
+/// Longest key the wire can carry (u16 length); the owner's own limit is usually lower.
+pub const MAX_WIRE_KEY_BYTES: usize = u16::MAX as usize;
+/// Longest error message carried (longer ones are cut).
+pub const MAX_MESSAGE_BYTES: usize = 1024;
+/// Error index meaning "the whole request", not one of its items.
+pub const WHOLE_REQUEST: u32 = u32::MAX;
+/// Fixed part of a `Put` payload, before the key.
+pub const PUT_HEAD_BYTES: usize = 12;
+
+/// `Hello` flag: the client wants the arena mapping (Unix socket only).
+pub const HELLO_WANT_SHM: u32 = 1;
+/// `HelloOk` flag: the client must authenticate with `Auth` before anything else.
+pub const HELLO_AUTH_REQUIRED: u32 = 1;
+/// `HelloOk` flag: the arena memfd rides on this frame (`SCM_RIGHTS`).
+pub const HELLO_SHM_ATTACHED: u32 = 2;
+
+/// Operations. Requests are below 64, replies from 64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Op {
+    Hello = 1,
+    Auth = 2,
+    Put = 10,
+    Get = 11,
+    GetRanges = 12,
+    Exists = 13,
+    Remove = 14,
+    Pin = 15,
+    Unpin = 16,
+    Stats = 17,
+    /// Releases leases granted by `Get` in lease mode. No reply.
+    Release = 18,
+    /// A chunk of a value (either direction).
+    Data = 30,
+    HelloOk = 64,
+    AuthOk = 65,
+    Ok = 66,
+    Error = 67,
+    Object = 68,
+    Abort = 69,
+    End = 70,
+    Grants = 71,
+    ExistsReply = 72,
+    StatsReply = 73,
+}
+
+impl Op {
+    /// The operation with this code.
+    pub fn from_u8(code: u8) -> Option<Op> {
+        Some(match code {
+            1 => Op::Hello,
+            2 => Op::Auth,
+            10 => Op::Put,
+            11 => Op::Get,
+            12 => Op::GetRanges,
+            13 => Op::Exists,
+            14 => Op::Remove,
+            15 => Op::Pin,
+            16 => Op::Unpin,
+            17 => Op::Stats,
+            18 => Op::Release,
+            30 => Op::Data,
+            64 => Op::HelloOk,
+            65 => Op::AuthOk,
+            66 => Op::Ok,
+            67 => Op::Error,
+            68 => Op::Object,
+            69 => Op::Abort,
+            70 => Op::End,
+            71 => Op::Grants,
+            72 => Op::ExistsReply,
+            73 => Op::StatsReply,
+            _ => return None,
+        })
+    }
+}
+
+/// Why received bytes were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("bad magic {found:#010x} (not a kvtide peer)")]
+    BadMagic { found: u32 },
+    #[error("peer speaks protocol version {theirs}, this side speaks {PROTOCOL_VERSION}")]
+    Version { theirs: u16 },
+    #[error("unknown operation {0}")]
+    UnknownOp(u8),
+    #[error("frame payload of {len} bytes exceeds the limit of {max}")]
+    FrameTooLarge { len: u64, max: u64 },
+    #[error("truncated {what}")]
+    Truncated { what: &'static str },
+    #[error("{extra} unexpected trailing bytes after {what}")]
+    TrailingBytes { what: &'static str, extra: usize },
+    #[error("{count} {what} exceed the limit of {max}")]
+    TooMany { what: &'static str, count: u64, max: u64 },
+    #[error("invalid {what}")]
+    Invalid { what: &'static str },
+    #[error("expected {expected}, got {got:?}")]
+    Unexpected { expected: &'static str, got: Op },
+}
+
+impl From<ProtocolError> for Error {
+    fn from(e: ProtocolError) -> Error {
+        match e {
+            ProtocolError::Version { theirs } => Error::ProtocolVersion { ours: PROTOCOL_VERSION, theirs },
+            other => Error::Protocol(other.to_string()),
+        }
+    }
+}
+
+type PResult<T> = std::result::Result<T, ProtocolError>;
+
+/// Limits a receiver enforces on what it decodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest frame payload.
+    pub max_payload_bytes: u32,
+    /// Most items (keys, fragments, leases) in one request or reply.
+    pub max_items: u32,
+    /// Longest key.
+    pub max_key_bytes: u32,
+    /// Largest value.
+    pub max_value_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_payload_bytes: 4 << 20, max_items: 65_536, max_key_bytes: 1024, max_value_bytes: 1 << 40 }
+    }
+}
+
+/// A decoded frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub version: u16,
+    pub op: Op,
+    pub flags: u8,
+    pub request_id: u64,
+    pub payload_len: u32,
+}
+
+impl FrameHeader {
+    /// A header of this build's version.
+    pub fn new(op: Op, request_id: u64, payload_len: u32) -> FrameHeader {
+        FrameHeader { version: PROTOCOL_VERSION, op, flags: 0, request_id, payload_len }
+    }
+
+    /// The 20 header bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut out = [0u8; HEADER_BYTES];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4..6].copy_from_slice(&self.version.to_le_bytes());
+        out[6] = self.op as u8;
+        out[7] = self.flags;
+        out[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        out[16..20].copy_from_slice(&self.payload_len.to_le_bytes());
+        out
+    }
+
+    /// Decodes and validates a header: magic first, then version (so a peer of another version
+    /// gets a clear `Version` error), then the operation and the payload length.
+    pub fn decode(bytes: &[u8], max_payload_bytes: u32) -> PResult<FrameHeader> {
+        let mut r = Reader::new(bytes);
+        let magic = r.u32()?;
+        if magic != MAGIC {
+            return Err(ProtocolError::BadMagic { found: magic });
+        }
+        let version = r.u16()?;
+        if version != PROTOCOL_VERSION {
+            return Err(ProtocolError::Version { theirs: version });
+        }
+        let code = r.u8()?;
+        let op = Op::from_u8(code).ok_or(ProtocolError::UnknownOp(code))?;
+        let flags = r.u8()?;
+        let request_id = r.u64()?;
+        let payload_len = r.u32()?;
+        if payload_len > max_payload_bytes {
+            return Err(ProtocolError::FrameTooLarge { len: payload_len.into(), max: max_payload_bytes.into() });
+        }
+        Ok(FrameHeader { version, op, flags, request_id, payload_len })
+    }
+}
+
+/// Splits `bytes` into frames (header + payload slices), stopping at the first error or at an
+/// incomplete frame (returned as `Truncated`). Used by tests and the frame-decoder fuzz target.
+pub fn split_frames(bytes: &[u8], max_payload_bytes: u32) -> (Vec<(FrameHeader, &[u8])>, Option<ProtocolError>) {
+    let mut frames = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        if rest.len() < HEADER_BYTES {
+            return (frames, Some(ProtocolError::Truncated { what: "frame header" }));
+        }
+        let header = match FrameHeader::decode(&rest[..HEADER_BYTES], max_payload_bytes) {
+            Ok(h) => h,
+            Err(e) => return (frames, Some(e)),
+        };
+        let end = HEADER_BYTES + header.payload_len as usize;
+        let Some(payload) = rest.get(HEADER_BYTES..end) else {
+            return (frames, Some(ProtocolError::Truncated { what: "frame payload" }));
+        };
+        frames.push((header, payload));
+        rest = &rest[end..];
+    }
+    (frames, None)
+}
+
+// ---- reading and writing payload fields ------------------------------------------------------
+
+/// A bounds-checked cursor over a payload.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader { buf }
+    }
+
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next `n` bytes.
+    pub fn take(&mut self, n: usize, what: &'static str) -> PResult<&'a [u8]> {
+        if n > self.buf.len() {
+            return Err(ProtocolError::Truncated { what });
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self, what: &'static str) -> PResult<[u8; N]> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N, what)?);
+        Ok(out)
+    }
+
+    pub fn u8(&mut self) -> PResult<u8> {
+        Ok(self.array::<1>("u8")?[0])
+    }
+
+    pub fn u16(&mut self) -> PResult<u16> {
+        Ok(u16::from_le_bytes(self.array("u16")?))
+    }
+
+    pub fn u32(&mut self) -> PResult<u32> {
+        Ok(u32::from_le_bytes(self.array("u32")?))
+    }
+
+    pub fn u64(&mut self) -> PResult<u64> {
+        Ok(u64::from_le_bytes(self.array("u64")?))
+    }
+
+    /// A key: u16 length (1..=max) and its bytes.
+    pub fn key(&mut self, max_key_bytes: u32) -> PResult<&'a [u8]> {
+        let len = self.u16()? as usize;
+        if len == 0 || len > max_key_bytes as usize {
+            return Err(ProtocolError::Invalid { what: "key length" });
+        }
+        self.take(len, "key")
+    }
+
+    /// A u32 count of items each at least `min_item_bytes` long: refused when above `max` or
+    /// when the payload cannot hold that many items, so it is safe to reserve capacity for.
+    pub fn count(&mut self, min_item_bytes: usize, max: u32, what: &'static str) -> PResult<usize> {
+        let count = self.u32()?;
+        if count > max {
+            return Err(ProtocolError::TooMany { what, count: count.into(), max: max.into() });
+        }
+        let count = count as usize;
+        if count.checked_mul(min_item_bytes).is_none_or(|bytes| bytes > self.remaining()) {
+            return Err(ProtocolError::Truncated { what });
+        }
+        Ok(count)
+    }
+
+    /// Succeeds when every byte was consumed.
+    pub fn finish(self, what: &'static str) -> PResult<()> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtocolError::TrailingBytes { what, extra: self.buf.len() })
+        }
+    }
+}
+
+/// Little-endian appends to a payload buffer.
+pub trait Put {
+    fn put_u8(&mut self, v: u8);
+    fn put_u16(&mut self, v: u16);
+    fn put_u32(&mut self, v: u32);
+    fn put_u64(&mut self, v: u64);
+    /// u16 length + bytes (callers keep keys at most `MAX_WIRE_KEY_BYTES` long).
+    fn put_key(&mut self, key: &[u8]);
+}
+
+impl Put for Vec<u8> {
+    fn put_u8(&mut self, v: u8) {
+        self.push(v);
+    }
+    fn put_u16(&mut self, v: u16) {
+        self.extend_from_slice(&v.to_le_bytes());
+    }
+    fn put_u32(&mut self, v: u32) {
+        self.extend_from_slice(&v.to_le_bytes());
+    }
+    fn put_u64(&mut self, v: u64) {
+        self.extend_from_slice(&v.to_le_bytes());
+    }
+    fn put_key(&mut self, key: &[u8]) {
+        let len = key.len().min(MAX_WIRE_KEY_BYTES);
+        self.put_u16(len as u16);
+        self.extend_from_slice(&key[..len]);
+    }
+}
+
+/// Starts a frame in `buf`; returns where it starts, for `end_frame`.
+pub fn begin_frame(buf: &mut Vec<u8>, op: Op, request_id: u64) -> usize {
+    let start = buf.len();
+    buf.extend_from_slice(&FrameHeader::new(op, request_id, 0).encode());
+    start
+}
+
+/// Fills in the payload length of the frame begun at `start`.
+pub fn end_frame(buf: &mut [u8], start: usize) {
+    let payload_len = (buf.len() - start - HEADER_BYTES) as u32;
+    buf[start + 16..start + 20].copy_from_slice(&payload_len.to_le_bytes());
+}
+
+/// A whole frame with this payload.
+pub fn frame(op: Op, request_id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER_BYTES + payload.len());
+    let start = begin_frame(&mut buf, op, request_id);
+    buf.extend_from_slice(payload);
+    end_frame(&mut buf, start);
+    buf
+}
+
+// ---- handshake -------------------------------------------------------------------------------
+
+/// The client's first frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub client_nonce: [u8; NONCE_BYTES],
+    pub flags: u32,
+}
+
+impl Hello {
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(&self.client_nonce);
+        buf.put_u32(self.flags);
+    }
+
+    pub fn decode(payload: &[u8]) -> PResult<Hello> {
+        let mut r = Reader::new(payload);
+        let client_nonce = r.array("client nonce")?;
+        let flags = r.u32()?;
+        r.finish("hello")?;
+        Ok(Hello { client_nonce, flags })
+    }
+}
+
+/// The owner's answer to `Hello`: its limits, its challenge, and the arena it shares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HelloOk {
+    pub flags: u32,
+    pub max_payload_bytes: u32,
+    pub chunk_bytes: u32,
+    pub max_items: u32,
+    pub max_leases: u32,
+    pub lease_ttl_ms: u32,
+    pub max_key_bytes: u32,
+    pub max_value_bytes: u64,
+    pub server_nonce: [u8; NONCE_BYTES],
+    /// Differs per owner start: a client keeps one mapping per instance.
+    pub instance_id: u64,
+    /// Length of the shared arena (0 without shared memory).
+    pub arena_bytes: u64,
+}
+
+/// Smallest chunk and payload limit a peer may announce.
+pub const MIN_CHUNK_BYTES: u32 = 4096;
+
+impl HelloOk {
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        buf.put_u32(self.flags);
+        buf.put_u32(self.max_payload_bytes);
+        buf.put_u32(self.chunk_bytes);
+        buf.put_u32(self.max_items);
+        buf.put_u32(self.max_leases);
+        buf.put_u32(self.lease_ttl_ms);
+        buf.put_u32(self.max_key_bytes);
+        buf.put_u64(self.max_value_bytes);
+        buf.extend_from_slice(&self.server_nonce);
+        buf.put_u64(self.instance_id);
+        buf.put_u64(self.arena_bytes);
+    }
+
+    /// Decodes and checks that the announced limits are usable.
+    pub fn decode(payload: &[u8]) -> PResult<HelloOk> {
+        let mut r = Reader::new(payload);
+        let hello = HelloOk {
+            flags: r.u32()?,
+            max_payload_bytes: r.u32()?,
+            chunk_bytes: r.u32()?,
+            max_items: r.u32()?,
+            max_leases: r.u32()?,
+            lease_ttl_ms: r.u32()?,
+            max_key_bytes: r.u32()?,
+            max_value_bytes: r.u64()?,
+            server_nonce: r.array("server nonce")?,
+            instance_id: r.u64()?,
+            arena_bytes: r.u64()?,
+        };
+        r.finish("hello reply")?;
+        if hello.chunk_bytes < MIN_CHUNK_BYTES || hello.chunk_bytes > hello.max_payload_bytes {
+            return Err(ProtocolError::Invalid { what: "chunk size" });
+        }
+        if hello.max_key_bytes == 0 || hello.max_key_bytes as usize > MAX_WIRE_KEY_BYTES {
+            return Err(ProtocolError::Invalid { what: "key limit" });
+        }
+        if hello.max_items == 0 {
+            return Err(ProtocolError::Invalid { what: "item limit" });
+        }
+        if hello.flags & HELLO_SHM_ATTACHED != 0 && hello.arena_bytes == 0 {
+            return Err(ProtocolError::Invalid { what: "arena size" });
+        }
+        Ok(hello)
+    }
+
+    /// The limits a client enforces on replies from this owner.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_payload_bytes: self.max_payload_bytes,
+            max_items: self.max_items,
+            max_key_bytes: self.max_key_bytes,
+            max_value_bytes: self.max_value_bytes,
+        }
+    }
+}
+
+/// A 32-byte MAC payload (`Auth`, `AuthOk`).
+pub fn decode_mac(payload: &[u8]) -> PResult<[u8; MAC_BYTES]> {
+    let mut r = Reader::new(payload);
+    let mac = r.array("mac")?;
+    r.finish("mac")?;
+    Ok(mac)
+}
+
+// ---- requests --------------------------------------------------------------------------------
+
+/// How the owner checks an object's length before sending it (mirrors the embedded checks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LenCheck {
+    /// Any length (`get`).
+    Any,
+    /// At most this many bytes, else `BufferTooSmall` (`get_into`).
+    AtMost(u64),
+    /// Exactly this many bytes, else `SizeMismatch` (`batch_get_into_multi_buffers`).
+    Exactly(u64),
+}
+
+impl LenCheck {
+    fn encode(&self, buf: &mut Vec<u8>) {
+        let (tag, value) = match *self {
+            LenCheck::Any => (0, 0),
+            LenCheck::AtMost(n) => (1, n),
+            LenCheck::Exactly(n) => (2, n),
+        };
+        buf.put_u8(tag);
+        buf.put_u64(value);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> PResult<LenCheck> {
+        let tag = r.u8()?;
+        let value = r.u64()?;
+        match tag {
+            0 => Ok(LenCheck::Any),
+            1 => Ok(LenCheck::AtMost(value)),
+            2 => Ok(LenCheck::Exactly(value)),
+            _ => Err(ProtocolError::Invalid { what: "length check" }),
+        }
+    }
+
+    /// The error the embedded engine reports for an object of `len` bytes, if any.
+    pub fn check(&self, len: u64) -> Result<(), Error> {
+        match *self {
+            LenCheck::AtMost(max) if len > max => Err(Error::BufferTooSmall { object_bytes: len, buffer_bytes: max }),
+            LenCheck::Exactly(n) if len != n => Err(Error::SizeMismatch { object_bytes: len, destination_bytes: n }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// One key of a `Get`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GetItem<'a> {
+    pub key: &'a [u8],
+    pub check: LenCheck,
+}
+
+/// One fragment of a `GetRanges`: bytes `[src_offset, src_offset + len)` of `keys[key_index]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RangeItem {
+    pub key_index: u32,
+    pub src_offset: u64,
+    pub len: u64,
+}
+
+/// `Get` flag: grant leases on the shared arena instead of streaming the bytes.
+pub const GET_LEASE: u8 = 1;
+/// `Put` flag: replace an existing object.
+pub const PUT_UPSERT: u8 = 1;
+/// `Remove` flag: remove even when leased or pinned.
+pub const REMOVE_FORCE: u8 = 1;
+
+const MIN_KEY_BYTES: usize = 3; // u16 length + at least one byte
+const GET_ITEM_BYTES: usize = MIN_KEY_BYTES + 9;
+const RANGE_ITEM_BYTES: usize = 20;
+
+/// A request other than the streamed `Put`/`Data`, decoded and validated. Keys borrow the
+/// payload; every vector was sized from a count checked against the payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request<'a> {
+    Hello(Hello),
+    Auth { mac: [u8; MAC_BYTES] },
+    Get { lease: bool, items: Vec<GetItem<'a>> },
+    GetRanges { keys: Vec<&'a [u8]>, fragments: Vec<RangeItem> },
+    Exists { keys: Vec<&'a [u8]> },
+    Remove { key: &'a [u8], force: bool },
+    Pin { key: &'a [u8] },
+    Unpin { key: &'a [u8] },
+    Stats,
+    Release { leases: Vec<u64> },
+}
+
+impl<'a> Request<'a> {
+    /// Decodes the payload of a request frame of operation `op`.
+    pub fn decode(op: Op, payload: &'a [u8], limits: &Limits) -> PResult<Request<'a>> {
+        let mut r = Reader::new(payload);
+        let request = match op {
+            Op::Hello => return Hello::decode(payload).map(Request::Hello),
+            Op::Auth => return decode_mac(payload).map(|mac| Request::Auth { mac }),
+            Op::Get => {
+                let flags = r.u8()?;
+                if flags & !GET_LEASE != 0 {
+                    return Err(ProtocolError::Invalid { what: "get flags" });
+                }
+                let count = r.count(GET_ITEM_BYTES, limits.max_items, "keys")?;
+                let mut items = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let key = r.key(limits.max_key_bytes)?;
+                    let check = LenCheck::decode(&mut r)?;
+                    items.push(GetItem { key, check });
+                }
+                Request::Get { lease: flags & GET_LEASE != 0, items }
+            }
+            Op::GetRanges => {
+                let keys = decode_keys(&mut r, limits)?;
+                let count = r.count(RANGE_ITEM_BYTES, limits.max_items, "fragments")?;
+                let mut fragments = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let item = RangeItem { key_index: r.u32()?, src_offset: r.u64()?, len: r.u64()? };
+                    if item.key_index as usize >= keys.len() {
+                        return Err(ProtocolError::Invalid { what: "fragment key index" });
+                    }
+                    // Ranges are checked against the object (overflow-safe) when it is leased, so
+                    // a bad one fails only its own fragment.
+                    fragments.push(item);
+                }
+                Request::GetRanges { keys, fragments }
+            }
+            Op::Exists => Request::Exists { keys: decode_keys(&mut r, limits)? },
+            Op::Remove => {
+                let flags = r.u8()?;
+                if flags & !REMOVE_FORCE != 0 {
+                    return Err(ProtocolError::Invalid { what: "remove flags" });
+                }
+                Request::Remove { key: r.key(limits.max_key_bytes)?, force: flags & REMOVE_FORCE != 0 }
+            }
+            Op::Pin => Request::Pin { key: r.key(limits.max_key_bytes)? },
+            Op::Unpin => Request::Unpin { key: r.key(limits.max_key_bytes)? },
+            Op::Stats => Request::Stats,
+            Op::Release => {
+                let count = r.count(8, limits.max_items, "leases")?;
+                let mut leases = Vec::with_capacity(count);
+                for _ in 0..count {
+                    leases.push(r.u64()?);
+                }
+                Request::Release { leases }
+            }
+            other => return Err(ProtocolError::Unexpected { expected: "a request", got: other }),
+        };
+        r.finish("request")?;
+        Ok(request)
+    }
+
+    /// Appends this request's payload (the inverse of `decode`).
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        match self {
+            Request::Hello(h) => h.encode(buf),
+            Request::Auth { mac } => buf.extend_from_slice(mac),
+            Request::Get { lease, items } => {
+                buf.put_u8(if *lease { GET_LEASE } else { 0 });
+                buf.put_u32(items.len() as u32);
+                for item in items {
+                    buf.put_key(item.key);
+                    item.check.encode(buf);
+                }
+            }
+            Request::GetRanges { keys, fragments } => {
+                encode_keys(buf, keys);
+                buf.put_u32(fragments.len() as u32);
+                for f in fragments {
+                    buf.put_u32(f.key_index);
+                    buf.put_u64(f.src_offset);
+                    buf.put_u64(f.len);
+                }
+            }
+            Request::Exists { keys } => encode_keys(buf, keys),
+            Request::Remove { key, force } => {
+                buf.put_u8(if *force { REMOVE_FORCE } else { 0 });
+                buf.put_key(key);
+            }
+            Request::Pin { key } | Request::Unpin { key } => buf.put_key(key),
+            Request::Stats => {}
+            Request::Release { leases } => {
+                buf.put_u32(leases.len() as u32);
+                leases.iter().for_each(|&l| buf.put_u64(l));
+            }
+        }
+    }
+
+    /// The operation code of this request.
+    pub fn op(&self) -> Op {
+        match self {
+            Request::Hello(_) => Op::Hello,
+            Request::Auth { .. } => Op::Auth,
+            Request::Get { .. } => Op::Get,
+            Request::GetRanges { .. } => Op::GetRanges,
+            Request::Exists { .. } => Op::Exists,
+            Request::Remove { .. } => Op::Remove,
+            Request::Pin { .. } => Op::Pin,
+            Request::Unpin { .. } => Op::Unpin,
+            Request::Stats => Op::Stats,
+            Request::Release { .. } => Op::Release,
+        }
+    }
+}
+
+fn decode_keys<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Vec<&'a [u8]>> {
+    let count = r.count(MIN_KEY_BYTES, limits.max_items, "keys")?;
+    let mut keys = Vec::with_capacity(count);
+    for _ in 0..count {
+        keys.push(r.key(limits.max_key_bytes)?);
+    }
+    Ok(keys)
+}
+
+fn encode_keys(buf: &mut Vec<u8>, keys: &[&[u8]]) {
+    buf.put_u32(keys.len() as u32);
+    keys.iter().for_each(|k| buf.put_key(k));
+}
+
+/// The fixed start of a `Put` payload: `flags u8 | reserved u8 | key_len u16 | total_len u64`,
+/// then the key, then the first bytes of the value ("inline"); the rest follows in `Data`
+/// frames of the same request id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PutHead {
+    pub upsert: bool,
+    pub key_len: u16,
+    pub total_len: u64,
+    /// Value bytes in the `Put` frame itself, after the key.
+    pub inline_len: u64,
+}
+
+impl PutHead {
+    /// Appends the fixed part (the caller appends the key and the inline bytes).
+    pub fn encode(buf: &mut Vec<u8>, upsert: bool, key: &[u8], total_len: u64) {
+        buf.put_u8(if upsert { PUT_UPSERT } else { 0 });
+        buf.put_u8(0);
+        buf.put_u16(key.len().min(MAX_WIRE_KEY_BYTES) as u16);
+        buf.put_u64(total_len);
+    }
+
+    /// Validates the fixed part of a `Put` whose whole payload is `payload_len` bytes.
+    pub fn decode(head: &[u8], payload_len: u32, limits: &Limits) -> PResult<PutHead> {
+        let mut r = Reader::new(head);
+        let flags = r.u8()?;
+        let reserved = r.u8()?;
+        let key_len = r.u16()?;
+        let total_len = r.u64()?;
+        r.finish("put head")?;
+        if flags & !PUT_UPSERT != 0 || reserved != 0 {
+            return Err(ProtocolError::Invalid { what: "put flags" });
+        }
+        if key_len == 0 || u32::from(key_len) > limits.max_key_bytes {
+            return Err(ProtocolError::Invalid { what: "key length" });
+        }
+        let Some(inline_len) = u64::from(payload_len).checked_sub((PUT_HEAD_BYTES + usize::from(key_len)) as u64)
+        else {
+            return Err(ProtocolError::Truncated { what: "put key" });
+        };
+        if total_len > limits.max_value_bytes {
+            return Err(ProtocolError::FrameTooLarge { len: total_len, max: limits.max_value_bytes });
+        }
+        if inline_len > total_len {
+            return Err(ProtocolError::Invalid { what: "put inline length" });
+        }
+        Ok(PutHead { upsert: flags & PUT_UPSERT != 0, key_len, total_len, inline_len })
+    }
+}
+
+// ---- replies ---------------------------------------------------------------------------------
+
+/// `Object` frame: item `index` succeeded and `len` bytes follow in `Data` frames.
+pub fn decode_object(payload: &[u8]) -> PResult<(u32, u64)> {
+    let mut r = Reader::new(payload);
+    let index = r.u32()?;
+    let len = r.u64()?;
+    r.finish("object")?;
+    Ok((index, len))
+}
+
+/// Appends an `Object` payload.
+pub fn encode_object(buf: &mut Vec<u8>, index: u32, len: u64) {
+    buf.put_u32(index);
+    buf.put_u64(len);
+}
+
+/// `Error` / `Abort` frame: item `index` (or `WHOLE_REQUEST`) failed.
+pub fn decode_error_frame(payload: &[u8]) -> PResult<(u32, Error)> {
+    let mut r = Reader::new(payload);
+    let index = r.u32()?;
+    let error = decode_error(&mut r)?;
+    r.finish("error")?;
+    Ok((index, error))
+}
+
+/// Appends an `Error` / `Abort` payload.
+pub fn encode_error_frame(buf: &mut Vec<u8>, index: u32, error: &Error) {
+    buf.put_u32(index);
+    encode_error(buf, error);
+}
+
+/// One lease granted on the shared arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub lease: u64,
+    /// Offset of the object's first byte within the arena mapping.
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl Grant {
+    /// Checks that the granted bytes lie inside an arena of `arena_bytes`.
+    pub fn check(&self, arena_bytes: u64) -> PResult<()> {
+        match self.offset.checked_add(self.len) {
+            Some(end) if end <= arena_bytes => Ok(()),
+            _ => Err(ProtocolError::Invalid { what: "grant outside the arena" }),
+        }
+    }
+}
+
+/// Appends a `Grants` payload.
+pub fn encode_grants(buf: &mut Vec<u8>, ttl_ms: u32, grants: &[Result<Grant, Error>]) {
+    buf.put_u32(ttl_ms);
+    buf.put_u32(grants.len() as u32);
+    for g in grants {
+        match g {
+            Ok(g) => {
+                buf.put_u8(0);
+                buf.put_u64(g.lease);
+                buf.put_u64(g.offset);
+                buf.put_u64(g.len);
+            }
+            Err(e) => {
+                buf.put_u8(1);
+                encode_error(buf, e);
+            }
+        }
+    }
+}
+
+/// Decodes a `Grants` payload; every grant is checked against `arena_bytes`.
+pub fn decode_grants(payload: &[u8], max_items: u32, arena_bytes: u64) -> PResult<(u32, Vec<Result<Grant, Error>>)> {
+    let mut r = Reader::new(payload);
+    let ttl_ms = r.u32()?;
+    let count = r.count(1 + 24, max_items, "grants")?;
+    let mut grants = Vec::with_capacity(count);
+    for _ in 0..count {
+        match r.u8()? {
+            0 => {
+                let g = Grant { lease: r.u64()?, offset: r.u64()?, len: r.u64()? };
+                g.check(arena_bytes)?;
+                grants.push(Ok(g));
+            }
+            1 => grants.push(Err(decode_error(&mut r)?)),
+            _ => return Err(ProtocolError::Invalid { what: "grant tag" }),
+        }
+    }
+    r.finish("grants")?;
+    Ok((ttl_ms, grants))
+}
+
+/// Appends an `ExistsReply` payload.
+pub fn encode_exists(buf: &mut Vec<u8>, found: &[Result<bool, Error>]) {
+    buf.put_u32(found.len() as u32);
+    for f in found {
+        match f {
+            Ok(present) => buf.put_u8(u8::from(*present)),
+            Err(e) => {
+                buf.put_u8(2);
+                encode_error(buf, e);
+            }
+        }
+    }
+}
+
+/// Decodes an `ExistsReply` payload.
+pub fn decode_exists(payload: &[u8], max_items: u32) -> PResult<Vec<Result<bool, Error>>> {
+    let mut r = Reader::new(payload);
+    let count = r.count(1, max_items, "exists results")?;
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        out.push(match r.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            2 => Err(decode_error(&mut r)?),
+            _ => return Err(ProtocolError::Invalid { what: "exists tag" }),
+        });
+    }
+    r.finish("exists results")?;
+    Ok(out)
+}
+
+// ---- errors on the wire ------------------------------------------------------------------------
+
+// Codes are part of the protocol: never renumber, only add.
+const E_NOT_FOUND: u16 = 1;
+const E_ALREADY_EXISTS: u16 = 2;
+const E_NO_SPACE: u16 = 3;
+const E_TOO_LARGE: u16 = 4;
+const E_EMPTY_KEY: u16 = 5;
+const E_OUT_OF_BOUNDS: u16 = 6;
+const E_READ_ONLY: u16 = 7;
+const E_NULL: u16 = 8;
+const E_SIZE_MISMATCH: u16 = 9;
+const E_BUFFER_TOO_SMALL: u16 = 10;
+const E_INVALID_ARGUMENT: u16 = 11;
+const E_CORRUPTED: u16 = 12;
+const E_IO: u16 = 13;
+const E_LEASE_EXPIRED: u16 = 14;
+const E_LEASED: u16 = 15;
+const E_PINNED: u16 = 16;
+const E_NOT_PINNED: u16 = 17;
+const E_CUDA_UNAVAILABLE: u16 = 18;
+const E_BUSY: u16 = 19;
+const E_CANCELLED: u16 = 20;
+const E_SHUTTING_DOWN: u16 = 21;
+const E_UNAUTHORIZED: u16 = 22;
+const E_PROTOCOL_VERSION: u16 = 23;
+const E_PROTOCOL: u16 = 24;
+const E_OTHER: u16 = 100;
+
+/// Labels that errors carry as `&'static str`, restored by name on the receiving side.
+const LABELS: &[&str] = &["key", "value", "buffer", "object", "source", "destination", "fragment", "frame"];
+
+fn label(text: &str) -> &'static str {
+    LABELS.iter().copied().find(|l| *l == text).unwrap_or("field")
+}
+
+/// Appends one error: code u16 | a u64 | b u64 | c u64 | message (u16 length + UTF-8).
+pub fn encode_error(buf: &mut Vec<u8>, error: &Error) {
+    let (code, a, b, c, message): (u16, u64, u64, u64, String) = match error {
+        Error::NotFound => (E_NOT_FOUND, 0, 0, 0, String::new()),
+        Error::AlreadyExists => (E_ALREADY_EXISTS, 0, 0, 0, String::new()),
+        Error::NoSpace => (E_NO_SPACE, 0, 0, 0, String::new()),
+        Error::TooLarge { what, len, max } => (E_TOO_LARGE, *len, *max, 0, (*what).to_string()),
+        Error::EmptyKey => (E_EMPTY_KEY, 0, 0, 0, String::new()),
+        Error::InvalidRange(RegionError::OutOfBounds { what, offset, len, bound }) => {
+            (E_OUT_OF_BOUNDS, *offset, *len, *bound, (*what).to_string())
+        }
+        Error::InvalidRange(RegionError::ReadOnly) => (E_READ_ONLY, 0, 0, 0, String::new()),
+        Error::InvalidRange(RegionError::Null) => (E_NULL, 0, 0, 0, String::new()),
+        Error::SizeMismatch { object_bytes, destination_bytes } => {
+            (E_SIZE_MISMATCH, *object_bytes, *destination_bytes, 0, String::new())
+        }
+        Error::BufferTooSmall { object_bytes, buffer_bytes } => {
+            (E_BUFFER_TOO_SMALL, *object_bytes, *buffer_bytes, 0, String::new())
+        }
+        Error::InvalidArgument(m) => (E_INVALID_ARGUMENT, 0, 0, 0, m.clone()),
+        Error::Corrupted(m) => (E_CORRUPTED, 0, 0, 0, m.clone()),
+        Error::Io(m) => (E_IO, 0, 0, 0, m.clone()),
+        Error::LeaseExpired => (E_LEASE_EXPIRED, 0, 0, 0, String::new()),
+        Error::Leased => (E_LEASED, 0, 0, 0, String::new()),
+        Error::Pinned => (E_PINNED, 0, 0, 0, String::new()),
+        Error::NotPinned => (E_NOT_PINNED, 0, 0, 0, String::new()),
+        Error::CudaUnavailable(why) => (E_CUDA_UNAVAILABLE, 0, 0, 0, (*why).to_string()),
+        Error::Busy { limit } => (E_BUSY, *limit as u64, 0, 0, String::new()),
+        Error::Cancelled => (E_CANCELLED, 0, 0, 0, String::new()),
+        Error::ShuttingDown => (E_SHUTTING_DOWN, 0, 0, 0, String::new()),
+        Error::Unauthorized(m) => (E_UNAUTHORIZED, 0, 0, 0, m.clone()),
+        Error::ProtocolVersion { ours, theirs } => {
+            (E_PROTOCOL_VERSION, (*ours).into(), (*theirs).into(), 0, String::new())
+        }
+        Error::Protocol(m) => (E_PROTOCOL, 0, 0, 0, m.clone()),
+        // Everything else (internal errors, GPU failures, ...) travels as its message.
+        other => (E_OTHER, 0, 0, 0, other.to_string()),
+    };
+    buf.put_u16(code);
+    buf.put_u64(a);
+    buf.put_u64(b);
+    buf.put_u64(c);
+    let mut end = message.len().min(MAX_MESSAGE_BYTES);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    buf.put_u16(end as u16);
+    buf.extend_from_slice(&message.as_bytes()[..end]);
+}
+
+/// Reads one error written by `encode_error`.
+pub fn decode_error(r: &mut Reader<'_>) -> PResult<Error> {
+    let code = r.u16()?;
+    let a = r.u64()?;
+    let b = r.u64()?;
+    let c = r.u64()?;
+    let len = r.u16()? as usize;
+    if len > MAX_MESSAGE_BYTES {
+        return Err(ProtocolError::Invalid { what: "error message length" });
+    }
+    let message = std::str::from_utf8(r.take(len, "error message")?)
+        .map_err(|_| ProtocolError::Invalid { what: "error message encoding" })?
+        .to_string();
+    Ok(match code {
+        E_NOT_FOUND => Error::NotFound,
+        E_ALREADY_EXISTS => Error::AlreadyExists,
+        E_NO_SPACE => Error::NoSpace,
+        E_TOO_LARGE => Error::TooLarge { what: label(&message), len: a, max: b },
+        E_EMPTY_KEY => Error::EmptyKey,
+        E_OUT_OF_BOUNDS => {
+            Error::InvalidRange(RegionError::OutOfBounds { what: label(&message), offset: a, len: b, bound: c })
+        }
+        E_READ_ONLY => Error::InvalidRange(RegionError::ReadOnly),
+        E_NULL => Error::InvalidRange(RegionError::Null),
+        E_SIZE_MISMATCH => Error::SizeMismatch { object_bytes: a, destination_bytes: b },
+        E_BUFFER_TOO_SMALL => Error::BufferTooSmall { object_bytes: a, buffer_bytes: b },
+        E_INVALID_ARGUMENT => Error::InvalidArgument(message),
+        E_CORRUPTED => Error::Corrupted(message),
+        E_IO => Error::Io(message),
+        E_LEASE_EXPIRED => Error::LeaseExpired,
+        E_LEASED => Error::Leased,
+        E_PINNED => Error::Pinned,
+        E_NOT_PINNED => Error::NotPinned,
+        E_CUDA_UNAVAILABLE => Error::CudaUnavailable("reported by the owner"),
+        E_BUSY => Error::Busy { limit: usize::try_from(a).unwrap_or(usize::MAX) },
+        E_CANCELLED => Error::Cancelled,
+        E_SHUTTING_DOWN => Error::ShuttingDown,
+        E_UNAUTHORIZED => Error::Unauthorized(message),
+        // The sender's "ours" is the receiver's "theirs".
+        E_PROTOCOL_VERSION => Error::ProtocolVersion {
+            ours: u16::try_from(b).unwrap_or(u16::MAX),
+            theirs: u16::try_from(a).unwrap_or(u16::MAX),
+        },
+        E_PROTOCOL => Error::Protocol(message),
+        _ => Error::Remote(message),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_checks() {
+        let h = FrameHeader::new(Op::Get, 7, 100);
+        let bytes = h.encode();
+        assert_eq!(FrameHeader::decode(&bytes, 100), Ok(h));
+        assert!(matches!(FrameHeader::decode(&bytes, 99), Err(ProtocolError::FrameTooLarge { .. })));
+        let mut bad = bytes;
+        bad[0] ^= 1;
+        assert!(matches!(FrameHeader::decode(&bad, 100), Err(ProtocolError::BadMagic { .. })));
+        let mut v2 = bytes;
+        v2[4] = 9;
+        assert_eq!(FrameHeader::decode(&v2, 100), Err(ProtocolError::Version { theirs: 9 }));
+        let mut op = bytes;
+        op[6] = 200;
+        assert_eq!(FrameHeader::decode(&op, 100), Err(ProtocolError::UnknownOp(200)));
+        assert!(matches!(FrameHeader::decode(&bytes[..10], 100), Err(ProtocolError::Truncated { .. })));
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let limits = Limits::default();
+        let requests = vec![
+            Request::Get {
+                lease: true,
+                items: vec![
+                    GetItem { key: b"a", check: LenCheck::Any },
+                    GetItem { key: b"bb", check: LenCheck::Exactly(5) },
+                    GetItem { key: b"c", check: LenCheck::AtMost(9) },
+                ],
+            },
+            Request::GetRanges {
+                keys: vec![b"k1", b"k2"],
+                fragments: vec![RangeItem { key_index: 1, src_offset: 3, len: 4 }],
+            },
+            Request::Exists { keys: vec![b"x", b"y"] },
+            Request::Remove { key: b"r", force: true },
+            Request::Pin { key: b"p" },
+            Request::Unpin { key: b"p" },
+            Request::Stats,
+            Request::Release { leases: vec![1, 2, 3] },
+            Request::Auth { mac: [7; MAC_BYTES] },
+            Request::Hello(Hello { client_nonce: [3; NONCE_BYTES], flags: HELLO_WANT_SHM }),
+        ];
+        for req in requests {
+            let mut buf = Vec::new();
+            req.encode(&mut buf);
+            assert_eq!(Request::decode(req.op(), &buf, &limits).as_ref(), Ok(&req));
+            // Every strict prefix is refused, never a panic.
+            for cut in 0..buf.len() {
+                assert!(Request::decode(req.op(), &buf[..cut], &limits).is_err() || cut == buf.len());
+            }
+        }
+    }
+
+    #[test]
+    fn counts_are_checked_before_allocating() {
+        let mut buf = Vec::new();
+        buf.put_u32(u32::MAX);
+        assert!(matches!(Request::decode(Op::Exists, &buf, &Limits::default()), Err(ProtocolError::TooMany { .. })));
+        let mut buf = Vec::new();
+        buf.put_u32(1000);
+        assert!(matches!(Request::decode(Op::Exists, &buf, &Limits::default()), Err(ProtocolError::Truncated { .. })));
+        let mut buf = Vec::new();
+        buf.put_u32(1);
+        buf.put_key(b"k");
+        buf.put_u32(1);
+        buf.put_u32(5); // key index out of range
+        buf.put_u64(0);
+        buf.put_u64(1);
+        assert!(matches!(Request::decode(Op::GetRanges, &buf, &Limits::default()), Err(ProtocolError::Invalid { .. })));
+    }
+
+    #[test]
+    fn put_head_validation() {
+        let limits = Limits { max_value_bytes: 1000, ..Limits::default() };
+        let mut buf = Vec::new();
+        PutHead::encode(&mut buf, true, b"key", 100);
+        let head = PutHead::decode(&buf, (PUT_HEAD_BYTES + 3 + 40) as u32, &limits).expect("valid");
+        assert_eq!(head, PutHead { upsert: true, key_len: 3, total_len: 100, inline_len: 40 });
+        assert!(PutHead::decode(&buf, 5, &limits).is_err());
+        assert!(PutHead::decode(&buf, (PUT_HEAD_BYTES + 3 + 101) as u32, &limits).is_err());
+        let mut big = Vec::new();
+        PutHead::encode(&mut big, false, b"key", 1001);
+        assert!(PutHead::decode(&big, (PUT_HEAD_BYTES + 3) as u32, &limits).is_err());
+    }
+
+    #[test]
+    fn errors_round_trip() {
+        let errors = vec![
+            Error::NotFound,
+            Error::TooLarge { what: "key", len: 5, max: 4 },
+            Error::InvalidRange(RegionError::OutOfBounds { what: "object", offset: 1, len: 2, bound: 3 }),
+            Error::SizeMismatch { object_bytes: 1, destination_bytes: 2 },
+            Error::BufferTooSmall { object_bytes: 3, buffer_bytes: 2 },
+            Error::InvalidArgument("x".into()),
+            Error::Busy { limit: 9 },
+            Error::ShuttingDown,
+        ];
+        for e in errors {
+            let mut buf = Vec::new();
+            encode_error_frame(&mut buf, 3, &e);
+            assert_eq!(decode_error_frame(&buf), Ok((3, e)));
+        }
+        let mut buf = Vec::new();
+        encode_error_frame(&mut buf, 0, &Error::ProtocolVersion { ours: 1, theirs: 2 });
+        assert_eq!(decode_error_frame(&buf), Ok((0, Error::ProtocolVersion { ours: 2, theirs: 1 })));
+        let mut buf = Vec::new();
+        encode_error(&mut buf, &Error::Internal("boom"));
+        assert_eq!(
+            decode_error(&mut Reader::new(&buf)),
+            Ok(Error::Remote("the engine broke an internal invariant: boom".into()))
+        );
+    }
+
+    #[test]
+    fn grants_are_checked_against_the_arena() {
+        let mut buf = Vec::new();
+        encode_grants(&mut buf, 1000, &[Ok(Grant { lease: 1, offset: 10, len: 10 }), Err(Error::NotFound)]);
+        let (ttl, grants) = decode_grants(&buf, 10, 20).expect("fits");
+        assert_eq!(ttl, 1000);
+        assert_eq!(grants.len(), 2);
+        assert!(decode_grants(&buf, 10, 19).is_err());
+        let mut buf = Vec::new();
+        encode_grants(&mut buf, 1, &[Ok(Grant { lease: 1, offset: u64::MAX, len: 2 })]);
+        assert!(decode_grants(&buf, 10, u64::MAX).is_err());
+    }
+
+    #[test]
+    fn split_frames_stops_at_truncation() {
+        let mut bytes = frame(Op::Stats, 1, &[]);
+        bytes.extend_from_slice(&frame(Op::Pin, 2, &[1, 0, b'k']));
+        let (frames, err) = split_frames(&bytes, 1024);
+        assert_eq!(frames.len(), 2);
+        assert!(err.is_none());
+        let (frames, err) = split_frames(&bytes[..bytes.len() - 1], 1024);
+        assert_eq!(frames.len(), 1);
+        assert!(matches!(err, Some(ProtocolError::Truncated { .. })));
+    }
+}

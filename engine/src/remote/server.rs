@@ -1,0 +1,985 @@
+//! The owner service: serves one `Engine` to other processes over a Unix socket (with the DRAM
+//! arena shared read-only for one-copy gets) and over TCP (token-authenticated).
+//!
+//! It owns the listeners, one bounded thread per connection, each connection's lease table,
+//! and the limits: connections, leases per connection, frame size, items per request and the
+//! process-wide budget of buffered request bytes. A slow or broken client only ever stalls its
+//! own thread (socket timeouts bound every read and write), and a malformed frame costs that
+//! client an error reply or its connection, never the owner. It never hands a client an address:
+//! only offsets of objects it has leased to that connection, released when the client says so or
+//! when the connection closes.
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::auth::Token;
+use super::protocol::{
+    encode_error_frame, encode_exists, encode_grants, encode_object, FrameHeader, GetItem, Grant, Hello, HelloOk,
+    Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
+    MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+};
+use super::sock::{self, Stream, WakeFlag};
+use super::wire::{FrameIo, WResult, WireError};
+use crate::api::{PutOptions, Store};
+use crate::engine::{Engine, ObjectLease};
+use crate::error::{Error, Result};
+
+/// Data chunks up to this size are copied into the write buffer instead of sent on their own.
+const SMALL_CHUNK_BYTES: usize = 16 << 10;
+/// Flush the write buffer once it holds this much.
+const FLUSH_BYTES: usize = 64 << 10;
+
+/// What the owner serves and its limits.
+#[derive(Clone, Debug)]
+pub struct OwnerConfig {
+    /// Unix socket path (created 0600; a stale socket file is replaced). None: no Unix socket.
+    pub unix_socket: Option<PathBuf>,
+    /// TCP address. None: no TCP.
+    pub tcp: Option<SocketAddr>,
+    /// Token TCP clients must prove they know. Required for TCP unless
+    /// `allow_unauthenticated_loopback` is set and `tcp` is a loopback address.
+    pub tcp_token: Option<Token>,
+    /// Serve TCP without authentication; refused unless `tcp` is a loopback address.
+    pub allow_unauthenticated_loopback: bool,
+    /// Share the DRAM arena with Unix-socket clients (one-copy gets).
+    pub shared_memory: bool,
+    /// Connections served at once; more are refused with `Busy`.
+    pub max_connections: usize,
+    /// Shared-memory leases one connection may hold; past it, keys get `Busy`.
+    pub max_leases_per_connection: u32,
+    /// Largest frame payload accepted or sent.
+    pub max_payload_bytes: u32,
+    /// Bulk data travels in chunks of this size.
+    pub chunk_bytes: u32,
+    /// Most keys or fragments in one request.
+    pub max_items: u32,
+    /// Request bytes all connections may hold in memory at once; past it, requests wait
+    /// (back-pressure) and then get `Busy`.
+    pub max_buffered_bytes: u64,
+    /// Bound on every socket read or write once a request started (a stalled peer is dropped).
+    pub io_timeout_ms: u64,
+    /// Bound on the handshake.
+    pub handshake_timeout_ms: u64,
+    /// Backstop TTL of leases (a live client that never releases loses them after this).
+    pub lease_ttl_ms: u32,
+    /// How long shutdown waits for in-flight requests before closing their connections.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for OwnerConfig {
+    fn default() -> Self {
+        OwnerConfig {
+            unix_socket: None,
+            tcp: None,
+            tcp_token: None,
+            allow_unauthenticated_loopback: false,
+            shared_memory: true,
+            max_connections: 256,
+            max_leases_per_connection: 4096,
+            max_payload_bytes: 4 << 20,
+            chunk_bytes: 1 << 20,
+            max_items: 65_536,
+            max_buffered_bytes: 256 << 20,
+            io_timeout_ms: 30_000,
+            handshake_timeout_ms: 5_000,
+            lease_ttl_ms: 120_000,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+/// Why the owner could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum OwnerError {
+    #[error("invalid owner configuration: {0}")]
+    Config(String),
+    #[error("another owner is already serving {0}")]
+    AlreadyRunning(PathBuf),
+    #[error("cannot bind {what}: {source}")]
+    Bind { what: String, source: std::io::Error },
+    #[error("{0}")]
+    Io(String),
+}
+
+/// Counters of the service itself (the engine's are in `Store::stats`).
+#[derive(Debug, Default)]
+pub struct OwnerCounters {
+    pub connections_accepted: AtomicU64,
+    pub connections_refused: AtomicU64,
+    pub connections_open: AtomicU64,
+    pub requests: AtomicU64,
+    pub protocol_errors: AtomicU64,
+    pub auth_failures: AtomicU64,
+    pub leases_granted: AtomicU64,
+    pub leases_outstanding: AtomicU64,
+    pub unknown_releases: AtomicU64,
+    pub busy_replies: AtomicU64,
+}
+
+struct Shared {
+    engine: Arc<Engine>,
+    config: OwnerConfig,
+    limits: Limits,
+    wake: WakeFlag,
+    shutting_down: AtomicBool,
+    conns: Mutex<HashMap<u64, Stream>>,
+    conns_changed: Condvar,
+    next_conn: AtomicU64,
+    budget: Budget,
+    instance_id: u64,
+    arena_base: usize,
+    arena_bytes: u64,
+    shm_fd: Option<OwnedFd>,
+    counters: OwnerCounters,
+}
+
+/// A running owner service. Dropping it shuts it down (not the engine).
+pub struct Owner {
+    shared: Arc<Shared>,
+    acceptors: Mutex<Vec<JoinHandle<()>>>,
+    unix_path: Option<PathBuf>,
+    tcp_addr: Option<SocketAddr>,
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Owner").field("unix", &self.unix_path).field("tcp", &self.tcp_addr).finish()
+    }
+}
+
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl Owner {
+    /// Binds the configured sockets and starts serving `engine`.
+    pub fn start(engine: Arc<Engine>, config: OwnerConfig) -> std::result::Result<Owner, OwnerError> {
+        validate(&config)?;
+        let arena = engine.arena();
+        let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
+        let arena_bytes = arena.len_bytes() as u64;
+        let shm_fd = if config.shared_memory && config.unix_socket.is_some() {
+            match super::shm::reopen_read_only(arena.memfd()) {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot reopen the arena read-only; Unix clients will stream instead");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut id = [0u8; 8];
+        sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
+        let limits = Limits {
+            max_payload_bytes: config.max_payload_bytes,
+            max_items: config.max_items,
+            max_key_bytes: engine.max_key_bytes().min(super::protocol::MAX_WIRE_KEY_BYTES) as u32,
+            max_value_bytes: engine.max_value_bytes(),
+        };
+        let shared = Arc::new(Shared {
+            wake: WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?,
+            budget: Budget::new(config.max_buffered_bytes),
+            engine,
+            limits,
+            shutting_down: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            conns_changed: Condvar::new(),
+            next_conn: AtomicU64::new(1),
+            instance_id: u64::from_le_bytes(id),
+            arena_base,
+            arena_bytes,
+            shm_fd,
+            counters: OwnerCounters::default(),
+            config,
+        });
+        let mut listeners = Vec::new();
+        let mut unix_path = None;
+        if let Some(path) = &shared.config.unix_socket {
+            listeners.push(Listener::Unix(bind_unix(path)?));
+            unix_path = Some(path.clone());
+        }
+        let mut tcp_addr = None;
+        if let Some(addr) = shared.config.tcp {
+            let listener =
+                TcpListener::bind(addr).map_err(|source| OwnerError::Bind { what: format!("tcp {addr}"), source })?;
+            tcp_addr = Some(listener.local_addr().map_err(|e| OwnerError::Io(e.to_string()))?);
+            listeners.push(Listener::Tcp(listener));
+        }
+        let mut acceptors = Vec::new();
+        for listener in listeners {
+            let shared = Arc::clone(&shared);
+            let handle = std::thread::Builder::new()
+                .name("kvtide-accept".into())
+                .spawn(move || accept_loop(&shared, listener))
+                .map_err(|e| OwnerError::Io(format!("spawn acceptor: {e}")))?;
+            acceptors.push(handle);
+        }
+        tracing::info!(
+            unix = ?unix_path,
+            tcp = ?tcp_addr,
+            tcp_auth = shared.config.tcp_token.is_some(),
+            shared_memory = shared.shm_fd.is_some(),
+            arena_bytes,
+            max_connections = shared.config.max_connections,
+            "kvtide owner serving"
+        );
+        Ok(Owner { shared, acceptors: Mutex::new(acceptors), unix_path, tcp_addr })
+    }
+
+    /// The Unix socket path, when serving one.
+    pub fn unix_path(&self) -> Option<&Path> {
+        self.unix_path.as_deref()
+    }
+
+    /// The bound TCP address (with the real port when 0 was asked for).
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp_addr
+    }
+
+    /// The served engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.shared.engine
+    }
+
+    /// Service counters.
+    pub fn counters(&self) -> &OwnerCounters {
+        &self.shared.counters
+    }
+
+    /// Stops accepting, lets in-flight requests finish (new ones get `ShuttingDown`), closes
+    /// idle connections, and after `shutdown_grace_ms` closes whatever is left. Idempotent; the
+    /// engine keeps running (shut it down afterwards).
+    pub fn shutdown(&self) {
+        let shared = &self.shared;
+        let first = !shared.shutting_down.swap(true, Ordering::SeqCst);
+        shared.wake.signal();
+        let acceptors = std::mem::take(&mut *self.acceptors.lock().unwrap_or_else(|p| p.into_inner()));
+        for a in acceptors {
+            let _ = a.join();
+        }
+        if first {
+            if let Some(path) = &self.unix_path {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
+        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = Instant::now() + grace;
+        while !conns.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(connections = conns.len(), "shutdown grace passed; closing remaining connections");
+                conns.values().for_each(Stream::shutdown);
+                let _ = shared
+                    .conns_changed
+                    .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.is_empty())
+                    .unwrap_or_else(|p| p.into_inner());
+                break;
+            }
+            conns = shared.conns_changed.wait_timeout(conns, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        if first {
+            tracing::info!("kvtide owner stopped serving");
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
+    let bad = |m: String| Err(OwnerError::Config(m));
+    if c.unix_socket.is_none() && c.tcp.is_none() {
+        return bad("neither a Unix socket nor a TCP address to serve".into());
+    }
+    if let Some(addr) = c.tcp {
+        if c.tcp_token.is_none() {
+            if !c.allow_unauthenticated_loopback {
+                return bad(format!(
+                    "TCP {addr} needs a token (or allow_unauthenticated_loopback on a loopback address)"
+                ));
+            }
+            if !addr.ip().is_loopback() {
+                return bad(format!("TCP without a token is only allowed on loopback, not {addr}"));
+            }
+        }
+    }
+    if c.max_connections == 0 || c.max_leases_per_connection == 0 || c.max_items == 0 {
+        return bad("max_connections, max_leases_per_connection and max_items must be positive".into());
+    }
+    if c.chunk_bytes < super::protocol::MIN_CHUNK_BYTES || c.chunk_bytes > c.max_payload_bytes {
+        return bad(format!("chunk_bytes = {} must be in 4096..=max_payload_bytes", c.chunk_bytes));
+    }
+    if c.max_payload_bytes < 64 << 10 || u64::from(c.max_payload_bytes) > c.max_buffered_bytes {
+        return bad("max_payload_bytes must be at least 64 KiB and at most max_buffered_bytes".into());
+    }
+    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 {
+        return bad("timeouts must be positive".into());
+    }
+    if u64::from(c.lease_ttl_ms) < 2 * c.io_timeout_ms {
+        return bad(format!(
+            "lease_ttl_ms = {} must be at least twice io_timeout_ms = {} (a chunk send may take that long)",
+            c.lease_ttl_ms, c.io_timeout_ms
+        ));
+    }
+    Ok(())
+}
+
+fn bind_unix(path: &Path) -> std::result::Result<UnixListener, OwnerError> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(OwnerError::AlreadyRunning(path.to_path_buf()));
+        }
+        std::fs::remove_file(path)
+            .map_err(|source| OwnerError::Bind { what: format!("remove stale socket {}", path.display()), source })?;
+    }
+    let listener = UnixListener::bind(path)
+        .map_err(|source| OwnerError::Bind { what: format!("unix {}", path.display()), source })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|source| OwnerError::Bind { what: format!("chmod 0600 {}", path.display()), source })?;
+    Ok(listener)
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
+    let fd = match &listener {
+        Listener::Unix(l) => l.set_nonblocking(true).map(|()| l.as_raw_fd()),
+        Listener::Tcp(l) => l.set_nonblocking(true).map(|()| l.as_raw_fd()),
+    };
+    let fd = match fd {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::error!(error = %e, "listener setup failed");
+            return;
+        }
+    };
+    loop {
+        if shared.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        match sock::wait_readable(fd, shared.wake.fd(), -1) {
+            Ok((_, true)) => return,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "poll on listener failed");
+                return;
+            }
+        }
+        loop {
+            let accepted = match &listener {
+                Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+                Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                    let _ = s.set_nodelay(true);
+                    Stream::Tcp(s)
+                }),
+            };
+            match accepted {
+                Ok(stream) => admit(shared, stream),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    // Out of descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn admit(shared: &Arc<Shared>, stream: Stream) {
+    if stream.set_nonblocking(false).is_err() {
+        return;
+    }
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    {
+        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if conns.len() >= shared.config.max_connections {
+            drop(conns);
+            shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+            refuse(stream, &Error::Busy { limit: shared.config.max_connections });
+            return;
+        }
+        match stream.try_clone() {
+            Ok(clone) => {
+                conns.insert(id, clone);
+            }
+            Err(_) => return,
+        }
+    }
+    shared.counters.connections_accepted.fetch_add(1, Ordering::Relaxed);
+    shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
+    let for_thread = Arc::clone(shared);
+    let spawned =
+        std::thread::Builder::new().name(format!("kvtide-conn-{id}")).stack_size(512 << 10).spawn(move || {
+            let _registered = Registered { shared: &for_thread, id };
+            serve(&for_thread, stream);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a connection thread");
+        let _registered = Registered { shared, id };
+    }
+}
+
+/// Removes a connection from the registry when its thread ends, however it ends.
+struct Registered<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conns.remove(&self.id);
+        self.shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
+        self.shared.conns_changed.notify_all();
+    }
+}
+
+/// Tells a connection it cannot be served, without a thread.
+fn refuse(stream: Stream, error: &Error) {
+    let _ = stream.set_timeouts(Some(Duration::from_millis(100)));
+    let mut io = FrameIo::new(stream);
+    let start = io.begin(Op::Error, 0);
+    encode_error_frame(io.out(), WHOLE_REQUEST, error);
+    io.end(start);
+    let _ = io.flush();
+    // Read what the client already sent, so closing does not reset the connection before it
+    // reads the error.
+    let mut sink = [0u8; 256];
+    let _ = io.read_exact(&mut sink[..1]);
+    io.stream().shutdown();
+}
+
+fn serve(shared: &Arc<Shared>, stream: Stream) {
+    let unix = stream.is_unix();
+    let mut conn = Connection { shared, io: FrameIo::new(stream), leases: HashMap::new(), next_lease: 1, unix };
+    let result = conn.handshake().and_then(|()| conn.run());
+    match result {
+        Ok(()) | Err(WireError::Closed(_)) => {}
+        Err(e) => tracing::debug!(error = ?e, "connection ended"),
+    }
+    conn.io.stream().shutdown();
+    // `conn` drops here: every lease it still holds is released.
+}
+
+struct Connection<'s> {
+    shared: &'s Arc<Shared>,
+    io: FrameIo,
+    leases: HashMap<u64, ObjectLease>,
+    next_lease: u64,
+    unix: bool,
+}
+
+impl Drop for Connection<'_> {
+    fn drop(&mut self) {
+        let n = self.leases.len() as u64;
+        if n > 0 {
+            self.shared.counters.leases_outstanding.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Whether a connection goes on after a request.
+#[derive(PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Close,
+}
+
+impl Connection<'_> {
+    fn config(&self) -> &OwnerConfig {
+        &self.shared.config
+    }
+
+    fn ttl(&self) -> Duration {
+        Duration::from_millis(u64::from(self.config().lease_ttl_ms))
+    }
+
+    /// Queues an error for `index` (or the whole request).
+    fn push_error(&mut self, op: Op, request_id: u64, index: u32, error: &Error) {
+        let start = self.io.begin(op, request_id);
+        encode_error_frame(self.io.out(), index, error);
+        self.io.end(start);
+    }
+
+    fn reply(&mut self, request_id: u64, result: Result<()>) {
+        match result {
+            Ok(()) => self.io.push_frame(Op::Ok, request_id, &[]),
+            Err(e) => self.push_error(Op::Error, request_id, WHOLE_REQUEST, &e),
+        }
+    }
+
+    /// Sends an error about the connection itself, best effort, before closing it.
+    fn fatal(&mut self, request_id: u64, error: &Error) {
+        self.shared.counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%error, "closing a connection after a protocol error");
+        self.push_error(Op::Error, request_id, WHOLE_REQUEST, error);
+        let _ = self.io.flush();
+    }
+
+    fn handshake(&mut self) -> WResult<()> {
+        let timeout = Duration::from_millis(self.config().handshake_timeout_ms);
+        self.io.stream().set_timeouts(Some(timeout))?;
+        let hello_limits = Limits { max_payload_bytes: 4096, ..self.shared.limits };
+        let header = match self.io.read_header(&hello_limits) {
+            Ok(h) => h,
+            Err(WireError::Protocol(p)) => {
+                self.fatal(0, &p.clone().into());
+                return Err(WireError::Protocol(p));
+            }
+            Err(e) => return Err(e),
+        };
+        if header.op != Op::Hello {
+            let e = ProtocolError::Unexpected { expected: "hello", got: header.op };
+            self.fatal(header.request_id, &e.clone().into());
+            return Err(e.into());
+        }
+        let payload = self.io.read_payload(header.payload_len)?;
+        let hello = match Hello::decode(&payload) {
+            Ok(h) => h,
+            Err(e) => {
+                self.fatal(header.request_id, &e.clone().into());
+                return Err(e.into());
+            }
+        };
+        let mut server_nonce = [0u8; NONCE_BYTES];
+        sock::random_bytes(&mut server_nonce)?;
+        let auth = if self.unix { None } else { self.config().tcp_token.clone() };
+        let shm = self.unix && hello.flags & HELLO_WANT_SHM != 0 && self.shared.shm_fd.is_some();
+        let mut flags = 0;
+        if auth.is_some() {
+            flags |= HELLO_AUTH_REQUIRED;
+        }
+        if shm {
+            flags |= HELLO_SHM_ATTACHED;
+        }
+        let reply = HelloOk {
+            flags,
+            max_payload_bytes: self.config().max_payload_bytes,
+            chunk_bytes: self.config().chunk_bytes,
+            max_items: self.config().max_items,
+            max_leases: self.config().max_leases_per_connection,
+            lease_ttl_ms: self.config().lease_ttl_ms,
+            max_key_bytes: self.shared.limits.max_key_bytes,
+            max_value_bytes: self.shared.limits.max_value_bytes,
+            server_nonce,
+            instance_id: self.shared.instance_id,
+            arena_bytes: if shm { self.shared.arena_bytes } else { 0 },
+        };
+        let start = self.io.begin(Op::HelloOk, header.request_id);
+        reply.encode(self.io.out());
+        self.io.end(start);
+        match auth {
+            None => {
+                let fd = if shm { self.shared.shm_fd.as_ref().map(|fd| fd.as_fd()) } else { None };
+                self.io.flush_with_fd(fd)?;
+            }
+            Some(token) => {
+                self.io.flush()?;
+                let h = self.io.read_header(&hello_limits)?;
+                if h.op != Op::Auth || h.payload_len as usize != MAC_BYTES {
+                    self.shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    self.fatal(h.request_id, &Error::Unauthorized("expected an authentication proof".into()));
+                    return Err(WireError::Closed("no authentication".into()));
+                }
+                let mut proof = [0u8; MAC_BYTES];
+                self.io.read_exact(&mut proof)?;
+                if !token.verify_client(&server_nonce, &hello.client_nonce, &proof) {
+                    self.shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("TCP client failed authentication (wrong token)");
+                    self.fatal(h.request_id, &Error::Unauthorized("wrong token".into()));
+                    return Err(WireError::Closed("wrong token".into()));
+                }
+                let owner_proof = token.owner_proof(&hello.client_nonce, &server_nonce);
+                self.io.push_frame(Op::AuthOk, h.request_id, &owner_proof);
+                self.io.flush()?;
+            }
+        }
+        let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
+        self.io.stream().set_timeouts(Some(io_timeout))?;
+        Ok(())
+    }
+
+    fn run(&mut self) -> WResult<()> {
+        loop {
+            if self.io.buffered() == 0 {
+                let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), -1)?;
+                if woken && !readable {
+                    return Ok(());
+                }
+            }
+            let header = match self.io.read_header(&self.shared.limits) {
+                Ok(h) => h,
+                Err(WireError::Protocol(p)) => {
+                    self.fatal(0, &p.clone().into());
+                    return Err(WireError::Protocol(p));
+                }
+                Err(e) => return Err(e),
+            };
+            self.shared.counters.requests.fetch_add(1, Ordering::Relaxed);
+            let shutting = self.shared.shutting_down.load(Ordering::SeqCst);
+            let flow = self.handle(header, shutting)?;
+            if self.io.pending_out() > 0 {
+                self.io.flush()?;
+            }
+            if flow == Flow::Close || (shutting && self.io.buffered() == 0) {
+                return Ok(());
+            }
+        }
+    }
+
+    fn handle(&mut self, header: FrameHeader, shutting: bool) -> WResult<Flow> {
+        let rid = header.request_id;
+        match header.op {
+            Op::Put => return self.put(header, shutting),
+            Op::Data => {
+                self.fatal(rid, &Error::Protocol("data frame outside a put".into()));
+                return Ok(Flow::Close);
+            }
+            _ => {}
+        }
+        // Small requests are read whole, within the process-wide buffer budget.
+        let wait = Duration::from_millis(self.config().io_timeout_ms);
+        let Some(_permit) = self.shared.budget.acquire(u64::from(header.payload_len), wait) else {
+            self.io.skip(header.payload_len.into())?;
+            self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
+            let limit = self.config().max_buffered_bytes as usize;
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Busy { limit });
+            return Ok(Flow::Continue);
+        };
+        let payload = self.io.read_payload(header.payload_len)?;
+        let request = match Request::decode(header.op, &payload, &self.shared.limits) {
+            Ok(r) => r,
+            Err(e) => {
+                // The frame was read whole, so the stream is still in sync: answer and go on.
+                self.shared.counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
+                return Ok(Flow::Continue);
+            }
+        };
+        if shutting && !matches!(request, Request::Release { .. }) {
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::ShuttingDown);
+            return Ok(Flow::Close);
+        }
+        let engine = Arc::clone(&self.shared.engine);
+        match request {
+            Request::Hello(_) | Request::Auth { .. } => {
+                self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Protocol("handshake already done".into()));
+            }
+            Request::Get { lease: false, items } => self.stream_get(rid, &items)?,
+            Request::Get { lease: true, items } => self.grant(rid, &items),
+            Request::GetRanges { keys, fragments } => self.stream_ranges(rid, &keys, &fragments)?,
+            Request::Exists { keys } => {
+                let found = engine.batch_exists(&keys);
+                let start = self.io.begin(Op::ExistsReply, rid);
+                encode_exists(self.io.out(), &found);
+                self.io.end(start);
+            }
+            Request::Remove { key, force } => self.reply(rid, engine.remove(key, force)),
+            Request::Pin { key } => self.reply(rid, engine.pin(key)),
+            Request::Unpin { key } => self.reply(rid, engine.unpin(key)),
+            Request::Stats => match toml::to_string(&engine.stats()) {
+                Ok(text) => self.io.push_frame(Op::StatsReply, rid, text.as_bytes()),
+                Err(e) => self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Remote(format!("stats: {e}"))),
+            },
+            Request::Release { leases } => {
+                for id in leases {
+                    if self.leases.remove(&id).is_some() {
+                        self.shared.counters.leases_outstanding.fetch_sub(1, Ordering::Relaxed);
+                    } else {
+                        self.shared.counters.unknown_releases.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// `Get` in lease mode: one grant (or error) per key; the client copies from its mapping.
+    fn grant(&mut self, rid: u64, items: &[GetItem<'_>]) {
+        if !self.unix || self.shared.shm_fd.is_none() {
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::InvalidArgument("no shared memory here".into()));
+            return;
+        }
+        let engine = Arc::clone(&self.shared.engine);
+        let max = self.config().max_leases_per_connection as usize;
+        let mut grants = Vec::with_capacity(items.len());
+        for item in items {
+            if self.leases.len() >= max {
+                self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
+                grants.push(Err(Error::Busy { limit: max }));
+                continue;
+            }
+            let granted = engine.lease(item.key, u64::from(self.config().lease_ttl_ms)).and_then(|lease| {
+                item.check.check(lease.len())?;
+                let offset = self.offset_of(&lease)?;
+                Ok((lease, offset))
+            });
+            match granted {
+                Ok((lease, offset)) => {
+                    let id = self.next_lease;
+                    self.next_lease += 1;
+                    let len = lease.len();
+                    self.leases.insert(id, lease);
+                    self.shared.counters.leases_granted.fetch_add(1, Ordering::Relaxed);
+                    self.shared.counters.leases_outstanding.fetch_add(1, Ordering::Relaxed);
+                    grants.push(Ok(Grant { lease: id, offset, len }));
+                }
+                Err(e) => grants.push(Err(e)),
+            }
+        }
+        let ttl_ms = self.config().lease_ttl_ms;
+        let start = self.io.begin(Op::Grants, rid);
+        encode_grants(self.io.out(), ttl_ms, &grants);
+        self.io.end(start);
+    }
+
+    /// Where a leased object starts within the shared arena.
+    fn offset_of(&self, lease: &ObjectLease) -> Result<u64> {
+        if lease.is_empty() {
+            return Ok(0);
+        }
+        let ptr = lease.bytes()?.as_ptr() as usize;
+        let offset = ptr.checked_sub(self.shared.arena_base).ok_or(Error::Internal("lease outside the arena"))? as u64;
+        match offset.checked_add(lease.len()) {
+            Some(end) if end <= self.shared.arena_bytes => Ok(offset),
+            _ => Err(Error::Internal("lease outside the arena")),
+        }
+    }
+
+    /// `Get` in stream mode: per key an `Object` and its bytes in `Data` frames, or an `Error`.
+    fn stream_get(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<()> {
+        let engine = Arc::clone(&self.shared.engine);
+        for (index, item) in items.iter().enumerate() {
+            let index = index as u32;
+            let leased_at = Instant::now();
+            let lease = match engine.lease(item.key, u64::from(self.config().lease_ttl_ms)) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.push_error(Op::Error, rid, index, &e);
+                    continue;
+                }
+            };
+            if let Err(e) = item.check.check(lease.len()) {
+                self.push_error(Op::Error, rid, index, &e);
+                continue;
+            }
+            let start = self.io.begin(Op::Object, rid);
+            encode_object(self.io.out(), index, lease.len());
+            self.io.end(start);
+            self.stream_bytes(rid, index, &lease, leased_at, 0, lease.len())?;
+            if self.io.pending_out() >= FLUSH_BYTES {
+                self.io.flush()?;
+            }
+        }
+        self.io.push_frame(Op::End, rid, &[]);
+        Ok(())
+    }
+
+    /// `GetRanges`: each key leased once; per fragment an `Object` and its bytes, or an `Error`.
+    fn stream_ranges(&mut self, rid: u64, keys: &[&[u8]], fragments: &[RangeItem]) -> WResult<()> {
+        let engine = Arc::clone(&self.shared.engine);
+        let mut by_key: Vec<Vec<usize>> = vec![Vec::new(); keys.len()];
+        for (i, f) in fragments.iter().enumerate() {
+            by_key[f.key_index as usize].push(i);
+        }
+        for (k, frags) in by_key.iter().enumerate() {
+            if frags.is_empty() {
+                continue;
+            }
+            let leased_at = Instant::now();
+            let lease = match engine.lease(keys[k], u64::from(self.config().lease_ttl_ms)) {
+                Ok(l) => l,
+                Err(e) => {
+                    frags.iter().for_each(|&fi| self.push_error(Op::Error, rid, fi as u32, &e));
+                    continue;
+                }
+            };
+            for &fi in frags {
+                let f = fragments[fi];
+                if let Err(e) = kvtide_transport::region::check_range("object", f.src_offset, f.len, lease.len()) {
+                    self.push_error(Op::Error, rid, fi as u32, &e.into());
+                    continue;
+                }
+                let start = self.io.begin(Op::Object, rid);
+                encode_object(self.io.out(), fi as u32, f.len);
+                self.io.end(start);
+                self.stream_bytes(rid, fi as u32, &lease, leased_at, f.src_offset, f.len)?;
+                if self.io.pending_out() >= FLUSH_BYTES {
+                    self.io.flush()?;
+                }
+            }
+        }
+        self.io.push_frame(Op::End, rid, &[]);
+        Ok(())
+    }
+
+    /// Sends `[offset, offset + len)` of a leased object in chunks, or an `Abort` when the
+    /// lease could run out before a chunk is surely sent.
+    fn stream_bytes(
+        &mut self,
+        rid: u64,
+        index: u32,
+        lease: &ObjectLease,
+        leased_at: Instant,
+        offset: u64,
+        len: u64,
+    ) -> WResult<()> {
+        let chunk = u64::from(self.config().chunk_bytes);
+        let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
+        let lease_end = leased_at + self.ttl();
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let n = chunk.min(end - pos);
+            // A chunk send may block for up to the I/O timeout; start it only if the lease
+            // surely outlives it.
+            let bytes = if Instant::now() + io_timeout >= lease_end { Err(Error::LeaseExpired) } else { lease.bytes() };
+            let bytes = match bytes {
+                Ok(b) => b,
+                Err(e) => {
+                    self.push_error(Op::Abort, rid, index, &e);
+                    return Ok(());
+                }
+            };
+            let piece = &bytes[pos as usize..(pos + n) as usize];
+            if piece.len() <= SMALL_CHUNK_BYTES {
+                self.io.push_frame(Op::Data, rid, piece);
+            } else {
+                self.io.send_data(Op::Data, rid, &[IoSlice::new(piece)])?;
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// `Put`: reserve, then read the value straight into the reservation, then commit.
+    fn put(&mut self, header: FrameHeader, shutting: bool) -> WResult<Flow> {
+        let rid = header.request_id;
+        if (header.payload_len as usize) < PUT_HEAD_BYTES {
+            self.fatal(rid, &Error::Protocol("truncated put".into()));
+            return Ok(Flow::Close);
+        }
+        let mut head = [0u8; PUT_HEAD_BYTES];
+        self.io.read_exact(&mut head)?;
+        let head = match PutHead::decode(&head, header.payload_len, &self.shared.limits) {
+            Ok(h) => h,
+            Err(e) => {
+                // The data frames that follow cannot be told apart from requests: close.
+                self.fatal(rid, &e.into());
+                return Ok(Flow::Close);
+            }
+        };
+        let mut key = vec![0u8; usize::from(head.key_len)];
+        self.io.read_exact(&mut key)?;
+        if shutting {
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::ShuttingDown);
+            return Ok(Flow::Close);
+        }
+        let engine = Arc::clone(&self.shared.engine);
+        let opts = PutOptions { upsert: head.upsert };
+        match engine.reserve_put(&key, head.total_len, opts) {
+            Ok(mut pending) => {
+                let dst = pending.bytes_mut();
+                self.io.read_exact(&mut dst[..head.inline_len as usize])?;
+                let mut filled = head.inline_len;
+                while filled < head.total_len {
+                    let len = match self.next_data(rid, head.total_len - filled)? {
+                        Some(len) => len,
+                        None => return Ok(Flow::Close),
+                    };
+                    self.io.read_exact(&mut dst[filled as usize..(filled + len) as usize])?;
+                    filled += len;
+                }
+                self.reply(rid, pending.commit());
+            }
+            Err(e) => {
+                // Consume the value so the stream stays in sync, then answer.
+                self.io.skip(head.inline_len)?;
+                let mut left = head.total_len - head.inline_len;
+                while left > 0 {
+                    let len = match self.next_data(rid, left)? {
+                        Some(len) => len,
+                        None => return Ok(Flow::Close),
+                    };
+                    self.io.skip(len)?;
+                    left -= len;
+                }
+                self.reply(rid, Err(e));
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Reads the header of the next `Data` frame of request `rid` (at most `left` bytes).
+    /// None after a protocol violation (already answered).
+    fn next_data(&mut self, rid: u64, left: u64) -> WResult<Option<u64>> {
+        let h = match self.io.read_header(&self.shared.limits) {
+            Ok(h) => h,
+            Err(WireError::Protocol(p)) => {
+                self.fatal(rid, &p.into());
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        if h.op != Op::Data || h.request_id != rid || h.payload_len == 0 || u64::from(h.payload_len) > left {
+            self.fatal(rid, &Error::Protocol("put value frames out of order or too long".into()));
+            return Ok(None);
+        }
+        Ok(Some(h.payload_len.into()))
+    }
+}
+
+/// The process-wide budget of request bytes held in memory.
+struct Budget {
+    used: Mutex<u64>,
+    freed: Condvar,
+    max: u64,
+}
+
+struct Permit<'a> {
+    budget: &'a Budget,
+    bytes: u64,
+}
+
+impl Budget {
+    fn new(max: u64) -> Budget {
+        Budget { used: Mutex::new(0), freed: Condvar::new(), max }
+    }
+
+    /// Takes `bytes`, waiting up to `wait` for room; None when there was none.
+    fn acquire(&self, bytes: u64, wait: Duration) -> Option<Permit<'_>> {
+        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut used, _) = self
+            .freed
+            .wait_timeout_while(used, wait, |used| *used + bytes > self.max)
+            .unwrap_or_else(|p| p.into_inner());
+        if *used + bytes > self.max {
+            return None;
+        }
+        *used += bytes;
+        Some(Permit { budget: self, bytes })
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
+        *used -= self.bytes;
+        self.budget.freed.notify_all();
+    }
+}

@@ -1,0 +1,247 @@
+//! Socket plumbing for the owner and the client: one stream type over Unix and TCP, gathered
+//! sends with `MSG_NOSIGNAL` (a closed peer is an error, never a `SIGPIPE`), receives straight
+//! into caller memory, `SCM_RIGHTS` descriptor passing, and an eventfd used as a broadcast
+//! "shutting down" signal. It never interprets the bytes it moves.
+
+use std::io::{self, IoSlice};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+/// A connected stream socket.
+#[derive(Debug)]
+pub(crate) enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    pub(crate) fn fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    pub(crate) fn is_unix(&self) -> bool {
+        matches!(self, Stream::Unix(_))
+    }
+
+    /// Read and write timeouts (`SO_RCVTIMEO`/`SO_SNDTIMEO`); they also bound the raw calls below.
+    pub(crate) fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        let timeout = timeout.map(|t| t.max(Duration::from_millis(1)));
+        match self {
+            Stream::Unix(s) => {
+                s.set_read_timeout(timeout)?;
+                s.set_write_timeout(timeout)
+            }
+            Stream::Tcp(s) => {
+                s.set_read_timeout(timeout)?;
+                s.set_write_timeout(timeout)
+            }
+        }
+    }
+
+    pub(crate) fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+
+    pub(crate) fn shutdown(&self) {
+        let _ = match self {
+            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+
+    pub(crate) fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+        })
+    }
+}
+
+/// Sends every byte of `bufs`, in order; the first `sendmsg` carries `fd` when given.
+pub(crate) fn send_all(sock: RawFd, bufs: &[IoSlice<'_>], mut fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    let mut storage: Vec<IoSlice<'_>> = bufs.iter().filter(|b| !b.is_empty()).copied().collect();
+    let mut slices: &mut [IoSlice<'_>] = &mut storage;
+    while !slices.is_empty() || fd.is_some() {
+        // At most IOV_MAX (1024) slices per call.
+        let count = slices.len().min(1024);
+        let sent = sendmsg(sock, &slices[..count], fd.take())?;
+        if sent == 0 && count > 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "socket accepted no bytes"));
+        }
+        IoSlice::advance_slices(&mut slices, sent);
+    }
+    Ok(())
+}
+
+#[repr(C, align(8))]
+struct CmsgSpace([u8; 64]);
+
+fn sendmsg(sock: RawFd, bufs: &[IoSlice<'_>], fd: Option<BorrowedFd<'_>>) -> io::Result<usize> {
+    let mut cmsg = CmsgSpace([0; 64]);
+    // SAFETY: msghdr is plain data; an all-zero value is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // IoSlice is ABI-compatible with iovec (documented); sendmsg only reads through the pointer.
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = bufs.len();
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        msg.msg_control = cmsg.0.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: msg_control points at `space` (<= 64) aligned bytes we own, so CMSG_FIRSTHDR
+        // returns a header inside them, and CMSG_DATA has room for one descriptor.
+        unsafe {
+            let hdr = libc::CMSG_FIRSTHDR(&msg);
+            (*hdr).cmsg_level = libc::SOL_SOCKET;
+            (*hdr).cmsg_type = libc::SCM_RIGHTS;
+            (*hdr).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+            std::ptr::write_unaligned(libc::CMSG_DATA(hdr).cast::<RawFd>(), fd.as_raw_fd());
+        }
+    }
+    loop {
+        // SAFETY: msg describes live buffers (bufs, cmsg) for the duration of the call.
+        let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Receives up to `len` bytes into `ptr`; 0 means the peer closed. Collects a descriptor passed
+/// with `SCM_RIGHTS` into `fd_out` when given (extra descriptors are closed).
+///
+/// # Safety
+/// `[ptr, ptr + len)` must be valid for writes for the duration of the call.
+pub(crate) unsafe fn recv_into(
+    sock: RawFd,
+    ptr: *mut u8,
+    len: usize,
+    fd_out: Option<&mut Option<OwnedFd>>,
+) -> io::Result<usize> {
+    let mut cmsg = CmsgSpace([0; 64]);
+    let mut iov = libc::iovec { iov_base: ptr.cast(), iov_len: len };
+    // SAFETY: msghdr is plain data; an all-zero value is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    let want_fd = fd_out.is_some();
+    if want_fd {
+        msg.msg_control = cmsg.0.as_mut_ptr().cast();
+        msg.msg_controllen = cmsg.0.len();
+    }
+    let n = loop {
+        // SAFETY: iov points at caller memory valid for `len` bytes (this function's contract);
+        // the control buffer is ours.
+        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    };
+    if want_fd && msg.msg_controllen > 0 {
+        let mut received: Vec<OwnedFd> = Vec::new();
+        // SAFETY: the kernel filled msg_control/msg_controllen; the CMSG_* macros walk only
+        // within them, and each SCM_RIGHTS payload holds whole descriptors that are now ours.
+        unsafe {
+            let mut hdr = libc::CMSG_FIRSTHDR(&msg);
+            while !hdr.is_null() {
+                if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(hdr);
+                    let bytes = (*hdr).cmsg_len as usize - (data as usize - hdr as usize);
+                    for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        received.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                hdr = libc::CMSG_NXTHDR(&msg, hdr);
+            }
+        }
+        if let Some(out) = fd_out {
+            if !received.is_empty() {
+                *out = Some(received.remove(0));
+            }
+        }
+        // Any further descriptors are dropped (closed) here.
+    }
+    Ok(n)
+}
+
+/// Waits until `sock` is readable or `wake` is signalled; returns (sock readable, woken).
+pub(crate) fn wait_readable(sock: RawFd, wake: RawFd, timeout_ms: i32) -> io::Result<(bool, bool)> {
+    let mut fds = [
+        libc::pollfd { fd: sock, events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
+    ];
+    loop {
+        // SAFETY: fds is a valid array of two pollfd structs for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if n >= 0 {
+            let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+            return Ok((ready(&fds[0]), ready(&fds[1])));
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// An eventfd that, once signalled, stays readable: a broadcast flag that `poll` can wait on.
+#[derive(Debug)]
+pub(crate) struct WakeFlag(OwnedFd);
+
+impl WakeFlag {
+    pub(crate) fn new() -> io::Result<WakeFlag> {
+        // SAFETY: plain syscall; the result is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor that nothing else owns.
+        Ok(WakeFlag(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    pub(crate) fn signal(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd. Nobody reads it, so it stays
+        // readable; a full counter (EAGAIN) is already signalled.
+        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// Fills `buf` with random bytes from the kernel.
+pub(crate) fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        // SAFETY: writes at most the remaining length into our buffer.
+        let n = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! Frame I/O over one stream: a small read buffer for headers and small payloads, reads of
+//! large payloads straight into their destination, and a write buffer for small frames that is
+//! sent together with bulk data in one gathered `sendmsg`.
+//!
+//! It owns the stream and its buffers. It never allocates a payload buffer whose size was not
+//! first checked by `FrameHeader::decode` against the caller's limit.
+
+use std::io::{self, IoSlice};
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use super::protocol::{begin_frame, end_frame, FrameHeader, Limits, Op, ProtocolError, HEADER_BYTES};
+use super::sock::{self, Stream};
+use crate::error::Error;
+
+/// Bytes read per refill when waiting for a header: enough for a whole small reply, small
+/// enough that little of a following bulk payload is copied through the buffer.
+const FILL_BYTES: usize = 8 << 10;
+
+/// Why a frame could not be read or written.
+#[derive(Debug)]
+pub(crate) enum WireError {
+    /// The peer closed the connection (or reset it).
+    Closed(String),
+    /// A socket timeout passed.
+    Timeout,
+    /// Any other socket error.
+    Io(io::Error),
+    /// The peer sent something the protocol does not allow.
+    Protocol(ProtocolError),
+}
+
+impl From<io::Error> for WireError {
+    fn from(e: io::Error) -> WireError {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => WireError::Timeout,
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::NotConnected => WireError::Closed(e.to_string()),
+            _ => WireError::Io(e),
+        }
+    }
+}
+
+impl From<ProtocolError> for WireError {
+    fn from(e: ProtocolError) -> WireError {
+        WireError::Protocol(e)
+    }
+}
+
+impl WireError {
+    /// The typed error a caller sees; `op` and `timeout_ms` describe a timeout.
+    pub(crate) fn into_error(self, op: &'static str, timeout_ms: u64) -> Error {
+        match self {
+            WireError::Closed(why) => Error::Disconnected(why),
+            WireError::Timeout => Error::Timeout { op, timeout_ms },
+            WireError::Io(e) => Error::Disconnected(e.to_string()),
+            WireError::Protocol(p) => p.into(),
+        }
+    }
+}
+
+pub(crate) type WResult<T> = std::result::Result<T, WireError>;
+
+/// One stream with its read and write buffers.
+#[derive(Debug)]
+pub(crate) struct FrameIo {
+    stream: Stream,
+    rbuf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    wbuf: Vec<u8>,
+}
+
+impl FrameIo {
+    pub(crate) fn new(stream: Stream) -> FrameIo {
+        FrameIo { stream, rbuf: vec![0u8; FILL_BYTES].into_boxed_slice(), start: 0, end: 0, wbuf: Vec::new() }
+    }
+
+    pub(crate) fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Bytes received but not consumed yet.
+    pub(crate) fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Receives until at least `min` bytes are buffered (`min <= FILL_BYTES`).
+    fn fill(&mut self, min: usize, mut fd_out: Option<&mut Option<OwnedFd>>) -> WResult<()> {
+        debug_assert!(min <= self.rbuf.len());
+        if self.start > 0 && self.rbuf.len() - self.start < min {
+            self.rbuf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        while self.end - self.start < min {
+            let room = self.rbuf.len() - self.end;
+            // SAFETY: [end, end + room) lies inside rbuf, which we own and borrow mutably.
+            let n = unsafe {
+                sock::recv_into(self.stream.fd(), self.rbuf.as_mut_ptr().add(self.end), room, fd_out.as_deref_mut())
+            }?;
+            if n == 0 {
+                return Err(WireError::Closed("the peer closed the connection".into()));
+            }
+            self.end += n;
+        }
+        Ok(())
+    }
+
+    /// Reads and validates the next frame header.
+    pub(crate) fn read_header(&mut self, limits: &Limits) -> WResult<FrameHeader> {
+        self.read_header_with_fd(limits, None)
+    }
+
+    /// `read_header`, also collecting a descriptor passed with the frame's first bytes.
+    pub(crate) fn read_header_with_fd(
+        &mut self,
+        limits: &Limits,
+        fd_out: Option<&mut Option<OwnedFd>>,
+    ) -> WResult<FrameHeader> {
+        self.fill(HEADER_BYTES, fd_out)?;
+        let header = FrameHeader::decode(&self.rbuf[self.start..self.start + HEADER_BYTES], limits.max_payload_bytes)?;
+        self.start += HEADER_BYTES;
+        Ok(header)
+    }
+
+    /// Reads exactly `len` bytes into `ptr`: buffered bytes first, the rest straight from the
+    /// socket.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid for writes and not aliased during the call.
+    pub(crate) unsafe fn read_raw(&mut self, ptr: *mut u8, len: usize) -> WResult<()> {
+        let from_buf = len.min(self.buffered());
+        // SAFETY: the source lies in rbuf[start..end]; the destination is the caller's, valid
+        // for `len >= from_buf` bytes, and cannot overlap our private buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.rbuf.as_ptr().add(self.start), ptr, from_buf) };
+        self.start += from_buf;
+        let mut done = from_buf;
+        while done < len {
+            // SAFETY: [ptr + done, ptr + len) is inside the caller's valid range.
+            let n = unsafe { sock::recv_into(self.stream.fd(), ptr.add(done), len - done, None) }?;
+            if n == 0 {
+                return Err(WireError::Closed("the peer closed the connection mid-frame".into()));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads exactly `dst.len()` bytes into `dst`.
+    pub(crate) fn read_exact(&mut self, dst: &mut [u8]) -> WResult<()> {
+        // SAFETY: dst is a unique borrow valid for its length.
+        unsafe { self.read_raw(dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// Reads a `len`-byte payload into a new vector (`len` was checked by the header decoder).
+    pub(crate) fn read_payload(&mut self, len: u32) -> WResult<Vec<u8>> {
+        let mut payload = vec![0u8; len as usize];
+        self.read_exact(&mut payload)?;
+        Ok(payload)
+    }
+
+    /// Reads and discards `len` bytes.
+    pub(crate) fn skip(&mut self, mut len: u64) -> WResult<()> {
+        while len > 0 {
+            if self.buffered() == 0 {
+                self.fill(1, None)?;
+            }
+            let n = (self.buffered() as u64).min(len) as usize;
+            self.start += n;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+
+    // ---- writing -------------------------------------------------------------------------------
+
+    /// Starts a frame in the write buffer; finish it with `end_frame`.
+    pub(crate) fn begin(&mut self, op: Op, request_id: u64) -> usize {
+        begin_frame(&mut self.wbuf, op, request_id)
+    }
+
+    /// The write buffer, to append a payload to.
+    pub(crate) fn out(&mut self) -> &mut Vec<u8> {
+        &mut self.wbuf
+    }
+
+    /// Finishes the frame begun at `start`.
+    pub(crate) fn end(&mut self, start: usize) {
+        end_frame(&mut self.wbuf, start);
+    }
+
+    /// Appends a whole frame.
+    pub(crate) fn push_frame(&mut self, op: Op, request_id: u64, payload: &[u8]) {
+        let start = self.begin(op, request_id);
+        self.wbuf.extend_from_slice(payload);
+        self.end(start);
+    }
+
+    /// Bytes waiting in the write buffer.
+    pub(crate) fn pending_out(&self) -> usize {
+        self.wbuf.len()
+    }
+
+    /// Sends the write buffer.
+    pub(crate) fn flush(&mut self) -> WResult<()> {
+        self.flush_with_fd(None)
+    }
+
+    /// Sends the write buffer with `fd` attached to its first byte.
+    pub(crate) fn flush_with_fd(&mut self, fd: Option<BorrowedFd<'_>>) -> WResult<()> {
+        if self.wbuf.is_empty() {
+            return Ok(());
+        }
+        let result = sock::send_all(self.stream.fd(), &[IoSlice::new(&self.wbuf)], fd);
+        self.wbuf.clear();
+        Ok(result?)
+    }
+
+    /// Sends the write buffer followed by `data` (the caller wrote a frame header announcing it).
+    pub(crate) fn send_with(&mut self, data: &[IoSlice<'_>]) -> WResult<()> {
+        let mut bufs = Vec::with_capacity(data.len() + 1);
+        bufs.push(IoSlice::new(&self.wbuf));
+        bufs.extend_from_slice(data);
+        let result = sock::send_all(self.stream.fd(), &bufs, None);
+        self.wbuf.clear();
+        Ok(result?)
+    }
+
+    /// Sends the write buffer, then a frame header and `data` (gathered, no copy of `data`).
+    pub(crate) fn send_data(&mut self, op: Op, request_id: u64, data: &[IoSlice<'_>]) -> WResult<()> {
+        let len: usize = data.iter().map(|d| d.len()).sum();
+        let header = FrameHeader::new(op, request_id, len as u32).encode();
+        let mut bufs = Vec::with_capacity(data.len() + 2);
+        bufs.push(IoSlice::new(&self.wbuf));
+        bufs.push(IoSlice::new(&header));
+        bufs.extend_from_slice(data);
+        let result = sock::send_all(self.stream.fd(), &bufs, None);
+        self.wbuf.clear();
+        Ok(result?)
+    }
+}

@@ -1,0 +1,906 @@
+//! The owner service and `RemoteStore`, on loopback only: every API operation over TCP and over
+//! Unix socket + shared memory compared byte for byte with the embedded engine; 32 concurrent
+//! clients; a client killed while it holds a lease; malformed, truncated, oversized and
+//! wrong-version frames; wrong tokens; the owner restarted under its clients.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::value_for;
+use kvtide::remote::protocol::{
+    decode_error_frame, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead, Request,
+    HEADER_BYTES, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
+};
+use kvtide::remote::{Owner, OwnerConfig, OwnerError, Token};
+use kvtide::{
+    ClientOptions, Engine, Error, Fragment, PutOptions, Region, RegionError, RemoteStore, Store, StoreBuilder,
+};
+
+const TOKEN: &[u8] = b"test-token-0123456789abcdef";
+
+fn engine(dram_bytes: u64) -> Arc<Engine> {
+    Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(dram_bytes)
+            .shards(2)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .open()
+            .expect("open store"),
+    )
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvtide-remote-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn token() -> Token {
+    Token::new(TOKEN).expect("token")
+}
+
+/// An owner on `dir/owner.sock` and TCP `tcp` (port 0: any), token-authenticated.
+fn owner(engine: &Arc<Engine>, dir: &Path, tcp: SocketAddr) -> Owner {
+    let config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        tcp: Some(tcp),
+        tcp_token: Some(token()),
+        shutdown_grace_ms: 2_000,
+        ..OwnerConfig::default()
+    };
+    Owner::start(Arc::clone(engine), config).expect("start owner")
+}
+
+fn any_port() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("addr")
+}
+
+fn options() -> ClientOptions {
+    ClientOptions { token: Some(token()), timeout_ms: 10_000, ..ClientOptions::default() }
+}
+
+fn unix_client(owner: &Owner) -> RemoteStore {
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let store = RemoteStore::connect_with(&format!("unix:{path}"), options()).expect("connect unix");
+    assert!(store.uses_shared_memory(), "Unix clients map the arena");
+    store
+}
+
+fn tcp_client(owner: &Owner) -> RemoteStore {
+    let addr = owner.tcp_addr().expect("tcp");
+    let store = RemoteStore::connect_with(&addr.to_string(), options()).expect("connect tcp");
+    assert!(!store.uses_shared_memory());
+    store
+}
+
+/// Waits until the engine holds no lease and the owner no outstanding lease.
+fn wait_idle(owner: &Owner) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        owner.engine().sync_shards().expect("sync");
+        let held = owner.engine().stats().held_resources();
+        let outstanding = owner.counters().leases_outstanding.load(Ordering::SeqCst);
+        if held.is_zero() && outstanding == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still held: {held:?}, owner leases {outstanding}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---- every operation, compared with the embedded engine ---------------------------------------
+
+/// What one step of the script observed: results and the bytes that landed in buffers.
+#[derive(Debug, PartialEq)]
+enum Seen {
+    Unit(Result<(), Error>),
+    Bytes(Result<Vec<u8>, Error>),
+    Len(Result<usize, Error>, Vec<u8>),
+    Many(Vec<Result<usize, Error>>, Vec<u8>),
+    Units(Vec<Result<(), Error>>),
+    Ranges(Vec<Vec<Result<usize, Error>>>, Vec<u8>),
+    Bools(Vec<Result<bool, Error>>),
+    Hits(Result<usize, Error>),
+    Objects(u64, u64),
+}
+
+fn script(store: &dyn Store) -> Vec<Seen> {
+    let mut seen = Vec::new();
+    let small = value_for(b"small", 0, 100);
+    let medium = value_for(b"medium", 0, 200 << 10);
+    let large = value_for(b"large", 0, (3 << 20) + 17); // several chunks
+    let long_key = vec![b'k'; 2000];
+    seen.push(Seen::Unit(store.put(b"small", &small, PutOptions::INSERT)));
+    seen.push(Seen::Unit(store.put(b"medium", &medium, PutOptions::INSERT)));
+    seen.push(Seen::Unit(store.put(b"large", &large, PutOptions::INSERT)));
+    seen.push(Seen::Unit(store.put(b"empty", &[], PutOptions::INSERT)));
+    seen.push(Seen::Unit(store.put(b"small", &small, PutOptions::INSERT))); // AlreadyExists
+    seen.push(Seen::Unit(store.put(b"small", &medium[..500], PutOptions::UPSERT)));
+    seen.push(Seen::Unit(store.put(b"", &small, PutOptions::INSERT))); // EmptyKey
+    seen.push(Seen::Unit(store.put(&long_key, &small, PutOptions::INSERT))); // TooLarge key
+    seen.push(Seen::Unit(store.put(b"huge", &vec![1u8; 40 << 20], PutOptions::INSERT))); // TooLarge value
+    let (a, b, c) = (value_for(b"a", 1, 70_000), value_for(b"b", 1, 1), value_for(b"c", 1, 2 << 20));
+    let sources = [Region::host_readonly(&a), Region::host_readonly(&b), Region::host_readonly(&c)];
+    seen.push(Seen::Unit(store.put_from(b"gathered", &sources, PutOptions::INSERT)));
+    let batch_keys: [&[u8]; 3] = [b"b1", b"", b"b3"];
+    let batch_sources = vec![
+        vec![Region::host_readonly(&a)],
+        vec![Region::host_readonly(&b)],
+        vec![Region::host_readonly(&b), Region::host_readonly(&c)],
+    ];
+    seen.push(Seen::Units(store.batch_put_from_multi_buffers(&batch_keys, &batch_sources, PutOptions::INSERT)));
+    seen.push(Seen::Units(store.batch_put_from_multi_buffers(&batch_keys, &batch_sources[..1], PutOptions::INSERT)));
+
+    for key in [&b"small"[..], b"medium", b"large", b"empty", b"gathered", b"b3", b"missing", b""] {
+        seen.push(Seen::Bytes(store.get(key)));
+    }
+    for (key, size) in [(&b"medium"[..], 200 << 10), (b"medium", 300 << 10), (b"medium", 1000), (b"missing", 10)] {
+        let mut buf = vec![0u8; size];
+        let r = store.get_into(key, Region::host(&mut buf));
+        seen.push(Seen::Len(r, buf));
+    }
+    let ro = vec![0u8; 100];
+    seen.push(Seen::Len(store.get_into(b"small", Region::host_readonly(&ro)), ro.clone()));
+
+    // Scatter: exact split, wrong total, missing key, mismatched argument lengths.
+    let mut pages = vec![0u8; (200 << 10) + 3 * 4096 + 500];
+    {
+        let (p0, rest) = pages.split_at_mut(100 << 10);
+        let (p1, rest) = rest.split_at_mut(100 << 10);
+        let (p2, rest) = rest.split_at_mut(4096);
+        let (p3, p4) = rest.split_at_mut(4096);
+        let keys: [&[u8]; 4] = [b"medium", b"small", b"missing", b"large"];
+        let (p2a, p2b) = p2.split_at_mut(400);
+        let dsts = vec![
+            vec![Region::host(p0), Region::host(p1)],
+            vec![Region::host(p2a), Region::host(&mut p2b[..100])],
+            vec![Region::host(p3)],
+            vec![Region::host(p4)],
+        ];
+        let r = store.batch_get_into_multi_buffers(&keys, &dsts);
+        seen.push(Seen::Many(r, Vec::new()));
+        let r = store.batch_get_into_multi_buffers(&keys, &dsts[..2]);
+        seen.push(Seen::Many(r, Vec::new()));
+    }
+    seen.push(Seen::Many(Vec::new(), pages));
+
+    // Ranges, including every per-fragment failure.
+    let mut buf0 = vec![0u8; 600_000];
+    let mut buf1 = vec![0u8; 100];
+    let fragments = vec![
+        vec![
+            Fragment::new(b"large".to_vec(), 100, 0, 200_000),
+            Fragment::new(b"medium".to_vec(), 0, 200_000, 300),
+            Fragment::new(b"small".to_vec(), 490, 500_000, 20), // past the object
+            Fragment::new(b"medium".to_vec(), 0, 599_990, 20),  // past the buffer
+            Fragment::new(b"zz".to_vec(), 0, 0, 1),             // missing key
+            Fragment::new(b"large".to_vec(), u64::MAX, 0, 2),   // overflow
+            Fragment::new(b"large".to_vec(), 3 << 20, 300_000, 17),
+        ],
+        vec![Fragment::new(b"gathered".to_vec(), 69_990, 0, 100)],
+        vec![Fragment::new(b"small".to_vec(), 0, 0, 1)], // no such buffer
+    ];
+    {
+        let buffers = [Region::host(&mut buf0), Region::host(&mut buf1)];
+        let r = store.get_into_ranges(&buffers, &fragments);
+        seen.push(Seen::Ranges(r, Vec::new()));
+    }
+    buf0.extend_from_slice(&buf1);
+    seen.push(Seen::Ranges(Vec::new(), buf0));
+
+    let keys: [&[u8]; 6] = [b"small", b"medium", b"large", b"nope", b"", b"gathered"];
+    seen.push(Seen::Bools(store.batch_exists(&keys)));
+    seen.push(Seen::Bools(vec![store.exists(b"small"), store.exists(b"nope"), store.exists(b"")]));
+    seen.push(Seen::Hits(store.prefix_hits(&keys)));
+    seen.push(Seen::Hits(store.prefix_hits(&keys[..3])));
+    seen.push(Seen::Hits(store.prefix_hits(&[b"small", b""])));
+
+    // Pins and removes.
+    seen.push(Seen::Unit(store.pin(b"small")));
+    seen.push(Seen::Unit(store.pin(b"nope")));
+    seen.push(Seen::Unit(store.remove(b"small", false)));
+    seen.push(Seen::Unit(store.unpin(b"small")));
+    seen.push(Seen::Unit(store.unpin(b"small")));
+    seen.push(Seen::Unit(store.pin(b"medium")));
+    seen.push(Seen::Unit(store.remove(b"medium", true)));
+    seen.push(Seen::Unit(store.remove(b"small", false)));
+    seen.push(Seen::Unit(store.remove(b"small", false)));
+    seen.push(Seen::Unit(store.remove(b"", false)));
+    seen.push(Seen::Bools(store.batch_exists(&keys)));
+
+    // Async batch get into owned buffers.
+    let mut out_a = vec![0u8; 3 << 20];
+    let mut out_b = vec![0u8; 17];
+    let mut out_c = vec![0u8; 10];
+    // SAFETY: the three buffers outlive the ticket, which is waited for below, and nothing else
+    // touches them meanwhile.
+    let dsts = unsafe {
+        vec![
+            vec![
+                Region::from_raw(out_a.as_mut_ptr() as u64, out_a.len(), kvtide::MemoryKind::Host),
+                Region::from_raw(out_b.as_mut_ptr() as u64, out_b.len(), kvtide::MemoryKind::Host),
+            ],
+            vec![Region::from_raw(out_c.as_mut_ptr() as u64, out_c.len(), kvtide::MemoryKind::Host)],
+        ]
+    };
+    let ticket = store.submit_batch_get(&[b"large", b"gone"], dsts).expect("submit");
+    seen.push(Seen::Many(ticket.wait(), [out_a, out_b, out_c].concat()));
+    let stats = store.stats();
+    seen.push(Seen::Objects(stats.total.objects, stats.total.bytes_used));
+    seen
+}
+
+fn assert_same(what: &str, expected: &[Seen], got: &[Seen]) {
+    assert_eq!(expected.len(), got.len(), "{what}: step count");
+    for (i, (e, g)) in expected.iter().zip(got).enumerate() {
+        if e != g {
+            let short = |s: &Seen| {
+                let t = format!("{s:?}");
+                t.chars().take(600).collect::<String>()
+            };
+            panic!("{what}: step {i} differs\n embedded: {}\n remote:   {}", short(e), short(g));
+        }
+    }
+}
+
+#[test]
+fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
+    let embedded = engine(64 << 20);
+    let expected = script(&*embedded);
+    assert!(matches!(expected[8], Seen::Unit(Err(Error::TooLarge { what: "value", .. }))));
+
+    let dir = temp_dir("every-op");
+    let unix_engine = engine(64 << 20);
+    let unix_owner = owner(&unix_engine, &dir.join(""), any_port());
+    let unix = unix_client(&unix_owner);
+    assert_same("unix+shm", &expected, &script(&unix));
+    wait_idle(&unix_owner);
+    assert!(unix_owner.counters().leases_granted.load(Ordering::SeqCst) > 0, "gets went through leases");
+
+    let dir2 = temp_dir("every-op-tcp");
+    let tcp_engine = engine(64 << 20);
+    let tcp_owner = owner(&tcp_engine, &dir2, any_port());
+    let tcp = tcp_client(&tcp_owner);
+    assert_same("tcp", &expected, &script(&tcp));
+    assert_eq!(tcp_owner.counters().leases_granted.load(Ordering::SeqCst), 0, "TCP streams");
+    wait_idle(&tcp_owner);
+
+    // The same over a Unix socket without shared memory (streamed).
+    let dir3 = temp_dir("every-op-unix-stream");
+    let stream_engine = engine(64 << 20);
+    let stream_owner = owner(&stream_engine, &dir3, any_port());
+    let path = stream_owner.unix_path().expect("unix").display().to_string();
+    let streamed =
+        RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect");
+    assert!(!streamed.uses_shared_memory());
+    assert_same("unix stream", &expected, &script(&streamed));
+    wait_idle(&stream_owner);
+    for d in [dir, dir2, dir3] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+// ---- concurrency ---------------------------------------------------------------------------
+
+#[test]
+fn thirty_two_concurrent_clients_mixing_operations() {
+    let dir = temp_dir("concurrent");
+    let engine = engine(256 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let shared_keys: Vec<Vec<u8>> = (0..16).map(|i| format!("shared/{i}").into_bytes()).collect();
+    let setup = unix_client(&owner);
+    for k in &shared_keys {
+        setup.put(k, &value_for(k, 0, 50_000), PutOptions::INSERT).expect("shared put");
+    }
+    let unix_path = owner.unix_path().expect("unix").display().to_string();
+    let tcp_addr = owner.tcp_addr().expect("tcp").to_string();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    std::thread::scope(|scope| {
+        for t in 0..32u64 {
+            let (unix_path, tcp_addr, shared_keys) = (&unix_path, &tcp_addr, &shared_keys);
+            scope.spawn(move || {
+                let address = if t % 2 == 0 { format!("unix:{unix_path}") } else { tcp_addr.clone() };
+                let store = RemoteStore::connect_with(&address, options()).expect("connect");
+                let mut round = 0u64;
+                while Instant::now() < deadline || round < 3 {
+                    let key = format!("client{t}/{}", round % 4).into_bytes();
+                    let size = 1000 + ((t * 7919 + round * 104_729) % 300_000) as usize;
+                    let value = value_for(&key, round, size);
+                    store.put(&key, &value, PutOptions::UPSERT).expect("put");
+                    assert_eq!(store.get(&key).expect("get"), value, "client {t} round {round}");
+                    let mut buf = vec![0u8; size];
+                    assert_eq!(store.get_into(&key, Region::host(&mut buf)), Ok(size));
+                    assert_eq!(buf, value);
+                    let shared = &shared_keys[(round as usize + t as usize) % shared_keys.len()];
+                    let mut halves = vec![0u8; 50_000];
+                    let (h0, h1) = halves.split_at_mut(25_000);
+                    let r = store.batch_get_into_multi_buffers(
+                        &[shared, &key],
+                        &[vec![Region::host(h0), Region::host(h1)], vec![Region::host(&mut buf)]],
+                    );
+                    assert_eq!(r, vec![Ok(50_000), Ok(size)]);
+                    assert_eq!(halves, value_for(shared, 0, 50_000));
+                    assert_eq!(store.batch_exists(&[shared, b"never"]), vec![Ok(true), Ok(false)]);
+                    if round % 3 == 2 {
+                        assert_eq!(store.remove(&key, false), Ok(()));
+                        assert_eq!(store.get(&key), Err(Error::NotFound));
+                    }
+                    round += 1;
+                }
+            });
+        }
+    });
+    assert!(owner.counters().connections_accepted.load(Ordering::SeqCst) >= 33);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- raw protocol helpers ------------------------------------------------------------------------
+
+trait Wire: Read + Write {}
+impl<T: Read + Write> Wire for T {}
+
+/// A hand-driven connection for feeding the owner bad frames.
+struct Raw {
+    stream: Box<dyn Wire>,
+}
+
+impl Raw {
+    fn unix(owner: &Owner) -> Raw {
+        let s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        Raw { stream: Box::new(s) }
+    }
+
+    fn tcp(owner: &Owner) -> Raw {
+        let s = TcpStream::connect(owner.tcp_addr().expect("tcp")).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        Raw { stream: Box::new(s) }
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).expect("send");
+    }
+
+    /// The next frame, or None at end of stream.
+    fn recv(&mut self) -> Option<(FrameHeader, Vec<u8>)> {
+        let mut header = [0u8; HEADER_BYTES];
+        if self.stream.read_exact(&mut header).is_err() {
+            return None;
+        }
+        let h = FrameHeader::decode(&header, 64 << 20).expect("owner sent a valid header");
+        let mut payload = vec![0u8; h.payload_len as usize];
+        self.stream.read_exact(&mut payload).ok()?;
+        Some((h, payload))
+    }
+
+    fn expect_error(&mut self) -> Error {
+        let (h, payload) = self.recv().expect("an error reply");
+        assert_eq!(h.op, Op::Error, "expected an error frame");
+        decode_error_frame(&payload).expect("error payload").1
+    }
+
+    fn expect_closed(&mut self) {
+        assert!(self.recv().is_none(), "the owner closes the connection");
+    }
+
+    /// Hello, optionally asking for shared memory (the descriptor is dropped by plain reads).
+    fn handshake(&mut self, want_shm: bool) -> HelloOk {
+        let mut p = Vec::new();
+        Hello { client_nonce: [5; NONCE_BYTES], flags: u32::from(want_shm) }.encode(&mut p);
+        self.send(&frame(Op::Hello, 0, &p));
+        let (h, payload) = self.recv().expect("hello reply");
+        assert_eq!(h.op, Op::HelloOk);
+        HelloOk::decode(&payload).expect("hello ok")
+    }
+
+    fn request(&mut self, request: &Request<'_>, rid: u64) {
+        let mut p = Vec::new();
+        request.encode(&mut p);
+        self.send(&frame(request.op(), rid, &p));
+    }
+}
+
+fn header(op: u8, version: u16, rid: u64, payload_len: u32) -> Vec<u8> {
+    let mut h = Vec::new();
+    h.extend_from_slice(&MAGIC.to_le_bytes());
+    h.extend_from_slice(&version.to_le_bytes());
+    h.push(op);
+    h.push(0);
+    h.extend_from_slice(&rid.to_le_bytes());
+    h.extend_from_slice(&payload_len.to_le_bytes());
+    h
+}
+
+// ---- a client killed mid-read ---------------------------------------------------------------------
+
+/// Child process: reads through a real client, then takes a lease on a large object through
+/// the raw protocol and never finishes the copy. The parent kills it there.
+#[test]
+#[ignore = "run by killed_client_mid_read_releases_its_leases as a child process"]
+fn remote_child_reader() {
+    let Ok(path) = std::env::var("KVTIDE_REMOTE_CHILD_SOCKET") else { return };
+    let store = RemoteStore::connect_with(&format!("unix:{path}"), options()).expect("child connect");
+    for _ in 0..5 {
+        assert_eq!(store.get(b"big").expect("child get").len(), 8 << 20);
+    }
+    let s = UnixStream::connect(&path).expect("child raw connect");
+    let mut raw = Raw { stream: Box::new(s) };
+    raw.handshake(true);
+    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"big", check: LenCheck::Any }] }, 1);
+    let (h, _) = raw.recv().expect("grants");
+    assert_eq!(h.op, Op::Grants);
+    println!("HOLDING");
+    std::io::stdout().flush().expect("flush");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn killed_client_mid_read_releases_its_leases() {
+    let dir = temp_dir("killed");
+    let engine = engine(64 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let big = value_for(b"big", 0, 8 << 20);
+    unix_client(&owner).put(b"big", &big, PutOptions::INSERT).expect("put");
+
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "remote_child_reader", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("KVTIDE_REMOTE_CHILD_SOCKET", owner.unix_path().expect("unix"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let holding = lines.any(|l| l.map(|l| l.contains("HOLDING")).unwrap_or(false));
+    assert!(holding, "the child reached its lease");
+    owner.engine().sync_shards().expect("sync");
+    assert_eq!(owner.counters().leases_outstanding.load(Ordering::SeqCst), 1);
+    assert_eq!(owner.engine().stats().total.leases_held, 1, "the child's lease pins the object");
+    child.kill().expect("kill child");
+    child.wait().expect("reap child");
+    wait_idle(&owner);
+
+    // A streaming reader (no shared memory) that goes away after the first chunk of 8 MiB.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.request(&Request::Get { lease: false, items: vec![GetItem { key: b"big", check: LenCheck::Any }] }, 1);
+    let (h, _) = raw.recv().expect("object header");
+    assert_eq!(h.op, Op::Object);
+    let (h, chunk) = raw.recv().expect("first chunk");
+    assert_eq!(h.op, Op::Data);
+    assert_eq!(&chunk[..], &big[..chunk.len()]);
+    drop(raw);
+    wait_idle(&owner);
+
+    // The owner keeps serving.
+    assert_eq!(tcp_client(&owner).get(b"big").expect("get after kill"), big);
+    assert_eq!(unix_client(&owner).get(b"big").expect("get after kill"), big);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- malformed frames ------------------------------------------------------------------------------
+
+#[test]
+fn malformed_truncated_oversized_and_wrong_version_frames() {
+    let dir = temp_dir("malformed");
+    let engine = engine(64 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let good = unix_client(&owner);
+    good.put(b"k", b"value", PutOptions::INSERT).expect("put");
+
+    // Wrong version at the handshake: a clear ProtocolVersion error, then the close.
+    let mut raw = Raw::unix(&owner);
+    let mut hello = Vec::new();
+    Hello { client_nonce: [1; NONCE_BYTES], flags: 0 }.encode(&mut hello);
+    raw.send(&header(Op::Hello as u8, PROTOCOL_VERSION + 98, 0, hello.len() as u32));
+    raw.send(&hello);
+    // Decoded from the receiver's side: "ours" is the version this (raw) client spoke.
+    assert_eq!(raw.expect_error(), Error::ProtocolVersion { ours: PROTOCOL_VERSION + 98, theirs: PROTOCOL_VERSION });
+    raw.expect_closed();
+
+    // Bad magic.
+    let mut raw = Raw::unix(&owner);
+    raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    raw.expect_closed();
+
+    // Oversized frame after the handshake.
+    let mut raw = Raw::unix(&owner);
+    let limits = raw.handshake(false).limits();
+    raw.send(&header(Op::Exists as u8, PROTOCOL_VERSION, 7, limits.max_payload_bytes + 1));
+    assert!(matches!(raw.expect_error(), Error::Protocol(m) if m.contains("exceeds")));
+    raw.expect_closed();
+
+    // Unknown operation.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.send(&header(250, PROTOCOL_VERSION, 7, 0));
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    raw.expect_closed();
+
+    // Malformed payloads get an error reply and the connection carries on.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    let mut huge_count = Vec::new();
+    huge_count.extend_from_slice(&u32::MAX.to_le_bytes());
+    raw.send(&frame(Op::Exists, 1, &huge_count));
+    assert!(matches!(raw.expect_error(), Error::Protocol(m) if m.contains("exceed")));
+    let mut lying_count = Vec::new();
+    lying_count.extend_from_slice(&1000u32.to_le_bytes());
+    lying_count.extend_from_slice(&[1, 0, b'k']);
+    raw.send(&frame(Op::Exists, 2, &lying_count));
+    assert!(matches!(raw.expect_error(), Error::Protocol(m) if m.contains("truncated")));
+    let mut bad_key = Vec::new();
+    bad_key.extend_from_slice(&1u32.to_le_bytes());
+    bad_key.extend_from_slice(&[0xFF, 0xFF]); // 65535-byte key, longer than the owner allows
+    raw.send(&frame(Op::Exists, 3, &bad_key));
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    let mut bad_range = Vec::new();
+    Request::GetRanges { keys: vec![b"k"], fragments: vec![] }.encode(&mut bad_range);
+    bad_range.truncate(bad_range.len() - 4);
+    bad_range.extend_from_slice(&1u32.to_le_bytes());
+    bad_range.extend_from_slice(&9u32.to_le_bytes()); // key index 9 of 1
+    bad_range.extend_from_slice(&[0; 16]);
+    raw.send(&frame(Op::GetRanges, 4, &bad_range));
+    assert!(matches!(raw.expect_error(), Error::Protocol(m) if m.contains("index")));
+    raw.send(&frame(Op::Release, 5, &{
+        let mut p = Vec::new();
+        Request::Release { leases: vec![42, 43] }.encode(&mut p);
+        p
+    }));
+    raw.request(&Request::Exists { keys: vec![b"k", b"nope"] }, 6);
+    let (h, _) = raw.recv().expect("exists reply on the same connection");
+    assert_eq!((h.op, h.request_id), (Op::ExistsReply, 6));
+    assert_eq!(owner.counters().unknown_releases.load(Ordering::SeqCst), 2);
+    // Data outside a put closes the connection.
+    raw.send(&frame(Op::Data, 9, b"stray"));
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    raw.expect_closed();
+
+    // A put whose inline bytes exceed its announced length.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    let mut p = Vec::new();
+    PutHead::encode(&mut p, false, b"p", 4);
+    p.extend_from_slice(b"p");
+    p.extend_from_slice(b"too many bytes");
+    raw.send(&frame(Op::Put, 1, &p));
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    raw.expect_closed();
+
+    // A put truncated mid-value: the reservation is aborted.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    let mut p = Vec::new();
+    PutHead::encode(&mut p, false, b"cut", 1 << 20);
+    p.extend_from_slice(b"cut");
+    p.extend_from_slice(&[7u8; 1000]);
+    raw.send(&frame(Op::Put, 1, &p));
+    raw.send(&header(Op::Data as u8, PROTOCOL_VERSION, 1, 100_000));
+    raw.send(&[7u8; 5000]);
+    drop(raw);
+    // A frame truncated mid-header, then a close.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.send(&header(Op::Stats as u8, PROTOCOL_VERSION, 1, 0)[..11]);
+    drop(raw);
+    // Garbage before the handshake over TCP.
+    let mut raw = Raw::tcp(&owner);
+    raw.send(&[0u8; 64]);
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    raw.expect_closed();
+
+    // A request before authentication on TCP is refused.
+    let mut raw = Raw::tcp(&owner);
+    let hello = raw.handshake(false);
+    assert!(hello.flags & kvtide::remote::protocol::HELLO_AUTH_REQUIRED != 0);
+    raw.request(&Request::Stats, 1);
+    assert!(matches!(raw.expect_error(), Error::Unauthorized(_)));
+    raw.expect_closed();
+
+    // Everyone else carried on.
+    assert_eq!(good.get(b"k").expect("get"), b"value");
+    assert_eq!(tcp_client(&owner).get(b"k").expect("get"), b"value");
+    assert_eq!(good.get(b"cut"), Err(Error::NotFound));
+    assert!(owner.counters().protocol_errors.load(Ordering::SeqCst) >= 8);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_client_reports_an_owner_of_another_version() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut hello = [0u8; HEADER_BYTES + NONCE_BYTES + 4];
+        s.read_exact(&mut hello).expect("hello");
+        s.write_all(&header(Op::HelloOk as u8, PROTOCOL_VERSION + 1, 0, 0)).expect("reply");
+    });
+    let err = RemoteStore::connect_with(&addr.to_string(), options()).expect_err("version mismatch");
+    assert_eq!(err, Error::ProtocolVersion { ours: PROTOCOL_VERSION, theirs: PROTOCOL_VERSION + 1 });
+    fake.join().expect("fake owner");
+}
+
+// ---- authentication --------------------------------------------------------------------------------
+
+#[test]
+fn wrong_or_missing_token_is_unauthorized() {
+    let dir = temp_dir("auth");
+    let engine = engine(32 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let addr = owner.tcp_addr().expect("tcp").to_string();
+    let wrong = ClientOptions { token: Some(Token::new(b"another-token-0123456789").expect("token")), ..options() };
+    assert!(matches!(RemoteStore::connect_with(&addr, wrong), Err(Error::Unauthorized(_))));
+    let none = ClientOptions { token: None, ..options() };
+    assert!(matches!(RemoteStore::connect_with(&addr, none), Err(Error::Unauthorized(_))));
+    assert!(owner.counters().auth_failures.load(Ordering::SeqCst) >= 1);
+    // The right token works, and the Unix socket needs none (file permissions guard it).
+    let ok = tcp_client(&owner);
+    ok.put(b"a", b"b", PutOptions::INSERT).expect("put");
+    let unix_path = owner.unix_path().expect("unix").to_path_buf();
+    let unix = RemoteStore::connect_with(&format!("unix:{}", unix_path.display()), ClientOptions::default())
+        .expect("unix needs no token");
+    assert_eq!(unix.get(b"a").expect("get"), b"b");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&unix_path).expect("socket").permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the socket is private to its user");
+
+    // TCP without a token is refused unless explicitly allowed on loopback.
+    let no_token = OwnerConfig { tcp: Some(any_port()), ..OwnerConfig::default() };
+    assert!(matches!(Owner::start(Arc::clone(&engine), no_token), Err(OwnerError::Config(_))));
+    let public = OwnerConfig {
+        tcp: Some("0.0.0.0:0".parse().expect("addr")),
+        allow_unauthenticated_loopback: true,
+        ..OwnerConfig::default()
+    };
+    assert!(matches!(Owner::start(Arc::clone(&engine), public), Err(OwnerError::Config(_))));
+    let open = Owner::start(
+        Arc::clone(&engine),
+        OwnerConfig { tcp: Some(any_port()), allow_unauthenticated_loopback: true, ..OwnerConfig::default() },
+    )
+    .expect("loopback without auth");
+    let anon = RemoteStore::connect_with(&open.tcp_addr().expect("tcp").to_string(), ClientOptions::default())
+        .expect("no token needed");
+    assert_eq!(anon.get(b"a").expect("get"), b"b");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- owner restart and shutdown ----------------------------------------------------------------
+
+#[test]
+fn owner_restarted_under_clients() {
+    let dir = temp_dir("restart");
+    let first_engine = engine(32 << 20);
+    let first = owner(&first_engine, &dir, any_port());
+    let port = first.tcp_addr().expect("tcp");
+    let unix = unix_client(&first);
+    let tcp = tcp_client(&first);
+    unix.put(b"x", b"one", PutOptions::INSERT).expect("put");
+    assert_eq!(tcp.get(b"x").expect("get"), b"one");
+
+    first.shutdown();
+    first_engine.shutdown();
+    drop(first);
+    for store in [&unix, &tcp] {
+        match store.get(b"x") {
+            Err(Error::Disconnected(why)) => assert!(why.contains("connect"), "{why}"),
+            other => panic!("expected Disconnected while the owner is down, got {other:?}"),
+        }
+        assert!(matches!(store.put(b"y", b"v", PutOptions::INSERT), Err(Error::Disconnected(_))));
+    }
+
+    let second_engine = engine(32 << 20);
+    let second = owner(&second_engine, &dir, port);
+    // The same clients reconnect on their next call; the old objects are gone with the old pool.
+    assert_eq!(unix.get(b"x"), Err(Error::NotFound));
+    unix.put(b"x", b"two", PutOptions::INSERT).expect("put after restart");
+    assert_eq!(tcp.get(b"x").expect("tcp after restart"), b"two");
+    assert_eq!(unix.get(b"x").expect("unix after restart"), b"two");
+    assert!(unix.uses_shared_memory(), "the new arena is mapped");
+    wait_idle(&second);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn shutdown_finishes_in_flight_requests() {
+    let dir = temp_dir("shutdown");
+    let engine = engine(64 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    // A put whose value is half sent when shutdown starts.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    let value = value_for(b"late", 0, 200_000);
+    let mut p = Vec::new();
+    PutHead::encode(&mut p, false, b"late", value.len() as u64);
+    p.extend_from_slice(b"late");
+    p.extend_from_slice(&value[..100_000]);
+    raw.send(&frame(Op::Put, 1, &p));
+    std::thread::sleep(Duration::from_millis(50));
+    let owner = Arc::new(owner);
+    let stopping = {
+        let owner = Arc::clone(&owner);
+        std::thread::spawn(move || owner.shutdown())
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(owner.unix_path().is_some_and(|p| !p.exists()), "no new connections once stopping");
+    raw.send(&frame(Op::Data, 1, &value[100_000..]));
+    let (h, _) = raw.recv().expect("the in-flight put is answered");
+    assert_eq!(h.op, Op::Ok);
+    raw.expect_closed();
+    stopping.join().expect("shutdown");
+    assert_eq!(engine.get(b"late").expect("committed"), value);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn connection_limit_answers_busy() {
+    let dir = temp_dir("limit");
+    let engine = engine(32 << 20);
+    let config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        max_connections: 2,
+        shutdown_grace_ms: 1000,
+        ..OwnerConfig::default()
+    };
+    let owner = Owner::start(Arc::clone(&engine), config).expect("owner");
+    let path = format!("unix:{}", owner.unix_path().expect("unix").display());
+    let a = RemoteStore::connect_with(&path, ClientOptions::default()).expect("first");
+    let b = RemoteStore::connect_with(&path, ClientOptions::default()).expect("second");
+    assert_eq!(RemoteStore::connect_with(&path, ClientOptions::default()).err(), Some(Error::Busy { limit: 2 }));
+    drop((a, b));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while owner.counters().connections_open.load(Ordering::SeqCst) > 0 {
+        assert!(Instant::now() < deadline, "connections close");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    RemoteStore::connect_with(&path, ClientOptions::default()).expect("room again");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn protocol_limits_are_enforced_on_both_ends() {
+    // Decoder-level checks the owner relies on (the fuzz targets drive the same functions).
+    let limits = Limits { max_items: 4, ..Limits::default() };
+    let mut p = Vec::new();
+    Request::Exists { keys: vec![b"a"; 5] }.encode(&mut p);
+    assert!(Request::decode(Op::Exists, &p, &limits).is_err());
+    let region_err = Error::InvalidRange(RegionError::ReadOnly);
+    let mut buf = Vec::new();
+    kvtide::remote::protocol::encode_error(&mut buf, &region_err);
+    let mut r = kvtide::remote::protocol::Reader::new(&buf);
+    assert_eq!(kvtide::remote::protocol::decode_error(&mut r), Ok(region_err));
+}
+
+/// Writes the committed seed corpus of the protocol fuzz targets (`fuzz/corpus/*/seed-*`):
+/// `KVTIDE_WRITE_FUZZ_SEEDS=1 cargo test -p kvtide --test remote write_fuzz_seeds -- --ignored`.
+#[test]
+#[ignore = "regenerates fuzz/corpus seeds"]
+fn write_fuzz_seeds() {
+    if std::env::var("KVTIDE_WRITE_FUZZ_SEEDS").is_err() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus");
+    let requests: Vec<Request<'_>> = vec![
+        Request::Hello(Hello { client_nonce: [9; NONCE_BYTES], flags: 1 }),
+        Request::Auth { mac: [3; 32] },
+        Request::Get {
+            lease: true,
+            items: vec![
+                GetItem { key: b"layer0/block7", check: LenCheck::Any },
+                GetItem { key: b"k2", check: LenCheck::Exactly(4096) },
+            ],
+        },
+        Request::Get { lease: false, items: vec![GetItem { key: b"a", check: LenCheck::AtMost(65536) }] },
+        Request::GetRanges {
+            keys: vec![b"a", b"bb"],
+            fragments: vec![
+                kvtide::remote::protocol::RangeItem { key_index: 1, src_offset: 10, len: 20 },
+                kvtide::remote::protocol::RangeItem { key_index: 0, src_offset: 0, len: 1 },
+            ],
+        },
+        Request::Exists { keys: vec![b"x", b"yy", b"zzz"] },
+        Request::Remove { key: b"r", force: true },
+        Request::Pin { key: b"p" },
+        Request::Unpin { key: b"p" },
+        Request::Stats,
+        Request::Release { leases: vec![1, 2, 3] },
+    ];
+    let mut stream = vec![15u8]; // limit byte of frame_decoder
+    let (frames_dir, requests_dir) = (root.join("frame_decoder"), root.join("request_validation"));
+    std::fs::create_dir_all(&frames_dir).expect("dir");
+    std::fs::create_dir_all(&requests_dir).expect("dir");
+    for (i, request) in requests.iter().enumerate() {
+        let mut payload = Vec::new();
+        request.encode(&mut payload);
+        let f = frame(request.op(), i as u64 + 1, &payload);
+        stream.extend_from_slice(&f);
+        std::fs::write(frames_dir.join(format!("seed-{i:02}")), [&[15u8][..], &f].concat()).expect("write");
+        let mut v = vec![request.op() as u8, 7, 0, 1];
+        v.extend_from_slice(&payload);
+        std::fs::write(requests_dir.join(format!("seed-{i:02}")), v).expect("write");
+    }
+    // A put with inline bytes, its data frame, replies of each kind, and a truncated tail.
+    let mut put = Vec::new();
+    PutHead::encode(&mut put, true, b"key", 10);
+    put.extend_from_slice(b"key");
+    put.extend_from_slice(b"01234");
+    stream.extend_from_slice(&frame(Op::Put, 50, &put));
+    stream.extend_from_slice(&frame(Op::Data, 50, b"56789"));
+    let mut v = vec![Op::Put as u8, 7, 0, 1];
+    v.extend_from_slice(&put);
+    std::fs::write(requests_dir.join("seed-put"), v).expect("write");
+    let mut grants = Vec::new();
+    kvtide::remote::protocol::encode_grants(
+        &mut grants,
+        1000,
+        &[Ok(kvtide::remote::protocol::Grant { lease: 1, offset: 4096, len: 100 }), Err(Error::NotFound)],
+    );
+    stream.extend_from_slice(&frame(Op::Grants, 51, &grants));
+    let mut err = Vec::new();
+    kvtide::remote::protocol::encode_error_frame(
+        &mut err,
+        2,
+        &Error::SizeMismatch { object_bytes: 1, destination_bytes: 2 },
+    );
+    stream.extend_from_slice(&frame(Op::Error, 52, &err));
+    let mut exists = Vec::new();
+    kvtide::remote::protocol::encode_exists(&mut exists, &[Ok(true), Ok(false), Err(Error::EmptyKey)]);
+    stream.extend_from_slice(&frame(Op::ExistsReply, 53, &exists));
+    std::fs::write(frames_dir.join("seed-stream"), &stream).expect("write");
+    std::fs::write(frames_dir.join("seed-truncated"), &stream[..stream.len() - 7]).expect("write");
+}
+
+#[test]
+fn an_owner_that_stops_answering_times_out() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let fake = std::thread::spawn(move || {
+        // First connection: never answers the hello.
+        let (silent, _) = listener.accept().expect("accept");
+        // Second: completes the handshake, then never answers a request.
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut hello = [0u8; HEADER_BYTES + NONCE_BYTES + 4];
+        s.read_exact(&mut hello).expect("hello");
+        let ok = HelloOk {
+            flags: 0,
+            max_payload_bytes: 1 << 20,
+            chunk_bytes: 1 << 16,
+            max_items: 16,
+            max_leases: 16,
+            lease_ttl_ms: 60_000,
+            max_key_bytes: 64,
+            max_value_bytes: 1 << 20,
+            server_nonce: [0; NONCE_BYTES],
+            instance_id: 1,
+            arena_bytes: 0,
+        };
+        let mut p = Vec::new();
+        ok.encode(&mut p);
+        s.write_all(&frame(Op::HelloOk, 0, &p)).expect("hello ok");
+        let mut sink = [0u8; 256];
+        let _ = s.read(&mut sink);
+        std::thread::sleep(Duration::from_millis(1500));
+        drop((silent, s));
+    });
+    let quick = ClientOptions { timeout_ms: 300, connect_timeout_ms: 300, ..ClientOptions::default() };
+    let started = Instant::now();
+    let err = RemoteStore::connect_with(&addr.to_string(), quick.clone()).expect_err("no hello reply");
+    assert_eq!(err, Error::Timeout { op: "handshake", timeout_ms: 300 });
+    let store = RemoteStore::connect_with(&addr.to_string(), quick).expect("handshake completes");
+    assert_eq!(store.get(b"k"), Err(Error::Timeout { op: "get", timeout_ms: 300 }));
+    assert!(started.elapsed() < Duration::from_secs(3), "timeouts bound each request");
+    fake.join().expect("fake owner");
+}

@@ -1,0 +1,50 @@
+//! Fuzzes the owner's request validation: `op | max_items | max_key_bytes (u16) | payload`.
+//! Whatever the payload, decoding never panics and never allocates from an unchecked count,
+//! and an accepted request honours every limit: item counts, key lengths (1..=max), fragment
+//! key indices, put lengths (inline <= total <= max value). Accepted requests round-trip.
+#![no_main]
+
+use kvtide::remote::protocol::{Limits, Op, PutHead, Request, PUT_HEAD_BYTES};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 4 {
+        return;
+    }
+    let Some(op) = Op::from_u8(data[0]) else { return };
+    let limits = Limits {
+        max_payload_bytes: 1 << 20,
+        max_items: u32::from(data[1]) + 1,
+        max_key_bytes: u32::from(u16::from_le_bytes([data[2], data[3]])).max(1),
+        max_value_bytes: 1 << 24,
+    };
+    let payload = &data[4..];
+    if op == Op::Put {
+        if payload.len() >= PUT_HEAD_BYTES {
+            if let Ok(head) = PutHead::decode(&payload[..PUT_HEAD_BYTES], payload.len() as u32, &limits) {
+                assert!(head.key_len >= 1 && u32::from(head.key_len) <= limits.max_key_bytes);
+                assert!(head.inline_len <= head.total_len && head.total_len <= limits.max_value_bytes);
+            }
+        }
+        return;
+    }
+    let Ok(request) = Request::decode(op, payload, &limits) else { return };
+    let key_ok = |k: &[u8]| !k.is_empty() && k.len() <= limits.max_key_bytes as usize;
+    let max = limits.max_items as usize;
+    match &request {
+        Request::Get { items, .. } => {
+            assert!(items.len() <= max && items.iter().all(|i| key_ok(i.key)));
+        }
+        Request::GetRanges { keys, fragments } => {
+            assert!(keys.len() <= max && fragments.len() <= max && keys.iter().all(|k| key_ok(k)));
+            assert!(fragments.iter().all(|f| (f.key_index as usize) < keys.len()));
+        }
+        Request::Exists { keys } => assert!(keys.len() <= max && keys.iter().all(|k| key_ok(k))),
+        Request::Remove { key, .. } | Request::Pin { key } | Request::Unpin { key } => assert!(key_ok(key)),
+        Request::Release { leases } => assert!(leases.len() <= max),
+        Request::Hello(_) | Request::Auth { .. } | Request::Stats => {}
+    }
+    let mut again = Vec::new();
+    request.encode(&mut again);
+    assert_eq!(Request::decode(op, &again, &limits).as_ref(), Ok(&request));
+});
