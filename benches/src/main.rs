@@ -8,13 +8,31 @@
 //! - `alloc-churn`: external fragmentation and speed of the DRAM offset allocator (TLSF) under
 //!   free/allocate churn at high utilisation. Baseline: the fixed-size (64 KiB page) workload,
 //!   where fragmentation cannot happen.
+//! - `ssd`: restore throughput of SSD-resident objects into host buffers (sequential and random
+//!   key order) and demotion throughput, measured in the same run against `fio` (O_DIRECT,
+//!   io_uring) on the same file system with the same block size and queue depth. Baseline: fio.
+//! - `restore`: the same SSD-resident batch restored three ways (barrier, serialized sub-batches,
+//!   pipelined sub-batches) into host buffers through a throttled transfer stage. Baselines in the
+//!   same run: load-only (a transfer stage that copies nothing) and transfer-only (DRAM-resident).
+//! - `gpu` (feature `cuda`): reads into and gathered writes from fragmented GPU pages, kvtide's
+//!   direct and staged paths. Baselines in the same run: one raw pinned `cuMemcpyHtoDAsync` of
+//!   the same bytes, a per-page copy loop and `cuMemcpyBatchAsync` (and the same device -> host).
+//! - `remote`: a `kvtide-owner` process through `RemoteStore` over Unix socket + shared memory
+//!   and over TCP: put/get throughput and p50/p99 for 64 KiB, 1 MiB and 16 MiB values with 1 and
+//!   8 clients. Baselines in the same run: Redis (SET/GET over TCP and its Unix socket) and a
+//!   plain memcpy of the same bytes (the limit of the shared-memory path).
 //!
 //! Every subcommand uses a fixed RNG seed (`--seed`) so runs are repeatable.
 
 mod alloc_churn;
 mod dram;
 mod eviction;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod hist;
+mod remote;
+mod restore;
+mod ssd;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +52,18 @@ enum Command {
     Eviction(eviction::EvictionArgs),
     /// Allocator fragmentation and speed under churn.
     AllocChurn(alloc_churn::AllocChurnArgs),
+    /// SSD restore and demotion throughput vs fio (O_DIRECT, io_uring).
+    Ssd(ssd::SsdArgs),
+    /// SSD-resident batch restored barrier / serialized / pipelined vs load-only and transfer-only.
+    Restore(restore::RestoreArgs),
+    /// GPU reads and gathered writes vs raw CUDA copies (build with `--features kvtide-benches/cuda`).
+    #[cfg(feature = "cuda")]
+    Gpu(gpu::GpuArgs),
+    /// kvtide-owner over Unix+shm and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
+    Remote(remote::RemoteArgs),
+    /// The owner process `remote` starts (internal).
+    #[command(hide = true)]
+    RemoteOwner(remote::RemoteOwnerArgs),
 }
 
 fn main() {
@@ -42,6 +72,12 @@ fn main() {
         Command::Dram(args) => dram::run(&args),
         Command::Eviction(args) => eviction::run(&args),
         Command::AllocChurn(args) => alloc_churn::run(&args),
+        Command::Ssd(args) => ssd::run(&args),
+        Command::Restore(args) => restore::run(&args),
+        Command::Remote(args) => remote::run(&args),
+        Command::RemoteOwner(args) => remote::run_owner(&args),
+        #[cfg(feature = "cuda")]
+        Command::Gpu(args) => gpu::run(&args),
     };
     if let Err(e) = result {
         eprintln!("kvtide-bench: {e}");

@@ -59,6 +59,30 @@ pub struct StoreBuilder {
     pub restore_budget_bytes: u64,
     /// Keep objects read from SSD in DRAM. Default true.
     pub promote_on_hit: bool,
+    /// Stage fragmented GPU reads and writes through one device buffer with one scatter/gather
+    /// kernel per fill (feature `cuda`). Default false: direct copies.
+    pub gpu_staging: bool,
+    /// Payload budget of that buffer, allocated lazily on the destination GPU. Default 256 MiB.
+    #[serde(deserialize_with = "de_bytes")]
+    pub gpu_staging_bytes: u64,
+    /// Run the SSD tier on the in-memory fault-injecting simulator instead of files (tests and
+    /// benchmarks; nothing survives the process). Set with `simulated_ssd`.
+    #[serde(skip)]
+    pub simulated_ssd: Option<(u64, kvtide_tiers::ssd::SimFaults)>,
+    /// Batched reads that touch the SSD are pipelined (sub-batch loads overlap transfers).
+    /// Default true.
+    pub restore_pipeline: bool,
+    /// Target bytes per restore sub-batch (whole objects). Default 2 MiB (from `kvtide-bench restore`).
+    #[serde(deserialize_with = "de_bytes")]
+    pub restore_sub_batch_bytes: u64,
+    /// Keys per restore sub-batch at most. Default 64.
+    pub restore_sub_batch_keys: usize,
+    /// Restore sub-batches in flight per request, 1..=8. Default 2.
+    pub restore_window: usize,
+    /// Staging bytes all restores may hold at once (per shard: at most half a slice).
+    /// Default: a quarter of `dram_bytes`.
+    #[serde(deserialize_with = "de_bytes_opt")]
+    pub restore_staging_bytes: Option<u64>,
 }
 
 impl Default for StoreBuilder {
@@ -84,6 +108,14 @@ impl Default for StoreBuilder {
             write_through: false,
             restore_budget_bytes: 64 << 20,
             promote_on_hit: true,
+            gpu_staging: false,
+            gpu_staging_bytes: 256 << 20,
+            simulated_ssd: None,
+            restore_pipeline: true,
+            restore_sub_batch_bytes: 2 << 20,
+            restore_sub_batch_keys: 64,
+            restore_window: 2,
+            restore_staging_bytes: None,
         }
     }
 }
@@ -106,6 +138,15 @@ pub(crate) struct EngineConfig {
     pub(crate) max_objects_per_shard: u32,
     pub(crate) max_leases_per_shard: u32,
     pub(crate) ssd: Option<SsdSettings>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) gpu_staging: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) gpu_staging_bytes: u64,
+    pub(crate) restore_pipeline: bool,
+    pub(crate) restore_sub_batch_bytes: u64,
+    pub(crate) restore_sub_batch_keys: usize,
+    pub(crate) restore_window: usize,
+    pub(crate) restore_staging_bytes: u64,
 }
 
 /// The SSD tier's derived settings.
@@ -117,6 +158,7 @@ pub(crate) struct SsdSettings {
     pub(crate) write_through: bool,
     pub(crate) restore_budget_bytes: u64,
     pub(crate) promote_on_hit: bool,
+    pub(crate) simulated: Option<(u64, kvtide_tiers::ssd::SimFaults)>,
 }
 
 macro_rules! setter {
@@ -171,6 +213,27 @@ impl StoreBuilder {
         restore_budget_bytes: u64);
     setter!(/// Keep objects read from SSD in DRAM.
         promote_on_hit: bool);
+    setter!(/// Pipeline batched reads that touch the SSD.
+        restore_pipeline: bool);
+    setter!(/// Target bytes per restore sub-batch.
+        restore_sub_batch_bytes: u64);
+    setter!(/// Keys per restore sub-batch.
+        restore_sub_batch_keys: usize);
+    setter!(/// Restore sub-batches in flight per request.
+        restore_window: usize);
+    setter!(/// Staging bytes all restores may hold at once.
+        restore_staging_bytes: u64);
+    setter!(/// Stage fragmented GPU transfers through one device buffer (feature `cuda`).
+        gpu_staging: bool);
+    setter!(/// Size of the GPU staging buffer in bytes.
+        gpu_staging_bytes: u64);
+
+    /// Runs the SSD tier (`ssd_bytes`, `ssd_segment_bytes`) on the seeded in-memory simulator
+    /// with these faults instead of files: for tests and benchmarks of the engine above the disk.
+    pub fn simulated_ssd(mut self, seed: u64, faults: kvtide_tiers::ssd::SimFaults) -> Self {
+        self.simulated_ssd = Some((seed, faults));
+        self
+    }
 
     /// Enables the SSD tier in `dir`.
     pub fn ssd_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
@@ -226,6 +289,8 @@ impl StoreBuilder {
                 "MAX_TICKETS_IN_FLIGHT" => {
                     self.max_tickets_in_flight = v.parse().map_err(|_| bad("expected a count"))?
                 }
+                "GPU_STAGING" => self.gpu_staging = parse_bool(v).ok_or_else(|| bad("expected true/false"))?,
+                "GPU_STAGING_BYTES" => self.gpu_staging_bytes = parse_bytes(v).ok_or_else(|| bad("expected a size"))?,
                 // Variables for other tools (KVTIDE_LOG, bench settings) are not ours to refuse.
                 _ => {}
             }
@@ -266,7 +331,16 @@ impl StoreBuilder {
         if self.dram_bytes > isize::MAX as u64 {
             return err(format!("dram_bytes = {} does not fit this address space", self.dram_bytes));
         }
-        let ssd = match &self.ssd_dir {
+        // Staging offsets are 32-bit in the kernel's row table.
+        if !(4096..=(1 << 32)).contains(&self.gpu_staging_bytes) {
+            return err(format!("gpu_staging_bytes = {}: must be 4 KiB..=4 GiB", self.gpu_staging_bytes));
+        }
+        let dir = match (&self.ssd_dir, &self.simulated_ssd) {
+            (Some(dir), _) => Some(dir.clone()),
+            (None, Some(_)) => Some(std::path::PathBuf::from("<simulated>")),
+            (None, None) => None,
+        };
+        let ssd = match &dir {
             None => None,
             Some(dir) => {
                 if self.ssd_bytes == 0 || self.restore_budget_bytes == 0 {
@@ -282,11 +356,25 @@ impl StoreBuilder {
                     write_through: self.write_through,
                     restore_budget_bytes: self.restore_budget_bytes,
                     promote_on_hit: self.promote_on_hit,
+                    simulated: self.simulated_ssd.clone(),
                 })
             }
         };
+        if !(1..=8).contains(&self.restore_window)
+            || self.restore_sub_batch_bytes == 0
+            || self.restore_sub_batch_keys == 0
+        {
+            return err("restore_window must be 1..=8 and restore sub-batch limits positive".into());
+        }
         Ok(EngineConfig {
+            restore_pipeline: self.restore_pipeline,
+            restore_sub_batch_bytes: self.restore_sub_batch_bytes,
+            restore_sub_batch_keys: self.restore_sub_batch_keys,
+            restore_window: self.restore_window,
+            restore_staging_bytes: self.restore_staging_bytes.unwrap_or(self.dram_bytes / 4).max(1),
             ssd,
+            gpu_staging: self.gpu_staging,
+            gpu_staging_bytes: self.gpu_staging_bytes,
             shards,
             dram_bytes: self.dram_bytes,
             max_key_bytes: self.max_key_bytes,
@@ -379,6 +467,11 @@ mod tests {
         assert_eq!(b.shards, Some(3));
         let c = b.validate().expect("valid");
         assert_eq!(c.policy, EvictionPolicy::S3Fifo);
+        assert!(!c.gpu_staging && c.gpu_staging_bytes == 256 << 20, "staging is opt-in, 256 MiB");
+        let g = StoreBuilder::from_toml_str("gpu_staging = true\ngpu_staging_bytes = \"64MiB\"\n").expect("toml");
+        let g = g.with_vars([("KVTIDE_GPU_STAGING_BYTES".to_string(), "32MiB".to_string())]).expect("env");
+        assert!(g.gpu_staging);
+        assert_eq!(g.validate().expect("valid").gpu_staging_bytes, 32 << 20);
     }
 
     #[test]
@@ -393,5 +486,7 @@ mod tests {
         let e = b.validate().expect_err("bad policy");
         assert!(e.to_string().contains("random"), "{e}");
         assert!(StoreBuilder::new().with_vars([("KVTIDE_SHARDS".into(), "many".into())]).is_err());
+        assert!(StoreBuilder::new().gpu_staging_bytes(100).validate().is_err());
+        assert!(StoreBuilder::new().gpu_staging_bytes(8 << 30).validate().is_err());
     }
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use kvtide_tiers::dram::{Arena, PageBacking};
-use kvtide_tiers::ssd::DataDir;
+use kvtide_tiers::ssd::{DataDir, SimDisk};
 use kvtide_transport::{copy_regions, MemoryKind, Region};
 
 use crate::api::{Fragment, PutOptions, Store};
@@ -19,13 +19,20 @@ use crate::config::EngineConfig;
 use crate::error::{Error, OpenError, Result};
 use crate::shard::core::{RecoveryReport, SsdConfig};
 use crate::shard::{
-    spawn_shard, LeaseId, ObjectRef, ReadGrant, Request, RuntimeConfig, ShardConfig, ShardCore, ShardThread, WriteGrant,
+    spawn_shard, DiskBackend, LeaseId, ObjectRef, ReadGrant, Request, RuntimeConfig, ShardConfig, ShardCore,
+    ShardThread, WriteGrant,
 };
 use crate::stats::{ShardCounters, Stats};
 use crate::ticket::{pending, BatchCollector, Ticket};
 
 #[cfg(feature = "cuda")]
 mod gpu;
+mod restore;
+
+pub use restore::{
+    MemcpyTransfer, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace, ThrottledTransfer,
+    TransferStage,
+};
 
 /// Seed for routing keys to shards; differs from the index hash so a shard's keys do not all
 /// share low hash bits in its own table.
@@ -46,6 +53,8 @@ pub struct Engine {
     tickets_in_flight: Arc<AtomicU64>,
     shutting_down: AtomicBool,
     recovery: Vec<RecoveryReport>,
+    credits: restore::CreditBroker,
+    restore: restore::RestoreCounters,
     #[cfg(feature = "cuda")]
     gpu: gpu::GpuState,
 }
@@ -63,10 +72,13 @@ impl Engine {
         let max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
         let cpus = crate::shard::allowed_cpus();
         let data_dir = match &config.ssd {
-            Some(ssd) => Some(DataDir::open(&ssd.dir, ssd.bytes, config.shards, ssd.segment_bytes)?),
-            None => None,
+            Some(ssd) if ssd.simulated.is_none() => {
+                Some(DataDir::open(&ssd.dir, ssd.bytes, config.shards, ssd.segment_bytes)?)
+            }
+            _ => None,
         };
         let mut recovery = Vec::with_capacity(config.shards);
+        let mut starting = Vec::with_capacity(config.shards);
         let mut shards = Vec::with_capacity(config.shards);
         let mut joins = Vec::with_capacity(config.shards);
         for index in 0..config.shards {
@@ -83,19 +95,33 @@ impl Engine {
                 max_leases: config.max_leases_per_shard,
             };
             let counters = Arc::new(ShardCounters::default());
-            let (ssd_config, files) = match (&data_dir, &config.ssd) {
-                (Some(dir), Some(ssd)) => (
-                    Some(SsdConfig {
-                        segments: dir.segments_per_shard,
-                        segment_bytes: dir.segment_bytes,
+            let (ssd_config, disk) = match &config.ssd {
+                Some(ssd) => {
+                    let segments = match &data_dir {
+                        Some(dir) => dir.segments_per_shard,
+                        None => (ssd.bytes / config.shards as u64 / ssd.segment_bytes).max(2) as u32,
+                    };
+                    let disk = match (&data_dir, &ssd.simulated) {
+                        (Some(dir), _) => DiskBackend::Files(dir.open_shard(index)?),
+                        (None, Some((seed, faults))) => DiskBackend::Simulated(Box::new(SimDisk::new(
+                            segments,
+                            ssd.segment_bytes,
+                            seed.wrapping_add(index as u64),
+                            faults.clone(),
+                        ))),
+                        (None, None) => DiskBackend::None,
+                    };
+                    let ssd_config = SsdConfig {
+                        segments,
+                        segment_bytes: ssd.segment_bytes,
                         write_through: ssd.write_through,
                         restore_budget_bytes: ssd.restore_budget_bytes,
                         promote_on_hit: ssd.promote_on_hit,
                         epoch_seed: random_seed(index),
-                    }),
-                    Some(dir.open_shard(index)?),
-                ),
-                _ => (None, None),
+                    };
+                    (Some(ssd_config), disk)
+                }
+                None => (None, DiskBackend::None),
             };
             let core_slice = slice.clone();
             let core_counters = Arc::clone(&counters);
@@ -106,18 +132,47 @@ impl Engine {
                 pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
                 register_fixed_buffers: config.register_fixed_buffers,
             };
-            let (mut thread, report) = spawn_shard(index, make_core, counters, slice, files, runtime)?;
-            recovery.push(report);
-            if let Some(join) = thread.join.take() {
-                joins.push(join);
+            match spawn_shard(index, make_core, counters, slice, disk, runtime) {
+                Ok(started) => starting.push(started),
+                Err(e) => {
+                    stop_all(starting.into_iter().filter_map(|s| s.wait().ok()).map(|(t, _)| t));
+                    return Err(e);
+                }
             }
-            shards.push(thread);
+        }
+        // Shards recover their SSD segments in parallel; wait for all of them.
+        let mut failure = None;
+        for started in starting {
+            match started.wait() {
+                Ok((mut thread, report)) => {
+                    recovery.push(report);
+                    if let Some(join) = thread.join.take() {
+                        joins.push(join);
+                    }
+                    shards.push(thread);
+                }
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        if let Some(e) = failure {
+            for shard in &shards {
+                shard.inbox.close();
+            }
+            for join in joins {
+                let _ = join.join();
+            }
+            return Err(e);
         }
         tracing::info!(
             shards = config.shards,
             dram_bytes = arena.len_bytes(),
             policy = config.policy.name(),
             "kvtide engine open"
+        );
+        let credits = restore::CreditBroker::new(
+            config.shards,
+            config.restore_staging_bytes,
+            config.restore_staging_bytes.min(slice_bytes / 2),
         );
         Ok(Engine {
             #[cfg(feature = "cuda")]
@@ -130,7 +185,19 @@ impl Engine {
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
             shutting_down: AtomicBool::new(false),
             recovery,
+            credits,
+            restore: restore::RestoreCounters::default(),
         })
+    }
+
+    /// The store's restore settings as options for `restore_batch`.
+    pub fn restore_options(&self) -> RestoreOptions {
+        RestoreOptions {
+            target_bytes: self.config.restore_sub_batch_bytes,
+            max_keys: self.config.restore_sub_batch_keys,
+            window: self.config.restore_window,
+            ..RestoreOptions::default()
+        }
     }
 
     /// What each shard's SSD recovery found at open (empty reports without an SSD tier).
@@ -185,6 +252,22 @@ impl Engine {
             inbox: Arc::clone(&self.shards[shard].inbox),
             _arena: Arc::clone(&self.arena),
         })
+    }
+
+    /// Longest key this store accepts.
+    pub fn max_key_bytes(&self) -> usize {
+        self.config.max_key_bytes
+    }
+
+    /// Reserves room for a `len`-byte value under `key` that the caller fills in place
+    /// (`PendingPut::bytes_mut`) and then publishes with `PendingPut::commit`; dropping it
+    /// uncommitted aborts. The owner process streams network bytes straight into it.
+    pub fn reserve_put(&self, key: &[u8], len: u64, opts: PutOptions) -> Result<PendingPut<'_>> {
+        self.validate_key(key)?;
+        self.validate_value_len(len)?;
+        let (mut grants, reservations) = self.reserve_many(std::iter::once((0, key, len)), opts.upsert);
+        let grant = grants.remove(&0).ok_or(Error::Internal("no reservation"))??;
+        Ok(PendingPut { grant, reservations, upsert: opts.upsert })
     }
 
     /// Stops accepting requests, lets in-flight work finish and joins the shard threads.
@@ -247,38 +330,27 @@ impl Engine {
         &self,
         keys: impl Iterator<Item = (usize, &'k [u8])>,
     ) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'_>) {
-        let mut per_shard: Vec<Vec<(usize, &[u8])>> = vec![Vec::new(); self.shards.len()];
+        self.send_leases(keys).wait()
+    }
+
+    /// Sends the lease requests for `keys` (one message per shard) without waiting for them.
+    fn send_leases<'k>(&self, keys: impl Iterator<Item = (usize, &'k [u8])>) -> PendingLeases<'_> {
+        let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards.len()];
+        let mut owned: Vec<Vec<Box<[u8]>>> = vec![Vec::new(); self.shards.len()];
         for (index, key) in keys {
-            per_shard[self.shard_of(key)].push((index, key));
+            let shard = self.shard_of(key);
+            per_shard[shard].push(index);
+            owned[shard].push(Box::from(key));
         }
-        let mut leases = LeaseSet { engine: self, by_shard: vec![Vec::new(); self.shards.len()] };
-        let mut out = HashMap::new();
-        let pending: Vec<_> = per_shard
-            .iter()
+        let replies = owned
+            .into_iter()
             .enumerate()
             .filter(|(_, keys)| !keys.is_empty())
             .map(|(shard, keys)| {
-                let owned = keys.iter().map(|(_, k)| Box::<[u8]>::from(*k)).collect();
-                (shard, self.send_with_reply(shard, |reply| Request::LeaseRead { keys: owned, ttl: None, reply }))
+                (shard, self.send_with_reply(shard, |reply| Request::LeaseRead { keys, ttl: None, reply }))
             })
             .collect();
-        for (shard, rx) in pending {
-            let grants = rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown));
-            match grants {
-                Ok(grants) => {
-                    for (&(index, _), grant) in per_shard[shard].iter().zip(grants) {
-                        if let Ok(g) = &grant {
-                            leases.by_shard[shard].push(g.lease);
-                        }
-                        out.insert(index, grant);
-                    }
-                }
-                Err(e) => per_shard[shard].iter().for_each(|&(index, _)| {
-                    out.insert(index, Err(e.clone()));
-                }),
-            }
-        }
-        (out, leases)
+        PendingLeases { engine: self, per_shard, replies }
     }
 
     /// Leases `keys` and hands each grant (or error) to `deliver`, which copies while the lease
@@ -373,6 +445,41 @@ impl Drop for LeaseSet<'_> {
     }
 }
 
+/// Where one shard's answer to a lease request arrives.
+type GrantReceiver = crossbeam_channel::Receiver<Vec<Result<ReadGrant>>>;
+
+/// Lease requests sent and not yet answered.
+struct PendingLeases<'e> {
+    engine: &'e Engine,
+    /// Caller indices of the keys sent to each shard, in order.
+    per_shard: Vec<Vec<usize>>,
+    replies: Vec<(usize, Result<GrantReceiver>)>,
+}
+
+impl<'e> PendingLeases<'e> {
+    /// Waits for every shard's grants. The returned set releases them when dropped.
+    fn wait(self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
+        let mut leases = LeaseSet { engine: self.engine, by_shard: vec![Vec::new(); self.engine.shards.len()] };
+        let mut out = HashMap::new();
+        for (shard, rx) in self.replies {
+            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+                Ok(grants) => {
+                    for (&index, grant) in self.per_shard[shard].iter().zip(grants) {
+                        if let Ok(g) = &grant {
+                            leases.by_shard[shard].push(g.lease);
+                        }
+                        out.insert(index, grant);
+                    }
+                }
+                Err(e) => self.per_shard[shard].iter().for_each(|&index| {
+                    out.insert(index, Err(e.clone()));
+                }),
+            }
+        }
+        (out, leases)
+    }
+}
+
 /// Reservations taken by one call; those not committed are aborted when dropped.
 struct Reservations<'e> {
     engine: &'e Engine,
@@ -421,6 +528,47 @@ impl Drop for Reservations<'_> {
     }
 }
 
+/// A reserved, not yet visible object (`Engine::reserve_put`).
+pub struct PendingPut<'e> {
+    grant: WriteGrant,
+    reservations: Reservations<'e>,
+    upsert: bool,
+}
+
+impl std::fmt::Debug for PendingPut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingPut").field("len", &self.grant.len).finish()
+    }
+}
+
+impl PendingPut<'_> {
+    /// The value's length.
+    pub fn len(&self) -> u64 {
+        self.grant.len
+    }
+
+    /// True for an empty value.
+    pub fn is_empty(&self) -> bool {
+        self.grant.len == 0
+    }
+
+    /// The reserved bytes, to be filled before `commit`.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.grant.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: the reservation gives this guard exclusive use of `len` bytes at grant.ptr
+        // until commit or abort (drop), and `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.grant.ptr.as_ptr(), self.grant.len as usize) }
+    }
+
+    /// Publishes the object (readers see it from now on).
+    pub fn commit(self) -> Result<()> {
+        let PendingPut { reservations, upsert, .. } = self;
+        reservations.commit(upsert, |_| true).remove(&0).unwrap_or(Err(Error::Internal("no commit result")))
+    }
+}
+
 /// An explicit lease: the object's bytes stay in place until this drops.
 pub struct ObjectLease {
     grant: ReadGrant,
@@ -464,6 +612,13 @@ impl Drop for ObjectLease {
     }
 }
 
+/// Stops shards that started while another failed to.
+fn stop_all(shards: impl Iterator<Item = ShardThread>) {
+    for mut shard in shards {
+        shard.stop();
+    }
+}
+
 /// A seed that differs per shard and per process start (segment epochs must never repeat).
 fn random_seed(shard: usize) -> u64 {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
@@ -477,6 +632,8 @@ fn random_seed(shard: usize) -> u64 {
 /// Checks that a destination can receive bytes on this path (host memory, writable).
 fn check_destination(dst: &Region<'_>) -> Result<()> {
     if let MemoryKind::Device { .. } = dst.kind() {
+        // With the feature, the blocking calls and async tickets check device regions on the GPU
+        // path before reaching here.
         return Err(Error::CudaUnavailable("device destinations need the cuda feature"));
     }
     dst.check_writable()?;
@@ -623,6 +780,10 @@ impl Store for Engine {
         #[cfg(feature = "cuda")]
         if gpu::any_device(dsts.iter().flatten()) {
             return gpu::batch_get(self, keys, dsts);
+        }
+        if self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1 {
+            // Batches that may touch the SSD are restored in pipelined sub-batches.
+            return self.restore_batch(keys, dsts, &self.restore_options()).results;
         }
         let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
         let mut valid = Vec::with_capacity(keys.len());
@@ -773,6 +934,14 @@ impl Store for Engine {
         };
         stats.arena_registered_with = self.arena.registered_with().into_iter().map(String::from).collect();
         stats.tickets_in_flight = self.tickets_in_flight.load(Ordering::Relaxed);
+        stats.restore = crate::stats::RestoreStats {
+            requests: self.restore.requests.load(Ordering::Relaxed),
+            sub_batches: self.restore.sub_batches.load(Ordering::Relaxed),
+            credit_waits: self.restore.credit_waits.load(Ordering::Relaxed),
+            credits_held_bytes: self.credits.held_bytes(),
+            peak_credits_bytes: self.credits.peak_bytes(),
+            peak_request_staging_bytes: self.restore.peak_staging_bytes.load(Ordering::Relaxed),
+        };
         #[cfg(feature = "cuda")]
         {
             stats.gpu = self.gpu.stats();
@@ -794,10 +963,22 @@ impl Store for Engine {
         let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
         let mut per_shard: Vec<Vec<crate::shard::task::BatchGetItem>> =
             (0..self.shards.len()).map(|_| Vec::new()).collect();
+        // Device destinations: every region is checked now, before anything is submitted; the
+        // shard tasks then copy through the CUDA transport (see `gpu::ticket_checks`).
+        #[cfg(feature = "cuda")]
+        let (mut device_checks, gpu_copier) =
+            if gpu::any_device(dsts.iter().flatten()) { gpu::ticket_checks(self, &dsts) } else { (Vec::new(), None) };
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+            #[cfg(feature = "cuda")]
+            let device_check = device_checks.get_mut(i).map(Option::take);
+            #[cfg(not(feature = "cuda"))]
+            let device_check: Option<Option<Error>> = None;
             let checked = self
                 .validate_key(key)
-                .and_then(|()| regions.iter().try_for_each(check_destination))
+                .and_then(|()| match device_check {
+                    Some(checked) => checked.map_or(Ok(()), Err),
+                    None => regions.iter().try_for_each(check_destination),
+                })
                 .and_then(|()| total_len(&regions));
             match checked {
                 Ok(_) => per_shard[self.shard_of(key)].push(crate::shard::task::BatchGetItem {
@@ -814,6 +995,8 @@ impl Store for Engine {
         for (shard, items) in per_shard.into_iter().enumerate().filter(|(_, items)| !items.is_empty()) {
             let indices: Vec<usize> = items.iter().map(|item| item.result_index).collect();
             let task = crate::shard::task::BatchGetTask::new(items, Arc::clone(&cancel), Arc::clone(&collector));
+            #[cfg(feature = "cuda")]
+            let task = task.with_gpu(gpu_copier.clone());
             if self.send(shard, Request::Task(Box::new(task))).is_err() {
                 collector.complete_part(indices.into_iter().map(|i| (i, Err(Error::ShuttingDown))).collect());
             }

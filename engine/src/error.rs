@@ -37,12 +37,26 @@ pub enum Error {
     NotPinned,
     #[error("CUDA is not available: {0}")]
     CudaUnavailable(&'static str),
+    #[error("GPU transfer failed: {0}")]
+    Cuda(String),
     #[error("too many requests in flight (limit {limit}); wait for some tickets to complete")]
     Busy { limit: usize },
     #[error("the request was cancelled")]
     Cancelled,
     #[error("the store is shutting down")]
     ShuttingDown,
+    #[error("disconnected from the owner: {0}")]
+    Disconnected(String),
+    #[error("{op} timed out after {timeout_ms} ms")]
+    Timeout { op: &'static str, timeout_ms: u64 },
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
+    #[error("protocol version mismatch: this side speaks version {ours}, the peer speaks {theirs}")]
+    ProtocolVersion { ours: u16, theirs: u16 },
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("the owner reported: {0}")]
+    Remote(String),
     #[error("the engine broke an internal invariant: {0}")]
     Internal(&'static str),
 }
@@ -52,6 +66,10 @@ impl From<TransportError> for Error {
         match e {
             TransportError::CudaUnavailable(why) => Error::CudaUnavailable(why),
             TransportError::Region(r) => Error::InvalidRange(r),
+            TransportError::Cuda { .. } => Error::Cuda(e.to_string()),
+            TransportError::DevicePointer { .. } | TransportError::NoSuchDevice { .. } => {
+                Error::InvalidArgument(e.to_string())
+            }
         }
     }
 }

@@ -18,15 +18,24 @@ mod api;
 mod config;
 mod engine;
 mod error;
+pub mod remote;
 pub mod shard;
 mod stats;
 mod ticket;
 
 pub use api::{Fragment, PutOptions, Store};
 pub use config::{parse_bytes, StoreBuilder};
-pub use engine::{Engine, ObjectLease};
+pub use engine::{
+    Engine, MemcpyTransfer, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
+    SubBatchTrace, ThrottledTransfer, TransferStage,
+};
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;
+pub use kvtide_tiers::ssd::SimFaults;
+/// The CUDA transport (device buffers for tests and benchmarks, fault hooks), feature `cuda`.
+#[cfg(feature = "cuda")]
+pub use kvtide_transport::cuda;
 pub use kvtide_transport::{MemoryKind, Region, RegionError};
-pub use stats::{HeldResources, ShardStats, Stats};
+pub use remote::{ClientOptions, RemoteStore};
+pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats};
 pub use ticket::Ticket;

@@ -53,7 +53,8 @@ pub struct ShardCounters {
 }
 
 /// A snapshot of one shard.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct ShardStats {
     pub capacity_bytes: u64,
     pub bytes_used: u64,
@@ -153,7 +154,8 @@ impl ShardCounters {
 }
 
 /// What `Store::stats` returns: totals plus every shard.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Stats {
     pub total: ShardStats,
     pub shards: Vec<ShardStats>,
@@ -165,6 +167,21 @@ pub struct Stats {
     pub tickets_in_flight: u64,
     /// GPU transfers (all zero without the `cuda` feature or before the first GPU call).
     pub gpu: GpuStats,
+    /// Pipelined restores.
+    pub restore: RestoreStats,
+}
+
+/// Pipelined restore counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct RestoreStats {
+    pub requests: u64,
+    pub sub_batches: u64,
+    pub credit_waits: u64,
+    /// Staging credits held now (zero when no restore runs).
+    pub credits_held_bytes: u64,
+    pub peak_credits_bytes: u64,
+    pub peak_request_staging_bytes: u64,
 }
 
 impl Stats {
@@ -227,12 +244,14 @@ impl Stats {
             tasks_in_flight: self.total.tasks_in_flight,
             retired_objects: self.total.retired_objects,
             tickets_in_flight: self.tickets_in_flight,
+            restore_credits_bytes: self.restore.credits_held_bytes,
         }
     }
 }
 
 /// GPU transfer counters of one store (feature `cuda`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct GpuStats {
     /// The DRAM arena is registered with CUDA (`cuMemHostRegister`, once per slice).
     pub arena_registered: bool,
@@ -255,6 +274,9 @@ pub struct GpuStats {
     pub failed_keys: u64,
     /// Why requests fell back to the direct path (reason, count), "disabled" not counted.
     pub fallbacks: Vec<(String, u64)>,
+    /// Time `batch_get_into_multi_buffers` to GPU spent, summed over calls, in microseconds:
+    /// [region checks, leases, building transfers, planning + submission, waiting on events].
+    pub read_phase_us: [u64; 5],
 }
 
 /// Held-resource gauges; all zero when idle. Tests assert on this.
@@ -265,6 +287,7 @@ pub struct HeldResources {
     pub tasks_in_flight: u64,
     pub retired_objects: u64,
     pub tickets_in_flight: u64,
+    pub restore_credits_bytes: u64,
 }
 
 impl HeldResources {

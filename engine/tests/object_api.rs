@@ -285,10 +285,15 @@ fn limits_and_bad_arguments_are_typed_errors() {
     let big = vec![0u8; (1 << 20) + 1];
     assert!(matches!(store.put(b"big", &big, PutOptions::INSERT), Err(Error::TooLarge { what: "value", .. })));
     store.put(b"ok", &[1u8; 64], PutOptions::INSERT).expect("ok");
-    // SAFETY: the device region is never dereferenced: the engine refuses device memory first.
+    // SAFETY: the device region is never dereferenced: the engine refuses device memory first
+    // (no CUDA: CudaUnavailable; with the `cuda` feature on a GPU: the pointer check refuses it).
     let dev = unsafe { Region::from_raw(0xdead_0000, 64, MemoryKind::Device { ordinal: 0 }) };
-    assert!(matches!(store.get_into(b"ok", dev), Err(Error::CudaUnavailable(_))));
-    assert!(matches!(store.put_from(b"dev", &[dev], PutOptions::INSERT), Err(Error::CudaUnavailable(_))));
+    let refused = |r: &Result<(), Error>| {
+        matches!(r, Err(Error::CudaUnavailable(_)))
+            || (cfg!(feature = "cuda") && matches!(r, Err(Error::InvalidArgument(_))))
+    };
+    assert!(refused(&store.get_into(b"ok", dev).map(|_| ())));
+    assert!(refused(&store.put_from(b"dev", &[dev], PutOptions::INSERT)));
     // Batch puts: one bad key never fails its neighbours.
     let good = [2u8; 32];
     let keys: [&[u8]; 3] = [b"b1", &[b'x'; 40], b"b3"];
@@ -296,7 +301,7 @@ fn limits_and_bad_arguments_are_typed_errors() {
     let results = store.batch_put_from_multi_buffers(&keys, &srcs, PutOptions::INSERT);
     assert_eq!(results[0], Ok(()));
     assert!(matches!(results[1], Err(Error::TooLarge { what: "key", .. })));
-    assert!(matches!(results[2], Err(Error::CudaUnavailable(_))));
+    assert!(refused(&results[2]), "{:?}", results[2]);
     assert_eq!(store.get(b"b1").expect("b1"), good.to_vec());
     assert_eq!(store.exists(b"b3"), Ok(false));
     assert_idle(&store);
