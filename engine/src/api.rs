@@ -42,9 +42,14 @@ impl Fragment {
 /// `submit_*` forms return a ticket at once.
 pub trait Store: Send + Sync {
     /// Stores `value` under `key`.
-    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<()>;
+    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<()> {
+        self.put_from(key, &[Region::host_readonly(value)], opts)
+    }
     /// Stores the concatenation of `sources` under `key` (gather).
-    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()>;
+    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
+        let mut results = self.batch_put_from_multi_buffers(&[key], &[sources.to_vec()], opts);
+        results.pop().unwrap_or(Err(crate::error::Error::Internal("no result for a single put")))
+    }
     /// Many `put_from`s in one call; one result per key.
     fn batch_put_from_multi_buffers(
         &self,

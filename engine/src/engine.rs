@@ -673,15 +673,6 @@ fn total_len(regions: &[Region<'_>]) -> Result<u64> {
 }
 
 impl Store for Engine {
-    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<()> {
-        self.put_from(key, &[Region::host_readonly(value)], opts)
-    }
-
-    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
-        let mut results = self.batch_put_from_multi_buffers(&[key], &[sources.to_vec()], opts);
-        results.pop().unwrap_or(Err(Error::Internal("no result for a single put")))
-    }
-
     fn batch_put_from_multi_buffers(
         &self,
         keys: &[&[u8]],
