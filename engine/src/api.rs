@@ -69,10 +69,22 @@ pub trait Store: Send + Sync {
     /// result per fragment, in the same shape.
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>>;
 
-    fn exists(&self, key: &[u8]) -> Result<bool>;
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        self.batch_exists(&[key]).pop().unwrap_or(Err(crate::error::Error::Internal("no result")))
+    }
     fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>>;
-    /// Number of leading keys that are present (prefix-cache lookups).
-    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize>;
+    /// Number of leading keys that are present (prefix-cache lookups). A bad key in the prefix
+    /// is an error rather than a miss.
+    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize> {
+        let mut hits = 0;
+        for found in self.batch_exists(keys) {
+            if !found? {
+                break;
+            }
+            hits += 1;
+        }
+        Ok(hits)
+    }
     /// Removes `key`; a leased or pinned object is refused unless `force`.
     fn remove(&self, key: &[u8], force: bool) -> Result<()>;
     /// Keeps `key` from eviction until a matching `unpin`.

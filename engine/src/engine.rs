@@ -859,10 +859,6 @@ impl Store for Engine {
         results
     }
 
-    fn exists(&self, key: &[u8]) -> Result<bool> {
-        self.batch_exists(&[key]).pop().unwrap_or(Err(Error::Internal("no result")))
-    }
-
     fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
         let _span = tracing::trace_span!("batch_exists", keys = keys.len()).entered();
         let mut results: Vec<Result<bool>> = vec![Ok(false); keys.len()];
@@ -889,17 +885,6 @@ impl Store for Engine {
             }
         }
         results
-    }
-
-    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize> {
-        let mut hits = 0;
-        for found in self.batch_exists(keys) {
-            if !found? {
-                break;
-            }
-            hits += 1;
-        }
-        Ok(hits)
     }
 
     fn remove(&self, key: &[u8], force: bool) -> Result<()> {

@@ -912,10 +912,6 @@ impl Store for RemoteStore {
         results
     }
 
-    fn exists(&self, key: &[u8]) -> Result<bool> {
-        self.batch_exists(&[key]).pop().unwrap_or(Err(Error::Internal("no result")))
-    }
-
     fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
         let limits = match self.inner.limits() {
             Ok(l) => l,
@@ -958,17 +954,6 @@ impl Store for RemoteStore {
             }
         }
         results
-    }
-
-    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize> {
-        let mut hits = 0;
-        for found in self.batch_exists(keys) {
-            if !found? {
-                break;
-            }
-            hits += 1;
-        }
-        Ok(hits)
     }
 
     fn remove(&self, key: &[u8], force: bool) -> Result<()> {
