@@ -185,6 +185,27 @@ fn engine(args: &GpuArgs, layout: &Layout, staging: bool) -> Result<Engine, Stri
         .map_err(|e| e.to_string())
 }
 
+/// Medians of the staged reads' GPU timelines (`KVTIDE_CUDA_PROFILE=1`; none otherwise).
+fn print_timelines(method: &str, timelines: Vec<kvtide::cuda::profile::Timeline>) {
+    if timelines.is_empty() {
+        return;
+    }
+    let med = |f: fn(&kvtide::cuda::profile::Timeline) -> f64| {
+        let mut v: Vec<f64> = timelines.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    eprintln!(
+        "  {method} timeline (us, median of {}; from the first staged copy): host work before it {:.0}, copies end {:.0}, kernels end {:.0}, caller notices {:.0}; {} fills",
+        timelines.len(),
+        med(|t| t.queued_us),
+        med(|t| t.copies_end_us),
+        med(|t| t.kernels_end_us),
+        med(|t| t.noticed_us),
+        med(|t| t.fills as f64),
+    );
+}
+
 /// Deterministic content: every 8-byte word names its object and offset.
 fn fill_object(object: usize, out: &mut [u8]) {
     for (w, chunk) in out.chunks_mut(8).enumerate() {
@@ -289,12 +310,14 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
             read()?;
         }
         let warm = store.stats().gpu.read_phase_us;
+        drop(kvtide::cuda::profile::take_timelines());
         reads.push(measure(method_read, 0, iters, read)?);
         let after = store.stats().gpu.read_phase_us;
+        print_timelines(method_read, kvtide::cuda::profile::take_timelines());
         let phases: Vec<u64> = after.iter().zip(warm).map(|(a, w)| (a - w) / iters.max(1) as u64).collect();
         eprintln!(
-            "  {method_read} read phases per call (us): leases {}, prestage {}, checks+transfers {}, plan+submit {}, wait {}",
-            phases[0], phases[1], phases[2], phases[3], phases[4]
+            "  {method_read} read phases per call (us): send leases {}, grants {}, prestage {}, checks+transfers {}, plan+submit {}, wait {}",
+            phases[0], phases[1], phases[2], phases[3], phases[4], phases[5]
         );
         let mut back = vec![0u8; total];
         pool.read(0, &mut back).map_err(|e| e.to_string())?;
@@ -314,7 +337,12 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
                 }
             })
         };
-        writes.push(measure(method_write, warmup, iters, write)?);
+        for _ in 0..warmup {
+            write()?;
+        }
+        drop(kvtide::cuda::profile::take_timelines());
+        writes.push(measure(method_write, 0, iters, write)?);
+        print_timelines(&format!("{method_write} write"), kvtide::cuda::profile::take_timelines());
         for (o, key) in keys.iter().enumerate().step_by((layout.objects / 8).max(1)) {
             let got = store.get(key).map_err(|e| format!("read back: {e}"))?;
             let object = &host.as_slice()[o * layout.object_bytes as usize..(o + 1) * layout.object_bytes as usize];

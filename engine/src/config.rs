@@ -32,6 +32,12 @@ pub struct StoreBuilder {
     pub eviction: String,
     /// How long an idle shard spins before parking. Default 50 us.
     pub idle_spin_us: u64,
+    /// How long a caller polls for a shard's reply before it blocks. Default 100 us: a blocked
+    /// caller pays a wake-up (tens of microseconds, more in a VM) on every round trip.
+    pub reply_spin_us: u64,
+    /// Shards do not park while a GPU transfer that holds their leases is in flight, so its
+    /// release and the caller's next request cost no wake-up. Default true.
+    pub gpu_keep_shards_awake: bool,
     /// Pin shard threads to CPUs. Default true.
     pub pin_threads: bool,
     /// Register each arena slice with its ring as fixed buffers. Default true.
@@ -65,6 +71,11 @@ pub struct StoreBuilder {
     /// Payload budget of that buffer, allocated lazily on the destination GPU. Default 256 MiB.
     #[serde(deserialize_with = "de_bytes")]
     pub gpu_staging_bytes: u64,
+    /// Staging fills shrink towards the end of a request, down to about this size, so little
+    /// scatter work is left once the last copy lands (0: fixed quarter-buffer fills).
+    /// Default 4 MiB.
+    #[serde(deserialize_with = "de_bytes")]
+    pub gpu_staging_tail_bytes: u64,
     /// Run the SSD tier on the in-memory fault-injecting simulator instead of files (tests and
     /// benchmarks; nothing survives the process). Set with `simulated_ssd`.
     #[serde(skip)]
@@ -96,6 +107,8 @@ impl Default for StoreBuilder {
             low_watermark: 0.85,
             eviction: "s3fifo".into(),
             idle_spin_us: 50,
+            reply_spin_us: 100,
+            gpu_keep_shards_awake: true,
             pin_threads: true,
             register_fixed_buffers: true,
             ring_entries: 256,
@@ -110,6 +123,7 @@ impl Default for StoreBuilder {
             promote_on_hit: true,
             gpu_staging: false,
             gpu_staging_bytes: 256 << 20,
+            gpu_staging_tail_bytes: 4 << 20,
             simulated_ssd: None,
             restore_pipeline: true,
             restore_sub_batch_bytes: 2 << 20,
@@ -131,6 +145,9 @@ pub(crate) struct EngineConfig {
     pub(crate) low_watermark: f64,
     pub(crate) policy: EvictionPolicy,
     pub(crate) idle_spin: Duration,
+    pub(crate) reply_spin: Duration,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) gpu_keep_shards_awake: bool,
     pub(crate) pin_threads: bool,
     pub(crate) register_fixed_buffers: bool,
     pub(crate) ring_entries: u32,
@@ -142,6 +159,8 @@ pub(crate) struct EngineConfig {
     pub(crate) gpu_staging: bool,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) gpu_staging_bytes: u64,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) gpu_staging_tail_bytes: u64,
     pub(crate) restore_pipeline: bool,
     pub(crate) restore_sub_batch_bytes: u64,
     pub(crate) restore_sub_batch_keys: usize,
@@ -191,6 +210,10 @@ impl StoreBuilder {
         low_watermark: f64);
     setter!(/// Idle spin before parking, in microseconds.
         idle_spin_us: u64);
+    setter!(/// How long a caller polls for a shard's reply before blocking, in microseconds.
+        reply_spin_us: u64);
+    setter!(/// Keep shards polling while a GPU transfer holds their leases.
+        gpu_keep_shards_awake: bool);
     setter!(/// Pin shard threads to CPUs.
         pin_threads: bool);
     setter!(/// Register arena slices as io_uring fixed buffers.
@@ -227,6 +250,8 @@ impl StoreBuilder {
         gpu_staging: bool);
     setter!(/// Size of the GPU staging buffer in bytes.
         gpu_staging_bytes: u64);
+    setter!(/// Size the last staging fills of a request shrink to, in bytes (0: fixed fills).
+        gpu_staging_tail_bytes: u64);
 
     /// Runs the SSD tier (`ssd_bytes`, `ssd_segment_bytes`) on the seeded in-memory simulator
     /// with these faults instead of files: for tests and benchmarks of the engine above the disk.
@@ -281,6 +306,13 @@ impl StoreBuilder {
                 "LOW_WATERMARK" => self.low_watermark = v.parse().map_err(|_| bad("expected a fraction"))?,
                 "EVICTION" => self.eviction = v.to_string(),
                 "IDLE_SPIN_US" => self.idle_spin_us = v.parse().map_err(|_| bad("expected microseconds"))?,
+                "REPLY_SPIN_US" => self.reply_spin_us = v.parse().map_err(|_| bad("expected microseconds"))?,
+                "GPU_KEEP_SHARDS_AWAKE" => {
+                    self.gpu_keep_shards_awake = parse_bool(v).ok_or_else(|| bad("expected true/false"))?
+                }
+                "GPU_STAGING_TAIL_BYTES" => {
+                    self.gpu_staging_tail_bytes = parse_bytes(v).ok_or_else(|| bad("expected a size"))?
+                }
                 "PIN_THREADS" => self.pin_threads = parse_bool(v).ok_or_else(|| bad("expected true/false"))?,
                 "REGISTER_FIXED_BUFFERS" => {
                     self.register_fixed_buffers = parse_bool(v).ok_or_else(|| bad("expected true/false"))?
@@ -335,6 +367,16 @@ impl StoreBuilder {
         if !(4096..=(1 << 32)).contains(&self.gpu_staging_bytes) {
             return err(format!("gpu_staging_bytes = {}: must be 4 KiB..=4 GiB", self.gpu_staging_bytes));
         }
+        if self.gpu_staging_tail_bytes > self.gpu_staging_bytes {
+            return err(format!(
+                "gpu_staging_tail_bytes = {}: at most gpu_staging_bytes ({})",
+                self.gpu_staging_tail_bytes, self.gpu_staging_bytes
+            ));
+        }
+        // Spins are a latency trade; a second is never one.
+        if self.idle_spin_us > 1_000_000 || self.reply_spin_us > 1_000_000 {
+            return err("idle_spin_us and reply_spin_us must be at most 1 s".into());
+        }
         let dir = match (&self.ssd_dir, &self.simulated_ssd) {
             (Some(dir), _) => Some(dir.clone()),
             (None, Some(_)) => Some(std::path::PathBuf::from("<simulated>")),
@@ -375,6 +417,7 @@ impl StoreBuilder {
             ssd,
             gpu_staging: self.gpu_staging,
             gpu_staging_bytes: self.gpu_staging_bytes,
+            gpu_staging_tail_bytes: self.gpu_staging_tail_bytes,
             shards,
             dram_bytes: self.dram_bytes,
             max_key_bytes: self.max_key_bytes,
@@ -383,6 +426,8 @@ impl StoreBuilder {
             low_watermark: self.low_watermark,
             policy,
             idle_spin: Duration::from_micros(self.idle_spin_us),
+            reply_spin: Duration::from_micros(self.reply_spin_us),
+            gpu_keep_shards_awake: self.gpu_keep_shards_awake,
             pin_threads: self.pin_threads,
             register_fixed_buffers: self.register_fixed_buffers,
             ring_entries: self.ring_entries,
@@ -472,6 +517,28 @@ mod tests {
         let g = g.with_vars([("KVTIDE_GPU_STAGING_BYTES".to_string(), "32MiB".to_string())]).expect("env");
         assert!(g.gpu_staging);
         assert_eq!(g.validate().expect("valid").gpu_staging_bytes, 32 << 20);
+    }
+
+    #[test]
+    fn latency_and_fill_settings_parse_and_are_bounded() {
+        let d = StoreBuilder::new().validate().expect("valid");
+        assert!(d.gpu_keep_shards_awake && d.reply_spin == Duration::from_micros(100));
+        assert_eq!(d.gpu_staging_tail_bytes, 4 << 20);
+        let vars = [
+            ("KVTIDE_REPLY_SPIN_US", "0"),
+            ("KVTIDE_GPU_KEEP_SHARDS_AWAKE", "off"),
+            ("KVTIDE_GPU_STAGING_TAIL_BYTES", "16MiB"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let c = StoreBuilder::new().with_vars(vars).expect("env").validate().expect("valid");
+        assert!(!c.gpu_keep_shards_awake && c.reply_spin.is_zero());
+        assert_eq!(c.gpu_staging_tail_bytes, 16 << 20);
+        let t = StoreBuilder::from_toml_str("gpu_staging_tail_bytes = \"0\"\nreply_spin_us = 20\n").expect("toml");
+        assert_eq!(t.validate().expect("valid").gpu_staging_tail_bytes, 0);
+        // A tail larger than the buffer, or a spin of more than a second, is refused.
+        assert!(StoreBuilder::new().gpu_staging_bytes(8 << 20).gpu_staging_tail_bytes(16 << 20).validate().is_err());
+        assert!(StoreBuilder::new().reply_spin_us(2_000_000).validate().is_err());
+        assert!(StoreBuilder::new().with_vars([("KVTIDE_GPU_KEEP_SHARDS_AWAKE".into(), "maybe".into())]).is_err());
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub struct Engine {
     recovery: Vec<RecoveryReport>,
     credits: restore::CreditBroker,
     restore: restore::RestoreCounters,
+    /// Non-zero while GPU transfers are in flight: shards then poll instead of parking.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    keep_awake: Arc<std::sync::atomic::AtomicUsize>,
     #[cfg(feature = "cuda")]
     gpu: gpu::GpuState,
 }
@@ -71,6 +74,7 @@ impl Engine {
         let slice_bytes = arena.slice_bytes() as u64;
         let max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
         let cpus = crate::shard::allowed_cpus();
+        let keep_awake = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let data_dir = match &config.ssd {
             Some(ssd) if ssd.simulated.is_none() => {
                 Some(DataDir::open(&ssd.dir, ssd.bytes, config.shards, ssd.segment_bytes)?)
@@ -129,6 +133,7 @@ impl Engine {
             let runtime = RuntimeConfig {
                 ring_entries: config.ring_entries,
                 idle_spin: config.idle_spin,
+                keep_awake: Arc::clone(&keep_awake),
                 pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
                 register_fixed_buffers: config.register_fixed_buffers,
             };
@@ -187,6 +192,7 @@ impl Engine {
             recovery,
             credits,
             restore: restore::RestoreCounters::default(),
+            keep_awake,
         })
     }
 
@@ -231,7 +237,7 @@ impl Engine {
         let replies: Vec<_> = (0..self.shards.len())
             .map(|shard| self.send_with_reply(shard, |reply| Request::Barrier { reply }))
             .collect::<Result<_>>()?;
-        replies.into_iter().try_for_each(|rx| rx.recv().map_err(|_| Error::ShuttingDown))
+        replies.into_iter().try_for_each(|rx| self.recv_reply(&rx))
     }
 
     /// Takes an explicit lease on `key` for a caller that reads asynchronously. The bytes stay
@@ -245,7 +251,7 @@ impl Engine {
             ttl: Some(ttl + LEASE_EXPIRY_GRACE),
             reply,
         })?;
-        let grant = rx.recv().map_err(|_| Error::ShuttingDown)?.pop().ok_or(Error::Internal("empty lease reply"))??;
+        let grant = self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))??;
         Ok(ObjectLease {
             grant,
             expires_at: Instant::now() + ttl,
@@ -305,7 +311,31 @@ impl Engine {
     }
 
     fn call<T>(&self, shard: usize, make: impl FnOnce(Sender<T>) -> Request) -> Result<T> {
-        self.send_with_reply(shard, make)?.recv().map_err(|_| Error::ShuttingDown)
+        self.recv_reply(&self.send_with_reply(shard, make)?)
+    }
+
+    /// Waits for a shard's reply: polls for `reply_spin` first (the shard usually answers within
+    /// microseconds, and a blocked caller pays a wake-up), then blocks.
+    fn recv_reply<T>(&self, rx: &crossbeam_channel::Receiver<T>) -> Result<T> {
+        let started = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            match rx.try_recv() {
+                Ok(reply) => return Ok(reply),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(Error::ShuttingDown),
+                Err(crossbeam_channel::TryRecvError::Empty) => {}
+            }
+            if started.elapsed() >= self.config.reply_spin {
+                return rx.recv().map_err(|_| Error::ShuttingDown);
+            }
+            polls += 1;
+            if polls < 64 {
+                std::hint::spin_loop();
+            } else {
+                // The shard may need this CPU (fewer CPUs than threads).
+                std::thread::yield_now();
+            }
+        }
     }
 
     fn validate_key(&self, key: &[u8]) -> Result<()> {
@@ -388,6 +418,17 @@ impl Engine {
         items: impl Iterator<Item = (usize, &'k [u8], u64)>,
         upsert: bool,
     ) -> (HashMap<usize, Result<WriteGrant>>, Reservations<'_>) {
+        self.reserve_many_overlapped(items, upsert, || {})
+    }
+
+    /// `reserve_many`, running `while_waiting` after the requests went out and before the
+    /// replies are awaited.
+    fn reserve_many_overlapped<'k>(
+        &self,
+        items: impl Iterator<Item = (usize, &'k [u8], u64)>,
+        upsert: bool,
+        while_waiting: impl FnOnce(),
+    ) -> (HashMap<usize, Result<WriteGrant>>, Reservations<'_>) {
         let mut per_shard: Vec<Vec<(usize, &[u8], u64)>> = vec![Vec::new(); self.shards.len()];
         for (index, key, len) in items {
             per_shard[self.shard_of(key)].push((index, key, len));
@@ -403,8 +444,9 @@ impl Engine {
                 (shard, self.send_with_reply(shard, |reply| Request::Reserve { items: owned, upsert, reply }))
             })
             .collect();
+        while_waiting();
         for (shard, rx) in pending {
-            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+            match rx.and_then(|rx| self.recv_reply(&rx)) {
                 Ok(grants) => {
                     for (&(index, _, _), grant) in per_shard[shard].iter().zip(grants) {
                         if let Ok(g) = &grant {
@@ -462,7 +504,7 @@ impl<'e> PendingLeases<'e> {
         let mut leases = LeaseSet { engine: self.engine, by_shard: vec![Vec::new(); self.engine.shards.len()] };
         let mut out = HashMap::new();
         for (shard, rx) in self.replies {
-            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+            match rx.and_then(|rx| self.engine.recv_reply(&rx)) {
                 Ok(grants) => {
                     for (&index, grant) in self.per_shard[shard].iter().zip(grants) {
                         if let Ok(g) = &grant {
@@ -502,7 +544,7 @@ impl Reservations<'_> {
                 .push((commit, self.engine.send_with_reply(shard, |reply| Request::Commit { objects, upsert, reply })));
         }
         for (commit, rx) in pending {
-            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+            match rx.and_then(|rx| self.engine.recv_reply(&rx)) {
                 Ok(results) => {
                     for ((index, _), result) in commit.into_iter().zip(results) {
                         out.insert(index, result);
@@ -879,7 +921,7 @@ impl Store for Engine {
             })
             .collect();
         for (shard, rx) in pending {
-            match rx.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown)) {
+            match rx.and_then(|rx| self.recv_reply(&rx)) {
                 Ok(found) => per_shard[shard].iter().zip(found).for_each(|(&i, f)| results[i] = Ok(f)),
                 Err(e) => per_shard[shard].iter().for_each(|&i| results[i] = Err(e.clone())),
             }

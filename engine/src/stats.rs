@@ -275,8 +275,10 @@ pub struct GpuStats {
     /// Why requests fell back to the direct path (reason, count), "disabled" not counted.
     pub fallbacks: Vec<(String, u64)>,
     /// Time `batch_get_into_multi_buffers` to GPU spent, summed over calls, in microseconds:
-    /// [region checks, leases, building transfers, planning + submission, waiting on events].
-    pub read_phase_us: [u64; 5],
+    /// [validating keys and sending the lease requests, waiting for the grants, starting the
+    /// staging copies (prestage), checking regions and building transfers, planning and
+    /// submission, waiting on events].
+    pub read_phase_us: [u64; 6],
 }
 
 /// Held-resource gauges; all zero when idle. Tests assert on this.

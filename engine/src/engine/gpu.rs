@@ -10,7 +10,7 @@
 //! staged transfer is never replayed through the direct path.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -31,6 +31,29 @@ pub(super) fn any_device<'r>(mut regions: impl Iterator<Item = &'r Region<'r>>) 
     regions.any(|r| matches!(r.kind(), MemoryKind::Device { .. }))
 }
 
+/// Keeps every shard polling instead of parking while a GPU transfer is in flight
+/// (`gpu_keep_shards_awake`): the transfer's release and the caller's next request then cost
+/// no wake-up. Declared before the call's leases, so it is dropped after they were released.
+struct KeepAwake<'e>(Option<&'e AtomicUsize>);
+
+impl<'e> KeepAwake<'e> {
+    fn new(engine: &'e Engine) -> KeepAwake<'e> {
+        let counter = engine.config.gpu_keep_shards_awake.then_some(&*engine.keep_awake);
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Relaxed);
+        }
+        KeepAwake(counter)
+    }
+}
+
+impl Drop for KeepAwake<'_> {
+    fn drop(&mut self) {
+        if let Some(counter) = self.0 {
+            counter.fetch_sub(1, Relaxed);
+        }
+    }
+}
+
 /// The store's GPU state.
 pub(super) struct GpuState {
     policy: StagingPolicy,
@@ -40,21 +63,21 @@ pub(super) struct GpuState {
     counters: Arc<GpuCounters>,
 }
 
-/// When a read's phases ended (for the timing counters). For `batch_get` (the only caller
-/// that times): `checked_at` is when the leases were granted (the pointer checks now run later,
-/// while the prestaged copies move) and `leased_at` when the prestage was submitted; the third
-/// phase is then the pointer checks and building the transfers.
+/// When a batch read's phases ended (for the timing counters; `execute` adds the last three:
+/// checks and transfers until it is called, planning and submission, waiting).
 #[derive(Clone, Copy)]
 struct Timing {
     started: Instant,
-    checked_at: Instant,
-    leased_at: Instant,
+    sent_at: Instant,
+    granted_at: Instant,
+    prestaged_at: Instant,
 }
 
 #[derive(Default)]
 struct GpuCounters {
-    check_us: AtomicU64,
-    lease_us: AtomicU64,
+    send_us: AtomicU64,
+    grant_us: AtomicU64,
+    prestage_us: AtomicU64,
     plan_us: AtomicU64,
     submit_us: AtomicU64,
     wait_us: AtomicU64,
@@ -100,7 +123,11 @@ impl GpuCounters {
 impl GpuState {
     pub(super) fn new(config: &EngineConfig) -> GpuState {
         GpuState {
-            policy: StagingPolicy { enabled: config.gpu_staging, buffer_bytes: config.gpu_staging_bytes },
+            policy: StagingPolicy {
+                enabled: config.gpu_staging,
+                buffer_bytes: config.gpu_staging_bytes,
+                tail_fill_bytes: config.gpu_staging_tail_bytes,
+            },
             registration: Mutex::new(false),
             counters: Arc::new(GpuCounters::default()),
         }
@@ -125,8 +152,9 @@ impl GpuState {
             failed_keys: c.failed_keys.load(Relaxed),
             fallbacks,
             read_phase_us: [
-                c.check_us.load(Relaxed),
-                c.lease_us.load(Relaxed),
+                c.send_us.load(Relaxed),
+                c.grant_us.load(Relaxed),
+                c.prestage_us.load(Relaxed),
                 c.plan_us.load(Relaxed),
                 c.submit_us.load(Relaxed),
                 c.wait_us.load(Relaxed),
@@ -167,12 +195,13 @@ impl GpuState {
     }
 
     /// Runs `transfers` and waits for them by polling their events. The caller keeps the host
-    /// bytes leased (or reserved) until this returns. One result per transfer.
+    /// bytes leased (or reserved) until this returns. One result per transfer. The transfers
+    /// are freed once submitted, while the GPU works, rather than after it finished.
     fn execute(
         &self,
         transport: &Result<Arc<CudaTransport>>,
         direction: Direction,
-        transfers: &[Transfer],
+        transfers: Vec<Transfer>,
         timing: Option<Timing>,
         prestaged: Option<Prestaged>,
     ) -> Vec<Result<()>> {
@@ -190,7 +219,10 @@ impl GpuState {
                 // valid for the call.
                 // A prestage, if any, copied these transfers' objects (still leased) into the
                 // staging buffer only.
-                match unsafe { submit_with(transport, direction, transfers, self.policy, prestaged) } {
+                let submitted = unsafe { submit_with(transport, direction, &transfers, self.policy, prestaged) };
+                let count = transfers.len();
+                drop(transfers);
+                match submitted {
                     Ok(inflight) => {
                         let submitted_at = Instant::now();
                         let summary = inflight.summary().clone();
@@ -200,15 +232,16 @@ impl GpuState {
                         if let Some(t) = timing {
                             let us = |a: Instant, b: Instant| b.saturating_duration_since(a).as_micros() as u64;
                             let c = &self.counters;
-                            c.check_us.fetch_add(us(t.started, t.checked_at), Relaxed);
-                            c.lease_us.fetch_add(us(t.checked_at, t.leased_at), Relaxed);
-                            c.plan_us.fetch_add(us(t.leased_at, planned_at), Relaxed);
+                            c.send_us.fetch_add(us(t.started, t.sent_at), Relaxed);
+                            c.grant_us.fetch_add(us(t.sent_at, t.granted_at), Relaxed);
+                            c.prestage_us.fetch_add(us(t.granted_at, t.prestaged_at), Relaxed);
+                            c.plan_us.fetch_add(us(t.prestaged_at, planned_at), Relaxed);
                             c.submit_us.fetch_add(us(planned_at, submitted_at), Relaxed);
                             c.wait_us.fetch_add(us(submitted_at, Instant::now()), Relaxed);
                         }
                         results
                     }
-                    Err(e) => vec![Err(Error::from(e)); transfers.len()],
+                    Err(e) => vec![Err(Error::from(e)); count],
                 }
             }
         };
@@ -310,6 +343,7 @@ fn pieces_in_order(regions: &[Region<'_>]) -> Vec<Piece> {
 /// `get_into` to a device region.
 pub(super) fn get_into(engine: &Engine, key: &[u8], dst: Region<'_>) -> Result<usize> {
     engine.validate_key(key)?;
+    let _awake = KeepAwake::new(engine);
     let transport = engine.gpu.transport(engine);
     if let Some(e) = check_regions(&transport, &[std::slice::from_ref(&dst)], true).pop().flatten() {
         return Err(e);
@@ -324,67 +358,62 @@ pub(super) fn get_into(engine: &Engine, key: &[u8], dst: Region<'_>) -> Result<u
         host_len: grant.len,
         pieces: vec![Piece { host_offset: 0, addr: dst.addr(), len: grant.len, kind: dst.kind() }],
     };
-    let result =
-        engine.gpu.execute(&transport, Direction::HostToDevice, std::slice::from_ref(&transfer), None, None).pop();
+    let result = engine.gpu.execute(&transport, Direction::HostToDevice, vec![transfer], None, None).pop();
     result.unwrap_or(Err(Error::Internal("no transfer result"))).map(|()| grant.len as usize)
 }
 
 /// `batch_get_into_multi_buffers` with device destinations.
 ///
-/// Ordered so the bytes start moving early: the lease requests go out first and the transfers'
-/// pieces are laid out while the shards lease; as soon as the grants are in, the objects' bulk
-/// copies into the engine's private staging buffer start (`prestage`) while the destinations
-/// are checked (`cuPointerGetAttributes`) and the request is qualified and planned. Nothing is
-/// submitted to a destination before every check passed; a request that does not qualify (or a
-/// key that fails its check) discards the staged bytes and is planned afresh.
+/// Ordered so the bytes start moving early: only the keys are validated before the lease
+/// requests go out, and as soon as the grants are in, the objects' bulk copies into the engine's
+/// private staging buffer start (`prestage`), in arena order so neighbours merge into few large
+/// copies. Only then, while those copies move, is every destination page checked (lengths,
+/// `cuPointerGetAttributes`) and the request qualified and planned: work that grows with the
+/// page count never delays the first byte. Nothing is submitted to a destination before every
+/// check passed; a request that does not qualify (or a key that fails its check) discards the
+/// staged bytes and is planned afresh.
 pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
     let started = Instant::now();
+    let _awake = KeepAwake::new(engine);
     let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
     let transport = engine.gpu.transport(engine);
     let mut valid = Vec::with_capacity(keys.len());
-    for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
-        match engine.validate_key(key).and_then(|()| total_len(regions)) {
-            Ok(_) => valid.push((i, *key)),
+    for (i, key) in keys.iter().enumerate() {
+        match engine.validate_key(key) {
+            Ok(()) => valid.push((i, *key)),
             Err(e) => results[i] = Err(e),
         }
     }
     let pending_leases = engine.send_leases(valid.iter().copied());
-    // While the shards lease: each key's destination bytes, and the one GPU every destination
-    // names, if so (a prestage is only worth it then). One pass, no allocation per page.
-    let mut dst_bytes: Vec<Option<u64>> = vec![None; keys.len()];
-    let mut one_gpu: Option<Option<u32>> = None;
+    let sent_at = Instant::now();
+    // While the shards lease, per key (not per page): the GPU of its first region, to guess the
+    // one GPU a staged request needs (the checks below confirm it), and its page count.
+    let mut gpu_guess: Option<Option<u32>> = None;
     let mut pieces_total = 0usize;
     for &(i, _) in &valid {
-        let mut bytes = 0u64;
-        for r in &dsts[i] {
-            bytes += r.len() as u64;
-            let gpu = match r.kind() {
-                MemoryKind::Device { ordinal } => Some(ordinal),
-                _ => None,
-            };
-            if *one_gpu.get_or_insert(gpu) != gpu {
-                one_gpu = Some(None);
-            }
+        let gpu = match dsts[i].first().map(Region::kind) {
+            Some(MemoryKind::Device { ordinal }) => Some(ordinal),
+            _ => None,
+        };
+        if *gpu_guess.get_or_insert(gpu) != gpu {
+            gpu_guess = Some(None);
         }
         pieces_total += dsts[i].len();
-        dst_bytes[i] = Some(bytes);
     }
     let (grants, _leases) = pending_leases.wait();
-    let leased_at = Instant::now();
-    // Keys in request order, so fills split at the caller's key boundaries.
+    let granted_at = Instant::now();
+    // Granted objects in arena order: the transfers keep this order, so a fill's objects are
+    // neighbours in host memory and its bulk copies merge.
+    let mut owners: Vec<(usize, ReadGrant)> = Vec::with_capacity(grants.len());
     let mut by_key: Vec<Option<Result<ReadGrant>>> = (0..keys.len()).map(|_| None).collect();
     for (i, grant) in grants {
+        if let Ok(grant) = &grant {
+            owners.push((i, *grant));
+        }
         by_key[i] = Some(grant);
     }
-    let mut owners = Vec::with_capacity(keys.len());
-    for (i, grant) in by_key.iter().enumerate() {
-        if let (Some(Ok(grant)), Some(bytes)) = (grant, dst_bytes[i]) {
-            if bytes == grant.len {
-                owners.push((i, *grant));
-            }
-        }
-    }
-    let prestaged = match (&transport, one_gpu.flatten()) {
+    owners.sort_unstable_by_key(|(_, g)| g.ptr.as_ptr() as u64);
+    let prestaged = match (&transport, gpu_guess.flatten()) {
         (Ok(transport), Some(ordinal)) if engine.gpu.policy.enabled && owners.len() < pieces_total => {
             let objects: Vec<(u64, u64)> = owners.iter().map(|(_, g)| (g.ptr.as_ptr() as u64, g.len)).collect();
             // SAFETY: the objects stay leased (`_leases`) until `execute` returned, which is
@@ -399,24 +428,31 @@ pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>
     // the staging buffer.
     let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
     let checks = check_regions(&transport, &lists, true);
+    let mut passed = vec![false; keys.len()];
+    for (i, grant) in by_key.into_iter().enumerate() {
+        match grant {
+            None => {}
+            Some(Err(e)) => results[i] = Err(e),
+            Some(Ok(grant)) => {
+                let checked = match &checks[i] {
+                    Some(e) => Err(e.clone()),
+                    None => total_len(&dsts[i]),
+                };
+                match checked {
+                    Ok(bytes) if bytes == grant.len => passed[i] = true,
+                    Ok(bytes) => {
+                        results[i] = Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: bytes })
+                    }
+                    Err(e) => results[i] = Err(e),
+                }
+            }
+        }
+    }
+    // The transfers of the keys that passed every check, in arena order.
     let mut transfers = Vec::with_capacity(owners.len());
     let mut delivered = Vec::with_capacity(owners.len());
-    for (i, grant) in by_key.into_iter().enumerate() {
-        if let (Some(_), Some(e)) = (&grant, &checks[i]) {
-            results[i] = Err(e.clone());
-            continue;
-        }
-        let grant = match grant {
-            None => continue,
-            Some(Ok(grant)) => grant,
-            Some(Err(e)) => {
-                results[i] = Err(e);
-                continue;
-            }
-        };
-        let Some(bytes) = dst_bytes[i] else { continue };
-        if bytes != grant.len {
-            results[i] = Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: bytes });
+    for (i, grant) in owners {
+        if !passed[i] {
             continue;
         }
         transfers.push(Transfer {
@@ -426,13 +462,13 @@ pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>
         });
         delivered.push((i, grant.len as usize));
     }
-    // Phases of a batch read: leases (with the scan above), prestage, checks and transfers,
-    // then plan+submit and wait in `execute`.
-    let timing = Timing { started, checked_at: leased_at, leased_at: prestaged_at };
+    // Freed now, while the copies run, not after the GPU finished.
+    drop((lists, checks));
+    let timing = Timing { started, sent_at, granted_at, prestaged_at };
     for ((i, len), result) in delivered.into_iter().zip(engine.gpu.execute(
         &transport,
         Direction::HostToDevice,
-        &transfers,
+        transfers,
         Some(timing),
         prestaged,
     )) {
@@ -448,6 +484,7 @@ pub(super) fn get_into_ranges(
     buffers: &[Region<'_>],
     fragments: &[Vec<Fragment>],
 ) -> Vec<Vec<Result<usize>>> {
+    let _awake = KeepAwake::new(engine);
     let mut results: Vec<Vec<Result<usize>>> =
         fragments.iter().map(|f| (0..f.len()).map(|_| pending()).collect()).collect();
     let transport = engine.gpu.transport(engine);
@@ -516,7 +553,7 @@ pub(super) fn get_into_ranges(
         });
         members[t].push((b, f));
     }
-    let outcomes = engine.gpu.execute(&transport, Direction::HostToDevice, &transfers, None, None);
+    let outcomes = engine.gpu.execute(&transport, Direction::HostToDevice, transfers, None, None);
     for (owners, outcome) in members.into_iter().zip(outcomes) {
         for (b, f) in owners {
             results[b][f] = outcome.clone().map(|()| fragments[b][f].len as usize);
@@ -532,15 +569,13 @@ pub(super) fn batch_put(
     sources: &[Vec<Region<'_>>],
     opts: PutOptions,
 ) -> Vec<Result<()>> {
+    let _awake = KeepAwake::new(engine);
     let mut results: Vec<Result<()>> = vec![Ok(()); keys.len()];
     let transport = engine.gpu.transport(engine);
-    let lists: Vec<&[Region<'_>]> = sources.iter().map(Vec::as_slice).collect();
-    let checks = check_regions(&transport, &lists, false);
     let mut items = Vec::with_capacity(keys.len());
     for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
         let checked = engine
             .validate_key(key)
-            .and_then(|()| checks[i].clone().map_or(Ok(()), Err))
             .and_then(|()| total_len(srcs))
             .and_then(|len| engine.validate_value_len(len).map(|()| len));
         match checked {
@@ -548,27 +583,44 @@ pub(super) fn batch_put(
             Err(e) => results[i] = Err(e),
         }
     }
-    let (grants, reservations) = engine.reserve_many(items.into_iter(), opts.upsert);
-    let mut transfers = Vec::with_capacity(grants.len());
-    let mut owners = Vec::with_capacity(grants.len());
-    let mut sorted: Vec<_> = grants.into_iter().collect();
-    sorted.sort_by_key(|(i, _)| *i);
-    for (i, grant) in sorted {
-        match grant {
-            Ok(grant) => {
-                transfers.push(Transfer {
-                    host: grant.ptr.as_ptr() as u64,
-                    host_len: grant.len,
-                    pieces: pieces_in_order(&sources[i]),
-                });
-                owners.push(i);
+    // The source pages are checked while the shards reserve; a key that fails its check is
+    // never copied, so its reservation is aborted below.
+    let lists: Vec<&[Region<'_>]> = sources.iter().map(Vec::as_slice).collect();
+    let mut checks = Vec::new();
+    let (grants, reservations) = engine.reserve_many_overlapped(items.into_iter(), opts.upsert, || {
+        checks = check_regions(&transport, &lists, false);
+    });
+    for (i, check) in checks.into_iter().enumerate() {
+        if let Some(e) = check {
+            if results[i].is_ok() {
+                results[i] = Err(e);
             }
+        }
+    }
+    // In arena order, so a fill's objects are neighbours in host memory and its copies merge.
+    let mut granted = Vec::with_capacity(grants.len());
+    for (i, grant) in grants {
+        match grant {
+            // A key that failed its source check is never copied: aborted with the reservations.
+            Ok(_) if results[i].is_err() => {}
+            Ok(grant) => granted.push((i, grant)),
             Err(e) => results[i] = Err(e),
         }
     }
+    granted.sort_unstable_by_key(|(_, g)| g.ptr.as_ptr() as u64);
+    let mut transfers = Vec::with_capacity(granted.len());
+    let mut owners = Vec::with_capacity(granted.len());
+    for (i, grant) in granted {
+        transfers.push(Transfer {
+            host: grant.ptr.as_ptr() as u64,
+            host_len: grant.len,
+            pieces: pieces_in_order(&sources[i]),
+        });
+        owners.push(i);
+    }
     let mut copied = vec![false; keys.len()];
     for (i, outcome) in
-        owners.into_iter().zip(engine.gpu.execute(&transport, Direction::DeviceToHost, &transfers, None, None))
+        owners.into_iter().zip(engine.gpu.execute(&transport, Direction::DeviceToHost, transfers, None, None))
     {
         match outcome {
             Ok(()) => copied[i] = true,

@@ -301,11 +301,10 @@ impl ShardCore {
     /// Tries slot `slot` of a pending read: a DRAM hit resolves it now, an SSD object starts or
     /// joins a load, a miss resolves it as NotFound. False when it must wait for memory.
     fn start_read(&mut self, pending: usize, slot: usize) -> bool {
-        let (key, deadline) = match self.pending_reads.get(pending) {
-            Some(p) => (p.keys[slot].clone(), p.deadline),
-            None => return true,
-        };
-        let Some(&id) = self.index.get(&key) else {
+        let Some(p) = self.pending_reads.get(pending) else { return true };
+        let deadline = p.deadline;
+        // Looked up in place (disjoint fields): no copy of the key per read.
+        let Some(&id) = self.index.get(&p.keys[slot]) else {
             self.counters.misses.fetch_add(1, RELAXED);
             self.resolve_read(pending, slot, Err(Error::NotFound));
             return true;

@@ -2,7 +2,7 @@
 //! the low watermark, reaps io_uring completions and fires timers, then spins briefly and parks
 //! in `submit_and_wait` with an eventfd read outstanding. It never blocks while it has work.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,6 +32,9 @@ const EVICTIONS_PER_TURN: usize = 64;
 pub(crate) struct RuntimeConfig {
     pub(crate) ring_entries: u32,
     pub(crate) idle_spin: Duration,
+    /// While non-zero (GPU transfers in flight, engine-wide) an idle shard keeps polling
+    /// instead of parking.
+    pub(crate) keep_awake: Arc<AtomicUsize>,
     pub(crate) pin_to_cpu: Option<usize>,
     pub(crate) register_fixed_buffers: bool,
 }
@@ -237,7 +240,7 @@ impl ShardLoop {
                 continue;
             }
             let idle_start = *idle_since.get_or_insert(now);
-            if now.duration_since(idle_start) < self.config.idle_spin {
+            if now.duration_since(idle_start) < self.config.idle_spin || self.config.keep_awake.load(Relaxed) > 0 {
                 // Yield rather than spin: a caller may be waiting for this CPU.
                 std::thread::yield_now();
                 continue;

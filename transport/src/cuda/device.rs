@@ -17,6 +17,7 @@ use cudarc::driver::sys;
 use super::driver::{check, CudaDevice, CudaTransport};
 use super::kernel::{self, Kernels};
 use super::plan::{self, Descriptor, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
+use super::profile::Probe;
 use crate::region::MemoryKind;
 use crate::TransportError;
 
@@ -51,8 +52,10 @@ pub(crate) struct Executor {
 struct StagingUnit {
     buffer: sys::CUdeviceptr,
     buffer_bytes: u64,
-    rows_device: sys::CUdeviceptr,
+    /// The row tables: pinned host memory the kernels read in place (through `rows_device`,
+    /// its device-side address), so no table copy queues behind the bulk copies.
     rows_host: *mut Descriptor,
+    rows_device: sys::CUdeviceptr,
     rows_capacity: usize,
     copy_stream: sys::CUstream,
     kernel_stream: sys::CUstream,
@@ -155,6 +158,8 @@ pub struct InFlight {
     staging_of: Option<Arc<CudaDevice>>,
     summary: Summary,
     finished: bool,
+    /// Timing events (`KVTIDE_CUDA_PROFILE`), staged requests only.
+    probe: Option<Probe>,
 }
 
 impl std::fmt::Debug for InFlight {
@@ -172,6 +177,7 @@ impl InFlight {
             staging_of: None,
             summary: Summary::default(),
             finished: false,
+            probe: None,
         }
     }
 
@@ -207,6 +213,9 @@ impl InFlight {
                 drain(&stage.device, &stage.streams);
             }
             stage.done = true;
+        }
+        if let Some(probe) = self.probe.take() {
+            probe.finish(Instant::now());
         }
         self.finish();
         true
@@ -384,6 +393,7 @@ pub struct Prestaged {
     bytes: u64,
     /// Continued by a submission (which took the events and the busy flag).
     consumed: bool,
+    probe: Option<Probe>,
 }
 
 // SAFETY: driver handles usable from any thread with the context current (bound before use);
@@ -484,6 +494,7 @@ pub unsafe fn prestage(
         copy_calls: 0,
         bytes: 0,
         consumed: false,
+        probe: None,
     };
     // Whole objects: the layout `split_fills` gives the real transfers (it only looks at each
     // transfer's host address and span).
@@ -495,7 +506,7 @@ pub unsafe fn prestage(
             pieces: vec![plan::Piece { host_offset: 0, addr: 0, len, kind: MemoryKind::Device { ordinal } }],
         })
         .collect();
-    prestaged.fills = plan::split_fills(policy.buffer_bytes, &whole);
+    prestaged.fills = plan::split_fills(&policy, Direction::HostToDevice, &whole);
     let (buffer, copy_stream) = {
         let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
         ensure_unit(&mut guard, policy.buffer_bytes, 0).ok()?;
@@ -505,15 +516,15 @@ pub unsafe fn prestage(
     prestaged.copy_stream = copy_stream;
     // The leading fills whose buffer regions no earlier fill of the request reuses (a reused
     // region must wait for the earlier fill's scatter, which needs the checked destinations).
+    // The kernels read their row tables from pinned host memory, so nothing but these copies
+    // is queued on the copy stream and each fill's scatter can start as soon as its copies land.
     let fills = &prestaged.fills;
-    let mut count = (0..fills.len())
+    let count = (0..fills.len())
         .find(|&f| fills[..f].iter().any(|e| plan::regions_overlap(&e.region, &fills[f].region)))
         .unwrap_or(fills.len());
-    // The last fill of a request is left to the submission, which queues its table behind its
-    // bulk copies: the prestaged fills' tables are queued after every prestaged copy, so their
-    // scatters then run while the last fill copies, and only one scatter is left at the end.
-    if count == fills.len() && count > 1 {
-        count -= 1;
+    prestaged.probe = Probe::new();
+    if let Some(probe) = prestaged.probe.as_mut() {
+        probe.record_start(copy_stream);
     }
     for fill in &prestaged.fills[..count] {
         for copy in plan::staging_copies(fill, &whole) {
@@ -802,7 +813,7 @@ unsafe fn submit_staged(
     }
     let fills = match prestaged.as_mut() {
         Some(p) => std::mem::take(&mut p.fills),
-        None => plan::split_fills(policy.buffer_bytes, transfers),
+        None => plan::split_fills(&policy, direction, transfers),
     };
     // Row tables are built per fill while the DMA engines already copy (reads); size for the
     // unmerged upper bound.
@@ -833,11 +844,16 @@ unsafe fn submit_staged(
     // The prestaged fills: their bulk copies are queued on the copy stream already, each
     // followed by its event. From here the request owns the busy flag.
     let mut copied: Vec<Option<Event>> = Vec::new();
+    let mut probe = None;
     if let Some(mut p) = prestaged.take() {
         inflight.summary.copy_calls += p.copy_calls;
         inflight.summary.bytes += p.bytes;
         copied = std::mem::take(&mut p.copied).into_iter().map(Some).collect();
+        probe = p.probe.take();
         p.consumed = true;
+    } else if let Some(mut p) = Probe::new() {
+        p.record_start(copy_stream);
+        probe = Some(p);
     }
     let streams = vec![copy_stream, kernel_stream];
     let grid_cap = device.multiprocessors * BLOCKS_PER_SM;
@@ -848,14 +864,15 @@ unsafe fn submit_staged(
     let mut failure: Option<(usize, TransportError)> = None;
     for (f, fill) in fills.iter().enumerate() {
         let fill_transfers: Vec<usize> = fill.transfers.clone().collect();
-        let copies = plan::staging_copies(fill, transfers);
+        let already = copied.get_mut(f).and_then(Option::take);
+        // A prestaged fill's copies are queued already.
+        let copies = if already.is_some() { Vec::new() } else { plan::staging_copies(fill, transfers) };
         let rows_ptr = rows_device + (row_base * std::mem::size_of::<Descriptor>()) as u64;
         let waits: Vec<sys::CUevent> = reusable
             .iter()
             .filter(|(region, _)| plan::regions_overlap(region, &fill.region))
             .map(|(_, e)| *e)
             .collect();
-        let already = copied.get_mut(f).and_then(Option::take);
         // SAFETY: forwarded contract for host bytes and pages; the buffer and row tables belong
         // to the staging unit this request holds.
         let result = unsafe {
@@ -893,6 +910,11 @@ unsafe fn submit_staged(
             }
         }
     }
+    if let Some(mut p) = probe {
+        p.fills = inflight.summary.fills;
+        p.record_ends(copy_stream, kernel_stream);
+        inflight.probe = Some(p);
+    }
     if let Some((f, error)) = failure {
         // This fill and every later one fail (never replayed through the direct path); what was
         // queued before it still completes and is reported by its own stage. The streams are
@@ -910,11 +932,12 @@ unsafe fn submit_staged(
 }
 
 /// Enqueues one fill and returns the event after which its buffer region is free again, and the
-/// number of table rows it used.
+/// number of table rows it used. The fill's rows are written into its own slice of the pinned
+/// host table, which the kernel reads in place.
 ///
 /// # Safety
-/// As `submit`; `tables` are (buffer, device rows, host rows, rows left) of the held unit, and
-/// `make_rows` returns at most `rows left` rows.
+/// As `submit`; `tables` are (buffer, device address of this fill's rows, host address of this
+/// fill's rows, rows left) of the held unit, and no queued kernel reads those rows.
 #[allow(clippy::too_many_arguments)]
 unsafe fn enqueue_fill(
     device: &CudaDevice,
@@ -930,26 +953,17 @@ unsafe fn enqueue_fill(
     prestaged: Option<Event>,
 ) -> Result<(Event, usize), TransportError> {
     let (buffer, rows_device, rows_host, rows_left) = tables;
-    let mut row_count = 0usize;
-    // Builds this fill's rows into the pinned host table and queues their upload.
-    let upload_rows =
-        |row_count: &mut usize, summary: &mut Summary, stream: sys::CUstream| -> Result<(), TransportError> {
-            let rows = make_rows();
-            if rows.len() > rows_left {
-                return Err(TransportError::Cuda { op: "scatter table", detail: "more rows than planned".into() });
-            }
-            // SAFETY: rows_host has room for rows_left rows, checked above; nothing reads them until
-            // the upload below, queued after this write.
-            unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), rows_host, rows.len()) };
-            *row_count = rows.len();
-            let bytes = rows.len() * std::mem::size_of::<Descriptor>();
-            summary.copy_calls += 1;
-            // SAFETY: pinned host rows written above; rows_device has room (same capacity).
-            check(
-                unsafe { sys::cuMemcpyHtoDAsync_v2(rows_device, rows_host as *const c_void, bytes, stream) },
-                "cuMemcpyHtoDAsync",
-            )
-        };
+    let rows = make_rows();
+    if rows.len() > rows_left {
+        if let Some(copied) = prestaged {
+            device.give_event(copied);
+        }
+        return Err(TransportError::Cuda { op: "scatter table", detail: "more rows than planned".into() });
+    }
+    // SAFETY: rows_host has room for rows_left rows (checked above) and no kernel reads this
+    // slice until the launch below, which is issued after this write.
+    unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), rows_host, rows.len()) };
+    let row_count = rows.len();
     let bulk = |summary: &mut Summary| -> Result<(), TransportError> {
         for copy in copies {
             // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside
@@ -977,7 +991,7 @@ unsafe fn enqueue_fill(
         }
         Ok(())
     };
-    let launch = |function: sys::CUfunction, stream: sys::CUstream, row_count: usize, summary: &mut Summary| {
+    let launch = |function: sys::CUfunction, stream: sys::CUstream, summary: &mut Summary| {
         if take_fault(&FAIL_STAGED) {
             return Err(injected("cuLaunchKernel"));
         }
@@ -1021,77 +1035,62 @@ unsafe fn enqueue_fill(
         // SAFETY: both handles are alive; the wait is enqueued device-side (the host does not block).
         check(unsafe { sys::cuStreamWaitEvent(stream, event, 0) }, "cuStreamWaitEvent")
     };
-    if let Some(copied) = prestaged {
-        // Reads whose bulk copies were queued by `prestage` (on the copy stream, before `copied`
-        // was recorded): the kernel stream uploads the table, waits for the copies and scatters,
-        // so the table never queues behind the other fills' bulk copies.
-        let done = match device.take_event() {
-            Ok(e) => e,
-            Err(e) => {
-                device.give_event(copied);
-                return Err(e);
-            }
-        };
-        let result = (|| {
-            for &w in waits {
-                wait(kernel_stream, w)?;
-            }
-            upload_rows(&mut row_count, summary, kernel_stream)?;
-            wait(kernel_stream, copied.0)?;
-            launch(kernels.scatter, kernel_stream, row_count, summary)?;
-            record(&done, kernel_stream)
-        })();
-        // The wait captured the event's record: the handle may go back to the pool now.
-        device.give_event(copied);
-        return match result {
-            Ok(()) => Ok((done, row_count)),
-            Err(e) => {
-                device.give_event(done);
-                Err(e)
-            }
-        };
-    }
-    let handoff = device.take_event()?;
     let done = match device.take_event() {
         Ok(e) => e,
         Err(e) => {
-            device.give_event(handoff);
+            if let Some(copied) = prestaged {
+                device.give_event(copied);
+            }
             return Err(e);
         }
     };
     let result = (|| {
-        if to_device {
-            // copy stream: wait until earlier fills of this region were scattered, fill it, and
-            // build this fill's table while those copies run.
-            for &w in waits {
-                wait(copy_stream, w)?;
-            }
-            bulk(summary)?;
-            upload_rows(&mut row_count, summary, copy_stream)?;
-            record(&handoff, copy_stream)?;
-            // kernel stream: scatter once the fill and its table are in.
-            wait(kernel_stream, handoff.0)?;
-            launch(kernels.scatter, kernel_stream, row_count, summary)?;
-            record(&done, kernel_stream)
-        } else {
-            // kernel stream: gather once the rows are up and earlier fills of the region drained.
-            upload_rows(&mut row_count, summary, copy_stream)?;
-            record(&handoff, copy_stream)?;
-            wait(kernel_stream, handoff.0)?;
+        if let Some(copied) = &prestaged {
+            // Reads whose bulk copies `prestage` queued (on the copy stream, before `copied`
+            // was recorded): the kernel stream waits for them and scatters.
             for &w in waits {
                 wait(kernel_stream, w)?;
             }
-            launch(kernels.gather, kernel_stream, row_count, summary)?;
-            let gathered = device.take_event()?;
-            let drained = record(&gathered, kernel_stream)
-                .and_then(|()| wait(copy_stream, gathered.0))
-                .and_then(|()| bulk(summary))
-                .and_then(|()| record(&done, copy_stream));
-            device.give_event(gathered);
-            drained
+            wait(kernel_stream, copied.0)?;
+            launch(kernels.scatter, kernel_stream, summary)?;
+            return record(&done, kernel_stream);
         }
+        let handoff = device.take_event()?;
+        let queued = if to_device {
+            // copy stream: wait until earlier fills of this region were scattered, then fill it.
+            // kernel stream: scatter once the fill is in.
+            (|| {
+                for &w in waits {
+                    wait(copy_stream, w)?;
+                }
+                bulk(summary)?;
+                record(&handoff, copy_stream)?;
+                wait(kernel_stream, handoff.0)?;
+                launch(kernels.scatter, kernel_stream, summary)?;
+                record(&done, kernel_stream)
+            })()
+        } else {
+            // kernel stream: gather once earlier fills of the region drained to the host.
+            // copy stream: drain this fill once gathered.
+            (|| {
+                for &w in waits {
+                    wait(kernel_stream, w)?;
+                }
+                launch(kernels.gather, kernel_stream, summary)?;
+                record(&handoff, kernel_stream)?;
+                wait(copy_stream, handoff.0)?;
+                bulk(summary)?;
+                record(&done, copy_stream)
+            })()
+        };
+        // The waits captured the handoff's record: the handle may go back to the pool now.
+        device.give_event(handoff);
+        queued
     })();
-    device.give_event(handoff);
+    if let Some(copied) = prestaged {
+        // As above: the wait captured its record.
+        device.give_event(copied);
+    }
     match result {
         Ok(()) => Ok((done, row_count)),
         Err(e) => {
@@ -1143,25 +1142,30 @@ fn ensure_unit(slot: &mut Option<StagingUnit>, buffer_bytes: u64, rows: usize) -
     if unit.rows_capacity < rows {
         let capacity = rows.next_power_of_two().max(4096);
         let bytes = capacity * std::mem::size_of::<Descriptor>();
-        if unit.rows_device != 0 {
-            // SAFETY: idle, as above.
-            let _ = unsafe { sys::cuMemFree_v2(unit.rows_device) };
-            unit.rows_device = 0;
-        }
         if !unit.rows_host.is_null() {
             // SAFETY: idle pinned allocation of ours.
             let _ = unsafe { sys::cuMemFreeHost(unit.rows_host.cast()) };
             unit.rows_host = std::ptr::null_mut();
         }
         unit.rows_capacity = 0;
-        let mut device_rows: sys::CUdeviceptr = 0;
-        // SAFETY: writes one device pointer.
-        check(unsafe { sys::cuMemAlloc_v2(&mut device_rows, bytes) }, "cuMemAlloc")?;
-        unit.rows_device = device_rows;
+        unit.rows_device = 0;
         let mut host_rows: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer.
-        check(unsafe { sys::cuMemAllocHost_v2(&mut host_rows, bytes) }, "cuMemAllocHost")?;
+        // SAFETY: writes one host pointer; DEVICEMAP maps the pinned pages into the GPU's
+        // address space so the kernels read the rows in place.
+        check(unsafe { sys::cuMemHostAlloc(&mut host_rows, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) }, "cuMemHostAlloc")?;
+        let mut device_rows: sys::CUdeviceptr = 0;
+        // SAFETY: host_rows is a live mapped pinned allocation; writes one device pointer.
+        let mapped = check(
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_rows, host_rows, 0) },
+            "cuMemHostGetDevicePointer",
+        );
+        if let Err(e) = mapped {
+            // SAFETY: allocated just above, never used.
+            let _ = unsafe { sys::cuMemFreeHost(host_rows) };
+            return Err(e);
+        }
         unit.rows_host = host_rows.cast();
+        unit.rows_device = device_rows;
         unit.rows_capacity = capacity;
     }
     Ok(())

@@ -20,6 +20,8 @@ mod device;
 mod driver;
 #[cfg(feature = "cuda")]
 mod kernel;
+#[cfg(feature = "cuda")]
+pub mod profile;
 
 #[cfg(feature = "cuda")]
 pub use device::{

@@ -71,6 +71,10 @@ pub struct StagingPolicy {
     pub enabled: bool,
     /// Payload budget of the device staging buffer.
     pub buffer_bytes: u64,
+    /// Fills shrink towards the end of a request, down to about this many bytes (or the largest
+    /// object), so little kernel work is left once the last copy lands. 0 keeps every fill at
+    /// `fill_capacity`.
+    pub tail_fill_bytes: u64,
 }
 
 /// Why a request takes the direct path instead of the staged one.
@@ -252,6 +256,10 @@ pub const STAGING_ALIGN_BYTES: u64 = 16;
 /// of the previous one and only the last (small) fill's kernel is not hidden behind copies.
 pub fn fill_capacity(buffer_bytes: u64, transfers: &[Transfer]) -> u64 {
     let largest = transfers.iter().map(|t| t.span().end - t.span().start).max().unwrap_or(0);
+    fill_capacity_for(buffer_bytes, largest)
+}
+
+fn fill_capacity_for(buffer_bytes: u64, largest: u64) -> u64 {
     if largest <= buffer_bytes / 4 {
         buffer_bytes / 4
     } else if largest <= buffer_bytes / 2 {
@@ -266,50 +274,83 @@ pub fn max_rows(transfers: &[Transfer]) -> usize {
     transfers.iter().flat_map(|t| &t.pieces).map(|p| p.len.div_ceil(DESCRIPTOR_CHUNK_BYTES) as usize).sum()
 }
 
+/// The capacity of the next fill once `placed` of the request's `total` bytes were placed.
+/// Reads shrink their fills geometrically towards the end (each at most half of what is left)
+/// down to the tail size or the largest object: each fill's scatter runs while the next,
+/// smaller fill copies, and what is left after the last copy is one small scatter. Writes are
+/// the mirror image: they start small (the first device-to-host copy waits for only a small
+/// gather) and grow, each fill as large as everything before it.
+fn next_fill_capacity(policy: &StagingPolicy, direction: Direction, total: u64, largest: u64, placed: u64) -> u64 {
+    let base = fill_capacity_for(policy.buffer_bytes, largest);
+    if policy.tail_fill_bytes == 0 {
+        return base;
+    }
+    // A request that fits the buffer never wraps, so a fill may take up to half of it.
+    let base = if total <= policy.buffer_bytes { policy.buffer_bytes } else { base };
+    let floor = policy.tail_fill_bytes.max(largest).min(base);
+    let shaped = match direction {
+        Direction::HostToDevice => (total - placed) / 2,
+        Direction::DeviceToHost => placed,
+    };
+    base.min(shaped.max(floor))
+}
+
 /// Splits a qualified request into fills at object boundaries, in order, and places each object
 /// in the buffer. Fills take turns over the buffer like a ring; the executor makes a fill wait
 /// for the earlier fills whose regions it reuses. Objects larger than the buffer must have been
 /// sent down the direct path by `qualify`; here they get a fill of their own and are clamped.
-pub fn split_fills(buffer_bytes: u64, transfers: &[Transfer]) -> Vec<Fill> {
-    let capacity = fill_capacity(buffer_bytes, transfers).max(1);
+pub fn split_fills(policy: &StagingPolicy, direction: Direction, transfers: &[Transfer]) -> Vec<Fill> {
+    let buffer_bytes = policy.buffer_bytes;
+    let spans: Vec<u64> = transfers.iter().map(|t| t.span().end - t.span().start).collect();
+    let total: u64 = spans.iter().sum();
+    let largest = spans.iter().copied().max().unwrap_or(0);
+    let capacity_at = |placed: u64| next_fill_capacity(policy, direction, total, largest, placed).max(1);
     let mut fills: Vec<Fill> = Vec::new();
     let mut ring_cursor = 0u64;
-    let mut current: Option<Fill> = None;
+    let mut placed = 0u64;
+    // The open fill and its capacity.
+    let mut current: Option<(Fill, u64)> = None;
     for (index, transfer) in transfers.iter().enumerate() {
         let span = transfer.span();
-        let len = span.end - span.start;
+        let len = spans[index];
         let congruence = (transfer.host + span.start) % STAGING_ALIGN_BYTES;
         let place_at = |cursor: u64| {
             let misalign = (congruence + STAGING_ALIGN_BYTES - cursor % STAGING_ALIGN_BYTES) % STAGING_ALIGN_BYTES;
             cursor + misalign
         };
-        if let Some(fill) = current.as_mut() {
+        if let Some((fill, capacity)) = current.as_mut() {
             let at = place_at(fill.region.end);
-            if at + len - fill.region.start <= capacity && at + len <= buffer_bytes {
+            if at + len - fill.region.start <= *capacity && at + len <= buffer_bytes {
                 fill.placements.push(Placement { transfer: index, staging_offset: at, span: (span.start, span.end) });
                 fill.region.end = at + len;
                 fill.transfers.end = index + 1;
+                placed += len;
                 continue;
             }
-            if let Some(mut closed) = current.take() {
+            if let Some((mut closed, capacity)) = current.take() {
                 place_by_address(&mut closed, capacity, buffer_bytes, transfers);
                 ring_cursor = closed.region.end;
                 fills.push(closed);
             }
         }
+        let capacity = capacity_at(placed);
         // A new fill continues the ring where the last one ended, or wraps to the start when a
         // full fill would not fit before the end.
         let start = if ring_cursor + capacity > buffer_bytes { 0 } else { ring_cursor };
         // Clamped only when padding would push an object of nearly the buffer's size past its
         // end (it then loses the alignment congruence, not correctness).
         let at = place_at(start).min(buffer_bytes.saturating_sub(len));
-        current = Some(Fill {
-            transfers: index..index + 1,
-            placements: vec![Placement { transfer: index, staging_offset: at, span: (span.start, span.end) }],
-            region: start.min(at)..at + len,
-        });
+        current = Some((
+            Fill {
+                transfers: index..index + 1,
+                placements: vec![Placement { transfer: index, staging_offset: at, span: (span.start, span.end) }],
+                region: start.min(at)..at + len,
+            },
+            capacity,
+        ));
+        placed += len;
     }
-    if let Some(mut closed) = current {
+    if let Some((mut closed, capacity)) = current {
         place_by_address(&mut closed, capacity, buffer_bytes, transfers);
         fills.push(closed);
     }
@@ -457,8 +498,13 @@ mod tests {
         }
     }
 
+    /// Fills of a quarter buffer (no tail shaping).
+    fn quarters(buffer_bytes: u64) -> StagingPolicy {
+        StagingPolicy { enabled: true, buffer_bytes, tail_fill_bytes: 0 }
+    }
+
     fn on() -> StagingPolicy {
-        StagingPolicy { enabled: true, buffer_bytes: 1 << 20 }
+        StagingPolicy { enabled: true, buffer_bytes: 1 << 20, tail_fill_bytes: 0 }
     }
 
     #[test]
@@ -498,7 +544,7 @@ mod tests {
         let transfers: Vec<Transfer> = (0..7u64)
             .map(|k| object(0x10_0000 + k * (1 << 20), page, 4, move |i| 0x7000_0000_0000 + (k * 4 + i) * page))
             .collect();
-        let fills = split_fills(8 << 20, &transfers);
+        let fills = split_fills(&quarters(8 << 20), Direction::HostToDevice, &transfers);
         let shape: Vec<Range<usize>> = fills.iter().map(|f| f.transfers.clone()).collect();
         assert_eq!(shape, vec![0..2, 2..4, 4..6, 6..7]);
         assert!(max_rows(&transfers) >= fills.iter().map(|f| descriptors(f, &transfers).len()).sum::<usize>());
@@ -515,6 +561,38 @@ mod tests {
     }
 
     #[test]
+    fn fills_shrink_towards_the_tail() {
+        // 128 objects of 2 MiB (256 MiB) in a 256 MiB buffer, tail 4 MiB: fills of about
+        // 128, 64, 32, 16, 8, 4 and 4 MiB, none reusing another's region.
+        let policy = StagingPolicy { enabled: true, buffer_bytes: 256 << 20, tail_fill_bytes: 4 << 20 };
+        let transfers: Vec<Transfer> =
+            (0..128u64).map(|k| object(k << 21, 8192, 256, move |i| 0x7_0000_0000 + (k * 256 + i) * 8192)).collect();
+        let fills = split_fills(&policy, Direction::HostToDevice, &transfers);
+        let sizes: Vec<u64> = fills.iter().map(|f| (f.region.end - f.region.start) >> 20).collect();
+        assert_eq!(sizes, vec![128, 64, 32, 16, 8, 4, 4]);
+        for (i, a) in fills.iter().enumerate() {
+            assert!(fills[i + 1..].iter().all(|b| !regions_overlap(&a.region, &b.region)));
+            assert_eq!(staging_copies(a, &transfers).len(), 1, "arena-contiguous objects merge");
+        }
+        assert_eq!(fills.iter().map(|f| f.transfers.len()).sum::<usize>(), 128);
+        // Larger than the buffer: quarter fills, then shrinking ones; the last is one object.
+        let big: Vec<Transfer> = (0..96u64)
+            .map(|k| object(k * (12 << 20), 128 << 10, 96, move |i| 0x9_0000_0000 + (k * 96 + i) * (128 << 10)))
+            .collect();
+        let fills = split_fills(&policy, Direction::HostToDevice, &big);
+        assert!(fills.iter().all(|f| f.region.end - f.region.start <= 64 << 20 && f.region.end <= 256 << 20));
+        assert_eq!(fills.last().map(|f| f.transfers.len()), Some(1));
+        assert_eq!(fills.iter().map(|f| f.transfers.len()).sum::<usize>(), 96);
+        // Writes grow instead: 4, 4, 8, 16, 32, 64 and 128 MiB.
+        let writes = split_fills(&policy, Direction::DeviceToHost, &transfers);
+        let sizes: Vec<u64> = writes.iter().map(|f| (f.region.end - f.region.start) >> 20).collect();
+        assert_eq!(sizes, vec![4, 4, 8, 16, 32, 64, 128]);
+        // Tail shaping off: fixed quarter fills.
+        let fixed = split_fills(&StagingPolicy { tail_fill_bytes: 0, ..policy }, Direction::HostToDevice, &transfers);
+        assert_eq!(fixed.len(), 4);
+    }
+
+    #[test]
     fn objects_interleaved_by_shard_are_staged_in_arena_order_and_merge() {
         // Keys alternate between two arena slices (shards); each slice holds its keys back to back.
         let transfers: Vec<Transfer> = (0..8u64)
@@ -522,7 +600,7 @@ mod tests {
                 object((k % 2) * (1 << 30) + (k / 2) * 65536, 8192, 8, move |i| 0x9_0000_0000 + (k * 8 + i) * 8192)
             })
             .collect();
-        let fills = split_fills(16 << 20, &transfers);
+        let fills = split_fills(&quarters(16 << 20), Direction::HostToDevice, &transfers);
         assert_eq!(fills.len(), 1);
         let copies = staging_copies(&fills[0], &transfers);
         assert_eq!(copies.len(), 2, "one copy per slice: {copies:?}");
@@ -533,7 +611,7 @@ mod tests {
     #[test]
     fn a_batch_that_fits_a_quarter_of_the_buffer_is_one_fill() {
         let transfers = vec![object(0x1000, 4096, 8, |i| 0x9000_0000 + (7 - i) * 4096)];
-        let fills = split_fills(1 << 20, &transfers);
+        let fills = split_fills(&quarters(1 << 20), Direction::HostToDevice, &transfers);
         assert_eq!(fills.len(), 1);
         let rows = descriptors(&fills[0], &transfers);
         assert_eq!(rows.len(), 8, "reversed pages cannot merge");
@@ -545,11 +623,12 @@ mod tests {
         // Between a quarter and a half: half-buffer fills, alternating halves.
         let mid: Vec<Transfer> =
             (0..3u64).map(|k| object(k << 24, 64 << 10, 5, move |i| (k << 28) + i * (128 << 10))).collect();
-        let regions: Vec<Range<u64>> = split_fills(1 << 20, &mid).into_iter().map(|f| f.region).collect();
+        let regions: Vec<Range<u64>> =
+            split_fills(&quarters(1 << 20), Direction::HostToDevice, &mid).into_iter().map(|f| f.region).collect();
         assert_eq!(regions, vec![0..320 << 10, 320 << 10..640 << 10, 0..320 << 10]);
         let transfers: Vec<Transfer> =
             (0..3u64).map(|k| object(k << 24, 64 << 10, 10, move |i| (k << 28) + i * (128 << 10))).collect();
-        let fills = split_fills(1 << 20, &transfers);
+        let fills = split_fills(&quarters(1 << 20), Direction::HostToDevice, &transfers);
         assert_eq!(fills.len(), 3);
         assert!(fills.iter().all(|f| f.region == (0..640 << 10)));
     }
@@ -564,7 +643,7 @@ mod tests {
                 Piece { host_offset: 45, addr: 0x5000_1001, len: 55, kind: GPU0 },
             ],
         };
-        let fills = split_fills(4096, std::slice::from_ref(&t));
+        let fills = split_fills(&quarters(4096), Direction::HostToDevice, std::slice::from_ref(&t));
         let p = fills[0].placements[0];
         assert_eq!(p.span, (5, 100));
         assert_eq!(p.staging_offset % 16, (0x1003 + 5) % 16);
@@ -610,7 +689,7 @@ mod tests {
     #[test]
     fn long_pieces_are_chunked_and_neighbours_merge() {
         let t = object(0x4000, 96 << 10, 2, |i| 0x8000_0000 + i * (96 << 10)); // contiguous pages
-        let fills = split_fills(1 << 20, std::slice::from_ref(&t));
+        let fills = split_fills(&quarters(1 << 20), Direction::HostToDevice, std::slice::from_ref(&t));
         let rows = descriptors(&fills[0], std::slice::from_ref(&t));
         assert_eq!(rows.iter().map(|r| r.len as u64).sum::<u64>(), 192 << 10);
         assert_eq!(rows.len(), 3, "merged to 192 KiB, cut at 64 KiB");
@@ -643,7 +722,7 @@ mod tests {
                 }
             })
             .collect();
-        let fills = split_fills(8192, &transfers);
+        let fills = split_fills(&quarters(8192), Direction::HostToDevice, &transfers);
         let covered: usize = fills.iter().map(|f| f.transfers.len()).sum();
         assert_eq!(covered, transfers.len());
         for fill in &fills {
