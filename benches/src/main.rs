@@ -17,6 +17,9 @@
 //! - `gpu` (feature `cuda`): reads into and gathered writes from fragmented GPU pages, kvtide's
 //!   direct and staged paths. Baselines in the same run: one raw pinned `cuMemcpyHtoDAsync` of
 //!   the same bytes, a per-page copy loop and `cuMemcpyBatchAsync` (and the same device -> host).
+//! - `gpu-restore` (feature `cuda`): an SSD-resident batch restored into fragmented GPU pages
+//!   (barrier, serialized, pipelined). Baselines in the same run: load-only, transfer-only
+//!   (DRAM-resident) and one raw pinned `cuMemcpyHtoDAsync` of the same bytes.
 //! - `remote`: a `kvtide-owner` process through `RemoteStore` over Unix socket + shared memory
 //!   and over TCP: put/get throughput and p50/p99 for 64 KiB, 1 MiB and 16 MiB values with 1 and
 //!   8 clients. Baselines in the same run: Redis (SET/GET over TCP and its Unix socket) and a
@@ -29,6 +32,8 @@ mod dram;
 mod eviction;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_restore;
 mod hist;
 mod remote;
 mod restore;
@@ -59,6 +64,9 @@ enum Command {
     /// GPU reads and gathered writes vs raw CUDA copies (build with `--features kvtide-benches/cuda`).
     #[cfg(feature = "cuda")]
     Gpu(gpu::GpuArgs),
+    /// SSD-resident batch restored into GPU pages, barrier / serialized / pipelined (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    GpuRestore(gpu_restore::GpuRestoreArgs),
     /// kvtide-owner over Unix+shm and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
     Remote(remote::RemoteArgs),
     /// The owner process `remote` starts (internal).
@@ -78,6 +86,8 @@ fn main() {
         Command::RemoteOwner(args) => remote::run_owner(&args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(&args),
+        #[cfg(feature = "cuda")]
+        Command::GpuRestore(args) => gpu_restore::run(&args),
     };
     if let Err(e) = result {
         eprintln!("kvtide-bench: {e}");

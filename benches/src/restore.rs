@@ -630,7 +630,7 @@ fn run_size(
 }
 
 /// Polls `stats()` until `done` holds (true) or `timeout` passes (false).
-fn poll_until(store: &Engine, timeout: Duration, done: impl Fn(&Stats) -> bool) -> bool {
+pub(crate) fn poll_until(store: &Engine, timeout: Duration, done: impl Fn(&Stats) -> bool) -> bool {
     let start = Instant::now();
     while start.elapsed() < timeout {
         if done(&store.stats()) {
@@ -642,7 +642,7 @@ fn poll_until(store: &Engine, timeout: Duration, done: impl Fn(&Stats) -> bool) 
 }
 
 /// Waits until SSD writes, demotions and syncs stop changing for 200 ms, then a shard barrier.
-fn settle(store: &Engine) -> Result<(), String> {
+pub(crate) fn settle(store: &Engine) -> Result<(), String> {
     let snapshot = |s: &Stats| {
         (s.total.demotions, s.total.ssd_write_bytes, s.total.syncs, s.total.ssd_objects, s.total.writes_in_flight)
     };

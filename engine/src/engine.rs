@@ -810,11 +810,12 @@ impl Store for Engine {
             let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
             return vec![Err(e); keys.len()];
         }
+        let pipelined = self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1;
         #[cfg(feature = "cuda")]
-        if gpu::any_device(dsts.iter().flatten()) {
+        if !pipelined && gpu::any_device(dsts.iter().flatten()) {
             return gpu::batch_get(self, keys, dsts);
         }
-        if self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1 {
+        if pipelined {
             // Batches that may touch the SSD are restored in pipelined sub-batches.
             return self.restore_batch(keys, dsts, &self.restore_options()).results;
         }

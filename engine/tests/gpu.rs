@@ -12,7 +12,10 @@ mod cuda {
     use super::common::{assert_idle, value_for};
     use kvtide::cuda::plan::Fallback;
     use kvtide::cuda::{inject_fault, CudaDevice, CudaTransport, DeviceBuffer, InjectedFault};
-    use kvtide::{Engine, Error, Fragment, MemoryKind, PutOptions, Region, Store, StoreBuilder};
+    use kvtide::{
+        Engine, Error, Fragment, MemoryKind, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store,
+        StoreBuilder,
+    };
 
     const GUARD: u8 = 0xA5;
     const GPU0: MemoryKind = MemoryKind::Device { ordinal: 0 };
@@ -295,6 +298,80 @@ mod cuda {
         assert_eq!(after.kernel_launches - before.kernel_launches, staged_fills, "one launch per fill");
         check_pool(&read_back(&buf), &values, &layout, &[]);
         assert_idle(&store);
+    }
+
+    /// SSD-resident keys restored into scattered device pages through the pipeline (each
+    /// sub-batch's device keys in one GPU submission), a DRAM-resident one through the GPU read
+    /// path, host keys in the same call by memcpy: every mode, and the default batched read, give
+    /// the same bytes with guard bytes intact, the SSD is read every time, nothing stays held.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn ssd_restores_into_device_pages_in_every_mode() {
+        let store = StoreBuilder::new()
+            .dram_bytes(32 << 20)
+            .shards(2)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .ssd_bytes(256 << 20)
+            .ssd_segment_bytes(16 << 20)
+            .simulated_ssd(11, SimFaults { latency_us: 100, us_per_mib: 500, ..SimFaults::default() })
+            .promote_on_hit(false)
+            .restore_sub_batch_bytes(2 << 20)
+            .gpu_staging(true)
+            .gpu_staging_bytes(8 << 20)
+            .open()
+            .expect("open store");
+        let device = gpu();
+        let (names, values, dst_offsets, layout) = scattered(40, 2 << 20, 21);
+        // Big enough that the keys need several sub-batches: every key gets 96 KiB more in one
+        // trailing page.
+        let tail = 96u64 << 10;
+        let pool_bytes = (4u64 << 20) + names.len() as u64 * (tail + 64);
+        let buf = pool(&device, pool_bytes as usize);
+        let mut values = values;
+        let mut layout = layout;
+        let mut dst_offsets = dst_offsets;
+        for (k, name) in names.iter().enumerate() {
+            let head = values[k].len() as u64;
+            values[k] = value_for(name, 1, (head + tail) as usize);
+            let at = (2u64 << 20) + 64 + k as u64 * (tail + 64);
+            dst_offsets[k].push((at, tail));
+            layout.push((k, head, at, tail));
+        }
+        put_all(&store, &names, &values);
+        // Filler pushes every key out to the SSD; then one key is rewritten so it is in DRAM.
+        for f in 0..48 {
+            store.put(format!("filler/{f}").as_bytes(), &vec![1u8; 1 << 20], PutOptions::INSERT).expect("filler");
+        }
+        store.put(&names[5], &values[5], PutOptions::UPSERT).expect("hot key");
+        store.sync_shards().expect("sync");
+        let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
+        let regions: Vec<Vec<Region<'_>>> =
+            dst_offsets.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        let runs: [Option<RestoreMode>; 4] =
+            [Some(RestoreMode::Pipelined), Some(RestoreMode::Serialized), Some(RestoreMode::Barrier), None];
+        for mode in runs {
+            buf.fill(GUARD).expect("fill");
+            let loads_before = store.stats().total.loads;
+            let results = match mode {
+                Some(mode) => {
+                    let opts = RestoreOptions { mode, trace: true, ..store.restore_options() };
+                    let report = store.restore_batch(&keys, &regions, &opts);
+                    if mode == RestoreMode::Pipelined {
+                        assert!(report.sub_batches.len() > 2, "several sub-batches: {}", report.sub_batches.len());
+                    }
+                    report.results
+                }
+                None => store.batch_get_into_multi_buffers(&keys, &regions),
+            };
+            for (k, r) in results.iter().enumerate() {
+                assert_eq!(r.as_ref().ok(), Some(&values[k].len()), "{mode:?} key {k}: {r:?}");
+            }
+            check_pool(&read_back(&buf), &values, &layout, &[]);
+            assert!(store.stats().total.loads - loads_before >= 30, "{mode:?}: the keys came from the SSD");
+            assert_idle(&store);
+        }
+        assert!(store.stats().gpu.staged_requests > 0, "{:?}", store.stats().gpu);
     }
 
     fn fallbacks(store: &Engine, reason: Fallback) -> u64 {

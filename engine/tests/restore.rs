@@ -295,3 +295,40 @@ fn transfer_failures_fail_only_their_keys() {
     }
     assert_idle(&store);
 }
+
+/// Without a GPU (CI), a device destination fails its own key with `CudaUnavailable` (in every
+/// build), SSD- and DRAM-resident host keys of the same restore still arrive, and nothing stays
+/// held. The GPU tests cover device destinations on a real device.
+#[test]
+fn device_destinations_without_a_gpu_fail_only_their_keys() {
+    let store = store(slow_disk(), 16 << 20);
+    let n = 6;
+    fill(&store, n, MIB);
+    let hot = b"restore/hot".to_vec();
+    store.put(&hot, &value_for(&hot, 0, MIB), PutOptions::INSERT).expect("put hot");
+    let mut keys: Vec<Vec<u8>> = (0..n).map(key).collect();
+    keys.push(hot);
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let mut bufs = buffers(keys.len(), MIB);
+    let mut dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b.as_mut_slice())]).collect();
+    // Keys 2 (on SSD) and 6 (in DRAM) go to "GPU memory".
+    for i in [2, 6] {
+        // SAFETY: never dereferenced: the call must refuse it before any copy.
+        dsts[i] = vec![unsafe { Region::from_raw(0x7f00_0000_0000, MIB, kvtide::MemoryKind::Device { ordinal: 0 }) }];
+    }
+    let report = store.restore_batch(&refs, &dsts, &RestoreOptions::default());
+    drop(dsts);
+    for (i, result) in report.results.iter().enumerate() {
+        if i == 2 || i == 6 {
+            #[cfg(feature = "cuda")]
+            if kvtide::cuda::CudaTransport::get().is_ok() {
+                continue; // a GPU machine: the GPU tests cover this
+            }
+            assert!(matches!(result, Err(Error::CudaUnavailable(_))), "key {i}: {result:?}");
+        } else {
+            assert_eq!(result.as_ref().ok(), Some(&MIB), "key {i}: {result:?}");
+            assert_eq!(bufs[i], value_for(&keys[i], 0, MIB), "key {i}");
+        }
+    }
+    assert_idle(&store);
+}

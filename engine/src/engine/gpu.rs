@@ -477,6 +477,63 @@ pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>
     results
 }
 
+/// `batch_get` for the keys at `which` (indices into `keys` and `dsts`); results by index.
+pub(super) fn batch_get_some(
+    engine: &Engine,
+    keys: &[&[u8]],
+    dsts: &[Vec<Region<'_>>],
+    which: &[usize],
+) -> Vec<(usize, Result<usize>)> {
+    let some_keys: Vec<&[u8]> = which.iter().map(|&i| keys[i]).collect();
+    let some_dsts: Vec<Vec<Region<'_>>> = which.iter().map(|&i| dsts[i].clone()).collect();
+    which.iter().copied().zip(batch_get(engine, &some_keys, &some_dsts)).collect()
+}
+
+/// Checks the destinations of the keys marked in `which` on their GPUs (host regions in those
+/// lists as the host paths do); None for the others and for keys that passed.
+pub(super) fn check_destinations(engine: &Engine, dsts: &[Vec<Region<'_>>], which: &[bool]) -> Vec<Option<Error>> {
+    let transport = engine.gpu.transport(engine);
+    let lists: Vec<&[Region<'_>]> = dsts.iter().zip(which).map(|(d, &w)| if w { d.as_slice() } else { &[] }).collect();
+    check_regions(&transport, &lists, true)
+}
+
+/// Copies leased objects to their destinations (already checked by `check_destinations`) in
+/// one GPU submission, staged when the request qualifies, and waits for it: the caller's leases
+/// may go once this returns. Results by index.
+pub(super) fn deliver_leased(
+    engine: &Engine,
+    items: &[(usize, ReadGrant)],
+    dsts: &[Vec<Region<'_>>],
+) -> Vec<(usize, Result<usize>)> {
+    if items.is_empty() {
+        return Vec::new();
+    }
+    let _awake = KeepAwake::new(engine);
+    let transport = engine.gpu.transport(engine);
+    let mut sorted: Vec<(usize, ReadGrant)> = items.to_vec();
+    sorted.sort_unstable_by_key(|(_, g)| g.ptr.as_ptr() as u64);
+    let mut out = Vec::with_capacity(items.len());
+    let mut transfers = Vec::with_capacity(items.len());
+    let mut delivered = Vec::with_capacity(items.len());
+    for (i, grant) in sorted {
+        match total_len(&dsts[i]) {
+            Ok(bytes) if bytes == grant.len => {
+                transfers.push(Transfer {
+                    host: grant.ptr.as_ptr() as u64,
+                    host_len: grant.len,
+                    pieces: pieces_in_order(&dsts[i]),
+                });
+                delivered.push((i, grant.len as usize));
+            }
+            Ok(bytes) => out.push((i, Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: bytes }))),
+            Err(e) => out.push((i, Err(e))),
+        }
+    }
+    let outcomes = engine.gpu.execute(&transport, Direction::HostToDevice, transfers, None, None);
+    out.extend(delivered.into_iter().zip(outcomes).map(|((i, len), r)| (i, r.map(|()| len))));
+    out
+}
+
 /// `get_into_ranges` when some buffer is device memory: fragments are grouped per key into one
 /// transfer, so a key's failure fails all of its fragments.
 pub(super) fn get_into_ranges(

@@ -5,13 +5,18 @@
 //! its destinations), the credit broker that bounds staging per request (the window), per shard
 //! and process-wide, and the per-sub-batch lifecycle trace. It never reports a key whose bytes
 //! were not all delivered, and never returns credits or leases before nothing can touch them.
+//!
+//! Device destinations (feature `cuda`) are checked on their GPU up front; a sub-batch's device
+//! keys then go to the GPU in one submission (staged or direct, as the store's policy says) and
+//! their leases are released only once its events fired. DRAM-resident device keys skip the
+//! pipeline and take the GPU read path with its early start, while the SSD sub-batches load.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtide_transport::{copy_regions, Region};
+use kvtide_transport::{copy_regions, MemoryKind, Region};
 
 use super::{check_destination, grant_region, total_len, Engine, LeaseSet, PendingLeases};
 use crate::error::{Error, Result};
@@ -316,6 +321,9 @@ struct Planned {
     shard: usize,
     keys: Vec<usize>,
     staging_bytes: u64,
+    /// The DRAM-resident keys (and missing ones): nothing to load.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    dram: bool,
 }
 
 /// A sub-batch whose loads were requested.
@@ -342,18 +350,49 @@ impl Engine {
             return report;
         }
         self.restore.requests.fetch_add(1, Ordering::Relaxed);
+        // Keys with a device destination; their regions are checked on the GPU now (without the
+        // feature `check_destination` refuses them).
+        let device: Vec<bool> =
+            dsts.iter().map(|d| d.iter().any(|r| matches!(r.kind(), MemoryKind::Device { .. }))).collect();
+        #[cfg(feature = "cuda")]
+        let device_checks = if device.contains(&true) {
+            super::gpu::check_destinations(self, dsts, &device)
+        } else {
+            vec![None; keys.len()]
+        };
         let mut valid = Vec::with_capacity(keys.len());
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
-            let checked = self
-                .validate_key(key)
-                .and_then(|()| regions.iter().try_for_each(check_destination))
-                .and_then(|()| total_len(regions));
+            #[cfg(feature = "cuda")]
+            let regions_ok = match &device_checks[i] {
+                Some(e) => Err(e.clone()),
+                None if device[i] => Ok(()),
+                None => regions.iter().try_for_each(check_destination),
+            };
+            #[cfg(not(feature = "cuda"))]
+            let regions_ok = regions.iter().try_for_each(check_destination);
+            let checked = self.validate_key(key).and(regions_ok).and_then(|()| total_len(regions));
             match checked {
                 Ok(_) => valid.push(i),
                 Err(e) => report.results[i] = Err(e),
             }
         }
-        let plan = self.plan_restore(keys, &valid, opts);
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut plan = self.plan_restore(keys, &valid, opts);
+        // DRAM-resident device keys: served by the GPU read path (after the first loads went out).
+        #[cfg(feature = "cuda")]
+        let mut dram_device: Vec<usize> = Vec::new();
+        #[cfg(feature = "cuda")]
+        if opts.mode != RestoreMode::Barrier {
+            if let Some(first) = plan.first_mut().filter(|p| p.dram) {
+                first.keys.retain(|&i| {
+                    if device[i] {
+                        dram_device.push(i);
+                    }
+                    !device[i]
+                });
+            }
+            plan.retain(|p| !p.keys.is_empty());
+        }
         // The window is per shard: each shard involved keeps `window` sub-batches of this
         // request in flight, so shards load in parallel.
         let shards_involved = plan.iter().map(|p| p.shard).collect::<HashSet<_>>().len().max(1);
@@ -412,6 +451,13 @@ impl Engine {
                 });
                 next_index += 1;
             }
+            #[cfg(feature = "cuda")]
+            if !dram_device.is_empty() && !cancelled() {
+                // While the first SSD sub-batches load.
+                for (i, result) in super::gpu::batch_get_some(self, keys, dsts, &std::mem::take(&mut dram_device)) {
+                    report.results[i] = result;
+                }
+            }
             // Transfer stage: the oldest sub-batch, once its loads are done.
             let Some(mut sub) = inflight.pop_front() else { break };
             let (grants, leases) = sub.pending.wait();
@@ -422,17 +468,30 @@ impl Engine {
             if !stop {
                 sub.trace.state = SubBatchState::Transferring;
             }
+            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+            let mut to_gpu: Vec<(usize, ReadGrant)> = Vec::new();
             for &i in &sub.keys {
                 match grants.get(&i) {
                     Some(Err(Error::NoSpace)) => retry_alone.push(i),
+                    Some(Ok(grant)) if !stop && device[i] => to_gpu.push((i, *grant)),
                     Some(Ok(grant)) if !stop => report.results[i] = deliver(grant, &dsts[i], opts.transfer.as_ref()),
                     Some(Ok(_)) => report.results[i] = Err(Error::Cancelled),
                     Some(Err(e)) => report.results[i] = Err(e.clone()),
                     None => report.results[i] = Err(Error::Internal("sub-batch key without a grant")),
                 }
             }
+            // The sub-batch's device keys in one GPU submission, waited for before the release.
+            #[cfg(feature = "cuda")]
+            for (i, result) in super::gpu::deliver_leased(self, &to_gpu, dsts) {
+                report.results[i] = result;
+            }
+            #[cfg(not(feature = "cuda"))]
+            for (i, _) in to_gpu {
+                report.results[i] = Err(Error::CudaUnavailable("device destinations need the cuda feature"));
+            }
             sub.trace.transfer_end_us = us(Instant::now());
-            // Copies are synchronous here, so every byte of a key reported Ok has landed.
+            // Copies are synchronous here (GPU ones waited for their events), so every byte of a
+            // key reported Ok has landed.
             sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
             release(leases);
             staging_now -= sub.trace.staging_bytes;
@@ -448,7 +507,18 @@ impl Engine {
         if !retry_alone.is_empty() && !cancelled() {
             let transfer = opts.transfer.clone();
             self.lease_in_rounds(retry_alone.iter().map(|&i| (i, keys[i])).collect(), |i, grant| {
-                report.results[i] = grant.and_then(|g| deliver(&g, &dsts[i], transfer.as_ref()));
+                report.results[i] = grant.and_then(|g| {
+                    if !device[i] {
+                        return deliver(&g, &dsts[i], transfer.as_ref());
+                    }
+                    #[cfg(feature = "cuda")]
+                    let delivered = super::gpu::deliver_leased(self, &[(i, g)], dsts)
+                        .pop()
+                        .map_or(Err(Error::Internal("no GPU transfer result")), |(_, r)| r);
+                    #[cfg(not(feature = "cuda"))]
+                    let delivered = Err(Error::CudaUnavailable("device destinations need the cuda feature"));
+                    delivered
+                });
             });
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
@@ -478,14 +548,14 @@ impl Engine {
                 bytes += b;
             }
             all.sort_unstable();
-            return vec![Planned { shard: 0, keys: all, staging_bytes: bytes }];
+            return vec![Planned { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
         }
         let mut chunks: Vec<VecDeque<Planned>> = per_shard
             .into_iter()
             .enumerate()
             .map(|(shard, objects)| {
                 let mut out = VecDeque::new();
-                let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0 };
+                let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
                 for (i, bytes) in objects {
                     // Close a sub-batch once it reaches the target (so 4 MiB of 1 MiB values is 4
                     // objects despite their 4 KiB record headers).
@@ -493,7 +563,7 @@ impl Engine {
                     if full {
                         out.push_back(std::mem::replace(
                             &mut current,
-                            Planned { shard, keys: Vec::new(), staging_bytes: 0 },
+                            Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
                         ));
                     }
                     current.keys.push(i);
@@ -507,7 +577,7 @@ impl Engine {
             .collect();
         let mut plan = Vec::new();
         if !dram.is_empty() {
-            plan.push(Planned { shard: 0, keys: dram, staging_bytes: 0 });
+            plan.push(Planned { shard: 0, keys: dram, staging_bytes: 0, dram: true });
         }
         // Round-robin across shards so every shard's loads run in parallel.
         loop {

@@ -1,0 +1,347 @@
+//! `gpu-restore` (feature `cuda`): an SSD-resident batch restored into fragmented GPU pages
+//! three ways (issue 5 on the H200): barrier (load everything, then transfer everything),
+//! serialized sub-batches and pipelined sub-batches (the shard loads sub-batch i+1 while
+//! sub-batch i goes to the GPU). Baselines in the same run and process:
+//! - load-only: the same SSD-resident restore into host buffers through a transfer stage that
+//!   copies nothing (the disk side alone);
+//! - transfer-only: the same batch restored while it is still DRAM-resident, into the same
+//!   device pages (the GPU side alone: kvtide's staged read);
+//! - raw: ONE pinned `cuMemcpyHtoDAsync` of the same bytes (the PCIe limit).
+//!
+//! Per object size: a fresh store (LRU, `promote_on_hit = false`, so every restore reads the
+//! SSD, staging on) gets one batch of stamped objects; transfer-only runs; filler pushes the batch
+//! to the SSD and is removed; then each mode and load-only run `--iters` times after a warm-up.
+//! The device pool is checked byte for byte after each mode, and `stats().loads` shows that every
+//! key came from the SSD. Target (seed 003): pipelined at most 1.15 x max(load-only,
+//! transfer-only) plus one sub-batch's transfer, where the barrier pays their sum.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtide::cuda::plan::BulkCopy;
+use kvtide::cuda::{BaselineMode, CudaTransport, DeviceBuffer};
+use kvtide::{
+    EvictionPolicy, MemoryKind, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder,
+    TransferStage,
+};
+
+use crate::restore::{poll_until, settle, NullTransfer};
+use crate::util::{fmt_bytes, parse_size};
+
+/// Filler object size (what pushes the batch out of DRAM).
+const FILLER_BYTES: u64 = 4 << 20;
+
+/// Arguments of `kvtide-bench gpu-restore`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GpuRestoreArgs {
+    /// Object sizes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values = ["384KiB", "1MiB", "4MiB", "12MiB"], value_parser = parse_size)]
+    pub object_bytes: Vec<u64>,
+    /// Value bytes per request (whole objects).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub batch_bytes: u64,
+    /// Device page size the objects are cut into (pages shuffled over one pool).
+    #[arg(long, default_value = "16KiB", value_parser = parse_size)]
+    pub page_bytes: u64,
+    /// Timed restores per mode (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    /// Sub-batch target bytes of the serialized and pipelined modes.
+    #[arg(long, default_value = "2MiB", value_parser = parse_size)]
+    pub target_bytes: u64,
+    /// Pipelined window per shard.
+    #[arg(long, default_value_t = 2)]
+    pub window: usize,
+    /// DRAM pool.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub dram_bytes: u64,
+    /// Shards.
+    #[arg(long, default_value_t = 4)]
+    pub shards: usize,
+    /// Data directory (removed at the end).
+    #[arg(long, default_value = "/var/tmp/kvtide-gpu-restore")]
+    pub dir: PathBuf,
+    /// Use the in-memory simulated disk instead of files.
+    #[arg(long)]
+    pub simulated: bool,
+    /// Simulated disk: time per MiB per shard.
+    #[arg(long, default_value_t = 1000)]
+    pub sim_us_per_mib: u64,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: u32,
+}
+
+/// One measured way of restoring.
+struct Row {
+    name: &'static str,
+    median: Duration,
+    p_max: Duration,
+}
+
+fn summarize(name: &'static str, mut samples: Vec<Duration>) -> Row {
+    samples.sort();
+    Row { name, median: samples[samples.len() / 2], p_max: samples[samples.len() - 1] }
+}
+
+/// Runs the benchmark.
+pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
+    if args.object_bytes.iter().any(|&b| b == 0 || b % args.page_bytes != 0) || args.iters == 0 {
+        return Err("object sizes must be positive multiples of --page-bytes; --iters positive".into());
+    }
+    let transport = CudaTransport::get().map_err(|e| e.to_string())?;
+    let device = transport.device(args.gpu).map_err(|e| e.to_string())?;
+    println!(
+        "## gpu-restore: batch {} per request into {} GPU pages, {} shards, sub-batch target {}, window {}, \
+         median of {} after a warm-up; {}",
+        fmt_bytes(args.batch_bytes),
+        fmt_bytes(args.page_bytes),
+        args.shards,
+        fmt_bytes(args.target_bytes),
+        args.window,
+        args.iters,
+        if args.simulated {
+            format!("simulated disk ({} us/MiB per shard)", args.sim_us_per_mib)
+        } else {
+            format!("SSD files in {} (O_DIRECT, io_uring)", args.dir.display())
+        }
+    );
+    let mut table = Vec::new();
+    for &object_bytes in &args.object_bytes {
+        table.push((object_bytes, run_size(args, &device, object_bytes)?));
+    }
+    println!(
+        "\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9} {:>8}",
+        "object",
+        "raw",
+        "xfer-only",
+        "load-only",
+        "barrier",
+        "serialized",
+        "pipelined",
+        "pipe max",
+        "bound",
+        "pipe/bnd"
+    );
+    for (object_bytes, rows) in &table {
+        let get = |n: &str| rows.iter().find(|r| r.name == n).map_or(0.0, |r| r.median.as_secs_f64() * 1e3);
+        let max_of = |n: &str| rows.iter().find(|r| r.name == n).map_or(0.0, |r| r.p_max.as_secs_f64() * 1e3);
+        // The target's bound: max(load-only, transfer-only) + one sub-batch's share of the transfer.
+        let sub_batches = (args.batch_bytes as f64 / args.target_bytes.max(*object_bytes) as f64).max(1.0);
+        let bound = get("load-only").max(get("transfer-only")) + get("transfer-only") / sub_batches;
+        println!(
+            "{:<10} {:>6.2} ms {:>7.2} ms {:>7.2} ms {:>7.2} ms {:>8.2} ms {:>7.2} ms {:>6.2} ms {:>6.2} ms {:>8.2}",
+            fmt_bytes(*object_bytes),
+            get("raw"),
+            get("transfer-only"),
+            get("load-only"),
+            get("barrier"),
+            get("serialized"),
+            get("pipelined"),
+            max_of("pipelined"),
+            bound,
+            get("pipelined") / bound.max(1e-9),
+        );
+    }
+    println!("(pipe/bnd: pipelined over max(load-only, transfer-only) + one sub-batch's transfer; target <= 1.15)");
+    if !args.simulated {
+        let _ = std::fs::remove_dir_all(&args.dir);
+    }
+    Ok(())
+}
+
+fn run_size(
+    args: &GpuRestoreArgs,
+    device: &Arc<kvtide::cuda::CudaDevice>,
+    object_bytes: u64,
+) -> Result<Vec<Row>, String> {
+    let objects = (args.batch_bytes / object_bytes).max(1) as usize;
+    let total = objects as u64 * object_bytes;
+    let pages_per_object = object_bytes / args.page_bytes;
+    let pages = objects as u64 * pages_per_object;
+    let label = fmt_bytes(object_bytes);
+    let filler_keys = (args.dram_bytes * 3 / 2).div_ceil(FILLER_BYTES);
+    let segment_bytes = 64u64 << 20;
+    let ssd_bytes = ((total + filler_keys * FILLER_BYTES) * 2 / args.shards as u64 + 4 * segment_bytes)
+        .div_ceil(segment_bytes)
+        * segment_bytes
+        * args.shards as u64;
+    let mut builder = StoreBuilder::new()
+        .dram_bytes(args.dram_bytes)
+        .shards(args.shards)
+        .max_value_bytes(object_bytes.max(FILLER_BYTES))
+        .eviction(EvictionPolicy::Lru)
+        .ssd_bytes(ssd_bytes)
+        .ssd_segment_bytes(segment_bytes)
+        .promote_on_hit(false)
+        .restore_sub_batch_bytes(args.target_bytes)
+        .restore_window(args.window)
+        .gpu_staging(true);
+    let dir = args.dir.join(format!("store-{object_bytes}"));
+    if args.simulated {
+        let faults = SimFaults { latency_us: 50, us_per_mib: args.sim_us_per_mib, ..SimFaults::default() };
+        builder = builder.simulated_ssd(7, faults);
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        builder = builder.ssd_dir(&dir);
+    }
+    let store = builder.with_env().map_err(|e| e.to_string())?.open().map_err(|e| format!("open: {e}"))?;
+
+    // The batch: object o's word w names (o, w), so any misplaced byte shows.
+    let keys: Vec<Vec<u8>> = (0..objects).map(|o| format!("gpu-restore/{o}").into_bytes()).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let mut host = device.alloc_pinned(total as usize).map_err(|e| e.to_string())?;
+    for (o, object) in host.as_mut_slice().chunks_mut(object_bytes as usize).enumerate() {
+        for (w, word) in object.chunks_mut(8).enumerate() {
+            let v = ((o as u64) << 40 | (w as u64 * 8)) ^ 0x9e37_79b9_0000_0000;
+            word.copy_from_slice(&v.to_le_bytes()[..word.len()]);
+        }
+    }
+    for (o, key) in keys.iter().enumerate() {
+        let value = &host.as_slice()[o * object_bytes as usize..(o + 1) * object_bytes as usize];
+        store.put(key, value, PutOptions::INSERT).map_err(|e| format!("put {o}: {e}"))?;
+    }
+    // Page p (object-major) lands in pool slot slots[p]: a fixed shuffle.
+    let pool: DeviceBuffer = device.alloc(total as usize).map_err(|e| e.to_string())?;
+    let contiguous: DeviceBuffer = device.alloc(total as usize).map_err(|e| e.to_string())?;
+    let mut slots: Vec<u64> = (0..pages).collect();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for i in (1..slots.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        slots.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    let page = args.page_bytes;
+    let regions: Vec<Vec<Region<'static>>> = (0..objects as u64)
+        .map(|o| {
+            (0..pages_per_object)
+                .map(|j| {
+                    let slot = slots[(o * pages_per_object + j) as usize];
+                    // SAFETY: a page inside `pool`, which outlives every call using it.
+                    unsafe {
+                        Region::from_raw(
+                            pool.addr() + slot * page,
+                            page as usize,
+                            MemoryKind::Device { ordinal: device.ordinal() },
+                        )
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let mut expected = vec![0u8; total as usize];
+    for (p, &slot) in slots.iter().enumerate() {
+        let (src, dst) = (p * page as usize, slot as usize * page as usize);
+        expected[dst..dst + page as usize].copy_from_slice(&host.as_slice()[src..src + page as usize]);
+    }
+    let verify = |what: &str| -> Result<(), String> {
+        let mut back = vec![0u8; total as usize];
+        pool.read(0, &mut back).map_err(|e| e.to_string())?;
+        if back != expected {
+            return Err(format!("[{label}] {what}: the device pages differ from the stored objects"));
+        }
+        Ok(())
+    };
+    let base = RestoreOptions { target_bytes: args.target_bytes, window: args.window, ..store.restore_options() };
+    let restore = |mode: RestoreMode, dsts: &[Vec<Region<'_>>], transfer: Option<Arc<dyn TransferStage>>| {
+        let mut opts = RestoreOptions { mode, ..base.clone() };
+        if let Some(t) = transfer {
+            opts.transfer = t;
+        }
+        let started = Instant::now();
+        let report = store.restore_batch(&key_refs, dsts, &opts);
+        let elapsed = started.elapsed();
+        match report.results.iter().find(|r| r.is_err()) {
+            Some(Err(e)) => Err(format!("[{label}] {mode:?} restore: {e}")),
+            _ => Ok(elapsed),
+        }
+    };
+    let timed = |name: &'static str, mut run: Box<dyn FnMut() -> Result<Duration, String> + '_>| {
+        run()?; // warm-up
+        let samples = (0..args.iters).map(|_| run()).collect::<Result<Vec<_>, _>>()?;
+        Ok::<Row, String>(summarize(name, samples))
+    };
+
+    let mut rows = Vec::new();
+    let one_copy = [BulkCopy { host: host.as_slice().as_ptr() as u64, device: contiguous.addr(), len: total }];
+    rows.push(timed(
+        "raw",
+        // SAFETY: the pinned buffer and the device buffer are alive for the whole function.
+        Box::new(|| unsafe { device.timed_copies(&one_copy, true, BaselineMode::PerCopy) }.map_err(|e| e.to_string())),
+    )?);
+    pool.fill(0).map_err(|e| e.to_string())?;
+    rows.push(timed("transfer-only", Box::new(|| restore(RestoreMode::Pipelined, &regions, None)))?);
+    verify("transfer-only")?;
+    let dram_loads = store.stats().total.loads;
+
+    // Demote the batch: filler pushes it out (LRU) and goes away.
+    let filler = vec![0xF1u8; FILLER_BYTES as usize];
+    let filler_key = |i: u64| format!("filler/{i}").into_bytes();
+    for i in 0..filler_keys {
+        store.put(&filler_key(i), &filler, PutOptions::INSERT).map_err(|e| format!("filler {i}: {e}"))?;
+    }
+    if !poll_until(&store, Duration::from_secs(120), |s| s.total.ssd_objects >= objects as u64) {
+        return Err(format!("[{label}] the batch did not reach the SSD tier"));
+    }
+    settle(&store)?;
+    for i in 0..filler_keys {
+        match store.remove(&filler_key(i), false) {
+            Ok(()) | Err(kvtide::Error::NotFound) => {}
+            Err(e) => return Err(format!("remove filler {i}: {e}")),
+        }
+    }
+    settle(&store)?;
+    let before = store.stats().total;
+    eprintln!(
+        "[{label}] {objects} objects ({}), {pages} pages of {}; on SSD: {} objects; DRAM used {}",
+        fmt_bytes(total),
+        fmt_bytes(page),
+        before.ssd_objects,
+        fmt_bytes(before.bytes_used)
+    );
+    for (name, mode) in [
+        ("barrier", RestoreMode::Barrier),
+        ("serialized", RestoreMode::Serialized),
+        ("pipelined", RestoreMode::Pipelined),
+    ] {
+        pool.fill(0).map_err(|e| e.to_string())?;
+        rows.push(timed(name, Box::new(|| restore(mode, &regions, None)))?);
+        verify(name)?;
+    }
+    let mut sink: Vec<Vec<u8>> = (0..objects).map(|_| vec![0u8; object_bytes as usize]).collect();
+    let host_dsts: Vec<Vec<Region<'_>>> = sink.iter_mut().map(|b| vec![Region::host(b.as_mut_slice())]).collect();
+    let null: Arc<dyn TransferStage> = Arc::new(NullTransfer);
+    rows.push(timed("load-only", Box::new(|| restore(RestoreMode::Pipelined, &host_dsts, Some(Arc::clone(&null)))))?);
+    let after = store.stats();
+    let ssd_runs = 4 * (args.iters as u64 + 1);
+    let loads = after.total.loads - before.loads;
+    eprintln!(
+        "[{label}] SSD loads per key per SSD run {:.2} (transfer-only runs loaded {}); staged GPU requests {}, \
+         direct {}, fallbacks {:?}; leases held {}, staging credits held {}",
+        loads as f64 / (ssd_runs * objects as u64) as f64,
+        dram_loads,
+        after.gpu.staged_requests,
+        after.gpu.direct_requests,
+        after.gpu.fallbacks,
+        after.total.leases_held,
+        after.restore.credits_held_bytes,
+    );
+    for row in &rows {
+        eprintln!(
+            "[{label}] {:<14} median {:>8.2} ms  max {:>8.2} ms  {:>6.1} GB/s",
+            row.name,
+            row.median.as_secs_f64() * 1e3,
+            row.p_max.as_secs_f64() * 1e3,
+            total as f64 / row.median.as_secs_f64() / 1e9
+        );
+    }
+    drop(host_dsts);
+    drop(store);
+    if !args.simulated {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(rows)
+}
