@@ -113,25 +113,18 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
     }
     println!(
         "\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9} {:>8}",
-        "object",
-        "raw",
-        "xfer-only",
-        "load-only",
-        "barrier",
-        "serialized",
-        "pipelined",
-        "pipe max",
-        "bound",
-        "pipe/bnd"
+        "object", "raw", "xfer-only", "load-only", "barrier", "serialized", "pipelined", "pipe max", "bound", "target"
     );
     for (object_bytes, rows) in &table {
         let get = |n: &str| rows.iter().find(|r| r.name == n).map_or(0.0, |r| r.median.as_secs_f64() * 1e3);
         let max_of = |n: &str| rows.iter().find(|r| r.name == n).map_or(0.0, |r| r.p_max.as_secs_f64() * 1e3);
-        // The target's bound: max(load-only, transfer-only) + one sub-batch's share of the transfer.
+        // The target's bound: 1.15 x max(load-only, transfer-only) + one sub-batch (its load and
+        // its transfer, at the measured rates).
         let sub_batches = (args.batch_bytes as f64 / args.target_bytes.max(*object_bytes) as f64).max(1.0);
-        let bound = get("load-only").max(get("transfer-only")) + get("transfer-only") / sub_batches;
+        let one_sub_batch = (get("load-only") + get("transfer-only")) / sub_batches;
+        let bound = 1.15 * get("load-only").max(get("transfer-only")) + one_sub_batch;
         println!(
-            "{:<10} {:>6.2} ms {:>7.2} ms {:>7.2} ms {:>7.2} ms {:>8.2} ms {:>7.2} ms {:>6.2} ms {:>6.2} ms {:>8.2}",
+            "{:<10} {:>6.2} ms {:>7.2} ms {:>7.2} ms {:>7.2} ms {:>8.2} ms {:>7.2} ms {:>6.2} ms {:>6.2} ms {:>8}",
             fmt_bytes(*object_bytes),
             get("raw"),
             get("transfer-only"),
@@ -141,10 +134,10 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
             get("pipelined"),
             max_of("pipelined"),
             bound,
-            get("pipelined") / bound.max(1e-9),
+            if get("pipelined") <= bound { "met" } else { "missed" },
         );
     }
-    println!("(pipe/bnd: pipelined over max(load-only, transfer-only) + one sub-batch's transfer; target <= 1.15)");
+    println!("(bound: 1.15 x max(load-only, transfer-only) + one sub-batch; target: the pipelined median within it)");
     if !args.simulated {
         let _ = std::fs::remove_dir_all(&args.dir);
     }
