@@ -206,6 +206,56 @@ fn print_timelines(method: &str, timelines: Vec<kvtide::cuda::profile::Timeline>
     );
 }
 
+/// Page p (object-major) goes to pool slot `slots[p]`: a fixed shuffle of `pages` slots.
+pub(crate) fn shuffled_slots(pages: u64, seed: u64) -> Vec<u64> {
+    let mut slots: Vec<u64> = (0..pages).collect();
+    let mut state = seed | 1;
+    for i in (1..slots.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        slots.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    slots
+}
+
+/// The destination pages of `objects` objects of `pages_per_object` pages each: page j of
+/// object o is pool slot `slots[o * pages_per_object + j]`.
+///
+/// # Safety
+/// `pool` must outlive every use of the returned regions.
+pub(crate) unsafe fn page_regions(
+    pool: &DeviceBuffer,
+    slots: &[u64],
+    objects: usize,
+    pages_per_object: u64,
+    page: u64,
+) -> Vec<Vec<Region<'static>>> {
+    let kind = MemoryKind::Device { ordinal: pool.device().ordinal() };
+    (0..objects as u64)
+        .map(|o| {
+            (0..pages_per_object)
+                .map(|j| {
+                    let slot = slots[(o * pages_per_object + j) as usize];
+                    // SAFETY: a page inside `pool`, which the caller keeps alive.
+                    unsafe { Region::from_raw(pool.addr() + slot * page, page as usize, kind) }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The pool's bytes once every page of `host` (object-major) landed in its slot.
+pub(crate) fn expected_pool(host: &[u8], slots: &[u64], page: u64) -> Vec<u8> {
+    let page = page as usize;
+    let mut expected = vec![0u8; host.len()];
+    for (p, &slot) in slots.iter().enumerate() {
+        let (src, dst) = (p * page, slot as usize * page);
+        expected[dst..dst + page].copy_from_slice(&host[src..src + page]);
+    }
+    expected
+}
+
 /// Deterministic content: every 8-byte word names its object and offset.
 fn fill_object(object: usize, out: &mut [u8]) {
     for (w, chunk) in out.chunks_mut(8).enumerate() {
@@ -227,15 +277,7 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
     }
     let pool: DeviceBuffer = device.alloc(total).map_err(|e| e.to_string())?;
     let contiguous: DeviceBuffer = device.alloc(total).map_err(|e| e.to_string())?;
-    // Page p (object-major) goes to pool slot slots[p]: a fixed shuffle.
-    let mut slots: Vec<u64> = (0..pages).collect();
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    for i in (1..slots.len()).rev() {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        slots.swap(i, (state % (i as u64 + 1)) as usize);
-    }
+    let slots = shuffled_slots(pages, 0x9e37_79b9_7f4a_7c15);
     let host_base = host.as_slice().as_ptr() as u64;
     let page_copies: Vec<BulkCopy> = (0..pages)
         .map(|p| BulkCopy { host: host_base + p * page, device: pool.addr() + slots[p as usize] * page, len: page })
@@ -265,29 +307,9 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
     let keys: Vec<Vec<u8>> = (0..layout.objects).map(|o| format!("gpu-bench/{o}").into_bytes()).collect();
     let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let ppo = layout.pages_per_object();
-    let regions: Vec<Vec<Region<'static>>> = (0..layout.objects as u64)
-        .map(|o| {
-            (0..ppo)
-                .map(|j| {
-                    let slot = slots[(o * ppo + j) as usize];
-                    // SAFETY: a page inside `pool`, which outlives every call using it.
-                    unsafe {
-                        Region::from_raw(
-                            pool.addr() + slot * page,
-                            page as usize,
-                            MemoryKind::Device { ordinal: device.ordinal() },
-                        )
-                    }
-                })
-                .collect()
-        })
-        .collect();
-    // The pool as the host buffer maps onto it, for checking.
-    let mut expected = vec![0u8; total];
-    for (p, &slot) in slots.iter().enumerate() {
-        let (src, dst) = (p * page as usize, slot as usize * page as usize);
-        expected[dst..dst + page as usize].copy_from_slice(&host.as_slice()[src..src + page as usize]);
-    }
+    // SAFETY: `pool` outlives every call that uses these regions.
+    let regions = unsafe { page_regions(&pool, &slots, layout.objects, ppo, page) };
+    let expected = expected_pool(host.as_slice(), &slots, page);
     for (staging, method_read, method_write) in
         [(false, "kvtide-direct", "kvtide-direct"), (true, "kvtide-staged", "kvtide-staged")]
     {

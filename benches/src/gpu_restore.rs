@@ -22,15 +22,12 @@ use std::time::{Duration, Instant};
 use kvtide::cuda::plan::BulkCopy;
 use kvtide::cuda::{BaselineMode, CudaTransport, DeviceBuffer};
 use kvtide::{
-    EvictionPolicy, MemoryKind, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder,
-    TransferStage,
+    EvictionPolicy, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, TransferStage,
 };
 
-use crate::restore::{poll_until, settle, NullTransfer};
+use crate::gpu::{expected_pool, page_regions, shuffled_slots};
+use crate::restore::{push_to_ssd, NullTransfer, FILLER_BYTES};
 use crate::util::{fmt_bytes, parse_size};
-
-/// Filler object size (what pushes the batch out of DRAM).
-const FILLER_BYTES: u64 = 4 << 20;
 
 /// Arguments of `kvtide-bench gpu-restore`.
 #[derive(clap::Args, Debug, Clone)]
@@ -196,40 +193,13 @@ fn run_size(
         let value = &host.as_slice()[o * object_bytes as usize..(o + 1) * object_bytes as usize];
         store.put(key, value, PutOptions::INSERT).map_err(|e| format!("put {o}: {e}"))?;
     }
-    // Page p (object-major) lands in pool slot slots[p]: a fixed shuffle.
     let pool: DeviceBuffer = device.alloc(total as usize).map_err(|e| e.to_string())?;
     let contiguous: DeviceBuffer = device.alloc(total as usize).map_err(|e| e.to_string())?;
-    let mut slots: Vec<u64> = (0..pages).collect();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    for i in (1..slots.len()).rev() {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        slots.swap(i, (state % (i as u64 + 1)) as usize);
-    }
     let page = args.page_bytes;
-    let regions: Vec<Vec<Region<'static>>> = (0..objects as u64)
-        .map(|o| {
-            (0..pages_per_object)
-                .map(|j| {
-                    let slot = slots[(o * pages_per_object + j) as usize];
-                    // SAFETY: a page inside `pool`, which outlives every call using it.
-                    unsafe {
-                        Region::from_raw(
-                            pool.addr() + slot * page,
-                            page as usize,
-                            MemoryKind::Device { ordinal: device.ordinal() },
-                        )
-                    }
-                })
-                .collect()
-        })
-        .collect();
-    let mut expected = vec![0u8; total as usize];
-    for (p, &slot) in slots.iter().enumerate() {
-        let (src, dst) = (p * page as usize, slot as usize * page as usize);
-        expected[dst..dst + page as usize].copy_from_slice(&host.as_slice()[src..src + page as usize]);
-    }
+    let slots = shuffled_slots(pages, 0x2545_f491_4f6c_dd1d);
+    // SAFETY: `pool` outlives every call that uses these regions.
+    let regions = unsafe { page_regions(&pool, &slots, objects, pages_per_object, page) };
+    let expected = expected_pool(host.as_slice(), &slots, page);
     let verify = |what: &str| -> Result<(), String> {
         let mut back = vec![0u8; total as usize];
         pool.read(0, &mut back).map_err(|e| e.to_string())?;
@@ -271,22 +241,7 @@ fn run_size(
     let dram_loads = store.stats().total.loads;
 
     // Demote the batch: filler pushes it out (LRU) and goes away.
-    let filler = vec![0xF1u8; FILLER_BYTES as usize];
-    let filler_key = |i: u64| format!("filler/{i}").into_bytes();
-    for i in 0..filler_keys {
-        store.put(&filler_key(i), &filler, PutOptions::INSERT).map_err(|e| format!("filler {i}: {e}"))?;
-    }
-    if !poll_until(&store, Duration::from_secs(120), |s| s.total.ssd_objects >= objects as u64) {
-        return Err(format!("[{label}] the batch did not reach the SSD tier"));
-    }
-    settle(&store)?;
-    for i in 0..filler_keys {
-        match store.remove(&filler_key(i), false) {
-            Ok(()) | Err(kvtide::Error::NotFound) => {}
-            Err(e) => return Err(format!("remove filler {i}: {e}")),
-        }
-    }
-    settle(&store)?;
+    push_to_ssd(&store, objects as u64, filler_keys).map_err(|e| format!("[{label}] {e}"))?;
     let before = store.stats().total;
     eprintln!(
         "[{label}] {objects} objects ({}), {pages} pages of {}; on SSD: {} objects; DRAM used {}",

@@ -40,7 +40,7 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Wake-up jitter of a sleeping transfer that is not charged as link idle time.
 const LINK_SLACK: Duration = Duration::from_micros(150);
 /// Filler object size (what pushes the batches out of DRAM).
-const FILLER_BYTES: u64 = 4 << 20;
+pub(crate) const FILLER_BYTES: u64 = 4 << 20;
 
 /// Arguments of `kvtide-bench restore`.
 #[derive(clap::Args, Debug, Clone)]
@@ -538,34 +538,9 @@ fn run_size(
     }
 
     // Demote the batches: filler pushes them out (LRU), then goes away.
-    let filler = vec![0xF1u8; FILLER_BYTES as usize];
     let fill_started = Instant::now();
-    let wanted = (max_c * keys_per_batch) as u64;
-    let mut put_filler = 0u64;
-    loop {
-        let target = if put_filler == 0 { filler_keys } else { put_filler + filler_keys / 8 };
-        while put_filler < target {
-            store
-                .put(&filler_key(put_filler), &filler, PutOptions::INSERT)
-                .map_err(|e| format!("put filler {put_filler}: {e}"))?;
-            put_filler += 1;
-        }
-        let polled = poll_until(&store, Duration::from_secs(30), |s| s.total.ssd_objects >= wanted);
-        if polled {
-            break;
-        }
-        if put_filler > 4 * filler_keys {
-            return Err(format!("[{label}] the batches did not reach the SSD tier"));
-        }
-    }
-    settle(&store)?;
-    for i in 0..put_filler {
-        match store.remove(&filler_key(i), false) {
-            Ok(()) | Err(kvtide::Error::NotFound) => {}
-            Err(e) => return Err(format!("remove filler {i}: {e}")),
-        }
-    }
-    settle(&store)?;
+    let put_filler =
+        push_to_ssd(&store, (max_c * keys_per_batch) as u64, filler_keys).map_err(|e| format!("[{label}] {e}"))?;
     let before = store.stats().total;
     eprintln!(
         "[{label}] demoted in {:.2} s ({} filler objects); DRAM used {}, {} objects on SSD ({})",
@@ -627,6 +602,38 @@ fn run_size(
         remove_path(&dir)?;
     }
     Ok(SizeResults { object_bytes, keys_per_batch, runs, notes })
+}
+
+/// Puts 4 MiB filler objects (at least `filler_keys`, more while needed) until `wanted` objects
+/// sit on the SSD tier (LRU pushes the oldest out), waits for the writes, removes the filler and
+/// settles again. Returns the filler objects put.
+pub(crate) fn push_to_ssd(store: &Engine, wanted: u64, filler_keys: u64) -> Result<u64, String> {
+    let filler = vec![0xF1u8; FILLER_BYTES as usize];
+    let mut put_filler = 0u64;
+    loop {
+        let target = if put_filler == 0 { filler_keys } else { put_filler + filler_keys / 8 };
+        while put_filler < target {
+            store
+                .put(&filler_key(put_filler), &filler, PutOptions::INSERT)
+                .map_err(|e| format!("put filler {put_filler}: {e}"))?;
+            put_filler += 1;
+        }
+        if poll_until(store, Duration::from_secs(30), |s| s.total.ssd_objects >= wanted) {
+            break;
+        }
+        if put_filler > 4 * filler_keys {
+            return Err("the objects did not reach the SSD tier".into());
+        }
+    }
+    settle(store)?;
+    for i in 0..put_filler {
+        match store.remove(&filler_key(i), false) {
+            Ok(()) | Err(kvtide::Error::NotFound) => {}
+            Err(e) => return Err(format!("remove filler {i}: {e}")),
+        }
+    }
+    settle(store)?;
+    Ok(put_filler)
 }
 
 /// Polls `stats()` until `done` holds (true) or `timeout` passes (false).

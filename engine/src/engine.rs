@@ -338,6 +338,46 @@ impl Engine {
         }
     }
 
+    /// The fragments of a `get_into_ranges` call that pass their checks (`check_buffer(b,
+    /// buffer)`, the destination range, the key), as (buffer, fragment, key index) with the
+    /// unique keys they name; the others get their error in `results`.
+    fn group_fragments<'f>(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &'f [Vec<Fragment>],
+        results: &mut [Vec<Result<usize>>],
+        check_buffer: impl Fn(usize, &Region<'_>) -> Result<()>,
+    ) -> (Vec<&'f [u8]>, Vec<FragmentRef>) {
+        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut todo = Vec::new();
+        for (b, frags) in fragments.iter().enumerate() {
+            for (f, frag) in frags.iter().enumerate() {
+                let checked = buffers
+                    .get(b)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
+                    })
+                    .and_then(|buffer| {
+                        check_buffer(b, buffer)?;
+                        buffer.check_range(frag.dst_offset, frag.len)?;
+                        self.validate_key(&frag.key)
+                    });
+                match checked {
+                    Ok(()) => {
+                        let k = *key_index.entry(frag.key.as_slice()).or_insert_with(|| {
+                            keys.push(frag.key.as_slice());
+                            keys.len() - 1
+                        });
+                        todo.push((b, f, k));
+                    }
+                    Err(e) => results[b][f] = Err(e),
+                }
+            }
+        }
+        (keys, todo)
+    }
+
     fn validate_key(&self, key: &[u8]) -> Result<()> {
         if key.is_empty() {
             return Err(Error::EmptyKey);
@@ -486,6 +526,9 @@ impl Drop for LeaseSet<'_> {
         }
     }
 }
+
+/// A checked fragment of `get_into_ranges`: (buffer, fragment, index of its key).
+type FragmentRef = (usize, usize, usize);
 
 /// Where one shard's answer to a lease request arrives.
 type GrantReceiver = crossbeam_channel::Receiver<Vec<Result<ReadGrant>>>;
@@ -849,33 +892,8 @@ impl Store for Engine {
         let mut results: Vec<Vec<Result<usize>>> =
             fragments.iter().map(|f| (0..f.len()).map(|_| pending()).collect()).collect();
         // Unique keys of the valid fragments, leased once each.
-        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-        let mut keys: Vec<&[u8]> = Vec::new();
-        let mut todo = Vec::new();
-        for (b, frags) in fragments.iter().enumerate() {
-            for (f, frag) in frags.iter().enumerate() {
-                let checked = buffers
-                    .get(b)
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
-                    })
-                    .and_then(|buffer| {
-                        check_destination(buffer)?;
-                        buffer.check_range(frag.dst_offset, frag.len)?;
-                        self.validate_key(&frag.key)
-                    });
-                match checked {
-                    Ok(()) => {
-                        let k = *key_index.entry(frag.key.as_slice()).or_insert_with(|| {
-                            keys.push(frag.key.as_slice());
-                            keys.len() - 1
-                        });
-                        todo.push((b, f, k));
-                    }
-                    Err(e) => results[b][f] = Err(e),
-                }
-            }
-        }
+        let (keys, todo) =
+            self.group_fragments(buffers, fragments, &mut results, |_, buffer| check_destination(buffer));
         let mut by_key: Vec<Vec<(usize, usize)>> = vec![Vec::new(); keys.len()];
         for (b, f, k) in todo {
             by_key[k].push((b, f));

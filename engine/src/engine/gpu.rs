@@ -547,33 +547,8 @@ pub(super) fn get_into_ranges(
     let transport = engine.gpu.transport(engine);
     let buffer_lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
     let buffer_checks = check_regions(&transport, &buffer_lists, true);
-    let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-    let mut keys: Vec<&[u8]> = Vec::new();
-    let mut todo = Vec::new();
-    for (b, frags) in fragments.iter().enumerate() {
-        for (f, frag) in frags.iter().enumerate() {
-            let checked = buffers
-                .get(b)
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
-                })
-                .and_then(|buffer| {
-                    buffer_checks[b].clone().map_or(Ok(()), Err)?;
-                    buffer.check_range(frag.dst_offset, frag.len)?;
-                    engine.validate_key(&frag.key)
-                });
-            match checked {
-                Ok(()) => {
-                    let k = *key_index.entry(frag.key.as_slice()).or_insert_with(|| {
-                        keys.push(frag.key.as_slice());
-                        keys.len() - 1
-                    });
-                    todo.push((b, f, k));
-                }
-                Err(e) => results[b][f] = Err(e),
-            }
-        }
-    }
+    let (keys, todo) =
+        engine.group_fragments(buffers, fragments, &mut results, |b, _| buffer_checks[b].clone().map_or(Ok(()), Err));
     let (grants, _leases) = engine.lease_many(keys.iter().copied().enumerate());
     // One transfer per leased key, holding the fragments whose source range fits the object.
     let mut transfer_of: HashMap<usize, usize> = HashMap::new();
