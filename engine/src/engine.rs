@@ -15,6 +15,7 @@ use kvtide_tiers::ssd::{DataDir, SimDisk};
 use kvtide_transport::{copy_regions, MemoryKind, Region};
 
 use crate::api::{Fragment, PutOptions, Store};
+use crate::checks::{self, total_len};
 use crate::config::EngineConfig;
 use crate::error::{Error, OpenError, Result};
 use crate::shard::core::{RecoveryReport, SsdConfig};
@@ -348,32 +349,17 @@ impl Engine {
         results: &mut [Vec<Result<usize>>],
         check_buffer: impl Fn(usize, &Region<'_>) -> Result<()>,
     ) -> (Vec<&'f [u8]>, Vec<FragmentRef>) {
+        let passed = checks::checked_fragments(buffers, fragments, results, check_buffer, |key| self.validate_key(key));
         let mut key_index: HashMap<&[u8], usize> = HashMap::new();
         let mut keys: Vec<&[u8]> = Vec::new();
-        let mut todo = Vec::new();
-        for (b, frags) in fragments.iter().enumerate() {
-            for (f, frag) in frags.iter().enumerate() {
-                let checked = buffers
-                    .get(b)
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
-                    })
-                    .and_then(|buffer| {
-                        check_buffer(b, buffer)?;
-                        buffer.check_range(frag.dst_offset, frag.len)?;
-                        self.validate_key(&frag.key)
-                    });
-                match checked {
-                    Ok(()) => {
-                        let k = *key_index.entry(frag.key.as_slice()).or_insert_with(|| {
-                            keys.push(frag.key.as_slice());
-                            keys.len() - 1
-                        });
-                        todo.push((b, f, k));
-                    }
-                    Err(e) => results[b][f] = Err(e),
-                }
-            }
+        let mut todo = Vec::with_capacity(passed.len());
+        for (b, f) in passed {
+            let key = fragments[b][f].key.as_slice();
+            let k = *key_index.entry(key).or_insert_with(|| {
+                keys.push(key);
+                keys.len() - 1
+            });
+            todo.push((b, f, k));
         }
         (keys, todo)
     }
@@ -715,21 +701,14 @@ fn random_seed(shard: usize) -> u64 {
 }
 
 /// Checks that a destination can receive bytes on this path (host memory, writable).
+// With the feature, the blocking calls and async tickets check device regions on the GPU path
+// before reaching these.
 fn check_destination(dst: &Region<'_>) -> Result<()> {
-    if let MemoryKind::Device { .. } = dst.kind() {
-        // With the feature, the blocking calls and async tickets check device regions on the GPU
-        // path before reaching here.
-        return Err(Error::CudaUnavailable("device destinations need the cuda feature"));
-    }
-    dst.check_writable()?;
-    Ok(())
+    checks::host_destination(dst, "device destinations need the cuda feature")
 }
 
 fn check_source(src: &Region<'_>) -> Result<()> {
-    if let MemoryKind::Device { .. } = src.kind() {
-        return Err(Error::CudaUnavailable("device sources need the cuda feature"));
-    }
-    Ok(())
+    checks::host_source(src, "device sources need the cuda feature")
 }
 
 fn grant_region(ptr: std::ptr::NonNull<u8>, len: u64) -> Region<'static> {
@@ -748,13 +727,6 @@ fn scatter(grant: &ReadGrant, dsts: &[Region<'_>]) -> Result<()> {
         offset += dst.len() as u64;
     }
     Ok(())
-}
-
-fn total_len(regions: &[Region<'_>]) -> Result<u64> {
-    regions
-        .iter()
-        .try_fold(0u64, |acc, r| acc.checked_add(r.len() as u64))
-        .ok_or_else(|| Error::InvalidArgument("region lengths overflow".into()))
 }
 
 impl Store for Engine {

@@ -15,6 +15,7 @@
 //! ```
 
 mod api;
+mod checks;
 mod config;
 mod engine;
 mod error;

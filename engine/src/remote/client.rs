@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtide_transport::{MemoryKind, Region};
+use kvtide_transport::Region;
 
 use super::auth::Token;
 use super::protocol::{
@@ -31,6 +31,7 @@ use super::shm::ShmMapping;
 use super::sock::{self, Stream};
 use super::wire::{FrameIo, WResult, WireError};
 use crate::api::{Fragment, PutOptions, Store};
+use crate::checks::{self, total_len};
 use crate::error::{Error, Result};
 use crate::stats::Stats;
 use crate::ticket::Ticket;
@@ -450,25 +451,11 @@ fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>) -> Conn
 }
 
 fn check_destination(dst: &Region<'_>) -> Result<()> {
-    if let MemoryKind::Device { .. } = dst.kind() {
-        return Err(Error::CudaUnavailable("device destinations are not supported by the remote client yet"));
-    }
-    dst.check_writable()?;
-    Ok(())
+    checks::host_destination(dst, "device destinations are not supported by the remote client yet")
 }
 
 fn check_source(src: &Region<'_>) -> Result<()> {
-    if let MemoryKind::Device { .. } = src.kind() {
-        return Err(Error::CudaUnavailable("device sources are not supported by the remote client yet"));
-    }
-    Ok(())
-}
-
-fn total_len(regions: &[Region<'_>]) -> Result<u64> {
-    regions
-        .iter()
-        .try_fold(0u64, |acc, r| acc.checked_add(r.len() as u64))
-        .ok_or_else(|| Error::InvalidArgument("region lengths overflow".into()))
+    checks::host_source(src, "device sources are not supported by the remote client yet")
 }
 
 /// `[pos, pos + n)` of the concatenation of `sources`, as slices.
@@ -878,25 +865,13 @@ impl Store for RemoteStore {
             Ok(l) => l,
             Err(e) => return fragments.iter().map(|f| vec![Err(e.clone()); f.len()]).collect(),
         };
-        let mut todo = Vec::new();
-        for (b, frags) in fragments.iter().enumerate() {
-            for (f, frag) in frags.iter().enumerate() {
-                let checked = buffers
-                    .get(b)
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
-                    })
-                    .and_then(|buffer| {
-                        check_destination(buffer)?;
-                        buffer.check_range(frag.dst_offset, frag.len)?;
-                        self.inner.validate_key(&limits, &frag.key)
-                    });
-                match checked {
-                    Ok(()) => todo.push((b, f)),
-                    Err(e) => results[b][f] = Err(e),
-                }
-            }
-        }
+        let todo = checks::checked_fragments(
+            buffers,
+            fragments,
+            &mut results,
+            |_, buffer| check_destination(buffer),
+            |key| self.inner.validate_key(&limits, key),
+        );
         let shm = self.uses_shared_memory();
         let max_items = self.inner.max_batch(&limits);
         for chunk in todo.chunks(max_items) {
