@@ -263,6 +263,8 @@ fn run_size(
     let host_dsts: Vec<Vec<Region<'_>>> = sink.iter_mut().map(|b| vec![Region::host(b.as_mut_slice())]).collect();
     let null: Arc<dyn TransferStage> = Arc::new(NullTransfer);
     rows.push(timed("load-only", Box::new(|| restore(RestoreMode::Pipelined, &host_dsts, Some(Arc::clone(&null)))))?);
+    // Releases are fire-and-forget: let the shards handle them before reading the gauges.
+    store.sync_shards().map_err(|e| e.to_string())?;
     let after = store.stats();
     let ssd_runs = 4 * (args.iters as u64 + 1);
     let loads = after.total.loads - before.loads;
