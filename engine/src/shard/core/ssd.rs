@@ -297,7 +297,10 @@ impl ShardCore {
             ssd.extra[segment as usize].broken_at = Some(0);
             return;
         };
-        let Some(ptr) = self.slice.ptr_at(offset, BLOCK_BYTES) else { return };
+        let Some(ptr) = self.slice.ptr_at(offset, BLOCK_BYTES) else {
+            ssd.extra[segment as usize].broken_at = Some(0);
+            return;
+        };
         // SAFETY: this scratch block belongs to `segment` alone and no write of it is in flight
         // (the segment was free until now).
         let block = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), BLOCK_BYTES as usize) };
@@ -450,13 +453,14 @@ impl ShardCore {
         let allocation = object.dram.as_ref()?;
         let (key_len, len, seq, offset) = (object.key.len(), object.len, object.seq, allocation.offset());
         let record_bytes = record::record_bytes(key_len, len);
-        let location = self.place_record(record_bytes)?;
         let ptr = self.slice.ptr_at(offset, record_bytes)?;
+        let location = self.place_record(record_bytes)?;
         // SAFETY: the record image is this object's own DRAM allocation; its value is immutable
         // once committed and nothing else writes the header block. io_refs (below) keeps the
         // allocation alive until the write completes.
         let image = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), record_bytes as usize) };
         if record::seal_in_place(image, RecordKind::Put, key_len, len, seq, location.epoch).is_err() {
+            self.abandon_placement(location);
             return None;
         }
         let ssd = self.ssd.as_mut()?;
@@ -492,17 +496,19 @@ impl ShardCore {
             return;
         };
         let block_offset = ssd.scratch_offset(u64::from(ssd.config.segments) + slot as u64);
-        let Some(location) = self.place_record(record_bytes) else {
-            if let Some(ssd) = self.ssd.as_mut() {
-                ssd.tombstone_free.push(slot);
-            }
-            self.counters.tombstones_skipped.fetch_add(1, RELAXED);
+        let Some(ptr) = block_offset.and_then(|o| self.slice.ptr_at(o, BLOCK_BYTES)) else {
+            self.skip_tombstone(slot);
             return;
         };
-        let Some(ptr) = block_offset.and_then(|o| self.slice.ptr_at(o, BLOCK_BYTES)) else { return };
+        let Some(location) = self.place_record(record_bytes) else {
+            self.skip_tombstone(slot);
+            return;
+        };
         // SAFETY: the slot was taken from the free list, so no other write uses this block.
         let block = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), BLOCK_BYTES as usize) };
         if record::encode(block, RecordKind::Tombstone, key, &[], seq, location.epoch).is_err() {
+            self.skip_tombstone(slot);
+            self.abandon_placement(location);
             return;
         }
         let Some(ssd) = self.ssd.as_mut() else { return };
@@ -727,6 +733,24 @@ impl ShardCore {
                 self.advance_durability(segment);
             }
         }
+    }
+
+    /// A tombstone that is not written after all: its scratch slot goes back, and it is counted.
+    fn skip_tombstone(&mut self, slot: usize) {
+        if let Some(ssd) = self.ssd.as_mut() {
+            ssd.tombstone_free.push(slot);
+        }
+        self.counters.tombstones_skipped.fetch_add(1, RELAXED);
+    }
+
+    /// A placed record that will never be written: a hole in its segment, handled as a failed
+    /// write (recovery stops at a hole, so nothing after it may be acknowledged as durable).
+    fn abandon_placement(&mut self, location: SsdLocation) {
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        if let Some(s) = ssd.segments.get_mut(location.segment) {
+            s.writes_in_flight += 1;
+        }
+        self.finish_segment_write(location.segment, location.offset, false);
     }
 
     /// Bookkeeping for a completed (or failed) write at `offset` of `segment`.
