@@ -25,6 +25,15 @@ pub(crate) fn host_source(src: &Region<'_>, device: &'static str) -> Result<()> 
     Ok(())
 }
 
+/// A batch call names one region list per key; `what` names the lists ("source",
+/// "destination").
+pub(crate) fn one_list_per_key(keys: usize, lists: usize, what: &str) -> Result<()> {
+    if keys != lists {
+        return Err(Error::InvalidArgument(format!("{keys} keys but {lists} {what} lists")));
+    }
+    Ok(())
+}
+
 /// The bytes `regions` cover together.
 pub(crate) fn total_len(regions: &[Region<'_>]) -> Result<u64> {
     regions

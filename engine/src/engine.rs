@@ -737,8 +737,7 @@ impl Store for Engine {
         opts: PutOptions,
     ) -> Vec<Result<()>> {
         let _span = tracing::trace_span!("batch_put", keys = keys.len()).entered();
-        if keys.len() != sources.len() {
-            let e = Error::InvalidArgument(format!("{} keys but {} source lists", keys.len(), sources.len()));
+        if let Err(e) = checks::one_list_per_key(keys.len(), sources.len(), "source") {
             return vec![Err(e); keys.len()];
         }
         #[cfg(feature = "cuda")]
@@ -821,8 +820,7 @@ impl Store for Engine {
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
         let _span = tracing::trace_span!("batch_get", keys = keys.len()).entered();
-        if keys.len() != dsts.len() {
-            let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
+        if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
             return vec![Err(e); keys.len()];
         }
         let pipelined = self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1;
@@ -959,9 +957,7 @@ impl Store for Engine {
     }
 
     fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>> {
-        if keys.len() != dsts.len() {
-            return Err(Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len())));
-        }
+        checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(Error::ShuttingDown);
         }

@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kvtide_transport::cuda::plan::{Direction, Fallback, Piece, StagingPolicy, Transfer};
-use kvtide_transport::cuda::{prestage, submit_with, CudaTransport, Prestaged, RangeChecker, Summary};
+use kvtide_transport::cuda::{
+    copy_host_pieces, prestage, submit_with, CudaTransport, Prestaged, RangeChecker, Summary,
+};
 use kvtide_transport::{MemoryKind, Region};
 
 use super::{total_len, Engine};
@@ -257,17 +259,9 @@ fn cpu_only(transfer: &Transfer, direction: Direction) -> Option<()> {
     if transfer.pieces.iter().any(|p| !p.kind.is_host()) {
         return None;
     }
-    for piece in &transfer.pieces {
-        let host = (transfer.host + piece.host_offset) as *mut u8;
-        let page = piece.addr as *mut u8;
-        let (src, dst) = match direction {
-            Direction::HostToDevice => (host.cast_const(), page),
-            Direction::DeviceToHost => (page.cast_const(), host),
-        };
-        // SAFETY: the host bytes are leased or reserved by the caller and the page is caller
-        // host memory lent for the call; they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, piece.len as usize) };
-    }
+    // SAFETY: the host bytes are leased or reserved by the caller and every piece is caller
+    // host memory lent for the call; they do not overlap.
+    unsafe { copy_host_pieces(transfer, direction) };
     Some(())
 }
 
@@ -373,6 +367,17 @@ pub(super) fn get_into(engine: &Engine, key: &[u8], dst: Region<'_>) -> Result<u
 /// check passed; a request that does not qualify (or a key that fails its check) discards the
 /// staged bytes and is planned afresh.
 pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
+    read_to_device(engine, keys, dsts, false)
+}
+
+/// `batch_get`; `regions_checked` when the caller already checked every region
+/// (`check_destinations`), so they are not checked again.
+fn read_to_device(
+    engine: &Engine,
+    keys: &[&[u8]],
+    dsts: &[Vec<Region<'_>>],
+    regions_checked: bool,
+) -> Vec<Result<usize>> {
     let started = Instant::now();
     let _awake = KeepAwake::new(engine);
     let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
@@ -426,8 +431,12 @@ pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>
     let prestaged_at = Instant::now();
     // The destinations are checked and the pieces laid out while the first bytes move into
     // the staging buffer.
-    let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
-    let checks = check_regions(&transport, &lists, true);
+    let checks = if regions_checked {
+        vec![None; keys.len()]
+    } else {
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        check_regions(&transport, &lists, true)
+    };
     let mut passed = vec![false; keys.len()];
     for (i, grant) in by_key.into_iter().enumerate() {
         match grant {
@@ -463,7 +472,7 @@ pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>
         delivered.push((i, grant.len as usize));
     }
     // Freed now, while the copies run, not after the GPU finished.
-    drop((lists, checks));
+    drop(checks);
     let timing = Timing { started, sent_at, granted_at, prestaged_at };
     for ((i, len), result) in delivered.into_iter().zip(engine.gpu.execute(
         &transport,
@@ -477,7 +486,8 @@ pub(super) fn batch_get(engine: &Engine, keys: &[&[u8]], dsts: &[Vec<Region<'_>>
     results
 }
 
-/// `batch_get` for the keys at `which` (indices into `keys` and `dsts`); results by index.
+/// `batch_get` for the keys at `which` (indices into `keys` and `dsts`), whose regions
+/// `check_destinations` already checked; results by index.
 pub(super) fn batch_get_some(
     engine: &Engine,
     keys: &[&[u8]],
@@ -486,7 +496,7 @@ pub(super) fn batch_get_some(
 ) -> Vec<(usize, Result<usize>)> {
     let some_keys: Vec<&[u8]> = which.iter().map(|&i| keys[i]).collect();
     let some_dsts: Vec<Vec<Region<'_>>> = which.iter().map(|&i| dsts[i].clone()).collect();
-    which.iter().copied().zip(batch_get(engine, &some_keys, &some_dsts)).collect()
+    which.iter().copied().zip(read_to_device(engine, &some_keys, &some_dsts, true)).collect()
 }
 
 /// Checks the destinations of the keys marked in `which` on their GPUs (host regions in those

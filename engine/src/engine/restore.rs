@@ -344,8 +344,7 @@ impl Engine {
         let us = |t: Instant| t.duration_since(started).as_micros() as u64;
         let mut report =
             RestoreReport { results: (0..keys.len()).map(|_| Err(Error::Cancelled)).collect(), ..Default::default() };
-        if keys.len() != dsts.len() {
-            let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
+        if let Err(e) = crate::checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
             report.results = vec![Err(e); keys.len()];
             return report;
         }
@@ -468,7 +467,6 @@ impl Engine {
             if !stop {
                 sub.trace.state = SubBatchState::Transferring;
             }
-            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
             let mut to_gpu: Vec<(usize, ReadGrant)> = Vec::new();
             for &i in &sub.keys {
                 match grants.get(&i) {
@@ -481,13 +479,8 @@ impl Engine {
                 }
             }
             // The sub-batch's device keys in one GPU submission, waited for before the release.
-            #[cfg(feature = "cuda")]
-            for (i, result) in super::gpu::deliver_leased(self, &to_gpu, dsts) {
+            for (i, result) in self.deliver_to_gpu(&to_gpu, dsts) {
                 report.results[i] = result;
-            }
-            #[cfg(not(feature = "cuda"))]
-            for (i, _) in to_gpu {
-                report.results[i] = Err(Error::CudaUnavailable("device destinations need the cuda feature"));
             }
             sub.trace.transfer_end_us = us(Instant::now());
             // Copies are synchronous here (GPU ones waited for their events), so every byte of a
@@ -511,19 +504,30 @@ impl Engine {
                     if !device[i] {
                         return deliver(&g, &dsts[i], transfer.as_ref());
                     }
-                    #[cfg(feature = "cuda")]
-                    let delivered = super::gpu::deliver_leased(self, &[(i, g)], dsts)
-                        .pop()
-                        .map_or(Err(Error::Internal("no GPU transfer result")), |(_, r)| r);
-                    #[cfg(not(feature = "cuda"))]
-                    let delivered = Err(Error::CudaUnavailable("device destinations need the cuda feature"));
-                    delivered
+                    let delivered = self.deliver_to_gpu(&[(i, g)], dsts).pop();
+                    delivered.map_or(Err(Error::Internal("no GPU transfer result")), |(_, r)| r)
                 });
             });
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
         report.elapsed_us = us(Instant::now());
         report
+    }
+
+    /// Copies leased objects to their device destinations (checked when the restore began), one
+    /// GPU submission for all of them, and waits; results by key index.
+    fn deliver_to_gpu(&self, items: &[(usize, ReadGrant)], dsts: &[Vec<Region<'_>>]) -> Vec<(usize, Result<usize>)> {
+        #[cfg(feature = "cuda")]
+        return super::gpu::deliver_leased(self, items, dsts);
+        // Unreachable in practice: validation refuses device destinations without the feature.
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = dsts;
+            items
+                .iter()
+                .map(|&(i, _)| (i, Err(Error::CudaUnavailable("device destinations need the cuda feature"))))
+                .collect()
+        }
     }
 
     /// Splits the valid keys into sub-batches: DRAM-resident keys first (one sub-batch, no

@@ -787,8 +787,7 @@ impl Store for RemoteStore {
         sources: &[Vec<Region<'_>>],
         opts: PutOptions,
     ) -> Vec<Result<()>> {
-        if keys.len() != sources.len() {
-            let e = Error::InvalidArgument(format!("{} keys but {} source lists", keys.len(), sources.len()));
+        if let Err(e) = checks::one_list_per_key(keys.len(), sources.len(), "source") {
             return vec![Err(e); keys.len()];
         }
         let limits = match self.inner.limits() {
@@ -827,8 +826,7 @@ impl Store for RemoteStore {
     }
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
-        if keys.len() != dsts.len() {
-            let e = Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len()));
+        if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
             return vec![Err(e); keys.len()];
         }
         let limits = match self.inner.limits() {
@@ -948,9 +946,7 @@ impl Store for RemoteStore {
     }
 
     fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>> {
-        if keys.len() != dsts.len() {
-            return Err(Error::InvalidArgument(format!("{} keys but {} destination lists", keys.len(), dsts.len())));
-        }
+        checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
         let limit = self.inner.options.max_tickets_in_flight;
         let in_flight = Arc::clone(&self.inner.tickets_in_flight);
         if in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {

@@ -358,19 +358,28 @@ pub unsafe fn submit_with(
     }
     // Host pieces of mixed requests: the CPU copies them while the DMA engines run.
     for transfer in transfers {
-        for piece in transfer.pieces.iter().filter(|p| p.kind.is_host() && p.len > 0) {
-            let host = (transfer.host + piece.host_offset) as *mut u8;
-            let page = piece.addr as *mut u8;
-            let (src, dst) = match direction {
-                Direction::HostToDevice => (host.cast_const(), page),
-                Direction::DeviceToHost => (page.cast_const(), host),
-            };
-            // SAFETY: the caller vouches for both ranges (leased or reserved arena bytes and
-            // caller memory); they never overlap.
-            unsafe { std::ptr::copy_nonoverlapping(src, dst, piece.len as usize) };
-        }
+        // SAFETY: forwarded contract.
+        unsafe { copy_host_pieces(transfer, direction) };
     }
     Ok(inflight)
+}
+
+/// Copies the host-memory pieces of `transfer` on the CPU; device pieces are left alone.
+///
+/// # Safety
+/// The transfer's host bytes and its host pieces must be valid for the copy and must not
+/// overlap (leased or reserved arena bytes and caller memory).
+pub unsafe fn copy_host_pieces(transfer: &Transfer, direction: Direction) {
+    for piece in transfer.pieces.iter().filter(|p| p.kind.is_host() && p.len > 0) {
+        let host = (transfer.host + piece.host_offset) as *mut u8;
+        let page = piece.addr as *mut u8;
+        let (src, dst) = match direction {
+            Direction::HostToDevice => (host.cast_const(), page),
+            Direction::DeviceToHost => (page.cast_const(), host),
+        };
+        // SAFETY: the caller vouches for both ranges; they never overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, piece.len as usize) };
+    }
 }
 
 /// A read's bulk copies into the staging buffer, started as soon as its objects are leased,

@@ -25,7 +25,8 @@ pub mod profile;
 
 #[cfg(feature = "cuda")]
 pub use device::{
-    inject_fault, prestage, submit, submit_with, BaselineMode, InFlight, InjectedFault, Prestaged, StagingHold, Summary,
+    copy_host_pieces, inject_fault, prestage, submit, submit_with, BaselineMode, InFlight, InjectedFault, Prestaged,
+    StagingHold, Summary,
 };
 #[cfg(feature = "cuda")]
 pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, PinnedBuffer, RangeChecker};

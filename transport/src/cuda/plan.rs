@@ -73,7 +73,7 @@ pub struct StagingPolicy {
     pub buffer_bytes: u64,
     /// Fills shrink towards the end of a request, down to about this many bytes (or the largest
     /// object), so little kernel work is left once the last copy lands. 0 keeps every fill at
-    /// `fill_capacity`.
+    /// the quarter/half/whole-buffer fill size.
     pub tail_fill_bytes: u64,
 }
 
@@ -251,15 +251,10 @@ pub struct Fill {
 /// agrees with its object bytes gets 16-byte vector copies.
 pub const STAGING_ALIGN_BYTES: u64 = 16;
 
-/// Largest fill: a quarter of the buffer when every object fits a quarter, else half, else the
-/// whole buffer. Fills take turns over the buffer, so the copy of one fill overlaps the kernel
-/// of the previous one and only the last (small) fill's kernel is not hidden behind copies.
-pub fn fill_capacity(buffer_bytes: u64, transfers: &[Transfer]) -> u64 {
-    let largest = transfers.iter().map(|t| t.span().end - t.span().start).max().unwrap_or(0);
-    fill_capacity_for(buffer_bytes, largest)
-}
-
-fn fill_capacity_for(buffer_bytes: u64, largest: u64) -> u64 {
+/// Largest fill of a request whose largest object has `largest` bytes: a quarter of the buffer
+/// when every object fits a quarter, else half, else the whole buffer. Fills take turns over
+/// the buffer, so the copy of one fill overlaps the kernel of the previous one.
+fn fill_capacity(buffer_bytes: u64, largest: u64) -> u64 {
     if largest <= buffer_bytes / 4 {
         buffer_bytes / 4
     } else if largest <= buffer_bytes / 2 {
@@ -281,7 +276,7 @@ pub fn max_rows(transfers: &[Transfer]) -> usize {
 /// the mirror image: they start small (the first device-to-host copy waits for only a small
 /// gather) and grow, each fill as large as everything before it.
 fn next_fill_capacity(policy: &StagingPolicy, direction: Direction, total: u64, largest: u64, placed: u64) -> u64 {
-    let base = fill_capacity_for(policy.buffer_bytes, largest);
+    let base = fill_capacity(policy.buffer_bytes, largest);
     if policy.tail_fill_bytes == 0 {
         return base;
     }
