@@ -33,6 +33,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use crate::hist::Histogram;
+use crate::restore::settle;
 use crate::util::{fmt_bytes, json_str, parse_size};
 
 /// Bytes of a record header (kvtide's SSD format).
@@ -759,26 +760,6 @@ fn poll_until(store: &Engine, what: &str, done: impl Fn(&Stats) -> bool) -> Resu
         }
         std::thread::sleep(Duration::from_micros(500));
     }
-}
-
-/// Waits until demotions, SSD writes and syncs stop changing for 100 ms, then a shard barrier.
-fn settle(store: &Engine) -> Result<(), String> {
-    let snapshot = |s: &Stats| (s.total.demotions, s.total.ssd_write_bytes, s.total.syncs, s.total.ssd_objects);
-    let start = Instant::now();
-    let mut last = snapshot(&store.stats());
-    let mut stable_since = Instant::now();
-    while stable_since.elapsed() < Duration::from_millis(100) {
-        std::thread::sleep(Duration::from_millis(5));
-        let now = snapshot(&store.stats());
-        if now != last {
-            last = now;
-            stable_since = Instant::now();
-        }
-        if start.elapsed() > SETTLE_TIMEOUT {
-            return Err("SSD writes did not settle".into());
-        }
-    }
-    store.sync_shards().map_err(|e| format!("sync_shards: {e}"))
 }
 
 fn default_ssd_bytes(args: &SsdArgs, config: &Config, filler_keys: u64) -> u64 {
