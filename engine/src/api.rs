@@ -13,13 +13,21 @@ pub struct PutOptions {
     /// Replace an existing object instead of failing with `AlreadyExists`. Readers of the old
     /// version keep their bytes until they finish.
     pub upsert: bool,
+    /// Pin the object as it is published (one pin, undone by `unpin`): it is never evicted in
+    /// between, as a `put` followed by `pin` could be when the rest of the pool is pinned.
+    pub pin: bool,
 }
 
 impl PutOptions {
     /// Insert-only (the default).
-    pub const INSERT: PutOptions = PutOptions { upsert: false };
+    pub const INSERT: PutOptions = PutOptions { upsert: false, pin: false };
     /// Insert or replace.
-    pub const UPSERT: PutOptions = PutOptions { upsert: true };
+    pub const UPSERT: PutOptions = PutOptions { upsert: true, pin: false };
+
+    /// The same options, pinning the object as it is published.
+    pub const fn pinned(self) -> PutOptions {
+        PutOptions { pin: true, ..self }
+    }
 }
 
 /// One byte range of an object into a destination buffer (`get_into_ranges`).

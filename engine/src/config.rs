@@ -65,6 +65,12 @@ pub struct StoreBuilder {
     pub restore_budget_bytes: u64,
     /// Keep objects read from SSD in DRAM. Default true.
     pub promote_on_hit: bool,
+    /// A clean shutdown writes DRAM-only objects to the SSD tier, so the cache is warm after a
+    /// restart. Default true.
+    pub demote_on_shutdown: bool,
+    /// How long a clean shutdown spends on that (and on queued tombstones) at most; what is not
+    /// written by then is not kept. Default 30 s.
+    pub shutdown_flush_timeout_ms: u64,
     /// Stage fragmented GPU reads and writes through one device buffer with one scatter/gather
     /// kernel per fill (feature `cuda`). Default false: direct copies.
     pub gpu_staging: bool,
@@ -121,6 +127,8 @@ impl Default for StoreBuilder {
             write_through: false,
             restore_budget_bytes: 64 << 20,
             promote_on_hit: true,
+            demote_on_shutdown: true,
+            shutdown_flush_timeout_ms: 30_000,
             gpu_staging: false,
             gpu_staging_bytes: 256 << 20,
             gpu_staging_tail_bytes: 4 << 20,
@@ -145,6 +153,8 @@ pub(crate) struct EngineConfig {
     pub(crate) low_watermark: f64,
     pub(crate) policy: EvictionPolicy,
     pub(crate) idle_spin: Duration,
+    pub(crate) demote_on_shutdown: bool,
+    pub(crate) shutdown_flush_timeout: Duration,
     pub(crate) reply_spin: Duration,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) gpu_keep_shards_awake: bool,
@@ -236,6 +246,10 @@ impl StoreBuilder {
         restore_budget_bytes: u64);
     setter!(/// Keep objects read from SSD in DRAM.
         promote_on_hit: bool);
+    setter!(/// Write DRAM-only objects to SSD on a clean shutdown.
+        demote_on_shutdown: bool);
+    setter!(/// Time a clean shutdown may spend writing to SSD, in milliseconds.
+        shutdown_flush_timeout_ms: u64);
     setter!(/// Pipeline batched reads that touch the SSD.
         restore_pipeline: bool);
     setter!(/// Target bytes per restore sub-batch.
@@ -320,6 +334,12 @@ impl StoreBuilder {
                 "RING_ENTRIES" => self.ring_entries = v.parse().map_err(|_| bad("expected a count"))?,
                 "MAX_TICKETS_IN_FLIGHT" => {
                     self.max_tickets_in_flight = v.parse().map_err(|_| bad("expected a count"))?
+                }
+                "DEMOTE_ON_SHUTDOWN" => {
+                    self.demote_on_shutdown = parse_bool(v).ok_or_else(|| bad("expected true/false"))?
+                }
+                "SHUTDOWN_FLUSH_TIMEOUT_MS" => {
+                    self.shutdown_flush_timeout_ms = v.parse().map_err(|_| bad("expected milliseconds"))?
                 }
                 "GPU_STAGING" => self.gpu_staging = parse_bool(v).ok_or_else(|| bad("expected true/false"))?,
                 "GPU_STAGING_BYTES" => self.gpu_staging_bytes = parse_bytes(v).ok_or_else(|| bad("expected a size"))?,
@@ -426,6 +446,8 @@ impl StoreBuilder {
             low_watermark: self.low_watermark,
             policy,
             idle_spin: Duration::from_micros(self.idle_spin_us),
+            demote_on_shutdown: self.demote_on_shutdown,
+            shutdown_flush_timeout: Duration::from_millis(self.shutdown_flush_timeout_ms),
             reply_spin: Duration::from_micros(self.reply_spin_us),
             gpu_keep_shards_awake: self.gpu_keep_shards_awake,
             pin_threads: self.pin_threads,

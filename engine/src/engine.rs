@@ -73,7 +73,7 @@ impl Engine {
     pub(crate) fn open(config: EngineConfig) -> Result<Engine, OpenError> {
         let arena = Arena::new(config.dram_bytes as usize, config.shards)?;
         let slice_bytes = arena.slice_bytes() as u64;
-        let max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
+        let mut max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
         let cpus = crate::shard::allowed_cpus();
         let keep_awake = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let data_dir = match &config.ssd {
@@ -116,6 +116,15 @@ impl Engine {
                         ))),
                         (None, None) => DiskBackend::None,
                     };
+                    // The advertised maximum must be storable: a record fits a segment, and it
+                    // fits the slice beside the tier's scratch without crossing the watermark.
+                    max_value_bytes = max_value_bytes.min(crate::shard::largest_value_bytes(
+                        slice_bytes,
+                        shard_config.high_watermark_bytes,
+                        segments,
+                        ssd.segment_bytes,
+                        config.max_key_bytes,
+                    ));
                     let ssd_config = SsdConfig {
                         segments,
                         segment_bytes: ssd.segment_bytes,
@@ -126,7 +135,13 @@ impl Engine {
                     };
                     (Some(ssd_config), disk)
                 }
-                None => (None, DiskBackend::None),
+                None => {
+                    // DRAM only: an object alone above the high watermark would be evicted at once.
+                    // (Allocations round up to the object alignment.)
+                    let fits = shard_config.high_watermark_bytes / OBJECT_ALIGN_BYTES * OBJECT_ALIGN_BYTES;
+                    max_value_bytes = max_value_bytes.min(fits.max(1));
+                    (None, DiskBackend::None)
+                }
             };
             let core_slice = slice.clone();
             let core_counters = Arc::clone(&counters);
@@ -134,6 +149,8 @@ impl Engine {
             let runtime = RuntimeConfig {
                 ring_entries: config.ring_entries,
                 idle_spin: config.idle_spin,
+                demote_on_shutdown: config.demote_on_shutdown,
+                shutdown_flush_timeout: config.shutdown_flush_timeout,
                 keep_awake: Arc::clone(&keep_awake),
                 pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
                 register_fixed_buffers: config.register_fixed_buffers,
@@ -274,7 +291,7 @@ impl Engine {
         self.validate_value_len(len)?;
         let (mut grants, reservations) = self.reserve_many(std::iter::once((0, key, len)), opts.upsert);
         let grant = grants.remove(&0).ok_or(Error::Internal("no reservation"))??;
-        Ok(PendingPut { grant, reservations, upsert: opts.upsert })
+        Ok(PendingPut { grant, reservations, opts })
     }
 
     /// Stops accepting requests, lets in-flight work finish and joins the shard threads.
@@ -559,7 +576,8 @@ struct Reservations<'e> {
 
 impl Reservations<'_> {
     /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
-    fn commit(mut self, upsert: bool, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
+    fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
+        let (upsert, pin) = (opts.upsert, opts.pin);
         let mut out = HashMap::new();
         let mut pending = Vec::new();
         for shard in 0..self.by_shard.len() {
@@ -569,8 +587,10 @@ impl Reservations<'_> {
                 continue;
             }
             let objects = commit.iter().map(|(_, o)| *o).collect();
-            pending
-                .push((commit, self.engine.send_with_reply(shard, |reply| Request::Commit { objects, upsert, reply })));
+            pending.push((
+                commit,
+                self.engine.send_with_reply(shard, |reply| Request::Commit { objects, upsert, pin, reply }),
+            ));
         }
         for (commit, rx) in pending {
             match rx.and_then(|rx| self.engine.recv_reply(&rx)) {
@@ -603,7 +623,7 @@ impl Drop for Reservations<'_> {
 pub struct PendingPut<'e> {
     grant: WriteGrant,
     reservations: Reservations<'e>,
-    upsert: bool,
+    opts: PutOptions,
 }
 
 impl std::fmt::Debug for PendingPut<'_> {
@@ -635,8 +655,8 @@ impl PendingPut<'_> {
 
     /// Publishes the object (readers see it from now on).
     pub fn commit(self) -> Result<()> {
-        let PendingPut { reservations, upsert, .. } = self;
-        reservations.commit(upsert, |_| true).remove(&0).unwrap_or(Err(Error::Internal("no commit result")))
+        let PendingPut { reservations, opts, .. } = self;
+        reservations.commit(opts, |_| true).remove(&0).unwrap_or(Err(Error::Internal("no commit result")))
     }
 }
 
@@ -779,7 +799,7 @@ impl Store for Engine {
                 Err(e) => results[i] = Err(e.clone()),
             }
         }
-        for (i, result) in reservations.commit(opts.upsert, |i| copied[i]) {
+        for (i, result) in reservations.commit(opts, |i| copied[i]) {
             results[i] = result;
         }
         results

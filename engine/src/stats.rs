@@ -49,6 +49,12 @@ pub struct ShardCounters {
     pub recovery_discarded: AtomicU64,
     pub compactions: AtomicU64,
     pub compacted_records: AtomicU64,
+    /// Objects written to SSD by a clean shutdown.
+    pub shutdown_demotions: AtomicU64,
+    /// Writes that waited for a segment to be reclaimed.
+    pub ssd_space_waits: AtomicU64,
+    /// Tombstones queued, not yet written (a gauge).
+    pub tombstones_pending: AtomicU64,
     pub fixed_buffers_registered: AtomicBool,
 }
 
@@ -98,6 +104,12 @@ pub struct ShardStats {
     pub recovery_discarded: u64,
     pub compactions: u64,
     pub compacted_records: u64,
+    /// Objects written to SSD by a clean shutdown.
+    pub shutdown_demotions: u64,
+    /// Writes that waited for a segment to be reclaimed.
+    pub ssd_space_waits: u64,
+    /// Tombstones queued, not yet written (a gauge).
+    pub tombstones_pending: u64,
     pub fixed_buffers_registered: bool,
 }
 
@@ -148,6 +160,9 @@ impl ShardCounters {
             recovery_discarded: r(&self.recovery_discarded),
             compactions: r(&self.compactions),
             compacted_records: r(&self.compacted_records),
+            shutdown_demotions: r(&self.shutdown_demotions),
+            ssd_space_waits: r(&self.ssd_space_waits),
+            tombstones_pending: r(&self.tombstones_pending),
             fixed_buffers_registered: self.fixed_buffers_registered.load(Ordering::Relaxed),
         }
     }
@@ -231,6 +246,9 @@ impl Stats {
             t.recovery_discarded += s.recovery_discarded;
             t.compactions += s.compactions;
             t.compacted_records += s.compacted_records;
+            t.shutdown_demotions += s.shutdown_demotions;
+            t.ssd_space_waits += s.ssd_space_waits;
+            t.tombstones_pending += s.tombstones_pending;
             t.fixed_buffers_registered &= s.fixed_buffers_registered;
         }
         Stats { total: t, shards, ..Stats::default() }

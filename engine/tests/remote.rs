@@ -573,7 +573,7 @@ fn malformed_truncated_oversized_and_wrong_version_frames() {
     let mut raw = Raw::unix(&owner);
     raw.handshake(false);
     let mut p = Vec::new();
-    PutHead::encode(&mut p, false, b"p", 4);
+    PutHead::encode(&mut p, false, false, b"p", 4);
     p.extend_from_slice(b"p");
     p.extend_from_slice(b"too many bytes");
     raw.send(&frame(Op::Put, 1, &p));
@@ -584,7 +584,7 @@ fn malformed_truncated_oversized_and_wrong_version_frames() {
     let mut raw = Raw::unix(&owner);
     raw.handshake(false);
     let mut p = Vec::new();
-    PutHead::encode(&mut p, false, b"cut", 1 << 20);
+    PutHead::encode(&mut p, false, false, b"cut", 1 << 20);
     p.extend_from_slice(b"cut");
     p.extend_from_slice(&[7u8; 1000]);
     raw.send(&frame(Op::Put, 1, &p));
@@ -724,7 +724,7 @@ fn shutdown_finishes_in_flight_requests() {
     raw.handshake(false);
     let value = value_for(b"late", 0, 200_000);
     let mut p = Vec::new();
-    PutHead::encode(&mut p, false, b"late", value.len() as u64);
+    PutHead::encode(&mut p, false, false, b"late", value.len() as u64);
     p.extend_from_slice(b"late");
     p.extend_from_slice(&value[..100_000]);
     raw.send(&frame(Op::Put, 1, &p));
@@ -834,7 +834,7 @@ fn write_fuzz_seeds() {
     }
     // A put with inline bytes, its data frame, replies of each kind, and a truncated tail.
     let mut put = Vec::new();
-    PutHead::encode(&mut put, true, b"key", 10);
+    PutHead::encode(&mut put, true, false, b"key", 10);
     put.extend_from_slice(b"key");
     put.extend_from_slice(b"01234");
     stream.extend_from_slice(&frame(Op::Put, 50, &put));

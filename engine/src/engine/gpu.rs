@@ -671,7 +671,7 @@ pub(super) fn batch_put(
     }
     // Only keys whose bytes all arrived are published; the rest are aborted when the
     // reservations drop (after the copies completed or were drained).
-    for (i, result) in reservations.commit(opts.upsert, |i| copied[i]) {
+    for (i, result) in reservations.commit(opts, |i| copied[i]) {
         results[i] = result;
     }
     results

@@ -528,13 +528,20 @@ impl Conn {
     }
 
     /// Sends one put (value gathered from `sources`, `total` bytes) and reads its status.
-    fn put(&mut self, rid: u64, key: &[u8], sources: &[Region<'_>], total: u64, upsert: bool) -> WResult<Result<()>> {
+    fn put(
+        &mut self,
+        rid: u64,
+        key: &[u8],
+        sources: &[Region<'_>],
+        total: u64,
+        opts: PutOptions,
+    ) -> WResult<Result<()>> {
         let chunk = u64::from(self.hello.chunk_bytes);
         let inline = total.min(chunk.saturating_sub((PUT_HEAD_BYTES + key.len()) as u64));
         let payload_len = (PUT_HEAD_BYTES + key.len()) as u64 + inline;
         let out = self.io.out();
         out.extend_from_slice(&FrameHeader::new(Op::Put, rid, payload_len as u32).encode());
-        PutHead::encode(out, upsert, key, total);
+        PutHead::encode(out, opts.upsert, opts.pin, key, total);
         out.extend_from_slice(key);
         self.io.send_with(&source_slices(sources, 0, inline))?;
         let mut pos = inline;
@@ -803,7 +810,7 @@ impl Store for RemoteStore {
                 if total > limits.max_value_bytes {
                     return Err(Error::TooLarge { what: "value", len: total, max: limits.max_value_bytes });
                 }
-                self.inner.call("put", |conn, rid| conn.put(rid, key, srcs, total, opts.upsert))
+                self.inner.call("put", |conn, rid| conn.put(rid, key, srcs, total, opts))
             })
             .collect()
     }

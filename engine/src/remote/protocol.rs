@@ -545,6 +545,8 @@ pub struct RangeItem {
 pub const GET_LEASE: u8 = 1;
 /// `Put` flag: replace an existing object.
 pub const PUT_UPSERT: u8 = 1;
+/// `Put` flag: pin the object as it is published.
+pub const PUT_PIN: u8 = 2;
 /// `Remove` flag: remove even when leased or pinned.
 pub const REMOVE_FORCE: u8 = 1;
 
@@ -702,6 +704,7 @@ fn encode_keys(buf: &mut Vec<u8>, keys: &[&[u8]]) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PutHead {
     pub upsert: bool,
+    pub pin: bool,
     pub key_len: u16,
     pub total_len: u64,
     /// Value bytes in the `Put` frame itself, after the key.
@@ -710,8 +713,8 @@ pub struct PutHead {
 
 impl PutHead {
     /// Appends the fixed part (the caller appends the key and the inline bytes).
-    pub fn encode(buf: &mut Vec<u8>, upsert: bool, key: &[u8], total_len: u64) {
-        buf.put_u8(if upsert { PUT_UPSERT } else { 0 });
+    pub fn encode(buf: &mut Vec<u8>, upsert: bool, pin: bool, key: &[u8], total_len: u64) {
+        buf.put_u8(if upsert { PUT_UPSERT } else { 0 } | if pin { PUT_PIN } else { 0 });
         buf.put_u8(0);
         buf.put_u16(key.len().min(MAX_WIRE_KEY_BYTES) as u16);
         buf.put_u64(total_len);
@@ -725,7 +728,7 @@ impl PutHead {
         let key_len = r.u16()?;
         let total_len = r.u64()?;
         r.finish("put head")?;
-        if flags & !PUT_UPSERT != 0 || reserved != 0 {
+        if flags & !(PUT_UPSERT | PUT_PIN) != 0 || reserved != 0 {
             return Err(ProtocolError::Invalid { what: "put flags" });
         }
         if key_len == 0 || u32::from(key_len) > limits.max_key_bytes {
@@ -741,7 +744,7 @@ impl PutHead {
         if inline_len > total_len {
             return Err(ProtocolError::Invalid { what: "put inline length" });
         }
-        Ok(PutHead { upsert: flags & PUT_UPSERT != 0, key_len, total_len, inline_len })
+        Ok(PutHead { upsert: flags & PUT_UPSERT != 0, pin: flags & PUT_PIN != 0, key_len, total_len, inline_len })
     }
 }
 
@@ -1082,13 +1085,13 @@ mod tests {
     fn put_head_validation() {
         let limits = Limits { max_value_bytes: 1000, ..Limits::default() };
         let mut buf = Vec::new();
-        PutHead::encode(&mut buf, true, b"key", 100);
+        PutHead::encode(&mut buf, true, false, b"key", 100);
         let head = PutHead::decode(&buf, (PUT_HEAD_BYTES + 3 + 40) as u32, &limits).expect("valid");
-        assert_eq!(head, PutHead { upsert: true, key_len: 3, total_len: 100, inline_len: 40 });
+        assert_eq!(head, PutHead { upsert: true, pin: false, key_len: 3, total_len: 100, inline_len: 40 });
         assert!(PutHead::decode(&buf, 5, &limits).is_err());
         assert!(PutHead::decode(&buf, (PUT_HEAD_BYTES + 3 + 101) as u32, &limits).is_err());
         let mut big = Vec::new();
-        PutHead::encode(&mut big, false, b"key", 1001);
+        PutHead::encode(&mut big, false, false, b"key", 1001);
         assert!(PutHead::decode(&big, (PUT_HEAD_BYTES + 3) as u32, &limits).is_err());
     }
 

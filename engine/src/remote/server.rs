@@ -891,7 +891,7 @@ impl Connection<'_> {
             return Ok(Flow::Close);
         }
         let engine = Arc::clone(&self.shared.engine);
-        let opts = PutOptions { upsert: head.upsert };
+        let opts = PutOptions { upsert: head.upsert, pin: head.pin };
         match engine.reserve_put(&key, head.total_len, opts) {
             Ok(mut pending) => {
                 let dst = pending.bytes_mut();

@@ -31,6 +31,7 @@ use xxhash_rust::xxh3::Xxh3Builder;
 use crate::error::{Error, OpenError, Result};
 use crate::stats::ShardCounters;
 
+pub(crate) use ssd::largest_value_bytes;
 use ssd::SsdState;
 pub use ssd::{RecoveryReport, SsdConfig};
 
@@ -115,6 +116,8 @@ struct Object {
     transient: bool,
     /// The in-flight SSD load filling this object's DRAM copy (readers join it).
     loading: Option<usize>,
+    /// The shard loop turn that committed it.
+    committed_turn: u64,
     state: ObjectState,
 }
 
@@ -209,6 +212,11 @@ pub struct ShardCore {
     waiters: VecDeque<Waiter>,
     /// DRAM bytes that in-flight demotions will free.
     demoting_bytes: u64,
+    /// The last eviction found a dirty victim that must wait for SSD room.
+    demotion_waiting: bool,
+    /// Counts the shard loop's turns; the background eviction never takes an object committed
+    /// in the current turn (its put has just been acknowledged).
+    turn: u64,
     retrying: bool,
 }
 
@@ -259,6 +267,8 @@ impl ShardCore {
             pending_commits: Slab::new(),
             waiters: VecDeque::new(),
             demoting_bytes: 0,
+            demotion_waiting: false,
+            turn: 0,
             retrying: false,
         })
     }
@@ -475,6 +485,7 @@ impl ShardCore {
             io_refs: 0,
             transient: false,
             loading: None,
+            committed_turn: 0,
             state: ObjectState::Reserved,
         }) as u32;
         self.counters.bytes_used.fetch_add(reserved, RELAXED);
@@ -505,10 +516,11 @@ impl ShardCore {
     /// Makes reserved objects visible. With `upsert`, an existing version is unlinked and freed
     /// once its readers finish; without, an existing key fails the commit (and frees the
     /// reservation). With write-through, each result waits until its record is durable.
-    pub fn commit_batch(&mut self, objects: Vec<ObjectRef>, upsert: bool, done: Done<Vec<Result<()>>>) {
+    /// With `pin`, each object is pinned as it is published (never evictable in between).
+    pub fn commit_batch(&mut self, objects: Vec<ObjectRef>, upsert: bool, pin: bool, done: Done<Vec<Result<()>>>) {
         let pending = self.pending_commits.insert(Batch::new(objects.len(), done));
         for (slot, object) in objects.into_iter().enumerate() {
-            match self.commit_now(object, upsert) {
+            match self.commit_now(object, upsert, pin) {
                 Ok(id) if self.write_through() => self.write_through_record(id, pending, slot),
                 Ok(_) => self.resolve_commit(pending, slot, Ok(())),
                 Err(e) => self.resolve_commit(pending, slot, Err(e)),
@@ -529,7 +541,7 @@ impl ShardCore {
         }
     }
 
-    fn commit_now(&mut self, object: ObjectRef, upsert: bool) -> Result<u32> {
+    fn commit_now(&mut self, object: ObjectRef, upsert: bool, pin: bool) -> Result<u32> {
         if !self.is_reserved(object) {
             return Err(Error::Internal("commit of an unknown reservation"));
         }
@@ -542,20 +554,33 @@ impl ShardCore {
                 self.free_object(id);
                 return Err(Error::AlreadyExists);
             }
-            inherited_pins = self.objects[old as usize].pins;
+            let previous = &self.objects[old as usize];
+            // Write-back: the new version may never reach SSD, so the old record must not win
+            // after a restart. (Write-through writes the new record durably before it answers.)
+            let supersedes_ssd =
+                !self.write_through() && (previous.ssd.is_some() || previous.io_refs > 0) && self.ssd.is_some();
+            if supersedes_ssd && self.ssd.as_ref().is_some_and(SsdState::tombstones_full) {
+                self.free_object(id);
+                return Err(Error::Busy { limit: ssd::MAX_PENDING_TOMBSTONES });
+            }
+            inherited_pins = previous.pins;
             self.unlink(old);
+            if supersedes_ssd {
+                self.queue_tombstone(&key);
+            }
         }
         let seq = self.bump_seq();
         let entry = &mut self.objects[id as usize];
         entry.state = ObjectState::Live;
-        entry.pins = inherited_pins;
+        entry.pins = inherited_pins.saturating_add(u32::from(pin));
         entry.seq = seq;
+        entry.committed_turn = self.turn;
         let (hash, len) = (entry.key_hash, entry.len);
         self.index.insert(key, id);
-        if inherited_pins == 0 {
+        if inherited_pins == 0 && !pin {
             self.policy.insert(id as EntryId, hash, len.max(1));
         } else {
-            // The old version's pins moved here; `unlink` counted it out.
+            // Pinned now, or the old version's pins moved here (`unlink` counted it out).
             self.counters.pinned_objects.fetch_add(1, RELAXED);
         }
         self.counters.objects.fetch_add(1, RELAXED);
@@ -588,9 +613,13 @@ impl ShardCore {
             return Err(Error::Pinned);
         }
         let on_ssd = object.ssd.is_some() || object.io_refs > 0;
+        if on_ssd && self.ssd.as_ref().is_some_and(SsdState::tombstones_full) {
+            // Every acknowledged remove gets its tombstone: past the queue's bound, refuse.
+            return Err(Error::Busy { limit: ssd::MAX_PENDING_TOMBSTONES });
+        }
         self.unlink(id);
         if on_ssd {
-            self.write_tombstone(key);
+            self.queue_tombstone(key);
         }
         self.counters.removes.fetch_add(1, RELAXED);
         Ok(())
@@ -641,7 +670,7 @@ impl ShardCore {
         while n < max_victims
             && self.allocator.used_bytes().saturating_sub(self.demoting_bytes) > self.config.low_watermark_bytes
         {
-            if !self.evict_one() {
+            if !self.evict_one_of(true) {
                 break;
             }
             n += 1;
@@ -649,9 +678,15 @@ impl ShardCore {
         n
     }
 
+    /// Starts the shard loop's next turn (see `turn`).
+    pub fn next_turn(&mut self) {
+        self.turn += 1;
+    }
+
     /// Allocates `bytes`, evicting clean victims and starting demotions of dirty ones. `None`
     /// means: wait, in-flight demotions will free enough.
     fn allocate_or_wait(&mut self, bytes: u64) -> Result<Option<Allocation>> {
+        self.demotion_waiting = false;
         loop {
             if let Some(allocation) = self.allocator.allocate(bytes) {
                 return Ok(Some(allocation));
@@ -660,7 +695,7 @@ impl ShardCore {
                 return Ok(None);
             }
             if !self.evict_one() {
-                if self.demoting_bytes > 0 {
+                if self.demoting_bytes > 0 || (self.demotion_waiting && self.ssd_space_coming()) {
                     return Ok(None);
                 }
                 self.counters.no_space.fetch_add(1, RELAXED);
@@ -682,16 +717,35 @@ impl ShardCore {
     /// demoted (its DRAM is freed when the write completes) or, without room on SSD, dropped.
     /// False when nothing is evictable.
     fn evict_one(&mut self) -> bool {
+        self.evict_one_of(false)
+    }
+
+    /// `evict_one`; with `spare_this_turn`, objects committed in this turn are skipped.
+    fn evict_one_of(&mut self, spare_this_turn: bool) -> bool {
         let objects = &self.objects;
-        let victim = self.policy.pop_victim(&mut |id| objects.get(id as usize).is_some_and(Object::evictable));
+        let turn = self.turn;
+        let victim = self.policy.pop_victim(&mut |id| {
+            objects.get(id as usize).is_some_and(|o| o.evictable() && !(spare_this_turn && o.committed_turn == turn))
+        });
         let Some(id) = victim else { return false };
         debug_assert_eq!(self.objects[id as usize].state, ObjectState::Live);
         if self.objects[id as usize].ssd.is_some() {
             self.drop_dram(id);
-        } else if !self.start_demotion(id) {
-            self.drop_or_evict(id);
+            return true;
         }
-        true
+        match self.start_demotion(id) {
+            ssd::Demotion::Started => true,
+            ssd::Demotion::Wait => {
+                // No SSD room until a reclaim frees a segment: keep it, and let allocations wait.
+                self.demotion_waiting = true;
+                self.track_if_resident(id);
+                false
+            }
+            ssd::Demotion::Refused => {
+                self.drop_or_evict(id);
+                true
+            }
+        }
     }
 
     /// Removes a victim's DRAM copy: SSD-only if it has one, else gone from the shard.
@@ -769,8 +823,24 @@ impl ShardCore {
         }
     }
 
+    /// One step of a clean shutdown, called until it returns true: parked work fails, dirty
+    /// objects are written to SSD (with `demote`), queued tombstones and freed segments' headers
+    /// are written (while `in_time`), and nothing is left in flight. Past its deadline
+    /// (`in_time` false) the SSD tier starts nothing new.
+    pub fn flush_for_shutdown(&mut self, demote: bool, in_time: bool) -> bool {
+        self.fail_waiters(Error::ShuttingDown);
+        if !in_time {
+            self.freeze_ssd();
+            return self.disk_ops_in_flight() == 0;
+        }
+        let dirty = if demote { self.flush_dirty() } else { 0 };
+        self.schedule_syncs();
+        dirty == 0 && !self.ssd_shutdown_pending() && self.disk_ops_in_flight() == 0
+    }
+
     /// Fails every parked reservation and load with `error` (shutdown).
     pub fn fail_waiters(&mut self, error: Error) {
+        self.fail_space_waiters(&error);
         while let Some(waiter) = self.waiters.pop_front() {
             match waiter {
                 Waiter::Reserve { pending, slot, .. } => {

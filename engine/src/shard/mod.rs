@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crossbeam_channel::Sender;
 
+pub(crate) use self::core::largest_value_bytes;
 pub use self::core::{LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant};
 pub(crate) use inbox::Inbox;
 pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
@@ -46,6 +47,8 @@ pub(crate) enum Request {
     Commit {
         objects: Vec<ObjectRef>,
         upsert: bool,
+        /// Pin each object as it is published.
+        pin: bool,
         reply: Sender<Vec<Result<()>>>,
     },
     /// Drop reservations whose writer failed (fire and forget).

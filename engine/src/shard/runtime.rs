@@ -15,7 +15,7 @@ use super::inbox::Inbox;
 use super::ring::{Completion, Ring};
 use super::task::TaskPoll;
 use super::{Request, ShardTask};
-use crate::error::{Error, OpenError};
+use crate::error::OpenError;
 use crate::stats::ShardCounters;
 
 /// Requests handled per loop turn before the loop looks at its other work.
@@ -32,6 +32,10 @@ const EVICTIONS_PER_TURN: usize = 64;
 pub(crate) struct RuntimeConfig {
     pub(crate) ring_entries: u32,
     pub(crate) idle_spin: Duration,
+    /// A clean shutdown writes DRAM-only objects to SSD first.
+    pub(crate) demote_on_shutdown: bool,
+    /// ... for at most this long (queued tombstones too).
+    pub(crate) shutdown_flush_timeout: Duration,
     /// While non-zero (GPU transfers in flight, engine-wide) an idle shard keeps polling
     /// instead of parking.
     pub(crate) keep_awake: Arc<AtomicUsize>,
@@ -209,7 +213,9 @@ impl ShardLoop {
         let span = tracing::debug_span!("shard", shard = self.index);
         let _enter = span.enter();
         let mut idle_since: Option<Instant> = None;
+        let mut flush_deadline: Option<Instant> = None;
         loop {
+            self.core.next_turn();
             let mut worked = self.drain_inbox();
             worked |= self.advance_tasks();
             if self.core.above_high_watermark() {
@@ -225,12 +231,16 @@ impl ShardLoop {
             self.reap();
             worked |= self.complete_disk();
             if self.inbox.quiesced() {
-                if self.inbox_is_drained() && self.tasks.is_empty() && self.core.disk_ops_in_flight() == 0 {
-                    self.core.fail_waiters(Error::ShuttingDown);
-                    // A clean shutdown leaves every completed write durable.
-                    self.core.sync_everything();
-                    if self.core.disk_ops_in_flight() == 0 {
-                        break;
+                if self.inbox_is_drained() && self.tasks.is_empty() {
+                    let deadline = *flush_deadline.get_or_insert(now + self.config.shutdown_flush_timeout);
+                    let in_time = now < deadline;
+                    // DRAM-only objects and queued tombstones go to SSD (bounded in time), then
+                    // every completed write is made durable: a restart finds what was acknowledged.
+                    if self.core.flush_for_shutdown(self.config.demote_on_shutdown && in_time, in_time) {
+                        self.core.sync_everything();
+                        if self.core.disk_ops_in_flight() == 0 {
+                            break;
+                        }
                     }
                 }
                 continue;
@@ -410,8 +420,8 @@ impl ShardLoop {
             Request::Reserve { items, upsert, reply } => {
                 core.reserve_batch(items, upsert, Box::new(move |grants| drop(reply.send(grants))));
             }
-            Request::Commit { objects, upsert, reply } => {
-                core.commit_batch(objects, upsert, Box::new(move |results| drop(reply.send(results))));
+            Request::Commit { objects, upsert, pin, reply } => {
+                core.commit_batch(objects, upsert, pin, Box::new(move |results| drop(reply.send(results))));
             }
             Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
             Request::Exists { keys, reply } => {

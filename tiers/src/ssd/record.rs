@@ -61,6 +61,11 @@ impl RecordHeader {
     pub fn value_offset(&self) -> usize {
         HEADER_BYTES + self.key_len as usize
     }
+
+    /// CRC32 of key and value, as recorded.
+    pub fn body_crc(&self) -> u32 {
+        self.body_crc
+    }
 }
 
 /// Why a record was refused.
@@ -144,6 +149,15 @@ pub fn seal_in_place(
     let header = RecordHeader { kind, key_len: key_len as u32, value_len, seq, epoch, body_crc };
     write_header(&mut record[..HEADER_BYTES], &header);
     Ok(())
+}
+
+/// Re-stamps the header at the start of `record` with another segment's epoch (a record copied
+/// forward into a new segment), keeping kind, lengths, sequence number and body checksum.
+pub fn restamp_epoch(record: &mut [u8], epoch: u64) -> Result<RecordHeader, RecordError> {
+    let mut header = decode_header(record)?;
+    header.epoch = epoch;
+    write_header(&mut record[..HEADER_BYTES], &header);
+    Ok(header)
 }
 
 fn write_header(out: &mut [u8], h: &RecordHeader) {

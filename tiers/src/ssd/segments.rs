@@ -39,6 +39,9 @@ pub struct Segment {
     pub sync_in_flight: bool,
     /// The segment header of the current epoch is durable.
     pub header_durable: bool,
+    /// Free, but its previous life's header may still be valid on disk: recovery would scan its
+    /// old records. Cleared once a zeroed header is durable or the segment is opened again.
+    pub stale_header: bool,
 }
 
 impl Segment {
@@ -53,6 +56,7 @@ impl Segment {
             unsynced_writes: 0,
             sync_in_flight: false,
             header_durable: false,
+            stale_header: false,
         }
     }
 
@@ -134,8 +138,12 @@ impl SegmentTable {
         self.segment_bytes.saturating_sub(BLOCK_BYTES)
     }
 
-    /// Places a record of `record_bytes`.
-    pub fn append(&mut self, record_bytes: u64) -> Result<Append, AppendError> {
+    /// Places a record of `record_bytes`. A new segment is opened only when one is free and
+    /// quiescent, and the last such one only with `take_last_free` (it is kept for relocation
+    /// copies, so a reclaim always has room to finish). When that leaves nothing to reclaim, the
+    /// open segment is sealed so it can be. Segments whose old header is stale are reused first:
+    /// the new header invalidates their old records.
+    pub fn append(&mut self, record_bytes: u64, take_last_free: bool) -> Result<Append, AppendError> {
         if record_bytes > self.max_record_bytes() || record_bytes == 0 {
             return Err(AppendError::TooLarge);
         }
@@ -146,11 +154,24 @@ impl SegmentTable {
                 s.write_offset += record_bytes;
                 return Ok(Append { location, opens_segment: false });
             }
-            s.state = SegmentState::Sealed;
-            self.sealed.push_back(open);
-            self.open = None;
         }
-        let free = self.segments.iter().position(|s| s.state == SegmentState::Free).ok_or(AppendError::Full)?;
+        let usable = self.usable_free_count();
+        if usable == 0 || (usable == 1 && !take_last_free) {
+            if self.sealed.is_empty() {
+                self.seal_open();
+            }
+            return Err(AppendError::Full);
+        }
+        let free = self
+            .segments
+            .iter()
+            .position(|s| s.state == SegmentState::Free && s.quiescent() && s.stale_header)
+            .or_else(|| self.segments.iter().position(|s| s.state == SegmentState::Free && s.quiescent()))
+            .ok_or(AppendError::Full)?;
+        if let Some(open) = self.open.take() {
+            self.segments[open as usize].state = SegmentState::Sealed;
+            self.sealed.push_back(open);
+        }
         let epoch = self.fresh_epoch(self.segments[free].epoch);
         let s = &mut self.segments[free];
         *s = Segment { state: SegmentState::Open, epoch, write_offset: BLOCK_BYTES + record_bytes, ..Segment::free() };
@@ -168,13 +189,17 @@ impl SegmentTable {
         }
     }
 
-    /// The oldest sealed segment, if nothing can still touch it and no newer segment's header
-    /// is still unsynced (so a crash cannot bring this one's old contents back while the newer
-    /// records that supersede them are lost).
+    /// The oldest sealed segment, if nothing can still touch it, no newer segment's header is
+    /// still unsynced, and no earlier freed segment still has a valid header on disk. Either
+    /// would let a crash bring this one's old contents back while the newer records or
+    /// tombstones that supersede them are lost, or bring back records of a segment freed before.
     pub fn reclaim_candidate(&self) -> Option<u32> {
         let oldest = *self.sealed.front()?;
-        let headers_durable = self.segments.iter().all(|s| s.state == SegmentState::Free || s.header_durable);
-        (self.segments[oldest as usize].quiescent() && headers_durable).then_some(oldest)
+        let headers_clean =
+            self.segments
+                .iter()
+                .all(|s| if s.state == SegmentState::Free { !s.stale_header } else { s.header_durable });
+        (self.segments[oldest as usize].quiescent() && headers_clean).then_some(oldest)
     }
 
     /// The oldest sealed segment, whether or not it can be reclaimed yet.
@@ -188,8 +213,22 @@ impl SegmentTable {
             return false;
         }
         self.sealed.pop_front();
-        self.segments[segment as usize] = Segment::free();
+        self.segments[segment as usize] = Segment { stale_header: true, ..Segment::free() };
         true
+    }
+
+    /// Free segments whose old header must be zeroed (durably) before another segment is freed.
+    pub fn stale_free(&self) -> impl Iterator<Item = u32> + '_ {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state == SegmentState::Free && s.stale_header && s.quiescent())
+            .map(|(i, _)| i as u32)
+    }
+
+    /// True while some free segment's old header may still be valid on disk.
+    pub fn has_stale_free(&self) -> bool {
+        self.segments.iter().any(|s| s.state == SegmentState::Free && s.stale_header)
     }
 
     pub fn get(&self, segment: u32) -> Option<&Segment> {
@@ -205,9 +244,29 @@ impl SegmentTable {
         self.get(location.segment).is_some_and(|s| s.state != SegmentState::Free && s.epoch == location.epoch)
     }
 
+    /// Bytes still free at the end of the open segment (0 without one).
+    pub fn open_room(&self) -> u64 {
+        self.open.map_or(0, |open| self.segment_bytes.saturating_sub(self.segments[open as usize].write_offset))
+    }
+
     /// Segments neither open nor sealed.
     pub fn free_count(&self) -> usize {
         self.segments.iter().filter(|s| s.state == SegmentState::Free).count()
+    }
+
+    /// Free segments that an append could open now (nothing in flight on them).
+    pub fn usable_free_count(&self) -> usize {
+        self.segments.iter().filter(|s| s.state == SegmentState::Free && s.quiescent()).count()
+    }
+
+    /// Bytes of live records in all segments.
+    pub fn live_bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.live_bytes).sum()
+    }
+
+    /// Bytes of all segments.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.segment_bytes * self.segments.len() as u64
     }
 
     pub fn count(&self) -> u32 {
@@ -240,16 +299,16 @@ mod tests {
     #[test]
     fn appends_fill_segments_in_order_and_reclaim_oldest_first() {
         let mut t = SegmentTable::new(2, 4 * BLOCK_BYTES, 1);
-        let a = t.append(BLOCK_BYTES).expect("a");
+        let a = t.append(BLOCK_BYTES, true).expect("a");
         assert!(a.opens_segment);
         assert_eq!((a.location.segment, a.location.offset), (0, BLOCK_BYTES));
-        let b = t.append(2 * BLOCK_BYTES).expect("b");
+        let b = t.append(2 * BLOCK_BYTES, true).expect("b");
         assert!(!b.opens_segment);
-        let c = t.append(2 * BLOCK_BYTES).expect("c opens segment 1");
+        let c = t.append(2 * BLOCK_BYTES, true).expect("c opens segment 1");
         assert_eq!(c.location.segment, 1);
         assert_ne!(c.location.epoch, a.location.epoch);
-        assert_eq!(t.append(3 * BLOCK_BYTES), Err(AppendError::Full));
-        assert_eq!(t.append(4 * BLOCK_BYTES), Err(AppendError::TooLarge));
+        assert_eq!(t.append(3 * BLOCK_BYTES, true), Err(AppendError::Full));
+        assert_eq!(t.append(4 * BLOCK_BYTES, true), Err(AppendError::TooLarge));
         // Headers not yet durable: no reclaim.
         assert_eq!(t.reclaim_candidate(), None);
         for s in 0..2 {
@@ -262,7 +321,7 @@ mod tests {
         assert_eq!(t.reclaim_candidate(), Some(0));
         assert!(t.reclaim(0));
         assert!(!t.is_current(&a.location));
-        let d = t.append(3 * BLOCK_BYTES).expect("d reuses segment 0");
+        let d = t.append(3 * BLOCK_BYTES, true).expect("d reuses segment 0");
         assert_eq!((d.location.segment, d.opens_segment), (0, true));
         assert_ne!(d.location.epoch, a.location.epoch, "a reused segment gets a new epoch");
     }
@@ -272,7 +331,7 @@ mod tests {
         let mut t = SegmentTable::new(3, 8 * BLOCK_BYTES, 1);
         t.restore(vec![(0, 77, 9, 2 * BLOCK_BYTES), (2, 12, 5, 3 * BLOCK_BYTES)]);
         assert_eq!(t.oldest_sealed(), Some(2));
-        let a = t.append(BLOCK_BYTES).expect("append");
+        let a = t.append(BLOCK_BYTES, true).expect("append");
         assert_eq!(a.location.segment, 1);
     }
 }

@@ -1,11 +1,14 @@
 //! Deterministic simulation of a shard with an SSD tier on the fault-injecting disk.
 //!
-//! Each seed drives one shard core through random puts (write-back or write-through), gets,
-//! removes and crashes on a `SimDisk` that injects EIO, short transfers, latency, torn and lost
-//! writes. After every crash a fresh core recovers from what survived. Checked every step: no
-//! read returns bytes that differ from a version written for that key; at run time a read sees
-//! the latest committed version; after a crash every acknowledged-durable object is back
-//! byte-exact (when no segment was reclaimed); held-resource counters return to zero.
+//! Each seed drives one shard core through random puts and upserts (write-back or
+//! write-through), gets, removes, crashes and clean shutdowns on a `SimDisk` that injects EIO,
+//! short transfers, latency, torn and lost writes. After every restart a fresh core recovers from
+//! what survived. Checked every step: no read returns bytes that differ from a version written
+//! for that key; at run time a read sees the latest committed version; after a crash every
+//! acknowledged-durable object is back byte-exact (unless an SSD eviction let objects leave);
+//! after a clean restart every key reads its latest value or (with faults) is absent, never an
+//! older one, and a key absent before stays absent; a key a restart found absent never comes
+//! back at a later restart; held-resource counters return to zero.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -56,7 +59,10 @@ fn new_core(arena: &Arc<Arena>, segments: u32, write_through: bool, promote: boo
 fn pump(core: &mut ShardCore, disk: &mut SimDisk) {
     let mut ops = Vec::new();
     let mut done = Vec::new();
-    for _ in 0..1_000_000 {
+    for round in 0..1_000_000 {
+        if round % 200_000 == 199_999 && std::env::var("KVTIDE_SIM_TRACE").is_ok() {
+            eprintln!("pump round {round}: {}", core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default());
+        }
         core.schedule_syncs();
         core.take_disk_ops(&mut ops);
         for op in ops.drain(..) {
@@ -73,7 +79,7 @@ fn pump(core: &mut ShardCore, disk: &mut SimDisk) {
             return;
         }
     }
-    panic!("disk work never settled");
+    panic!("disk work never settled: {}", core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default());
 }
 
 fn run_batch<T: 'static>(
@@ -90,14 +96,19 @@ fn run_batch<T: 'static>(
         }
         pump(core, disk);
     }
-    panic!("request never finished");
+    panic!(
+        "request never finished: {}; waiters {}, demoting {}",
+        core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default(),
+        core.waiters.len(),
+        core.demoting_bytes
+    );
 }
 
 fn put(core: &mut ShardCore, disk: &mut SimDisk, key: &[u8], value: &[u8]) -> Result<()> {
     let grant = run_batch(core, disk, |c, d| c.reserve_batch(vec![(key.into(), value.len() as u64)], true, d))?;
     // SAFETY: the reservation gives us `len` exclusive bytes at grant.ptr.
     unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), grant.ptr.as_ptr(), value.len()) };
-    run_batch(core, disk, |c, d| c.commit_batch(vec![grant.object], true, d))
+    run_batch(core, disk, |c, d| c.commit_batch(vec![grant.object], true, false, d))
 }
 
 fn get(core: &mut ShardCore, disk: &mut SimDisk, key: &[u8]) -> Result<Vec<u8>> {
@@ -126,16 +137,42 @@ struct KeyModel {
     written: Vec<Vec<u8>>,
     /// The last operation was a put acknowledged durable.
     durable: Option<Vec<u8>>,
+    /// A restart found the key absent and nothing put it since: no later restart may find it,
+    /// unless it was evicted (not removed) with `evicted_value`, which may come back.
+    absent_since_restart: bool,
+    evicted_value: Option<Vec<u8>>,
+    /// Values offered since the last restart: a put that failed may still have reached the
+    /// disk, so a crash may bring one back (never anything older).
+    offered_since_restart: Vec<Vec<u8>>,
 }
 
 struct Outcome {
     durable_checked: u64,
     crashes: u64,
+    clean_restarts: u64,
     compactions: u64,
     evicted_segments: u64,
 }
 
+/// A clean shutdown as the shard loop runs it: flush dirty objects and tombstones, sync, settle.
+fn clean_shutdown(core: &mut ShardCore, disk: &mut SimDisk) {
+    for _ in 0..100_000 {
+        if core.flush_for_shutdown(true, true) {
+            core.sync_everything();
+            pump(core, disk);
+            if core.disk_ops_in_flight() == 0 && core.flush_for_shutdown(true, true) {
+                return;
+            }
+        }
+        pump_some(core, disk, 1);
+    }
+    panic!("clean shutdown never settled: {}", core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default());
+}
+
 fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
+    if std::env::var("KVTIDE_SIM_TRACE").is_ok() {
+        eprintln!("scenario seed {seed}, {segments} segments");
+    }
     let mut rng = SimRng::new(seed);
     let write_through = rng.below(2) == 0;
     let promote = rng.below(4) != 0;
@@ -156,7 +193,8 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
     let mut version = 0u32;
     let mut durable_checked = 0;
     let mut crashes = 0;
-    let mut reclaimed = false;
+    let mut clean_restarts = 0;
+    let mut evicted = false;
     let mut compactions = 0;
     let mut evicted_segments = 0;
     let ctx = |seed: u64, step: usize| format!("seed {seed} step {step}");
@@ -164,13 +202,14 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
         let k = rng.below(u64::from(keys)) as u32;
         let key = format!("k{k}").into_bytes();
         let trace = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) == Some(k);
-        match rng.below(20) {
+        match rng.below(22) {
             0..=8 => {
                 version += 1;
                 let len = 1 + rng.below(40 << 10) as usize;
                 let v = value(k, version, len);
                 let m = model.entry(k).or_default();
                 m.written.push(v.clone());
+                m.offered_since_restart.push(v.clone());
                 let r = put(&mut core, &mut disk, &key, &v);
                 if trace {
                     eprintln!("step {step}: put k{k} v{version} len {len} -> {r:?}");
@@ -179,6 +218,8 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                     Ok(()) => {
                         m.latest = Some(v.clone());
                         m.durable = write_through.then_some(v);
+                        m.absent_since_restart = false;
+                        m.evicted_value = None;
                     }
                     // Reserve refused: the old version stays. A failed write-through commit
                     // unlinked the old version too: the key is gone.
@@ -211,25 +252,148 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                     Err(e) => panic!("{}: get: {e}", ctx(seed, step)),
                 }
             }
-            17 => {
+            17 | 21 => {
                 let m = model.entry(k).or_default();
                 if trace {
                     eprintln!("step {step}: remove k{k}");
                 }
                 match core.remove(&key, false) {
-                    Ok(()) | Err(Error::NotFound) => {
+                    Ok(()) => {
                         m.latest = None;
+                        m.durable = None;
+                        m.evicted_value = None;
+                    }
+                    // Not there: evicted (it may come back with that value) or never put.
+                    Err(Error::NotFound) => {
+                        if let Some(v) = m.latest.take() {
+                            m.evicted_value = Some(v);
+                        }
                         m.durable = None;
                     }
                     Err(e) => panic!("{}: remove: {e}", ctx(seed, step)),
                 }
             }
             18 => pump(&mut core, &mut disk),
+            20 => {
+                // Clean shutdown and restart: every key present before reads its latest value
+                // after (DRAM-only objects were written out), every absent key stays absent.
+                let faults_off = rng.below(2) == 0;
+                if faults_off {
+                    disk.set_faults(SimFaults::default());
+                }
+                let present: HashMap<u32, bool> =
+                    model.keys().map(|&k| (k, core.index.contains_key(format!("k{k}").as_bytes()))).collect();
+                let before: HashMap<u32, String> = model
+                    .keys()
+                    .map(|&k| {
+                        let state = core.index.get(format!("k{k}").as_bytes()).map(|&id| {
+                            let o = &core.objects[id as usize];
+                            (o.ssd, o.dram.is_some(), o.seq, o.io_refs, o.state)
+                        });
+                        (k, format!("{state:?}"))
+                    })
+                    .collect();
+                let evictions_before = core.counters.ssd_evictions.load(RELAXED);
+                let skipped_before = core.counters.tombstones_skipped.load(RELAXED);
+                clean_shutdown(&mut core, &mut disk);
+                let lossless = faults_off
+                    && core.counters.ssd_evictions.load(RELAXED) == evictions_before
+                    && core.counters.tombstones_skipped.load(RELAXED) == skipped_before;
+                let tombstones_lost = core.counters.tombstones_skipped.load(RELAXED) > 0;
+                evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
+                compactions += core.counters.compactions.load(RELAXED);
+                evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
+                if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
+                    let tkey = format!("k{tk}").into_bytes();
+                    eprintln!(
+                        "step {step} clean shutdown (write-through {write_through}, faults off {faults_off}): {}",
+                        core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default()
+                    );
+                    for seg in 0..segments {
+                        let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
+                        for r in scan.records.iter().filter(|r| r.key == tkey) {
+                            eprintln!(
+                                "  seg {seg} epoch {:?}: {:?} seq {} at {}",
+                                scan.epoch, r.kind, r.seq, r.location.offset
+                            );
+                        }
+                    }
+                }
+                drop(core);
+                clean_restarts += 1;
+                disk.set_faults(SimFaults::default());
+                core = new_core(&arena, segments, write_through, promote);
+                let report = core.recover(&mut disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(seed, step)));
+                for (&k, m) in model.iter_mut() {
+                    let key = format!("k{k}").into_bytes();
+                    let was_present = present.get(&k).copied().unwrap_or(false);
+                    match get(&mut core, &mut disk, &key) {
+                        Ok(bytes) => {
+                            // An evicted object may come back (a copy of its record made by a
+                            // reclaim the crash interrupted); a removed one never does.
+                            assert!(
+                                was_present
+                                    || tombstones_lost
+                                    || m.latest.as_ref() == Some(&bytes)
+                                    || m.evicted_value.as_ref() == Some(&bytes),
+                                "{}: k{k} was absent before a clean shutdown and came back",
+                                ctx(seed, step)
+                            );
+                            if m.latest.as_ref() != Some(&bytes) && m.evicted_value.as_ref() != Some(&bytes) {
+                                for seg in 0..segments {
+                                    let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
+                                    eprintln!("  seg {seg} epoch {:?} header seq {}", scan.epoch, scan.header_seq);
+                                    for r in scan.records.iter().filter(|r| r.key == key) {
+                                        eprintln!("    {:?} seq {} at {}", r.kind, r.seq, r.location.offset);
+                                    }
+                                }
+                                let ver = |b: &[u8]| u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                                panic!(
+                                    "{}: k{k} reads v{} after a clean restart, latest {:?}; it was {}",
+                                    ctx(seed, step),
+                                    ver(&bytes),
+                                    m.latest.as_ref().map(|l| ver(l)),
+                                    before.get(&k).cloned().unwrap_or_default()
+                                );
+                            }
+                            m.latest = Some(bytes);
+                            m.absent_since_restart = false;
+                        }
+                        Err(Error::NotFound) => {
+                            // Reads after the restart load objects, and a reclaim they start may
+                            // evict (counted) in a tier that is mostly live.
+                            let evicted_since = core.counters.ssd_evictions.load(RELAXED) > 0;
+                            assert!(
+                                !(was_present && lossless && !evicted_since),
+                                "{}: k{k} was present before a clean shutdown and is lost: it was {}; recovered {report:?}; now {}",
+                                ctx(seed, step),
+                                before.get(&k).cloned().unwrap_or_default(),
+                                core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default()
+                            );
+                            assert!(
+                                m.durable.is_none() || evicted,
+                                "{}: durable k{k} lost in a clean restart",
+                                ctx(seed, step)
+                            );
+                            if !m.absent_since_restart {
+                                m.evicted_value = m.latest.take();
+                            }
+                            m.latest = None;
+                            m.durable = None;
+                            m.absent_since_restart = true;
+                        }
+                        Err(e) => panic!("{}: read after a clean restart: {e}", ctx(seed, step)),
+                    }
+                    m.offered_since_restart.clear();
+                }
+                core.check_invariants().unwrap_or_else(|e| panic!("{}: after clean restart: {e}", ctx(seed, step)));
+                disk.set_faults(faults.clone());
+            }
             _ => {
                 // Crash: whatever was in flight is lost; unsynced writes survive whole, torn or
                 // not at all. A new core recovers from the disk image.
                 pump_some(&mut core, &mut disk, rng.below(3) as usize);
-                reclaimed |= core.counters.segments_reclaimed.load(RELAXED) > 0;
+                evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
                 compactions += core.counters.compactions.load(RELAXED);
                 evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
                 if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
@@ -261,9 +425,9 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 }
                 for (&k, m) in model.iter_mut() {
                     let key = format!("k{k}").into_bytes();
-                    // Reads load objects, which may compact or evict segments: keys checked after
-                    // that may have been evicted legitimately.
-                    reclaimed |= core.counters.segments_reclaimed.load(RELAXED) > 0;
+                    // Reads load objects, which may reclaim segments: keys checked after an SSD
+                    // eviction may have left legitimately.
+                    evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
                     match get(&mut core, &mut disk, &key) {
                         Ok(bytes) => {
                             assert!(
@@ -271,10 +435,26 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                                 "{}: k{k} recovered bytes never written",
                                 ctx(seed, step)
                             );
+                            let evicted_comes_back =
+                                m.evicted_value.as_ref() == Some(&bytes) || m.offered_since_restart.contains(&bytes);
+                            if m.absent_since_restart
+                                && !evicted_comes_back
+                                && core.counters.tombstones_skipped.load(RELAXED) == 0
+                            {
+                                for seg in 0..segments {
+                                    let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
+                                    eprintln!("  seg {seg} epoch {:?} header seq {}", scan.epoch, scan.header_seq);
+                                    for r in scan.records.iter().filter(|r| r.key == key) {
+                                        eprintln!("    {:?} seq {} at {}", r.kind, r.seq, r.location.offset);
+                                    }
+                                }
+                                panic!("{}: k{k} was absent at an earlier restart and came back", ctx(seed, step));
+                            }
                             m.latest = Some(bytes);
+                            m.absent_since_restart = false;
                         }
                         Err(Error::NotFound) => {
-                            if m.durable.is_some() && !reclaimed && std::env::var("KVTIDE_SIM_KEY").is_ok() {
+                            if m.durable.is_some() && !evicted && std::env::var("KVTIDE_SIM_KEY").is_ok() {
                                 for seg in 0..segments {
                                     let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
                                     for r in scan.records.iter().filter(|r| r.key == key) {
@@ -286,15 +466,20 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                                 }
                             }
                             assert!(
-                                m.durable.is_none() || reclaimed,
+                                m.durable.is_none() || evicted,
                                 "{}: durable k{k} lost in the crash",
                                 ctx(seed, step)
                             );
+                            if !m.absent_since_restart {
+                                m.evicted_value = m.latest.take();
+                            }
                             m.latest = None;
+                            m.absent_since_restart = true;
                         }
                         Err(e) => panic!("{}: read after recovery: {e}", ctx(seed, step)),
                     }
-                    if let (Some(d), false) = (&m.durable, reclaimed) {
+                    m.offered_since_restart.clear();
+                    if let (Some(d), false) = (&m.durable, evicted) {
                         assert_eq!(
                             m.latest.as_ref(),
                             Some(d),
@@ -320,7 +505,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
     assert!(core.is_quiet(), "seed {seed}: work still pending");
     compactions += core.counters.compactions.load(RELAXED);
     evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
-    Outcome { durable_checked, crashes, compactions, evicted_segments }
+    Outcome { durable_checked, crashes, clean_restarts, compactions, evicted_segments }
 }
 
 /// Runs a few rounds of disk work (so crashes land mid-flight, not only at quiet points).
@@ -344,7 +529,9 @@ fn pump_some(core: &mut ShardCore, disk: &mut SimDisk, rounds: usize) {
 #[test]
 fn one_seed_from_env() {
     if let Some(seed) = std::env::var("KVTIDE_SIM_SEED").ok().and_then(|s| s.parse().ok()) {
-        scenario(seed, 8, 150);
+        let segments = std::env::var("KVTIDE_SIM_SEGMENTS").ok().and_then(|s| s.parse().ok()).unwrap_or(8);
+        let ops = if segments == 8 { 150 } else { 200 };
+        scenario(seed, segments, ops);
     }
 }
 
@@ -356,16 +543,19 @@ fn seeds() -> u64 {
 fn seeded_crash_and_fault_scenarios() {
     let mut durable_checked = 0;
     let mut crashes = 0;
+    let mut clean_restarts = 0;
     for seed in 0..seeds() {
         let o = scenario(seed, 8, 150);
         durable_checked += o.durable_checked;
         crashes += o.crashes;
+        clean_restarts += o.clean_restarts;
     }
     println!(
-        "simulated {} seeds: {crashes} crashes, {durable_checked} durable objects checked after recovery",
+        "simulated {} seeds: {crashes} crashes, {clean_restarts} clean restarts, {durable_checked} durable objects checked after recovery",
         seeds()
     );
     assert!(crashes > seeds(), "scenarios must crash often");
+    assert!(clean_restarts > seeds(), "scenarios must restart cleanly often");
     assert!(durable_checked > seeds(), "durability must be checked often");
 }
 

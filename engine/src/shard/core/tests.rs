@@ -27,7 +27,7 @@ impl ShardCore {
         now(|done| self.reserve_batch(vec![(key.into(), len)], upsert, done))
     }
     fn commit(&mut self, object: ObjectRef, upsert: bool) -> Result<()> {
-        now(|done| self.commit_batch(vec![object], upsert, done))
+        now(|done| self.commit_batch(vec![object], upsert, false, done))
     }
     fn lease_read(&mut self, key: &[u8], deadline: Option<Instant>) -> Result<ReadGrant> {
         now(|done| self.lease_read_batch(vec![key.into()], deadline, done))
