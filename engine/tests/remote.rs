@@ -7,6 +7,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use common::value_for;
 use kvtide::remote::protocol::{
     decode_error_frame, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead, Request,
-    HEADER_BYTES, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
+    HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide::remote::{Owner, OwnerConfig, OwnerError, Token};
 use kvtide::{
@@ -903,4 +904,248 @@ fn an_owner_that_stops_answering_times_out() {
     assert_eq!(store.get(b"k"), Err(Error::Timeout { op: "get", timeout_ms: 300 }));
     assert!(started.elapsed() < Duration::from_secs(3), "timeouts bound each request");
     fake.join().expect("fake owner");
+}
+
+// ---- the shared arena descriptor in a hostile client's hands ------------------------------------
+
+/// A Unix connection that asked for shared memory, and the descriptor (if any) the owner passed
+/// with its hello reply, received with `SCM_RIGHTS` as `RemoteStore` does.
+fn shm_handshake(owner: &Owner) -> (Raw, HelloOk, Option<OwnedFd>) {
+    let s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut p = Vec::new();
+    Hello { client_nonce: [5; NONCE_BYTES], flags: HELLO_WANT_SHM }.encode(&mut p);
+    (&s).write_all(&frame(Op::Hello, 0, &p)).expect("hello");
+    let mut buf = vec![0u8; 4096];
+    let mut got = 0;
+    let mut fd = None;
+    loop {
+        if got >= HEADER_BYTES {
+            let h = FrameHeader::decode(&buf[..HEADER_BYTES], 4096).expect("hello reply header");
+            if got >= HEADER_BYTES + h.payload_len as usize {
+                assert_eq!(got, HEADER_BYTES + h.payload_len as usize, "nothing follows the hello reply");
+                assert_eq!(h.op, Op::HelloOk);
+                let hello = HelloOk::decode(&buf[HEADER_BYTES..got]).expect("hello ok");
+                return (Raw { stream: Box::new(s) }, hello, fd);
+            }
+        }
+        let (n, received) = recv_with_fd(&s, &mut buf[got..]);
+        assert!(n > 0, "the owner closed during the handshake");
+        got += n;
+        if received.is_some() {
+            assert!(fd.is_none(), "one descriptor");
+            fd = received;
+        }
+    }
+}
+
+/// One `recvmsg`, collecting a descriptor passed with the bytes.
+fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> (usize, Option<OwnedFd>) {
+    #[repr(C, align(8))]
+    struct Cmsg([u8; 64]);
+    let mut cmsg = Cmsg([0; 64]);
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr().cast();
+    msg.msg_controllen = cmsg.0.len();
+    // SAFETY: iov and the control buffer are live and sized as described for the call.
+    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    assert!(n >= 0, "recvmsg: {}", std::io::Error::last_os_error());
+    let mut fd = None;
+    // SAFETY: the kernel filled the control buffer; CMSG_* walk only inside it, and an
+    // SCM_RIGHTS payload holds descriptors that are now ours.
+    unsafe {
+        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
+        while !hdr.is_null() {
+            if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(hdr).cast::<RawFd>());
+                fd = Some(OwnedFd::from_raw_fd(raw));
+            }
+            hdr = libc::CMSG_NXTHDR(&msg, hdr);
+        }
+    }
+    (n as usize, fd)
+}
+
+/// Every way a holder of the arena descriptor `fd` might change arena bytes or the arena's size,
+/// aimed at `[offset, offset + 8)` of an object; returns the attempts that worked. `arena_bytes`
+/// is the arena's length. Reopening the descriptor for writing (`/proc/self/fd`) is tried too,
+/// and the attempts repeated on whatever that yields.
+fn arena_write_attempts(fd: RawFd, offset: u64, arena_bytes: u64) -> Vec<String> {
+    let mut worked = Vec::new();
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).expect("path");
+    let mut targets = vec![("received descriptor".to_string(), fd, None)];
+    for (name, flags) in [("O_RDWR", libc::O_RDWR), ("O_WRONLY", libc::O_WRONLY)] {
+        // SAFETY: a valid NUL-terminated path; the result is checked.
+        let reopened = unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC) };
+        if reopened >= 0 {
+            // SAFETY: a fresh descriptor nothing else owns.
+            let owned = unsafe { OwnedFd::from_raw_fd(reopened) };
+            targets.push((format!("/proc/self/fd reopened {name}"), reopened, Some(owned)));
+        }
+    }
+    let evil = *b"EVILEVIL";
+    let page = 4096u64;
+    for (what, t, _owned) in &targets {
+        let t = *t;
+        let mut record = |attempt: &str, ok: bool| {
+            if ok {
+                worked.push(format!("{attempt} through the {what}"));
+            }
+        };
+        // SAFETY: pwrite reads 8 bytes from a live array.
+        record("pwrite", unsafe { libc::pwrite(t, evil.as_ptr().cast(), 8, offset as libc::off_t) } >= 0);
+        // SAFETY: lseek and write on a descriptor we hold, from a live array.
+        record("write", unsafe {
+            libc::lseek(t, offset as libc::off_t, libc::SEEK_SET) >= 0 && libc::write(t, evil.as_ptr().cast(), 8) >= 0
+        });
+        // SAFETY: a new mapping at a kernel-chosen address; unmapped again if it was made.
+        let shared_rw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                arena_bytes as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                t,
+                0,
+            )
+        };
+        record("mmap(PROT_WRITE, MAP_SHARED)", shared_rw != libc::MAP_FAILED);
+        if shared_rw != libc::MAP_FAILED {
+            // SAFETY: the mapping made just above.
+            unsafe { libc::munmap(shared_rw, arena_bytes as usize) };
+        }
+        // SAFETY: as above.
+        let shared_ro =
+            unsafe { libc::mmap(std::ptr::null_mut(), arena_bytes as usize, libc::PROT_READ, libc::MAP_SHARED, t, 0) };
+        if shared_ro != libc::MAP_FAILED {
+            // SAFETY: changes the protection of the mapping made just above, then unmaps it.
+            let upgraded =
+                unsafe { libc::mprotect(shared_ro, arena_bytes as usize, libc::PROT_READ | libc::PROT_WRITE) };
+            record("mprotect(PROT_WRITE) of a shared read-only mapping", upgraded == 0);
+            // SAFETY: as above.
+            unsafe { libc::munmap(shared_ro, arena_bytes as usize) };
+        }
+        let hole = offset / page * page;
+        // SAFETY: plain syscalls on a descriptor we hold.
+        record(
+            "fallocate(PUNCH_HOLE)",
+            unsafe {
+                libc::fallocate(
+                    t,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    hole as libc::off_t,
+                    page as libc::off_t,
+                )
+            } == 0,
+        );
+        // SAFETY: as above.
+        record(
+            "fallocate(grow)",
+            unsafe { libc::fallocate(t, 0, arena_bytes as libc::off_t, page as libc::off_t) } == 0,
+        );
+        // SAFETY: as above.
+        record("F_ADD_SEALS(F_SEAL_WRITE)", unsafe { libc::fcntl(t, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) } == 0);
+        // SAFETY: as above.
+        record("ftruncate(grow)", unsafe { libc::ftruncate(t, (arena_bytes + page) as libc::off_t) } == 0);
+        // Last: before the fix this shrink made the owner die of SIGBUS.
+        // SAFETY: as above.
+        record("ftruncate(0)", unsafe { libc::ftruncate(t, 0) } == 0);
+    }
+    worked
+}
+
+/// Child process: runs `arena_write_attempts` as an unprivileged user on descriptor 3.
+#[test]
+#[ignore = "run by a_client_cannot_write_or_shrink_the_shared_arena as a child process"]
+fn arena_descriptor_child() {
+    let Ok(spec) = std::env::var("KVTIDE_ARENA_CHILD") else { return };
+    let (offset, arena_bytes) = spec.split_once(':').expect("offset:len");
+    // SAFETY: getuid has no inputs.
+    let uid = unsafe { libc::getuid() };
+    let worked = arena_write_attempts(3, offset.parse().expect("offset"), arena_bytes.parse().expect("len"));
+    println!("UID {uid} WORKED {worked:?}");
+}
+
+#[test]
+fn a_client_cannot_write_or_shrink_the_shared_arena() {
+    let dir = temp_dir("sealed");
+    let engine = engine(32 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let victim = value_for(b"victim", 0, 100_000);
+    unix_client(&owner).put(b"victim", &victim, PutOptions::INSERT).expect("put");
+
+    let (mut raw, hello, fd) = shm_handshake(&owner);
+    assert!(hello.flags & HELLO_SHM_ATTACHED != 0);
+    let fd = fd.expect("the owner passes the arena descriptor");
+    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"victim", check: LenCheck::Any }] }, 1);
+    let (h, payload) = raw.recv().expect("grants");
+    assert_eq!(h.op, Op::Grants);
+    let (_ttl_ms, grants) = kvtide::remote::protocol::decode_grants(&payload, 16, hello.arena_bytes).expect("grants");
+    let grant = grants[0].clone().expect("granted");
+
+    // SAFETY: stat is plain data that fstat fills for a descriptor we hold.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    assert_eq!(st.st_mode & 0o777, 0o400, "the arena memfd is private to the owner's user, read-only");
+    // SAFETY: fcntl reads the seals of a descriptor we hold.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    let wanted = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+    assert_eq!(seals & wanted, wanted, "the arena memfd is sealed");
+
+    let worked = arena_write_attempts(fd.as_raw_fd(), grant.offset, hello.arena_bytes);
+    assert!(worked.is_empty(), "a client changed the arena: {worked:?}");
+
+    // The same as an unprivileged user (reopening for writing fails outright there).
+    // SAFETY: getuid has no inputs.
+    if unsafe { libc::getuid() } == 0 {
+        use std::os::unix::process::CommandExt;
+        let raw_fd = fd.as_raw_fd();
+        let mut child = Command::new(std::env::current_exe().expect("test binary"));
+        child
+            .args(["--exact", "arena_descriptor_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("KVTIDE_ARENA_CHILD", format!("{}:{}", grant.offset, hello.arena_bytes))
+            .uid(65534)
+            .gid(65534)
+            .stdout(Stdio::piped());
+        // SAFETY: dup2 is async-signal-safe; it gives the child the descriptor as fd 3.
+        unsafe {
+            child.pre_exec(
+                move || if libc::dup2(raw_fd, 3) < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) },
+            );
+        }
+        let out = child.output().expect("run child");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("UID 65534 WORKED []"), "unprivileged child: {text}");
+    } else {
+        println!("not root: the unprivileged-user variant runs as this user only");
+    }
+
+    // A private copy-on-write mapping may be written, but only the client's copy changes.
+    let len = hello.arena_bytes as usize;
+    // SAFETY: a new private mapping at a kernel-chosen address, unmapped below.
+    let private = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, fd.as_raw_fd(), 0)
+    };
+    assert_ne!(private, libc::MAP_FAILED);
+    // SAFETY: grant.offset + 8 lies inside the private mapping of `len` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(b"EVILEVIL".as_ptr(), private.cast::<u8>().add(grant.offset as usize), 8);
+        libc::munmap(private, len);
+    }
+    raw.request(&Request::Release { leases: vec![grant.lease] }, 2);
+    drop(raw);
+
+    // Well-behaved clients still read the original bytes, over shared memory and over TCP.
+    assert_eq!(unix_client(&owner).get(b"victim").expect("unix get"), victim);
+    assert_eq!(tcp_client(&owner).get(b"victim").expect("tcp get"), victim);
+    let fresh = value_for(b"after", 0, 3 << 20);
+    unix_client(&owner).put(b"after", &fresh, PutOptions::INSERT).expect("the owner still writes its arena");
+    assert_eq!(unix_client(&owner).get(b"after").expect("get"), fresh);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -169,10 +169,16 @@ impl Owner {
         let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
         let arena_bytes = arena.len_bytes() as u64;
         let shm_fd = if config.shared_memory && config.unix_socket.is_some() {
-            match super::shm::reopen_read_only(arena.memfd()) {
+            // A descriptor of an unsealed memfd could be reopened for writing: never share one.
+            match super::shm::check_sealed(arena.memfd(), arena_bytes)
+                .and_then(|()| super::shm::reopen_read_only(arena.memfd()))
+            {
                 Ok(fd) => Some(fd),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot reopen the arena read-only; Unix clients will stream instead");
+                    tracing::warn!(
+                        error = %e,
+                        "NOT sharing the DRAM arena with Unix clients (they get socket copies instead)"
+                    );
                     None
                 }
             }
