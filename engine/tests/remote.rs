@@ -1149,3 +1149,42 @@ fn a_client_cannot_write_or_shrink_the_shared_arena() {
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
+    let dir = temp_dir("unshared");
+    let engine = engine(32 << 20);
+    let config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        share_arena: false,
+        shutdown_grace_ms: 1_000,
+        ..OwnerConfig::default()
+    };
+    let owner = Owner::start(Arc::clone(&engine), config).expect("owner");
+
+    // A client that asks for the arena gets no descriptor, and lease-mode gets are refused.
+    let (mut raw, hello, fd) = shm_handshake(&owner);
+    assert!(fd.is_none(), "no descriptor crosses the socket");
+    assert_eq!((hello.flags & HELLO_SHM_ATTACHED, hello.arena_bytes), (0, 0));
+    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
+    assert!(matches!(raw.expect_error(), Error::InvalidArgument(_)));
+    drop(raw);
+
+    // RemoteStore notices and streams: every read and write still works.
+    let path = format!("unix:{}", owner.unix_path().expect("unix").display());
+    let store = RemoteStore::connect_with(&path, options()).expect("connect");
+    assert!(!store.uses_shared_memory());
+    let value = value_for(b"k", 0, (2 << 20) + 5);
+    store.put(b"k", &value, PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"k").expect("get"), value);
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(store.get_into(b"k", Region::host(&mut buf)), Ok(value.len()));
+    assert_eq!(buf, value);
+    let mut part = vec![0u8; 100];
+    let r = store.get_into_ranges(&[Region::host(&mut part)], &[vec![Fragment::new(b"k".to_vec(), 1000, 0, 100)]]);
+    assert_eq!(r, vec![vec![Ok(100)]]);
+    assert_eq!(part, value[1000..1100]);
+    assert_eq!(owner.counters().leases_granted.load(Ordering::SeqCst), 0, "nothing was read through the arena");
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}

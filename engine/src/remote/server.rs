@@ -50,8 +50,9 @@ pub struct OwnerConfig {
     pub tcp_token: Option<Token>,
     /// Serve TCP without authentication; refused unless `tcp` is a loopback address.
     pub allow_unauthenticated_loopback: bool,
-    /// Share the DRAM arena with Unix-socket clients (one-copy gets).
-    pub shared_memory: bool,
+    /// Map the DRAM arena into Unix-socket clients (one-copy gets). Every such client can then
+    /// read every object in DRAM; off, they get socket copies and see only what they ask for.
+    pub share_arena: bool,
     /// Connections served at once; more are refused with `Busy`.
     pub max_connections: usize,
     /// Shared-memory leases one connection may hold; past it, keys get `Busy`.
@@ -82,7 +83,7 @@ impl Default for OwnerConfig {
             tcp: None,
             tcp_token: None,
             allow_unauthenticated_loopback: false,
-            shared_memory: true,
+            share_arena: true,
             max_connections: 256,
             max_leases_per_connection: 4096,
             max_payload_bytes: 4 << 20,
@@ -168,7 +169,7 @@ impl Owner {
         let arena = engine.arena();
         let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
         let arena_bytes = arena.len_bytes() as u64;
-        let shm_fd = if config.shared_memory && config.unix_socket.is_some() {
+        let shm_fd = if config.share_arena && config.unix_socket.is_some() {
             // A descriptor of an unsealed memfd could be reopened for writing: never share one.
             match super::shm::check_sealed(arena.memfd(), arena_bytes)
                 .and_then(|()| super::shm::reopen_read_only(arena.memfd()))
@@ -235,7 +236,7 @@ impl Owner {
             unix = ?unix_path,
             tcp = ?tcp_addr,
             tcp_auth = shared.config.tcp_token.is_some(),
-            shared_memory = shared.shm_fd.is_some(),
+            share_arena = shared.shm_fd.is_some(),
             arena_bytes,
             max_connections = shared.config.max_connections,
             "kvtide owner serving"

@@ -40,8 +40,11 @@ pub struct OwnerSettings {
     pub token_file: Option<PathBuf>,
     /// Require the token on TCP (default true; false is only accepted on loopback).
     pub tcp_auth: Option<bool>,
-    /// Share the arena with Unix clients (default true).
-    pub shared_memory: Option<bool>,
+    /// Map the DRAM arena into Unix clients (default true). Every such client can then read every
+    /// object in DRAM; turn it off where clients do not trust each other. (`shared_memory` is
+    /// the older name.)
+    #[serde(alias = "shared_memory")]
+    pub share_arena: Option<bool>,
     /// SSD tier in `<data_dir>/ssd` (default true).
     pub ssd: Option<bool>,
     /// DRAM pool. Default: a quarter of available memory, 256 MiB..16 GiB.
@@ -101,7 +104,8 @@ USAGE: kvtide-owner [OPTIONS]
   --tcp ADDR|off           TCP address (default 127.0.0.1:7370)
   --token-file FILE        token TCP clients must know (default <data-dir>/token, created)
   --no-auth                TCP without a token (loopback addresses only)
-  --no-shm                 do not share the arena with Unix clients
+  --no-shared-arena        do not map the arena into Unix clients (they get socket copies;
+                           otherwise every Unix client can read every object in DRAM)
   --no-ssd                 DRAM only
   --dram-bytes SIZE        DRAM pool (default: 1/4 of available memory, 256MiB..16GiB)
   --ssd-bytes SIZE         SSD tier (default: 1/8 of free disk, 1GiB..64GiB)
@@ -144,7 +148,7 @@ impl OwnerSettings {
                 "--tcp" => s.tcp = Some(value(&flag)?),
                 "--token-file" => s.token_file = Some(PathBuf::from(value(&flag)?)),
                 "--no-auth" => s.tcp_auth = Some(false),
-                "--no-shm" => s.shared_memory = Some(false),
+                "--no-shared-arena" | "--no-shm" => s.share_arena = Some(false),
                 "--no-ssd" => s.ssd = Some(false),
                 "--dram-bytes" => s.dram_bytes = Some(size(&flag, value(&flag)?)?),
                 "--ssd-bytes" => s.ssd_bytes = Some(size(&flag, value(&flag)?)?),
@@ -170,7 +174,7 @@ impl OwnerSettings {
             tcp,
             token_file,
             tcp_auth,
-            shared_memory,
+            share_arena,
             ssd,
             dram_bytes,
             ssd_bytes,
@@ -256,8 +260,8 @@ impl OwnerSettings {
                 token_file = Some((path, created));
             }
         }
-        if let Some(v) = self.shared_memory {
-            owner.shared_memory = v;
+        if let Some(v) = self.share_arena {
+            owner.share_arena = v;
         }
         if let Some(v) = self.max_connections {
             owner.max_connections = v;
@@ -376,8 +380,25 @@ mod tests {
         assert!(r.store.ssd_dir.is_none());
         assert!(r.owner.unix_socket.is_none());
         assert!(r.owner.allow_unauthenticated_loopback && r.owner.tcp_token.is_none());
+        assert!(r.owner.share_arena, "shared by default");
         assert!(OwnerSettings::from_args(["--bogus".to_string()]).is_err());
         assert!(OwnerSettings::from_args(["--help".to_string()]).expect("help").is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_arena_mapping_can_be_turned_off() {
+        let dir = temp_dir("share-arena");
+        let base = format!("data_dir = {:?}\ntcp = \"off\"\nssd = false\n", dir.display().to_string());
+        for toml_line in ["share_arena = false", "shared_memory = false"] {
+            let s: OwnerSettings = toml::from_str(&format!("{base}{toml_line}\n")).expect("toml");
+            assert!(!s.resolve(&[]).expect("resolve").owner.share_arena, "{toml_line}");
+        }
+        for flag in ["--no-shared-arena", "--no-shm"] {
+            let (flags, _) = OwnerSettings::from_args([flag.to_string()]).expect("args").expect("not help");
+            let file: OwnerSettings = toml::from_str(&base).expect("toml");
+            assert!(!file.overlay(flags).resolve(&[]).expect("resolve").owner.share_arena, "{flag}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
