@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1186,5 +1186,128 @@ fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
     assert_eq!(part, value[1000..1100]);
     assert_eq!(owner.counters().leases_granted.load(Ordering::SeqCst), 0, "nothing was read through the arena");
     wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- hostile peers: slow handshakes ---------------------
+
+/// An owner with small limits and short deadlines (Unix socket, and TCP with the token).
+fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut OwnerConfig)) -> Owner {
+    let mut config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        tcp: Some(any_port()),
+        tcp_token: Some(token()),
+        max_connections: 8,
+        max_unauthenticated_connections: 2,
+        handshake_timeout_ms: 300,
+        shutdown_grace_ms: 1_000,
+        ..OwnerConfig::default()
+    };
+    tweak(&mut config);
+    Owner::start(Arc::clone(engine), config).expect("start owner")
+}
+
+/// Waits until no connection or handshake is held by the owner.
+fn wait_gauges_zero(owner: &Owner) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let c = owner.counters();
+        let held = (c.connections_open.load(Ordering::SeqCst), c.handshakes_open.load(Ordering::SeqCst));
+        if held == (0, 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still held (connections, handshakes): {held:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Sends `bytes` one at a time until the owner closes the connection; returns how
+/// long after connecting that was (None if it never did within `give_up`).
+/// The socket's read timeout paces the bytes; `stop` ends it early.
+fn trickle_until_closed(
+    mut s: impl Read + Write,
+    bytes: &[u8],
+    give_up: Duration,
+    stop: &AtomicBool,
+) -> Option<Duration> {
+    let started = Instant::now();
+    let mut sent = 0;
+    let mut sink = [0u8; 4096];
+    while started.elapsed() < give_up && !stop.load(Ordering::SeqCst) {
+        if sent < bytes.len() {
+            if s.write_all(&bytes[sent..sent + 1]).is_err() {
+                return Some(started.elapsed());
+            }
+            sent += 1;
+        }
+        // The read timeout (`gap`) paces the trickle; a read of 0 is the owner's close.
+        match s.read(&mut sink) {
+            Ok(0) => return Some(started.elapsed()),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return Some(started.elapsed()),
+        }
+    }
+    None
+}
+
+fn hello_frame() -> Vec<u8> {
+    let mut p = Vec::new();
+    Hello { client_nonce: [7; NONCE_BYTES], flags: 0 }.encode(&mut p);
+    frame(Op::Hello, 0, &p)
+}
+
+#[test]
+fn slow_handshakes_have_a_total_deadline_and_never_take_authenticated_slots() {
+    let dir = temp_dir("slowloris");
+    let engine = engine(32 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_connections = 4;
+        c.max_unauthenticated_connections = 2;
+    });
+    let addr = owner.tcp_addr().expect("tcp");
+    let gap = Duration::from_millis(50);
+    // Ten TCP peers send their hello one byte every 50 ms (the whole hello would take 2.8 s).
+    let attackers: Vec<_> = (0..10)
+        .map(|_| {
+            let s = TcpStream::connect(addr).expect("connect");
+            s.set_read_timeout(Some(gap)).expect("timeout");
+            std::thread::spawn(move || {
+                trickle_until_closed(s, &hello_frame(), Duration::from_secs(6), &AtomicBool::new(false))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Meanwhile every authenticated slot is free for real clients: Unix ones at once, and a TCP
+    // one as soon as an unauthenticated slot is (within the 300 ms handshake deadline).
+    let unix: Vec<RemoteStore> = (0..3).map(|_| unix_client(&owner)).collect();
+    for (i, store) in unix.iter().enumerate() {
+        let key = format!("k{i}");
+        store.put(key.as_bytes(), b"value", PutOptions::INSERT).expect("put");
+        assert_eq!(store.get(key.as_bytes()).expect("get"), b"value");
+    }
+    let started = Instant::now();
+    let tcp = loop {
+        match RemoteStore::connect_with(&addr.to_string(), options()) {
+            Ok(store) => break store,
+            Err(Error::Busy { .. }) if started.elapsed() < Duration::from_secs(3) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("TCP client during the attack: {e}"),
+        }
+    };
+    assert_eq!(tcp.get(b"k0").expect("tcp get"), b"value");
+
+    // Each attacker was cut off by the total deadline (or refused at once), although it kept sending.
+    for a in attackers {
+        let closed = a.join().expect("attacker").expect("the owner closed the slow handshake");
+        assert!(closed < Duration::from_millis(1500), "a trickled hello held its slot for {closed:?}");
+    }
+    let c = owner.counters();
+    assert!(c.handshake_timeouts.load(Ordering::SeqCst) >= 2, "the slot holders timed out");
+    assert!(c.connections_refused.load(Ordering::SeqCst) >= 8, "the others were refused");
+    drop((unix, tcp));
+    wait_gauges_zero(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -2,12 +2,13 @@
 //! arena shared read-only for one-copy gets) and over TCP (token-authenticated).
 //!
 //! It owns the listeners, one bounded thread per connection, each connection's lease table,
-//! and the limits: connections, leases per connection, frame size, items per request and the
+//! and the limits: connection slots (TCP peers that have not authenticated yet get their own
+//! few), the handshake deadline, leases per connection, frame size, items per request and the
 //! process-wide budget of buffered request bytes. A slow or broken client only ever stalls its
-//! own thread (socket timeouts bound every read and write), and a malformed frame costs that
-//! client an error reply or its connection, never the owner. It never hands a client an address:
-//! only offsets of objects it has leased to that connection, released when the client says so or
-//! when the connection closes.
+//! own thread (socket timeouts bound every read and write, a deadline the whole handshake), and a
+//! malformed frame costs that client an error reply or its connection, never the owner. It never
+//! hands a client an address: only offsets of objects it has leased to that connection, released
+//! when the client says so or when the connection closes.
 
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -53,8 +54,13 @@ pub struct OwnerConfig {
     /// Map the DRAM arena into Unix-socket clients (one-copy gets). Every such client can then
     /// read every object in DRAM; off, they get socket copies and see only what they ask for.
     pub share_arena: bool,
-    /// Connections served at once; more are refused with `Busy`.
+    /// Connections served at once; more are refused with `Busy`. A Unix-socket peer takes a
+    /// slot when it connects (the socket's permissions authenticate it); a TCP peer once it has
+    /// authenticated (or, without a token, said hello).
     pub max_connections: usize,
+    /// TCP connections still in their handshake; more are refused with `Busy`. They never take
+    /// the slots above, so unauthenticated peers cannot lock authenticated clients out.
+    pub max_unauthenticated_connections: usize,
     /// Shared-memory leases one connection may hold; past it, keys get `Busy`.
     pub max_leases_per_connection: u32,
     /// Largest frame payload accepted or sent.
@@ -68,7 +74,8 @@ pub struct OwnerConfig {
     pub max_buffered_bytes: u64,
     /// Bound on every socket read or write once a request started (a stalled peer is dropped).
     pub io_timeout_ms: u64,
-    /// Bound on the handshake.
+    /// The whole handshake (hello, authentication) must be done this long after the connection
+    /// was accepted, however the peer spaces its bytes.
     pub handshake_timeout_ms: u64,
     /// Backstop TTL of leases (a live client that never releases loses them after this).
     pub lease_ttl_ms: u32,
@@ -85,6 +92,7 @@ impl Default for OwnerConfig {
             allow_unauthenticated_loopback: false,
             share_arena: true,
             max_connections: 256,
+            max_unauthenticated_connections: 32,
             max_leases_per_connection: 4096,
             max_payload_bytes: 4 << 20,
             chunk_bytes: 1 << 20,
@@ -111,12 +119,19 @@ pub enum OwnerError {
     Io(String),
 }
 
-/// Counters of the service itself (the engine's are in `Store::stats`).
+/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`)
+/// return to zero when the clients are gone.
 #[derive(Debug, Default)]
 pub struct OwnerCounters {
     pub connections_accepted: AtomicU64,
+    /// Refused with `Busy` (no free slot), at accept or when a TCP peer authenticated.
     pub connections_refused: AtomicU64,
+    /// Connections holding a connection slot (gauge).
     pub connections_open: AtomicU64,
+    /// TCP connections in their handshake, holding an unauthenticated slot (gauge).
+    pub handshakes_open: AtomicU64,
+    /// Handshakes that did not finish within `handshake_timeout_ms`.
+    pub handshake_timeouts: AtomicU64,
     pub requests: AtomicU64,
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
@@ -132,7 +147,7 @@ struct Shared {
     limits: Limits,
     wake: WakeFlag,
     shutting_down: AtomicBool,
-    conns: Mutex<HashMap<u64, Stream>>,
+    conns: Mutex<ConnTable>,
     conns_changed: Condvar,
     next_conn: AtomicU64,
     budget: Budget,
@@ -141,6 +156,14 @@ struct Shared {
     arena_bytes: u64,
     shm_fd: Option<OwnedFd>,
     counters: OwnerCounters,
+}
+
+/// Every open connection (so shutdown can close them) and the slots they hold.
+#[derive(Default)]
+struct ConnTable {
+    streams: HashMap<u64, Stream>,
+    authenticated: usize,
+    unauthenticated: usize,
 }
 
 /// A running owner service. Dropping it shuts it down (not the engine).
@@ -200,7 +223,7 @@ impl Owner {
             engine,
             limits,
             shutting_down: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
+            conns: Mutex::new(ConnTable::default()),
             conns_changed: Condvar::new(),
             next_conn: AtomicU64::new(1),
             instance_id: u64::from_le_bytes(id),
@@ -283,14 +306,17 @@ impl Owner {
         let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
         let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + grace;
-        while !conns.is_empty() {
+        while !conns.streams.is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                tracing::warn!(connections = conns.len(), "shutdown grace passed; closing remaining connections");
-                conns.values().for_each(Stream::shutdown);
+                tracing::warn!(
+                    connections = conns.streams.len(),
+                    "shutdown grace passed; closing remaining connections"
+                );
+                conns.streams.values().for_each(Stream::shutdown);
                 let _ = shared
                     .conns_changed
-                    .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.is_empty())
+                    .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.streams.is_empty())
                     .unwrap_or_else(|p| p.into_inner());
                 break;
             }
@@ -336,6 +362,9 @@ fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     }
     if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 {
         return bad("timeouts must be positive".into());
+    }
+    if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
+        return bad("max_unauthenticated_connections must be positive when serving TCP".into());
     }
     if u64::from(c.lease_ttl_ms) < 2 * c.io_timeout_ms {
         return bad(format!(
@@ -407,51 +436,90 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
     }
 }
 
+/// Gives a new connection a slot and a thread, or refuses it with `Busy`.
 fn admit(shared: &Arc<Shared>, stream: Stream) {
+    let accepted_at = Instant::now();
     if stream.set_nonblocking(false).is_err() {
         return;
     }
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    // The Unix socket's permissions authenticate its peers; TCP peers prove it in the handshake.
+    let authenticated = stream.is_unix();
     {
         let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        if conns.len() >= shared.config.max_connections {
+        let (open, limit) = if authenticated {
+            (conns.authenticated, shared.config.max_connections)
+        } else {
+            (conns.unauthenticated, shared.config.max_unauthenticated_connections)
+        };
+        if open >= limit {
             drop(conns);
             shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
-            refuse(stream, &Error::Busy { limit: shared.config.max_connections });
+            refuse(stream, &Error::Busy { limit });
             return;
         }
-        match stream.try_clone() {
-            Ok(clone) => {
-                conns.insert(id, clone);
-            }
-            Err(_) => return,
+        let Ok(clone) = stream.try_clone() else { return };
+        conns.streams.insert(id, clone);
+        if authenticated {
+            conns.authenticated += 1;
+            shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
+        } else {
+            conns.unauthenticated += 1;
+            shared.counters.handshakes_open.fetch_add(1, Ordering::Relaxed);
         }
     }
     shared.counters.connections_accepted.fetch_add(1, Ordering::Relaxed);
-    shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
-    let for_thread = Arc::clone(shared);
-    let spawned =
-        std::thread::Builder::new().name(format!("kvtide-conn-{id}")).stack_size(512 << 10).spawn(move || {
-            let _registered = Registered { shared: &for_thread, id };
-            serve(&for_thread, stream);
-        });
+    let slot = Slot { shared: Arc::clone(shared), id, authenticated };
+    let spawned = std::thread::Builder::new()
+        .name(format!("kvtide-conn-{id}"))
+        .stack_size(512 << 10)
+        .spawn(move || serve(slot, stream, accepted_at));
     if let Err(e) = spawned {
+        // The closure, and with it the slot, was dropped: the connection is unregistered.
         tracing::warn!(error = %e, "cannot start a connection thread");
-        let _registered = Registered { shared, id };
     }
 }
 
-/// Removes a connection from the registry when its thread ends, however it ends.
-struct Registered<'a> {
-    shared: &'a Shared,
+/// A connection's place in the registry and the slot it holds, given back however its thread
+/// ends.
+struct Slot {
+    shared: Arc<Shared>,
     id: u64,
+    /// Holds a connection slot (else an unauthenticated one).
+    authenticated: bool,
 }
 
-impl Drop for Registered<'_> {
+impl Slot {
+    /// Trades the unauthenticated slot of a peer that just authenticated for a connection slot;
+    /// false (keeping the old one) when none is free.
+    fn promote(&mut self) -> bool {
+        if self.authenticated {
+            return true;
+        }
+        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if conns.authenticated >= self.shared.config.max_connections {
+            return false;
+        }
+        conns.unauthenticated -= 1;
+        conns.authenticated += 1;
+        self.shared.counters.handshakes_open.fetch_sub(1, Ordering::Relaxed);
+        self.shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.authenticated = true;
+        true
+    }
+}
+
+impl Drop for Slot {
     fn drop(&mut self) {
         let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.remove(&self.id);
-        self.shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
+        conns.streams.remove(&self.id);
+        if self.authenticated {
+            conns.authenticated -= 1;
+            self.shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            conns.unauthenticated -= 1;
+            self.shared.counters.handshakes_open.fetch_sub(1, Ordering::Relaxed);
+        }
         self.shared.conns_changed.notify_all();
     }
 }
@@ -471,16 +539,25 @@ fn refuse(stream: Stream, error: &Error) {
     io.stream().shutdown();
 }
 
-fn serve(shared: &Arc<Shared>, stream: Stream) {
+fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
+    let shared = Arc::clone(&slot.shared);
     let unix = stream.is_unix();
-    let mut conn = Connection { shared, io: FrameIo::new(stream), leases: HashMap::new(), next_lease: 1, unix };
-    let result = conn.handshake().and_then(|()| conn.run());
+    let mut conn =
+        Connection { shared: &shared, io: FrameIo::new(stream), leases: HashMap::new(), next_lease: 1, unix, slot };
+    let result = match conn.handshake(accepted_at) {
+        Err(WireError::Deadline) => {
+            shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+            Err(WireError::Deadline)
+        }
+        Err(e) => Err(e),
+        Ok(()) => conn.run(),
+    };
     match result {
         Ok(()) | Err(WireError::Closed(_)) => {}
         Err(e) => tracing::debug!(error = ?e, "connection ended"),
     }
     conn.io.stream().shutdown();
-    // `conn` drops here: every lease it still holds is released.
+    // `conn` drops here: every lease it still holds is released, then its slot.
 }
 
 struct Connection<'s> {
@@ -489,6 +566,8 @@ struct Connection<'s> {
     leases: HashMap<u64, ObjectLease>,
     next_lease: u64,
     unix: bool,
+    // Last, so it is given back after the leases and the socket.
+    slot: Slot,
 }
 
 impl Drop for Connection<'_> {
@@ -538,8 +617,20 @@ impl Connection<'_> {
         let _ = self.io.flush();
     }
 
-    fn handshake(&mut self) -> WResult<()> {
+    /// Answers `Busy` when an authenticated TCP peer finds no free connection slot.
+    fn refuse_slot(&mut self, request_id: u64) -> WResult<()> {
+        self.shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+        let limit = self.config().max_connections;
+        self.push_error(Op::Error, request_id, WHOLE_REQUEST, &Error::Busy { limit });
+        self.io.flush()?;
+        Err(WireError::Closed("no free connection slot".into()))
+    }
+
+    /// Hello (and for TCP with a token, authentication), all within `handshake_timeout_ms` of
+    /// the accept, however the peer spaces its bytes.
+    fn handshake(&mut self, accepted_at: Instant) -> WResult<()> {
         let timeout = Duration::from_millis(self.config().handshake_timeout_ms);
+        self.io.set_read_deadline(Some(accepted_at + timeout));
         self.io.stream().set_timeouts(Some(timeout))?;
         let hello_limits = Limits { max_payload_bytes: 4096, ..self.shared.limits };
         let header = match self.io.read_header(&hello_limits) {
@@ -566,6 +657,9 @@ impl Connection<'_> {
         let mut server_nonce = [0u8; NONCE_BYTES];
         sock::random_bytes(&mut server_nonce)?;
         let auth = if self.unix { None } else { self.config().tcp_token.clone() };
+        if auth.is_none() && !self.slot.promote() {
+            return self.refuse_slot(header.request_id);
+        }
         let shm = self.unix && hello.flags & HELLO_WANT_SHM != 0 && self.shared.shm_fd.is_some();
         let mut flags = 0;
         if auth.is_some() {
@@ -611,11 +705,15 @@ impl Connection<'_> {
                     self.fatal(h.request_id, &Error::Unauthorized("wrong token".into()));
                     return Err(WireError::Closed("wrong token".into()));
                 }
+                if !self.slot.promote() {
+                    return self.refuse_slot(h.request_id);
+                }
                 let owner_proof = token.owner_proof(&hello.client_nonce, &server_nonce);
                 self.io.push_frame(Op::AuthOk, h.request_id, &owner_proof);
                 self.io.flush()?;
             }
         }
+        self.io.set_read_deadline(None);
         let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
         self.io.stream().set_timeouts(Some(io_timeout))?;
         Ok(())

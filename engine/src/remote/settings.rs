@@ -55,15 +55,21 @@ pub struct OwnerSettings {
     pub ssd_bytes: Option<u64>,
     /// Shards. Default: one per allowed CPU.
     pub shards: Option<usize>,
+    /// Connections served at once (default 256).
     pub max_connections: Option<usize>,
+    /// TCP connections still in their handshake (default 32); they never take the slots above.
+    pub max_unauthenticated_connections: Option<usize>,
     pub max_leases_per_connection: Option<u32>,
     #[serde(deserialize_with = "de_size")]
     pub max_frame_bytes: Option<u64>,
     #[serde(deserialize_with = "de_size")]
     pub chunk_bytes: Option<u64>,
+    /// Request bytes buffered by all connections together (default 256 MiB).
     #[serde(deserialize_with = "de_size")]
     pub max_buffered_bytes: Option<u64>,
     pub io_timeout_ms: Option<u64>,
+    /// Whole handshake, from the accept (default 5 s).
+    pub handshake_timeout_ms: Option<u64>,
     pub lease_ttl_ms: Option<u32>,
     /// Any other `StoreBuilder` field (same names as its TOML).
     pub store: Option<toml::Table>,
@@ -180,11 +186,13 @@ impl OwnerSettings {
             ssd_bytes,
             shards,
             max_connections,
+            max_unauthenticated_connections,
             max_leases_per_connection,
             max_frame_bytes,
             chunk_bytes,
             max_buffered_bytes,
             io_timeout_ms,
+            handshake_timeout_ms,
             lease_ttl_ms,
             store
         )
@@ -266,6 +274,9 @@ impl OwnerSettings {
         if let Some(v) = self.max_connections {
             owner.max_connections = v;
         }
+        if let Some(v) = self.max_unauthenticated_connections {
+            owner.max_unauthenticated_connections = v;
+        }
         if let Some(v) = self.max_leases_per_connection {
             owner.max_leases_per_connection = v;
         }
@@ -282,6 +293,10 @@ impl OwnerSettings {
         if let Some(v) = self.io_timeout_ms {
             owner.io_timeout_ms = v;
         }
+        if let Some(v) = self.handshake_timeout_ms {
+            owner.handshake_timeout_ms = v;
+        }
+
         if let Some(v) = self.lease_ttl_ms {
             owner.lease_ttl_ms = v;
         }
@@ -346,6 +361,9 @@ mod tests {
         assert!(r.owner.tcp_token.is_some(), "TCP requires a token by default");
         assert!(r.token_file.as_ref().is_some_and(|(_, created)| *created));
         assert!((DRAM_MIN_BYTES..=DRAM_MAX_BYTES).contains(&r.store.dram_bytes));
+        let o = &r.owner;
+        assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
+        assert_eq!((o.max_buffered_bytes, o.handshake_timeout_ms), (256 << 20, 5_000));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
@@ -381,6 +399,11 @@ mod tests {
         assert!(r.owner.unix_socket.is_none());
         assert!(r.owner.allow_unauthenticated_loopback && r.owner.tcp_token.is_none());
         assert!(r.owner.share_arena, "shared by default");
+        let limits: OwnerSettings =
+            toml::from_str("max_unauthenticated_connections = 4\nhandshake_timeout_ms = 300\n").expect("toml");
+        let o = s.clone().overlay(limits).resolve(&vars).expect("resolve").owner;
+        assert_eq!(o.max_unauthenticated_connections, 4);
+        assert_eq!(o.handshake_timeout_ms, 300);
         assert!(OwnerSettings::from_args(["--bogus".to_string()]).is_err());
         assert!(OwnerSettings::from_args(["--help".to_string()]).expect("help").is_none());
         let _ = std::fs::remove_dir_all(&dir);
