@@ -1189,7 +1189,7 @@ fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-// ---- hostile peers: slow handshakes ---------------------
+// ---- hostile peers: slow handshakes, slow requests ---------------------
 
 /// An owner with small limits and short deadlines (Unix socket, and TCP with the token).
 fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut OwnerConfig)) -> Owner {
@@ -1200,6 +1200,7 @@ fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut Owner
         max_connections: 8,
         max_unauthenticated_connections: 2,
         handshake_timeout_ms: 300,
+        payload_timeout_ms: 400,
         shutdown_grace_ms: 1_000,
         ..OwnerConfig::default()
     };
@@ -1207,16 +1208,20 @@ fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut Owner
     Owner::start(Arc::clone(engine), config).expect("start owner")
 }
 
-/// Waits until no connection or handshake is held by the owner.
+/// Waits until no connection, handshake or buffered request byte is held by the owner.
 fn wait_gauges_zero(owner: &Owner) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let c = owner.counters();
-        let held = (c.connections_open.load(Ordering::SeqCst), c.handshakes_open.load(Ordering::SeqCst));
-        if held == (0, 0) {
+        let held = (
+            c.connections_open.load(Ordering::SeqCst),
+            c.handshakes_open.load(Ordering::SeqCst),
+            c.buffered_bytes.load(Ordering::SeqCst),
+        );
+        if held == (0, 0, 0) {
             return;
         }
-        assert!(Instant::now() < deadline, "still held (connections, handshakes): {held:?}");
+        assert!(Instant::now() < deadline, "still held (connections, handshakes, buffered bytes): {held:?}");
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -1307,6 +1312,75 @@ fn slow_handshakes_have_a_total_deadline_and_never_take_authenticated_slots() {
     let c = owner.counters();
     assert!(c.handshake_timeouts.load(Ordering::SeqCst) >= 2, "the slot holders timed out");
     assert!(c.connections_refused.load(Ordering::SeqCst) >= 8, "the others were refused");
+    drop((unix, tcp));
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_slow_request_holds_only_its_own_share_of_the_budget() {
+    let dir = temp_dir("slow-request");
+    let engine = engine(32 << 20);
+    // Shares of 2 MiB / 16 = 128 KiB per connection, and a pool of 1 MiB for larger requests.
+    // The payload deadline (1.5 s) is longer than the victims need, so only the shares keep them
+    // from waiting behind the slow requests.
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_buffered_bytes = 2 << 20;
+        c.max_payload_bytes = 512 << 10;
+        c.chunk_bytes = 256 << 10;
+        c.payload_timeout_ms = 1_500;
+    });
+    let unix = unix_client(&owner);
+    let tcp = tcp_client(&owner);
+    unix.put(b"v", b"victim value", PutOptions::INSERT).expect("put");
+
+    // Five authenticated peers announce 512 KiB requests and send them a byte every 20 ms.
+    let stop = Arc::new(AtomicBool::new(false));
+    let attackers: Vec<_> = (0..5)
+        .map(|_| {
+            let mut s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            s.write_all(&hello_frame()).expect("hello");
+            let mut reply = [0u8; HEADER_BYTES];
+            s.read_exact(&mut reply).expect("hello reply");
+            let h = FrameHeader::decode(&reply, 4096).expect("header");
+            assert_eq!(h.op, Op::HelloOk);
+            s.read_exact(&mut vec![0u8; h.payload_len as usize]).expect("hello reply");
+            s.write_all(&header(Op::Exists as u8, PROTOCOL_VERSION, 1, 512 << 10)).expect("request");
+            s.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || trickle_until_closed(s, &vec![0u8; 512 << 10], Duration::from_secs(6), &stop))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Other clients' requests fit their own shares: none waits for the slow ones.
+    let started = Instant::now();
+    for _ in 0..20 {
+        assert_eq!(unix.get(b"v").expect("unix get"), b"victim value");
+        assert_eq!(tcp.get(b"v").expect("tcp get"), b"victim value");
+        assert_eq!(tcp.batch_exists(&[b"v", b"w"]), vec![Ok(true), Ok(false)]);
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "gets stalled for {:?}", started.elapsed());
+
+    // The two slow requests that got room in the pool were cut off by the payload deadline, well
+    // before 6 s of trickling; the three waiting for room give up.
+    let mut cut = 0;
+    while cut < 2 {
+        let ended = attackers.iter().filter(|a| a.is_finished()).count();
+        assert!(started.elapsed() < Duration::from_secs(3), "slow requests still held after {ended} ended");
+        cut = ended;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let closed: Vec<Option<Duration>> = attackers.into_iter().map(|a| a.join().expect("attacker")).collect();
+    assert!(closed.iter().flatten().count() >= 2, "{closed:?}");
+    assert!(owner.counters().payload_timeouts.load(Ordering::SeqCst) >= 2);
+    // With the pool free again, a request larger than a share is served.
+    let keys: Vec<Vec<u8>> = (0..3000).map(|i| format!("{i:0>60}").into_bytes()).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    assert!(tcp.batch_exists(&key_refs).iter().all(|r| *r == Ok(false)), "a 190 KiB request");
+    assert_eq!(owner.counters().buffered_bytes.load(Ordering::SeqCst), 0);
     drop((unix, tcp));
     wait_gauges_zero(&owner);
     let _ = std::fs::remove_dir_all(dir);

@@ -3,12 +3,13 @@
 //!
 //! It owns the listeners, one bounded thread per connection, each connection's lease table,
 //! and the limits: connection slots (TCP peers that have not authenticated yet get their own
-//! few), the handshake deadline, leases per connection, frame size, items per request and the
-//! process-wide budget of buffered request bytes. A slow or broken client only ever stalls its
-//! own thread (socket timeouts bound every read and write, a deadline the whole handshake), and a
-//! malformed frame costs that client an error reply or its connection, never the owner. It never
-//! hands a client an address: only offsets of objects it has leased to that connection, released
-//! when the client says so or when the connection closes.
+//! few), the handshake and payload deadlines, leases per connection, frame size, items per
+//! request and the budget of buffered request bytes (a guaranteed share per connection plus a
+//! shared pool). A slow or broken client only ever stalls its own thread and holds its own share:
+//! deadlines bound every read and socket timeouts every write. A malformed frame costs that
+//! client an error reply or its connection, never the owner. It never hands a client an address:
+//! only offsets of objects it has leased to that connection, released when the client says so or
+//! when the connection closes.
 
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -69,18 +70,34 @@ pub struct OwnerConfig {
     pub chunk_bytes: u32,
     /// Most keys or fragments in one request.
     pub max_items: u32,
-    /// Request bytes all connections may hold in memory at once; past it, requests wait
-    /// (back-pressure) and then get `Busy`.
+    /// Request bytes all connections may hold in memory at once (requests are read whole
+    /// before they are served; put values go straight into their reservation and do not count).
     pub max_buffered_bytes: u64,
-    /// Bound on every socket read or write once a request started (a stalled peer is dropped).
+    /// Each connection's guaranteed share of `max_buffered_bytes`: a request up to this size never
+    /// waits for other connections. A larger one also takes the rest from the pool left over
+    /// (`max_buffered_bytes - max_connections * share`); past it, it waits up to
+    /// `payload_timeout_ms` and then gets `Busy`. None: `max_buffered_bytes / (2 * max_connections)`.
+    pub connection_buffered_bytes: Option<u64>,
+    /// Bound on every socket write, and on each socket read while no deadline below applies.
     pub io_timeout_ms: u64,
     /// The whole handshake (hello, authentication) must be done this long after the connection
     /// was accepted, however the peer spaces its bytes.
     pub handshake_timeout_ms: u64,
+    /// Once the first byte of a frame arrived, the frame's header and payload must have arrived
+    /// within this long (each frame of a put's value likewise); else the connection is closed.
+    pub payload_timeout_ms: u64,
     /// Backstop TTL of leases (a live client that never releases loses them after this).
     pub lease_ttl_ms: u32,
     /// How long shutdown waits for in-flight requests before closing their connections.
     pub shutdown_grace_ms: u64,
+}
+
+impl OwnerConfig {
+    /// Each connection's guaranteed share of the request budget.
+    pub fn connection_share_bytes(&self) -> u64 {
+        self.connection_buffered_bytes
+            .unwrap_or_else(|| self.max_buffered_bytes / (2 * self.max_connections.max(1) as u64))
+    }
 }
 
 impl Default for OwnerConfig {
@@ -98,8 +115,10 @@ impl Default for OwnerConfig {
             chunk_bytes: 1 << 20,
             max_items: 65_536,
             max_buffered_bytes: 256 << 20,
+            connection_buffered_bytes: None,
             io_timeout_ms: 30_000,
             handshake_timeout_ms: 5_000,
+            payload_timeout_ms: 10_000,
             lease_ttl_ms: 120_000,
             shutdown_grace_ms: 10_000,
         }
@@ -119,8 +138,8 @@ pub enum OwnerError {
     Io(String),
 }
 
-/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`)
-/// return to zero when the clients are gone.
+/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`,
+/// `buffered_bytes`) return to zero when the clients are gone.
 #[derive(Debug, Default)]
 pub struct OwnerCounters {
     pub connections_accepted: AtomicU64,
@@ -132,6 +151,10 @@ pub struct OwnerCounters {
     pub handshakes_open: AtomicU64,
     /// Handshakes that did not finish within `handshake_timeout_ms`.
     pub handshake_timeouts: AtomicU64,
+    /// Connections closed because a frame did not arrive within `payload_timeout_ms`.
+    pub payload_timeouts: AtomicU64,
+    /// Request bytes buffered now (gauge).
+    pub buffered_bytes: AtomicU64,
     pub requests: AtomicU64,
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
@@ -219,7 +242,7 @@ impl Owner {
         };
         let shared = Arc::new(Shared {
             wake: WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?,
-            budget: Budget::new(config.max_buffered_bytes),
+            budget: Budget::new(&config),
             engine,
             limits,
             shutting_down: AtomicBool::new(false),
@@ -360,11 +383,27 @@ fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     if c.max_payload_bytes < 64 << 10 || u64::from(c.max_payload_bytes) > c.max_buffered_bytes {
         return bad("max_payload_bytes must be at least 64 KiB and at most max_buffered_bytes".into());
     }
-    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 {
+    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 || c.payload_timeout_ms == 0 {
         return bad("timeouts must be positive".into());
     }
     if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
         return bad("max_unauthenticated_connections must be positive when serving TCP".into());
+    }
+    let share = c.connection_share_bytes();
+    let reserved = share.saturating_mul(c.max_connections as u64);
+    if share == 0 || reserved > c.max_buffered_bytes {
+        return bad(format!(
+            "connection_buffered_bytes = {share} times max_connections = {} must be positive and fit in \
+             max_buffered_bytes = {}",
+            c.max_connections, c.max_buffered_bytes
+        ));
+    }
+    if c.max_buffered_bytes - reserved < u64::from(c.max_payload_bytes).saturating_sub(share) {
+        return bad(format!(
+            "max_buffered_bytes = {} leaves too little beyond the connections' shares for one frame of \
+             max_payload_bytes = {}",
+            c.max_buffered_bytes, c.max_payload_bytes
+        ));
     }
     if u64::from(c.lease_ttl_ms) < 2 * c.io_timeout_ms {
         return bad(format!(
@@ -550,7 +589,13 @@ fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
             Err(WireError::Deadline)
         }
         Err(e) => Err(e),
-        Ok(()) => conn.run(),
+        Ok(()) => match conn.run() {
+            Err(WireError::Deadline) => {
+                shared.counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(WireError::Deadline)
+            }
+            other => other,
+        },
     };
     match result {
         Ok(()) | Err(WireError::Closed(_)) => {}
@@ -615,6 +660,12 @@ impl Connection<'_> {
         tracing::debug!(%error, "closing a connection after a protocol error");
         self.push_error(Op::Error, request_id, WHOLE_REQUEST, error);
         let _ = self.io.flush();
+    }
+
+    /// Re-arms the read deadline: what is read next must arrive within `payload_timeout_ms`.
+    fn arm_read_deadline(&mut self) {
+        let timeout = Duration::from_millis(self.config().payload_timeout_ms);
+        self.io.set_read_deadline(Some(Instant::now() + timeout));
     }
 
     /// Answers `Busy` when an authenticated TCP peer finds no free connection slot.
@@ -721,12 +772,15 @@ impl Connection<'_> {
 
     fn run(&mut self) -> WResult<()> {
         loop {
+            self.io.set_read_deadline(None);
             if self.io.buffered() == 0 {
                 let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), -1)?;
                 if woken && !readable {
                     return Ok(());
                 }
             }
+            // From a frame's first byte, the whole frame must arrive in time.
+            self.arm_read_deadline();
             let header = match self.io.read_header(&self.shared.limits) {
                 Ok(h) => h,
                 Err(WireError::Protocol(p)) => {
@@ -757,9 +811,14 @@ impl Connection<'_> {
             }
             _ => {}
         }
-        // Small requests are read whole, within the process-wide buffer budget.
-        let wait = Duration::from_millis(self.config().io_timeout_ms);
-        let Some(_permit) = self.shared.budget.acquire(u64::from(header.payload_len), wait) else {
+        // Small requests are read whole, within the connection's share of the buffer budget
+        // (and the shared pool beyond it). Pool bytes come back within a payload deadline (or
+        // when a request is done), so waiting longer than that would not help.
+        let wait = Duration::from_millis(self.config().payload_timeout_ms);
+        let permit =
+            self.shared.budget.acquire(u64::from(header.payload_len), wait, &self.shared.counters.buffered_bytes);
+        self.arm_read_deadline();
+        let Some(_permit) = permit else {
             self.io.skip(header.payload_len.into())?;
             self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
             let limit = self.config().max_buffered_bytes as usize;
@@ -997,7 +1056,10 @@ impl Connection<'_> {
         }
         let engine = Arc::clone(&self.shared.engine);
         let opts = PutOptions { upsert: head.upsert };
-        match engine.reserve_put(&key, head.total_len, opts) {
+        let reserved = engine.reserve_put(&key, head.total_len, opts);
+        // The reservation's time is the owner's, not the client's.
+        self.arm_read_deadline();
+        match reserved {
             Ok(mut pending) => {
                 let dst = pending.bytes_mut();
                 self.io.read_exact(&mut dst[..head.inline_len as usize])?;
@@ -1033,6 +1095,7 @@ impl Connection<'_> {
     /// Reads the header of the next `Data` frame of request `rid` (at most `left` bytes).
     /// None after a protocol violation (already answered).
     fn next_data(&mut self, rid: u64, left: u64) -> WResult<Option<u64>> {
+        self.arm_read_deadline();
         let h = match self.io.read_header(&self.shared.limits) {
             Ok(h) => h,
             Err(WireError::Protocol(p)) => {
@@ -1049,42 +1112,64 @@ impl Connection<'_> {
     }
 }
 
-/// The process-wide budget of request bytes held in memory.
+/// The budget of request bytes held in memory: each connection's guaranteed share, and a pool
+/// for the part of larger requests beyond a share. A connection serves its requests in order and
+/// holds at most one permit, so shares are never oversubscribed and the total stays within
+/// `max_buffered_bytes` (`validate` checks that the shares fit).
 struct Budget {
-    used: Mutex<u64>,
+    pool_used_bytes: Mutex<u64>,
     freed: Condvar,
-    max: u64,
+    pool_bytes: u64,
+    share_bytes: u64,
 }
 
 struct Permit<'a> {
     budget: &'a Budget,
+    gauge: &'a AtomicU64,
     bytes: u64,
+    pooled_bytes: u64,
 }
 
 impl Budget {
-    fn new(max: u64) -> Budget {
-        Budget { used: Mutex::new(0), freed: Condvar::new(), max }
+    fn new(config: &OwnerConfig) -> Budget {
+        let share_bytes = config.connection_share_bytes();
+        let reserved = share_bytes.saturating_mul(config.max_connections as u64);
+        Budget {
+            pool_used_bytes: Mutex::new(0),
+            freed: Condvar::new(),
+            pool_bytes: config.max_buffered_bytes.saturating_sub(reserved),
+            share_bytes,
+        }
     }
 
-    /// Takes `bytes`, waiting up to `wait` for room; None when there was none.
-    fn acquire(&self, bytes: u64, wait: Duration) -> Option<Permit<'_>> {
-        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
-        let (mut used, _) = self
-            .freed
-            .wait_timeout_while(used, wait, |used| *used + bytes > self.max)
-            .unwrap_or_else(|p| p.into_inner());
-        if *used + bytes > self.max {
-            return None;
+    /// Takes `bytes` for one request: up to the connection's share at once, the rest from the
+    /// pool, waiting up to `wait` for room there; None when there was none. `gauge` counts the
+    /// bytes held.
+    fn acquire<'a>(&'a self, bytes: u64, wait: Duration, gauge: &'a AtomicU64) -> Option<Permit<'a>> {
+        let pooled_bytes = bytes.saturating_sub(self.share_bytes);
+        if pooled_bytes > 0 {
+            let used = self.pool_used_bytes.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut used, _) = self
+                .freed
+                .wait_timeout_while(used, wait, |used| *used + pooled_bytes > self.pool_bytes)
+                .unwrap_or_else(|p| p.into_inner());
+            if *used + pooled_bytes > self.pool_bytes {
+                return None;
+            }
+            *used += pooled_bytes;
         }
-        *used += bytes;
-        Some(Permit { budget: self, bytes })
+        gauge.fetch_add(bytes, Ordering::Relaxed);
+        Some(Permit { budget: self, gauge, bytes, pooled_bytes })
     }
 }
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
-        let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
-        *used -= self.bytes;
-        self.budget.freed.notify_all();
+        if self.pooled_bytes > 0 {
+            let mut used = self.budget.pool_used_bytes.lock().unwrap_or_else(|p| p.into_inner());
+            *used -= self.pooled_bytes;
+            self.budget.freed.notify_all();
+        }
+        self.gauge.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }

@@ -67,9 +67,14 @@ pub struct OwnerSettings {
     /// Request bytes buffered by all connections together (default 256 MiB).
     #[serde(deserialize_with = "de_size")]
     pub max_buffered_bytes: Option<u64>,
+    /// Each connection's guaranteed share of them (default max_buffered_bytes / (2 * max_connections)).
+    #[serde(deserialize_with = "de_size")]
+    pub connection_buffered_bytes: Option<u64>,
     pub io_timeout_ms: Option<u64>,
     /// Whole handshake, from the accept (default 5 s).
     pub handshake_timeout_ms: Option<u64>,
+    /// Each frame, from its first byte (default 10 s).
+    pub payload_timeout_ms: Option<u64>,
     pub lease_ttl_ms: Option<u32>,
     /// Any other `StoreBuilder` field (same names as its TOML).
     pub store: Option<toml::Table>,
@@ -191,8 +196,10 @@ impl OwnerSettings {
             max_frame_bytes,
             chunk_bytes,
             max_buffered_bytes,
+            connection_buffered_bytes,
             io_timeout_ms,
             handshake_timeout_ms,
+            payload_timeout_ms,
             lease_ttl_ms,
             store
         )
@@ -290,11 +297,15 @@ impl OwnerSettings {
         if let Some(v) = self.max_buffered_bytes {
             owner.max_buffered_bytes = v;
         }
+        owner.connection_buffered_bytes = self.connection_buffered_bytes;
         if let Some(v) = self.io_timeout_ms {
             owner.io_timeout_ms = v;
         }
         if let Some(v) = self.handshake_timeout_ms {
             owner.handshake_timeout_ms = v;
+        }
+        if let Some(v) = self.payload_timeout_ms {
+            owner.payload_timeout_ms = v;
         }
 
         if let Some(v) = self.lease_ttl_ms {
@@ -363,7 +374,8 @@ mod tests {
         assert!((DRAM_MIN_BYTES..=DRAM_MAX_BYTES).contains(&r.store.dram_bytes));
         let o = &r.owner;
         assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
-        assert_eq!((o.max_buffered_bytes, o.handshake_timeout_ms), (256 << 20, 5_000));
+        assert_eq!((o.max_buffered_bytes, o.connection_share_bytes()), (256 << 20, 512 << 10));
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms), (5_000, 10_000));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
@@ -399,11 +411,15 @@ mod tests {
         assert!(r.owner.unix_socket.is_none());
         assert!(r.owner.allow_unauthenticated_loopback && r.owner.tcp_token.is_none());
         assert!(r.owner.share_arena, "shared by default");
-        let limits: OwnerSettings =
-            toml::from_str("max_unauthenticated_connections = 4\nhandshake_timeout_ms = 300\n").expect("toml");
+        let limits: OwnerSettings = toml::from_str(
+            "max_unauthenticated_connections = 4\nconnection_buffered_bytes = \"256KiB\"\nhandshake_timeout_ms = 300\n\
+             payload_timeout_ms = 400\n",
+        )
+        .expect("toml");
         let o = s.clone().overlay(limits).resolve(&vars).expect("resolve").owner;
         assert_eq!(o.max_unauthenticated_connections, 4);
-        assert_eq!(o.handshake_timeout_ms, 300);
+        assert_eq!(o.connection_share_bytes(), 256 << 10);
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms), (300, 400));
         assert!(OwnerSettings::from_args(["--bogus".to_string()]).is_err());
         assert!(OwnerSettings::from_args(["--help".to_string()]).expect("help").is_none());
         let _ = std::fs::remove_dir_all(&dir);
