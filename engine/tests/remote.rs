@@ -1189,7 +1189,7 @@ fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-// ---- hostile peers: slow handshakes, slow requests ---------------------
+// ---- hostile peers: slow handshakes, slow requests, idle connections, floods ---------------------
 
 /// An owner with small limits and short deadlines (Unix socket, and TCP with the token).
 fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut OwnerConfig)) -> Owner {
@@ -1201,6 +1201,7 @@ fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut Owner
         max_unauthenticated_connections: 2,
         handshake_timeout_ms: 300,
         payload_timeout_ms: 400,
+        idle_timeout_ms: 500,
         shutdown_grace_ms: 1_000,
         ..OwnerConfig::default()
     };
@@ -1382,6 +1383,104 @@ fn a_slow_request_holds_only_its_own_share_of_the_budget() {
     assert!(tcp.batch_exists(&key_refs).iter().all(|r| *r == Ok(false)), "a 190 KiB request");
     assert_eq!(owner.counters().buffered_bytes.load(Ordering::SeqCst), 0);
     drop((unix, tcp));
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn idle_connections_are_closed_but_not_under_their_leases() {
+    let dir = temp_dir("idle");
+    let engine = engine(32 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_connections = 4;
+        c.io_timeout_ms = 1_000;
+        c.lease_ttl_ms = 2_000;
+    });
+    let store = unix_client(&owner);
+    store.put(b"k", b"value", PutOptions::INSERT).expect("put");
+    // Three idle connections and the store's pooled one fill the four slots.
+    let mut idle: Vec<Raw> = (0..3)
+        .map(|_| {
+            let mut raw = Raw::unix(&owner);
+            raw.handshake(false);
+            raw
+        })
+        .collect();
+    let path = format!("unix:{}", owner.unix_path().expect("unix").display());
+    assert_eq!(RemoteStore::connect_with(&path, options()).err(), Some(Error::Busy { limit: 4 }));
+
+    // The owner closes them after 500 ms without a request.
+    let started = Instant::now();
+    for raw in &mut idle {
+        raw.expect_closed();
+    }
+    assert!(started.elapsed() < Duration::from_millis(1500), "idle connections lived {:?}", started.elapsed());
+    assert!(owner.counters().idle_closed.load(Ordering::SeqCst) >= 3);
+    // The store's pooled connection was closed too: the next call reconnects by itself.
+    assert_eq!(store.get(b"k").expect("get after idling"), b"value");
+    let other = RemoteStore::connect_with(&path, options()).expect("room again");
+
+    // A connection holding a lease is kept until the lease's TTL, then closed when idle.
+    let mut holder = Raw::unix(&owner);
+    holder.handshake(true);
+    holder.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
+    let (h, payload) = holder.recv().expect("grants");
+    assert_eq!(h.op, Op::Grants);
+    let (_, grants) = kvtide::remote::protocol::decode_grants(&payload, 16, u64::MAX).expect("grants");
+    let lease = grants[0].clone().expect("granted").lease;
+    std::thread::sleep(Duration::from_millis(900));
+    holder.request(&Request::Release { leases: vec![lease] }, 2);
+    holder.request(&Request::Exists { keys: vec![b"k"] }, 3);
+    let (h, _) = holder.recv().expect("still open while it held a lease");
+    assert_eq!((h.op, h.request_id), (Op::ExistsReply, 3));
+    let started = Instant::now();
+    holder.expect_closed();
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    drop((store, other, idle, holder));
+    wait_gauges_zero(&owner);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn refusing_a_flood_never_stalls_the_accept_loop() {
+    let dir = temp_dir("flood");
+    let engine = engine(32 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_connections = 1;
+        c.max_unauthenticated_connections = 1;
+        c.handshake_timeout_ms = 10_000;
+        c.idle_timeout_ms = 10_000;
+    });
+    // Both kinds of slot are held: one Unix client, one TCP peer that stays silent.
+    let holder = unix_client(&owner);
+    let silent = TcpStream::connect(owner.tcp_addr().expect("tcp")).expect("connect");
+    while owner.counters().handshakes_open.load(Ordering::SeqCst) == 0 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // 300 connections that send nothing and wait for the owner's answer: each gets `Busy` at
+    // once (before, each refusal waited 100 ms for the client to say something).
+    let started = Instant::now();
+    for i in 0..300 {
+        let mut raw = if i % 3 == 0 {
+            let s = TcpStream::connect(owner.tcp_addr().expect("tcp")).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            Raw { stream: Box::new(s) }
+        } else {
+            Raw::unix(&owner)
+        };
+        assert_eq!(raw.expect_error(), Error::Busy { limit: 1 }, "connection {i}");
+        raw.expect_closed();
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "300 refusals took {:?}", started.elapsed());
+    assert!(owner.counters().connections_refused.load(Ordering::SeqCst) >= 300);
+    // The held slots still serve; freed, they take new clients.
+    assert_eq!(holder.get(b"nothing"), Err(Error::NotFound));
+    drop((holder, silent));
+    wait_gauges_zero(&owner);
+    let tcp = tcp_client(&owner);
+    assert_eq!(tcp.get(b"nothing"), Err(Error::NotFound));
+    drop(tcp);
     wait_gauges_zero(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }

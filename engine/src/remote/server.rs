@@ -3,15 +3,15 @@
 //!
 //! It owns the listeners, one bounded thread per connection, each connection's lease table,
 //! and the limits: connection slots (TCP peers that have not authenticated yet get their own
-//! few), the handshake and payload deadlines, leases per connection, frame size, items per
+//! few), the handshake, payload and idle deadlines, leases per connection, frame size, items per
 //! request and the budget of buffered request bytes (a guaranteed share per connection plus a
 //! shared pool). A slow or broken client only ever stalls its own thread and holds its own share:
-//! deadlines bound every read and socket timeouts every write. A malformed frame costs that
-//! client an error reply or its connection, never the owner. It never hands a client an address:
-//! only offsets of objects it has leased to that connection, released when the client says so or
-//! when the connection closes.
+//! deadlines bound every read and socket timeouts every write, and refusing a connection never
+//! blocks the accept loop. A malformed frame costs that client an error reply or its connection,
+//! never the owner. It never hands a client an address: only offsets of objects it has leased to
+//! that connection, released when the client says so or when the connection closes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -25,9 +25,9 @@ use std::time::{Duration, Instant};
 
 use super::auth::Token;
 use super::protocol::{
-    encode_error_frame, encode_exists, encode_grants, encode_object, FrameHeader, GetItem, Grant, Hello, HelloOk,
-    Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, end_frame, FrameHeader, GetItem,
+    Grant, Hello, HelloOk, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED,
+    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
 use super::sock::{self, Stream, WakeFlag};
 use super::wire::{FrameIo, WResult, WireError};
@@ -39,6 +39,10 @@ use crate::error::{Error, Result};
 const SMALL_CHUNK_BYTES: usize = 16 << 10;
 /// Flush the write buffer once it holds this much.
 const FLUSH_BYTES: usize = 64 << 10;
+/// A refused connection is kept this long (at most `MAX_LINGERING` of them per listener), so
+/// that closing it does not reset it before the client read why.
+const REFUSAL_LINGER: Duration = Duration::from_millis(500);
+const MAX_LINGERING: usize = 64;
 
 /// What the owner serves and its limits.
 #[derive(Clone, Debug)]
@@ -86,6 +90,9 @@ pub struct OwnerConfig {
     /// Once the first byte of a frame arrived, the frame's header and payload must have arrived
     /// within this long (each frame of a put's value likewise); else the connection is closed.
     pub payload_timeout_ms: u64,
+    /// A connection with no request for this long is closed (one holding leases is kept at least
+    /// `lease_ttl_ms`, so its leases cannot end before the client stops trusting them).
+    pub idle_timeout_ms: u64,
     /// Backstop TTL of leases (a live client that never releases loses them after this).
     pub lease_ttl_ms: u32,
     /// How long shutdown waits for in-flight requests before closing their connections.
@@ -119,6 +126,7 @@ impl Default for OwnerConfig {
             io_timeout_ms: 30_000,
             handshake_timeout_ms: 5_000,
             payload_timeout_ms: 10_000,
+            idle_timeout_ms: 600_000,
             lease_ttl_ms: 120_000,
             shutdown_grace_ms: 10_000,
         }
@@ -153,6 +161,8 @@ pub struct OwnerCounters {
     pub handshake_timeouts: AtomicU64,
     /// Connections closed because a frame did not arrive within `payload_timeout_ms`.
     pub payload_timeouts: AtomicU64,
+    /// Connections closed after `idle_timeout_ms` without a request.
+    pub idle_closed: AtomicU64,
     /// Request bytes buffered now (gauge).
     pub buffered_bytes: AtomicU64,
     pub requests: AtomicU64,
@@ -383,7 +393,7 @@ fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     if c.max_payload_bytes < 64 << 10 || u64::from(c.max_payload_bytes) > c.max_buffered_bytes {
         return bad("max_payload_bytes must be at least 64 KiB and at most max_buffered_bytes".into());
     }
-    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 || c.payload_timeout_ms == 0 {
+    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 || c.payload_timeout_ms == 0 || c.idle_timeout_ms == 0 {
         return bad("timeouts must be positive".into());
     }
     if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
@@ -441,17 +451,38 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
             return;
         }
     };
+    // Refused connections, oldest first, each kept until its client closed or its time is up.
+    let mut lingering: VecDeque<(Stream, Instant)> = VecDeque::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
         if shared.shutting_down.load(Ordering::SeqCst) {
             return;
         }
-        match sock::wait_readable(fd, shared.wake.fd(), -1) {
-            Ok((_, true)) => return,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::error!(error = %e, "poll on listener failed");
-                return;
-            }
+        let now = Instant::now();
+        while lingering.front().is_some_and(|(_, until)| *until <= now) {
+            lingering.pop_front();
+        }
+        fds.clear();
+        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        fds.push(libc::pollfd { fd: shared.wake.fd(), events: libc::POLLIN, revents: 0 });
+        fds.extend(lingering.iter().map(|(s, _)| libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }));
+        let timeout = lingering.front().map(|(_, until)| until.saturating_duration_since(now));
+        if let Err(e) = sock::poll(&mut fds, sock::poll_timeout_ms(timeout)) {
+            tracing::error!(error = %e, "poll on listener failed");
+            return;
+        }
+        let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        if ready(&fds[1]) {
+            return;
+        }
+        // A refused client that sent something or closed: read it, and close once it is gone.
+        let mut index = 0;
+        lingering.retain(|(s, _)| {
+            index += 1;
+            !(ready(&fds[1 + index]) && sock::drain(s.fd()))
+        });
+        if !ready(&fds[0]) {
+            continue;
         }
         loop {
             let accepted = match &listener {
@@ -462,7 +493,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
                 }),
             };
             match accepted {
-                Ok(stream) => admit(shared, stream),
+                Ok(stream) => {
+                    if let Some(refused) = admit(shared, stream) {
+                        if lingering.len() >= MAX_LINGERING {
+                            lingering.pop_front();
+                        }
+                        lingering.push_back((refused, Instant::now() + REFUSAL_LINGER));
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     // Out of descriptors and the like: back off instead of spinning.
@@ -475,11 +513,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
     }
 }
 
-/// Gives a new connection a slot and a thread, or refuses it with `Busy`.
-fn admit(shared: &Arc<Shared>, stream: Stream) {
+/// Gives a new connection a slot and a thread, or refuses it with `Busy` (returning the socket
+/// to keep for a moment). Never blocks on the peer.
+fn admit(shared: &Arc<Shared>, stream: Stream) -> Option<Stream> {
     let accepted_at = Instant::now();
     if stream.set_nonblocking(false).is_err() {
-        return;
+        return None;
     }
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     // The Unix socket's permissions authenticate its peers; TCP peers prove it in the handshake.
@@ -494,10 +533,9 @@ fn admit(shared: &Arc<Shared>, stream: Stream) {
         if open >= limit {
             drop(conns);
             shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
-            refuse(stream, &Error::Busy { limit });
-            return;
+            return refuse(stream, &Error::Busy { limit });
         }
-        let Ok(clone) = stream.try_clone() else { return };
+        let Ok(clone) = stream.try_clone() else { return None };
         conns.streams.insert(id, clone);
         if authenticated {
             conns.authenticated += 1;
@@ -517,6 +555,7 @@ fn admit(shared: &Arc<Shared>, stream: Stream) {
         // The closure, and with it the slot, was dropped: the connection is unregistered.
         tracing::warn!(error = %e, "cannot start a connection thread");
     }
+    None
 }
 
 /// A connection's place in the registry and the slot it holds, given back however its thread
@@ -563,19 +602,21 @@ impl Drop for Slot {
     }
 }
 
-/// Tells a connection it cannot be served, without a thread.
-fn refuse(stream: Stream, error: &Error) {
-    let _ = stream.set_timeouts(Some(Duration::from_millis(100)));
-    let mut io = FrameIo::new(stream);
-    let start = io.begin(Op::Error, 0);
-    encode_error_frame(io.out(), WHOLE_REQUEST, error);
-    io.end(start);
-    let _ = io.flush();
-    // Read what the client already sent, so closing does not reset the connection before it
-    // reads the error.
-    let mut sink = [0u8; 256];
-    let _ = io.read_exact(&mut sink[..1]);
-    io.stream().shutdown();
+/// Tells a connection it cannot be served, without blocking: the error goes out with a
+/// non-blocking send (a fresh socket has room for it) and the write side is shut. Returns the
+/// socket unless the client is already gone: closing it while the client's bytes are unread would
+/// reset the connection before the client read the error, so the caller keeps it a moment.
+fn refuse(stream: Stream, error: &Error) -> Option<Stream> {
+    if stream.set_nonblocking(true).is_err() {
+        return None;
+    }
+    let mut frame = Vec::new();
+    let start = begin_frame(&mut frame, Op::Error, 0);
+    encode_error_frame(&mut frame, WHOLE_REQUEST, error);
+    end_frame(&mut frame, start);
+    let _ = sock::send_all(stream.fd(), &[IoSlice::new(&frame)], None);
+    stream.shutdown_write();
+    (!sock::drain(stream.fd())).then_some(stream)
 }
 
 fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
@@ -666,6 +707,17 @@ impl Connection<'_> {
     fn arm_read_deadline(&mut self) {
         let timeout = Duration::from_millis(self.config().payload_timeout_ms);
         self.io.set_read_deadline(Some(Instant::now() + timeout));
+    }
+
+    /// How long this connection may wait for its next request.
+    fn idle_timeout(&self) -> Duration {
+        let idle = Duration::from_millis(self.config().idle_timeout_ms);
+        // Closing releases the leases; the client trusts them until their TTL.
+        if self.leases.is_empty() {
+            idle
+        } else {
+            idle.max(self.ttl())
+        }
     }
 
     /// Answers `Busy` when an authenticated TCP peer finds no free connection slot.
@@ -774,8 +826,14 @@ impl Connection<'_> {
         loop {
             self.io.set_read_deadline(None);
             if self.io.buffered() == 0 {
-                let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), -1)?;
+                let idle = sock::poll_timeout_ms(Some(self.idle_timeout()));
+                let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), idle)?;
                 if woken && !readable {
+                    return Ok(());
+                }
+                if !readable {
+                    self.shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("closing an idle connection");
                     return Ok(());
                 }
             }

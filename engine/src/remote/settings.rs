@@ -75,6 +75,8 @@ pub struct OwnerSettings {
     pub handshake_timeout_ms: Option<u64>,
     /// Each frame, from its first byte (default 10 s).
     pub payload_timeout_ms: Option<u64>,
+    /// A connection without a request for this long is closed (default 10 min).
+    pub idle_timeout_ms: Option<u64>,
     pub lease_ttl_ms: Option<u32>,
     /// Any other `StoreBuilder` field (same names as its TOML).
     pub store: Option<toml::Table>,
@@ -200,6 +202,7 @@ impl OwnerSettings {
             io_timeout_ms,
             handshake_timeout_ms,
             payload_timeout_ms,
+            idle_timeout_ms,
             lease_ttl_ms,
             store
         )
@@ -307,7 +310,9 @@ impl OwnerSettings {
         if let Some(v) = self.payload_timeout_ms {
             owner.payload_timeout_ms = v;
         }
-
+        if let Some(v) = self.idle_timeout_ms {
+            owner.idle_timeout_ms = v;
+        }
         if let Some(v) = self.lease_ttl_ms {
             owner.lease_ttl_ms = v;
         }
@@ -375,7 +380,7 @@ mod tests {
         let o = &r.owner;
         assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
         assert_eq!((o.max_buffered_bytes, o.connection_share_bytes()), (256 << 20, 512 << 10));
-        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms), (5_000, 10_000));
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (5_000, 10_000, 600_000));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
@@ -413,13 +418,13 @@ mod tests {
         assert!(r.owner.share_arena, "shared by default");
         let limits: OwnerSettings = toml::from_str(
             "max_unauthenticated_connections = 4\nconnection_buffered_bytes = \"256KiB\"\nhandshake_timeout_ms = 300\n\
-             payload_timeout_ms = 400\n",
+             payload_timeout_ms = 400\nidle_timeout_ms = 500\n",
         )
         .expect("toml");
         let o = s.clone().overlay(limits).resolve(&vars).expect("resolve").owner;
         assert_eq!(o.max_unauthenticated_connections, 4);
         assert_eq!(o.connection_share_bytes(), 256 << 10);
-        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms), (300, 400));
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (300, 400, 500));
         assert!(OwnerSettings::from_args(["--bogus".to_string()]).is_err());
         assert!(OwnerSettings::from_args(["--help".to_string()]).expect("help").is_none());
         let _ = std::fs::remove_dir_all(&dir);

@@ -57,6 +57,14 @@ impl Stream {
         };
     }
 
+    /// Shuts the write side: the peer reads what was sent, then end of stream.
+    pub(crate) fn shutdown_write(&self) {
+        let _ = match self {
+            Stream::Unix(s) => s.shutdown(Shutdown::Write),
+            Stream::Tcp(s) => s.shutdown(Shutdown::Write),
+        };
+    }
+
     pub(crate) fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
@@ -202,6 +210,43 @@ pub(crate) fn wait_readable(sock: RawFd, wake: RawFd, timeout_ms: i32) -> io::Re
             return Err(err);
         }
     }
+}
+
+/// `poll` over `fds` (retried when interrupted).
+pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<()> {
+    loop {
+        // SAFETY: fds is a valid array of pollfd structs for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Reads and discards what a (non-blocking) socket holds; true once the peer is gone (end of
+/// stream or an error) or keeps sending past a small bound.
+pub(crate) fn drain(sock: RawFd) -> bool {
+    let mut buf = [0u8; 4096];
+    for _ in 0..16 {
+        // SAFETY: receives into a live stack buffer of the given length.
+        let n = unsafe { libc::recv(sock, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n > 0 {
+            continue;
+        }
+        if n == 0 {
+            return true;
+        }
+        match io::Error::last_os_error().kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return false,
+            _ => return true,
+        }
+    }
+    true
 }
 
 /// Waits until `sock` is readable (or closed) for at most `timeout`; false when it passed.
