@@ -349,8 +349,8 @@ fn thirty_two_concurrent_clients_mixing_operations() {
 
 // ---- raw protocol helpers ------------------------------------------------------------------------
 
-trait Wire: Read + Write {}
-impl<T: Read + Write> Wire for T {}
+trait Wire: Read + Write + Send {}
+impl<T: Read + Write + Send> Wire for T {}
 
 /// A hand-driven connection for feeding the owner bad frames.
 struct Raw {
@@ -1338,6 +1338,21 @@ fn a_slow_request_holds_only_its_own_share_of_the_budget() {
     let tcp = tcp_client(&owner);
     unix.put(b"v", b"victim value", PutOptions::INSERT).expect("put");
 
+    // A put whose value stops coming: its data frame is bound by the same deadline.
+    let mut slow_put = Raw::unix(&owner);
+    slow_put.handshake(false);
+    let mut p = Vec::new();
+    PutHead::encode(&mut p, false, b"slow-put", 200_000);
+    p.extend_from_slice(b"slow-put");
+    p.extend_from_slice(&[7u8; 1000]);
+    slow_put.send(&frame(Op::Put, 1, &p));
+    slow_put.send(&header(Op::Data as u8, PROTOCOL_VERSION, 1, 199_000));
+    let slow_put = std::thread::spawn(move || {
+        let started = Instant::now();
+        slow_put.send(&[7u8; 10]);
+        slow_put.expect_closed();
+        started.elapsed()
+    });
     // Five authenticated peers announce 512 KiB requests and send them a byte every 20 ms.
     let stop = Arc::new(AtomicBool::new(false));
     let attackers: Vec<_> = (0..5)
@@ -1379,7 +1394,10 @@ fn a_slow_request_holds_only_its_own_share_of_the_budget() {
     stop.store(true, Ordering::SeqCst);
     let closed: Vec<Option<Duration>> = attackers.into_iter().map(|a| a.join().expect("attacker")).collect();
     assert!(closed.iter().flatten().count() >= 2, "{closed:?}");
-    assert!(owner.counters().payload_timeouts.load(Ordering::SeqCst) >= 2);
+    let put_closed = slow_put.join().expect("slow put");
+    assert!(put_closed < Duration::from_secs(3), "a stalled put value lived {put_closed:?}");
+    assert_eq!(unix.get(b"slow-put"), Err(Error::NotFound), "its reservation was aborted");
+    assert!(owner.counters().payload_timeouts.load(Ordering::SeqCst) >= 3);
     // With the pool free again, a request larger than a share is served.
     let keys: Vec<Vec<u8>> = (0..3000).map(|i| format!("{i:0>60}").into_bytes()).collect();
     let key_refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
