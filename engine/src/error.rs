@@ -39,7 +39,12 @@ pub enum Error {
     CudaUnavailable(&'static str),
     #[error("GPU transfer failed: {0}")]
     Cuda(String),
-    #[error("too many requests in flight (limit {limit}); wait for some tickets to complete")]
+    /// A bound was reached: requests or tickets in flight, connection slots, leases per
+    /// connection, or buffered request bytes (`limit` is that bound's value).
+    #[error(
+        "busy: a limit of {limit} was reached (requests in flight, connections, leases or buffered request \
+         bytes); retry later"
+    )]
     Busy { limit: usize },
     #[error("the request was cancelled")]
     Cancelled,

@@ -7,17 +7,18 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::value_for;
 use kvtide::remote::protocol::{
     decode_error_frame, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead, Request,
-    HEADER_BYTES, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
+    HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide::remote::{Owner, OwnerConfig, OwnerError, Token};
 use kvtide::{
@@ -348,8 +349,8 @@ fn thirty_two_concurrent_clients_mixing_operations() {
 
 // ---- raw protocol helpers ------------------------------------------------------------------------
 
-trait Wire: Read + Write {}
-impl<T: Read + Write> Wire for T {}
+trait Wire: Read + Write + Send {}
+impl<T: Read + Write + Send> Wire for T {}
 
 /// A hand-driven connection for feeding the owner bad frames.
 struct Raw {
@@ -759,7 +760,10 @@ fn connection_limit_answers_busy() {
     let path = format!("unix:{}", owner.unix_path().expect("unix").display());
     let a = RemoteStore::connect_with(&path, ClientOptions::default()).expect("first");
     let b = RemoteStore::connect_with(&path, ClientOptions::default()).expect("second");
-    assert_eq!(RemoteStore::connect_with(&path, ClientOptions::default()).err(), Some(Error::Busy { limit: 2 }));
+    let refused = RemoteStore::connect_with(&path, ClientOptions::default()).err();
+    assert_eq!(refused, Some(Error::Busy { limit: 2 }));
+    let message = refused.map(|e| e.to_string()).unwrap_or_default();
+    assert!(message.contains("connections") && !message.contains("ticket"), "{message}");
     drop((a, b));
     let deadline = Instant::now() + Duration::from_secs(5);
     while owner.counters().connections_open.load(Ordering::SeqCst) > 0 {
@@ -903,4 +907,601 @@ fn an_owner_that_stops_answering_times_out() {
     assert_eq!(store.get(b"k"), Err(Error::Timeout { op: "get", timeout_ms: 300 }));
     assert!(started.elapsed() < Duration::from_secs(3), "timeouts bound each request");
     fake.join().expect("fake owner");
+}
+
+// ---- the shared arena descriptor in a hostile client's hands ------------------------------------
+
+/// A Unix connection that asked for shared memory, and the descriptor (if any) the owner passed
+/// with its hello reply, received with `SCM_RIGHTS` as `RemoteStore` does.
+fn shm_handshake(owner: &Owner) -> (Raw, HelloOk, Option<OwnedFd>) {
+    let s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut p = Vec::new();
+    Hello { client_nonce: [5; NONCE_BYTES], flags: HELLO_WANT_SHM }.encode(&mut p);
+    (&s).write_all(&frame(Op::Hello, 0, &p)).expect("hello");
+    let mut buf = vec![0u8; 4096];
+    let mut got = 0;
+    let mut fd = None;
+    loop {
+        if got >= HEADER_BYTES {
+            let h = FrameHeader::decode(&buf[..HEADER_BYTES], 4096).expect("hello reply header");
+            if got >= HEADER_BYTES + h.payload_len as usize {
+                assert_eq!(got, HEADER_BYTES + h.payload_len as usize, "nothing follows the hello reply");
+                assert_eq!(h.op, Op::HelloOk);
+                let hello = HelloOk::decode(&buf[HEADER_BYTES..got]).expect("hello ok");
+                return (Raw { stream: Box::new(s) }, hello, fd);
+            }
+        }
+        let (n, received) = recv_with_fd(&s, &mut buf[got..]);
+        assert!(n > 0, "the owner closed during the handshake");
+        got += n;
+        if received.is_some() {
+            assert!(fd.is_none(), "one descriptor");
+            fd = received;
+        }
+    }
+}
+
+/// One `recvmsg`, collecting a descriptor passed with the bytes.
+fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> (usize, Option<OwnedFd>) {
+    #[repr(C, align(8))]
+    struct Cmsg([u8; 64]);
+    let mut cmsg = Cmsg([0; 64]);
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr().cast();
+    msg.msg_controllen = cmsg.0.len();
+    // SAFETY: iov and the control buffer are live and sized as described for the call.
+    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    assert!(n >= 0, "recvmsg: {}", std::io::Error::last_os_error());
+    let mut fd = None;
+    // SAFETY: the kernel filled the control buffer; CMSG_* walk only inside it, and an
+    // SCM_RIGHTS payload holds descriptors that are now ours.
+    unsafe {
+        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
+        while !hdr.is_null() {
+            if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(hdr).cast::<RawFd>());
+                fd = Some(OwnedFd::from_raw_fd(raw));
+            }
+            hdr = libc::CMSG_NXTHDR(&msg, hdr);
+        }
+    }
+    (n as usize, fd)
+}
+
+/// Every way a holder of the arena descriptor `fd` might change arena bytes or the arena's size,
+/// aimed at `[offset, offset + 8)` of an object; returns the attempts that worked. `arena_bytes`
+/// is the arena's length. Reopening the descriptor for writing (`/proc/self/fd`) is tried too,
+/// and the attempts repeated on whatever that yields.
+fn arena_write_attempts(fd: RawFd, offset: u64, arena_bytes: u64) -> Vec<String> {
+    let mut worked = Vec::new();
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).expect("path");
+    let mut targets = vec![("received descriptor".to_string(), fd, None)];
+    for (name, flags) in [("O_RDWR", libc::O_RDWR), ("O_WRONLY", libc::O_WRONLY)] {
+        // SAFETY: a valid NUL-terminated path; the result is checked.
+        let reopened = unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC) };
+        if reopened >= 0 {
+            // SAFETY: a fresh descriptor nothing else owns.
+            let owned = unsafe { OwnedFd::from_raw_fd(reopened) };
+            targets.push((format!("/proc/self/fd reopened {name}"), reopened, Some(owned)));
+        }
+    }
+    let evil = *b"EVILEVIL";
+    let page = 4096u64;
+    for (what, t, _owned) in &targets {
+        let t = *t;
+        let mut record = |attempt: &str, ok: bool| {
+            if ok {
+                worked.push(format!("{attempt} through the {what}"));
+            }
+        };
+        // SAFETY: pwrite reads 8 bytes from a live array.
+        record("pwrite", unsafe { libc::pwrite(t, evil.as_ptr().cast(), 8, offset as libc::off_t) } >= 0);
+        // SAFETY: lseek and write on a descriptor we hold, from a live array.
+        record("write", unsafe {
+            libc::lseek(t, offset as libc::off_t, libc::SEEK_SET) >= 0 && libc::write(t, evil.as_ptr().cast(), 8) >= 0
+        });
+        // SAFETY: a new mapping at a kernel-chosen address; unmapped again if it was made.
+        let shared_rw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                arena_bytes as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                t,
+                0,
+            )
+        };
+        record("mmap(PROT_WRITE, MAP_SHARED)", shared_rw != libc::MAP_FAILED);
+        if shared_rw != libc::MAP_FAILED {
+            // SAFETY: the mapping made just above.
+            unsafe { libc::munmap(shared_rw, arena_bytes as usize) };
+        }
+        // SAFETY: as above.
+        let shared_ro =
+            unsafe { libc::mmap(std::ptr::null_mut(), arena_bytes as usize, libc::PROT_READ, libc::MAP_SHARED, t, 0) };
+        if shared_ro != libc::MAP_FAILED {
+            // SAFETY: changes the protection of the mapping made just above, then unmaps it.
+            let upgraded =
+                unsafe { libc::mprotect(shared_ro, arena_bytes as usize, libc::PROT_READ | libc::PROT_WRITE) };
+            record("mprotect(PROT_WRITE) of a shared read-only mapping", upgraded == 0);
+            // SAFETY: as above.
+            unsafe { libc::munmap(shared_ro, arena_bytes as usize) };
+        }
+        let hole = offset / page * page;
+        // SAFETY: plain syscalls on a descriptor we hold.
+        record(
+            "fallocate(PUNCH_HOLE)",
+            unsafe {
+                libc::fallocate(
+                    t,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    hole as libc::off_t,
+                    page as libc::off_t,
+                )
+            } == 0,
+        );
+        // SAFETY: as above.
+        record(
+            "fallocate(grow)",
+            unsafe { libc::fallocate(t, 0, arena_bytes as libc::off_t, page as libc::off_t) } == 0,
+        );
+        // SAFETY: as above.
+        record("F_ADD_SEALS(F_SEAL_WRITE)", unsafe { libc::fcntl(t, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) } == 0);
+        // SAFETY: as above.
+        record("ftruncate(grow)", unsafe { libc::ftruncate(t, (arena_bytes + page) as libc::off_t) } == 0);
+        // Last: before the fix this shrink made the owner die of SIGBUS.
+        // SAFETY: as above.
+        record("ftruncate(0)", unsafe { libc::ftruncate(t, 0) } == 0);
+    }
+    worked
+}
+
+/// Child process: runs `arena_write_attempts` as an unprivileged user on descriptor 3.
+#[test]
+#[ignore = "run by a_client_cannot_write_or_shrink_the_shared_arena as a child process"]
+fn arena_descriptor_child() {
+    let Ok(spec) = std::env::var("KVTIDE_ARENA_CHILD") else { return };
+    let (offset, arena_bytes) = spec.split_once(':').expect("offset:len");
+    // SAFETY: getuid has no inputs.
+    let uid = unsafe { libc::getuid() };
+    let worked = arena_write_attempts(3, offset.parse().expect("offset"), arena_bytes.parse().expect("len"));
+    println!("UID {uid} WORKED {worked:?}");
+}
+
+#[test]
+fn a_client_cannot_write_or_shrink_the_shared_arena() {
+    let dir = temp_dir("sealed");
+    let engine = engine(32 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let victim = value_for(b"victim", 0, 100_000);
+    unix_client(&owner).put(b"victim", &victim, PutOptions::INSERT).expect("put");
+
+    let (mut raw, hello, fd) = shm_handshake(&owner);
+    assert!(hello.flags & HELLO_SHM_ATTACHED != 0);
+    let fd = fd.expect("the owner passes the arena descriptor");
+    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"victim", check: LenCheck::Any }] }, 1);
+    let (h, payload) = raw.recv().expect("grants");
+    assert_eq!(h.op, Op::Grants);
+    let (_ttl_ms, grants) = kvtide::remote::protocol::decode_grants(&payload, 16, hello.arena_bytes).expect("grants");
+    let grant = grants[0].clone().expect("granted");
+
+    // SAFETY: stat is plain data that fstat fills for a descriptor we hold.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    assert_eq!(st.st_mode & 0o777, 0o400, "the arena memfd is private to the owner's user, read-only");
+    // SAFETY: fcntl reads the seals of a descriptor we hold.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    let wanted = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+    assert_eq!(seals & wanted, wanted, "the arena memfd is sealed");
+
+    let worked = arena_write_attempts(fd.as_raw_fd(), grant.offset, hello.arena_bytes);
+    assert!(worked.is_empty(), "a client changed the arena: {worked:?}");
+
+    // The same as an unprivileged user (reopening for writing fails outright there).
+    // SAFETY: getuid has no inputs.
+    if unsafe { libc::getuid() } == 0 {
+        use std::os::unix::process::CommandExt;
+        let raw_fd = fd.as_raw_fd();
+        let mut child = Command::new(std::env::current_exe().expect("test binary"));
+        child
+            .args(["--exact", "arena_descriptor_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("KVTIDE_ARENA_CHILD", format!("{}:{}", grant.offset, hello.arena_bytes))
+            .uid(65534)
+            .gid(65534)
+            .stdout(Stdio::piped());
+        // SAFETY: dup2 is async-signal-safe; it gives the child the descriptor as fd 3.
+        unsafe {
+            child.pre_exec(
+                move || if libc::dup2(raw_fd, 3) < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) },
+            );
+        }
+        let out = child.output().expect("run child");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("UID 65534 WORKED []"), "unprivileged child: {text}");
+    } else {
+        println!("not root: the unprivileged-user variant runs as this user only");
+    }
+
+    // A private copy-on-write mapping may be written, but only the client's copy changes.
+    let len = hello.arena_bytes as usize;
+    // SAFETY: a new private mapping at a kernel-chosen address, unmapped below.
+    let private = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, fd.as_raw_fd(), 0)
+    };
+    assert_ne!(private, libc::MAP_FAILED);
+    // SAFETY: grant.offset + 8 lies inside the private mapping of `len` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(b"EVILEVIL".as_ptr(), private.cast::<u8>().add(grant.offset as usize), 8);
+        libc::munmap(private, len);
+    }
+    raw.request(&Request::Release { leases: vec![grant.lease] }, 2);
+    drop(raw);
+
+    // Well-behaved clients still read the original bytes, over shared memory and over TCP.
+    assert_eq!(unix_client(&owner).get(b"victim").expect("unix get"), victim);
+    assert_eq!(tcp_client(&owner).get(b"victim").expect("tcp get"), victim);
+    let fresh = value_for(b"after", 0, 3 << 20);
+    unix_client(&owner).put(b"after", &fresh, PutOptions::INSERT).expect("the owner still writes its arena");
+    assert_eq!(unix_client(&owner).get(b"after").expect("get"), fresh);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
+    let dir = temp_dir("unshared");
+    let engine = engine(32 << 20);
+    let config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        share_arena: false,
+        shutdown_grace_ms: 1_000,
+        ..OwnerConfig::default()
+    };
+    let owner = Owner::start(Arc::clone(&engine), config).expect("owner");
+
+    // A client that asks for the arena gets no descriptor, and lease-mode gets are refused.
+    let (mut raw, hello, fd) = shm_handshake(&owner);
+    assert!(fd.is_none(), "no descriptor crosses the socket");
+    assert_eq!((hello.flags & HELLO_SHM_ATTACHED, hello.arena_bytes), (0, 0));
+    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
+    assert!(matches!(raw.expect_error(), Error::InvalidArgument(_)));
+    drop(raw);
+
+    // RemoteStore notices and streams: every read and write still works.
+    let path = format!("unix:{}", owner.unix_path().expect("unix").display());
+    let store = RemoteStore::connect_with(&path, options()).expect("connect");
+    assert!(!store.uses_shared_memory());
+    let value = value_for(b"k", 0, (2 << 20) + 5);
+    store.put(b"k", &value, PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"k").expect("get"), value);
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(store.get_into(b"k", Region::host(&mut buf)), Ok(value.len()));
+    assert_eq!(buf, value);
+    let mut part = vec![0u8; 100];
+    let r = store.get_into_ranges(&[Region::host(&mut part)], &[vec![Fragment::new(b"k".to_vec(), 1000, 0, 100)]]);
+    assert_eq!(r, vec![vec![Ok(100)]]);
+    assert_eq!(part, value[1000..1100]);
+    assert_eq!(owner.counters().leases_granted.load(Ordering::SeqCst), 0, "nothing was read through the arena");
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- hostile peers: slow handshakes, slow requests, idle connections, floods ---------------------
+
+/// An owner with small limits and short deadlines (Unix socket, and TCP with the token).
+fn guarded_owner(engine: &Arc<Engine>, dir: &Path, tweak: impl FnOnce(&mut OwnerConfig)) -> Owner {
+    let mut config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        tcp: Some(any_port()),
+        tcp_token: Some(token()),
+        max_connections: 8,
+        max_unauthenticated_connections: 2,
+        handshake_timeout_ms: 300,
+        payload_timeout_ms: 400,
+        idle_timeout_ms: 500,
+        shutdown_grace_ms: 1_000,
+        ..OwnerConfig::default()
+    };
+    tweak(&mut config);
+    Owner::start(Arc::clone(engine), config).expect("start owner")
+}
+
+/// Waits until no connection, handshake or buffered request byte is held by the owner.
+fn wait_gauges_zero(owner: &Owner) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let c = owner.counters();
+        let held = (
+            c.connections_open.load(Ordering::SeqCst),
+            c.handshakes_open.load(Ordering::SeqCst),
+            c.buffered_bytes.load(Ordering::SeqCst),
+        );
+        if held == (0, 0, 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still held (connections, handshakes, buffered bytes): {held:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Sends `bytes` one at a time until the owner closes the connection; returns how
+/// long after connecting that was (None if it never did within `give_up`).
+/// The socket's read timeout paces the bytes; `stop` ends it early.
+fn trickle_until_closed(
+    mut s: impl Read + Write,
+    bytes: &[u8],
+    give_up: Duration,
+    stop: &AtomicBool,
+) -> Option<Duration> {
+    let started = Instant::now();
+    let mut sent = 0;
+    let mut sink = [0u8; 4096];
+    while started.elapsed() < give_up && !stop.load(Ordering::SeqCst) {
+        if sent < bytes.len() {
+            if s.write_all(&bytes[sent..sent + 1]).is_err() {
+                return Some(started.elapsed());
+            }
+            sent += 1;
+        }
+        // The read timeout (`gap`) paces the trickle; a read of 0 is the owner's close.
+        match s.read(&mut sink) {
+            Ok(0) => return Some(started.elapsed()),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return Some(started.elapsed()),
+        }
+    }
+    None
+}
+
+fn hello_frame() -> Vec<u8> {
+    let mut p = Vec::new();
+    Hello { client_nonce: [7; NONCE_BYTES], flags: 0 }.encode(&mut p);
+    frame(Op::Hello, 0, &p)
+}
+
+#[test]
+fn slow_handshakes_have_a_total_deadline_and_never_take_authenticated_slots() {
+    let dir = temp_dir("slowloris");
+    let engine = engine(32 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_connections = 4;
+        c.max_unauthenticated_connections = 2;
+    });
+    let addr = owner.tcp_addr().expect("tcp");
+    let gap = Duration::from_millis(50);
+    // Ten TCP peers send their hello one byte every 50 ms (the whole hello would take 2.8 s).
+    let attackers: Vec<_> = (0..10)
+        .map(|_| {
+            let s = TcpStream::connect(addr).expect("connect");
+            s.set_read_timeout(Some(gap)).expect("timeout");
+            std::thread::spawn(move || {
+                trickle_until_closed(s, &hello_frame(), Duration::from_secs(6), &AtomicBool::new(false))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Meanwhile every authenticated slot is free for real clients: Unix ones at once, and a TCP
+    // one as soon as an unauthenticated slot is (within the 300 ms handshake deadline).
+    let unix: Vec<RemoteStore> = (0..3).map(|_| unix_client(&owner)).collect();
+    for (i, store) in unix.iter().enumerate() {
+        let key = format!("k{i}");
+        store.put(key.as_bytes(), b"value", PutOptions::INSERT).expect("put");
+        assert_eq!(store.get(key.as_bytes()).expect("get"), b"value");
+    }
+    let started = Instant::now();
+    let tcp = loop {
+        match RemoteStore::connect_with(&addr.to_string(), options()) {
+            Ok(store) => break store,
+            Err(Error::Busy { .. }) if started.elapsed() < Duration::from_secs(3) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("TCP client during the attack: {e}"),
+        }
+    };
+    assert_eq!(tcp.get(b"k0").expect("tcp get"), b"value");
+
+    // Each attacker was cut off by the total deadline (or refused at once), although it kept sending.
+    for a in attackers {
+        let closed = a.join().expect("attacker").expect("the owner closed the slow handshake");
+        assert!(closed < Duration::from_millis(1500), "a trickled hello held its slot for {closed:?}");
+    }
+    let c = owner.counters();
+    assert!(c.handshake_timeouts.load(Ordering::SeqCst) >= 2, "the slot holders timed out");
+    assert!(c.connections_refused.load(Ordering::SeqCst) >= 8, "the others were refused");
+    drop((unix, tcp));
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_slow_request_holds_only_its_own_share_of_the_budget() {
+    let dir = temp_dir("slow-request");
+    let engine = engine(32 << 20);
+    // Shares of 2 MiB / 16 = 128 KiB per connection, and a pool of 1 MiB for larger requests.
+    // The payload deadline (1.5 s) is longer than the victims need, so only the shares keep them
+    // from waiting behind the slow requests.
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_buffered_bytes = 2 << 20;
+        c.max_payload_bytes = 512 << 10;
+        c.chunk_bytes = 256 << 10;
+        c.payload_timeout_ms = 1_500;
+    });
+    let unix = unix_client(&owner);
+    let tcp = tcp_client(&owner);
+    unix.put(b"v", b"victim value", PutOptions::INSERT).expect("put");
+
+    // A put whose value stops coming: its data frame is bound by the same deadline.
+    let mut slow_put = Raw::unix(&owner);
+    slow_put.handshake(false);
+    let mut p = Vec::new();
+    PutHead::encode(&mut p, false, false, b"slow-put", 200_000);
+    p.extend_from_slice(b"slow-put");
+    p.extend_from_slice(&[7u8; 1000]);
+    slow_put.send(&frame(Op::Put, 1, &p));
+    slow_put.send(&header(Op::Data as u8, PROTOCOL_VERSION, 1, 199_000));
+    let slow_put = std::thread::spawn(move || {
+        let started = Instant::now();
+        slow_put.send(&[7u8; 10]);
+        slow_put.expect_closed();
+        started.elapsed()
+    });
+    // Five authenticated peers announce 512 KiB requests and send them a byte every 20 ms.
+    let stop = Arc::new(AtomicBool::new(false));
+    let attackers: Vec<_> = (0..5)
+        .map(|_| {
+            let mut s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            s.write_all(&hello_frame()).expect("hello");
+            let mut reply = [0u8; HEADER_BYTES];
+            s.read_exact(&mut reply).expect("hello reply");
+            let h = FrameHeader::decode(&reply, 4096).expect("header");
+            assert_eq!(h.op, Op::HelloOk);
+            s.read_exact(&mut vec![0u8; h.payload_len as usize]).expect("hello reply");
+            s.write_all(&header(Op::Exists as u8, PROTOCOL_VERSION, 1, 512 << 10)).expect("request");
+            s.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || trickle_until_closed(s, &vec![0u8; 512 << 10], Duration::from_secs(6), &stop))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+
+    // Other clients' requests fit their own shares: none waits for the slow ones.
+    let started = Instant::now();
+    for _ in 0..20 {
+        assert_eq!(unix.get(b"v").expect("unix get"), b"victim value");
+        assert_eq!(tcp.get(b"v").expect("tcp get"), b"victim value");
+        assert_eq!(tcp.batch_exists(&[b"v", b"w"]), vec![Ok(true), Ok(false)]);
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "gets stalled for {:?}", started.elapsed());
+
+    // The two slow requests that got room in the pool were cut off by the payload deadline, well
+    // before 6 s of trickling; the three waiting for room give up.
+    let mut cut = 0;
+    while cut < 2 {
+        let ended = attackers.iter().filter(|a| a.is_finished()).count();
+        assert!(started.elapsed() < Duration::from_secs(3), "slow requests still held after {ended} ended");
+        cut = ended;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let closed: Vec<Option<Duration>> = attackers.into_iter().map(|a| a.join().expect("attacker")).collect();
+    assert!(closed.iter().flatten().count() >= 2, "{closed:?}");
+    let put_closed = slow_put.join().expect("slow put");
+    assert!(put_closed < Duration::from_secs(3), "a stalled put value lived {put_closed:?}");
+    assert_eq!(unix.get(b"slow-put"), Err(Error::NotFound), "its reservation was aborted");
+    assert!(owner.counters().payload_timeouts.load(Ordering::SeqCst) >= 3);
+    // With the pool free again, a request larger than a share is served.
+    let keys: Vec<Vec<u8>> = (0..3000).map(|i| format!("{i:0>60}").into_bytes()).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    assert!(tcp.batch_exists(&key_refs).iter().all(|r| *r == Ok(false)), "a 190 KiB request");
+    assert_eq!(owner.counters().buffered_bytes.load(Ordering::SeqCst), 0);
+    drop((unix, tcp));
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn idle_connections_are_closed_but_not_under_their_leases() {
+    let dir = temp_dir("idle");
+    let engine = engine(32 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_connections = 4;
+        c.io_timeout_ms = 1_000;
+        c.lease_ttl_ms = 2_000;
+    });
+    let store = unix_client(&owner);
+    store.put(b"k", b"value", PutOptions::INSERT).expect("put");
+    // Three idle connections and the store's pooled one fill the four slots.
+    let mut idle: Vec<Raw> = (0..3)
+        .map(|_| {
+            let mut raw = Raw::unix(&owner);
+            raw.handshake(false);
+            raw
+        })
+        .collect();
+    let path = format!("unix:{}", owner.unix_path().expect("unix").display());
+    assert_eq!(RemoteStore::connect_with(&path, options()).err(), Some(Error::Busy { limit: 4 }));
+
+    // The owner closes them after 500 ms without a request.
+    let started = Instant::now();
+    for raw in &mut idle {
+        raw.expect_closed();
+    }
+    assert!(started.elapsed() < Duration::from_millis(1500), "idle connections lived {:?}", started.elapsed());
+    assert!(owner.counters().idle_closed.load(Ordering::SeqCst) >= 3);
+    // The store's pooled connection was closed too: the next call reconnects by itself.
+    assert_eq!(store.get(b"k").expect("get after idling"), b"value");
+    let other = RemoteStore::connect_with(&path, options()).expect("room again");
+
+    // A connection holding a lease is kept until the lease's TTL, then closed when idle.
+    let mut holder = Raw::unix(&owner);
+    holder.handshake(true);
+    holder.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
+    let (h, payload) = holder.recv().expect("grants");
+    assert_eq!(h.op, Op::Grants);
+    let (_, grants) = kvtide::remote::protocol::decode_grants(&payload, 16, u64::MAX).expect("grants");
+    let lease = grants[0].clone().expect("granted").lease;
+    std::thread::sleep(Duration::from_millis(900));
+    holder.request(&Request::Release { leases: vec![lease] }, 2);
+    holder.request(&Request::Exists { keys: vec![b"k"] }, 3);
+    let (h, _) = holder.recv().expect("still open while it held a lease");
+    assert_eq!((h.op, h.request_id), (Op::ExistsReply, 3));
+    let started = Instant::now();
+    holder.expect_closed();
+    assert!(started.elapsed() < Duration::from_millis(1500));
+    drop((store, other, idle, holder));
+    wait_gauges_zero(&owner);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn refusing_a_flood_never_stalls_the_accept_loop() {
+    let dir = temp_dir("flood");
+    let engine = engine(32 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.max_connections = 1;
+        c.max_unauthenticated_connections = 1;
+        c.handshake_timeout_ms = 10_000;
+        c.idle_timeout_ms = 10_000;
+    });
+    // Both kinds of slot are held: one Unix client, one TCP peer that stays silent.
+    let holder = unix_client(&owner);
+    let silent = TcpStream::connect(owner.tcp_addr().expect("tcp")).expect("connect");
+    while owner.counters().handshakes_open.load(Ordering::SeqCst) == 0 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // 300 connections that send nothing and wait for the owner's answer: each gets `Busy` at
+    // once (before, each refusal waited 100 ms for the client to say something).
+    let started = Instant::now();
+    for i in 0..300 {
+        let mut raw = if i % 3 == 0 {
+            let s = TcpStream::connect(owner.tcp_addr().expect("tcp")).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            Raw { stream: Box::new(s) }
+        } else {
+            Raw::unix(&owner)
+        };
+        assert_eq!(raw.expect_error(), Error::Busy { limit: 1 }, "connection {i}");
+        raw.expect_closed();
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "300 refusals took {:?}", started.elapsed());
+    assert!(owner.counters().connections_refused.load(Ordering::SeqCst) >= 300);
+    // The held slots still serve; freed, they take new clients.
+    assert_eq!(holder.get(b"nothing"), Err(Error::NotFound));
+    drop((holder, silent));
+    wait_gauges_zero(&owner);
+    let tcp = tcp_client(&owner);
+    assert_eq!(tcp.get(b"nothing"), Err(Error::NotFound));
+    drop(tcp);
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -6,7 +6,8 @@
 //! owner verifies in constant time -> AuthOk(HMAC(token, "kvtide-v1 owner" | client_nonce | server_nonce));
 //! the client verifies that in constant time too.
 //!
-//! It owns token files (reading, creating with mode 0600). It never logs or prints a token.
+//! It owns token files (reading, warning when others can read one, creating with mode 0600). It
+//! never logs or prints a token.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -42,10 +43,18 @@ impl Token {
         Ok(Token(trimmed.to_vec()))
     }
 
-    /// Reads a token file.
+    /// Reads a token file, with a warning when users other than its owner may read or change it.
     pub fn from_file(path: &Path) -> Result<Token, String> {
         let bytes = std::fs::read(path).map_err(|e| format!("cannot read token file {}: {e}", path.display()))?;
-        Token::new(&bytes).map_err(|e| format!("token file {}: {e}", path.display()))
+        let token = Token::new(&bytes).map_err(|e| format!("token file {}: {e}", path.display()))?;
+        if let Some(mode) = loose_mode(path) {
+            tracing::warn!(
+                path = %path.display(),
+                mode = format!("{mode:04o}"),
+                "the token file is open to other users (they can read the token); chmod 600 it"
+            );
+        }
+        Ok(token)
     }
 
     /// Reads `path`, or creates it (mode 0600) with 32 random bytes in hex when it is missing.
@@ -115,9 +124,60 @@ impl Token {
     }
 }
 
+/// The permission bits of `path` when its group or others have any access to it.
+fn loose_mode(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o7777;
+    (mode & 0o077 != 0).then_some(mode)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Log lines written while `f` runs.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        #[derive(Clone, Default)]
+        struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl Write for Sink {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8_lossy(&sink.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+        (out, text)
+    }
+
+    #[test]
+    fn a_token_file_open_to_others_is_used_with_a_warning() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("kvtide-token-mode-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("token");
+        std::fs::write(&path, "0123456789abcdef0123\n").expect("write");
+        for (mode, warned) in [(0o644, true), (0o640, true), (0o600, false), (0o400, false)] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+            let (token, log) = logged(|| Token::from_file(&path));
+            assert!(token.is_ok());
+            assert_eq!(log.contains("open to other users"), warned, "mode {mode:o}: {log:?}");
+            assert!(!log.contains("0123456789abcdef"), "the token is never logged");
+        }
+        // The owner's path (an existing file) warns too.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let (loaded, log) = logged(|| Token::load_or_create(&path));
+        assert!(loaded.is_ok_and(|(_, created)| !created));
+        assert!(log.contains("open to other users") && log.contains("0644"), "{log:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn proofs_verify_only_with_the_same_token() {

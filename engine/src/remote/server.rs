@@ -2,14 +2,16 @@
 //! arena shared read-only for one-copy gets) and over TCP (token-authenticated).
 //!
 //! It owns the listeners, one bounded thread per connection, each connection's lease table,
-//! and the limits: connections, leases per connection, frame size, items per request and the
-//! process-wide budget of buffered request bytes. A slow or broken client only ever stalls its
-//! own thread (socket timeouts bound every read and write), and a malformed frame costs that
-//! client an error reply or its connection, never the owner. It never hands a client an address:
-//! only offsets of objects it has leased to that connection, released when the client says so or
-//! when the connection closes.
+//! and the limits: connection slots (TCP peers that have not authenticated yet get their own
+//! few), the handshake, payload and idle deadlines, leases per connection, frame size, items per
+//! request and the budget of buffered request bytes (a guaranteed share per connection plus a
+//! shared pool). A slow or broken client only ever stalls its own thread and holds its own share:
+//! deadlines bound every read and socket timeouts every write, and refusing a connection never
+//! blocks the accept loop. A malformed frame costs that client an error reply or its connection,
+//! never the owner. It never hands a client an address: only offsets of objects it has leased to
+//! that connection, released when the client says so or when the connection closes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -23,9 +25,9 @@ use std::time::{Duration, Instant};
 
 use super::auth::Token;
 use super::protocol::{
-    encode_error_frame, encode_exists, encode_grants, encode_object, FrameHeader, GetItem, Grant, Hello, HelloOk,
-    Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, end_frame, FrameHeader, GetItem,
+    Grant, Hello, HelloOk, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED,
+    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
 use super::sock::{self, Stream, WakeFlag};
 use super::wire::{FrameIo, WResult, WireError};
@@ -37,6 +39,10 @@ use crate::error::{Error, Result};
 const SMALL_CHUNK_BYTES: usize = 16 << 10;
 /// Flush the write buffer once it holds this much.
 const FLUSH_BYTES: usize = 64 << 10;
+/// A refused connection is kept this long (at most `MAX_LINGERING` of them per listener), so
+/// that closing it does not reset it before the client read why.
+const REFUSAL_LINGER: Duration = Duration::from_millis(500);
+const MAX_LINGERING: usize = 64;
 
 /// What the owner serves and its limits.
 #[derive(Clone, Debug)]
@@ -50,10 +56,16 @@ pub struct OwnerConfig {
     pub tcp_token: Option<Token>,
     /// Serve TCP without authentication; refused unless `tcp` is a loopback address.
     pub allow_unauthenticated_loopback: bool,
-    /// Share the DRAM arena with Unix-socket clients (one-copy gets).
-    pub shared_memory: bool,
-    /// Connections served at once; more are refused with `Busy`.
+    /// Map the DRAM arena into Unix-socket clients (one-copy gets). Every such client can then
+    /// read every object in DRAM; off, they get socket copies and see only what they ask for.
+    pub share_arena: bool,
+    /// Connections served at once; more are refused with `Busy`. A Unix-socket peer takes a
+    /// slot when it connects (the socket's permissions authenticate it); a TCP peer once it has
+    /// authenticated (or, without a token, said hello).
     pub max_connections: usize,
+    /// TCP connections still in their handshake; more are refused with `Busy`. They never take
+    /// the slots above, so unauthenticated peers cannot lock authenticated clients out.
+    pub max_unauthenticated_connections: usize,
     /// Shared-memory leases one connection may hold; past it, keys get `Busy`.
     pub max_leases_per_connection: u32,
     /// Largest frame payload accepted or sent.
@@ -62,17 +74,37 @@ pub struct OwnerConfig {
     pub chunk_bytes: u32,
     /// Most keys or fragments in one request.
     pub max_items: u32,
-    /// Request bytes all connections may hold in memory at once; past it, requests wait
-    /// (back-pressure) and then get `Busy`.
+    /// Request bytes all connections may hold in memory at once (requests are read whole
+    /// before they are served; put values go straight into their reservation and do not count).
     pub max_buffered_bytes: u64,
-    /// Bound on every socket read or write once a request started (a stalled peer is dropped).
+    /// Each connection's guaranteed share of `max_buffered_bytes`: a request up to this size never
+    /// waits for other connections. A larger one also takes the rest from the pool left over
+    /// (`max_buffered_bytes - max_connections * share`); past it, it waits up to
+    /// `payload_timeout_ms` and then gets `Busy`. None: `max_buffered_bytes / (2 * max_connections)`.
+    pub connection_buffered_bytes: Option<u64>,
+    /// Bound on every socket write, and on each socket read while no deadline below applies.
     pub io_timeout_ms: u64,
-    /// Bound on the handshake.
+    /// The whole handshake (hello, authentication) must be done this long after the connection
+    /// was accepted, however the peer spaces its bytes.
     pub handshake_timeout_ms: u64,
+    /// Once the first byte of a frame arrived, the frame's header and payload must have arrived
+    /// within this long (each frame of a put's value likewise); else the connection is closed.
+    pub payload_timeout_ms: u64,
+    /// A connection with no request for this long is closed (one holding leases is kept at least
+    /// `lease_ttl_ms`, so its leases cannot end before the client stops trusting them).
+    pub idle_timeout_ms: u64,
     /// Backstop TTL of leases (a live client that never releases loses them after this).
     pub lease_ttl_ms: u32,
     /// How long shutdown waits for in-flight requests before closing their connections.
     pub shutdown_grace_ms: u64,
+}
+
+impl OwnerConfig {
+    /// Each connection's guaranteed share of the request budget.
+    pub fn connection_share_bytes(&self) -> u64 {
+        self.connection_buffered_bytes
+            .unwrap_or_else(|| self.max_buffered_bytes / (2 * self.max_connections.max(1) as u64))
+    }
 }
 
 impl Default for OwnerConfig {
@@ -82,15 +114,19 @@ impl Default for OwnerConfig {
             tcp: None,
             tcp_token: None,
             allow_unauthenticated_loopback: false,
-            shared_memory: true,
+            share_arena: true,
             max_connections: 256,
+            max_unauthenticated_connections: 32,
             max_leases_per_connection: 4096,
             max_payload_bytes: 4 << 20,
             chunk_bytes: 1 << 20,
             max_items: 65_536,
             max_buffered_bytes: 256 << 20,
+            connection_buffered_bytes: None,
             io_timeout_ms: 30_000,
             handshake_timeout_ms: 5_000,
+            payload_timeout_ms: 10_000,
+            idle_timeout_ms: 600_000,
             lease_ttl_ms: 120_000,
             shutdown_grace_ms: 10_000,
         }
@@ -110,12 +146,25 @@ pub enum OwnerError {
     Io(String),
 }
 
-/// Counters of the service itself (the engine's are in `Store::stats`).
+/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`,
+/// `buffered_bytes`) return to zero when the clients are gone.
 #[derive(Debug, Default)]
 pub struct OwnerCounters {
     pub connections_accepted: AtomicU64,
+    /// Refused with `Busy` (no free slot), at accept or when a TCP peer authenticated.
     pub connections_refused: AtomicU64,
+    /// Connections holding a connection slot (gauge).
     pub connections_open: AtomicU64,
+    /// TCP connections in their handshake, holding an unauthenticated slot (gauge).
+    pub handshakes_open: AtomicU64,
+    /// Handshakes that did not finish within `handshake_timeout_ms`.
+    pub handshake_timeouts: AtomicU64,
+    /// Connections closed because a frame did not arrive within `payload_timeout_ms`.
+    pub payload_timeouts: AtomicU64,
+    /// Connections closed after `idle_timeout_ms` without a request.
+    pub idle_closed: AtomicU64,
+    /// Request bytes buffered now (gauge).
+    pub buffered_bytes: AtomicU64,
     pub requests: AtomicU64,
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
@@ -131,7 +180,7 @@ struct Shared {
     limits: Limits,
     wake: WakeFlag,
     shutting_down: AtomicBool,
-    conns: Mutex<HashMap<u64, Stream>>,
+    conns: Mutex<ConnTable>,
     conns_changed: Condvar,
     next_conn: AtomicU64,
     budget: Budget,
@@ -140,6 +189,14 @@ struct Shared {
     arena_bytes: u64,
     shm_fd: Option<OwnedFd>,
     counters: OwnerCounters,
+}
+
+/// Every open connection (so shutdown can close them) and the slots they hold.
+#[derive(Default)]
+struct ConnTable {
+    streams: HashMap<u64, Stream>,
+    authenticated: usize,
+    unauthenticated: usize,
 }
 
 /// A running owner service. Dropping it shuts it down (not the engine).
@@ -168,11 +225,17 @@ impl Owner {
         let arena = engine.arena();
         let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
         let arena_bytes = arena.len_bytes() as u64;
-        let shm_fd = if config.shared_memory && config.unix_socket.is_some() {
-            match super::shm::reopen_read_only(arena.memfd()) {
+        let shm_fd = if config.share_arena && config.unix_socket.is_some() {
+            // A descriptor of an unsealed memfd could be reopened for writing: never share one.
+            match super::shm::check_sealed(arena.memfd(), arena_bytes)
+                .and_then(|()| super::shm::reopen_read_only(arena.memfd()))
+            {
                 Ok(fd) => Some(fd),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot reopen the arena read-only; Unix clients will stream instead");
+                    tracing::warn!(
+                        error = %e,
+                        "NOT sharing the DRAM arena with Unix clients (they get socket copies instead)"
+                    );
                     None
                 }
             }
@@ -189,11 +252,11 @@ impl Owner {
         };
         let shared = Arc::new(Shared {
             wake: WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?,
-            budget: Budget::new(config.max_buffered_bytes),
+            budget: Budget::new(&config),
             engine,
             limits,
             shutting_down: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
+            conns: Mutex::new(ConnTable::default()),
             conns_changed: Condvar::new(),
             next_conn: AtomicU64::new(1),
             instance_id: u64::from_le_bytes(id),
@@ -229,7 +292,7 @@ impl Owner {
             unix = ?unix_path,
             tcp = ?tcp_addr,
             tcp_auth = shared.config.tcp_token.is_some(),
-            shared_memory = shared.shm_fd.is_some(),
+            share_arena = shared.shm_fd.is_some(),
             arena_bytes,
             max_connections = shared.config.max_connections,
             "kvtide owner serving"
@@ -276,14 +339,17 @@ impl Owner {
         let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
         let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + grace;
-        while !conns.is_empty() {
+        while !conns.streams.is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                tracing::warn!(connections = conns.len(), "shutdown grace passed; closing remaining connections");
-                conns.values().for_each(Stream::shutdown);
+                tracing::warn!(
+                    connections = conns.streams.len(),
+                    "shutdown grace passed; closing remaining connections"
+                );
+                conns.streams.values().for_each(Stream::shutdown);
                 let _ = shared
                     .conns_changed
-                    .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.is_empty())
+                    .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.streams.is_empty())
                     .unwrap_or_else(|p| p.into_inner());
                 break;
             }
@@ -327,8 +393,27 @@ fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     if c.max_payload_bytes < 64 << 10 || u64::from(c.max_payload_bytes) > c.max_buffered_bytes {
         return bad("max_payload_bytes must be at least 64 KiB and at most max_buffered_bytes".into());
     }
-    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 {
+    if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 || c.payload_timeout_ms == 0 || c.idle_timeout_ms == 0 {
         return bad("timeouts must be positive".into());
+    }
+    if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
+        return bad("max_unauthenticated_connections must be positive when serving TCP".into());
+    }
+    let share = c.connection_share_bytes();
+    let reserved = share.saturating_mul(c.max_connections as u64);
+    if share == 0 || reserved > c.max_buffered_bytes {
+        return bad(format!(
+            "connection_buffered_bytes = {share} times max_connections = {} must be positive and fit in \
+             max_buffered_bytes = {}",
+            c.max_connections, c.max_buffered_bytes
+        ));
+    }
+    if c.max_buffered_bytes - reserved < u64::from(c.max_payload_bytes).saturating_sub(share) {
+        return bad(format!(
+            "max_buffered_bytes = {} leaves too little beyond the connections' shares for one frame of \
+             max_payload_bytes = {}",
+            c.max_buffered_bytes, c.max_payload_bytes
+        ));
     }
     if u64::from(c.lease_ttl_ms) < 2 * c.io_timeout_ms {
         return bad(format!(
@@ -366,17 +451,38 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
             return;
         }
     };
+    // Refused connections, oldest first, each kept until its client closed or its time is up.
+    let mut lingering: VecDeque<(Stream, Instant)> = VecDeque::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
         if shared.shutting_down.load(Ordering::SeqCst) {
             return;
         }
-        match sock::wait_readable(fd, shared.wake.fd(), -1) {
-            Ok((_, true)) => return,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::error!(error = %e, "poll on listener failed");
-                return;
-            }
+        let now = Instant::now();
+        while lingering.front().is_some_and(|(_, until)| *until <= now) {
+            lingering.pop_front();
+        }
+        fds.clear();
+        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+        fds.push(libc::pollfd { fd: shared.wake.fd(), events: libc::POLLIN, revents: 0 });
+        fds.extend(lingering.iter().map(|(s, _)| libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }));
+        let timeout = lingering.front().map(|(_, until)| until.saturating_duration_since(now));
+        if let Err(e) = sock::poll(&mut fds, sock::poll_timeout_ms(timeout)) {
+            tracing::error!(error = %e, "poll on listener failed");
+            return;
+        }
+        let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        if ready(&fds[1]) {
+            return;
+        }
+        // A refused client that sent something or closed: read it, and close once it is gone.
+        let mut index = 0;
+        lingering.retain(|(s, _)| {
+            index += 1;
+            !(ready(&fds[1 + index]) && sock::drain(s.fd()))
+        });
+        if !ready(&fds[0]) {
+            continue;
         }
         loop {
             let accepted = match &listener {
@@ -387,7 +493,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
                 }),
             };
             match accepted {
-                Ok(stream) => admit(shared, stream),
+                Ok(stream) => {
+                    if let Some(refused) = admit(shared, stream) {
+                        if lingering.len() >= MAX_LINGERING {
+                            lingering.pop_front();
+                        }
+                        lingering.push_back((refused, Instant::now() + REFUSAL_LINGER));
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     // Out of descriptors and the like: back off instead of spinning.
@@ -400,80 +513,137 @@ fn accept_loop(shared: &Arc<Shared>, listener: Listener) {
     }
 }
 
-fn admit(shared: &Arc<Shared>, stream: Stream) {
+/// Gives a new connection a slot and a thread, or refuses it with `Busy` (returning the socket
+/// to keep for a moment). Never blocks on the peer.
+fn admit(shared: &Arc<Shared>, stream: Stream) -> Option<Stream> {
+    let accepted_at = Instant::now();
     if stream.set_nonblocking(false).is_err() {
-        return;
+        return None;
     }
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    // The Unix socket's permissions authenticate its peers; TCP peers prove it in the handshake.
+    let authenticated = stream.is_unix();
     {
         let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        if conns.len() >= shared.config.max_connections {
+        let (open, limit) = if authenticated {
+            (conns.authenticated, shared.config.max_connections)
+        } else {
+            (conns.unauthenticated, shared.config.max_unauthenticated_connections)
+        };
+        if open >= limit {
             drop(conns);
             shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
-            refuse(stream, &Error::Busy { limit: shared.config.max_connections });
-            return;
+            return refuse(stream, &Error::Busy { limit });
         }
-        match stream.try_clone() {
-            Ok(clone) => {
-                conns.insert(id, clone);
-            }
-            Err(_) => return,
+        let Ok(clone) = stream.try_clone() else { return None };
+        conns.streams.insert(id, clone);
+        if authenticated {
+            conns.authenticated += 1;
+            shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
+        } else {
+            conns.unauthenticated += 1;
+            shared.counters.handshakes_open.fetch_add(1, Ordering::Relaxed);
         }
     }
     shared.counters.connections_accepted.fetch_add(1, Ordering::Relaxed);
-    shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
-    let for_thread = Arc::clone(shared);
-    let spawned =
-        std::thread::Builder::new().name(format!("kvtide-conn-{id}")).stack_size(512 << 10).spawn(move || {
-            let _registered = Registered { shared: &for_thread, id };
-            serve(&for_thread, stream);
-        });
+    let slot = Slot { shared: Arc::clone(shared), id, authenticated };
+    let spawned = std::thread::Builder::new()
+        .name(format!("kvtide-conn-{id}"))
+        .stack_size(512 << 10)
+        .spawn(move || serve(slot, stream, accepted_at));
     if let Err(e) = spawned {
+        // The closure, and with it the slot, was dropped: the connection is unregistered.
         tracing::warn!(error = %e, "cannot start a connection thread");
-        let _registered = Registered { shared, id };
+    }
+    None
+}
+
+/// A connection's place in the registry and the slot it holds, given back however its thread
+/// ends.
+struct Slot {
+    shared: Arc<Shared>,
+    id: u64,
+    /// Holds a connection slot (else an unauthenticated one).
+    authenticated: bool,
+}
+
+impl Slot {
+    /// Trades the unauthenticated slot of a peer that just authenticated for a connection slot;
+    /// false (keeping the old one) when none is free.
+    fn promote(&mut self) -> bool {
+        if self.authenticated {
+            return true;
+        }
+        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if conns.authenticated >= self.shared.config.max_connections {
+            return false;
+        }
+        conns.unauthenticated -= 1;
+        conns.authenticated += 1;
+        self.shared.counters.handshakes_open.fetch_sub(1, Ordering::Relaxed);
+        self.shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.authenticated = true;
+        true
     }
 }
 
-/// Removes a connection from the registry when its thread ends, however it ends.
-struct Registered<'a> {
-    shared: &'a Shared,
-    id: u64,
-}
-
-impl Drop for Registered<'_> {
+impl Drop for Slot {
     fn drop(&mut self) {
         let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.remove(&self.id);
-        self.shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
+        conns.streams.remove(&self.id);
+        if self.authenticated {
+            conns.authenticated -= 1;
+            self.shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            conns.unauthenticated -= 1;
+            self.shared.counters.handshakes_open.fetch_sub(1, Ordering::Relaxed);
+        }
         self.shared.conns_changed.notify_all();
     }
 }
 
-/// Tells a connection it cannot be served, without a thread.
-fn refuse(stream: Stream, error: &Error) {
-    let _ = stream.set_timeouts(Some(Duration::from_millis(100)));
-    let mut io = FrameIo::new(stream);
-    let start = io.begin(Op::Error, 0);
-    encode_error_frame(io.out(), WHOLE_REQUEST, error);
-    io.end(start);
-    let _ = io.flush();
-    // Read what the client already sent, so closing does not reset the connection before it
-    // reads the error.
-    let mut sink = [0u8; 256];
-    let _ = io.read_exact(&mut sink[..1]);
-    io.stream().shutdown();
+/// Tells a connection it cannot be served, without blocking: the error goes out with a
+/// non-blocking send (a fresh socket has room for it) and the write side is shut. Returns the
+/// socket unless the client is already gone: closing it while the client's bytes are unread would
+/// reset the connection before the client read the error, so the caller keeps it a moment.
+fn refuse(stream: Stream, error: &Error) -> Option<Stream> {
+    if stream.set_nonblocking(true).is_err() {
+        return None;
+    }
+    let mut frame = Vec::new();
+    let start = begin_frame(&mut frame, Op::Error, 0);
+    encode_error_frame(&mut frame, WHOLE_REQUEST, error);
+    end_frame(&mut frame, start);
+    let _ = sock::send_all(stream.fd(), &[IoSlice::new(&frame)], None);
+    stream.shutdown_write();
+    (!sock::drain(stream.fd())).then_some(stream)
 }
 
-fn serve(shared: &Arc<Shared>, stream: Stream) {
+fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
+    let shared = Arc::clone(&slot.shared);
     let unix = stream.is_unix();
-    let mut conn = Connection { shared, io: FrameIo::new(stream), leases: HashMap::new(), next_lease: 1, unix };
-    let result = conn.handshake().and_then(|()| conn.run());
+    let mut conn =
+        Connection { shared: &shared, io: FrameIo::new(stream), leases: HashMap::new(), next_lease: 1, unix, slot };
+    let result = match conn.handshake(accepted_at) {
+        Err(WireError::Deadline) => {
+            shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+            Err(WireError::Deadline)
+        }
+        Err(e) => Err(e),
+        Ok(()) => match conn.run() {
+            Err(WireError::Deadline) => {
+                shared.counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(WireError::Deadline)
+            }
+            other => other,
+        },
+    };
     match result {
         Ok(()) | Err(WireError::Closed(_)) => {}
         Err(e) => tracing::debug!(error = ?e, "connection ended"),
     }
     conn.io.stream().shutdown();
-    // `conn` drops here: every lease it still holds is released.
+    // `conn` drops here: every lease it still holds is released, then its slot.
 }
 
 struct Connection<'s> {
@@ -482,6 +652,8 @@ struct Connection<'s> {
     leases: HashMap<u64, ObjectLease>,
     next_lease: u64,
     unix: bool,
+    // Last, so it is given back after the leases and the socket.
+    slot: Slot,
 }
 
 impl Drop for Connection<'_> {
@@ -531,8 +703,37 @@ impl Connection<'_> {
         let _ = self.io.flush();
     }
 
-    fn handshake(&mut self) -> WResult<()> {
+    /// Re-arms the read deadline: what is read next must arrive within `payload_timeout_ms`.
+    fn arm_read_deadline(&mut self) {
+        let timeout = Duration::from_millis(self.config().payload_timeout_ms);
+        self.io.set_read_deadline(Some(Instant::now() + timeout));
+    }
+
+    /// How long this connection may wait for its next request.
+    fn idle_timeout(&self) -> Duration {
+        let idle = Duration::from_millis(self.config().idle_timeout_ms);
+        // Closing releases the leases; the client trusts them until their TTL.
+        if self.leases.is_empty() {
+            idle
+        } else {
+            idle.max(self.ttl())
+        }
+    }
+
+    /// Answers `Busy` when an authenticated TCP peer finds no free connection slot.
+    fn refuse_slot(&mut self, request_id: u64) -> WResult<()> {
+        self.shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+        let limit = self.config().max_connections;
+        self.push_error(Op::Error, request_id, WHOLE_REQUEST, &Error::Busy { limit });
+        self.io.flush()?;
+        Err(WireError::Closed("no free connection slot".into()))
+    }
+
+    /// Hello (and for TCP with a token, authentication), all within `handshake_timeout_ms` of
+    /// the accept, however the peer spaces its bytes.
+    fn handshake(&mut self, accepted_at: Instant) -> WResult<()> {
         let timeout = Duration::from_millis(self.config().handshake_timeout_ms);
+        self.io.set_read_deadline(Some(accepted_at + timeout));
         self.io.stream().set_timeouts(Some(timeout))?;
         let hello_limits = Limits { max_payload_bytes: 4096, ..self.shared.limits };
         let header = match self.io.read_header(&hello_limits) {
@@ -559,6 +760,9 @@ impl Connection<'_> {
         let mut server_nonce = [0u8; NONCE_BYTES];
         sock::random_bytes(&mut server_nonce)?;
         let auth = if self.unix { None } else { self.config().tcp_token.clone() };
+        if auth.is_none() && !self.slot.promote() {
+            return self.refuse_slot(header.request_id);
+        }
         let shm = self.unix && hello.flags & HELLO_WANT_SHM != 0 && self.shared.shm_fd.is_some();
         let mut flags = 0;
         if auth.is_some() {
@@ -604,11 +808,15 @@ impl Connection<'_> {
                     self.fatal(h.request_id, &Error::Unauthorized("wrong token".into()));
                     return Err(WireError::Closed("wrong token".into()));
                 }
+                if !self.slot.promote() {
+                    return self.refuse_slot(h.request_id);
+                }
                 let owner_proof = token.owner_proof(&hello.client_nonce, &server_nonce);
                 self.io.push_frame(Op::AuthOk, h.request_id, &owner_proof);
                 self.io.flush()?;
             }
         }
+        self.io.set_read_deadline(None);
         let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
         self.io.stream().set_timeouts(Some(io_timeout))?;
         Ok(())
@@ -616,12 +824,21 @@ impl Connection<'_> {
 
     fn run(&mut self) -> WResult<()> {
         loop {
+            self.io.set_read_deadline(None);
             if self.io.buffered() == 0 {
-                let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), -1)?;
+                let idle = sock::poll_timeout_ms(Some(self.idle_timeout()));
+                let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), idle)?;
                 if woken && !readable {
                     return Ok(());
                 }
+                if !readable {
+                    self.shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("closing an idle connection");
+                    return Ok(());
+                }
             }
+            // From a frame's first byte, the whole frame must arrive in time.
+            self.arm_read_deadline();
             let header = match self.io.read_header(&self.shared.limits) {
                 Ok(h) => h,
                 Err(WireError::Protocol(p)) => {
@@ -652,9 +869,14 @@ impl Connection<'_> {
             }
             _ => {}
         }
-        // Small requests are read whole, within the process-wide buffer budget.
-        let wait = Duration::from_millis(self.config().io_timeout_ms);
-        let Some(_permit) = self.shared.budget.acquire(u64::from(header.payload_len), wait) else {
+        // Small requests are read whole, within the connection's share of the buffer budget
+        // (and the shared pool beyond it). Pool bytes come back within a payload deadline (or
+        // when a request is done), so waiting longer than that would not help.
+        let wait = Duration::from_millis(self.config().payload_timeout_ms);
+        let permit =
+            self.shared.budget.acquire(u64::from(header.payload_len), wait, &self.shared.counters.buffered_bytes);
+        self.arm_read_deadline();
+        let Some(_permit) = permit else {
             self.io.skip(header.payload_len.into())?;
             self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
             let limit = self.config().max_buffered_bytes as usize;
@@ -892,7 +1114,10 @@ impl Connection<'_> {
         }
         let engine = Arc::clone(&self.shared.engine);
         let opts = PutOptions { upsert: head.upsert, pin: head.pin };
-        match engine.reserve_put(&key, head.total_len, opts) {
+        let reserved = engine.reserve_put(&key, head.total_len, opts);
+        // The reservation's time is the owner's, not the client's.
+        self.arm_read_deadline();
+        match reserved {
             Ok(mut pending) => {
                 let dst = pending.bytes_mut();
                 self.io.read_exact(&mut dst[..head.inline_len as usize])?;
@@ -928,6 +1153,7 @@ impl Connection<'_> {
     /// Reads the header of the next `Data` frame of request `rid` (at most `left` bytes).
     /// None after a protocol violation (already answered).
     fn next_data(&mut self, rid: u64, left: u64) -> WResult<Option<u64>> {
+        self.arm_read_deadline();
         let h = match self.io.read_header(&self.shared.limits) {
             Ok(h) => h,
             Err(WireError::Protocol(p)) => {
@@ -944,42 +1170,64 @@ impl Connection<'_> {
     }
 }
 
-/// The process-wide budget of request bytes held in memory.
+/// The budget of request bytes held in memory: each connection's guaranteed share, and a pool
+/// for the part of larger requests beyond a share. A connection serves its requests in order and
+/// holds at most one permit, so shares are never oversubscribed and the total stays within
+/// `max_buffered_bytes` (`validate` checks that the shares fit).
 struct Budget {
-    used: Mutex<u64>,
+    pool_used_bytes: Mutex<u64>,
     freed: Condvar,
-    max: u64,
+    pool_bytes: u64,
+    share_bytes: u64,
 }
 
 struct Permit<'a> {
     budget: &'a Budget,
+    gauge: &'a AtomicU64,
     bytes: u64,
+    pooled_bytes: u64,
 }
 
 impl Budget {
-    fn new(max: u64) -> Budget {
-        Budget { used: Mutex::new(0), freed: Condvar::new(), max }
+    fn new(config: &OwnerConfig) -> Budget {
+        let share_bytes = config.connection_share_bytes();
+        let reserved = share_bytes.saturating_mul(config.max_connections as u64);
+        Budget {
+            pool_used_bytes: Mutex::new(0),
+            freed: Condvar::new(),
+            pool_bytes: config.max_buffered_bytes.saturating_sub(reserved),
+            share_bytes,
+        }
     }
 
-    /// Takes `bytes`, waiting up to `wait` for room; None when there was none.
-    fn acquire(&self, bytes: u64, wait: Duration) -> Option<Permit<'_>> {
-        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
-        let (mut used, _) = self
-            .freed
-            .wait_timeout_while(used, wait, |used| *used + bytes > self.max)
-            .unwrap_or_else(|p| p.into_inner());
-        if *used + bytes > self.max {
-            return None;
+    /// Takes `bytes` for one request: up to the connection's share at once, the rest from the
+    /// pool, waiting up to `wait` for room there; None when there was none. `gauge` counts the
+    /// bytes held.
+    fn acquire<'a>(&'a self, bytes: u64, wait: Duration, gauge: &'a AtomicU64) -> Option<Permit<'a>> {
+        let pooled_bytes = bytes.saturating_sub(self.share_bytes);
+        if pooled_bytes > 0 {
+            let used = self.pool_used_bytes.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut used, _) = self
+                .freed
+                .wait_timeout_while(used, wait, |used| *used + pooled_bytes > self.pool_bytes)
+                .unwrap_or_else(|p| p.into_inner());
+            if *used + pooled_bytes > self.pool_bytes {
+                return None;
+            }
+            *used += pooled_bytes;
         }
-        *used += bytes;
-        Some(Permit { budget: self, bytes })
+        gauge.fetch_add(bytes, Ordering::Relaxed);
+        Some(Permit { budget: self, gauge, bytes, pooled_bytes })
     }
 }
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
-        let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
-        *used -= self.bytes;
-        self.budget.freed.notify_all();
+        if self.pooled_bytes > 0 {
+            let mut used = self.budget.pool_used_bytes.lock().unwrap_or_else(|p| p.into_inner());
+            *used -= self.pooled_bytes;
+            self.budget.freed.notify_all();
+        }
+        self.gauge.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }

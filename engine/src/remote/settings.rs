@@ -40,8 +40,11 @@ pub struct OwnerSettings {
     pub token_file: Option<PathBuf>,
     /// Require the token on TCP (default true; false is only accepted on loopback).
     pub tcp_auth: Option<bool>,
-    /// Share the arena with Unix clients (default true).
-    pub shared_memory: Option<bool>,
+    /// Map the DRAM arena into Unix clients (default true). Every such client can then read every
+    /// object in DRAM; turn it off where clients do not trust each other. (`shared_memory` is
+    /// the older name.)
+    #[serde(alias = "shared_memory")]
+    pub share_arena: Option<bool>,
     /// SSD tier in `<data_dir>/ssd` (default true).
     pub ssd: Option<bool>,
     /// DRAM pool. Default: a quarter of available memory, 256 MiB..16 GiB.
@@ -52,15 +55,28 @@ pub struct OwnerSettings {
     pub ssd_bytes: Option<u64>,
     /// Shards. Default: one per allowed CPU.
     pub shards: Option<usize>,
+    /// Connections served at once (default 256).
     pub max_connections: Option<usize>,
+    /// TCP connections still in their handshake (default 32); they never take the slots above.
+    pub max_unauthenticated_connections: Option<usize>,
     pub max_leases_per_connection: Option<u32>,
     #[serde(deserialize_with = "de_size")]
     pub max_frame_bytes: Option<u64>,
     #[serde(deserialize_with = "de_size")]
     pub chunk_bytes: Option<u64>,
+    /// Request bytes buffered by all connections together (default 256 MiB).
     #[serde(deserialize_with = "de_size")]
     pub max_buffered_bytes: Option<u64>,
+    /// Each connection's guaranteed share of them (default max_buffered_bytes / (2 * max_connections)).
+    #[serde(deserialize_with = "de_size")]
+    pub connection_buffered_bytes: Option<u64>,
     pub io_timeout_ms: Option<u64>,
+    /// Whole handshake, from the accept (default 5 s).
+    pub handshake_timeout_ms: Option<u64>,
+    /// Each frame, from its first byte (default 10 s).
+    pub payload_timeout_ms: Option<u64>,
+    /// A connection without a request for this long is closed (default 10 min).
+    pub idle_timeout_ms: Option<u64>,
     pub lease_ttl_ms: Option<u32>,
     /// Any other `StoreBuilder` field (same names as its TOML).
     pub store: Option<toml::Table>,
@@ -101,7 +117,8 @@ USAGE: kvtide-owner [OPTIONS]
   --tcp ADDR|off           TCP address (default 127.0.0.1:7370)
   --token-file FILE        token TCP clients must know (default <data-dir>/token, created)
   --no-auth                TCP without a token (loopback addresses only)
-  --no-shm                 do not share the arena with Unix clients
+  --no-shared-arena        do not map the arena into Unix clients (they get socket copies;
+                           otherwise every Unix client can read every object in DRAM)
   --no-ssd                 DRAM only
   --dram-bytes SIZE        DRAM pool (default: 1/4 of available memory, 256MiB..16GiB)
   --ssd-bytes SIZE         SSD tier (default: 1/8 of free disk, 1GiB..64GiB)
@@ -144,7 +161,7 @@ impl OwnerSettings {
                 "--tcp" => s.tcp = Some(value(&flag)?),
                 "--token-file" => s.token_file = Some(PathBuf::from(value(&flag)?)),
                 "--no-auth" => s.tcp_auth = Some(false),
-                "--no-shm" => s.shared_memory = Some(false),
+                "--no-shared-arena" | "--no-shm" => s.share_arena = Some(false),
                 "--no-ssd" => s.ssd = Some(false),
                 "--dram-bytes" => s.dram_bytes = Some(size(&flag, value(&flag)?)?),
                 "--ssd-bytes" => s.ssd_bytes = Some(size(&flag, value(&flag)?)?),
@@ -170,17 +187,22 @@ impl OwnerSettings {
             tcp,
             token_file,
             tcp_auth,
-            shared_memory,
+            share_arena,
             ssd,
             dram_bytes,
             ssd_bytes,
             shards,
             max_connections,
+            max_unauthenticated_connections,
             max_leases_per_connection,
             max_frame_bytes,
             chunk_bytes,
             max_buffered_bytes,
+            connection_buffered_bytes,
             io_timeout_ms,
+            handshake_timeout_ms,
+            payload_timeout_ms,
+            idle_timeout_ms,
             lease_ttl_ms,
             store
         )
@@ -256,11 +278,14 @@ impl OwnerSettings {
                 token_file = Some((path, created));
             }
         }
-        if let Some(v) = self.shared_memory {
-            owner.shared_memory = v;
+        if let Some(v) = self.share_arena {
+            owner.share_arena = v;
         }
         if let Some(v) = self.max_connections {
             owner.max_connections = v;
+        }
+        if let Some(v) = self.max_unauthenticated_connections {
+            owner.max_unauthenticated_connections = v;
         }
         if let Some(v) = self.max_leases_per_connection {
             owner.max_leases_per_connection = v;
@@ -275,8 +300,18 @@ impl OwnerSettings {
         if let Some(v) = self.max_buffered_bytes {
             owner.max_buffered_bytes = v;
         }
+        owner.connection_buffered_bytes = self.connection_buffered_bytes;
         if let Some(v) = self.io_timeout_ms {
             owner.io_timeout_ms = v;
+        }
+        if let Some(v) = self.handshake_timeout_ms {
+            owner.handshake_timeout_ms = v;
+        }
+        if let Some(v) = self.payload_timeout_ms {
+            owner.payload_timeout_ms = v;
+        }
+        if let Some(v) = self.idle_timeout_ms {
+            owner.idle_timeout_ms = v;
         }
         if let Some(v) = self.lease_ttl_ms {
             owner.lease_ttl_ms = v;
@@ -342,6 +377,10 @@ mod tests {
         assert!(r.owner.tcp_token.is_some(), "TCP requires a token by default");
         assert!(r.token_file.as_ref().is_some_and(|(_, created)| *created));
         assert!((DRAM_MIN_BYTES..=DRAM_MAX_BYTES).contains(&r.store.dram_bytes));
+        let o = &r.owner;
+        assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
+        assert_eq!((o.max_buffered_bytes, o.connection_share_bytes()), (256 << 20, 512 << 10));
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (5_000, 10_000, 600_000));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
@@ -376,8 +415,34 @@ mod tests {
         assert!(r.store.ssd_dir.is_none());
         assert!(r.owner.unix_socket.is_none());
         assert!(r.owner.allow_unauthenticated_loopback && r.owner.tcp_token.is_none());
+        assert!(r.owner.share_arena, "shared by default");
+        let limits: OwnerSettings = toml::from_str(
+            "max_unauthenticated_connections = 4\nconnection_buffered_bytes = \"256KiB\"\nhandshake_timeout_ms = 300\n\
+             payload_timeout_ms = 400\nidle_timeout_ms = 500\n",
+        )
+        .expect("toml");
+        let o = s.clone().overlay(limits).resolve(&vars).expect("resolve").owner;
+        assert_eq!(o.max_unauthenticated_connections, 4);
+        assert_eq!(o.connection_share_bytes(), 256 << 10);
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (300, 400, 500));
         assert!(OwnerSettings::from_args(["--bogus".to_string()]).is_err());
         assert!(OwnerSettings::from_args(["--help".to_string()]).expect("help").is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_arena_mapping_can_be_turned_off() {
+        let dir = temp_dir("share-arena");
+        let base = format!("data_dir = {:?}\ntcp = \"off\"\nssd = false\n", dir.display().to_string());
+        for toml_line in ["share_arena = false", "shared_memory = false"] {
+            let s: OwnerSettings = toml::from_str(&format!("{base}{toml_line}\n")).expect("toml");
+            assert!(!s.resolve(&[]).expect("resolve").owner.share_arena, "{toml_line}");
+        }
+        for flag in ["--no-shared-arena", "--no-shm"] {
+            let (flags, _) = OwnerSettings::from_args([flag.to_string()]).expect("args").expect("not help");
+            let file: OwnerSettings = toml::from_str(&base).expect("toml");
+            assert!(!file.overlay(flags).resolve(&[]).expect("resolve").owner.share_arena, "{flag}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

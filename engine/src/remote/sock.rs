@@ -57,6 +57,14 @@ impl Stream {
         };
     }
 
+    /// Shuts the write side: the peer reads what was sent, then end of stream.
+    pub(crate) fn shutdown_write(&self) {
+        let _ = match self {
+            Stream::Unix(s) => s.shutdown(Shutdown::Write),
+            Stream::Tcp(s) => s.shutdown(Shutdown::Write),
+        };
+    }
+
     pub(crate) fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
@@ -120,7 +128,8 @@ fn sendmsg(sock: RawFd, bufs: &[IoSlice<'_>], fd: Option<BorrowedFd<'_>>) -> io:
 }
 
 /// Receives up to `len` bytes into `ptr`; 0 means the peer closed. Collects a descriptor passed
-/// with `SCM_RIGHTS` into `fd_out` when given (extra descriptors are closed).
+/// with `SCM_RIGHTS` into `fd_out` when given (extra descriptors are closed). `dont_wait`:
+/// `WouldBlock` instead of blocking when nothing is there.
 ///
 /// # Safety
 /// `[ptr, ptr + len)` must be valid for writes for the duration of the call.
@@ -129,7 +138,9 @@ pub(crate) unsafe fn recv_into(
     ptr: *mut u8,
     len: usize,
     fd_out: Option<&mut Option<OwnedFd>>,
+    dont_wait: bool,
 ) -> io::Result<usize> {
+    let flags = libc::MSG_CMSG_CLOEXEC | if dont_wait { libc::MSG_DONTWAIT } else { 0 };
     let mut cmsg = CmsgSpace([0; 64]);
     let mut iov = libc::iovec { iov_base: ptr.cast(), iov_len: len };
     // SAFETY: msghdr is plain data; an all-zero value is a valid empty header.
@@ -144,7 +155,7 @@ pub(crate) unsafe fn recv_into(
     let n = loop {
         // SAFETY: iov points at caller memory valid for `len` bytes (this function's contract);
         // the control buffer is ours.
-        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let n = unsafe { libc::recvmsg(sock, &mut msg, flags) };
         if n >= 0 {
             break n as usize;
         }
@@ -199,6 +210,66 @@ pub(crate) fn wait_readable(sock: RawFd, wake: RawFd, timeout_ms: i32) -> io::Re
             return Err(err);
         }
     }
+}
+
+/// `poll` over `fds` (retried when interrupted).
+pub(crate) fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<()> {
+    loop {
+        // SAFETY: fds is a valid array of pollfd structs for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Reads and discards what a (non-blocking) socket holds; true once the peer is gone (end of
+/// stream or an error) or keeps sending past a small bound.
+pub(crate) fn drain(sock: RawFd) -> bool {
+    let mut buf = [0u8; 4096];
+    for _ in 0..16 {
+        // SAFETY: receives into a live stack buffer of the given length.
+        let n = unsafe { libc::recv(sock, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n > 0 {
+            continue;
+        }
+        if n == 0 {
+            return true;
+        }
+        match io::Error::last_os_error().kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return false,
+            _ => return true,
+        }
+    }
+    true
+}
+
+/// Waits until `sock` is readable (or closed) for at most `timeout`; false when it passed.
+pub(crate) fn wait_readable_for(sock: RawFd, timeout: Duration) -> io::Result<bool> {
+    let mut fd = libc::pollfd { fd: sock, events: libc::POLLIN, revents: 0 };
+    // Rounded up, so a wait never ends before the deadline it serves.
+    let timeout_ms = poll_timeout_ms(Some(timeout));
+    loop {
+        // SAFETY: fd is one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut fd, 1, timeout_ms) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Milliseconds for `poll`, rounded up (-1, wait forever, for None).
+pub(crate) fn poll_timeout_ms(timeout: Option<Duration>) -> i32 {
+    timeout.map_or(-1, |t| t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32)
 }
 
 /// An eventfd that, once signalled, stays readable: a broadcast flag that `poll` can wait on.

@@ -7,6 +7,7 @@
 
 use std::io::{self, IoSlice};
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::time::Instant;
 
 use super::protocol::{begin_frame, end_frame, FrameHeader, Limits, Op, ProtocolError, HEADER_BYTES};
 use super::sock::{self, Stream};
@@ -23,6 +24,8 @@ pub(crate) enum WireError {
     Closed(String),
     /// A socket timeout passed.
     Timeout,
+    /// The read deadline (`FrameIo::set_read_deadline`) passed before the bytes arrived.
+    Deadline,
     /// Any other socket error.
     Io(io::Error),
     /// The peer sent something the protocol does not allow.
@@ -54,7 +57,7 @@ impl WireError {
     pub(crate) fn into_error(self, op: &'static str, timeout_ms: u64) -> Error {
         match self {
             WireError::Closed(why) => Error::Disconnected(why),
-            WireError::Timeout => Error::Timeout { op, timeout_ms },
+            WireError::Timeout | WireError::Deadline => Error::Timeout { op, timeout_ms },
             WireError::Io(e) => Error::Disconnected(e.to_string()),
             WireError::Protocol(p) => p.into(),
         }
@@ -71,11 +74,50 @@ pub(crate) struct FrameIo {
     start: usize,
     end: usize,
     wbuf: Vec<u8>,
+    read_deadline: Option<Instant>,
 }
 
 impl FrameIo {
     pub(crate) fn new(stream: Stream) -> FrameIo {
-        FrameIo { stream, rbuf: vec![0u8; FILL_BYTES].into_boxed_slice(), start: 0, end: 0, wbuf: Vec::new() }
+        FrameIo {
+            stream,
+            rbuf: vec![0u8; FILL_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            wbuf: Vec::new(),
+            read_deadline: None,
+        }
+    }
+
+    /// Every read from now on must complete by `deadline` (`WireError::Deadline` otherwise),
+    /// however the peer spaces its bytes; None: only the socket timeouts apply.
+    pub(crate) fn set_read_deadline(&mut self, deadline: Option<Instant>) {
+        self.read_deadline = deadline;
+    }
+
+    /// One receive into `[ptr, ptr + len)`, within the read deadline when one is set.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid for writes for the duration of the call.
+    unsafe fn recv(&mut self, ptr: *mut u8, len: usize, mut fd_out: Option<&mut Option<OwnedFd>>) -> WResult<usize> {
+        let fd = self.stream.fd();
+        let Some(deadline) = self.read_deadline else {
+            // SAFETY: the caller's contract.
+            return Ok(unsafe { sock::recv_into(fd, ptr, len, fd_out, false) }?);
+        };
+        loop {
+            // SAFETY: the caller's contract.
+            match unsafe { sock::recv_into(fd, ptr, len, fd_out.as_deref_mut(), true) } {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Checked on every wait, so a peer that trickles bytes still meets the deadline.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() || !sock::wait_readable_for(fd, left)? {
+                        return Err(WireError::Deadline);
+                    }
+                }
+                result => return Ok(result?),
+            }
+        }
     }
 
     pub(crate) fn stream(&self) -> &Stream {
@@ -97,10 +139,10 @@ impl FrameIo {
         }
         while self.end - self.start < min {
             let room = self.rbuf.len() - self.end;
-            // SAFETY: [end, end + room) lies inside rbuf, which we own and borrow mutably.
-            let n = unsafe {
-                sock::recv_into(self.stream.fd(), self.rbuf.as_mut_ptr().add(self.end), room, fd_out.as_deref_mut())
-            }?;
+            let dst = self.rbuf[self.end..].as_mut_ptr();
+            // SAFETY: [end, end + room) lies inside rbuf, which we own; nothing else touches it
+            // during the call.
+            let n = unsafe { self.recv(dst, room, fd_out.as_deref_mut()) }?;
             if n == 0 {
                 return Err(WireError::Closed("the peer closed the connection".into()));
             }
@@ -140,7 +182,7 @@ impl FrameIo {
         let mut done = from_buf;
         while done < len {
             // SAFETY: [ptr + done, ptr + len) is inside the caller's valid range.
-            let n = unsafe { sock::recv_into(self.stream.fd(), ptr.add(done), len - done, None) }?;
+            let n = unsafe { self.recv(ptr.add(done), len - done, None) }?;
             if n == 0 {
                 return Err(WireError::Closed("the peer closed the connection mid-frame".into()));
             }

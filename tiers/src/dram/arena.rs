@@ -1,10 +1,15 @@
 //! The DRAM arena: one shared mapping that every object in DRAM lives in.
 //!
-//! Owns the mapping (a memfd, so a later owner process can hand it to clients with
-//! `SCM_RIGHTS`), its split into per-shard slices, and the registrations transports made of it
-//! (CUDA `cuMemHostRegister`, RDMA `ibv_reg_mr`). It never decides what lives where in a slice
-//! (the allocator and the shard do) and it never unmaps while anything can still reach it: every
+//! Owns the mapping (a memfd, so an owner process can hand it to clients with `SCM_RIGHTS`),
+//! its split into per-shard slices, and the registrations transports made of it (CUDA
+//! `cuMemHostRegister`, RDMA `ibv_reg_mr`). It never decides what lives where in a slice (the
+//! allocator and the shard do) and it never unmaps while anything can still reach it: every
 //! holder of a pointer into it keeps an `Arc<Arena>`.
+//!
+//! Once its own writable mapping exists, the memfd is sealed (`F_SEAL_SHRINK`, `F_SEAL_GROW`,
+//! `F_SEAL_FUTURE_WRITE`, `F_SEAL_SEAL`) and made mode 0400: whoever gets hold of the
+//! descriptor can map it read-only and nothing more, while the existing mapping (and the io_uring
+//! and CUDA registrations of it) stays writable.
 
 use std::collections::HashSet;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -129,6 +134,10 @@ impl Arena {
                 (fd, base, PageBacking::TransparentHugeAdvised)
             }
         };
+        if let Err(e) = seal_read_only(&memfd) {
+            // Nothing breaks here; an owner checks the seals before it shares the descriptor.
+            tracing::warn!(error = %e, "cannot seal the DRAM arena memfd; it must not be shared with other processes");
+        }
         tracing::info!(len_bytes, slices, slice_bytes, ?backing, "DRAM arena mapped");
         Ok(Arc::new(Arena {
             base,
@@ -227,8 +236,27 @@ impl Drop for Arena {
     }
 }
 
+/// Every seal `seal_read_only` adds.
+pub const SHARING_SEALS: libc::c_int =
+    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+
+/// Makes `memfd` safe to hand to other processes: mode 0400 (reopening it for writing through
+/// `/proc/<pid>/fd` fails for other users), then seals that forbid resizing it, any new writable
+/// mapping or `write` (existing writable mappings keep working), and further seal changes.
+fn seal_read_only(memfd: &OwnedFd) -> std::io::Result<()> {
+    // SAFETY: plain syscall on a descriptor we own.
+    if unsafe { libc::fchmod(memfd.as_raw_fd(), 0o400) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, SHARING_SEALS) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 fn map_memfd(len_bytes: usize, huge: bool) -> Result<(OwnedFd, NonNull<u8>), ArenaError> {
-    let mut flags = libc::MFD_CLOEXEC;
+    let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if huge {
         flags |= libc::MFD_HUGETLB;
     }
@@ -337,6 +365,72 @@ mod tests {
         assert!(a.ptr_at(a.len_bytes() as u64 - 1, 2).is_none());
         assert!(a.ptr_at(u64::MAX, 2).is_none());
         assert!(matches!(arena.slice(2), Err(ArenaError::NoSuchSlice { .. })));
+    }
+
+    /// What a holder of the descriptor may do: map it read-only. What it may not: map it
+    /// writable, write, resize, punch holes, or change the seals. The owner's mapping stays
+    /// writable.
+    fn assert_sealed(memfd: &OwnedFd, base: NonNull<u8>, len: usize) {
+        let fd = memfd.as_raw_fd();
+        // SAFETY: base..base+len is the owner's live writable mapping.
+        unsafe { std::ptr::write_bytes(base.as_ptr(), 0x5A, len) };
+        // SAFETY: fcntl reads the seals of a descriptor we own.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_GET_SEALS) } & SHARING_SEALS, SHARING_SEALS);
+        // SAFETY: stat is plain data that fstat fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+        assert_eq!(st.st_mode & 0o777, 0o400);
+        let eperm = |rc: bool| rc && std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        // SAFETY: a new mapping at a kernel-chosen address; it must fail.
+        let rw = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        assert!(eperm(rw == libc::MAP_FAILED), "a new writable shared mapping is refused");
+        // SAFETY: a read-only mapping, checked and unmapped below.
+        let ro = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0) };
+        assert_ne!(ro, libc::MAP_FAILED, "read-only mappings still work");
+        // SAFETY: the read-only mapping made above; made writable must fail; then unmapped.
+        unsafe {
+            assert_eq!(*ro.cast::<u8>(), 0x5A);
+            assert_ne!(libc::mprotect(ro, len, libc::PROT_READ | libc::PROT_WRITE), 0);
+            libc::munmap(ro, len);
+        }
+        // SAFETY: plain syscalls on a descriptor we own; each must fail.
+        unsafe {
+            assert!(eperm(libc::ftruncate(fd, 0) != 0), "no shrinking");
+            assert!(eperm(libc::ftruncate(fd, (len * 2) as libc::off_t) != 0), "no growing");
+            assert!(eperm(libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) != 0), "seals are final");
+            let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            assert_ne!(libc::fallocate(fd, punch, 0, HUGE_PAGE_BYTES as libc::off_t), 0, "no holes");
+            assert_ne!(libc::pwrite(fd, b"x".as_ptr().cast(), 1, 0), 1, "no writes");
+        }
+        // SAFETY: the owner's mapping is still writable and still holds what was written.
+        unsafe {
+            assert_eq!(*base.as_ptr().add(len - 1), 0x5A);
+            *base.as_ptr() = 0xA5;
+        }
+    }
+
+    #[test]
+    fn the_memfd_is_sealed_and_the_mapping_stays_writable() {
+        let arena = Arena::new(4 << 20, 2).expect("arena");
+        assert_sealed(arena.memfd(), arena.slice_base(0), arena.len_bytes());
+        // Both backings explicitly: normal pages always, explicit huge pages where the host has some.
+        for huge in [false, true] {
+            match map_memfd(HUGE_PAGE_BYTES, huge) {
+                Ok((fd, base)) => {
+                    seal_read_only(&fd).expect("seal");
+                    assert_sealed(&fd, base, HUGE_PAGE_BYTES);
+                    // SAFETY: the mapping made by map_memfd above, no longer used.
+                    unsafe { libc::munmap(base.as_ptr().cast(), HUGE_PAGE_BYTES) };
+                }
+                Err(e) => {
+                    assert!(huge, "normal pages must map: {e}");
+                    println!("skipping the MFD_HUGETLB variant: {e} (no huge pages reserved here)");
+                }
+            }
+        }
     }
 
     #[test]
