@@ -197,6 +197,11 @@ impl RemoteStore {
         Ok(RemoteStore { inner })
     }
 
+    /// The largest value the owner stores (its engine's `max_value_bytes`).
+    pub fn max_value_bytes(&self) -> Result<u64> {
+        Ok(self.inner.limits()?.max_value_bytes)
+    }
+
     /// True when gets copy straight from the owner's shared memory.
     pub fn uses_shared_memory(&self) -> bool {
         self.inner.mapping.lock().unwrap_or_else(|p| p.into_inner()).is_some()
