@@ -118,6 +118,9 @@ struct Object {
     loading: Option<usize>,
     /// The shard loop turn that committed it.
     committed_turn: u64,
+    /// An older SSD record of this version may still be readable on disk (its SSD copy was
+    /// dropped by a reclaim that has not freed the segment yet): removes and upserts tombstone it.
+    shadowed: bool,
     state: ObjectState,
 }
 
@@ -486,6 +489,7 @@ impl ShardCore {
             transient: false,
             loading: None,
             committed_turn: 0,
+            shadowed: false,
             state: ObjectState::Reserved,
         }) as u32;
         self.counters.bytes_used.fetch_add(reserved, RELAXED);
@@ -557,8 +561,9 @@ impl ShardCore {
             let previous = &self.objects[old as usize];
             // Write-back: the new version may never reach SSD, so the old record must not win
             // after a restart. (Write-through writes the new record durably before it answers.)
-            let supersedes_ssd =
-                !self.write_through() && (previous.ssd.is_some() || previous.io_refs > 0) && self.ssd.is_some();
+            let supersedes_ssd = !self.write_through()
+                && (previous.ssd.is_some() || previous.io_refs > 0 || previous.shadowed)
+                && self.ssd.is_some();
             if supersedes_ssd && self.ssd.as_ref().is_some_and(SsdState::tombstones_full) {
                 self.free_object(id);
                 return Err(Error::Busy { limit: ssd::MAX_PENDING_TOMBSTONES });
@@ -612,7 +617,7 @@ impl ShardCore {
         if !force && object.pins > 0 {
             return Err(Error::Pinned);
         }
-        let on_ssd = object.ssd.is_some() || object.io_refs > 0;
+        let on_ssd = object.ssd.is_some() || object.io_refs > 0 || object.shadowed;
         if on_ssd && self.ssd.as_ref().is_some_and(SsdState::tombstones_full) {
             // Every acknowledged remove gets its tombstone: past the queue's bound, refuse.
             return Err(Error::Busy { limit: ssd::MAX_PENDING_TOMBSTONES });
@@ -829,6 +834,7 @@ impl ShardCore {
     /// (`in_time` false) the SSD tier starts nothing new.
     pub fn flush_for_shutdown(&mut self, demote: bool, in_time: bool) -> bool {
         self.fail_waiters(Error::ShuttingDown);
+        self.ssd_shutting_down();
         if !in_time {
             self.freeze_ssd();
             return self.disk_ops_in_flight() == 0;

@@ -235,6 +235,8 @@ pub(crate) struct SsdState {
     failed: bool,
     /// A write found no room since the last reclaim started.
     space_wanted: bool,
+    /// A clean shutdown is flushing: reclaims start only for writes that wait.
+    shutting_down: bool,
     /// Reclaims in a row that gained less than `FRUITLESS_GAIN_PERCENT` of a segment (their
     /// records were nearly all live). After a whole turn of the log of them, copying forward is
     /// not making room.
@@ -337,6 +339,7 @@ impl SsdState {
             frozen: false,
             failed: false,
             space_wanted: false,
+            shutting_down: false,
             fruitless_reclaims: 0,
             config,
         })
@@ -618,7 +621,7 @@ impl ShardCore {
             let worth_it = dead * 100 >= ssd.segments.segment_bytes() * EAGER_RECLAIM_DEAD_PERCENT;
             // Ahead of demand only when it gains a good share of a segment: relocating a mostly
             // live segment just to keep a spare would copy the same records round and round.
-            if !(free == 0 || ssd.space_wanted || worth_it) {
+            if !(free == 0 || ssd.space_wanted || (worth_it && !ssd.shutting_down)) {
                 return;
             }
             // Live records may fill the tier up to a share of it, and never beyond what leaves an
@@ -657,10 +660,17 @@ impl ShardCore {
             if object.generation != generation || object.ssd.is_none_or(|l| l.segment != segment) {
                 continue;
             }
-            if object.io_refs > 0 || object.state != ObjectState::Live {
-                // A load, a write or a retired object's last reader: look again when it is done
-                // (a retired object lets go of its copy when it is freed).
+            if object.io_refs > 0 {
+                // A load or a write: look again when it is done.
                 busy = true;
+                continue;
+            }
+            if object.state != ObjectState::Live {
+                // Replaced or removed, kept only for its readers (of its DRAM copy): its record
+                // is dead, and a tombstone or a newer record already covers it.
+                if let Some(location) = self.objects[id as usize].ssd.take() {
+                    self.forget_ssd_copy(&location);
+                }
                 continue;
             }
             let pinned = object.pins > 0;
@@ -731,7 +741,10 @@ impl ShardCore {
             }
         }
         let Some(ssd) = self.ssd.as_mut() else { return };
-        if !lost.is_empty() || !durable || ssd.segments.reclaim_candidate() != Some(segment) {
+        // Commits and tombstones waiting on this segment's sync are answered first.
+        let settled =
+            ssd.extra[segment as usize].waiters.is_empty() && ssd.extra[segment as usize].tombstones.is_empty();
+        if !lost.is_empty() || !durable || !settled || ssd.segments.reclaim_candidate() != Some(segment) {
             return;
         }
         let Some(r) = ssd.reclaim.take() else { return };
@@ -774,6 +787,9 @@ impl ShardCore {
     fn drop_ssd_copy(&mut self, id: u32) {
         let Some(location) = self.objects[id as usize].ssd.take() else { return };
         self.forget_ssd_copy(&location);
+        // Its record stays readable on disk until the segment is freed and zeroed: a remove or
+        // an upsert must still write a tombstone for it.
+        self.objects[id as usize].shadowed = true;
         if self.write_through() {
             self.counters.ssd_evictions.fetch_add(1, RELAXED);
             self.unlink(id);
@@ -961,6 +977,10 @@ impl ShardCore {
             return self.end_copy(job, Some(e));
         }
         job.copied += len;
+        if job.copied < job.src.record_bytes && ssd.frozen {
+            // Out of shutdown time: stop here (the destination breaks at this record).
+            return self.end_copy(job, Some(Error::ShuttingDown));
+        }
         if job.copied < job.src.record_bytes {
             let next = (job.src.record_bytes - job.copied).min(ssd.staging_bytes);
             let staging = ssd.staging_offset();
@@ -1107,9 +1127,10 @@ impl ShardCore {
             let object = &mut self.objects[w.object as usize];
             object.io_refs -= 1;
             if object.generation != w.generation || object.state != ObjectState::Live {
-                // Replaced or removed while it waited: a later operation superseded this put.
+                // Replaced or removed while it waited: it was never made durable, so it is not
+                // acknowledged.
                 self.after_last_use(w.object);
-                self.resolve_commit(w.pending, w.slot, Ok(()));
+                self.resolve_commit(w.pending, w.slot, Err(Error::Cancelled));
                 self.finish_commit_if_done(w.pending);
                 continue;
             }
@@ -1524,6 +1545,10 @@ impl ShardCore {
                 }
             }
             IoKind::Invalidate { segment } => {
+                if result.is_err() {
+                    self.invalidation_failed(segment);
+                }
+                let Some(ssd) = self.ssd.as_mut() else { return };
                 if let Some(s) = ssd.segments.get_mut(segment) {
                     s.writes_in_flight -= 1;
                     if result.is_ok() {
@@ -1543,6 +1568,10 @@ impl ShardCore {
             }
             IoKind::InvalidateSync { segment } => {
                 self.counters.syncs.fetch_add(1, RELAXED);
+                if result.is_err() {
+                    self.invalidation_failed(segment);
+                }
+                let Some(ssd) = self.ssd.as_mut() else { return };
                 if let Some(s) = ssd.segments.get_mut(segment) {
                     s.sync_in_flight = false;
                     if result.is_ok() && s.state == SegmentState::Free {
@@ -1552,6 +1581,19 @@ impl ShardCore {
             }
             IoKind::CopyRead { len } => self.on_copy_read(len, io.ptr, result),
             IoKind::CopyWrite { len } => self.on_copy_write(len, result),
+        }
+    }
+
+    /// Zeroing a freed segment's header failed: it is tried again next turn, a bounded number of
+    /// times; after that the tier takes no more writes (waiting writers get `NoSpace`), since no
+    /// other segment may be freed while this one's old records could still be recovered.
+    fn invalidation_failed(&mut self, segment: u32) {
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        let extra = &mut ssd.extra[segment as usize];
+        extra.header_tries += 1;
+        if extra.header_tries >= WRITE_TRIES && !ssd.failed {
+            tracing::error!(segment, "a freed segment's header could not be zeroed; the SSD tier stops taking writes");
+            ssd.failed = true;
         }
     }
 
@@ -1748,6 +1790,9 @@ impl ShardCore {
             self.counters.objects.fetch_sub(1, RELAXED);
             self.counters.evictions.fetch_add(1, RELAXED);
             self.free_object(id);
+        } else if object.transient {
+            // Loaded for a read only: its DRAM copy goes once nothing uses it.
+            self.after_last_use(id);
         } else {
             self.track_if_resident(id);
         }
@@ -1807,6 +1852,13 @@ impl ShardCore {
             }
         }
         self.ssd.as_ref().and_then(|s| s.flush_queue.as_ref()).map_or(0, VecDeque::len)
+    }
+
+    /// A clean shutdown began: reclaims now start only for writes that wait for room.
+    pub(super) fn ssd_shutting_down(&mut self) {
+        if let Some(ssd) = self.ssd.as_mut() {
+            ssd.shutting_down = true;
+        }
     }
 
     /// Past the shutdown deadline: start no new SSD work (in-flight operations still finish).
@@ -1972,6 +2024,7 @@ impl ShardCore {
                 transient: false,
                 loading: None,
                 committed_turn: 0,
+                shadowed: false,
                 state: ObjectState::Live,
             }) as u32;
             self.index.insert(key.into_boxed_slice(), id);
