@@ -334,4 +334,39 @@ mod tests {
         let a = t.append(BLOCK_BYTES, true).expect("append");
         assert_eq!(a.location.segment, 1);
     }
+
+    #[test]
+    fn the_last_free_segment_is_kept_for_relocation_copies() {
+        let mut t = SegmentTable::new(3, 4 * BLOCK_BYTES, 1);
+        t.append(3 * BLOCK_BYTES, false).expect("opens segment 0");
+        t.append(3 * BLOCK_BYTES, false).expect("opens segment 1 (two were free)");
+        assert_eq!(t.append(3 * BLOCK_BYTES, false), Err(AppendError::Full), "the spare is not for writes");
+        let copy = t.append(3 * BLOCK_BYTES, true).expect("a relocation copy takes the spare");
+        assert_eq!(copy.location.segment, 2);
+        assert_eq!(t.open_room(), 0, "header and copy fill segment 2");
+    }
+
+    #[test]
+    fn a_freed_segment_with_a_stale_header_blocks_the_next_reclaim_until_zeroed_or_reused() {
+        let mut t = SegmentTable::new(4, 2 * BLOCK_BYTES, 1);
+        for _ in 0..4 {
+            t.append(BLOCK_BYTES, true).expect("one record per segment");
+        }
+        for s in 0..4 {
+            t.get_mut(s).expect("seg").header_durable = true;
+        }
+        assert_eq!(t.reclaim_candidate(), Some(0));
+        assert!(t.reclaim(0));
+        assert!(t.has_stale_free());
+        assert_eq!(t.stale_free().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(t.reclaim_candidate(), None, "segment 0's old records could still be recovered");
+        // Zeroing it (durably) clears the way.
+        t.get_mut(0).expect("seg").stale_header = false;
+        assert_eq!(t.reclaim_candidate(), Some(1));
+        assert!(t.reclaim(1));
+        // Reusing a stale segment invalidates it too: it is opened first.
+        let a = t.append(2 * BLOCK_BYTES - BLOCK_BYTES, true).expect("append");
+        assert_eq!((a.location.segment, a.opens_segment), (1, true));
+        assert!(!t.has_stale_free());
+    }
 }
