@@ -405,6 +405,19 @@ impl SsdState {
         self.tombstones.len() >= MAX_PENDING_TOMBSTONES
     }
 
+    /// Queues the write of a placed record (its whole image at `ptr`) and counts it against its
+    /// segment: in flight, and uncovered until a sync covers it.
+    fn queue_placed_write(&mut self, kind: IoKind, location: SsdLocation, ptr: NonNull<u8>) {
+        if let Some(s) = self.segments.get_mut(location.segment) {
+            s.writes_in_flight += 1;
+        }
+        self.extra[location.segment as usize].uncovered.insert(location.offset);
+        let (file, offset, len) = (location.segment, location.offset, location.record_bytes);
+        let io = Io { kind, file, offset, ptr, total: len, done: 0 };
+        let token = self.ios.insert(io) as u64;
+        self.outbox.push_back(write_op(token, file, ptr, offset, len));
+    }
+
     fn scratch_offset(&self, block: u64) -> Option<u64> {
         let offset = self.scratch.offset() + block * BLOCK_BYTES;
         (offset + BLOCK_BYTES <= self.scratch.offset() + self.scratch.len()).then_some(offset)
@@ -1188,21 +1201,8 @@ impl ShardCore {
             return Placement::TooLarge;
         }
         let Some(ssd) = self.ssd.as_mut() else { return Placement::TooLarge };
-        if let Some(s) = ssd.segments.get_mut(location.segment) {
-            s.writes_in_flight += 1;
-        }
-        ssd.extra[location.segment as usize].uncovered.insert(location.offset);
         self.objects[id as usize].io_refs += 1;
-        let io = Io {
-            kind: IoKind::Write { id, location, purpose },
-            file: location.segment,
-            offset: location.offset,
-            ptr,
-            total: record_bytes,
-            done: 0,
-        };
-        let token = ssd.ios.insert(io) as u64;
-        ssd.outbox.push_back(write_op(token, location.segment, ptr, location.offset, record_bytes));
+        ssd.queue_placed_write(IoKind::Write { id, location, purpose }, location, ptr);
         Placement::At(location)
     }
 
@@ -1273,20 +1273,7 @@ impl ShardCore {
                 continue;
             };
             let Some(ssd) = self.ssd.as_mut() else { return };
-            if let Some(s) = ssd.segments.get_mut(location.segment) {
-                s.writes_in_flight += 1;
-            }
-            ssd.extra[location.segment as usize].uncovered.insert(location.offset);
-            let io = Io {
-                kind: IoKind::Tombstone { buffer, location, pending },
-                file: location.segment,
-                offset: location.offset,
-                ptr,
-                total: record_bytes,
-                done: 0,
-            };
-            let token = ssd.ios.insert(io) as u64;
-            ssd.outbox.push_back(write_op(token, location.segment, ptr, location.offset, record_bytes));
+            ssd.queue_placed_write(IoKind::Tombstone { buffer, location, pending }, location, ptr);
             self.counters.tombstones.fetch_add(1, RELAXED);
         }
         if let Some(ssd) = self.ssd.as_ref() {
