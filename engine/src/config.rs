@@ -68,8 +68,9 @@ pub struct StoreBuilder {
     /// A clean shutdown writes DRAM-only objects to the SSD tier, so the cache is warm after a
     /// restart. Default true.
     pub demote_on_shutdown: bool,
-    /// How long a clean shutdown spends on that (and on queued tombstones) at most; what is not
-    /// written by then is not kept. Default 30 s.
+    /// How long a clean shutdown spends on that at most; what is not written by then is not kept
+    /// (queued tombstones are written past it too: they keep older values from returning).
+    /// Default 30 s.
     pub shutdown_flush_timeout_ms: u64,
     /// Stage fragmented GPU reads and writes through one device buffer with one scatter/gather
     /// kernel per fill (feature `cuda`). Default false: direct copies.

@@ -132,6 +132,7 @@ impl Engine {
                         restore_budget_bytes: ssd.restore_budget_bytes,
                         promote_on_hit: ssd.promote_on_hit,
                         epoch_seed: random_seed(index),
+                        max_pending_tombstones: crate::shard::DEFAULT_MAX_PENDING_TOMBSTONES,
                     };
                     (Some(ssd_config), disk)
                 }

@@ -33,7 +33,7 @@ use crate::stats::ShardCounters;
 
 pub(crate) use ssd::largest_value_bytes;
 use ssd::SsdState;
-pub use ssd::{RecoveryReport, SsdConfig};
+pub use ssd::{RecoveryReport, SsdConfig, DEFAULT_MAX_PENDING_TOMBSTONES};
 
 /// Called once with a request's results, possibly after disk I/O.
 pub type Done<T> = Box<dyn FnOnce(T)>;
@@ -125,6 +125,12 @@ struct Object {
 }
 
 impl Object {
+    /// A record of this version is (or may soon be, or may still be) readable on SSD, so
+    /// removing or replacing it needs a tombstone.
+    fn may_have_ssd_record(&self) -> bool {
+        self.ssd.is_some() || self.io_refs > 0 || self.shadowed
+    }
+
     fn evictable(&self) -> bool {
         self.leases == 0
             && self.io_refs == 0
@@ -561,12 +567,12 @@ impl ShardCore {
             let previous = &self.objects[old as usize];
             // Write-back: the new version may never reach SSD, so the old record must not win
             // after a restart. (Write-through writes the new record durably before it answers.)
-            let supersedes_ssd = !self.write_through()
-                && (previous.ssd.is_some() || previous.io_refs > 0 || previous.shadowed)
-                && self.ssd.is_some();
-            if supersedes_ssd && self.ssd.as_ref().is_some_and(SsdState::tombstones_full) {
-                self.free_object(id);
-                return Err(Error::Busy { limit: ssd::MAX_PENDING_TOMBSTONES });
+            let supersedes_ssd = !self.write_through() && previous.may_have_ssd_record() && self.ssd.is_some();
+            if supersedes_ssd {
+                if let Err(e) = self.tombstone_room() {
+                    self.free_object(id);
+                    return Err(e);
+                }
             }
             inherited_pins = previous.pins;
             self.unlink(old);
@@ -617,10 +623,10 @@ impl ShardCore {
         if !force && object.pins > 0 {
             return Err(Error::Pinned);
         }
-        let on_ssd = object.ssd.is_some() || object.io_refs > 0 || object.shadowed;
-        if on_ssd && self.ssd.as_ref().is_some_and(SsdState::tombstones_full) {
+        let on_ssd = object.may_have_ssd_record();
+        if on_ssd {
             // Every acknowledged remove gets its tombstone: past the queue's bound, refuse.
-            return Err(Error::Busy { limit: ssd::MAX_PENDING_TOMBSTONES });
+            self.tombstone_room()?;
         }
         self.unlink(id);
         if on_ssd {
@@ -829,13 +835,18 @@ impl ShardCore {
     }
 
     /// One step of a clean shutdown, called until it returns true: parked work fails, dirty
-    /// objects are written to SSD (with `demote`), queued tombstones and freed segments' headers
-    /// are written (while `in_time`), and nothing is left in flight. Past its deadline
-    /// (`in_time` false) the SSD tier starts nothing new.
+    /// objects are written to SSD (with `demote`, while `in_time`), freed segments' headers are
+    /// zeroed (while `in_time`), queued tombstones are written and durable (past the deadline
+    /// too: without them an older value could return; only a disk failing them stops that), and
+    /// nothing is left in flight. Then the SSD tier starts nothing new.
     pub fn flush_for_shutdown(&mut self, demote: bool, in_time: bool) -> bool {
         self.fail_waiters(Error::ShuttingDown);
         self.ssd_shutting_down();
         if !in_time {
+            if self.ssd_tombstones_pending() {
+                self.schedule_syncs();
+                return false;
+            }
             self.freeze_ssd();
             return self.disk_ops_in_flight() == 0;
         }

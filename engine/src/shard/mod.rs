@@ -13,7 +13,9 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 
 pub(crate) use self::core::largest_value_bytes;
-pub use self::core::{LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant};
+pub use self::core::{
+    LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant, DEFAULT_MAX_PENDING_TOMBSTONES,
+};
 pub(crate) use inbox::Inbox;
 pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
 

@@ -34,7 +34,7 @@ pub(crate) struct RuntimeConfig {
     pub(crate) idle_spin: Duration,
     /// A clean shutdown writes DRAM-only objects to SSD first.
     pub(crate) demote_on_shutdown: bool,
-    /// ... for at most this long (queued tombstones too).
+    /// ... for at most this long (queued tombstones are written past it too).
     pub(crate) shutdown_flush_timeout: Duration,
     /// While non-zero (GPU transfers in flight, engine-wide) an idle shard keeps polling
     /// instead of parking.

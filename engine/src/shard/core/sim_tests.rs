@@ -30,17 +30,11 @@ thread_local! {
 }
 
 fn new_core(arena: &Arc<Arena>, segments: u32, write_through: bool, promote: bool) -> ShardCore {
-    let slice = arena.slice(0).expect("slice");
-    let config = ShardConfig {
-        shard: 0,
-        high_watermark_bytes: slice.len_bytes() as u64 * 95 / 100,
-        low_watermark_bytes: slice.len_bytes() as u64 * 85 / 100,
-        policy: EvictionPolicy::S3Fifo,
-        align_bytes: 64,
-        max_objects: 4096,
-        max_leases: 4096,
-    };
-    let ssd = SsdConfig {
+    core_with(arena, ssd_config(segments, write_through, promote))
+}
+
+fn ssd_config(segments: u32, write_through: bool, promote: bool) -> SsdConfig {
+    SsdConfig {
         segments,
         segment_bytes: SEGMENT_BYTES,
         write_through,
@@ -51,6 +45,20 @@ fn new_core(arena: &Arc<Arena>, segments: u32, write_through: bool, promote: boo
             s.set(v.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407));
             v
         }),
+        max_pending_tombstones: DEFAULT_MAX_PENDING_TOMBSTONES,
+    }
+}
+
+fn core_with(arena: &Arc<Arena>, ssd: SsdConfig) -> ShardCore {
+    let slice = arena.slice(0).expect("slice");
+    let config = ShardConfig {
+        shard: 0,
+        high_watermark_bytes: slice.len_bytes() as u64 * 95 / 100,
+        low_watermark_bytes: slice.len_bytes() as u64 * 85 / 100,
+        policy: EvictionPolicy::S3Fifo,
+        align_bytes: 64,
+        max_objects: 4096,
+        max_leases: 4096,
     };
     ShardCore::with_ssd(config, slice, Arc::new(ShardCounters::default()), Some(ssd)).expect("core")
 }
@@ -636,4 +644,66 @@ fn a_reader_of_a_replaced_object_never_holds_up_a_reclaim() {
     core.check_invariants().expect("invariants");
     let c = core.counters.snapshot();
     assert_eq!((c.leases_held, c.retired_objects, c.writes_in_flight), (0, 0, 0));
+}
+
+#[test]
+fn removes_past_the_tombstone_bound_are_refused_and_remove_nothing() {
+    let arena = Arena::new(2 << 20, 1).expect("arena");
+    let mut disk = SimDisk::new(4, SEGMENT_BYTES, 5, SimFaults::default());
+    let mut core = core_with(&arena, SsdConfig { max_pending_tombstones: 2, ..ssd_config(4, true, true) });
+    core.recover(&mut disk).expect("recover");
+    for i in 0..3u32 {
+        put(&mut core, &mut disk, format!("k{i}").as_bytes(), &value(i, 1, 5_000)).expect("durable put");
+    }
+    // Nothing moves the disk between these removes: their tombstones wait in the queue.
+    core.remove(b"k0", false).expect("first tombstone queued");
+    core.remove(b"k1", false).expect("second tombstone queued");
+    assert_eq!(core.remove(b"k2", false), Err(Error::Busy { limit: 2 }), "the queue is full");
+    assert_eq!(get(&mut core, &mut disk, b"k2").expect("a refused remove removed nothing"), value(2, 1, 5_000));
+    // Once the disk moves, the queue drains and the remove goes through.
+    pump(&mut core, &mut disk);
+    assert_eq!(core.counters.tombstones_pending.load(RELAXED), 0);
+    core.remove(b"k2", false).expect("room again");
+    clean_shutdown(&mut core, &mut disk);
+    let c = core.counters.snapshot();
+    assert_eq!((c.tombstones, c.tombstones_pending, c.tombstones_skipped), (3, 0, 0));
+    drop(core);
+    let mut core = new_core(&arena, 4, true, true);
+    core.recover(&mut disk).expect("recover");
+    for i in 0..3u32 {
+        assert_eq!(get(&mut core, &mut disk, format!("k{i}").as_bytes()), Err(Error::NotFound), "k{i} came back");
+    }
+}
+
+#[test]
+fn a_shutdown_past_its_deadline_still_writes_queued_tombstones() {
+    let arena = Arena::new(2 << 20, 1).expect("arena");
+    let mut disk = SimDisk::new(4, SEGMENT_BYTES, 9, SimFaults::default());
+    let mut core = new_core(&arena, 4, false, true);
+    core.recover(&mut disk).expect("recover");
+    for i in 0..3u32 {
+        put(&mut core, &mut disk, format!("k{i}").as_bytes(), &value(i, 1, 5_000)).expect("put");
+    }
+    // On SSD, then replaced and removed: the tombstones are only queued when time runs out.
+    assert!(core.flush_for_shutdown(true, true) || core.disk_ops_in_flight() > 0);
+    pump(&mut core, &mut disk);
+    put(&mut core, &mut disk, b"k0", &value(0, 2, 5_000)).expect("upsert");
+    core.remove(b"k1", false).expect("remove");
+    core.remove(b"k2", false).expect("remove");
+    let mut rounds = 0;
+    while !core.flush_for_shutdown(true, false) {
+        pump_some(&mut core, &mut disk, 1);
+        rounds += 1;
+        assert!(rounds < 10_000, "the shutdown never ended");
+    }
+    core.sync_everything();
+    pump(&mut core, &mut disk);
+    assert_eq!(core.counters.tombstones_pending.load(RELAXED), 0);
+    drop(core);
+    let mut core = new_core(&arena, 4, false, true);
+    core.recover(&mut disk).expect("recover");
+    // k0's new value had no time to be written: absent, never the old one.
+    for i in 0..3u32 {
+        assert_eq!(get(&mut core, &mut disk, format!("k{i}").as_bytes()), Err(Error::NotFound), "k{i}");
+    }
 }

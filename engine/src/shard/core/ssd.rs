@@ -39,8 +39,9 @@ const COPY_FORWARD_UP_TO_LIVE_PERCENT: u64 = 80;
 const WRITE_BACK_SYNC_EVERY_WRITES: u32 = 64;
 /// Scratch blocks for one-block tombstones (longer keys borrow DRAM for theirs).
 const TOMBSTONE_SLOTS: usize = 32;
-/// Tombstones queued and not yet written; a remove past this gets `Busy` (nothing is dropped).
-pub(super) const MAX_PENDING_TOMBSTONES: usize = 1 << 16;
+/// Tombstones queued and not yet written, by default; a remove past this gets `Busy` (nothing
+/// is dropped).
+pub const DEFAULT_MAX_PENDING_TOMBSTONES: usize = 1 << 16;
 /// Attempts to write one tombstone or segment header before giving up (a disk failing every
 /// write).
 const WRITE_TRIES: u8 = 4;
@@ -67,6 +68,8 @@ pub struct SsdConfig {
     pub promote_on_hit: bool,
     /// Seeds the random segment epochs (fixed in simulations, random in production).
     pub epoch_seed: u64,
+    /// Tombstones that may wait to be written; a remove past this gets `Busy`.
+    pub max_pending_tombstones: usize,
 }
 
 /// What recovery found, per shard.
@@ -400,11 +403,6 @@ impl SsdState {
         self.ios.is_empty() && self.outbox.is_empty()
     }
 
-    /// True when a remove must not queue another tombstone now.
-    pub(crate) fn tombstones_full(&self) -> bool {
-        self.tombstones.len() >= MAX_PENDING_TOMBSTONES
-    }
-
     /// Queues the write of a placed record (its whole image at `ptr`) and counts it against its
     /// segment: in flight, and uncovered until a sync covers it.
     fn queue_placed_write(&mut self, kind: IoKind, location: SsdLocation, ptr: NonNull<u8>) {
@@ -416,6 +414,26 @@ impl SsdState {
         let io = Io { kind, file, offset, ptr, total: len, done: 0 };
         let token = self.ios.insert(io) as u64;
         self.outbox.push_back(write_op(token, file, ptr, offset, len));
+    }
+
+    /// Queues the write of one block at offset 0 of `segment` (its header, or zeroes).
+    fn queue_block0_write(&mut self, kind: IoKind, segment: u32, ptr: NonNull<u8>) {
+        if let Some(s) = self.segments.get_mut(segment) {
+            s.writes_in_flight += 1;
+        }
+        let io = Io { kind, file: segment, offset: 0, ptr, total: BLOCK_BYTES, done: 0 };
+        let token = self.ios.insert(io) as u64;
+        self.outbox.push_back(write_op(token, segment, ptr, 0, BLOCK_BYTES));
+    }
+
+    /// Queues an `fdatasync` of `segment`; nothing reuses the segment until it completes.
+    fn queue_sync(&mut self, kind: IoKind, segment: u32) {
+        if let Some(s) = self.segments.get_mut(segment) {
+            s.sync_in_flight = true;
+        }
+        let io = Io { kind, file: segment, offset: 0, ptr: NonNull::dangling(), total: 0, done: 0 };
+        let token = self.ios.insert(io) as u64;
+        self.outbox.push_back(DiskOp { token, file: segment, kind: DiskOpKind::Sync });
     }
 
     fn scratch_offset(&self, block: u64) -> Option<u64> {
@@ -537,18 +555,8 @@ impl ShardCore {
             let covers = std::mem::take(&mut ssd.extra[segment as usize].completed);
             if let Some(s) = ssd.segments.get_mut(segment) {
                 s.unsynced_writes = 0;
-                s.sync_in_flight = true;
             }
-            let io = Io {
-                kind: IoKind::Sync { segment, covers },
-                file: segment,
-                offset: 0,
-                ptr: NonNull::dangling(),
-                total: 0,
-                done: 0,
-            };
-            let token = ssd.ios.insert(io) as u64;
-            ssd.outbox.push_back(DiskOp { token, file: segment, kind: DiskOpKind::Sync });
+            ssd.queue_sync(IoKind::Sync { segment, covers }, segment);
         }
         !due.is_empty()
     }
@@ -605,12 +613,7 @@ impl ShardCore {
             ssd.extra[segment as usize].broken_at = Some(0);
             return;
         }
-        if let Some(s) = ssd.segments.get_mut(segment) {
-            s.writes_in_flight += 1;
-        }
-        let io = Io { kind: IoKind::Header { segment }, file: segment, offset: 0, ptr, total: BLOCK_BYTES, done: 0 };
-        let token = ssd.ios.insert(io) as u64;
-        ssd.outbox.push_back(write_op(token, segment, ptr, 0, BLOCK_BYTES));
+        ssd.queue_block0_write(IoKind::Header { segment }, segment, ptr);
     }
 
     // ---- reclaim --------------------------------------------------------------------------
@@ -1076,13 +1079,7 @@ impl ShardCore {
         let stale: Vec<u32> = ssd.segments.stale_free().collect();
         let Some(ptr) = ssd.zero_block_offset().and_then(|o| self.slice.ptr_at(o, BLOCK_BYTES)) else { return };
         for segment in stale {
-            if let Some(s) = ssd.segments.get_mut(segment) {
-                s.writes_in_flight += 1;
-            }
-            let io =
-                Io { kind: IoKind::Invalidate { segment }, file: segment, offset: 0, ptr, total: BLOCK_BYTES, done: 0 };
-            let token = ssd.ios.insert(io) as u64;
-            ssd.outbox.push_back(write_op(token, segment, ptr, 0, BLOCK_BYTES));
+            ssd.queue_block0_write(IoKind::Invalidate { segment }, segment, ptr);
         }
     }
 
@@ -1204,6 +1201,17 @@ impl ShardCore {
         self.objects[id as usize].io_refs += 1;
         ssd.queue_placed_write(IoKind::Write { id, location, purpose }, location, ptr);
         Placement::At(location)
+    }
+
+    /// `Busy` when the tombstone queue is at its bound (a remove or upsert that needs one must
+    /// then not happen: nothing is dropped).
+    pub(super) fn tombstone_room(&self) -> Result<()> {
+        match self.ssd.as_ref() {
+            Some(ssd) if ssd.tombstones.len() >= ssd.config.max_pending_tombstones => {
+                Err(Error::Busy { limit: ssd.config.max_pending_tombstones })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Records that the SSD copy of `key` (if any) no longer counts: recovery keeps the key
@@ -1538,19 +1546,9 @@ impl ShardCore {
                 let Some(ssd) = self.ssd.as_mut() else { return };
                 if let Some(s) = ssd.segments.get_mut(segment) {
                     s.writes_in_flight -= 1;
-                    if result.is_ok() {
-                        s.sync_in_flight = true;
-                        let io = Io {
-                            kind: IoKind::InvalidateSync { segment },
-                            file: segment,
-                            offset: 0,
-                            ptr: NonNull::dangling(),
-                            total: 0,
-                            done: 0,
-                        };
-                        let token = ssd.ios.insert(io) as u64;
-                        ssd.outbox.push_back(DiskOp { token, file: segment, kind: DiskOpKind::Sync });
-                    }
+                }
+                if result.is_ok() {
+                    ssd.queue_sync(IoKind::InvalidateSync { segment }, segment);
                 }
             }
             IoKind::InvalidateSync { segment } => {
@@ -1599,12 +1597,7 @@ impl ShardCore {
             return;
         }
         extra.uncovered.insert(0);
-        if let Some(s) = ssd.segments.get_mut(segment) {
-            s.writes_in_flight += 1;
-        }
-        let io = Io { kind: IoKind::Header { segment }, file: segment, offset: 0, ptr, total: BLOCK_BYTES, done: 0 };
-        let token = ssd.ios.insert(io) as u64;
-        ssd.outbox.push_back(write_op(token, segment, ptr, 0, BLOCK_BYTES));
+        ssd.queue_block0_write(IoKind::Header { segment }, segment, ptr);
     }
 
     /// A placed record that will never be written: a hole in its segment, handled as a failed
@@ -1654,10 +1647,9 @@ impl ShardCore {
             waiting.into_iter().partition(|w| broken_at.is_some_and(|b| w.end > b));
         extra.waiters = waiting;
         // Durable tombstones are done; those behind a break go back to the queue.
-        let (_durable, undecided): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut extra.tombstones).into_iter().partition(|(end, _)| *end <= prefix);
+        extra.tombstones.retain(|(end, _)| *end > prefix);
         let (lost_tombstones, undecided): (Vec<_>, Vec<_>) =
-            undecided.into_iter().partition(|(end, _)| broken_at.is_some_and(|b| *end > b));
+            std::mem::take(&mut extra.tombstones).into_iter().partition(|(end, _)| broken_at.is_some_and(|b| *end > b));
         extra.tombstones = undecided;
         if header_durable {
             if let Some(s) = ssd.segments.get_mut(segment) {
@@ -1858,10 +1850,16 @@ impl ShardCore {
     /// Work a clean shutdown still waits for: queued tombstones and freed segments whose old
     /// header is not yet zeroed.
     pub(super) fn ssd_shutdown_pending(&self) -> bool {
+        self.ssd_tombstones_pending() || self.ssd.as_ref().is_some_and(|s| s.segments.has_stale_free())
+    }
+
+    /// Tombstones queued or not yet durable, on a tier still taking writes.
+    pub(super) fn ssd_tombstones_pending(&self) -> bool {
         self.ssd.as_ref().is_some_and(|s| {
-            !s.tombstones.is_empty() || s.extra.iter().any(|e| !e.tombstones.is_empty()) || s.segments.has_stale_free()
+            !s.failed && (!s.tombstones.is_empty() || s.extra.iter().any(|e| !e.tombstones.is_empty()))
         })
     }
+
     /// Checks a loaded record image: checksums, epoch, and that it is this object's version.
     fn verify_loaded(&self, id: u32, location: &SsdLocation, ptr: NonNull<u8>, result: Result<()>) -> Result<()> {
         result?;

@@ -269,3 +269,23 @@ fn everything_pinned_fails_fast() {
     assert_eq!(shard.len(), n as usize);
     shard.check_invariants().expect("invariants");
 }
+
+#[test]
+fn the_eviction_pass_spares_an_object_in_the_turn_that_acknowledged_it() {
+    let mut shard = core(2 << 20, EvictionPolicy::S3Fifo);
+    for key in 0..4u8 {
+        let grant = shard.reserve(&[key], 400 << 10, false).expect("reserve");
+        shard.commit(grant.object, false).expect("commit");
+        shard.pin(&[key]).expect("pin");
+    }
+    shard.next_turn();
+    let grant = shard.reserve(b"new", 400 << 10, false).expect("reserve");
+    shard.commit(grant.object, false).expect("commit");
+    // Above the low watermark, and the new object is the only one that could go.
+    assert_eq!(shard.evict_to_low_watermark(64), 0, "evicted in the turn that acknowledged it");
+    assert!(shard.exists(b"new"));
+    shard.next_turn();
+    assert_eq!(shard.evict_to_low_watermark(64), 1, "a later turn may evict it");
+    assert!(!shard.exists(b"new"));
+    shard.check_invariants().expect("invariants");
+}
