@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use kvtide::cuda::plan::BulkCopy;
 use kvtide::cuda::{BaselineMode, CudaTransport, DeviceBuffer};
 use kvtide::{
-    EvictionPolicy, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, TransferStage,
+    EvictionPolicy, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, Transport,
 };
 
 use crate::gpu::{expected_pool, page_regions, shuffled_slots};
@@ -209,10 +209,10 @@ fn run_size(
         Ok(())
     };
     let base = RestoreOptions { target_bytes: args.target_bytes, window: args.window, ..store.restore_options() };
-    let restore = |mode: RestoreMode, dsts: &[Vec<Region<'_>>], transfer: Option<Arc<dyn TransferStage>>| {
+    let restore = |mode: RestoreMode, dsts: &[Vec<Region<'_>>], transport: Option<Arc<dyn Transport>>| {
         let mut opts = RestoreOptions { mode, ..base.clone() };
-        if let Some(t) = transfer {
-            opts.transfer = t;
+        if let Some(t) = transport {
+            opts.host_transport = Some(t);
         }
         let started = Instant::now();
         let report = store.restore_batch(&key_refs, dsts, &opts);
@@ -261,7 +261,7 @@ fn run_size(
     }
     let mut sink: Vec<Vec<u8>> = (0..objects).map(|_| vec![0u8; object_bytes as usize]).collect();
     let host_dsts: Vec<Vec<Region<'_>>> = sink.iter_mut().map(|b| vec![Region::host(b.as_mut_slice())]).collect();
-    let null: Arc<dyn TransferStage> = Arc::new(NullTransfer);
+    let null: Arc<dyn Transport> = Arc::new(NullTransfer);
     rows.push(timed("load-only", Box::new(|| restore(RestoreMode::Pipelined, &host_dsts, Some(Arc::clone(&null)))))?);
     // Releases are fire-and-forget: let the shards handle them before reading the gauges.
     store.sync_shards().map_err(|e| e.to_string())?;

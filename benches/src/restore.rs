@@ -20,7 +20,7 @@
 //!
 //! The transfer link is shared by the concurrent requests by default (`--link shared`: one
 //! FIFO link of `--transfer-gbps`, as a GPU's PCIe link is); `--link per-request` gives each
-//! call its own `kvtide::ThrottledTransfer`.
+//! call its own `kvtide::Throttled`.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -28,9 +28,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+use kvtide::transport::{Direction, EarlyStart, InFlight, Summary, Transfer, TransportError};
 use kvtide::{
-    Engine, EvictionPolicy, PutOptions, Region, RestoreMode, RestoreOptions, RestoreReport, SimFaults, Stats, Store,
-    StoreBuilder, SubBatchTrace, ThrottledTransfer, TransferStage,
+    Engine, EvictionPolicy, MemcpyTransport, PutOptions, Region, RestoreMode, RestoreOptions, RestoreReport, SimFaults,
+    Stats, Store, StoreBuilder, SubBatchTrace, Throttled, Transport,
 };
 
 use crate::util::{fmt_bytes, json_str, parse_size};
@@ -60,7 +61,7 @@ pub struct RestoreArgs {
     /// Transfer stage throttle in GB/s (1e9 bytes/s): a PCIe link at about the disk's speed.
     #[arg(long, default_value_t = 1.0)]
     pub transfer_gbps: f64,
-    /// shared: one FIFO link for all concurrent requests; per-request: a ThrottledTransfer per call.
+    /// shared: one FIFO link for all concurrent requests; per-request: a `Throttled` transport per call.
     #[arg(long, default_value = "shared", value_parser = parse_link)]
     pub link: Link,
     /// Sub-batch target bytes of the serialized and pipelined modes.
@@ -147,29 +148,64 @@ fn parse_link(text: &str) -> Result<Link, String> {
     }
 }
 
-/// A transfer stage that moves nothing: restores with it measure the load stage alone.
+/// A transport that moves nothing: restores with it measure the load stage alone.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NullTransfer;
 
-impl TransferStage for NullTransfer {
-    fn transfer(&self, _src: &Region<'_>, _dsts: &[Region<'_>]) -> kvtide::Result<()> {
-        Ok(())
+impl Transport for NullTransfer {
+    fn name(&self) -> &'static str {
+        "null"
+    }
+
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        MemcpyTransport.check(lists, writable)
+    }
+
+    unsafe fn submit(
+        &self,
+        _direction: Direction,
+        transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        Ok(InFlight::completed(vec![Ok(()); transfers.len()], Summary::default()))
     }
 }
 
-/// One FIFO link of `bytes_per_sec` shared by every caller: each transfer books the next
-/// `len / rate` of link time, copies, and returns when its booking ends.
+/// One FIFO link of `bytes_per_sec` shared by every caller: each submission books the next
+/// `bytes / rate` of link time, copies, and returns when its booking ends.
 ///
-/// Unlike `kvtide::ThrottledTransfer` (which charges each call its own sleep's overshoot, ~80 µs
-/// on this VM), back-to-back transfers keep the link busy at exactly the rate.
+/// Unlike `kvtide::Throttled` (which paces each submission on its own), concurrent requests
+/// queue for one link here.
 struct SharedLink {
     bytes_per_sec: f64,
     free_at: Mutex<Option<Instant>>,
 }
 
-impl TransferStage for SharedLink {
-    fn transfer(&self, src: &Region<'_>, dsts: &[Region<'_>]) -> kvtide::Result<()> {
-        let busy = Duration::from_secs_f64(src.len() as f64 / self.bytes_per_sec);
+impl Transport for SharedLink {
+    fn name(&self) -> &'static str {
+        "shared-link"
+    }
+
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        MemcpyTransport.check(lists, writable)
+    }
+
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        let bytes: u64 = transfers.iter().map(Transfer::bytes).sum();
+        let busy = Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec);
         let end = {
             let mut free_at = self.free_at.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
@@ -183,11 +219,12 @@ impl TransferStage for SharedLink {
             *free_at = Some(end);
             end
         };
-        kvtide::MemcpyTransfer.transfer(src, dsts)?;
+        // SAFETY: forwarded contract.
+        let results = unsafe { MemcpyTransport.submit(direction, transfers, None) }?.wait();
         loop {
             let now = Instant::now();
             if now >= end {
-                return Ok(());
+                return Ok(InFlight::completed(results, Summary::default()));
             }
             let left = end - now;
             if left > Duration::from_micros(200) {
@@ -511,11 +548,11 @@ fn run_size(
         }
     }
     let mut buffers: Vec<Vec<u8>> = (0..max_c).map(|_| vec![0u8; batch_value_bytes as usize]).collect();
-    let link: Arc<dyn TransferStage> = match args.link {
+    let link: Arc<dyn Transport> = match args.link {
         Link::Shared => Arc::new(SharedLink { bytes_per_sec: rate, free_at: Mutex::new(None) }),
-        Link::PerRequest => Arc::new(ThrottledTransfer { bytes_per_sec: rate as u64 }),
+        Link::PerRequest => Arc::new(Throttled { inner: MemcpyTransport, bytes_per_sec: rate as u64 }),
     };
-    let null: Arc<dyn TransferStage> = Arc::new(NullTransfer);
+    let null: Arc<dyn Transport> = Arc::new(NullTransfer);
     let mut runs = Vec::new();
     let ctx = Ctx { args, store: &store, keys: &keys, object_bytes };
 
@@ -527,7 +564,7 @@ fn run_size(
             max_keys: args.max_keys,
             window: args.window,
             trace: true,
-            transfer: Arc::clone(&link),
+            host_transport: Some(Arc::clone(&link)),
             ..store.restore_options()
         };
         let r = ctx.measure(c, Kind::TransferOnly, "transfer-only (DRAM)", &opts, &mut buffers, None)?;
@@ -560,10 +597,10 @@ fn run_size(
             ..store.restore_options()
         };
         for mode in [RestoreMode::Barrier, RestoreMode::Serialized, RestoreMode::Pipelined] {
-            let opts = RestoreOptions { mode, transfer: Arc::clone(&link), ..base.clone() };
+            let opts = RestoreOptions { mode, host_transport: Some(Arc::clone(&link)), ..base.clone() };
             let trace = if mode == RestoreMode::Pipelined { trace_out.as_deref_mut() } else { None };
             runs.push(ctx.measure(c, Kind::Restore, mode_name(mode), &opts, &mut buffers, trace)?);
-            let opts = RestoreOptions { mode, transfer: Arc::clone(&null), ..base.clone() };
+            let opts = RestoreOptions { mode, host_transport: Some(Arc::clone(&null)), ..base.clone() };
             let name = format!("load-only ({})", mode_name(mode));
             runs.push(ctx.measure(c, Kind::LoadOnly, &name, &opts, &mut buffers, None)?);
         }
@@ -574,7 +611,7 @@ fn run_size(
             let opts = RestoreOptions {
                 mode: RestoreMode::Pipelined,
                 target_bytes: target,
-                transfer: Arc::clone(&link),
+                host_transport: Some(Arc::clone(&link)),
                 ..base.clone()
             };
             let name = format!("pipelined {}", fmt_bytes(target));

@@ -72,6 +72,7 @@ impl From<TransportError> for Error {
             TransportError::CudaUnavailable(why) => Error::CudaUnavailable(why),
             TransportError::Region(r) => Error::InvalidRange(r),
             TransportError::Cuda { .. } => Error::Cuda(e.to_string()),
+            TransportError::Io(detail) => Error::Io(detail),
             TransportError::DevicePointer { .. } | TransportError::NoSuchDevice { .. } => {
                 Error::InvalidArgument(e.to_string())
             }

@@ -27,16 +27,17 @@ mod ticket;
 pub use api::{Fragment, PutOptions, Store};
 pub use config::{parse_bytes, StoreBuilder};
 pub use engine::{
-    Engine, MemcpyTransfer, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
-    SubBatchTrace, ThrottledTransfer, TransferStage,
+    Engine, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;
 pub use kvtide_tiers::ssd::SimFaults;
+/// The transports (the `Transport` trait, transfer descriptors, CPU copies, pacing).
+pub use kvtide_transport as transport;
 /// The CUDA transport (device buffers for tests and benchmarks, fault hooks), feature `cuda`.
 #[cfg(feature = "cuda")]
 pub use kvtide_transport::cuda;
-pub use kvtide_transport::{MemoryKind, Region, RegionError};
+pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, Throttled, Transport};
 pub use remote::{ClientOptions, RemoteStore};
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats};
 pub use ticket::Ticket;

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::value_for;
+use kvtide::transport::{Direction, EarlyStart, InFlight, Summary, Transfer, TransportError};
 use kvtide::{
-    Engine, Error, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, SubBatchState,
-    ThrottledTransfer,
+    Engine, Error, MemcpyTransport, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder,
+    SubBatchState, Throttled, Transport,
 };
 
 const MIB: usize = 1 << 20;
@@ -78,10 +79,11 @@ fn loads_overlap_transfers_and_every_mode_agrees() {
     fill(&store, n, MIB);
     let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
     let loads_before = store.stats().total.loads;
-    let transfer = Arc::new(ThrottledTransfer { bytes_per_sec: 1 << 30 });
+    let transfer: Arc<dyn Transport> = Arc::new(Throttled { inner: MemcpyTransport, bytes_per_sec: 1 << 30 });
     let mut reports = Vec::new();
     for mode in [RestoreMode::Barrier, RestoreMode::Serialized, RestoreMode::Pipelined] {
-        let opts = RestoreOptions { mode, trace: true, transfer: transfer.clone(), ..store.restore_options() };
+        let opts =
+            RestoreOptions { mode, trace: true, host_transport: Some(transfer.clone()), ..store.restore_options() };
         let mut bufs = buffers(n, MIB);
         let report = restore(&store, &keys, &mut bufs, &opts);
         for i in 0..n {
@@ -183,7 +185,7 @@ fn cancellation_drains_and_releases() {
     let opts = RestoreOptions {
         cancel: Some(cancel),
         trace: true,
-        transfer: Arc::new(ThrottledTransfer { bytes_per_sec: 256 << 20 }),
+        host_transport: Some(Arc::new(Throttled { inner: MemcpyTransport, bytes_per_sec: 256 << 20 })),
         ..store.restore_options()
     };
     let mut bufs = buffers(16, MIB);
@@ -261,17 +263,41 @@ fn concurrent_requests_share_bounded_staging() {
     assert_idle(&store);
 }
 
-/// Fails every transfer into a destination of exactly `fail_len` bytes, after writing half of it.
+/// Fails every transfer of exactly `fail_len` bytes (a link that drops them); copies the rest.
 struct FlakyTransfer {
-    fail_len: usize,
+    fail_len: u64,
 }
 
-impl kvtide::TransferStage for FlakyTransfer {
-    fn transfer(&self, src: &Region<'_>, dsts: &[Region<'_>]) -> kvtide::Result<()> {
-        if dsts.iter().map(|d| d.len()).sum::<usize>() == self.fail_len {
-            return Err(Error::Io("link down".into()));
+impl Transport for FlakyTransfer {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        MemcpyTransport.check(lists, writable)
+    }
+
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        let mut results = Vec::new();
+        for t in transfers {
+            if t.bytes() == self.fail_len {
+                results.push(Err(TransportError::Io("link down".into())));
+                continue;
+            }
+            // SAFETY: forwarded contract.
+            let copied = unsafe { MemcpyTransport.submit(direction, std::slice::from_ref(t), None) }?.wait();
+            results.extend(copied);
         }
-        kvtide::MemcpyTransfer.transfer(src, dsts)
+        Ok(InFlight::completed(results, Summary::default()))
     }
 }
 
@@ -285,7 +311,10 @@ fn transfer_failures_fail_only_their_keys() {
     let mut bufs: Vec<Vec<u8>> =
         vec![vec![0u8; 512 << 10], vec![0u8; 100_000], vec![0u8; 512 << 10], vec![0u8; 512 << 10]];
     let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
-    let opts = RestoreOptions { transfer: Arc::new(FlakyTransfer { fail_len: 100_000 }), ..store.restore_options() };
+    let opts = RestoreOptions {
+        host_transport: Some(Arc::new(FlakyTransfer { fail_len: 100_000 })),
+        ..store.restore_options()
+    };
     let report = store.restore_batch(&refs, &dsts, &opts);
     drop(dsts);
     assert!(matches!(report.results[1], Err(Error::Io(_))), "{:?}", report.results[1]);

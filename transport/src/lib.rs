@@ -1,16 +1,21 @@
 //! kvtide-transport: how kvtide's bytes move.
 //!
-//! Owns the typed memory regions that say where bytes come from or go to, and the transfer
-//! descriptors a transport executes. Today that is the same-process memcpy transport and the CUDA transport (feature `cuda`); TCP,
-//! shared memory and RDMA join them later. It never looks up objects or takes leases: the
-//! engine hands it regions it has already validated and protected.
+//! Owns the typed memory regions that say where bytes come from or go to, the transfer
+//! descriptors, and the `Transport` trait with its implementations: CPU copies (`memcpy`), the
+//! CUDA transport (feature `cuda`; GPU memory), and `Throttled`, a paced decorator for
+//! benchmarks. It never looks up objects or takes leases: the engine hands it regions it has
+//! already validated and keeps the host bytes valid until each submission completed.
 
 pub mod cuda;
 pub mod memcpy;
 pub mod region;
+pub mod transfer;
+pub mod transport;
 
 pub use memcpy::{copy_regions, MemcpyTransport};
 pub use region::{MemoryKind, Region, RegionError};
+pub use transfer::{Direction, Piece, Summary, Transfer};
+pub use transport::{EarlyStart, InFlight, Progress, Throttled, Transport, Unreachable};
 
 /// Errors a transport reports for one descriptor.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -30,4 +35,8 @@ pub enum TransportError {
     /// No GPU with this ordinal.
     #[error("no CUDA device with ordinal {ordinal}")]
     NoSuchDevice { ordinal: u32 },
+    /// The link or device a transport moves bytes over failed (a socket, a NIC, a test's
+    /// injected fault).
+    #[error("transfer failed: {0}")]
+    Io(String),
 }

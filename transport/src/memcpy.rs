@@ -4,6 +4,8 @@
 //! memory with `CudaUnavailable` (the CUDA transport handles that) instead of dereferencing it.
 
 use crate::region::{MemoryKind, Region, RegionError};
+use crate::transfer::{Direction, Summary, Transfer};
+use crate::transport::{EarlyStart, InFlight, Transport};
 use crate::TransportError;
 
 /// CPU memcpy between host regions.
@@ -15,6 +17,79 @@ impl MemcpyTransport {
     pub fn supports(src: MemoryKind, dst: MemoryKind) -> bool {
         src.is_host() && dst.is_host()
     }
+}
+
+/// The first problem of a list of host regions: device memory, or (for destinations) a
+/// read-only region.
+pub fn check_host_list(regions: &[Region<'_>], writable: bool) -> Option<TransportError> {
+    regions.iter().find_map(|r| {
+        if !r.kind().is_host() {
+            return Some(TransportError::CudaUnavailable("device regions need the cuda transport"));
+        }
+        if writable {
+            return r.check_writable().err().map(TransportError::from);
+        }
+        None
+    })
+}
+
+impl Transport for MemcpyTransport {
+    fn name(&self) -> &'static str {
+        "memcpy"
+    }
+
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        lists.iter().map(|regions| check_host_list(regions, writable)).collect()
+    }
+
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        let mut bytes = 0;
+        let results = transfers
+            .iter()
+            .map(|t| {
+                // SAFETY: forwarded contract (checked regions, host bytes valid until we return).
+                let copied = unsafe { copy_transfer(t, direction) };
+                bytes += if copied.is_ok() { t.bytes() } else { 0 };
+                copied
+            })
+            .collect();
+        Ok(InFlight::completed(results, Summary { bytes, copy_calls: transfers.len() as u64, ..Summary::default() }))
+    }
+}
+
+/// Copies one transfer's pieces on the CPU after checking every piece lies inside the object
+/// and is host memory; nothing is copied when a check fails.
+///
+/// # Safety
+/// As `Transport::submit`.
+unsafe fn copy_transfer(t: &Transfer, direction: Direction) -> Result<(), TransportError> {
+    for p in &t.pieces {
+        if !p.kind.is_host() {
+            return Err(TransportError::CudaUnavailable("device regions need the cuda transport"));
+        }
+        crate::region::check_range("object", p.host_offset, p.len, t.host_len)?;
+    }
+    for p in t.pieces.iter().filter(|p| p.len > 0) {
+        let host = (t.host + p.host_offset) as *mut u8;
+        let page = p.addr as *mut u8;
+        let (src, dst) = match direction {
+            Direction::HostToDevice => (host.cast_const(), page),
+            Direction::DeviceToHost => (page.cast_const(), host),
+        };
+        // SAFETY: the piece lies inside the object (checked above) and the caller vouches for
+        // the page side; leased or reserved arena bytes never overlap caller memory.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, p.len as usize) };
+    }
+    Ok(())
 }
 
 /// Copies `len` bytes from `src[src_offset..]` to `dst[dst_offset..]`, both host regions.

@@ -6,21 +6,25 @@
 //! and process-wide, and the per-sub-batch lifecycle trace. It never reports a key whose bytes
 //! were not all delivered, and never returns credits or leases before nothing can touch them.
 //!
-//! Device destinations (feature `cuda`) are checked on their GPU up front; a sub-batch's device
-//! keys then go to the GPU in one submission (staged or direct, as the store's policy says) and
-//! their leases are released only once its events fired. DRAM-resident device keys skip the
-//! pipeline and take the GPU read path with its early start, while the SSD sub-batches load.
+//! Every destination is checked up front by the transport of its route; a sub-batch is then
+//! delivered by the read path (one submission per route, waited for before its leases go).
+//! DRAM-resident GPU keys skip the pipeline and take the plain read path with its early start,
+//! while the SSD sub-batches load.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtide_transport::{copy_regions, MemoryKind, Region};
+use kvtide_transport::{Region, Transport};
 
-use super::{check_destination, grant_region, total_len, Engine, LeaseSet, PendingLeases};
+use super::read::{ReadTargets, Slot, Want};
+use super::transports::Route;
+use super::{Engine, LeaseSet, PendingLeases};
+use crate::checks::total_len;
 use crate::error::{Error, Result};
 use crate::shard::{Location, ReadGrant, Request};
+use crate::stats::RestoreStats;
 
 /// How a batch that touches the SSD is restored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,54 +35,6 @@ pub enum RestoreMode {
     Serialized,
     /// Load everything, then transfer everything (the unpipelined baseline).
     Barrier,
-}
-
-/// Moves a leased object's bytes to its destinations. The default is a CPU memcpy; benchmarks
-/// throttle it to model a link; the CUDA transport plugs in here for device destinations.
-pub trait TransferStage: Send + Sync {
-    /// Copies `src` across `dsts` in order (their lengths add up to `src.len()`).
-    fn transfer(&self, src: &Region<'_>, dsts: &[Region<'_>]) -> Result<()>;
-}
-
-/// CPU copies.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MemcpyTransfer;
-
-impl TransferStage for MemcpyTransfer {
-    fn transfer(&self, src: &Region<'_>, dsts: &[Region<'_>]) -> Result<()> {
-        let mut offset = 0u64;
-        for dst in dsts {
-            // SAFETY: `src` is leased for the duration of the transfer; `dst` is caller memory
-            // lent for the call.
-            unsafe { copy_regions(src, offset, dst, 0, dst.len() as u64)? };
-            offset += dst.len() as u64;
-        }
-        Ok(())
-    }
-}
-
-/// A memcpy paced to `bytes_per_sec`: models a PCIe link (or any slower transfer) in tests and
-/// benchmarks on machines without one.
-#[derive(Clone, Copy, Debug)]
-pub struct ThrottledTransfer {
-    pub bytes_per_sec: u64,
-}
-
-impl TransferStage for ThrottledTransfer {
-    fn transfer(&self, src: &Region<'_>, dsts: &[Region<'_>]) -> Result<()> {
-        let started = Instant::now();
-        MemcpyTransfer.transfer(src, dsts)?;
-        let due = Duration::from_secs_f64(src.len() as f64 / self.bytes_per_sec.max(1) as f64);
-        while started.elapsed() < due {
-            let left = due.saturating_sub(started.elapsed());
-            if left > Duration::from_micros(200) {
-                std::thread::sleep(left - Duration::from_micros(100));
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-        Ok(())
-    }
 }
 
 /// What a restore does and how it reports.
@@ -95,8 +51,9 @@ pub struct RestoreOptions {
     pub cancel: Option<Arc<AtomicBool>>,
     /// Record per-sub-batch timestamps in the report.
     pub trace: bool,
-    /// The transfer stage (default: memcpy).
-    pub transfer: Arc<dyn TransferStage>,
+    /// The transport for host destinations (None: CPU copies). Benchmarks pace it
+    /// (`kvtide_transport::Throttled`) to model a link.
+    pub host_transport: Option<Arc<dyn Transport>>,
 }
 
 impl std::fmt::Debug for RestoreOptions {
@@ -119,7 +76,7 @@ impl Default for RestoreOptions {
             window: 2,
             cancel: None,
             trace: false,
-            transfer: Arc::new(MemcpyTransfer),
+            host_transport: None,
         }
     }
 }
@@ -322,7 +279,6 @@ struct Planned {
     keys: Vec<usize>,
     staging_bytes: u64,
     /// The DRAM-resident keys (and missing ones): nothing to load.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     dram: bool,
 }
 
@@ -349,45 +305,34 @@ impl Engine {
             return report;
         }
         self.restore.requests.fetch_add(1, Ordering::Relaxed);
-        // Keys with a device destination; their regions are checked on the GPU now (without the
-        // feature `check_destination` refuses them).
-        let device: Vec<bool> =
-            dsts.iter().map(|d| d.iter().any(|r| matches!(r.kind(), MemoryKind::Device { .. }))).collect();
-        #[cfg(feature = "cuda")]
-        let device_checks = if device.contains(&true) {
-            super::gpu::check_destinations(self, dsts, &device)
-        } else {
-            vec![None; keys.len()]
-        };
+        // Every destination is checked by its route's transport before anything loads.
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        let mut targets = ReadTargets::new(self, &lists, opts.host_transport.clone());
+        let checks = targets.check_now(self).to_vec();
+        let slots: Vec<Slot<'_>> =
+            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
-            #[cfg(feature = "cuda")]
-            let regions_ok = match &device_checks[i] {
-                Some(e) => Err(e.clone()),
-                None if device[i] => Ok(()),
-                None => regions.iter().try_for_each(check_destination),
-            };
-            #[cfg(not(feature = "cuda"))]
-            let regions_ok = regions.iter().try_for_each(check_destination);
-            let checked = self.validate_key(key).and(regions_ok).and_then(|()| total_len(regions));
+            let checked = self
+                .validate_key(key)
+                .and_then(|()| checks[i].clone().map_or(Ok(()), Err))
+                .and_then(|()| total_len(regions));
             match checked {
                 Ok(_) => valid.push(i),
                 Err(e) => report.results[i] = Err(e),
             }
         }
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut plan = self.plan_restore(keys, &valid, opts);
-        // DRAM-resident device keys: served by the GPU read path (after the first loads went out).
-        #[cfg(feature = "cuda")]
-        let mut dram_device: Vec<usize> = Vec::new();
-        #[cfg(feature = "cuda")]
+        // DRAM-resident GPU keys: served by the plain read path (after the first loads went out).
+        let mut dram_gpu: Vec<usize> = Vec::new();
         if opts.mode != RestoreMode::Barrier {
             if let Some(first) = plan.first_mut().filter(|p| p.dram) {
                 first.keys.retain(|&i| {
-                    if device[i] {
-                        dram_device.push(i);
+                    let gpu = targets.routes[i] == Route::Gpu;
+                    if gpu {
+                        dram_gpu.push(i);
                     }
-                    !device[i]
+                    !gpu
                 });
             }
             plan.retain(|p| !p.keys.is_empty());
@@ -450,11 +395,11 @@ impl Engine {
                 });
                 next_index += 1;
             }
-            #[cfg(feature = "cuda")]
-            if !dram_device.is_empty() && !cancelled() {
+            if !dram_gpu.is_empty() && !cancelled() {
                 // While the first SSD sub-batches load.
-                for (i, result) in super::gpu::batch_get_some(self, keys, dsts, &std::mem::take(&mut dram_device)) {
-                    report.results[i] = result;
+                let some: Vec<Slot<'_>> = std::mem::take(&mut dram_gpu).into_iter().map(|i| slots[i]).collect();
+                for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
+                    report.results[slot.list] = result;
                 }
             }
             // Transfer stage: the oldest sub-batch, once its loads are done.
@@ -467,21 +412,17 @@ impl Engine {
             if !stop {
                 sub.trace.state = SubBatchState::Transferring;
             }
-            let mut to_gpu: Vec<(usize, ReadGrant)> = Vec::new();
+            let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; keys.len()];
             for &i in &sub.keys {
                 match grants.get(&i) {
                     Some(Err(Error::NoSpace)) => retry_alone.push(i),
-                    Some(Ok(grant)) if !stop && device[i] => to_gpu.push((i, *grant)),
-                    Some(Ok(grant)) if !stop => report.results[i] = deliver(grant, &dsts[i], opts.transfer.as_ref()),
-                    Some(Ok(_)) => report.results[i] = Err(Error::Cancelled),
-                    Some(Err(e)) => report.results[i] = Err(e.clone()),
+                    Some(Ok(_)) if stop => report.results[i] = Err(Error::Cancelled),
+                    Some(grant) => grant_of[i] = Some(grant),
                     None => report.results[i] = Err(Error::Internal("sub-batch key without a grant")),
                 }
             }
-            // The sub-batch's device keys in one GPU submission, waited for before the release.
-            for (i, result) in self.deliver_to_gpu(&to_gpu, dsts) {
-                report.results[i] = result;
-            }
+            // One submission per route, waited for before the release.
+            self.deliver(&mut targets, &slots, &grant_of, None, &mut report.results, None);
             sub.trace.transfer_end_us = us(Instant::now());
             // Copies are synchronous here (GPU ones waited for their events), so every byte of a
             // key reported Ok has landed.
@@ -498,35 +439,25 @@ impl Engine {
         }
         // Keys that did not fit in DRAM beside their sub-batch run alone, after the pipeline.
         if !retry_alone.is_empty() && !cancelled() {
-            let transfer = opts.transfer.clone();
-            self.lease_in_rounds(retry_alone.iter().map(|&i| (i, keys[i])).collect(), |i, grant| {
-                report.results[i] = grant.and_then(|g| {
-                    if !device[i] {
-                        return deliver(&g, &dsts[i], transfer.as_ref());
-                    }
-                    let delivered = self.deliver_to_gpu(&[(i, g)], dsts).pop();
-                    delivered.map_or(Err(Error::Internal("no GPU transfer result")), |(_, r)| r)
-                });
-            });
+            let some: Vec<Slot<'_>> = retry_alone.iter().map(|&i| slots[i]).collect();
+            for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
+                report.results[slot.list] = result;
+            }
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
         report.elapsed_us = us(Instant::now());
         report
     }
 
-    /// Copies leased objects to their device destinations (checked when the restore began), one
-    /// GPU submission for all of them, and waits; results by key index.
-    fn deliver_to_gpu(&self, items: &[(usize, ReadGrant)], dsts: &[Vec<Region<'_>>]) -> Vec<(usize, Result<usize>)> {
-        #[cfg(feature = "cuda")]
-        return super::gpu::deliver_leased(self, items, dsts);
-        // Unreachable in practice: validation refuses device destinations without the feature.
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = dsts;
-            items
-                .iter()
-                .map(|&(i, _)| (i, Err(Error::CudaUnavailable("device destinations need the cuda feature"))))
-                .collect()
+    /// The restore counters for `stats`.
+    pub(crate) fn restore_stats(&self) -> RestoreStats {
+        RestoreStats {
+            requests: self.restore.requests.load(Ordering::Relaxed),
+            sub_batches: self.restore.sub_batches.load(Ordering::Relaxed),
+            credit_waits: self.restore.credit_waits.load(Ordering::Relaxed),
+            credits_held_bytes: self.credits.held_bytes(),
+            peak_credits_bytes: self.credits.peak_bytes(),
+            peak_request_staging_bytes: self.restore.peak_staging_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -601,41 +532,18 @@ impl Engine {
 
     /// Where each valid key lives (one message per shard).
     fn locate(&self, keys: &[&[u8]], valid: &[usize]) -> HashMap<usize, Option<Location>> {
-        let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards.len()];
-        for &i in valid {
-            per_shard[self.shard_of(keys[i])].push(i);
-        }
-        let replies: Vec<_> = per_shard
-            .iter()
-            .enumerate()
-            .filter(|(_, idx)| !idx.is_empty())
-            .map(|(shard, idx)| {
-                let owned = idx.iter().map(|&i| Box::<[u8]>::from(keys[i])).collect();
-                (shard, self.send_with_reply(shard, |reply| Request::Locate { keys: owned, reply }))
-            })
-            .collect();
         let mut out = HashMap::new();
-        for (shard, rx) in replies {
-            let found = rx.ok().and_then(|rx| rx.recv().ok()).unwrap_or_default();
-            for (k, &i) in per_shard[shard].iter().enumerate() {
-                out.insert(i, found.get(k).copied().flatten());
-            }
-        }
+        self.fan_out(valid.iter().map(|&i| (i, keys[i], ())), |items, reply| Request::Locate {
+            keys: items.into_iter().map(|(k, ())| k).collect(),
+            reply,
+        })
+        .gather(self, |i, _, found| {
+            out.insert(i, found.ok().flatten());
+        });
         out
     }
 }
 
 fn release(leases: LeaseSet<'_>) {
     drop(leases);
-}
-
-/// Transfers one leased object, checking sizes first; a failed transfer is that key's error.
-fn deliver(grant: &ReadGrant, dsts: &[Region<'_>], transfer: &dyn TransferStage) -> Result<usize> {
-    let dst_bytes = total_len(dsts)?;
-    if dst_bytes != grant.len {
-        return Err(Error::SizeMismatch { object_bytes: grant.len, destination_bytes: dst_bytes });
-    }
-    let src = grant_region(grant.ptr, grant.len);
-    transfer.transfer(&src, dsts)?;
-    Ok(grant.len as usize)
 }

@@ -1,17 +1,25 @@
 //! Work a shard advances a bounded slice at a time between other work.
 //!
-//! Owns the async batch read: the shard leases the objects, copies them into the caller's
-//! destinations in bounded slices so no single request stalls the loop, honours cancellation
-//! between slices and releases every lease it took, whatever happened.
+//! Owns the async batch read: the shard leases the objects, plans them with the read path's
+//! planner and delivers them through the transports the engine chose: CPU copies in bounded
+//! slices so no single request stalls the loop, asynchronous transports (GPU) in one submission
+//! per round whose completion the loop polls. It honours cancellation between slices (a
+//! submitted asynchronous round runs to completion) and releases every lease it took, whatever
+//! happened.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvtide_transport::Region;
+use std::collections::VecDeque;
+
+use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
 use super::core::{ReadGrant, ShardCore};
+use crate::engine::gpu::GpuCounters;
+use crate::engine::read::{plan_pieces, Want};
+use crate::engine::transports::{Route, Transports};
 use crate::error::{Error, Result};
 use crate::ticket::BatchCollector;
 
@@ -24,10 +32,9 @@ pub(crate) enum TaskPoll {
     Progressed,
     /// Waiting for something that wakes the shard (an SSD load, a message); nothing to do now.
     Waiting,
-    /// Waiting for something that does not wake the shard (a CUDA event): the loop keeps
-    /// polling (yielding between turns) instead of parking. Only GPU tickets (feature `cuda`)
-    /// return it.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Waiting for something that does not wake the shard (an asynchronous transport's
+    /// completion, a CUDA event): the loop keeps polling (yielding between turns) instead of
+    /// parking.
     Polling,
 }
 
@@ -39,28 +46,6 @@ pub(crate) trait ShardTask: Send {
     fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> TaskPoll;
 }
 
-/// How an async batch reaches GPU memory (feature `cuda`): built by the engine once the device
-/// pointers were checked. The task submits a round's copies with it on engine-owned streams and
-/// polls their CUDA events from the shard loop (`TaskPoll::Polling`), holding the leases until
-/// the events fired.
-#[cfg(feature = "cuda")]
-#[derive(Clone)]
-pub(crate) struct GpuCopier {
-    pub(crate) transport: Arc<kvtide_transport::cuda::CudaTransport>,
-    pub(crate) policy: kvtide_transport::cuda::plan::StagingPolicy,
-    /// Called once per round: what was submitted (None: the submission failed) and how many keys
-    /// failed.
-    #[allow(clippy::type_complexity)]
-    pub(crate) report: Arc<dyn Fn(Option<&kvtide_transport::cuda::Summary>, u64) + Send + Sync>,
-}
-
-/// A round's GPU submission: the copies in flight and, per transfer, the item it delivers.
-#[cfg(feature = "cuda")]
-struct GpuRound {
-    inflight: kvtide_transport::cuda::InFlight,
-    owners: Vec<usize>,
-}
-
 /// Where the core drops a batch's grants once every key is leased.
 type GrantCell = Rc<RefCell<Option<Vec<Result<ReadGrant>>>>>;
 
@@ -69,21 +54,31 @@ pub(crate) struct BatchGetItem {
     pub(crate) result_index: usize,
     pub(crate) key: Box<[u8]>,
     pub(crate) dsts: Vec<Region<'static>>,
+    pub(crate) route: Route,
 }
 
 struct ItemState {
     item: BatchGetItem,
     grant: Option<ReadGrant>,
-    copied_bytes: u64,
+    /// Bytes still to arrive.
+    bytes_left: u64,
     result: Option<Result<usize>>,
+}
+
+/// An asynchronous round's submission and the item of each of its transfers.
+struct Submitted {
+    inflight: InFlight,
+    owners: Vec<usize>,
+    route: Route,
 }
 
 /// Async `batch_get_into_multi_buffers` for the keys of one shard.
 pub(crate) struct BatchGetTask {
     items: Vec<ItemState>,
-    cursor: usize,
     cancel: Arc<AtomicBool>,
     collector: Arc<BatchCollector>,
+    transports: Transports,
+    gpu_counters: Arc<GpuCounters>,
     /// Filled by the core once every key of the round is leased (SSD keys after their loads).
     grants: Option<GrantCell>,
     /// Items leased in the current round, in request order.
@@ -91,11 +86,11 @@ pub(crate) struct BatchGetTask {
     /// Items refused with NoSpace this round (the batch did not fit in DRAM at once).
     retry: Vec<usize>,
     delivered_this_round: usize,
-    /// Set when some destination is GPU memory: rounds go through the CUDA transport.
-    #[cfg(feature = "cuda")]
-    gpu: Option<GpuCopier>,
-    #[cfg(feature = "cuda")]
-    in_flight: Option<GpuRound>,
+    /// Planned transfers for inline transports, copied a budget at a time: (item, transfer).
+    inline: VecDeque<(usize, Transfer)>,
+    /// Planned transfers for asynchronous transports, per route, not yet submitted.
+    deferred: Vec<(Route, Vec<usize>, Vec<Transfer>)>,
+    in_flight: Option<Submitted>,
 }
 
 // SAFETY: the Rc is created in `start` on the shard thread and only touched there afterwards;
@@ -103,128 +98,197 @@ pub(crate) struct BatchGetTask {
 unsafe impl Send for BatchGetTask {}
 
 impl BatchGetTask {
-    pub(crate) fn new(items: Vec<BatchGetItem>, cancel: Arc<AtomicBool>, collector: Arc<BatchCollector>) -> Self {
+    pub(crate) fn new(
+        items: Vec<BatchGetItem>,
+        cancel: Arc<AtomicBool>,
+        collector: Arc<BatchCollector>,
+        transports: Transports,
+        gpu_counters: Arc<GpuCounters>,
+    ) -> Self {
         let items =
-            items.into_iter().map(|item| ItemState { item, grant: None, copied_bytes: 0, result: None }).collect();
+            items.into_iter().map(|item| ItemState { item, grant: None, bytes_left: 0, result: None }).collect();
         BatchGetTask {
             items,
-            cursor: 0,
             cancel,
             collector,
+            transports,
+            gpu_counters,
             grants: None,
             round: Vec::new(),
             retry: Vec::new(),
             delivered_this_round: 0,
-            #[cfg(feature = "cuda")]
-            gpu: None,
-            #[cfg(feature = "cuda")]
+            inline: VecDeque::new(),
+            deferred: Vec::new(),
             in_flight: None,
         }
     }
 
-    /// Sends this task's rounds through the CUDA transport when some destination is GPU memory.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn with_gpu(mut self, copier: Option<GpuCopier>) -> Self {
-        let device = self
-            .items
-            .iter()
-            .flat_map(|s| &s.item.dsts)
-            .any(|r| matches!(r.kind(), kvtide_transport::MemoryKind::Device { .. }));
-        if device {
-            self.gpu = copier;
-        }
-        self
+    /// Leases `items` as one batch; their grants arrive in `self.grants`.
+    fn lease_round(&mut self, core: &mut ShardCore, items: Vec<usize>) {
+        let cell = Rc::new(RefCell::new(None));
+        let sink = Rc::clone(&cell);
+        let keys = items.iter().map(|&i| self.items[i].item.key.clone()).collect();
+        self.grants = Some(cell);
+        self.round = items;
+        self.delivered_this_round = 0;
+        core.lease_read_batch(keys, None, Box::new(move |grants| *sink.borrow_mut() = Some(grants)));
     }
 
-    /// Runs the current round on the GPU: submits every leased key's copies at once (unless
-    /// cancelled first), then polls the events. Returns `Some` while the round is not over;
-    /// `None` once every key of the round has its result and its lease back.
-    #[cfg(feature = "cuda")]
-    fn poll_gpu(&mut self, core: &mut ShardCore) -> Option<TaskPoll> {
-        use kvtide_transport::cuda::plan::{Direction, Piece, Transfer};
-        let copier = self.gpu.clone()?;
-        if self.in_flight.is_none() {
-            if self.cursor >= self.round.len() {
-                return None;
+    /// Takes the round's grants and plans each leased item (the read path's planner).
+    fn plan_round(&mut self, core: &mut ShardCore, grants: Vec<Result<ReadGrant>>) {
+        let mut deferred: Vec<(Route, Vec<usize>, Vec<Transfer>)> = Vec::new();
+        for (&index, grant) in self.round.iter().zip(grants) {
+            let state = &mut self.items[index];
+            let grant = match grant {
+                Err(Error::NoSpace) => {
+                    self.retry.push(index);
+                    continue;
+                }
+                Err(e) => {
+                    state.result = Some(Err(e));
+                    continue;
+                }
+                Ok(grant) => grant,
+            };
+            let pieces = match plan_pieces(grant.len, &state.item.dsts, Want::Whole) {
+                Ok((pieces, _)) => pieces,
+                Err(e) => {
+                    core.release(grant.lease);
+                    state.result = Some(Err(e));
+                    continue;
+                }
+            };
+            if grant.len == 0 {
+                core.release(grant.lease);
+                state.result = Some(Ok(0));
+                self.delivered_this_round += 1;
+                continue;
             }
+            state.grant = Some(grant);
+            state.bytes_left = grant.len;
+            let transfer = Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces };
+            let route = state.item.route;
+            if self.transports.get(route).completes_inline() {
+                self.inline.push_back((index, transfer));
+            } else {
+                match deferred.iter_mut().find(|(r, _, _)| *r == route) {
+                    Some((_, owners, transfers)) => {
+                        owners.push(index);
+                        transfers.push(transfer);
+                    }
+                    None => deferred.push((route, vec![index], vec![transfer])),
+                }
+            }
+        }
+        self.deferred = deferred;
+    }
+
+    /// Ends an item: its lease goes back and its result is set.
+    fn settle(&mut self, core: &mut ShardCore, index: usize, result: Result<()>) {
+        let state = &mut self.items[index];
+        let Some(grant) = state.grant.take() else { return };
+        core.release(grant.lease);
+        state.result = Some(result.map(|()| grant.len as usize));
+        if state.result.as_ref().is_some_and(|r| r.is_ok()) {
+            self.delivered_this_round += 1;
+        }
+    }
+
+    /// Advances the round's asynchronous submission: submits it (unless cancelled first), then
+    /// polls it. Some while it is not over.
+    fn poll_async(&mut self, core: &mut ShardCore) -> Option<TaskPoll> {
+        if self.in_flight.is_none() {
+            let (route, owners, transfers) = self.deferred.pop()?;
             if self.cancel.load(Ordering::Acquire) {
-                // Nothing submitted yet: stop here; every undelivered key reports Cancelled.
+                // Nothing of it submitted: stop here; every undelivered key reports Cancelled.
                 self.finish(core);
                 return Some(TaskPoll::Finished);
             }
-            let mut transfers = Vec::with_capacity(self.round.len());
-            let mut owners = Vec::with_capacity(self.round.len());
-            for &index in &self.round {
-                let state = &self.items[index];
-                let Some(grant) = state.grant else { continue };
-                let mut offset = 0;
-                let pieces = state
-                    .item
-                    .dsts
-                    .iter()
-                    .map(|r| {
-                        let piece = Piece { host_offset: offset, addr: r.addr(), len: r.len() as u64, kind: r.kind() };
-                        offset += r.len() as u64;
-                        piece
-                    })
-                    .collect();
-                transfers.push(Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces });
-                owners.push(index);
-            }
-            self.cursor = self.round.len();
-            if transfers.is_empty() {
-                return None;
-            }
             // SAFETY: every transfer's host bytes are leased by this task and stay leased until
-            // the round's events fired (or the streams were drained after a failure: `poll`
-            // returns true only then; dropping an unfinished `InFlight` drains too). The device
-            // pages were checked with cuPointerGetAttributes by the engine before the ticket was
-            // made, and the submitter's `Region::from_raw` contract keeps every destination
-            // valid until the ticket completes.
-            match unsafe {
-                kvtide_transport::cuda::submit(&copier.transport, Direction::HostToDevice, &transfers, copier.policy)
-            } {
-                Ok(inflight) => self.in_flight = Some(GpuRound { inflight, owners }),
+            // the submission completed (`poll` true; dropping an unfinished `InFlight` waits for
+            // it too). The destinations passed the transport's checks when the ticket was made,
+            // and the submitter's `Region::from_raw` contract keeps them valid until the ticket
+            // completes.
+            match unsafe { self.transports.get(route).submit(Direction::HostToDevice, &transfers, None) } {
+                Ok(inflight) => self.in_flight = Some(Submitted { inflight, owners, route }),
                 Err(e) => {
-                    let error: Error = e.into();
-                    (copier.report)(None, owners.len() as u64);
-                    for index in owners {
-                        let state = &mut self.items[index];
-                        if let Some(grant) = state.grant.take() {
-                            core.release(grant.lease);
-                        }
-                        state.result = Some(Err(error.clone()));
+                    if route == Route::Gpu {
+                        self.gpu_counters.record(None, Direction::HostToDevice, owners.len() as u64);
                     }
-                    return None;
+                    let error: Error = e.into();
+                    for index in owners {
+                        self.settle(core, index, Err(error.clone()));
+                    }
+                    return Some(TaskPoll::Progressed);
                 }
             }
         }
-        let round = self.in_flight.as_mut()?;
-        // Cancellation no longer matters: once submitted, the copies run to their events.
-        if !round.inflight.poll() {
+        let submitted = self.in_flight.as_mut()?;
+        // Cancellation no longer matters: once submitted, the copies run to completion.
+        if !submitted.inflight.poll() {
             return Some(TaskPoll::Polling);
         }
-        let GpuRound { mut inflight, owners } = self.in_flight.take()?;
+        let Submitted { mut inflight, owners, route } = self.in_flight.take()?;
         let results = inflight.take_results();
-        let mut failed = 0;
+        let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+        if route == Route::Gpu {
+            self.gpu_counters.record(Some(&inflight.summary()), Direction::HostToDevice, failed);
+        }
         for (index, result) in owners.into_iter().zip(results) {
-            let state = &mut self.items[index];
-            let Some(grant) = state.grant.take() else { continue };
-            // The events fired (or the streams were drained): the lease can go.
-            core.release(grant.lease);
-            state.result = Some(match result {
+            self.settle(core, index, result.map_err(Error::from));
+        }
+        Some(TaskPoll::Progressed)
+    }
+
+    /// Copies planned inline transfers until the budget is spent. Some(Finished) when it was
+    /// cancelled.
+    fn copy_inline(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> Option<TaskPoll> {
+        while let Some((index, transfer)) = self.inline.pop_front() {
+            if self.cancel.load(Ordering::Acquire) {
+                // Everything not yet delivered (including a half-copied key) stays an error.
+                self.inline.clear();
+                self.finish(core);
+                return Some(TaskPoll::Finished);
+            }
+            if *budget_bytes == 0 {
+                self.inline.push_front((index, transfer));
+                return Some(TaskPoll::Progressed);
+            }
+            let mut parts = transfer.split(*budget_bytes).into_iter();
+            let Some(now) = parts.next() else { continue };
+            let rest: Vec<Transfer> = parts.collect();
+            if !rest.is_empty() {
+                // One transfer of the remainder: its pieces stay in order.
+                let pieces = rest.into_iter().flat_map(|t| t.pieces).collect();
+                self.inline.push_front((index, Transfer { host: now.host, host_len: now.host_len, pieces }));
+            }
+            let bytes = now.bytes();
+            let route = self.items[index].item.route;
+            // SAFETY: the transfer's host bytes are leased by this task until `settle`; its
+            // destinations passed the transport's checks and are 'static memory the submitter
+            // handed over. An inline transport has completed before `submit` returns.
+            let outcome = match unsafe { self.transports.get(route).submit(Direction::HostToDevice, &[now], None) } {
+                Ok(inflight) => match inflight.wait().pop() {
+                    Some(result) => result.map_err(Error::from),
+                    None => Err(Error::Internal("an inline transfer gave no result")),
+                },
+                Err(e) => Err(e.into()),
+            };
+            *budget_bytes = budget_bytes.saturating_sub(bytes);
+            match outcome {
                 Ok(()) => {
-                    state.copied_bytes = grant.len;
-                    self.delivered_this_round += 1;
-                    Ok(grant.len as usize)
+                    let state = &mut self.items[index];
+                    state.bytes_left = state.bytes_left.saturating_sub(bytes);
+                    if state.bytes_left == 0 {
+                        self.settle(core, index, Ok(()));
+                    }
                 }
                 Err(e) => {
-                    failed += 1;
-                    Err(e.into())
+                    self.inline.retain(|(i, _)| *i != index);
+                    self.settle(core, index, Err(e));
                 }
-            });
+            }
         }
-        (copier.report)(Some(inflight.summary()), failed);
         None
     }
 
@@ -241,20 +305,6 @@ impl BatchGetTask {
     }
 }
 
-impl BatchGetTask {
-    /// Leases `items` as one batch; their grants arrive in `self.grants`.
-    fn lease_round(&mut self, core: &mut ShardCore, items: Vec<usize>) {
-        let cell = Rc::new(RefCell::new(None));
-        let sink = Rc::clone(&cell);
-        let keys = items.iter().map(|&i| self.items[i].item.key.clone()).collect();
-        self.grants = Some(cell);
-        self.round = items;
-        self.cursor = 0;
-        self.delivered_this_round = 0;
-        core.lease_read_batch(keys, None, Box::new(move |grants| *sink.borrow_mut() = Some(grants)));
-    }
-}
-
 impl ShardTask for BatchGetTask {
     fn start(&mut self, core: &mut ShardCore) {
         let all = (0..self.items.len()).collect();
@@ -265,82 +315,18 @@ impl ShardTask for BatchGetTask {
         if let Some(cell) = &self.grants {
             let Some(grants) = cell.borrow_mut().take() else { return TaskPoll::Waiting };
             self.grants = None;
-            for (&index, grant) in self.round.iter().zip(grants) {
-                let state = &mut self.items[index];
-                match grant {
-                    Err(Error::NoSpace) => self.retry.push(index),
-                    Ok(grant) => {
-                        let dst_bytes = state.item.dsts.iter().map(|d| d.len() as u64).sum::<u64>();
-                        if dst_bytes != grant.len {
-                            core.release(grant.lease);
-                            state.result = Some(Err(Error::SizeMismatch {
-                                object_bytes: grant.len,
-                                destination_bytes: dst_bytes,
-                            }));
-                        } else {
-                            state.grant = Some(grant);
-                        }
-                    }
-                    Err(e) => state.result = Some(Err(e)),
-                }
-            }
+            self.plan_round(core, grants);
         }
-        #[cfg(feature = "cuda")]
-        if let Some(poll) = self.poll_gpu(core) {
-            return poll;
-        }
-        while self.cursor < self.round.len() {
-            if self.cancel.load(Ordering::Acquire) {
-                // Everything not yet delivered (including a half-copied key) stays an error.
-                self.finish(core);
-                return TaskPoll::Finished;
+        if let Some(poll) = self.poll_async(core) {
+            if poll != TaskPoll::Progressed {
+                return poll;
             }
-            let state = &mut self.items[self.round[self.cursor]];
-            let Some(grant) = state.grant else {
-                self.cursor += 1;
-                continue;
-            };
-            if *budget_bytes == 0 {
+            if self.in_flight.is_some() || !self.deferred.is_empty() {
                 return TaskPoll::Progressed;
             }
-            // Copy the next piece: walk the destinations to the one holding `copied_bytes`.
-            let mut dst_start = 0u64;
-            for dst in &state.item.dsts {
-                let dst_len = dst.len() as u64;
-                if state.copied_bytes < dst_start + dst_len && *budget_bytes > 0 {
-                    let within = state.copied_bytes - dst_start;
-                    let n = (dst_len - within).min(*budget_bytes);
-                    // SAFETY: the lease keeps `grant.ptr[..grant.len]` in place; copied_bytes + n
-                    // <= grant.len because the destinations add up to grant.len (checked at start)
-                    // and the destination region is 'static memory the submitter handed over.
-                    let copied = unsafe {
-                        let src = Region::from_raw(
-                            grant.ptr.as_ptr() as u64,
-                            grant.len as usize,
-                            kvtide_transport::MemoryKind::Host,
-                        );
-                        kvtide_transport::copy_regions(&src, state.copied_bytes, dst, within, n)
-                    };
-                    if let Err(e) = copied {
-                        state.result = Some(Err(e.into()));
-                        core.release(grant.lease);
-                        state.grant = None;
-                        break;
-                    }
-                    state.copied_bytes += n;
-                    *budget_bytes -= n;
-                }
-                dst_start += dst_len;
-            }
-            if state.grant.is_some() && state.copied_bytes == grant.len {
-                core.release(grant.lease);
-                state.grant = None;
-                state.result = Some(Ok(grant.len as usize));
-                self.delivered_this_round += 1;
-            }
-            if state.grant.is_none() {
-                self.cursor += 1;
-            }
+        }
+        if let Some(poll) = self.copy_inline(core, budget_bytes) {
+            return poll;
         }
         // Keys that did not fit in DRAM with the rest get another round now that this round's
         // leases are released, as long as rounds keep delivering.

@@ -19,6 +19,7 @@ use super::kernel::{self, Kernels};
 use super::plan::{self, Descriptor, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
 use super::profile::Probe;
 use crate::region::MemoryKind;
+use crate::transfer::Summary;
 use crate::TransportError;
 
 /// Threads per block of the scatter/gather kernels.
@@ -115,25 +116,6 @@ impl Drop for StagingHold {
     }
 }
 
-/// What a submission did (for stats and tests).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Summary {
-    /// `None` for staged, the reason for direct.
-    pub fallback: Option<Fallback>,
-    /// True when the staged path ran.
-    pub staged: bool,
-    /// Staging-buffer fills (one kernel launch each).
-    pub fills: u64,
-    /// Scatter or gather kernel launches.
-    pub kernel_launches: u64,
-    /// Individual async copy calls (`cuMemcpy{HtoD,DtoH}Async`).
-    pub copy_calls: u64,
-    /// `cuMemcpyBatchAsync` calls.
-    pub batch_calls: u64,
-    /// Bytes moved between host and device.
-    pub bytes: u64,
-}
-
 /// A stage of a submission: transfers whose bytes are done when `event` has fired.
 struct Stage {
     device: Arc<CudaDevice>,
@@ -224,6 +206,12 @@ impl InFlight {
     /// Polls until complete (spinning briefly, then yielding the CPU) and returns one result per
     /// transfer, in submission order.
     pub fn wait(mut self) -> Vec<Result<(), TransportError>> {
+        self.block();
+        self.take_results()
+    }
+
+    /// Polls until complete, spinning briefly, then yielding the CPU.
+    pub fn block(&mut self) {
         let started = Instant::now();
         while !self.poll() {
             if started.elapsed() < SPIN_BEFORE_YIELD {
@@ -232,7 +220,6 @@ impl InFlight {
                 std::thread::yield_now();
             }
         }
-        self.take_results()
     }
 
     /// The per-transfer results (after `poll` returned true).

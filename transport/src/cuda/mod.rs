@@ -15,6 +15,8 @@
 pub mod plan;
 
 #[cfg(feature = "cuda")]
+mod copier;
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod driver;
@@ -23,10 +25,13 @@ mod kernel;
 #[cfg(feature = "cuda")]
 pub mod profile;
 
+pub use crate::transfer::Summary;
+#[cfg(feature = "cuda")]
+pub use copier::CudaCopier;
 #[cfg(feature = "cuda")]
 pub use device::{
     copy_host_pieces, inject_fault, prestage, submit, submit_with, BaselineMode, InFlight, InjectedFault, Prestaged,
-    StagingHold, Summary,
+    StagingHold,
 };
 #[cfg(feature = "cuda")]
 pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, PinnedBuffer, RangeChecker};

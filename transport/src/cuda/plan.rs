@@ -11,58 +11,7 @@ use std::ops::Range;
 
 use crate::region::MemoryKind;
 
-/// Which way the bytes of a transfer move.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Direction {
-    /// Reads: from the object's host bytes (the DRAM arena) to the pieces (GPU pages).
-    HostToDevice,
-    /// Writes: from the pieces (GPU pages) into the object's host bytes (an arena reservation).
-    DeviceToHost,
-}
-
-/// One contiguous run between an object's host bytes and a page.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Piece {
-    /// Offset inside the object's host bytes.
-    pub host_offset: u64,
-    /// Address of the page side (device memory, or host memory for mixed requests).
-    pub addr: u64,
-    /// Bytes.
-    pub len: u64,
-    /// What the page side is.
-    pub kind: MemoryKind,
-}
-
-/// One object's transfer: its host bytes and the pieces they map to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transfer {
-    /// Address of the object's first byte in host memory (leased or reserved arena bytes).
-    pub host: u64,
-    /// Length of the object's host bytes.
-    pub host_len: u64,
-    /// Where its bytes go (or come from).
-    pub pieces: Vec<Piece>,
-}
-
-impl Transfer {
-    /// The host byte range the pieces touch, `[start, end)`; `0..0` without pieces.
-    pub fn span(&self) -> Range<u64> {
-        let (mut start, mut end) = (u64::MAX, 0);
-        for p in &self.pieces {
-            start = start.min(p.host_offset);
-            end = end.max(p.host_offset + p.len);
-        }
-        if start == u64::MAX {
-            return 0..0;
-        }
-        start..end.max(start)
-    }
-
-    /// Bytes this transfer moves.
-    pub fn bytes(&self) -> u64 {
-        self.pieces.iter().map(|p| p.len).sum()
-    }
-}
+pub use crate::transfer::{Direction, Piece, Transfer};
 
 /// A store's staging settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,327 @@
+//! The read path: lease -> plan -> deliver -> release, for every read and every memory kind.
+//!
+//! Owns what a read wants of each object (`Want`: the whole object across regions, the whole
+//! object into the start of a buffer, or a byte range of it), the planning of those wants into
+//! transfers (sizes checked, pieces laid out, in arena order), their delivery through the
+//! transports of their routes, and the rounds that let a batch larger than DRAM through. Every
+//! blocking read, the restore pipeline's sub-batches and the async tickets plan with the same
+//! function. It never reports a slot as done before every one of its bytes arrived, and never
+//! releases a lease before the transfers that read it completed.
+//!
+//! `get_into_ranges` semantics, the same for host and GPU buffers: each fragment is checked on
+//! its own (a bad range fails that fragment only); the fragments of one key into buffers of one
+//! kind of memory are delivered as one transfer under one lease, so a transport failure fails
+//! that key's fragments together.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kvtide_transport::{Direction, EarlyStart, MemoryKind, Piece, Region, Transfer};
+
+use super::gpu::Timing;
+use super::transports::{KeepAwake, Route, Transports};
+use super::Engine;
+use crate::checks::total_len;
+use crate::error::{Error, Result};
+use crate::shard::ReadGrant;
+use crate::ticket::pending;
+
+/// What a result slot wants of its object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Want {
+    /// The whole object across the list's regions in order; their lengths must add up to it.
+    Whole,
+    /// The whole object into the start of the list's one region, which may be longer.
+    Prefix,
+    /// `len` bytes at `src_offset` of the object into the list's one region at `dst_offset`.
+    Range { src_offset: u64, dst_offset: u64, len: u64 },
+}
+
+/// One result of a read: a key, the destination list it reads into, and what it wants.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Slot<'k> {
+    pub(crate) key: &'k [u8],
+    pub(crate) list: usize,
+    pub(crate) want: Want,
+}
+
+/// The pieces that deliver `want` of an object of `object_len` bytes into `regions`, and the
+/// bytes the slot reports; the slot's error when the sizes do not fit.
+pub(crate) fn plan_pieces(object_len: u64, regions: &[Region<'_>], want: Want) -> Result<(Vec<Piece>, usize)> {
+    match want {
+        Want::Whole => {
+            let bytes = total_len(regions)?;
+            if bytes != object_len {
+                return Err(Error::SizeMismatch { object_bytes: object_len, destination_bytes: bytes });
+            }
+            Ok((Transfer::in_order(0, object_len, regions).pieces, object_len as usize))
+        }
+        Want::Prefix => {
+            let region = regions.first().ok_or(Error::Internal("a prefix read without a region"))?;
+            if (region.len() as u64) < object_len {
+                return Err(Error::BufferTooSmall { object_bytes: object_len, buffer_bytes: region.len() as u64 });
+            }
+            let piece = Piece { host_offset: 0, addr: region.addr(), len: object_len, kind: region.kind() };
+            Ok((vec![piece], object_len as usize))
+        }
+        Want::Range { src_offset, dst_offset, len } => {
+            let region = regions.first().ok_or(Error::Internal("a range read without a region"))?;
+            kvtide_transport::region::check_range("object", src_offset, len, object_len)?;
+            region.check_range(dst_offset, len)?;
+            let piece = Piece { host_offset: src_offset, addr: region.addr() + dst_offset, len, kind: region.kind() };
+            Ok((vec![piece], len as usize))
+        }
+    }
+}
+
+/// A read's destinations, their routes and transports, and the result of checking them.
+pub(crate) struct ReadTargets<'a, 'r> {
+    pub(crate) lists: &'a [&'a [Region<'r>]],
+    pub(crate) routes: Vec<Route>,
+    pub(crate) transports: Transports,
+    /// Each list's first error (None: passed). Checked once, before the first transfer.
+    checks: Option<Vec<Option<Error>>>,
+}
+
+impl<'a, 'r> ReadTargets<'a, 'r> {
+    pub(crate) fn new(
+        engine: &Engine,
+        lists: &'a [&'a [Region<'r>]],
+        host: Option<std::sync::Arc<dyn kvtide_transport::Transport>>,
+    ) -> Self {
+        let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
+        let transports = engine.transports(&routes, host);
+        ReadTargets { lists, routes, transports, checks: None }
+    }
+
+    /// Checks every list now (the restore checks before it loads anything).
+    pub(crate) fn check_now(&mut self, engine: &Engine) -> &[Option<Error>] {
+        if self.checks.is_none() {
+            self.checks = Some(engine.check_lists(&self.transports, self.lists, &self.routes, true));
+        }
+        self.checks.as_deref().unwrap_or(&[])
+    }
+}
+
+/// A transfer and the slots it delivers ((slot, bytes reported)).
+struct Planned {
+    transfer: Transfer,
+    owners: Vec<(usize, usize)>,
+}
+
+impl Engine {
+    /// Reads `slots` into `targets` (lease, plan, deliver, release), in rounds while a batch
+    /// does not fit in DRAM at once. One result per slot.
+    pub(crate) fn read(&self, targets: &mut ReadTargets<'_, '_>, slots: &[Slot<'_>]) -> Vec<Result<usize>> {
+        let started = Instant::now();
+        let _awake = KeepAwake::new(self, &targets.routes);
+        let mut results: Vec<Result<usize>> = (0..slots.len()).map(|_| pending()).collect();
+        // Each distinct key is leased once; its slots read under that lease.
+        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut slots_of: Vec<Vec<usize>> = Vec::new();
+        for (s, slot) in slots.iter().enumerate() {
+            if let Err(e) = self.validate_key(slot.key) {
+                results[s] = Err(e);
+                continue;
+            }
+            let k = *key_index.entry(slot.key).or_insert_with(|| {
+                keys.push(slot.key);
+                slots_of.push(Vec::new());
+                keys.len() - 1
+            });
+            slots_of[k].push(s);
+        }
+        let mut remaining: Vec<usize> = (0..keys.len()).collect();
+        let mut first_round = true;
+        while !remaining.is_empty() {
+            let pending_leases = self.send_leases(remaining.iter().map(|&k| (k, keys[k])));
+            let sent_at = Instant::now();
+            let (grants, leases) = pending_leases.wait();
+            let granted_at = Instant::now();
+            let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; slots.len()];
+            let mut retry = Vec::new();
+            for &k in &remaining {
+                match grants.get(&k) {
+                    Some(Err(Error::NoSpace)) => retry.push(k),
+                    Some(grant) => slots_of[k].iter().for_each(|&s| grant_of[s] = Some(grant)),
+                    None => slots_of[k].iter().for_each(|&s| results[s] = Err(Error::Internal("key was not leased"))),
+                }
+            }
+            // The first bytes may start moving before the destinations are checked.
+            let early = if first_round { self.start_early(targets, slots, &grant_of) } else { None };
+            let early_at = Instant::now();
+            let mut timing =
+                Timing { started, sent_at, granted_at, early_at, planned_at: early_at, submitted_at: early_at };
+            let delivered = self.deliver(targets, slots, &grant_of, early, &mut results, Some(&mut timing));
+            drop(leases);
+            if delivered > 0 && first_round && targets.routes.contains(&Route::Gpu) {
+                self.gpu.counters().record_timing(&timing);
+            }
+            first_round = false;
+            if retry.is_empty() {
+                break;
+            }
+            // Keys that did not fit beside the rest get another round once this round's leases
+            // are gone, as long as rounds make progress.
+            if retry.len() == remaining.len() {
+                for k in retry {
+                    slots_of[k].iter().for_each(|&s| results[s] = Err(Error::NoSpace));
+                }
+                break;
+            }
+            remaining = retry;
+        }
+        results
+    }
+
+    /// Starts moving granted whole objects towards GPU memory before the destinations are
+    /// checked, when every GPU slot wants a whole object, they all name one GPU, and their
+    /// destinations are fragmented (the reads a staging transport stages).
+    fn start_early(
+        &self,
+        targets: &ReadTargets<'_, '_>,
+        slots: &[Slot<'_>],
+        grant_of: &[Option<&Result<ReadGrant>>],
+    ) -> Option<EarlyStart> {
+        let mut target: Option<MemoryKind> = None;
+        let mut objects: Vec<(u64, u64)> = Vec::new();
+        let mut pieces = 0usize;
+        for (s, slot) in slots.iter().enumerate() {
+            if targets.routes[slot.list] != Route::Gpu {
+                continue;
+            }
+            if slot.want != Want::Whole {
+                return None;
+            }
+            let Some(Ok(grant)) = grant_of[s] else { continue };
+            let regions = targets.lists[slot.list];
+            let kind = regions.first()?.kind();
+            if *target.get_or_insert(kind) != kind {
+                return None;
+            }
+            objects.push((grant.ptr.as_ptr() as u64, grant.len));
+            pieces += regions.len();
+        }
+        if objects.is_empty() || pieces <= objects.len() {
+            return None;
+        }
+        objects.sort_unstable();
+        // SAFETY: the objects stay leased until `deliver` returned, which is after the early
+        // start was continued and completed, or dropped (which waits for its copies). An early
+        // start writes only the transport's own staging memory, never a destination.
+        unsafe { targets.transports.get(Route::Gpu).start_early(&objects, target?) }
+    }
+
+    /// Plans the slots whose grant is in `grant_of` and delivers them through their routes'
+    /// transports, waiting for every submission; fills their results and returns how many slots
+    /// were delivered. The caller keeps the grants leased until this returns.
+    pub(crate) fn deliver(
+        &self,
+        targets: &mut ReadTargets<'_, '_>,
+        slots: &[Slot<'_>],
+        grant_of: &[Option<&Result<ReadGrant>>],
+        mut early: Option<EarlyStart>,
+        results: &mut [Result<usize>],
+        timing: Option<&mut Timing>,
+    ) -> usize {
+        targets.check_now(self);
+        let checks = targets.checks.as_deref().unwrap_or(&[]);
+        let mut planned: Vec<Vec<Planned>> = Route::ALL.iter().map(|_| Vec::new()).collect();
+        // Range slots of one key on one route share a transfer.
+        let mut merged: HashMap<(&[u8], Route), usize> = HashMap::new();
+        for (s, slot) in slots.iter().enumerate() {
+            let Some(grant) = grant_of[s] else { continue };
+            // A slot's error is the first of: its key, its destination, its object.
+            if let Some(Some(e)) = checks.get(slot.list) {
+                results[s] = Err(e.clone());
+                continue;
+            }
+            let grant = match grant {
+                Ok(grant) => grant,
+                Err(e) => {
+                    results[s] = Err(e.clone());
+                    continue;
+                }
+            };
+            let route = targets.routes[slot.list];
+            let (pieces, reported) = match plan_pieces(grant.len, targets.lists[slot.list], slot.want) {
+                Ok(planned) => planned,
+                Err(e) => {
+                    results[s] = Err(e);
+                    continue;
+                }
+            };
+            let into = &mut planned[route as usize];
+            let host = grant.ptr.as_ptr() as u64;
+            let shared = matches!(slot.want, Want::Range { .. }).then(|| (slot.key, route));
+            match shared.and_then(|k| merged.get(&k).copied()) {
+                Some(t) => {
+                    into[t].transfer.pieces.extend(pieces);
+                    into[t].owners.push((s, reported));
+                }
+                None => {
+                    if let Some(k) = shared {
+                        merged.insert(k, into.len());
+                    }
+                    into.push(Planned {
+                        transfer: Transfer { host, host_len: grant.len, pieces },
+                        owners: vec![(s, reported)],
+                    });
+                }
+            }
+        }
+        // Arena order: a staging transport's fills then hold neighbours and its copies merge.
+        for route in &mut planned {
+            route.sort_by_key(|p| p.transfer.host);
+        }
+        let planned_at = Instant::now();
+        // Submit every route first (the GPU works while the CPU copies), then wait.
+        let mut inflight = Vec::new();
+        for route in Route::ALL {
+            let batch = std::mem::take(&mut planned[route as usize]);
+            if batch.is_empty() {
+                continue;
+            }
+            let (transfers, owners): (Vec<Transfer>, Vec<Vec<(usize, usize)>>) =
+                batch.into_iter().map(|p| (p.transfer, p.owners)).unzip();
+            let transport = targets.transports.get(route);
+            let early = if route == Route::Gpu { early.take() } else { None };
+            // SAFETY: every transfer's host bytes are leased by our caller until we return, and
+            // we return only after each submission completed (`wait`). Every destination list
+            // passed its transport's check, and the caller's regions stay valid for the call
+            // (`Region::from_raw`'s contract for raw ones).
+            let submitted = unsafe { transport.submit(Direction::HostToDevice, &transfers, early) };
+            // Freed now, while the copies run.
+            drop(transfers);
+            inflight.push((route, owners, submitted));
+        }
+        drop(early);
+        let submitted_at = Instant::now();
+        if let Some(t) = timing {
+            t.planned_at = planned_at;
+            t.submitted_at = submitted_at;
+        }
+        let mut delivered = 0;
+        for (route, owners, submitted) in inflight {
+            let (outcomes, summary) = match submitted {
+                Ok(inflight) => {
+                    let summary = inflight.summary();
+                    (inflight.wait().into_iter().map(|r| r.map_err(Error::from)).collect::<Vec<_>>(), Some(summary))
+                }
+                Err(e) => (vec![Err(Error::from(e)); owners.len()], None),
+            };
+            let failed = outcomes.iter().filter(|r| r.is_err()).count() as u64;
+            if route == Route::Gpu {
+                self.gpu.counters().record(summary.as_ref(), Direction::HostToDevice, failed);
+            }
+            for (members, outcome) in owners.into_iter().zip(outcomes) {
+                for (s, reported) in members {
+                    results[s] = outcome.clone().map(|()| reported);
+                    delivered += usize::from(outcome.is_ok());
+                }
+            }
+        }
+        delivered
+    }
+}

@@ -1,0 +1,250 @@
+//! The shard router: one message per shard per call phase, replies back in caller order.
+//!
+//! Owns the fan-out every call uses (bucket items by the shard of their key, send one request
+//! per shard, gather each shard's replies back to the callers' indices), the reply wait, and the
+//! RAII sets that give leases and reservations back on every path. It never interprets a reply
+//! beyond matching it to its item, and never lets a lease or reservation outlive its guard.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::Engine;
+use crate::api::PutOptions;
+use crate::error::{Error, Result};
+use crate::shard::{LeaseId, ObjectRef, ReadGrant, Request, WriteGrant};
+
+/// Requests sent to the shards and not yet answered.
+pub(crate) struct Fanout<R> {
+    parts: Vec<FanoutPart<R>>,
+}
+
+/// One shard's request: the shard, the caller indices of its items in order, its reply.
+type FanoutPart<R> = (usize, Vec<usize>, Result<Receiver<Vec<R>>>);
+
+/// One shard's bucket: the caller indices and the items with their keys.
+type Bucket<P> = (Vec<usize>, Vec<(Box<[u8]>, P)>);
+
+impl<R> Fanout<R> {
+    /// Waits for every shard; calls `each(caller index, shard, result)` once per item. A shard
+    /// that is gone gives its items the error.
+    pub(crate) fn gather(self, engine: &Engine, mut each: impl FnMut(usize, usize, Result<R>)) {
+        for (shard, indices, rx) in self.parts {
+            match rx.and_then(|rx| engine.recv_reply(&rx)) {
+                Ok(replies) => {
+                    let mut replies = replies.into_iter();
+                    for index in indices {
+                        match replies.next() {
+                            Some(reply) => each(index, shard, Ok(reply)),
+                            None => each(index, shard, Err(Error::Internal("a shard answered fewer items"))),
+                        }
+                    }
+                }
+                Err(e) => indices.into_iter().for_each(|index| each(index, shard, Err(e.clone()))),
+            }
+        }
+    }
+}
+
+impl Engine {
+    pub(super) fn send(&self, shard: usize, request: Request) -> Result<()> {
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        self.shards[shard].inbox.send(request).map_err(|_| Error::ShuttingDown)
+    }
+
+    pub(super) fn send_with_reply<T>(
+        &self,
+        shard: usize,
+        make: impl FnOnce(Sender<T>) -> Request,
+    ) -> Result<Receiver<T>> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(shard, make(tx))?;
+        Ok(rx)
+    }
+
+    pub(super) fn call<T>(&self, shard: usize, make: impl FnOnce(Sender<T>) -> Request) -> Result<T> {
+        self.recv_reply(&self.send_with_reply(shard, make)?)
+    }
+
+    /// Waits for a shard's reply: polls for `reply_spin` first (the shard usually answers within
+    /// microseconds, and a blocked caller pays a wake-up), then blocks.
+    pub(super) fn recv_reply<T>(&self, rx: &Receiver<T>) -> Result<T> {
+        let started = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            match rx.try_recv() {
+                Ok(reply) => return Ok(reply),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(Error::ShuttingDown),
+                Err(crossbeam_channel::TryRecvError::Empty) => {}
+            }
+            if started.elapsed() >= self.config.reply_spin {
+                return rx.recv().map_err(|_| Error::ShuttingDown);
+            }
+            polls += 1;
+            if polls < 64 {
+                std::hint::spin_loop();
+            } else {
+                // The shard may need this CPU (fewer CPUs than threads).
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Buckets `items` ((caller index, key, payload)) by shard and sends one request per shard,
+    /// built by `make(payloads with their keys, reply)`.
+    pub(crate) fn fan_out<'k, P, R>(
+        &self,
+        items: impl IntoIterator<Item = (usize, &'k [u8], P)>,
+        make: impl Fn(Vec<(Box<[u8]>, P)>, Sender<Vec<R>>) -> Request,
+    ) -> Fanout<R> {
+        let mut buckets: Vec<Bucket<P>> = (0..self.shards.len()).map(|_| (Vec::new(), Vec::new())).collect();
+        for (index, key, payload) in items {
+            let bucket = &mut buckets[self.shard_of(key)];
+            bucket.0.push(index);
+            bucket.1.push((Box::from(key), payload));
+        }
+        let parts = buckets
+            .into_iter()
+            .enumerate()
+            .filter(|(_, (indices, _))| !indices.is_empty())
+            .map(|(shard, (indices, payloads))| {
+                (shard, indices, self.send_with_reply(shard, |reply| make(payloads, reply)))
+            })
+            .collect();
+        Fanout { parts }
+    }
+
+    /// Sends the lease requests for `keys` ((caller index, key)) without waiting for them.
+    pub(super) fn send_leases<'k>(&self, keys: impl IntoIterator<Item = (usize, &'k [u8])>) -> PendingLeases<'_> {
+        let fanout = self.fan_out(keys.into_iter().map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
+            keys: items.into_iter().map(|(k, ())| k).collect(),
+            ttl: None,
+            reply,
+        });
+        PendingLeases { engine: self, fanout }
+    }
+
+    /// Leases `keys` and waits for the grants.
+    pub(super) fn lease_many<'k>(
+        &self,
+        keys: impl IntoIterator<Item = (usize, &'k [u8])>,
+    ) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'_>) {
+        self.send_leases(keys).wait()
+    }
+
+    /// Reserves room for `items` ((caller index, key, len)), one message per shard, running
+    /// `while_waiting` after the requests went out and before the replies are awaited.
+    pub(super) fn reserve_many<'k>(
+        &self,
+        items: impl IntoIterator<Item = (usize, &'k [u8], u64)>,
+        upsert: bool,
+        while_waiting: impl FnOnce(),
+    ) -> (HashMap<usize, Result<WriteGrant>>, Reservations<'_>) {
+        let fanout = self.fan_out(items, |items, reply| Request::Reserve { items, upsert, reply });
+        while_waiting();
+        let mut reservations = Reservations { engine: self, by_shard: vec![Vec::new(); self.shards.len()] };
+        let mut out = HashMap::new();
+        fanout.gather(self, |index, shard, grant| {
+            let grant = grant.and_then(|g| g);
+            if let Ok(g) = &grant {
+                reservations.by_shard[shard].push((index, g.object));
+            }
+            out.insert(index, grant);
+        });
+        (out, reservations)
+    }
+}
+
+/// Read leases taken by one call; released (one message per shard) when dropped, on every path.
+pub(crate) struct LeaseSet<'e> {
+    engine: &'e Engine,
+    by_shard: Vec<Vec<LeaseId>>,
+}
+
+impl Drop for LeaseSet<'_> {
+    fn drop(&mut self) {
+        for (shard, leases) in self.by_shard.iter_mut().enumerate() {
+            if !leases.is_empty() {
+                // A shard that is gone has dropped its leases with it.
+                let _ = self.engine.shards[shard].inbox.send(Request::Release { leases: std::mem::take(leases) });
+            }
+        }
+    }
+}
+
+/// Lease requests sent and not yet answered.
+pub(crate) struct PendingLeases<'e> {
+    engine: &'e Engine,
+    fanout: Fanout<Result<ReadGrant>>,
+}
+
+impl<'e> PendingLeases<'e> {
+    /// Waits for every shard's grants. The returned set releases them when dropped.
+    pub(crate) fn wait(self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
+        let mut leases = LeaseSet { engine: self.engine, by_shard: vec![Vec::new(); self.engine.shards.len()] };
+        let mut out = HashMap::new();
+        self.fanout.gather(self.engine, |index, shard, grant| {
+            let grant = grant.and_then(|g| g);
+            if let Ok(g) = &grant {
+                leases.by_shard[shard].push(g.lease);
+            }
+            out.insert(index, grant);
+        });
+        (out, leases)
+    }
+}
+
+/// Reservations taken by one call; those not committed are aborted when dropped.
+pub(crate) struct Reservations<'e> {
+    engine: &'e Engine,
+    by_shard: Vec<Vec<(usize, ObjectRef)>>,
+}
+
+impl Reservations<'_> {
+    /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
+    pub(crate) fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
+        let (upsert, pin) = (opts.upsert, opts.pin);
+        let mut out = HashMap::new();
+        let mut pending = Vec::new();
+        for shard in 0..self.by_shard.len() {
+            let (commit, abort): (Vec<_>, Vec<_>) = self.by_shard[shard].drain(..).partition(|(index, _)| keep(*index));
+            self.by_shard[shard] = abort;
+            if commit.is_empty() {
+                continue;
+            }
+            let objects = commit.iter().map(|(_, o)| *o).collect();
+            pending.push((
+                commit,
+                self.engine.send_with_reply(shard, |reply| Request::Commit { objects, upsert, pin, reply }),
+            ));
+        }
+        for (commit, rx) in pending {
+            match rx.and_then(|rx| self.engine.recv_reply(&rx)) {
+                Ok(results) => {
+                    for ((index, _), result) in commit.into_iter().zip(results) {
+                        out.insert(index, result);
+                    }
+                }
+                Err(e) => commit.into_iter().for_each(|(index, _)| {
+                    out.insert(index, Err(e.clone()));
+                }),
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Reservations<'_> {
+    fn drop(&mut self) {
+        for (shard, items) in self.by_shard.iter_mut().enumerate() {
+            if !items.is_empty() {
+                let objects = items.drain(..).map(|(_, o)| o).collect();
+                let _ = self.engine.shards[shard].inbox.send(Request::Abort { objects });
+            }
+        }
+    }
+}

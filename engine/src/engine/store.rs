@@ -1,0 +1,203 @@
+//! The `Store` API of the embedded engine, over the one read and one write path.
+//!
+//! Owns the translation of each call's arguments into read slots or write items (and their
+//! per-call checks: one list per key, fragments naming real buffers), the async ticket
+//! submission, and the calls that need no bytes moved (exists, remove, pin, stats). It never
+//! moves bytes itself except `get`'s copy into the vector it returns.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use kvtide_tiers::dram::PageBacking;
+use kvtide_transport::Region;
+
+use super::read::{ReadTargets, Slot, Want};
+use super::transports::Route;
+use super::Engine;
+use crate::api::{Fragment, PutOptions, Store};
+use crate::checks::{self, total_len};
+use crate::error::{Error, Result};
+use crate::shard::task::{BatchGetItem, BatchGetTask};
+use crate::shard::Request;
+use crate::stats::Stats;
+use crate::ticket::{pending, BatchCollector, Ticket};
+
+impl Store for Engine {
+    fn batch_put_from_multi_buffers(
+        &self,
+        keys: &[&[u8]],
+        sources: &[Vec<Region<'_>>],
+        opts: PutOptions,
+    ) -> Vec<Result<()>> {
+        let _span = tracing::trace_span!("batch_put", keys = keys.len()).entered();
+        if let Err(e) = checks::one_list_per_key(keys.len(), sources.len(), "source") {
+            return vec![Err(e); keys.len()];
+        }
+        self.write(keys, sources, opts)
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Vec<u8>> {
+        let _span = tracing::trace_span!("get").entered();
+        self.validate_key(key)?;
+        let (mut grants, _leases) = self.lease_many(std::iter::once((0, key)));
+        let grant = grants.remove(&0).ok_or(Error::Internal("no grant"))??;
+        let len = grant.len as usize;
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: the lease keeps `len` bytes at grant.ptr valid; `out` has capacity `len` and
+        // they do not overlap; set_len follows a copy of exactly `len` initialised bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(grant.ptr.as_ptr(), out.as_mut_ptr(), len);
+            out.set_len(len);
+        }
+        Ok(out)
+    }
+
+    fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
+        let _span = tracing::trace_span!("get_into").entered();
+        let lists = [std::slice::from_ref(&dst)];
+        let mut targets = ReadTargets::new(self, &lists, None);
+        let slots = [Slot { key, list: 0, want: Want::Prefix }];
+        self.read(&mut targets, &slots).pop().unwrap_or(Err(Error::Internal("no read result")))
+    }
+
+    fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
+        let _span = tracing::trace_span!("batch_get", keys = keys.len()).entered();
+        if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
+            return vec![Err(e); keys.len()];
+        }
+        if self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1 {
+            // Batches that may touch the SSD are restored in pipelined sub-batches.
+            return self.restore_batch(keys, dsts, &self.restore_options()).results;
+        }
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        let mut targets = ReadTargets::new(self, &lists, None);
+        let slots: Vec<Slot<'_>> =
+            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        self.read(&mut targets, &slots)
+    }
+
+    fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
+        let _span = tracing::trace_span!("get_into_ranges", buffers = buffers.len()).entered();
+        let mut results: Vec<Vec<Result<usize>>> =
+            fragments.iter().map(|f| (0..f.len()).map(|_| pending()).collect()).collect();
+        let lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
+        let mut slots = Vec::new();
+        let mut placed = Vec::new();
+        for (b, frags) in fragments.iter().enumerate() {
+            for (f, frag) in frags.iter().enumerate() {
+                if b >= buffers.len() {
+                    results[b][f] = Err(Error::InvalidArgument(format!(
+                        "fragments for buffer {b} but only {} buffers",
+                        buffers.len()
+                    )));
+                    continue;
+                }
+                let want = Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
+                slots.push(Slot { key: &frag.key, list: b, want });
+                placed.push((b, f));
+            }
+        }
+        let mut targets = ReadTargets::new(self, &lists, None);
+        for ((b, f), result) in placed.into_iter().zip(self.read(&mut targets, &slots)) {
+            results[b][f] = result;
+        }
+        results
+    }
+
+    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
+        let _span = tracing::trace_span!("batch_exists", keys = keys.len()).entered();
+        let mut results: Vec<Result<bool>> = vec![Ok(false); keys.len()];
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.validate_key(key) {
+                Ok(()) => valid.push((i, *key, ())),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        self.fan_out(valid, |items, reply| Request::Exists {
+            keys: items.into_iter().map(|(k, ())| k).collect(),
+            reply,
+        })
+        .gather(self, |i, _, found| results[i] = found);
+        results
+    }
+
+    fn remove(&self, key: &[u8], force: bool) -> Result<()> {
+        self.validate_key(key)?;
+        self.call(self.shard_of(key), |reply| Request::Remove { key: key.into(), force, reply })?
+    }
+
+    fn pin(&self, key: &[u8]) -> Result<()> {
+        self.validate_key(key)?;
+        self.call(self.shard_of(key), |reply| Request::Pin { key: key.into(), reply })?
+    }
+
+    fn unpin(&self, key: &[u8]) -> Result<()> {
+        self.validate_key(key)?;
+        self.call(self.shard_of(key), |reply| Request::Unpin { key: key.into(), reply })?
+    }
+
+    fn stats(&self) -> Stats {
+        let mut stats = Stats::from_shards(self.shards.iter().map(|s| s.counters.snapshot()).collect());
+        stats.arena_backing = match self.arena.backing() {
+            PageBacking::HugeTlb => "hugetlb".into(),
+            PageBacking::TransparentHugeAdvised => "thp-advised".into(),
+        };
+        stats.arena_registered_with = self.arena.registered_with().into_iter().map(String::from).collect();
+        stats.tickets_in_flight = self.tickets_in_flight.load(Ordering::Relaxed);
+        stats.restore = self.restore_stats();
+        stats.gpu = self.gpu.stats();
+        stats
+    }
+
+    fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>> {
+        checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        let limit = self.config.max_tickets_in_flight;
+        if self.tickets_in_flight.load(Ordering::Relaxed) >= limit as u64 {
+            return Err(Error::Busy { limit });
+        }
+        // Every destination is checked now, before anything is submitted; the shard tasks then
+        // deliver through the same transports.
+        let lists: Vec<&[Region<'static>]> = dsts.iter().map(Vec::as_slice).collect();
+        let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
+        let transports = self.transports(&routes, None);
+        let region_checks = self.check_lists(&transports, &lists, &routes, true);
+        let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| pending()).collect();
+        let mut per_shard: Vec<Vec<BatchGetItem>> = (0..self.shards.len()).map(|_| Vec::new()).collect();
+        for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+            let checked = self
+                .validate_key(key)
+                .and_then(|()| region_checks[i].clone().map_or(Ok(()), Err))
+                .and_then(|()| total_len(&regions));
+            match checked {
+                Ok(_) => per_shard[self.shard_of(key)].push(BatchGetItem {
+                    result_index: i,
+                    key: (*key).into(),
+                    dsts: regions,
+                    route: routes[i],
+                }),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let parts = per_shard.iter().filter(|items| !items.is_empty()).count();
+        let (ticket, cell, cancel) = Ticket::new();
+        let collector = BatchCollector::new(results, parts, cell, Arc::clone(&self.tickets_in_flight));
+        for (shard, items) in per_shard.into_iter().enumerate().filter(|(_, items)| !items.is_empty()) {
+            let indices: Vec<usize> = items.iter().map(|item| item.result_index).collect();
+            let task = BatchGetTask::new(
+                items,
+                Arc::clone(&cancel),
+                Arc::clone(&collector),
+                transports.clone(),
+                Arc::clone(self.gpu.counters()),
+            );
+            if self.send(shard, Request::Task(Box::new(task))).is_err() {
+                collector.complete_part(indices.into_iter().map(|i| (i, Err(Error::ShuttingDown))).collect());
+            }
+        }
+        Ok(ticket)
+    }
+}

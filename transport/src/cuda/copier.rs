@@ -1,0 +1,126 @@
+//! The CUDA transport behind the `Transport` trait.
+//!
+//! Owns the glue between the trait and the CUDA executor: region checks against each GPU
+//! (one `cuPointerGetAttributes` per allocation), the early start into the staging buffer and
+//! submissions on engine-owned streams that complete on CUDA events. The staged-or-direct
+//! decision stays in `plan`. It never blocks in `poll` (except to drain streams after a
+//! failure) and never returns an unfinished submission's resources.
+
+use std::sync::Arc;
+
+use super::device::{self, Prestaged};
+use super::driver::{CudaTransport, RangeChecker};
+use super::plan::StagingPolicy;
+use crate::memcpy::check_host_list;
+use crate::region::{MemoryKind, Region};
+use crate::transfer::{Direction, Summary, Transfer};
+use crate::transport::{EarlyStart, InFlight, Progress, Transport};
+use crate::TransportError;
+
+/// GPU memory through the CUDA driver, with one store's staging policy.
+#[derive(Clone)]
+pub struct CudaCopier {
+    pub transport: Arc<CudaTransport>,
+    pub policy: StagingPolicy,
+}
+
+impl std::fmt::Debug for CudaCopier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCopier").field("policy", &self.policy).finish()
+    }
+}
+
+impl Transport for CudaCopier {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn completes_inline(&self) -> bool {
+        false
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        let mut checkers: Vec<(u32, Result<RangeChecker, TransportError>)> = Vec::new();
+        let mut out: Vec<Option<TransportError>> = vec![None; lists.len()];
+        let mut ordinals: Vec<u32> = Vec::new();
+        for (owner, regions) in lists.iter().enumerate() {
+            if writable {
+                if let Some(e) = regions.iter().find_map(|r| r.check_writable().err()) {
+                    out[owner] = Some(e.into());
+                    continue;
+                }
+            }
+            let host: Vec<Region<'_>> = regions.iter().filter(|r| r.kind().is_host()).copied().collect();
+            if let Some(e) = check_host_list(&host, writable) {
+                out[owner] = Some(e);
+                continue;
+            }
+            // The GPUs this list names (one, nearly always).
+            ordinals.clear();
+            for r in regions.iter() {
+                if let MemoryKind::Device { ordinal } = r.kind() {
+                    if !ordinals.contains(&ordinal) {
+                        ordinals.push(ordinal);
+                    }
+                }
+            }
+            for &ordinal in &ordinals {
+                let slot = match checkers.iter().position(|(o, _)| *o == ordinal) {
+                    Some(slot) => slot,
+                    None => {
+                        let checker = self.transport.device(ordinal).map(|d| d.range_checker());
+                        checkers.push((ordinal, checker));
+                        checkers.len() - 1
+                    }
+                };
+                let failed = match &mut checkers[slot].1 {
+                    Ok(checker) => checker.check_list(regions),
+                    Err(e) => Some(e.clone()),
+                };
+                if let Some(e) = failed {
+                    out[owner].get_or_insert(e);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind) -> Option<EarlyStart> {
+        let MemoryKind::Device { ordinal } = target else { return None };
+        // SAFETY: forwarded contract: the objects stay valid until the prestage is continued
+        // and completed, or dropped.
+        let prestaged = unsafe { device::prestage(&self.transport, ordinal, objects, self.policy) }?;
+        Some(EarlyStart::new(Box::new(prestaged)))
+    }
+
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        let prestaged = early.and_then(EarlyStart::take::<Prestaged>).map(|p| *p);
+        // SAFETY: forwarded contract.
+        let inflight = unsafe { device::submit_with(&self.transport, direction, transfers, self.policy, prestaged)? };
+        Ok(InFlight::new(Box::new(inflight)))
+    }
+}
+
+impl Progress for device::InFlight {
+    fn poll(&mut self) -> bool {
+        device::InFlight::poll(self)
+    }
+
+    fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        device::InFlight::take_results(self)
+    }
+
+    fn summary(&self) -> Summary {
+        device::InFlight::summary(self).clone()
+    }
+
+    fn block(&mut self) {
+        device::InFlight::block(self)
+    }
+}

@@ -1,0 +1,340 @@
+//! The `Transport` trait: one interface for every way kvtide moves bytes.
+//!
+//! Owns the contract between the engine and a transport: the engine checks regions through
+//! `check`, may start moving bytes early (`start_early`), submits a batch of `Transfer`s and
+//! then polls (or waits for) the returned `InFlight`, which reports one result per transfer.
+//! A CPU copy completes inside `submit`; the CUDA transport completes on events; a transport
+//! whose completions arrive from a NIC or a socket implements `Progress` the same way. It never
+//! takes leases or looks up objects: the caller keeps the host bytes valid until completion.
+
+use std::any::Any;
+use std::time::{Duration, Instant};
+
+use crate::region::{MemoryKind, Region};
+use crate::transfer::{Direction, Summary, Transfer};
+use crate::TransportError;
+
+/// How long `InFlight::wait` spins on `poll` before it yields the CPU between polls.
+const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
+
+/// A way to move bytes between DRAM objects and some kind of memory.
+pub trait Transport: Send + Sync {
+    /// A short name for logs and stats ("memcpy", "cuda", ...).
+    fn name(&self) -> &'static str;
+
+    /// True when every transfer has completed by the time `submit` returns (CPU copies).
+    /// Callers that must not stall (a shard loop) then bound the bytes they submit per step.
+    fn completes_inline(&self) -> bool;
+
+    /// Checks region lists before anything is submitted: `lists[i]` are the regions of owner
+    /// `i` (a key, a buffer); `writable` for destinations. Returns each owner's first error
+    /// (None: good). Nothing is ever submitted for an owner that failed here.
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>>;
+
+    /// Starts moving the bytes of `objects` ((host address, length), in the order the later
+    /// `submit` will name them) towards memory of `target`, before the destinations are
+    /// checked. Touches no destination. None when the transport has no early start.
+    ///
+    /// # Safety
+    /// The objects' host bytes must stay valid and unchanged until the returned value was
+    /// passed to `submit` (and that submission completed) or dropped.
+    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind) -> Option<EarlyStart> {
+        let _ = (objects, target);
+        None
+    }
+
+    /// Submits `transfers`; their results come back through the returned `InFlight`, one per
+    /// transfer, in order. `early` continues a `start_early` of the same objects if it still
+    /// fits, and is discarded otherwise.
+    ///
+    /// # Safety
+    /// Every transfer's host bytes and every piece's memory must be valid (the pieces checked
+    /// with `check`) and must not be touched by anyone else until the `InFlight` completed
+    /// (`poll` returned true, `wait` returned, or it was dropped).
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError>;
+}
+
+/// Work a transport started ahead of its submission (`Transport::start_early`). Dropping it
+/// discards the work, waiting for whatever it had started.
+pub struct EarlyStart(Box<dyn Any + Send>);
+
+impl EarlyStart {
+    /// Wraps a transport's own early-start state.
+    pub fn new(state: Box<dyn Any + Send>) -> EarlyStart {
+        EarlyStart(state)
+    }
+
+    /// The transport's state back (None: it was another transport's).
+    pub fn take<T: Any>(self) -> Option<Box<T>> {
+        self.0.downcast().ok()
+    }
+}
+
+impl std::fmt::Debug for EarlyStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EarlyStart")
+    }
+}
+
+/// How a transport's submission advances. Dropping it before it completed must wait for (or
+/// stop) everything that can still touch the submitted memory.
+pub trait Progress: Send {
+    /// Checks for completion without blocking (a failure path may drain); true once every
+    /// transfer has its result and every resource the submission held went back.
+    fn poll(&mut self) -> bool;
+    /// The per-transfer results, once `poll` returned true.
+    fn take_results(&mut self) -> Vec<Result<(), TransportError>>;
+    /// What was submitted.
+    fn summary(&self) -> Summary {
+        Summary::default()
+    }
+    /// Blocks until `poll` would return true. The default spins briefly, then yields.
+    fn block(&mut self) {
+        let started = Instant::now();
+        while !self.poll() {
+            if started.elapsed() < SPIN_BEFORE_YIELD {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// A submitted batch of transfers.
+pub struct InFlight {
+    progress: Box<dyn Progress>,
+    done: bool,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight").field("done", &self.done).finish()
+    }
+}
+
+impl InFlight {
+    /// A submission that advances through `progress`.
+    pub fn new(progress: Box<dyn Progress>) -> InFlight {
+        InFlight { progress, done: false }
+    }
+
+    /// A submission that completed inside `submit`.
+    pub fn completed(results: Vec<Result<(), TransportError>>, summary: Summary) -> InFlight {
+        InFlight::new(Box::new(Completed { results, summary }))
+    }
+
+    /// Checks for completion without blocking; true once every result is in.
+    pub fn poll(&mut self) -> bool {
+        if !self.done {
+            self.done = self.progress.poll();
+        }
+        self.done
+    }
+
+    /// Blocks until complete and returns one result per transfer, in submission order.
+    pub fn wait(mut self) -> Vec<Result<(), TransportError>> {
+        if !self.done {
+            self.progress.block();
+            self.done = true;
+        }
+        self.progress.take_results()
+    }
+
+    /// The per-transfer results (after `poll` returned true).
+    pub fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        self.progress.take_results()
+    }
+
+    /// What was submitted.
+    pub fn summary(&self) -> Summary {
+        self.progress.summary()
+    }
+}
+
+/// Results known at submission.
+struct Completed {
+    results: Vec<Result<(), TransportError>>,
+    summary: Summary,
+}
+
+impl Progress for Completed {
+    fn poll(&mut self) -> bool {
+        true
+    }
+
+    fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        std::mem::take(&mut self.results)
+    }
+
+    fn summary(&self) -> Summary {
+        self.summary.clone()
+    }
+}
+
+/// Memory no transport of this build or machine reaches (GPU memory without CUDA): every
+/// check of a list that names such memory fails with the reason, and nothing is submitted.
+#[derive(Clone, Debug)]
+pub struct Unreachable {
+    pub error: TransportError,
+}
+
+impl Transport for Unreachable {
+    fn name(&self) -> &'static str {
+        "unreachable"
+    }
+
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        lists
+            .iter()
+            .map(|regions| {
+                if regions.iter().any(|r| !r.kind().is_host()) {
+                    return Some(self.error.clone());
+                }
+                crate::memcpy::check_host_list(regions, writable)
+            })
+            .collect()
+    }
+
+    unsafe fn submit(
+        &self,
+        _direction: Direction,
+        transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        Ok(InFlight::completed(vec![Err(self.error.clone()); transfers.len()], Summary::default()))
+    }
+}
+
+/// A transport paced to `bytes_per_sec`: completions arrive no sooner than the bytes would
+/// take on a link of that speed. Models a PCIe link (or any slower transfer) in tests and
+/// benchmarks on machines without one.
+pub struct Throttled<T> {
+    pub inner: T,
+    pub bytes_per_sec: u64,
+}
+
+impl<T> std::fmt::Debug for Throttled<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Throttled").field("bytes_per_sec", &self.bytes_per_sec).finish()
+    }
+}
+
+impl<T: Transport> Transport for Throttled<T> {
+    fn name(&self) -> &'static str {
+        "throttled"
+    }
+
+    fn completes_inline(&self) -> bool {
+        false
+    }
+
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        self.inner.check(lists, writable)
+    }
+
+    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind) -> Option<EarlyStart> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.start_early(objects, target) }
+    }
+
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        let bytes: u64 = transfers.iter().map(Transfer::bytes).sum();
+        let due = Instant::now() + Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec.max(1) as f64);
+        // SAFETY: forwarded contract.
+        let inner = unsafe { self.inner.submit(direction, transfers, early)? };
+        Ok(InFlight::new(Box::new(Paced { inner, due })))
+    }
+}
+
+struct Paced {
+    inner: InFlight,
+    due: Instant,
+}
+
+impl Progress for Paced {
+    fn poll(&mut self) -> bool {
+        self.inner.poll() && Instant::now() >= self.due
+    }
+
+    fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        self.inner.take_results()
+    }
+
+    fn summary(&self) -> Summary {
+        self.inner.summary()
+    }
+
+    fn block(&mut self) {
+        loop {
+            let left = self.due.saturating_duration_since(Instant::now());
+            if left > Duration::from_micros(200) {
+                std::thread::sleep(left - Duration::from_micros(100));
+            } else if self.poll() {
+                return;
+            } else if left.is_zero() {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memcpy::MemcpyTransport;
+    use crate::transfer::Piece;
+
+    #[test]
+    fn throttled_completes_no_sooner_than_its_link_allows_and_copies_every_byte() {
+        let src: Vec<u8> = (0..=255u8).cycle().take(1 << 16).collect();
+        let mut dst = vec![0u8; 1 << 16];
+        let t = Transfer {
+            host: src.as_ptr() as u64,
+            host_len: src.len() as u64,
+            pieces: vec![Piece { host_offset: 0, addr: dst.as_mut_ptr() as u64, len: 1 << 16, kind: MemoryKind::Host }],
+        };
+        // 64 KiB at 1 MiB/s: about 62 ms.
+        let throttled = Throttled { inner: MemcpyTransport, bytes_per_sec: 1 << 20 };
+        let started = Instant::now();
+        // SAFETY: both buffers are live locals untouched until `wait` returned.
+        let mut inflight = unsafe { throttled.submit(Direction::HostToDevice, &[t], None) }.expect("submit");
+        assert!(!inflight.poll(), "a paced transfer is not complete at once");
+        let results = inflight.wait();
+        assert!(started.elapsed() >= Duration::from_millis(60));
+        assert_eq!(results, vec![Ok(())]);
+        assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn unreachable_memory_fails_its_check_and_its_submission() {
+        let unreachable = Unreachable { error: TransportError::CudaUnavailable("no cuda in this build") };
+        let mut buf = [0u8; 8];
+        let host = Region::host(&mut buf);
+        // SAFETY: never dereferenced: the check refuses it.
+        let dev = unsafe { Region::from_raw(0x1000, 8, MemoryKind::Device { ordinal: 0 }) };
+        let checks = unreachable.check(&[&[host], &[host, dev]], true);
+        assert_eq!(checks[0], None);
+        assert!(matches!(checks[1], Some(TransportError::CudaUnavailable(_))));
+        let t = Transfer { host: 1, host_len: 8, pieces: Vec::new() };
+        // SAFETY: nothing is touched.
+        let results = unsafe { unreachable.submit(Direction::HostToDevice, &[t], None) }.expect("submit").wait();
+        assert!(matches!(results[0], Err(TransportError::CudaUnavailable(_))));
+    }
+}
