@@ -39,5 +39,6 @@ pub use kvtide_transport as transport;
 pub use kvtide_transport::cuda;
 pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, Throttled, Transport};
 pub use remote::{ClientOptions, RemoteStore};
+pub use shard::core::RecoveryReport;
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats};
 pub use ticket::Ticket;

@@ -227,6 +227,50 @@ mod cuda {
         assert_idle(&store);
     }
 
+    /// The GPU twin of `object_api::ranges_are_checked_against_objects_and_buffers`: the same
+    /// fragments get the same per-fragment results, and failed fragments write nothing.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn ranges_are_checked_per_fragment_as_on_the_host() {
+        use kvtide::RegionError;
+        let store = store(true, 1 << 20);
+        let device = gpu();
+        let a = value_for(b"a", 0, 1000);
+        let b = value_for(b"b", 0, 500);
+        store.put(b"a", &a, PutOptions::INSERT).expect("a");
+        store.put(b"b", &b, PutOptions::INSERT).expect("b");
+        let buf0 = pool(&device, 600);
+        let buf1 = pool(&device, 100);
+        let fragments = vec![
+            vec![
+                Fragment::new(b"a".to_vec(), 100, 0, 200),
+                Fragment::new(b"b".to_vec(), 0, 200, 300),
+                Fragment::new(b"a".to_vec(), 990, 500, 20), // past the object
+                Fragment::new(b"b".to_vec(), 0, 590, 20),   // past the buffer
+                Fragment::new(b"zz".to_vec(), 0, 0, 1),     // missing key
+                Fragment::new(b"a".to_vec(), u64::MAX, 0, 2), // overflow
+            ],
+            vec![Fragment::new(b"b".to_vec(), 400, 0, 100)],
+            vec![Fragment::new(b"a".to_vec(), 0, 0, 1)], // no such buffer
+        ];
+        let buffers = [dev(&buf0, 0, 600), dev(&buf1, 0, 100)];
+        let results = store.get_into_ranges(&buffers, &fragments);
+        assert_eq!(results[0][0], Ok(200));
+        assert_eq!(results[0][1], Ok(300));
+        assert!(matches!(results[0][2], Err(Error::InvalidRange(RegionError::OutOfBounds { what: "object", .. }))));
+        assert!(matches!(results[0][3], Err(Error::InvalidRange(RegionError::OutOfBounds { what: "buffer", .. }))));
+        assert_eq!(results[0][4], Err(Error::NotFound));
+        assert!(matches!(results[0][5], Err(Error::InvalidRange(_))));
+        assert_eq!(results[1][0], Ok(100));
+        assert!(matches!(results[2][0], Err(Error::InvalidArgument(_))));
+        let back0 = read_back(&buf0);
+        assert_eq!(&back0[..200], &a[100..300]);
+        assert_eq!(&back0[200..500], &b[..300]);
+        assert!(back0[500..].iter().all(|&x| x == GUARD), "failed fragments wrote nothing");
+        assert_eq!(&read_back(&buf1)[..], &b[400..500]);
+        assert_idle(&store);
+    }
+
     #[test]
     #[ignore = "needs a CUDA device"]
     fn missing_keys_fail_alone_and_their_pages_stay_untouched() {

@@ -21,8 +21,13 @@ pub(crate) struct Fanout<R> {
     parts: Vec<FanoutPart<R>>,
 }
 
-/// One shard's request: the shard, the caller indices of its items in order, its reply.
-type FanoutPart<R> = (usize, Vec<usize>, Result<Receiver<Vec<R>>>);
+/// One shard's request.
+struct FanoutPart<R> {
+    shard: usize,
+    /// The caller indices of its items, in the order the shard answers them.
+    indices: Vec<usize>,
+    reply: Result<Receiver<Vec<R>>>,
+}
 
 /// One shard's bucket: the caller indices and the items with their keys.
 type Bucket<P> = (Vec<usize>, Vec<(Box<[u8]>, P)>);
@@ -31,8 +36,8 @@ impl<R> Fanout<R> {
     /// Waits for every shard; calls `each(caller index, shard, result)` once per item. A shard
     /// that is gone gives its items the error.
     pub(crate) fn gather(self, engine: &Engine, mut each: impl FnMut(usize, usize, Result<R>)) {
-        for (shard, indices, rx) in self.parts {
-            match rx.and_then(|rx| engine.recv_reply(&rx)) {
+        for FanoutPart { shard, indices, reply } in self.parts {
+            match reply.and_then(|rx| engine.recv_reply(&rx)) {
                 Ok(replies) => {
                     let mut replies = replies.into_iter();
                     for index in indices {
@@ -111,8 +116,10 @@ impl Engine {
             .into_iter()
             .enumerate()
             .filter(|(_, (indices, _))| !indices.is_empty())
-            .map(|(shard, (indices, payloads))| {
-                (shard, indices, self.send_with_reply(shard, |reply| make(payloads, reply)))
+            .map(|(shard, (indices, payloads))| FanoutPart {
+                shard,
+                indices,
+                reply: self.send_with_reply(shard, |reply| make(payloads, reply)),
             })
             .collect();
         Fanout { parts }

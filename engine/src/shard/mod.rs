@@ -79,7 +79,7 @@ pub(crate) enum Request {
         key: Box<[u8]>,
         reply: Sender<Result<()>>,
     },
-    /// Work the shard advances between other work (async copies now; SSD, sockets, CUDA later).
+    /// Work the shard advances between other work (async batch reads through the transports).
     Task(Box<dyn ShardTask>),
     /// Replies once everything sent before it from the same thread has been handled.
     Barrier {

@@ -65,6 +65,13 @@ struct ItemState {
     result: Option<Result<usize>>,
 }
 
+/// Planned transfers of one route, not yet submitted, and the item of each.
+struct RouteBatch {
+    route: Route,
+    owners: Vec<usize>,
+    transfers: Vec<Transfer>,
+}
+
 /// An asynchronous round's submission and the item of each of its transfers.
 struct Submitted {
     inflight: InFlight,
@@ -89,7 +96,7 @@ pub(crate) struct BatchGetTask {
     /// Planned transfers for inline transports, copied a budget at a time: (item, transfer).
     inline: VecDeque<(usize, Transfer)>,
     /// Planned transfers for asynchronous transports, per route, not yet submitted.
-    deferred: Vec<(Route, Vec<usize>, Vec<Transfer>)>,
+    deferred: Vec<RouteBatch>,
     in_flight: Option<Submitted>,
 }
 
@@ -136,7 +143,7 @@ impl BatchGetTask {
 
     /// Takes the round's grants and plans each leased item (the read path's planner).
     fn plan_round(&mut self, core: &mut ShardCore, grants: Vec<Result<ReadGrant>>) {
-        let mut deferred: Vec<(Route, Vec<usize>, Vec<Transfer>)> = Vec::new();
+        let mut deferred: Vec<RouteBatch> = Vec::new();
         for (&index, grant) in self.round.iter().zip(grants) {
             let state = &mut self.items[index];
             let grant = match grant {
@@ -171,12 +178,12 @@ impl BatchGetTask {
             if self.transports.get(route).completes_inline() {
                 self.inline.push_back((index, transfer));
             } else {
-                match deferred.iter_mut().find(|(r, _, _)| *r == route) {
-                    Some((_, owners, transfers)) => {
-                        owners.push(index);
-                        transfers.push(transfer);
+                match deferred.iter_mut().find(|b| b.route == route) {
+                    Some(batch) => {
+                        batch.owners.push(index);
+                        batch.transfers.push(transfer);
                     }
-                    None => deferred.push((route, vec![index], vec![transfer])),
+                    None => deferred.push(RouteBatch { route, owners: vec![index], transfers: vec![transfer] }),
                 }
             }
         }
@@ -198,7 +205,7 @@ impl BatchGetTask {
     /// polls it. Some while it is not over.
     fn poll_async(&mut self, core: &mut ShardCore) -> Option<TaskPoll> {
         if self.in_flight.is_none() {
-            let (route, owners, transfers) = self.deferred.pop()?;
+            let RouteBatch { route, owners, transfers } = self.deferred.pop()?;
             if self.cancel.load(Ordering::Acquire) {
                 // Nothing of it submitted: stop here; every undelivered key reports Cancelled.
                 self.finish(core);
