@@ -17,8 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtide::remote::{Owner, OwnerConfig};
-use kvtide::{ClientOptions, PutOptions, Region, RemoteStore, Store, StoreBuilder};
+use kvtide::{PutOptions, Region, Store, StoreBuilder};
+use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
 use crate::hist::Histogram;
 use crate::util::{fmt_bytes, json_str, parse_size};

@@ -751,6 +751,7 @@ fn scatter(grant: &ReadGrant, dsts: &[Region<'_>]) -> Result<()> {
 }
 
 impl Store for Engine {
+    type Error = Error;
     fn batch_put_from_multi_buffers(
         &self,
         keys: &[&[u8]],

@@ -15,16 +15,17 @@
 //! ```
 
 mod api;
-mod checks;
+pub mod checks;
+mod completion;
 mod config;
 mod engine;
 mod error;
-pub mod remote;
 pub mod shard;
 mod stats;
 mod ticket;
 
-pub use api::{Fragment, PutOptions, Store};
+pub use api::{BatchTicket, Fragment, PutOptions, Store};
+pub use completion::Completion;
 pub use config::{parse_bytes, StoreBuilder};
 pub use engine::{
     Engine, MemcpyTransfer, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
@@ -37,6 +38,5 @@ pub use kvtide_tiers::ssd::SimFaults;
 #[cfg(feature = "cuda")]
 pub use kvtide_transport::cuda;
 pub use kvtide_transport::{MemoryKind, Region, RegionError};
-pub use remote::{ClientOptions, RemoteStore};
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats};
 pub use ticket::Ticket;

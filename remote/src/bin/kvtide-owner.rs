@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use kvtide::remote::{Owner, OwnerSettings, OWNER_USAGE};
 use kvtide::Store;
+use kvtide_remote::{Owner, OwnerSettings, OWNER_USAGE};
 
 fn main() {
     let filter = std::env::var("KVTIDE_LOG").unwrap_or_else(|_| "info".into());

@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::auth::Token;
-use super::server::OwnerConfig;
-use crate::config::{parse_bytes, StoreBuilder};
+use crate::auth::Token;
+use crate::server::OwnerConfig;
+use kvtide::{parse_bytes, StoreBuilder};
 
 /// Default TCP address: loopback only.
 pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
