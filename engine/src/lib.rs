@@ -20,13 +20,14 @@ mod completion;
 mod config;
 mod engine;
 mod error;
+pub mod settings;
 pub mod shard;
 mod stats;
 mod ticket;
 
 pub use api::{BatchTicket, Fragment, PutOptions, Store};
 pub use completion::Completion;
-pub use config::{parse_bytes, StoreBuilder};
+pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder};
 pub use engine::{
     Engine, MemcpyTransfer, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
     SubBatchTrace, ThrottledTransfer, TransferStage,

@@ -28,8 +28,8 @@ fn start_owner(dir: &Path) -> (std::process::Child, RemoteStore) {
     std::fs::write(
         &config,
         format!(
-            "data_dir = {:?}\ntcp = \"off\"\ndram_bytes = \"32MiB\"\nssd_bytes = \"64MiB\"\nshards = 1\n\
-             [store]\nssd_segment_bytes = \"4MiB\"\nwrite_through = true\npin_threads = false\n",
+            "[owner]\ndata_dir = {:?}\ntcp = \"off\"\n[dram]\nbytes = \"32MiB\"\n[ssd]\nbytes = \"64MiB\"\n\
+             segment_bytes = \"4MiB\"\nwrite_through = true\n[runtime]\nshards = 1\npin_threads = false\n",
             dir.display().to_string()
         ),
     )
