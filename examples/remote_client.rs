@@ -8,7 +8,8 @@
 //!   cargo run --release --example remote_client -- 127.0.0.1:7370  # TCP with the owner's token
 //! ```
 
-use kvtide::{PutOptions, Region, RemoteStore, Store};
+use kvtide::{PutOptions, Region, Store};
+use kvtide_remote::RemoteStore;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let address = std::env::args().nth(1).unwrap_or_else(|| {

@@ -253,15 +253,15 @@ pub fn run(args: &DramArgs) -> Result<(), String> {
     let fits = ((args.dram_bytes as f64 * 0.85) / args.value_bytes as f64) as u64;
     let prefill = args.keys.min(fits);
 
-    // KVTIDE_* variables tune the engine settings that have no flag here (KVTIDE_IDLE_SPIN_US,
-    // KVTIDE_RING_ENTRIES, ...); the flags win over them.
+    // KVTIDE_* variables tune the engine settings that have no flag here (KVTIDE_RUNTIME_IDLE_SPIN_US,
+    // KVTIDE_RUNTIME_RING_ENTRIES, ...); the flags win over them.
     let mut store = StoreBuilder::new()
         .with_env()
         .map_err(|e| format!("KVTIDE_* variables: {e}"))?
         .dram_bytes(args.dram_bytes)
         .pin_threads(!args.no_pin)
         .eviction(args.eviction);
-    store.shards = args.shards;
+    store.runtime.shards = args.shards;
     let store = store.open().map_err(|e| format!("open kvtide: {e}"))?;
     let shards = store.shard_count();
     println!(

@@ -178,7 +178,7 @@ fn engine(args: &GpuArgs, layout: &Layout, staging: bool) -> Result<Engine, Stri
         .max_value_bytes(layout.object_bytes)
         .gpu_staging(staging)
         .gpu_staging_bytes(args.staging_bytes)
-        // KVTIDE_* variables (e.g. KVTIDE_IDLE_SPIN_US) tune the store under test.
+        // KVTIDE_* variables (e.g. KVTIDE_RUNTIME_IDLE_SPIN_US) tune the store under test.
         .with_env()
         .map_err(|e| e.to_string())?
         .open()

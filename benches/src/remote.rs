@@ -17,8 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtide::remote::{Owner, OwnerConfig};
-use kvtide::{ClientOptions, PutOptions, Region, RemoteStore, Store, StoreBuilder};
+use kvtide::{PutOptions, Region, Store, StoreBuilder};
+use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
 use crate::hist::Histogram;
 use crate::util::{fmt_bytes, json_str, parse_size};
@@ -70,9 +70,9 @@ pub struct RemoteOwnerArgs {
 
 /// Runs the owner until its stdin closes; prints `READY <tcp addr>` once serving.
 pub fn run_owner(args: &RemoteOwnerArgs) -> Result<(), String> {
-    // KVTIDE_* variables tune engine settings that have no flag here (KVTIDE_IDLE_SPIN_US, ...).
+    // KVTIDE_* variables tune engine settings that have no flag here (KVTIDE_RUNTIME_IDLE_SPIN_US, ...).
     let mut builder = StoreBuilder::new().with_env().map_err(|e| e.to_string())?.dram_bytes(args.dram_bytes);
-    builder.shards = args.shards;
+    builder.runtime.shards = args.shards;
     let engine = Arc::new(builder.open().map_err(|e| format!("open: {e}"))?);
     let config = OwnerConfig {
         unix_socket: Some(args.unix.clone()),

@@ -643,11 +643,11 @@ pub fn run(args: &SsdArgs) -> Result<(), String> {
          write-back demotion, eviction lru, {}; restore pipeline {} (sub-batch {} / {} keys, window {}, staging {}); \
          fio: io_uring, direct=1, fixedbufs, bs = record size, iodepth = qd, numjobs = shards",
         if args.no_pin { "unpinned" } else { "pinned shards" },
-        if example.restore_pipeline { "on" } else { "off" },
-        fmt_bytes(example.restore_sub_batch_bytes),
-        example.restore_sub_batch_keys,
-        example.restore_window,
-        example.restore_staging_bytes.map_or_else(|| format!("{} (dram/4)", fmt_bytes(args.dram_bytes / 4)), fmt_bytes),
+        if example.restore.pipeline { "on" } else { "off" },
+        fmt_bytes(example.restore.sub_batch_bytes),
+        example.restore.sub_batch_keys,
+        example.restore.window,
+        example.restore.staging_bytes.map_or_else(|| format!("{} (dram/4)", fmt_bytes(args.dram_bytes / 4)), fmt_bytes),
     );
 
     let mut demotions = Vec::new();

@@ -1,9 +1,10 @@
-//! The `Store` trait: the object API the embedded engine implements now and the remote client
-//! implements later. Results are per key; one bad key never fails its neighbours.
+//! The `Store` trait: the object API the embedded engine implements and the remote client
+//! (crate `kvtide-remote`) implements too. Owns the method set and write options; never holds
+//! data. Results are per key; one bad key never fails its neighbours.
 
 use kvtide_transport::Region;
 
-use crate::error::Result;
+use crate::error::Error;
 use crate::stats::Stats;
 use crate::ticket::Ticket;
 
@@ -46,17 +47,26 @@ impl Fragment {
     }
 }
 
+/// The ticket of `Store::submit_batch_get`: one result per key, `E` being the store's error.
+pub type BatchTicket<E> = Ticket<Vec<Result<usize, E>>>;
+
 /// The object API. Blocking methods return when every byte is delivered (or failed); the
 /// `submit_*` forms return a ticket at once.
+///
+/// `Error` is the implementation's per-key error: `kvtide::Error` for the embedded engine; a
+/// remote store's error wraps it and adds the failures only a connection has.
 pub trait Store: Send + Sync {
+    /// Per-key and per-call failure. Every `kvtide::Error` converts into it.
+    type Error: std::error::Error + From<Error> + Send + Sync + 'static;
+
     /// Stores `value` under `key`.
-    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<()> {
+    fn put(&self, key: &[u8], value: &[u8], opts: PutOptions) -> Result<(), Self::Error> {
         self.put_from(key, &[Region::host_readonly(value)], opts)
     }
     /// Stores the concatenation of `sources` under `key` (gather).
-    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
+    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<(), Self::Error> {
         let mut results = self.batch_put_from_multi_buffers(&[key], &[sources.to_vec()], opts);
-        results.pop().unwrap_or(Err(crate::error::Error::Internal("no result for a single put")))
+        results.pop().unwrap_or_else(|| Err(Error::Internal("no result for a single put").into()))
     }
     /// Many `put_from`s in one call; one result per key.
     fn batch_put_from_multi_buffers(
@@ -64,26 +74,31 @@ pub trait Store: Send + Sync {
         keys: &[&[u8]],
         sources: &[Vec<Region<'_>>],
         opts: PutOptions,
-    ) -> Vec<Result<()>>;
+    ) -> Vec<Result<(), Self::Error>>;
 
     /// Reads a whole object.
-    fn get(&self, key: &[u8]) -> Result<Vec<u8>>;
+    fn get(&self, key: &[u8]) -> Result<Vec<u8>, Self::Error>;
     /// Reads an object into `dst` (which must be at least as large); returns its length.
-    fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize>;
+    fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize, Self::Error>;
     /// Object i is scattered in order across `dsts[i]`; the lengths must add up to its size
     /// exactly, else that key fails with `SizeMismatch`.
-    fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>>;
+    fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>])
+        -> Vec<Result<usize, Self::Error>>;
     /// Buffer-major ranges: for each buffer, fragments (key, src_offset, dst_offset, len). One
     /// result per fragment, in the same shape.
-    fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>>;
+    fn get_into_ranges(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+    ) -> Vec<Vec<Result<usize, Self::Error>>>;
 
-    fn exists(&self, key: &[u8]) -> Result<bool> {
-        self.batch_exists(&[key]).pop().unwrap_or(Err(crate::error::Error::Internal("no result")))
+    fn exists(&self, key: &[u8]) -> Result<bool, Self::Error> {
+        self.batch_exists(&[key]).pop().unwrap_or_else(|| Err(Error::Internal("no result").into()))
     }
-    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>>;
+    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool, Self::Error>>;
     /// Number of leading keys that are present (prefix-cache lookups). A bad key in the prefix
     /// is an error rather than a miss.
-    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize> {
+    fn prefix_hits(&self, keys: &[&[u8]]) -> Result<usize, Self::Error> {
         let mut hits = 0;
         for found in self.batch_exists(keys) {
             if !found? {
@@ -94,13 +109,17 @@ pub trait Store: Send + Sync {
         Ok(hits)
     }
     /// Removes `key`; a leased or pinned object is refused unless `force`.
-    fn remove(&self, key: &[u8], force: bool) -> Result<()>;
+    fn remove(&self, key: &[u8], force: bool) -> Result<(), Self::Error>;
     /// Keeps `key` from eviction until a matching `unpin`.
-    fn pin(&self, key: &[u8]) -> Result<()>;
-    fn unpin(&self, key: &[u8]) -> Result<()>;
+    fn pin(&self, key: &[u8]) -> Result<(), Self::Error>;
+    fn unpin(&self, key: &[u8]) -> Result<(), Self::Error>;
     fn stats(&self) -> Stats;
 
     /// Non-blocking `batch_get_into_multi_buffers`. The destinations are `'static` because
     /// they are written after this returns: owned buffers, or `Region::from_raw` memory.
-    fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>>;
+    fn submit_batch_get(
+        &self,
+        keys: &[&[u8]],
+        dsts: Vec<Vec<Region<'static>>>,
+    ) -> Result<BatchTicket<Self::Error>, Self::Error>;
 }

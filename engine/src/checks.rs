@@ -1,6 +1,8 @@
-//! Argument checks shared by the embedded engine and the remote client: host-only regions,
-//! region lengths and the fragments of `get_into_ranges`. Each failure is the caller's typed
-//! error for that key or fragment only.
+//! Argument checks every `Store` implementation shares (the embedded engine here, the remote
+//! client in `kvtide-remote`), so both refuse the same arguments with the same errors. Owns
+//! host-only region checks, region lengths and the fragments of `get_into_ranges`; never
+//! touches a shard or the arena. Each failure is the caller's typed error for that key or
+//! fragment only.
 
 use kvtide_transport::{MemoryKind, Region};
 
@@ -9,7 +11,7 @@ use crate::error::{Error, Result};
 
 /// A destination a host-memory path can write: host memory, writable. `device` says why a
 /// device region is refused here.
-pub(crate) fn host_destination(dst: &Region<'_>, device: &'static str) -> Result<()> {
+pub fn host_destination(dst: &Region<'_>, device: &'static str) -> Result<()> {
     if let MemoryKind::Device { .. } = dst.kind() {
         return Err(Error::CudaUnavailable(device));
     }
@@ -18,7 +20,7 @@ pub(crate) fn host_destination(dst: &Region<'_>, device: &'static str) -> Result
 }
 
 /// A source a host-memory path can read. `device` says why a device region is refused here.
-pub(crate) fn host_source(src: &Region<'_>, device: &'static str) -> Result<()> {
+pub fn host_source(src: &Region<'_>, device: &'static str) -> Result<()> {
     if let MemoryKind::Device { .. } = src.kind() {
         return Err(Error::CudaUnavailable(device));
     }
@@ -27,7 +29,7 @@ pub(crate) fn host_source(src: &Region<'_>, device: &'static str) -> Result<()> 
 
 /// A batch call names one region list per key; `what` names the lists ("source",
 /// "destination").
-pub(crate) fn one_list_per_key(keys: usize, lists: usize, what: &str) -> Result<()> {
+pub fn one_list_per_key(keys: usize, lists: usize, what: &str) -> Result<()> {
     if keys != lists {
         return Err(Error::InvalidArgument(format!("{keys} keys but {lists} {what} lists")));
     }
@@ -35,7 +37,7 @@ pub(crate) fn one_list_per_key(keys: usize, lists: usize, what: &str) -> Result<
 }
 
 /// The bytes `regions` cover together.
-pub(crate) fn total_len(regions: &[Region<'_>]) -> Result<u64> {
+pub fn total_len(regions: &[Region<'_>]) -> Result<u64> {
     regions
         .iter()
         .try_fold(0u64, |acc, r| acc.checked_add(r.len() as u64))
@@ -44,13 +46,14 @@ pub(crate) fn total_len(regions: &[Region<'_>]) -> Result<u64> {
 
 /// The fragments of a `get_into_ranges` call that pass their checks, as (buffer, fragment): the
 /// buffer exists and passes `check_buffer(index, buffer)`, the destination range lies inside
-/// it and `check_key` accepts the key. The others get their error in `results`.
-pub(crate) fn checked_fragments(
+/// it and `check_key` accepts the key. The others get their error in `results` (`E` is the
+/// store's error type).
+pub fn checked_fragments<E: From<Error>>(
     buffers: &[Region<'_>],
     fragments: &[Vec<Fragment>],
-    results: &mut [Vec<Result<usize>>],
-    check_buffer: impl Fn(usize, &Region<'_>) -> Result<()>,
-    check_key: impl Fn(&[u8]) -> Result<()>,
+    results: &mut [Vec<Result<usize, E>>],
+    check_buffer: impl Fn(usize, &Region<'_>) -> Result<(), E>,
+    check_key: impl Fn(&[u8]) -> Result<(), E>,
 ) -> Vec<(usize, usize)> {
     let mut passed = Vec::new();
     for (b, frags) in fragments.iter().enumerate() {
@@ -58,11 +61,14 @@ pub(crate) fn checked_fragments(
             let checked = buffers
                 .get(b)
                 .ok_or_else(|| {
-                    Error::InvalidArgument(format!("fragments for buffer {b} but only {} buffers", buffers.len()))
+                    E::from(Error::InvalidArgument(format!(
+                        "fragments for buffer {b} but only {} buffers",
+                        buffers.len()
+                    )))
                 })
                 .and_then(|buffer| {
                     check_buffer(b, buffer)?;
-                    buffer.check_range(frag.dst_offset, frag.len)?;
+                    buffer.check_range(frag.dst_offset, frag.len).map_err(|e| E::from(e.into()))?;
                     check_key(&frag.key)
                 });
             match checked {

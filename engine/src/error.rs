@@ -50,18 +50,6 @@ pub enum Error {
     Cancelled,
     #[error("the store is shutting down")]
     ShuttingDown,
-    #[error("disconnected from the owner: {0}")]
-    Disconnected(String),
-    #[error("{op} timed out after {timeout_ms} ms")]
-    Timeout { op: &'static str, timeout_ms: u64 },
-    #[error("unauthorized: {0}")]
-    Unauthorized(String),
-    #[error("protocol version mismatch: this side speaks version {ours}, the peer speaks {theirs}")]
-    ProtocolVersion { ours: u16, theirs: u16 },
-    #[error("protocol error: {0}")]
-    Protocol(String),
-    #[error("the owner reported: {0}")]
-    Remote(String),
     #[error("the engine broke an internal invariant: {0}")]
     Internal(&'static str),
 }

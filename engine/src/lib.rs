@@ -15,17 +15,19 @@
 //! ```
 
 mod api;
-mod checks;
+pub mod checks;
+mod completion;
 mod config;
 mod engine;
 mod error;
-pub mod remote;
+pub mod settings;
 pub mod shard;
 mod stats;
 mod ticket;
 
-pub use api::{Fragment, PutOptions, Store};
-pub use config::{parse_bytes, StoreBuilder};
+pub use api::{BatchTicket, Fragment, PutOptions, Store};
+pub use completion::Completion;
+pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder};
 pub use engine::{
     Engine, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace,
 };
@@ -38,7 +40,6 @@ pub use kvtide_transport as transport;
 #[cfg(feature = "cuda")]
 pub use kvtide_transport::cuda;
 pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, Throttled, Transport};
-pub use remote::{ClientOptions, RemoteStore};
 pub use shard::core::RecoveryReport;
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats};
 pub use ticket::Ticket;

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::churn::{once_key, CHURN_BYTES, CHURN_KEYS, CHURN_PUTS, HOT_BYTES, ONCE, ONCE_BYTES};
 use common::value_for;
 use kvtide::{Engine, Error, PutOptions, Store, StoreBuilder};
 
@@ -34,17 +35,6 @@ fn builder(dir: &Path, dram_mib: u64, write_through: bool) -> StoreBuilder {
         .ssd_bytes(64 << 20)
         .ssd_segment_bytes(4 << 20)
         .write_through(write_through)
-}
-
-const ONCE: u64 = 200;
-const ONCE_BYTES: usize = 64 << 10;
-const HOT_BYTES: usize = 64 << 10;
-const CHURN_KEYS: u64 = 8;
-const CHURN_BYTES: usize = 256 << 10;
-const CHURN_PUTS: u64 = 2000;
-
-fn once_key(i: u64) -> Vec<u8> {
-    format!("once/{i}").into_bytes()
 }
 
 /// `hot/object`, 200 `once/*` objects, then 2,000 upserts over 8 keys of 256 KiB while reading
@@ -354,77 +344,4 @@ fn put_and_pin_in_one_call_is_never_evicted_in_between() {
     assert_eq!(store.stats().total.pinned_objects, 0);
     store.put(b"after", &[1u8; 256 << 10], PutOptions::INSERT.pinned()).expect("room again");
     assert_eq!(store.unpin(b"after"), Ok(()));
-}
-
-/// Starts `kvtide-owner` on `dir` (write-through, 1 shard, 32 MiB DRAM, 64 MiB SSD in 4 MiB
-/// segments, Unix socket only) and waits until a client can connect.
-fn start_owner(dir: &Path) -> (std::process::Child, kvtide::RemoteStore) {
-    std::fs::create_dir_all(dir).expect("data dir");
-    let config = dir.join("owner.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "data_dir = {:?}\ntcp = \"off\"\ndram_bytes = \"32MiB\"\nssd_bytes = \"64MiB\"\nshards = 1\n\
-             [store]\nssd_segment_bytes = \"4MiB\"\nwrite_through = true\npin_threads = false\n",
-            dir.display().to_string()
-        ),
-    )
-    .expect("config");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvtide-owner"))
-        .args(["--config", &config.display().to_string()])
-        .env("KVTIDE_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvtide-owner");
-    let socket = format!("unix:{}", dir.join("owner.sock").display());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match kvtide::RemoteStore::connect(&socket) {
-            Ok(store) => return (child, store),
-            Err(e) => {
-                assert!(Instant::now() < deadline, "owner never served: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
-}
-
-#[test]
-fn through_the_owner_acknowledged_objects_survive_sigkill_and_the_maximum_is_storable() {
-    let dir = tmp("owner-kill");
-    let (mut owner, store) = start_owner(&dir);
-    store.put(b"hot/object", &value_for(b"hot/object", 1, HOT_BYTES), PutOptions::INSERT).expect("hot");
-    for i in 0..ONCE {
-        store.put(&once_key(i), &value_for(&once_key(i), 1, ONCE_BYTES), PutOptions::INSERT).expect("once");
-    }
-    for n in 0..CHURN_PUTS / 2 {
-        let key = format!("churn/{}", n % CHURN_KEYS).into_bytes();
-        store.put(&key, &value_for(&key, n, CHURN_BYTES), PutOptions::UPSERT).expect("churn");
-    }
-    // The advertised maximum through the owner, and put-and-pin.
-    let max = store.max_value_bytes().expect("limits") as usize;
-    let big = value_for(b"max", 3, max);
-    store.put(b"max", &big, PutOptions::INSERT).unwrap_or_else(|e| panic!("put of max_value_bytes ({max}): {e}"));
-    assert_eq!(store.get(b"max").expect("read right after the put"), big);
-    store.put(b"pinned", &[7u8; 4096], PutOptions::INSERT.pinned()).expect("put and pin");
-    assert_eq!(store.unpin(b"pinned"), Ok(()), "the put pinned it once");
-    let s = store.stats().total;
-    assert!(s.segments_reclaimed > 5, "the churn must reclaim segments: {s:?}");
-    assert_eq!(s.ssd_evictions, 0, "{s:?}");
-    owner.kill().expect("SIGKILL the owner");
-    owner.wait().expect("reap");
-    drop(store);
-    let (mut owner, store) = start_owner(&dir);
-    let hot = store.get(b"hot/object").expect("hot/object after SIGKILL of the owner");
-    assert_eq!(hot, value_for(b"hot/object", 1, HOT_BYTES));
-    for i in 0..ONCE {
-        assert_eq!(
-            store.get(&once_key(i)).unwrap_or_else(|e| panic!("once/{i} lost with the owner: {e}")),
-            value_for(&once_key(i), 1, ONCE_BYTES)
-        );
-    }
-    owner.kill().expect("stop the owner");
-    owner.wait().expect("reap");
-    let _ = std::fs::remove_dir_all(&dir);
 }

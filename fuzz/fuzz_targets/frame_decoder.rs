@@ -5,7 +5,7 @@
 //! accepted frame claims more bytes than the limit.
 #![no_main]
 
-use kvtide::remote::protocol::{
+use kvtide_remote::protocol::{
     decode_error_frame, decode_exists, decode_grants, decode_object, split_frames, FrameHeader, HelloOk, Limits, Op,
     PutHead, Request, HEADER_BYTES, PUT_HEAD_BYTES,
 };

@@ -4,7 +4,7 @@
 //! key indices, put lengths (inline <= total <= max value). Accepted requests round-trip.
 #![no_main]
 
-use kvtide::remote::protocol::{Limits, Op, PutHead, Request, PUT_HEAD_BYTES};
+use kvtide_remote::protocol::{Limits, Op, PutHead, Request, PUT_HEAD_BYTES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

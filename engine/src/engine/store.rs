@@ -23,6 +23,8 @@ use crate::stats::Stats;
 use crate::ticket::{pending, BatchCollector, Ticket};
 
 impl Store for Engine {
+    type Error = Error;
+
     fn batch_put_from_multi_buffers(
         &self,
         keys: &[&[u8]],

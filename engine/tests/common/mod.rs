@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: self-verifying values and a small engine.
 #![allow(dead_code)]
 
+pub mod churn;
+
 use kvtide::{Engine, Store, StoreBuilder};
 
 /// A store small enough for tests: 2 shards, no CPU pinning, short idle spin.

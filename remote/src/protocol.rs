@@ -17,7 +17,9 @@
 //! them, so neither side holds a whole object in a buffer: the receiver reads each chunk straight
 //! into its destination (the owner's reservation, the client's buffer).
 
-use crate::error::Error;
+use kvtide::Error as StoreError;
+
+use crate::Error;
 use kvtide_transport::RegionError;
 
 /// "KVTD".
@@ -517,10 +519,14 @@ impl LenCheck {
     }
 
     /// The error the embedded engine reports for an object of `len` bytes, if any.
-    pub fn check(&self, len: u64) -> Result<(), Error> {
+    pub fn check(&self, len: u64) -> Result<(), StoreError> {
         match *self {
-            LenCheck::AtMost(max) if len > max => Err(Error::BufferTooSmall { object_bytes: len, buffer_bytes: max }),
-            LenCheck::Exactly(n) if len != n => Err(Error::SizeMismatch { object_bytes: len, destination_bytes: n }),
+            LenCheck::AtMost(max) if len > max => {
+                Err(StoreError::BufferTooSmall { object_bytes: len, buffer_bytes: max })
+            }
+            LenCheck::Exactly(n) if len != n => {
+                Err(StoreError::SizeMismatch { object_bytes: len, destination_bytes: n })
+            }
             _ => Ok(()),
         }
     }
@@ -910,40 +916,17 @@ fn label(text: &str) -> &'static str {
 /// Appends one error: code u16 | a u64 | b u64 | c u64 | message (u16 length + UTF-8).
 pub fn encode_error(buf: &mut Vec<u8>, error: &Error) {
     let (code, a, b, c, message): (u16, u64, u64, u64, String) = match error {
-        Error::NotFound => (E_NOT_FOUND, 0, 0, 0, String::new()),
-        Error::AlreadyExists => (E_ALREADY_EXISTS, 0, 0, 0, String::new()),
-        Error::NoSpace => (E_NO_SPACE, 0, 0, 0, String::new()),
-        Error::TooLarge { what, len, max } => (E_TOO_LARGE, *len, *max, 0, (*what).to_string()),
-        Error::EmptyKey => (E_EMPTY_KEY, 0, 0, 0, String::new()),
-        Error::InvalidRange(RegionError::OutOfBounds { what, offset, len, bound }) => {
-            (E_OUT_OF_BOUNDS, *offset, *len, *bound, (*what).to_string())
-        }
-        Error::InvalidRange(RegionError::ReadOnly) => (E_READ_ONLY, 0, 0, 0, String::new()),
-        Error::InvalidRange(RegionError::Null) => (E_NULL, 0, 0, 0, String::new()),
-        Error::SizeMismatch { object_bytes, destination_bytes } => {
-            (E_SIZE_MISMATCH, *object_bytes, *destination_bytes, 0, String::new())
-        }
-        Error::BufferTooSmall { object_bytes, buffer_bytes } => {
-            (E_BUFFER_TOO_SMALL, *object_bytes, *buffer_bytes, 0, String::new())
-        }
-        Error::InvalidArgument(m) => (E_INVALID_ARGUMENT, 0, 0, 0, m.clone()),
-        Error::Corrupted(m) => (E_CORRUPTED, 0, 0, 0, m.clone()),
-        Error::Io(m) => (E_IO, 0, 0, 0, m.clone()),
-        Error::LeaseExpired => (E_LEASE_EXPIRED, 0, 0, 0, String::new()),
-        Error::Leased => (E_LEASED, 0, 0, 0, String::new()),
-        Error::Pinned => (E_PINNED, 0, 0, 0, String::new()),
-        Error::NotPinned => (E_NOT_PINNED, 0, 0, 0, String::new()),
-        Error::CudaUnavailable(why) => (E_CUDA_UNAVAILABLE, 0, 0, 0, (*why).to_string()),
-        Error::Busy { limit } => (E_BUSY, *limit as u64, 0, 0, String::new()),
-        Error::Cancelled => (E_CANCELLED, 0, 0, 0, String::new()),
-        Error::ShuttingDown => (E_SHUTTING_DOWN, 0, 0, 0, String::new()),
+        Error::Store(e) => store_error_code(e),
         Error::Unauthorized(m) => (E_UNAUTHORIZED, 0, 0, 0, m.clone()),
         Error::ProtocolVersion { ours, theirs } => {
             (E_PROTOCOL_VERSION, (*ours).into(), (*theirs).into(), 0, String::new())
         }
         Error::Protocol(m) => (E_PROTOCOL, 0, 0, 0, m.clone()),
-        // Everything else (internal errors, GPU failures, ...) travels as its message.
-        other => (E_OTHER, 0, 0, 0, other.to_string()),
+        // The failures only a client sees locally (and the owner's own reports) travel as their
+        // message.
+        other @ (Error::Disconnected(_) | Error::Timeout { .. } | Error::Remote(_)) => {
+            (E_OTHER, 0, 0, 0, other.to_string())
+        }
     };
     buf.put_u16(code);
     buf.put_u64(a);
@@ -955,6 +938,41 @@ pub fn encode_error(buf: &mut Vec<u8>, error: &Error) {
     }
     buf.put_u16(end as u16);
     buf.extend_from_slice(&message.as_bytes()[..end]);
+}
+
+/// The code and fields of an engine error.
+fn store_error_code(error: &StoreError) -> (u16, u64, u64, u64, String) {
+    match error {
+        StoreError::NotFound => (E_NOT_FOUND, 0, 0, 0, String::new()),
+        StoreError::AlreadyExists => (E_ALREADY_EXISTS, 0, 0, 0, String::new()),
+        StoreError::NoSpace => (E_NO_SPACE, 0, 0, 0, String::new()),
+        StoreError::TooLarge { what, len, max } => (E_TOO_LARGE, *len, *max, 0, (*what).to_string()),
+        StoreError::EmptyKey => (E_EMPTY_KEY, 0, 0, 0, String::new()),
+        StoreError::InvalidRange(RegionError::OutOfBounds { what, offset, len, bound }) => {
+            (E_OUT_OF_BOUNDS, *offset, *len, *bound, (*what).to_string())
+        }
+        StoreError::InvalidRange(RegionError::ReadOnly) => (E_READ_ONLY, 0, 0, 0, String::new()),
+        StoreError::InvalidRange(RegionError::Null) => (E_NULL, 0, 0, 0, String::new()),
+        StoreError::SizeMismatch { object_bytes, destination_bytes } => {
+            (E_SIZE_MISMATCH, *object_bytes, *destination_bytes, 0, String::new())
+        }
+        StoreError::BufferTooSmall { object_bytes, buffer_bytes } => {
+            (E_BUFFER_TOO_SMALL, *object_bytes, *buffer_bytes, 0, String::new())
+        }
+        StoreError::InvalidArgument(m) => (E_INVALID_ARGUMENT, 0, 0, 0, m.clone()),
+        StoreError::Corrupted(m) => (E_CORRUPTED, 0, 0, 0, m.clone()),
+        StoreError::Io(m) => (E_IO, 0, 0, 0, m.clone()),
+        StoreError::LeaseExpired => (E_LEASE_EXPIRED, 0, 0, 0, String::new()),
+        StoreError::Leased => (E_LEASED, 0, 0, 0, String::new()),
+        StoreError::Pinned => (E_PINNED, 0, 0, 0, String::new()),
+        StoreError::NotPinned => (E_NOT_PINNED, 0, 0, 0, String::new()),
+        StoreError::CudaUnavailable(why) => (E_CUDA_UNAVAILABLE, 0, 0, 0, (*why).to_string()),
+        StoreError::Busy { limit } => (E_BUSY, *limit as u64, 0, 0, String::new()),
+        StoreError::Cancelled => (E_CANCELLED, 0, 0, 0, String::new()),
+        StoreError::ShuttingDown => (E_SHUTTING_DOWN, 0, 0, 0, String::new()),
+        // Everything else (internal errors, GPU failures, ...) travels as its message.
+        other @ (StoreError::Cuda(_) | StoreError::Internal(_)) => (E_OTHER, 0, 0, 0, other.to_string()),
+    }
 }
 
 /// Reads one error written by `encode_error`.
@@ -970,41 +988,43 @@ pub fn decode_error(r: &mut Reader<'_>) -> PResult<Error> {
     let message = std::str::from_utf8(r.take(len, "error message")?)
         .map_err(|_| ProtocolError::Invalid { what: "error message encoding" })?
         .to_string();
-    Ok(match code {
-        E_NOT_FOUND => Error::NotFound,
-        E_ALREADY_EXISTS => Error::AlreadyExists,
-        E_NO_SPACE => Error::NoSpace,
-        E_TOO_LARGE => Error::TooLarge { what: label(&message), len: a, max: b },
-        E_EMPTY_KEY => Error::EmptyKey,
+    let store = match code {
+        E_NOT_FOUND => StoreError::NotFound,
+        E_ALREADY_EXISTS => StoreError::AlreadyExists,
+        E_NO_SPACE => StoreError::NoSpace,
+        E_TOO_LARGE => StoreError::TooLarge { what: label(&message), len: a, max: b },
+        E_EMPTY_KEY => StoreError::EmptyKey,
         E_OUT_OF_BOUNDS => {
-            Error::InvalidRange(RegionError::OutOfBounds { what: label(&message), offset: a, len: b, bound: c })
+            StoreError::InvalidRange(RegionError::OutOfBounds { what: label(&message), offset: a, len: b, bound: c })
         }
-        E_READ_ONLY => Error::InvalidRange(RegionError::ReadOnly),
-        E_NULL => Error::InvalidRange(RegionError::Null),
-        E_SIZE_MISMATCH => Error::SizeMismatch { object_bytes: a, destination_bytes: b },
-        E_BUFFER_TOO_SMALL => Error::BufferTooSmall { object_bytes: a, buffer_bytes: b },
-        E_INVALID_ARGUMENT => Error::InvalidArgument(message),
-        E_CORRUPTED => Error::Corrupted(message),
-        E_IO => Error::Io(message),
-        E_LEASE_EXPIRED => Error::LeaseExpired,
-        E_LEASED => Error::Leased,
-        E_PINNED => Error::Pinned,
-        E_NOT_PINNED => Error::NotPinned,
-        E_CUDA_UNAVAILABLE => Error::CudaUnavailable("reported by the owner"),
-        E_BUSY => Error::Busy { limit: usize::try_from(a).unwrap_or(usize::MAX) },
-        E_CANCELLED => Error::Cancelled,
-        E_SHUTTING_DOWN => Error::ShuttingDown,
-        E_UNAUTHORIZED => Error::Unauthorized(message),
+        E_READ_ONLY => StoreError::InvalidRange(RegionError::ReadOnly),
+        E_NULL => StoreError::InvalidRange(RegionError::Null),
+        E_SIZE_MISMATCH => StoreError::SizeMismatch { object_bytes: a, destination_bytes: b },
+        E_BUFFER_TOO_SMALL => StoreError::BufferTooSmall { object_bytes: a, buffer_bytes: b },
+        E_INVALID_ARGUMENT => StoreError::InvalidArgument(message),
+        E_CORRUPTED => StoreError::Corrupted(message),
+        E_IO => StoreError::Io(message),
+        E_LEASE_EXPIRED => StoreError::LeaseExpired,
+        E_LEASED => StoreError::Leased,
+        E_PINNED => StoreError::Pinned,
+        E_NOT_PINNED => StoreError::NotPinned,
+        E_CUDA_UNAVAILABLE => StoreError::CudaUnavailable("reported by the owner"),
+        E_BUSY => StoreError::Busy { limit: usize::try_from(a).unwrap_or(usize::MAX) },
+        E_CANCELLED => StoreError::Cancelled,
+        E_SHUTTING_DOWN => StoreError::ShuttingDown,
+        E_UNAUTHORIZED => return Ok(Error::Unauthorized(message)),
         // The sender's "ours" is the receiver's "theirs".
-        E_PROTOCOL_VERSION => Error::ProtocolVersion {
-            ours: u16::try_from(b).unwrap_or(u16::MAX),
-            theirs: u16::try_from(a).unwrap_or(u16::MAX),
-        },
-        E_PROTOCOL => Error::Protocol(message),
-        _ => Error::Remote(message),
-    })
+        E_PROTOCOL_VERSION => {
+            return Ok(Error::ProtocolVersion {
+                ours: u16::try_from(b).unwrap_or(u16::MAX),
+                theirs: u16::try_from(a).unwrap_or(u16::MAX),
+            })
+        }
+        E_PROTOCOL => return Ok(Error::Protocol(message)),
+        _ => return Ok(Error::Remote(message)),
+    };
+    Ok(Error::Store(store))
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1097,36 +1117,65 @@ mod tests {
 
     #[test]
     fn errors_round_trip() {
-        let errors = vec![
-            Error::NotFound,
-            Error::TooLarge { what: "key", len: 5, max: 4 },
-            Error::InvalidRange(RegionError::OutOfBounds { what: "object", offset: 1, len: 2, bound: 3 }),
-            Error::SizeMismatch { object_bytes: 1, destination_bytes: 2 },
-            Error::BufferTooSmall { object_bytes: 3, buffer_bytes: 2 },
-            Error::InvalidArgument("x".into()),
-            Error::Busy { limit: 9 },
-            Error::ShuttingDown,
+        // Every engine error that has a code, and every remote-only error the owner sends.
+        let errors: Vec<Error> = vec![
+            StoreError::NotFound.into(),
+            StoreError::AlreadyExists.into(),
+            StoreError::NoSpace.into(),
+            StoreError::TooLarge { what: "key", len: 5, max: 4 }.into(),
+            StoreError::EmptyKey.into(),
+            StoreError::InvalidRange(RegionError::OutOfBounds { what: "object", offset: 1, len: 2, bound: 3 }).into(),
+            StoreError::InvalidRange(RegionError::ReadOnly).into(),
+            StoreError::InvalidRange(RegionError::Null).into(),
+            StoreError::SizeMismatch { object_bytes: 1, destination_bytes: 2 }.into(),
+            StoreError::BufferTooSmall { object_bytes: 3, buffer_bytes: 2 }.into(),
+            StoreError::InvalidArgument("x".into()).into(),
+            StoreError::Corrupted("crc".into()).into(),
+            StoreError::Io("eio".into()).into(),
+            StoreError::LeaseExpired.into(),
+            StoreError::Leased.into(),
+            StoreError::Pinned.into(),
+            StoreError::NotPinned.into(),
+            StoreError::Busy { limit: 9 }.into(),
+            StoreError::Cancelled.into(),
+            StoreError::ShuttingDown.into(),
+            Error::Unauthorized("bad mac".into()),
+            Error::Protocol("truncated".into()),
         ];
         for e in errors {
             let mut buf = Vec::new();
             encode_error_frame(&mut buf, 3, &e);
             assert_eq!(decode_error_frame(&buf), Ok((3, e)));
         }
+        // The version mismatch is seen from the other side.
         let mut buf = Vec::new();
         encode_error_frame(&mut buf, 0, &Error::ProtocolVersion { ours: 1, theirs: 2 });
         assert_eq!(decode_error_frame(&buf), Ok((0, Error::ProtocolVersion { ours: 2, theirs: 1 })));
+        // The reason of a CUDA refusal is a static label; the code survives.
         let mut buf = Vec::new();
-        encode_error(&mut buf, &Error::Internal("boom"));
+        encode_error(&mut buf, &StoreError::CudaUnavailable("no driver").into());
         assert_eq!(
             decode_error(&mut Reader::new(&buf)),
-            Ok(Error::Remote("the engine broke an internal invariant: boom".into()))
+            Ok(StoreError::CudaUnavailable("reported by the owner").into())
         );
+        // Errors without a code travel as their message.
+        for (e, text) in [
+            (Error::from(StoreError::Internal("boom")), "the engine broke an internal invariant: boom"),
+            (StoreError::Cuda("launch".into()).into(), "GPU transfer failed: launch"),
+            (Error::Remote("odd".into()), "the owner reported: odd"),
+            (Error::Disconnected("reset".into()), "disconnected from the owner: reset"),
+            (Error::Timeout { op: "get", timeout_ms: 5 }, "get timed out after 5 ms"),
+        ] {
+            let mut buf = Vec::new();
+            encode_error(&mut buf, &e);
+            assert_eq!(decode_error(&mut Reader::new(&buf)), Ok(Error::Remote(text.into())));
+        }
     }
 
     #[test]
     fn grants_are_checked_against_the_arena() {
         let mut buf = Vec::new();
-        encode_grants(&mut buf, 1000, &[Ok(Grant { lease: 1, offset: 10, len: 10 }), Err(Error::NotFound)]);
+        encode_grants(&mut buf, 1000, &[Ok(Grant { lease: 1, offset: 10, len: 10 }), Err(StoreError::NotFound.into())]);
         let (ttl, grants) = decode_grants(&buf, 10, 20).expect("fits");
         assert_eq!(ttl, 1000);
         assert_eq!(grants.len(), 2);

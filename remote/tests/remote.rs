@@ -3,6 +3,7 @@
 //! clients; a client killed while it holds a lease; malformed, truncated, oversized and
 //! wrong-version frames; wrong tokens; the owner restarted under its clients.
 
+#[path = "../../engine/tests/common/mod.rs"]
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -16,14 +17,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::value_for;
-use kvtide::remote::protocol::{
+use kvtide::{Engine, Error as StoreError, Fragment, PutOptions, Region, RegionError, Store, StoreBuilder};
+use kvtide_remote::protocol::{
     decode_error_frame, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead, Request,
     HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
-use kvtide::remote::{Owner, OwnerConfig, OwnerError, Token};
-use kvtide::{
-    ClientOptions, Engine, Error, Fragment, PutOptions, Region, RegionError, RemoteStore, Store, StoreBuilder,
-};
+use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
 
 const TOKEN: &[u8] = b"test-token-0123456789abcdef";
 
@@ -116,43 +115,63 @@ enum Seen {
     Objects(u64, u64),
 }
 
-fn script(store: &dyn Store) -> Vec<Seen> {
+/// Any store's result as this crate's error (the embedded engine's errors become `Error::Store`).
+fn one<T, E: Into<Error>>(r: Result<T, E>) -> Result<T, Error> {
+    r.map_err(Into::into)
+}
+
+fn many<T, E: Into<Error>>(v: Vec<Result<T, E>>) -> Vec<Result<T, Error>> {
+    v.into_iter().map(one).collect()
+}
+
+fn ranges<T, E: Into<Error>>(v: Vec<Vec<Result<T, E>>>) -> Vec<Vec<Result<T, Error>>> {
+    v.into_iter().map(many).collect()
+}
+
+fn script<S: Store>(store: &S) -> Vec<Seen>
+where
+    S::Error: Into<Error>,
+{
     let mut seen = Vec::new();
     let small = value_for(b"small", 0, 100);
     let medium = value_for(b"medium", 0, 200 << 10);
     let large = value_for(b"large", 0, (3 << 20) + 17); // several chunks
     let long_key = vec![b'k'; 2000];
-    seen.push(Seen::Unit(store.put(b"small", &small, PutOptions::INSERT)));
-    seen.push(Seen::Unit(store.put(b"medium", &medium, PutOptions::INSERT)));
-    seen.push(Seen::Unit(store.put(b"large", &large, PutOptions::INSERT)));
-    seen.push(Seen::Unit(store.put(b"empty", &[], PutOptions::INSERT)));
-    seen.push(Seen::Unit(store.put(b"small", &small, PutOptions::INSERT))); // AlreadyExists
-    seen.push(Seen::Unit(store.put(b"small", &medium[..500], PutOptions::UPSERT)));
-    seen.push(Seen::Unit(store.put(b"", &small, PutOptions::INSERT))); // EmptyKey
-    seen.push(Seen::Unit(store.put(&long_key, &small, PutOptions::INSERT))); // TooLarge key
-    seen.push(Seen::Unit(store.put(b"huge", &vec![1u8; 40 << 20], PutOptions::INSERT))); // TooLarge value
+    seen.push(Seen::Unit(one(store.put(b"small", &small, PutOptions::INSERT))));
+    seen.push(Seen::Unit(one(store.put(b"medium", &medium, PutOptions::INSERT))));
+    seen.push(Seen::Unit(one(store.put(b"large", &large, PutOptions::INSERT))));
+    seen.push(Seen::Unit(one(store.put(b"empty", &[], PutOptions::INSERT))));
+    seen.push(Seen::Unit(one(store.put(b"small", &small, PutOptions::INSERT)))); // AlreadyExists
+    seen.push(Seen::Unit(one(store.put(b"small", &medium[..500], PutOptions::UPSERT))));
+    seen.push(Seen::Unit(one(store.put(b"", &small, PutOptions::INSERT)))); // EmptyKey
+    seen.push(Seen::Unit(one(store.put(&long_key, &small, PutOptions::INSERT)))); // TooLarge key
+    seen.push(Seen::Unit(one(store.put(b"huge", &vec![1u8; 40 << 20], PutOptions::INSERT)))); // TooLarge value
     let (a, b, c) = (value_for(b"a", 1, 70_000), value_for(b"b", 1, 1), value_for(b"c", 1, 2 << 20));
     let sources = [Region::host_readonly(&a), Region::host_readonly(&b), Region::host_readonly(&c)];
-    seen.push(Seen::Unit(store.put_from(b"gathered", &sources, PutOptions::INSERT)));
+    seen.push(Seen::Unit(one(store.put_from(b"gathered", &sources, PutOptions::INSERT))));
     let batch_keys: [&[u8]; 3] = [b"b1", b"", b"b3"];
     let batch_sources = vec![
         vec![Region::host_readonly(&a)],
         vec![Region::host_readonly(&b)],
         vec![Region::host_readonly(&b), Region::host_readonly(&c)],
     ];
-    seen.push(Seen::Units(store.batch_put_from_multi_buffers(&batch_keys, &batch_sources, PutOptions::INSERT)));
-    seen.push(Seen::Units(store.batch_put_from_multi_buffers(&batch_keys, &batch_sources[..1], PutOptions::INSERT)));
+    seen.push(Seen::Units(many(store.batch_put_from_multi_buffers(&batch_keys, &batch_sources, PutOptions::INSERT))));
+    seen.push(Seen::Units(many(store.batch_put_from_multi_buffers(
+        &batch_keys,
+        &batch_sources[..1],
+        PutOptions::INSERT,
+    ))));
 
     for key in [&b"small"[..], b"medium", b"large", b"empty", b"gathered", b"b3", b"missing", b""] {
-        seen.push(Seen::Bytes(store.get(key)));
+        seen.push(Seen::Bytes(one(store.get(key))));
     }
     for (key, size) in [(&b"medium"[..], 200 << 10), (b"medium", 300 << 10), (b"medium", 1000), (b"missing", 10)] {
         let mut buf = vec![0u8; size];
         let r = store.get_into(key, Region::host(&mut buf));
-        seen.push(Seen::Len(r, buf));
+        seen.push(Seen::Len(one(r), buf));
     }
     let ro = vec![0u8; 100];
-    seen.push(Seen::Len(store.get_into(b"small", Region::host_readonly(&ro)), ro.clone()));
+    seen.push(Seen::Len(one(store.get_into(b"small", Region::host_readonly(&ro))), ro.clone()));
 
     // Scatter: exact split, wrong total, missing key, mismatched argument lengths.
     let mut pages = vec![0u8; (200 << 10) + 3 * 4096 + 500];
@@ -170,9 +189,9 @@ fn script(store: &dyn Store) -> Vec<Seen> {
             vec![Region::host(p4)],
         ];
         let r = store.batch_get_into_multi_buffers(&keys, &dsts);
-        seen.push(Seen::Many(r, Vec::new()));
+        seen.push(Seen::Many(many(r), Vec::new()));
         let r = store.batch_get_into_multi_buffers(&keys, &dsts[..2]);
-        seen.push(Seen::Many(r, Vec::new()));
+        seen.push(Seen::Many(many(r), Vec::new()));
     }
     seen.push(Seen::Many(Vec::new(), pages));
 
@@ -195,30 +214,30 @@ fn script(store: &dyn Store) -> Vec<Seen> {
     {
         let buffers = [Region::host(&mut buf0), Region::host(&mut buf1)];
         let r = store.get_into_ranges(&buffers, &fragments);
-        seen.push(Seen::Ranges(r, Vec::new()));
+        seen.push(Seen::Ranges(ranges(r), Vec::new()));
     }
     buf0.extend_from_slice(&buf1);
     seen.push(Seen::Ranges(Vec::new(), buf0));
 
     let keys: [&[u8]; 6] = [b"small", b"medium", b"large", b"nope", b"", b"gathered"];
-    seen.push(Seen::Bools(store.batch_exists(&keys)));
-    seen.push(Seen::Bools(vec![store.exists(b"small"), store.exists(b"nope"), store.exists(b"")]));
-    seen.push(Seen::Hits(store.prefix_hits(&keys)));
-    seen.push(Seen::Hits(store.prefix_hits(&keys[..3])));
-    seen.push(Seen::Hits(store.prefix_hits(&[b"small", b""])));
+    seen.push(Seen::Bools(many(store.batch_exists(&keys))));
+    seen.push(Seen::Bools(many(vec![store.exists(b"small"), store.exists(b"nope"), store.exists(b"")])));
+    seen.push(Seen::Hits(one(store.prefix_hits(&keys))));
+    seen.push(Seen::Hits(one(store.prefix_hits(&keys[..3]))));
+    seen.push(Seen::Hits(one(store.prefix_hits(&[b"small", b""]))));
 
     // Pins and removes.
-    seen.push(Seen::Unit(store.pin(b"small")));
-    seen.push(Seen::Unit(store.pin(b"nope")));
-    seen.push(Seen::Unit(store.remove(b"small", false)));
-    seen.push(Seen::Unit(store.unpin(b"small")));
-    seen.push(Seen::Unit(store.unpin(b"small")));
-    seen.push(Seen::Unit(store.pin(b"medium")));
-    seen.push(Seen::Unit(store.remove(b"medium", true)));
-    seen.push(Seen::Unit(store.remove(b"small", false)));
-    seen.push(Seen::Unit(store.remove(b"small", false)));
-    seen.push(Seen::Unit(store.remove(b"", false)));
-    seen.push(Seen::Bools(store.batch_exists(&keys)));
+    seen.push(Seen::Unit(one(store.pin(b"small"))));
+    seen.push(Seen::Unit(one(store.pin(b"nope"))));
+    seen.push(Seen::Unit(one(store.remove(b"small", false))));
+    seen.push(Seen::Unit(one(store.unpin(b"small"))));
+    seen.push(Seen::Unit(one(store.unpin(b"small"))));
+    seen.push(Seen::Unit(one(store.pin(b"medium"))));
+    seen.push(Seen::Unit(one(store.remove(b"medium", true))));
+    seen.push(Seen::Unit(one(store.remove(b"small", false))));
+    seen.push(Seen::Unit(one(store.remove(b"small", false))));
+    seen.push(Seen::Unit(one(store.remove(b"", false))));
+    seen.push(Seen::Bools(many(store.batch_exists(&keys))));
 
     // Async batch get into owned buffers.
     let mut out_a = vec![0u8; 3 << 20];
@@ -236,7 +255,7 @@ fn script(store: &dyn Store) -> Vec<Seen> {
         ]
     };
     let ticket = store.submit_batch_get(&[b"large", b"gone"], dsts).expect("submit");
-    seen.push(Seen::Many(ticket.wait(), [out_a, out_b, out_c].concat()));
+    seen.push(Seen::Many(many(ticket.wait()), [out_a, out_b, out_c].concat()));
     let stats = store.stats();
     seen.push(Seen::Objects(stats.total.objects, stats.total.bytes_used));
     seen
@@ -259,7 +278,7 @@ fn assert_same(what: &str, expected: &[Seen], got: &[Seen]) {
 fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
     let embedded = engine(64 << 20);
     let expected = script(&*embedded);
-    assert!(matches!(expected[8], Seen::Unit(Err(Error::TooLarge { what: "value", .. }))));
+    assert!(matches!(expected[8], Seen::Unit(Err(Error::Store(StoreError::TooLarge { what: "value", .. })))));
 
     let dir = temp_dir("every-op");
     let unix_engine = engine(64 << 20);
@@ -335,7 +354,7 @@ fn thirty_two_concurrent_clients_mixing_operations() {
                     assert_eq!(store.batch_exists(&[shared, b"never"]), vec![Ok(true), Ok(false)]);
                     if round % 3 == 2 {
                         assert_eq!(store.remove(&key, false), Ok(()));
-                        assert_eq!(store.get(&key), Err(Error::NotFound));
+                        assert_eq!(store.get(&key), Err(Error::Store(StoreError::NotFound)));
                     }
                     round += 1;
                 }
@@ -606,7 +625,7 @@ fn malformed_truncated_oversized_and_wrong_version_frames() {
     // A request before authentication on TCP is refused.
     let mut raw = Raw::tcp(&owner);
     let hello = raw.handshake(false);
-    assert!(hello.flags & kvtide::remote::protocol::HELLO_AUTH_REQUIRED != 0);
+    assert!(hello.flags & kvtide_remote::protocol::HELLO_AUTH_REQUIRED != 0);
     raw.request(&Request::Stats, 1);
     assert!(matches!(raw.expect_error(), Error::Unauthorized(_)));
     raw.expect_closed();
@@ -614,7 +633,7 @@ fn malformed_truncated_oversized_and_wrong_version_frames() {
     // Everyone else carried on.
     assert_eq!(good.get(b"k").expect("get"), b"value");
     assert_eq!(tcp_client(&owner).get(b"k").expect("get"), b"value");
-    assert_eq!(good.get(b"cut"), Err(Error::NotFound));
+    assert_eq!(good.get(b"cut"), Err(Error::Store(StoreError::NotFound)));
     assert!(owner.counters().protocol_errors.load(Ordering::SeqCst) >= 8);
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
@@ -706,7 +725,7 @@ fn owner_restarted_under_clients() {
     let second_engine = engine(32 << 20);
     let second = owner(&second_engine, &dir, port);
     // The same clients reconnect on their next call; the old objects are gone with the old pool.
-    assert_eq!(unix.get(b"x"), Err(Error::NotFound));
+    assert_eq!(unix.get(b"x"), Err(Error::Store(StoreError::NotFound)));
     unix.put(b"x", b"two", PutOptions::INSERT).expect("put after restart");
     assert_eq!(tcp.get(b"x").expect("tcp after restart"), b"two");
     assert_eq!(unix.get(b"x").expect("unix after restart"), b"two");
@@ -761,7 +780,7 @@ fn connection_limit_answers_busy() {
     let a = RemoteStore::connect_with(&path, ClientOptions::default()).expect("first");
     let b = RemoteStore::connect_with(&path, ClientOptions::default()).expect("second");
     let refused = RemoteStore::connect_with(&path, ClientOptions::default()).err();
-    assert_eq!(refused, Some(Error::Busy { limit: 2 }));
+    assert_eq!(refused, Some(Error::Store(StoreError::Busy { limit: 2 })));
     let message = refused.map(|e| e.to_string()).unwrap_or_default();
     assert!(message.contains("connections") && !message.contains("ticket"), "{message}");
     drop((a, b));
@@ -781,15 +800,15 @@ fn protocol_limits_are_enforced_on_both_ends() {
     let mut p = Vec::new();
     Request::Exists { keys: vec![b"a"; 5] }.encode(&mut p);
     assert!(Request::decode(Op::Exists, &p, &limits).is_err());
-    let region_err = Error::InvalidRange(RegionError::ReadOnly);
+    let region_err = Error::Store(StoreError::InvalidRange(RegionError::ReadOnly));
     let mut buf = Vec::new();
-    kvtide::remote::protocol::encode_error(&mut buf, &region_err);
-    let mut r = kvtide::remote::protocol::Reader::new(&buf);
-    assert_eq!(kvtide::remote::protocol::decode_error(&mut r), Ok(region_err));
+    kvtide_remote::protocol::encode_error(&mut buf, &region_err);
+    let mut r = kvtide_remote::protocol::Reader::new(&buf);
+    assert_eq!(kvtide_remote::protocol::decode_error(&mut r), Ok(region_err));
 }
 
 /// Writes the committed seed corpus of the protocol fuzz targets (`fuzz/corpus/*/seed-*`):
-/// `KVTIDE_WRITE_FUZZ_SEEDS=1 cargo test -p kvtide --test remote write_fuzz_seeds -- --ignored`.
+/// `KVTIDE_WRITE_FUZZ_SEEDS=1 cargo test -p kvtide-remote --test remote write_fuzz_seeds -- --ignored`.
 #[test]
 #[ignore = "regenerates fuzz/corpus seeds"]
 fn write_fuzz_seeds() {
@@ -811,8 +830,8 @@ fn write_fuzz_seeds() {
         Request::GetRanges {
             keys: vec![b"a", b"bb"],
             fragments: vec![
-                kvtide::remote::protocol::RangeItem { key_index: 1, src_offset: 10, len: 20 },
-                kvtide::remote::protocol::RangeItem { key_index: 0, src_offset: 0, len: 1 },
+                kvtide_remote::protocol::RangeItem { key_index: 1, src_offset: 10, len: 20 },
+                kvtide_remote::protocol::RangeItem { key_index: 0, src_offset: 0, len: 1 },
             ],
         },
         Request::Exists { keys: vec![b"x", b"yy", b"zzz"] },
@@ -847,21 +866,27 @@ fn write_fuzz_seeds() {
     v.extend_from_slice(&put);
     std::fs::write(requests_dir.join("seed-put"), v).expect("write");
     let mut grants = Vec::new();
-    kvtide::remote::protocol::encode_grants(
+    kvtide_remote::protocol::encode_grants(
         &mut grants,
         1000,
-        &[Ok(kvtide::remote::protocol::Grant { lease: 1, offset: 4096, len: 100 }), Err(Error::NotFound)],
+        &[
+            Ok(kvtide_remote::protocol::Grant { lease: 1, offset: 4096, len: 100 }),
+            Err(Error::Store(StoreError::NotFound)),
+        ],
     );
     stream.extend_from_slice(&frame(Op::Grants, 51, &grants));
     let mut err = Vec::new();
-    kvtide::remote::protocol::encode_error_frame(
+    kvtide_remote::protocol::encode_error_frame(
         &mut err,
         2,
-        &Error::SizeMismatch { object_bytes: 1, destination_bytes: 2 },
+        &Error::Store(StoreError::SizeMismatch { object_bytes: 1, destination_bytes: 2 }),
     );
     stream.extend_from_slice(&frame(Op::Error, 52, &err));
     let mut exists = Vec::new();
-    kvtide::remote::protocol::encode_exists(&mut exists, &[Ok(true), Ok(false), Err(Error::EmptyKey)]);
+    kvtide_remote::protocol::encode_exists(
+        &mut exists,
+        &[Ok(true), Ok(false), Err(Error::Store(StoreError::EmptyKey))],
+    );
     stream.extend_from_slice(&frame(Op::ExistsReply, 53, &exists));
     std::fs::write(frames_dir.join("seed-stream"), &stream).expect("write");
     std::fs::write(frames_dir.join("seed-truncated"), &stream[..stream.len() - 7]).expect("write");
@@ -1087,7 +1112,7 @@ fn a_client_cannot_write_or_shrink_the_shared_arena() {
     raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"victim", check: LenCheck::Any }] }, 1);
     let (h, payload) = raw.recv().expect("grants");
     assert_eq!(h.op, Op::Grants);
-    let (_ttl_ms, grants) = kvtide::remote::protocol::decode_grants(&payload, 16, hello.arena_bytes).expect("grants");
+    let (_ttl_ms, grants) = kvtide_remote::protocol::decode_grants(&payload, 16, hello.arena_bytes).expect("grants");
     let grant = grants[0].clone().expect("granted");
 
     // SAFETY: stat is plain data that fstat fills for a descriptor we hold.
@@ -1170,7 +1195,7 @@ fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
     assert!(fd.is_none(), "no descriptor crosses the socket");
     assert_eq!((hello.flags & HELLO_SHM_ATTACHED, hello.arena_bytes), (0, 0));
     raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
-    assert!(matches!(raw.expect_error(), Error::InvalidArgument(_)));
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
     drop(raw);
 
     // RemoteStore notices and streams: every read and write still works.
@@ -1300,7 +1325,7 @@ fn slow_handshakes_have_a_total_deadline_and_never_take_authenticated_slots() {
     let tcp = loop {
         match RemoteStore::connect_with(&addr.to_string(), options()) {
             Ok(store) => break store,
-            Err(Error::Busy { .. }) if started.elapsed() < Duration::from_secs(3) => {
+            Err(Error::Store(StoreError::Busy { .. })) if started.elapsed() < Duration::from_secs(3) => {
                 std::thread::sleep(Duration::from_millis(20));
             }
             Err(e) => panic!("TCP client during the attack: {e}"),
@@ -1396,7 +1421,7 @@ fn a_slow_request_holds_only_its_own_share_of_the_budget() {
     assert!(closed.iter().flatten().count() >= 2, "{closed:?}");
     let put_closed = slow_put.join().expect("slow put");
     assert!(put_closed < Duration::from_secs(3), "a stalled put value lived {put_closed:?}");
-    assert_eq!(unix.get(b"slow-put"), Err(Error::NotFound), "its reservation was aborted");
+    assert_eq!(unix.get(b"slow-put"), Err(Error::Store(StoreError::NotFound)), "its reservation was aborted");
     assert!(owner.counters().payload_timeouts.load(Ordering::SeqCst) >= 3);
     // With the pool free again, a request larger than a share is served.
     let keys: Vec<Vec<u8>> = (0..3000).map(|i| format!("{i:0>60}").into_bytes()).collect();
@@ -1428,7 +1453,7 @@ fn idle_connections_are_closed_but_not_under_their_leases() {
         })
         .collect();
     let path = format!("unix:{}", owner.unix_path().expect("unix").display());
-    assert_eq!(RemoteStore::connect_with(&path, options()).err(), Some(Error::Busy { limit: 4 }));
+    assert_eq!(RemoteStore::connect_with(&path, options()).err(), Some(Error::Store(StoreError::Busy { limit: 4 })));
 
     // The owner closes them after 500 ms without a request.
     let started = Instant::now();
@@ -1447,7 +1472,7 @@ fn idle_connections_are_closed_but_not_under_their_leases() {
     holder.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
     let (h, payload) = holder.recv().expect("grants");
     assert_eq!(h.op, Op::Grants);
-    let (_, grants) = kvtide::remote::protocol::decode_grants(&payload, 16, u64::MAX).expect("grants");
+    let (_, grants) = kvtide_remote::protocol::decode_grants(&payload, 16, u64::MAX).expect("grants");
     let lease = grants[0].clone().expect("granted").lease;
     std::thread::sleep(Duration::from_millis(900));
     holder.request(&Request::Release { leases: vec![lease] }, 2);
@@ -1490,17 +1515,17 @@ fn refusing_a_flood_never_stalls_the_accept_loop() {
         } else {
             Raw::unix(&owner)
         };
-        assert_eq!(raw.expect_error(), Error::Busy { limit: 1 }, "connection {i}");
+        assert_eq!(raw.expect_error(), Error::Store(StoreError::Busy { limit: 1 }), "connection {i}");
         raw.expect_closed();
     }
     assert!(started.elapsed() < Duration::from_secs(5), "300 refusals took {:?}", started.elapsed());
     assert!(owner.counters().connections_refused.load(Ordering::SeqCst) >= 300);
     // The held slots still serve; freed, they take new clients.
-    assert_eq!(holder.get(b"nothing"), Err(Error::NotFound));
+    assert_eq!(holder.get(b"nothing"), Err(Error::Store(StoreError::NotFound)));
     drop((holder, silent));
     wait_gauges_zero(&owner);
     let tcp = tcp_client(&owner);
-    assert_eq!(tcp.get(b"nothing"), Err(Error::NotFound));
+    assert_eq!(tcp.get(b"nothing"), Err(Error::Store(StoreError::NotFound)));
     drop(tcp);
     wait_gauges_zero(&owner);
     let _ = std::fs::remove_dir_all(dir);

@@ -21,20 +21,19 @@ use std::time::{Duration, Instant};
 
 use kvtide_transport::Region;
 
-use super::auth::Token;
-use super::protocol::{
+use crate::auth::Token;
+use crate::protocol::{
     decode_error_frame, decode_exists, decode_grants, decode_mac, decode_object, FrameHeader, GetItem, Hello, HelloOk,
     LenCheck, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
     HELLO_WANT_SHM, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
-use super::shm::ShmMapping;
-use super::sock::{self, Stream};
-use super::wire::{FrameIo, WResult, WireError};
-use crate::api::{Fragment, PutOptions, Store};
-use crate::checks::{self, total_len};
+use crate::shm::ShmMapping;
+use crate::sock::{self, Stream};
+use crate::wire::{FrameIo, WResult, WireError};
+use kvtide::checks::{self, total_len};
+use kvtide::{Error as StoreError, Fragment, PutOptions, Stats, Store, Ticket};
+
 use crate::error::{Error, Result};
-use crate::stats::Stats;
-use crate::ticket::Ticket;
 
 /// A lease is trusted only if the copy finished this long before its TTL.
 const LEASE_MARGIN: Duration = Duration::from_millis(500);
@@ -78,11 +77,11 @@ impl ClientOptions {
     pub fn from_env() -> Result<ClientOptions> {
         let mut o = ClientOptions::default();
         if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
-            o.token = Some(Token::from_file(path.as_ref()).map_err(Error::InvalidArgument)?);
+            o.token = Some(Token::from_file(path.as_ref()).map_err(StoreError::InvalidArgument)?);
         }
         if let Ok(ms) = std::env::var("KVTIDE_TIMEOUT_MS") {
             o.timeout_ms =
-                ms.trim().parse().map_err(|_| Error::InvalidArgument(format!("KVTIDE_TIMEOUT_MS={ms:?}")))?;
+                ms.trim().parse().map_err(|_| StoreError::InvalidArgument(format!("KVTIDE_TIMEOUT_MS={ms:?}")))?;
         }
         if let Ok(v) = std::env::var("KVTIDE_SHARED_MEMORY") {
             o.shared_memory = !matches!(v.trim(), "0" | "false" | "no" | "off");
@@ -92,7 +91,7 @@ impl ClientOptions {
 
     /// Uses the token in `path`.
     pub fn token_file(mut self, path: impl AsRef<std::path::Path>) -> Result<ClientOptions> {
-        self.token = Some(Token::from_file(path.as_ref()).map_err(Error::InvalidArgument)?);
+        self.token = Some(Token::from_file(path.as_ref()).map_err(StoreError::InvalidArgument)?);
         Ok(self)
     }
 }
@@ -114,9 +113,10 @@ impl Endpoint {
         }
         let hostport = a.strip_prefix("tcp:").unwrap_or(a);
         if hostport.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(StoreError::InvalidArgument(format!(
                 "{address:?}: expected \"unix:/path/to/owner.sock\" or \"host:port\""
-            )));
+            ))
+            .into());
         }
         Ok(Endpoint::Tcp(hostport.to_string()))
     }
@@ -371,14 +371,15 @@ impl Inner {
 
     fn validate_key(&self, conn_limits: &Limits, key: &[u8]) -> Result<()> {
         if key.is_empty() {
-            return Err(Error::EmptyKey);
+            return Err(StoreError::EmptyKey.into());
         }
         if key.len() > conn_limits.max_key_bytes as usize {
-            return Err(Error::TooLarge {
+            return Err(StoreError::TooLarge {
                 what: "key",
                 len: key.len() as u64,
                 max: u64::from(conn_limits.max_key_bytes),
-            });
+            }
+            .into());
         }
         Ok(())
     }
@@ -425,7 +426,10 @@ impl Inner {
                 Err(e) => results[start..end].iter_mut().for_each(|slot| *slot = Some(Err(e.clone()))),
             }
         }
-        results.into_iter().map(|r| r.unwrap_or(Err(Error::Internal("key result never reported")))).collect()
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(StoreError::Internal("key result never reported").into())))
+            .collect()
     }
 }
 
@@ -456,11 +460,11 @@ fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>) -> Conn
 }
 
 fn check_destination(dst: &Region<'_>) -> Result<()> {
-    checks::host_destination(dst, "device destinations are not supported by the remote client yet")
+    Ok(checks::host_destination(dst, "device destinations are not supported by the remote client yet")?)
 }
 
 fn check_source(src: &Region<'_>) -> Result<()> {
-    checks::host_source(src, "device sources are not supported by the remote client yet")
+    Ok(checks::host_source(src, "device sources are not supported by the remote client yet")?)
 }
 
 /// `[pos, pos + n)` of the concatenation of `sources`, as slices.
@@ -627,7 +631,7 @@ impl Conn {
         // that cannot be trusted.
         let ttl = Duration::from_millis(u64::from(ttl_ms));
         if sent.elapsed() + LEASE_MARGIN >= ttl {
-            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(Error::LeaseExpired));
+            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(StoreError::LeaseExpired.into()));
         }
         if !leases.is_empty() {
             let start = self.io.begin(Op::Release, rid);
@@ -764,7 +768,7 @@ fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &mut Target<'
         Target::Regions(regions) => {
             let room = total_len(regions)?;
             if len > room {
-                return Err(Error::BufferTooSmall { object_bytes: len, buffer_bytes: room });
+                return Err(StoreError::BufferTooSmall { object_bytes: len, buffer_bytes: room }.into());
             }
             let mut pos = 0;
             for r in regions.iter() {
@@ -793,6 +797,8 @@ fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &mut Target<'
 }
 
 impl Store for RemoteStore {
+    type Error = Error;
+
     fn batch_put_from_multi_buffers(
         &self,
         keys: &[&[u8]],
@@ -800,7 +806,7 @@ impl Store for RemoteStore {
         opts: PutOptions,
     ) -> Vec<Result<()>> {
         if let Err(e) = checks::one_list_per_key(keys.len(), sources.len(), "source") {
-            return vec![Err(e); keys.len()];
+            return vec![Err(e.into()); keys.len()];
         }
         let limits = match self.inner.limits() {
             Ok(l) => l,
@@ -813,7 +819,7 @@ impl Store for RemoteStore {
                 srcs.iter().try_for_each(check_source)?;
                 let total = total_len(srcs)?;
                 if total > limits.max_value_bytes {
-                    return Err(Error::TooLarge { what: "value", len: total, max: limits.max_value_bytes });
+                    return Err(StoreError::TooLarge { what: "value", len: total, max: limits.max_value_bytes }.into());
                 }
                 self.inner.call("put", |conn, rid| conn.put(rid, key, srcs, total, opts))
             })
@@ -824,8 +830,8 @@ impl Store for RemoteStore {
         let limits = self.inner.limits()?;
         self.inner.validate_key(&limits, key)?;
         let mut r = self.inner.read_objects(vec![(key, LenCheck::Any, Target::Owned(Vec::new()))]);
-        let (_, owned) = r.pop().unwrap_or(Err(Error::Internal("no result")))?;
-        owned.ok_or(Error::Internal("no value"))
+        let (_, owned) = r.pop().unwrap_or(Err(StoreError::Internal("no result").into()))?;
+        owned.ok_or(StoreError::Internal("no value").into())
     }
 
     fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
@@ -834,18 +840,19 @@ impl Store for RemoteStore {
         check_destination(&dst)?;
         let check = LenCheck::AtMost(dst.len() as u64);
         let mut r = self.inner.read_objects(vec![(key, check, Target::Regions(vec![dst]))]);
-        r.pop().unwrap_or(Err(Error::Internal("no result"))).map(|(n, _)| n)
+        r.pop().unwrap_or(Err(StoreError::Internal("no result").into())).map(|(n, _)| n)
     }
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
         if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
-            return vec![Err(e); keys.len()];
+            return vec![Err(e.into()); keys.len()];
         }
         let limits = match self.inner.limits() {
             Ok(l) => l,
             Err(e) => return vec![Err(e); keys.len()],
         };
-        let mut results: Vec<Result<usize>> = (0..keys.len()).map(|_| Err(Error::Internal("unset"))).collect();
+        let mut results: Vec<Result<usize>> =
+            (0..keys.len()).map(|_| Err(StoreError::Internal("unset").into())).collect();
         let mut valid = Vec::new();
         let mut items = Vec::new();
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
@@ -853,7 +860,7 @@ impl Store for RemoteStore {
                 .inner
                 .validate_key(&limits, key)
                 .and_then(|()| regions.iter().try_for_each(check_destination))
-                .and_then(|()| total_len(regions));
+                .and_then(|()| Ok(total_len(regions)?));
             match checked {
                 Ok(total) => {
                     valid.push(i);
@@ -869,8 +876,10 @@ impl Store for RemoteStore {
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
-        let mut results: Vec<Vec<Result<usize>>> =
-            fragments.iter().map(|f| (0..f.len()).map(|_| Err(Error::Internal("unset"))).collect()).collect();
+        let mut results: Vec<Vec<Result<usize>>> = fragments
+            .iter()
+            .map(|f| (0..f.len()).map(|_| Err(StoreError::Internal("unset").into())).collect())
+            .collect();
         let limits = match self.inner.limits() {
             Ok(l) => l,
             Err(e) => return fragments.iter().map(|f| vec![Err(e.clone()); f.len()]).collect(),
@@ -963,25 +972,25 @@ impl Store for RemoteStore {
         let in_flight = Arc::clone(&self.inner.tickets_in_flight);
         if in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
             in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::Busy { limit });
+            return Err(StoreError::Busy { limit }.into());
         }
-        let (ticket, cell, cancel) = Ticket::new();
+        let (ticket, completion) = Ticket::pending();
         let store = RemoteStore { inner: Arc::clone(&self.inner) };
         let owned_keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
         let worker_in_flight = Arc::clone(&in_flight);
         let spawned = std::thread::Builder::new().name("kvtide-remote-ticket".into()).spawn(move || {
-            let results = if cancel.load(Ordering::Acquire) {
-                (0..owned_keys.len()).map(|_| Err(Error::Cancelled)).collect()
+            let results = if completion.is_cancelled() {
+                (0..owned_keys.len()).map(|_| Err(StoreError::Cancelled.into())).collect()
             } else {
                 let keys: Vec<&[u8]> = owned_keys.iter().map(Vec::as_slice).collect();
                 store.batch_get_into_multi_buffers(&keys, &dsts)
             };
             worker_in_flight.fetch_sub(1, Ordering::AcqRel);
-            cell.fulfil(results);
+            completion.complete(results);
         });
         if let Err(e) = spawned {
             in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::Io(format!("cannot start a ticket thread: {e}")));
+            return Err(StoreError::Io(format!("cannot start a ticket thread: {e}")).into());
         }
         Ok(ticket)
     }
@@ -992,7 +1001,7 @@ impl RemoteStore {
         let limits = self.inner.limits()?;
         let key = match &request {
             Request::Remove { key, .. } | Request::Pin { key } | Request::Unpin { key } => *key,
-            _ => return Err(Error::Internal("not a single-key request")),
+            _ => return Err(StoreError::Internal("not a single-key request").into()),
         };
         self.inner.validate_key(&limits, key)?;
         self.inner.call(op, |conn, rid| {
@@ -1055,7 +1064,7 @@ impl RemoteStore {
                 }));
             }
             if sent.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(ttl_ms)) {
-                results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(Error::LeaseExpired));
+                results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(StoreError::LeaseExpired.into()));
             }
             let leases: Vec<u64> = grants.iter().filter_map(|g| g.as_ref().ok().map(|g| g.lease)).collect();
             if !leases.is_empty() {
@@ -1100,11 +1109,12 @@ impl RemoteStore {
             let (a, b) = chunk.split_at(chunk.len() / 2);
             if a.is_empty() {
                 return vec![
-                    Err(Error::TooLarge {
+                    Err(StoreError::TooLarge {
                         what: "fragment",
                         len: payload_bytes as u64,
                         max: limits.max_payload_bytes.into()
-                    });
+                    }
+                    .into());
                     chunk.len()
                 ];
             }

@@ -16,7 +16,7 @@ use std::path::Path;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use super::protocol::{MAC_BYTES, NONCE_BYTES};
+use crate::protocol::{MAC_BYTES, NONCE_BYTES};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -64,7 +64,7 @@ impl Token {
             return Token::from_file(path).map(|t| (t, false));
         }
         let mut raw = [0u8; 32];
-        super::sock::random_bytes(&mut raw).map_err(|e| format!("getrandom: {e}"))?;
+        crate::sock::random_bytes(&mut raw).map_err(|e| format!("getrandom: {e}"))?;
         let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
         let mut file = std::fs::OpenOptions::new()
             .write(true)

@@ -23,16 +23,16 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::auth::Token;
-use super::protocol::{
+use crate::auth::Token;
+use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, end_frame, FrameHeader, GetItem,
     Grant, Hello, HelloOk, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED,
     HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
-use super::sock::{self, Stream, WakeFlag};
-use super::wire::{FrameIo, WResult, WireError};
-use crate::api::{PutOptions, Store};
-use crate::engine::{Engine, ObjectLease};
+use crate::sock::{self, Stream, WakeFlag};
+use crate::wire::{FrameIo, WResult, WireError};
+use kvtide::{Engine, Error as StoreError, ObjectLease, PutOptions, Store};
+
 use crate::error::{Error, Result};
 
 /// Data chunks up to this size are copied into the write buffer instead of sent on their own.
@@ -227,8 +227,8 @@ impl Owner {
         let arena_bytes = arena.len_bytes() as u64;
         let shm_fd = if config.share_arena && config.unix_socket.is_some() {
             // A descriptor of an unsealed memfd could be reopened for writing: never share one.
-            match super::shm::check_sealed(arena.memfd(), arena_bytes)
-                .and_then(|()| super::shm::reopen_read_only(arena.memfd()))
+            match crate::shm::check_sealed(arena.memfd(), arena_bytes)
+                .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
             {
                 Ok(fd) => Some(fd),
                 Err(e) => {
@@ -247,7 +247,7 @@ impl Owner {
         let limits = Limits {
             max_payload_bytes: config.max_payload_bytes,
             max_items: config.max_items,
-            max_key_bytes: engine.max_key_bytes().min(super::protocol::MAX_WIRE_KEY_BYTES) as u32,
+            max_key_bytes: engine.max_key_bytes().min(crate::protocol::MAX_WIRE_KEY_BYTES) as u32,
             max_value_bytes: engine.max_value_bytes(),
         };
         let shared = Arc::new(Shared {
@@ -387,7 +387,7 @@ fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     if c.max_connections == 0 || c.max_leases_per_connection == 0 || c.max_items == 0 {
         return bad("max_connections, max_leases_per_connection and max_items must be positive".into());
     }
-    if c.chunk_bytes < super::protocol::MIN_CHUNK_BYTES || c.chunk_bytes > c.max_payload_bytes {
+    if c.chunk_bytes < crate::protocol::MIN_CHUNK_BYTES || c.chunk_bytes > c.max_payload_bytes {
         return bad(format!("chunk_bytes = {} must be in 4096..=max_payload_bytes", c.chunk_bytes));
     }
     if c.max_payload_bytes < 64 << 10 || u64::from(c.max_payload_bytes) > c.max_buffered_bytes {
@@ -533,7 +533,7 @@ fn admit(shared: &Arc<Shared>, stream: Stream) -> Option<Stream> {
         if open >= limit {
             drop(conns);
             shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
-            return refuse(stream, &Error::Busy { limit });
+            return refuse(stream, &StoreError::Busy { limit }.into());
         }
         let Ok(clone) = stream.try_clone() else { return None };
         conns.streams.insert(id, clone);
@@ -724,7 +724,7 @@ impl Connection<'_> {
     fn refuse_slot(&mut self, request_id: u64) -> WResult<()> {
         self.shared.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
         let limit = self.config().max_connections;
-        self.push_error(Op::Error, request_id, WHOLE_REQUEST, &Error::Busy { limit });
+        self.push_error(Op::Error, request_id, WHOLE_REQUEST, &StoreError::Busy { limit }.into());
         self.io.flush()?;
         Err(WireError::Closed("no free connection slot".into()))
     }
@@ -880,7 +880,7 @@ impl Connection<'_> {
             self.io.skip(header.payload_len.into())?;
             self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
             let limit = self.config().max_buffered_bytes as usize;
-            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Busy { limit });
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &StoreError::Busy { limit }.into());
             return Ok(Flow::Continue);
         };
         let payload = self.io.read_payload(header.payload_len)?;
@@ -894,7 +894,7 @@ impl Connection<'_> {
             }
         };
         if shutting && !matches!(request, Request::Release { .. }) {
-            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::ShuttingDown);
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &StoreError::ShuttingDown.into());
             return Ok(Flow::Close);
         }
         let engine = Arc::clone(&self.shared.engine);
@@ -906,14 +906,15 @@ impl Connection<'_> {
             Request::Get { lease: true, items } => self.grant(rid, &items),
             Request::GetRanges { keys, fragments } => self.stream_ranges(rid, &keys, &fragments)?,
             Request::Exists { keys } => {
-                let found = engine.batch_exists(&keys);
+                let found: Vec<Result<bool>> =
+                    engine.batch_exists(&keys).into_iter().map(|r| r.map_err(Error::from)).collect();
                 let start = self.io.begin(Op::ExistsReply, rid);
                 encode_exists(self.io.out(), &found);
                 self.io.end(start);
             }
-            Request::Remove { key, force } => self.reply(rid, engine.remove(key, force)),
-            Request::Pin { key } => self.reply(rid, engine.pin(key)),
-            Request::Unpin { key } => self.reply(rid, engine.unpin(key)),
+            Request::Remove { key, force } => self.reply(rid, engine.remove(key, force).map_err(Error::from)),
+            Request::Pin { key } => self.reply(rid, engine.pin(key).map_err(Error::from)),
+            Request::Unpin { key } => self.reply(rid, engine.unpin(key).map_err(Error::from)),
             Request::Stats => match toml::to_string(&engine.stats()) {
                 Ok(text) => self.io.push_frame(Op::StatsReply, rid, text.as_bytes()),
                 Err(e) => self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Remote(format!("stats: {e}"))),
@@ -934,7 +935,12 @@ impl Connection<'_> {
     /// `Get` in lease mode: one grant (or error) per key; the client copies from its mapping.
     fn grant(&mut self, rid: u64, items: &[GetItem<'_>]) {
         if !self.unix || self.shared.shm_fd.is_none() {
-            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::InvalidArgument("no shared memory here".into()));
+            self.push_error(
+                Op::Error,
+                rid,
+                WHOLE_REQUEST,
+                &StoreError::InvalidArgument("no shared memory here".into()).into(),
+            );
             return;
         }
         let engine = Arc::clone(&self.shared.engine);
@@ -943,7 +949,7 @@ impl Connection<'_> {
         for item in items {
             if self.leases.len() >= max {
                 self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
-                grants.push(Err(Error::Busy { limit: max }));
+                grants.push(Err(StoreError::Busy { limit: max }.into()));
                 continue;
             }
             let granted = engine.lease(item.key, u64::from(self.config().lease_ttl_ms)).and_then(|lease| {
@@ -961,7 +967,7 @@ impl Connection<'_> {
                     self.shared.counters.leases_outstanding.fetch_add(1, Ordering::Relaxed);
                     grants.push(Ok(Grant { lease: id, offset, len }));
                 }
-                Err(e) => grants.push(Err(e)),
+                Err(e) => grants.push(Err(e.into())),
             }
         }
         let ttl_ms = self.config().lease_ttl_ms;
@@ -971,15 +977,16 @@ impl Connection<'_> {
     }
 
     /// Where a leased object starts within the shared arena.
-    fn offset_of(&self, lease: &ObjectLease) -> Result<u64> {
+    fn offset_of(&self, lease: &ObjectLease) -> Result<u64, StoreError> {
         if lease.is_empty() {
             return Ok(0);
         }
         let ptr = lease.bytes()?.as_ptr() as usize;
-        let offset = ptr.checked_sub(self.shared.arena_base).ok_or(Error::Internal("lease outside the arena"))? as u64;
+        let offset =
+            ptr.checked_sub(self.shared.arena_base).ok_or(StoreError::Internal("lease outside the arena"))? as u64;
         match offset.checked_add(lease.len()) {
             Some(end) if end <= self.shared.arena_bytes => Ok(offset),
-            _ => Err(Error::Internal("lease outside the arena")),
+            _ => Err(StoreError::Internal("lease outside the arena")),
         }
     }
 
@@ -992,12 +999,12 @@ impl Connection<'_> {
             let lease = match engine.lease(item.key, u64::from(self.config().lease_ttl_ms)) {
                 Ok(l) => l,
                 Err(e) => {
-                    self.push_error(Op::Error, rid, index, &e);
+                    self.push_error(Op::Error, rid, index, &e.into());
                     continue;
                 }
             };
             if let Err(e) = item.check.check(lease.len()) {
-                self.push_error(Op::Error, rid, index, &e);
+                self.push_error(Op::Error, rid, index, &e.into());
                 continue;
             }
             let start = self.io.begin(Op::Object, rid);
@@ -1027,6 +1034,7 @@ impl Connection<'_> {
             let lease = match engine.lease(keys[k], u64::from(self.config().lease_ttl_ms)) {
                 Ok(l) => l,
                 Err(e) => {
+                    let e = Error::from(e);
                     frags.iter().for_each(|&fi| self.push_error(Op::Error, rid, fi as u32, &e));
                     continue;
                 }
@@ -1070,11 +1078,12 @@ impl Connection<'_> {
             let n = chunk.min(end - pos);
             // A chunk send may block for up to the I/O timeout; start it only if the lease
             // surely outlives it.
-            let bytes = if Instant::now() + io_timeout >= lease_end { Err(Error::LeaseExpired) } else { lease.bytes() };
+            let bytes =
+                if Instant::now() + io_timeout >= lease_end { Err(StoreError::LeaseExpired) } else { lease.bytes() };
             let bytes = match bytes {
                 Ok(b) => b,
                 Err(e) => {
-                    self.push_error(Op::Abort, rid, index, &e);
+                    self.push_error(Op::Abort, rid, index, &e.into());
                     return Ok(());
                 }
             };
@@ -1109,7 +1118,7 @@ impl Connection<'_> {
         let mut key = vec![0u8; usize::from(head.key_len)];
         self.io.read_exact(&mut key)?;
         if shutting {
-            self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::ShuttingDown);
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &StoreError::ShuttingDown.into());
             return Ok(Flow::Close);
         }
         let engine = Arc::clone(&self.shared.engine);
@@ -1130,7 +1139,7 @@ impl Connection<'_> {
                     self.io.read_exact(&mut dst[filled as usize..(filled + len) as usize])?;
                     filled += len;
                 }
-                self.reply(rid, pending.commit());
+                self.reply(rid, pending.commit().map_err(Error::from));
             }
             Err(e) => {
                 // Consume the value so the stream stays in sync, then answer.
@@ -1144,7 +1153,7 @@ impl Connection<'_> {
                     self.io.skip(len)?;
                     left -= len;
                 }
-                self.reply(rid, Err(e));
+                self.reply(rid, Err(e.into()));
             }
         }
         Ok(Flow::Continue)

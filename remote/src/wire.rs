@@ -9,9 +9,9 @@ use std::io::{self, IoSlice};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Instant;
 
-use super::protocol::{begin_frame, end_frame, FrameHeader, Limits, Op, ProtocolError, HEADER_BYTES};
-use super::sock::{self, Stream};
-use crate::error::Error;
+use crate::protocol::{begin_frame, end_frame, FrameHeader, Limits, Op, ProtocolError, HEADER_BYTES};
+use crate::sock::{self, Stream};
+use crate::Error;
 
 /// Bytes read per refill when waiting for a header: enough for a whole small reply, small
 /// enough that little of a following bulk payload is copied through the buffer.

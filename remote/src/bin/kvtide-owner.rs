@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use kvtide::remote::{Owner, OwnerSettings, OWNER_USAGE};
 use kvtide::Store;
+use kvtide_remote::{Owner, OwnerSettings, OWNER_USAGE};
 
 fn main() {
     let filter = std::env::var("KVTIDE_LOG").unwrap_or_else(|_| "info".into());
@@ -26,16 +26,11 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    let Some((flags, config_file)) = OwnerSettings::from_args(std::env::args().skip(1))? else {
+    let vars: Vec<(String, String)> = std::env::vars().collect();
+    let Some(settings) = OwnerSettings::load(std::env::args().skip(1), &vars)? else {
         print!("{OWNER_USAGE}");
         return Ok(());
     };
-    let file = match &config_file {
-        Some(path) => OwnerSettings::from_toml_file(path)?,
-        None => OwnerSettings::default(),
-    };
-    let settings = file.overlay(flags);
-    let vars: Vec<(String, String)> = std::env::vars().collect();
     let resolved = settings.resolve(&vars)?;
 
     // Block the stop signals in every thread (shards and connections inherit the mask), and
@@ -51,8 +46,8 @@ fn run() -> Result<(), String> {
         dram_bytes = stats.total.capacity_bytes,
         shards = engine.shard_count(),
         arena = %stats.arena_backing,
-        ssd_dir = ?resolved.store.ssd_dir,
-        ssd_bytes = resolved.store.ssd_dir.as_ref().map(|_| resolved.store.ssd_bytes),
+        ssd_dir = ?resolved.store.ssd.dir,
+        ssd_bytes = resolved.store.ssd.dir.as_ref().map(|_| resolved.store.ssd.bytes),
         max_value_bytes = engine.max_value_bytes(),
         "store open"
     );

@@ -120,10 +120,10 @@ impl ShmMapping {
     /// # Safety
     /// `[dst, dst + len)` must be valid for writes, and `[offset, offset + len)` must be covered
     /// by a lease the owner granted and has not released (so nothing writes it meanwhile).
-    pub(crate) unsafe fn copy_out(&self, offset: u64, len: u64, dst: *mut u8) -> Result<(), crate::error::Error> {
+    pub(crate) unsafe fn copy_out(&self, offset: u64, len: u64, dst: *mut u8) -> Result<(), crate::Error> {
         let end = offset.checked_add(len);
         if end.is_none_or(|end| end > self.len as u64) {
-            return Err(crate::error::Error::Protocol(format!(
+            return Err(crate::Error::Protocol(format!(
                 "grant [{offset}, +{len}) lies outside the {}-byte arena mapping",
                 self.len
             )));

@@ -1,0 +1,26 @@
+//! kvtide-remote: the owner process and its remote clients. Owns the wire protocol, token
+//! authentication, the shared-memory mapping of the arena, sockets and the owner's settings;
+//! never reaches into the engine's shards: the owner uses kvtide's public API (leases,
+//! reservations) like any embedded caller.
+//!
+//! `Owner` serves one `kvtide::Engine` over a Unix socket (the DRAM arena is shared read-only,
+//! so a get costs one copy) and over TCP (token-authenticated); `RemoteStore` implements
+//! `kvtide::Store` against it, so code written for the embedded engine runs unchanged (its
+//! `Error` is this crate's, which wraps `kvtide::Error`). `protocol` is the wire format and its
+//! validation, pure so the fuzz targets can drive it. The binary is `kvtide-owner`.
+
+mod auth;
+mod client;
+mod error;
+pub mod protocol;
+mod server;
+mod settings;
+mod shm;
+mod sock;
+mod wire;
+
+pub use auth::Token;
+pub use client::{ClientOptions, RemoteStore};
+pub use error::{Error, Result};
+pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
+pub use settings::{Flags, OwnerGroup, OwnerSettings, ResolvedOwner, USAGE as OWNER_USAGE};

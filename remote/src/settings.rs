@@ -1,0 +1,532 @@
+//! `OwnerSettings`: what a `kvtide-owner` user fills in, and the derivation of a usable default
+//! for everything left out: a data directory, a DRAM pool sized from available memory (capped),
+//! an SSD tier in the data directory, a Unix socket there, TCP on 127.0.0.1 with a generated
+//! token. Owns the `[owner]` group and the layering of `KVTIDE_*` variables, the TOML file and
+//! flags over the engine's groups (`kvtide::StoreBuilder`) and its own; never starts anything:
+//! `resolve` only decides and creates the data directory and token.
+//!
+//! Precedence: flags > TOML file > `KVTIDE_*` variables > derived defaults. The engine's
+//! settings are the embedded engine's (`[dram]`, `[ssd]`, ... and `KVTIDE_DRAM_BYTES`, ...), so
+//! each of them reaches the owner's engine the same way.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use kvtide::settings::{self, Field, Settings};
+use kvtide::StoreBuilder;
+
+use crate::auth::Token;
+use crate::server::OwnerConfig;
+
+/// Default TCP address: loopback only.
+pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
+/// The derived DRAM pool: a quarter of available memory, within these bounds.
+const DRAM_MIN_BYTES: u64 = 256 << 20;
+const DRAM_MAX_BYTES: u64 = 16 << 30;
+/// The derived SSD tier: an eighth of the free disk space, within these bounds.
+const SSD_MIN_BYTES: u64 = 1 << 30;
+const SSD_MAX_BYTES: u64 = 64 << 30;
+
+kvtide::settings_group! {
+    /// `[owner]`: the owner process's own settings (`KVTIDE_OWNER_*`).
+    pub struct OwnerGroup = "owner" {
+        /// Data directory (SSD tier, socket, token). Default `$KVTIDE_DATA_DIR`, else
+        /// `$XDG_DATA_HOME/kvtide`, else `~/.local/share/kvtide`.
+        data_dir: Option<PathBuf> = None, Path, eg "/tmp/kvtide-owner-settings-example";
+        /// Unix socket path, or "off". Default `<data_dir>/owner.sock`.
+        unix_socket: Option<String> = None, Text, eg "off";
+        /// TCP address, or "off". Default 127.0.0.1:7370.
+        tcp: String = DEFAULT_TCP.into(), Text, eg "127.0.0.1:0";
+        /// Token file for TCP clients. Default `<data_dir>/token`, created (0600) when missing.
+        token_file: Option<PathBuf> = None, Path, eg "/tmp/kvtide-owner-settings-example/other-token";
+        /// Require the token on TCP (default true; false is only accepted on loopback).
+        tcp_auth: bool = true, Bool, eg "false";
+        /// Map the DRAM arena into Unix clients (default true). Every such client can then read
+        /// every object in DRAM; turn it off where clients do not trust each other.
+        share_arena: bool = true, Bool, eg "off";
+        /// An SSD tier in `<data_dir>/ssd` unless `[ssd] dir` names one (default true).
+        ssd: bool = true, Bool, eg "false";
+        /// Connections served at once (default 256).
+        max_connections: usize = OwnerConfig::default().max_connections, Count, eg "64";
+        /// TCP connections still in their handshake (default 32); they never take the slots above.
+        max_unauthenticated_connections: usize = OwnerConfig::default().max_unauthenticated_connections, Count, eg "4";
+        /// Leases one connection may hold (default 4096).
+        max_leases_per_connection: u32 = OwnerConfig::default().max_leases_per_connection, Count, eg "128";
+        /// Largest frame payload (default 4 MiB).
+        max_frame_bytes: u32 = OwnerConfig::default().max_payload_bytes, Bytes, eg "2MiB";
+        /// Bytes of a value per data frame (default 1 MiB).
+        chunk_bytes: u32 = OwnerConfig::default().chunk_bytes, Bytes, eg "512KiB";
+        /// Keys or fragments in one request (default 65536).
+        max_items: u32 = OwnerConfig::default().max_items, Count, eg "1024";
+        /// Request bytes buffered by all connections together (default 256 MiB).
+        max_buffered_bytes: u64 = OwnerConfig::default().max_buffered_bytes, Bytes, eg "64MiB";
+        /// Each connection's guaranteed share of them (default max_buffered_bytes /
+        /// (2 * max_connections)).
+        connection_buffered_bytes: Option<u64> = None, Bytes, eg "256KiB";
+        /// Deadline of one blocking read or write (default 30 s).
+        io_timeout_ms: u64 = OwnerConfig::default().io_timeout_ms, Count, eg "2000";
+        /// Whole handshake, from the accept (default 5 s).
+        handshake_timeout_ms: u64 = OwnerConfig::default().handshake_timeout_ms, Count, eg "300";
+        /// Each frame, from its first byte (default 10 s).
+        payload_timeout_ms: u64 = OwnerConfig::default().payload_timeout_ms, Count, eg "400";
+        /// A connection without a request for this long is closed (default 10 min).
+        idle_timeout_ms: u64 = OwnerConfig::default().idle_timeout_ms, Count, eg "500";
+        /// How long a granted lease stays valid (default 120 s).
+        lease_ttl_ms: u32 = OwnerConfig::default().lease_ttl_ms, Count, eg "60000";
+        /// How long a stop waits for in-flight requests (default 10 s).
+        shutdown_grace_ms: u64 = OwnerConfig::default().shutdown_grace_ms, Count, eg "1000";
+    }
+}
+
+/// Everything `kvtide-owner` reads: the engine's groups and `[owner]`, and which settings were
+/// given (by a variable, the file or a flag) rather than left to their defaults.
+#[derive(Clone, Debug, Default)]
+pub struct OwnerSettings {
+    pub store: StoreBuilder,
+    pub owner: OwnerGroup,
+    given: Vec<(&'static str, &'static str)>,
+}
+
+impl Settings for OwnerSettings {
+    fn groups(&self) -> Vec<(&'static str, &'static [Field])> {
+        let mut groups = self.store.groups();
+        groups.push((<OwnerGroup as settings::SettingGroup>::NAME, <OwnerGroup as settings::SettingGroup>::FIELDS));
+        groups
+    }
+
+    fn set(&mut self, group: &str, field: &str, text: &str) -> Result<bool, String> {
+        if group == <OwnerGroup as settings::SettingGroup>::NAME {
+            settings::SettingGroup::set(&mut self.owner, field, text)
+        } else {
+            self.store.set(group, field, text)
+        }
+    }
+
+    fn show(&self, group: &str, field: &str) -> Option<String> {
+        if group == <OwnerGroup as settings::SettingGroup>::NAME {
+            settings::SettingGroup::show(&self.owner, field)
+        } else {
+            self.store.show(group, field)
+        }
+    }
+}
+
+/// The command line: settings it gives (group, field, value) and the TOML file to read under them.
+#[derive(Clone, Debug, Default)]
+pub struct Flags {
+    pub config: Option<PathBuf>,
+    pub sets: Vec<(&'static str, &'static str, String)>,
+}
+
+/// What `resolve` decided.
+#[derive(Debug)]
+pub struct ResolvedOwner {
+    pub store: StoreBuilder,
+    pub owner: OwnerConfig,
+    pub data_dir: PathBuf,
+    /// Token file in use (TCP with auth), and whether it was just created.
+    pub token_file: Option<(PathBuf, bool)>,
+}
+
+/// Usage text of `kvtide-owner`.
+pub const USAGE: &str = "\
+kvtide-owner: serve a kvtide store to other processes (Unix socket + shared memory) and hosts (TCP)
+
+USAGE: kvtide-owner [OPTIONS]
+
+  --config FILE            TOML settings: [owner] (the names below and the limits) and the
+                           engine's [dram], [ssd], [restore], [gpu], [runtime]
+  --data-dir DIR           data directory (SSD tier, socket, token)
+  --unix PATH|off          Unix socket (default <data-dir>/owner.sock)
+  --tcp ADDR|off           TCP address (default 127.0.0.1:7370)
+  --token-file FILE        token TCP clients must know (default <data-dir>/token, created)
+  --no-auth                TCP without a token (loopback addresses only)
+  --no-shared-arena        do not map the arena into Unix clients (they get socket copies;
+                           otherwise every Unix client can read every object in DRAM)
+  --no-ssd                 DRAM only
+  --dram-bytes SIZE        DRAM pool (default: 1/4 of available memory, 256MiB..16GiB)
+  --ssd-bytes SIZE         SSD tier (default: 1/8 of free disk, 1GiB..64GiB)
+  --shards N               shards (default: one per CPU)
+  --max-connections N      connections served at once (default 256)
+  -h, --help               this text
+
+Every setting is also a variable KVTIDE_<SECTION>_<KEY> (KVTIDE_DRAM_BYTES=8GiB,
+KVTIDE_SSD_WRITE_THROUGH=true, KVTIDE_OWNER_TCP=off, ...); an unknown one is an error.
+KVTIDE_LOG sets the log filter.
+";
+
+impl OwnerSettings {
+    /// Parses command-line flags (without the program name). `Ok(None)` means help was asked for.
+    pub fn parse_flags(args: impl IntoIterator<Item = String>) -> Result<Option<Flags>, String> {
+        let mut flags = Flags::default();
+        let mut args = args.into_iter();
+        while let Some(arg) = args.next() {
+            let (flag, inline) = match arg.split_once('=') {
+                Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+                _ => (arg.clone(), None),
+            };
+            let mut value = |name: &str| -> Result<String, String> {
+                inline.clone().or_else(|| args.next()).ok_or_else(|| format!("{name} needs a value"))
+            };
+            let (group, field, text) = match flag.as_str() {
+                "-h" | "--help" => return Ok(None),
+                "--config" => {
+                    flags.config = Some(PathBuf::from(value(&flag)?));
+                    continue;
+                }
+                "--data-dir" => ("owner", "data_dir", value(&flag)?),
+                "--unix" => ("owner", "unix_socket", value(&flag)?),
+                "--tcp" => ("owner", "tcp", value(&flag)?),
+                "--token-file" => ("owner", "token_file", value(&flag)?),
+                "--no-auth" => ("owner", "tcp_auth", "false".into()),
+                "--no-shared-arena" | "--no-shm" => ("owner", "share_arena", "false".into()),
+                "--no-ssd" => ("owner", "ssd", "false".into()),
+                "--dram-bytes" => ("dram", "bytes", value(&flag)?),
+                "--ssd-bytes" => ("ssd", "bytes", value(&flag)?),
+                "--shards" => ("runtime", "shards", value(&flag)?),
+                "--max-connections" => ("owner", "max_connections", value(&flag)?),
+                other => return Err(format!("unknown option {other:?} (try --help)")),
+            };
+            flags.sets.push((group, field, text));
+        }
+        Ok(Some(flags))
+    }
+
+    /// Variables, then the TOML text, then the flags, each over the previous (the file named
+    /// by `flags.config` is not read here: pass its text).
+    pub fn layered(vars: &[(String, String)], toml: Option<&str>, flags: &Flags) -> Result<OwnerSettings, String> {
+        let mut s = OwnerSettings::default();
+        let mut given = settings::apply_variables(&mut s, vars.iter().cloned())?;
+        if let Some(text) = toml {
+            given.extend(settings::apply_toml(&mut s, text)?);
+        }
+        for (group, field, text) in &flags.sets {
+            let flag_name = format!("[{group}] {field}");
+            if !s.set(group, field, text).map_err(|why| format!("{flag_name} = {text:?}: {why}"))? {
+                return Err(format!("no setting {flag_name}"));
+            }
+            given.push((group, field));
+        }
+        s.given = given;
+        Ok(s)
+    }
+
+    /// Flags, the file they name and the process's variables: what `kvtide-owner` runs with.
+    /// `Ok(None)` means help was asked for.
+    pub fn load(
+        args: impl IntoIterator<Item = String>,
+        vars: &[(String, String)],
+    ) -> Result<Option<OwnerSettings>, String> {
+        let Some(flags) = OwnerSettings::parse_flags(args)? else { return Ok(None) };
+        let text = match &flags.config {
+            Some(path) => {
+                Some(std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?)
+            }
+            None => None,
+        };
+        let settings = OwnerSettings::layered(vars, text.as_deref(), &flags).map_err(|e| match &flags.config {
+            Some(path) => format!("{}: {e}", path.display()),
+            None => e,
+        })?;
+        Ok(Some(settings))
+    }
+
+    /// True when `[group] field` was given rather than left to its default.
+    pub fn is_given(&self, group: &str, field: &str) -> bool {
+        self.given.iter().any(|(g, f)| *g == group && *f == field)
+    }
+
+    /// Derives everything left out, creates the data directory (0700) and, for TCP with
+    /// authentication, the token file when missing. `vars` are the environment variables.
+    pub fn resolve(&self, vars: &[(String, String)]) -> Result<ResolvedOwner, String> {
+        let env = |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let o = &self.owner;
+        let data_dir = match (&o.data_dir, env("KVTIDE_DATA_DIR")) {
+            (Some(d), _) => d.clone(),
+            (None, Some(d)) => PathBuf::from(d),
+            (None, None) => default_data_dir(&env),
+        };
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&data_dir)
+            .map_err(|e| format!("cannot create data directory {}: {e}", data_dir.display()))?;
+
+        let mut store = self.store.clone();
+        if !self.is_given("dram", "bytes") {
+            store.dram.bytes = derived_dram_bytes();
+        }
+        if o.ssd && store.ssd.dir.is_none() {
+            let bytes =
+                if self.is_given("ssd", "bytes") { Some(store.ssd.bytes) } else { derived_ssd_bytes(&data_dir) };
+            if let Some(bytes) = bytes {
+                store.ssd.bytes = bytes;
+                store.ssd.dir = Some(data_dir.join("ssd"));
+            } else {
+                tracing::warn!(dir = %data_dir.display(), "too little free disk space for an SSD tier; DRAM only");
+            }
+        } else if !o.ssd {
+            store.ssd.dir = None;
+        }
+
+        let off = |v: &str| v.eq_ignore_ascii_case("off");
+        let unix_socket = match o.unix_socket.as_deref() {
+            Some(v) if off(v) => None,
+            Some(v) => Some(PathBuf::from(v)),
+            None => Some(data_dir.join("owner.sock")),
+        };
+        let tcp = if off(&o.tcp) {
+            None
+        } else {
+            Some(o.tcp.parse::<SocketAddr>().map_err(|e| format!("[owner] tcp {:?}: {e}", o.tcp))?)
+        };
+        let mut owner = OwnerConfig {
+            unix_socket,
+            tcp,
+            share_arena: o.share_arena,
+            max_connections: o.max_connections,
+            max_unauthenticated_connections: o.max_unauthenticated_connections,
+            max_leases_per_connection: o.max_leases_per_connection,
+            max_payload_bytes: o.max_frame_bytes,
+            chunk_bytes: o.chunk_bytes,
+            max_items: o.max_items,
+            max_buffered_bytes: o.max_buffered_bytes,
+            connection_buffered_bytes: o.connection_buffered_bytes,
+            io_timeout_ms: o.io_timeout_ms,
+            handshake_timeout_ms: o.handshake_timeout_ms,
+            payload_timeout_ms: o.payload_timeout_ms,
+            idle_timeout_ms: o.idle_timeout_ms,
+            lease_ttl_ms: o.lease_ttl_ms,
+            shutdown_grace_ms: o.shutdown_grace_ms,
+            ..OwnerConfig::default()
+        };
+        let mut token_file = None;
+        if tcp.is_some() {
+            if !o.tcp_auth {
+                owner.allow_unauthenticated_loopback = true;
+            } else {
+                let path = o.token_file.clone().unwrap_or_else(|| data_dir.join("token"));
+                let (token, created) = Token::load_or_create(&path)?;
+                owner.tcp_token = Some(token);
+                token_file = Some((path, created));
+            }
+        }
+        Ok(ResolvedOwner { store, owner, data_dir, token_file })
+    }
+}
+
+fn default_data_dir(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
+    if let Some(xdg) = env("XDG_DATA_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(xdg).join("kvtide");
+    }
+    if let Some(home) = env("HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(home).join(".local/share/kvtide");
+    }
+    // SAFETY: getuid has no inputs and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    std::env::temp_dir().join(format!("kvtide-{uid}"))
+}
+
+/// A quarter of `MemAvailable`, within bounds (the minimum when it cannot be read).
+fn derived_dram_bytes() -> u64 {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+    });
+    available.map_or(DRAM_MIN_BYTES, |a| (a / 4).clamp(DRAM_MIN_BYTES, DRAM_MAX_BYTES))
+}
+
+/// An eighth of the free space under `dir`, within bounds; None when that is below the minimum.
+fn derived_ssd_bytes(dir: &Path) -> Option<u64> {
+    let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs is plain data; the call fills it for a valid NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    let want = free / 8;
+    (want >= SSD_MIN_BYTES).then(|| want.min(SSD_MAX_BYTES))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvtide-settings-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn vars(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    fn flags(args: &[&str]) -> Flags {
+        OwnerSettings::parse_flags(args.iter().map(|a| a.to_string())).expect("args").expect("not help")
+    }
+
+    fn in_dir(dir: &Path, rest: &str) -> String {
+        format!("[owner]\ndata_dir = {:?}\n{rest}", dir.display().to_string())
+    }
+
+    #[test]
+    fn defaults_are_usable_and_secure() {
+        let dir = temp_dir("defaults");
+        let s = OwnerSettings::layered(&[], Some(&in_dir(&dir, "")), &Flags::default()).expect("settings");
+        let r = s.resolve(&[]).expect("resolve");
+        assert_eq!(r.owner.unix_socket, Some(dir.join("owner.sock")));
+        assert_eq!(r.owner.tcp, Some(DEFAULT_TCP.parse().expect("addr")));
+        assert!(r.owner.tcp_token.is_some(), "TCP requires a token by default");
+        assert!(r.token_file.as_ref().is_some_and(|(_, created)| *created));
+        assert!((DRAM_MIN_BYTES..=DRAM_MAX_BYTES).contains(&r.store.dram.bytes));
+        let o = &r.owner;
+        assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
+        assert_eq!((o.max_buffered_bytes, o.connection_share_bytes()), (256 << 20, 512 << 10));
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (5_000, 10_000, 600_000));
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        // The second start reads the same token.
+        let r2 = s.resolve(&[]).expect("resolve again");
+        assert_eq!(r2.owner.tcp_token, r.owner.tcp_token);
+        assert!(r2.token_file.is_some_and(|(_, created)| !created));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn flags_override_file_override_env() {
+        let dir = temp_dir("override");
+        let file =
+            in_dir(&dir, "tcp = \"off\"\nssd = false\n[dram]\nbytes = \"64MiB\"\n[runtime]\nmax_key_bytes = 200\n");
+        let f = flags(&["--dram-bytes", "32MiB", "--shards=2", "--unix", "off", "--tcp", "127.0.0.1:0", "--no-auth"]);
+        assert!(f.config.is_none());
+        let env = vars(&[("KVTIDE_DRAM_BYTES", "1GiB"), ("KVTIDE_RUNTIME_MAX_KEY_BYTES", "100")]);
+        let s = OwnerSettings::layered(&env, Some(&file), &f).expect("settings");
+        let r = s.resolve(&env).expect("resolve");
+        assert_eq!(r.store.dram.bytes, 32 << 20);
+        assert_eq!(r.store.runtime.shards, Some(2));
+        assert_eq!(r.store.runtime.max_key_bytes, 200);
+        assert!(r.store.ssd.dir.is_none());
+        assert!(r.owner.unix_socket.is_none());
+        assert!(r.owner.allow_unauthenticated_loopback && r.owner.tcp_token.is_none());
+        assert!(r.owner.share_arena, "shared by default");
+        let limits = in_dir(
+            &dir,
+            "tcp = \"off\"\nssd = false\nmax_unauthenticated_connections = 4\nconnection_buffered_bytes = \
+             \"256KiB\"\nhandshake_timeout_ms = 300\npayload_timeout_ms = 400\nidle_timeout_ms = 500\n",
+        );
+        let o =
+            OwnerSettings::layered(&env, Some(&limits), &f).expect("settings").resolve(&env).expect("resolve").owner;
+        assert_eq!(o.max_unauthenticated_connections, 4);
+        assert_eq!(o.connection_share_bytes(), 256 << 10);
+        assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (300, 400, 500));
+        assert!(OwnerSettings::parse_flags(["--bogus".to_string()]).is_err());
+        assert!(OwnerSettings::parse_flags(["--help".to_string()]).expect("help").is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_arena_mapping_can_be_turned_off() {
+        let dir = temp_dir("share-arena");
+        let base = in_dir(&dir, "tcp = \"off\"\nssd = false\n");
+        let s = OwnerSettings::layered(&[], Some(&format!("{base}share_arena = false\n")), &Flags::default())
+            .expect("settings");
+        assert!(!s.resolve(&[]).expect("resolve").owner.share_arena, "[owner] share_arena = false");
+        let env = vars(&[("KVTIDE_OWNER_SHARE_ARENA", "off")]);
+        let s = OwnerSettings::layered(&env, Some(&base), &Flags::default()).expect("settings");
+        assert!(!s.resolve(&env).expect("resolve").owner.share_arena, "KVTIDE_OWNER_SHARE_ARENA=off");
+        for flag in ["--no-shared-arena", "--no-shm"] {
+            let s = OwnerSettings::layered(&[], Some(&base), &flags(&[flag])).expect("settings");
+            assert!(!s.resolve(&[]).expect("resolve").owner.share_arena, "{flag}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn every_setting_reaches_the_owner_as_a_variable_and_in_toml() {
+        let defaults = OwnerSettings::default();
+        let mut env = Vec::new();
+        let mut text = String::new();
+        for (group, fields) in defaults.groups() {
+            text.push_str(&format!("[{group}]\n"));
+            for f in fields {
+                env.push((settings::variable_name(group, f.name), f.example.to_string()));
+                let value = match f.kind {
+                    settings::Kind::Count | settings::Kind::Fraction => f.example.to_string(),
+                    settings::Kind::Bool => settings::parse_bool(f.example).expect("boolean").to_string(),
+                    _ => format!("{:?}", f.example),
+                };
+                text.push_str(&format!("{} = {value}\n", f.name));
+            }
+        }
+        let by_env = OwnerSettings::layered(&env, None, &Flags::default()).expect("every variable");
+        let by_toml = OwnerSettings::layered(&[], Some(&text), &Flags::default()).expect("every key");
+        let mut count = 0;
+        for (group, fields) in defaults.groups() {
+            for f in fields {
+                let default = defaults.show(group, f.name);
+                let (e, t) = (by_env.show(group, f.name), by_toml.show(group, f.name));
+                assert_ne!(e, default, "[{group}] {}: the variable did not arrive", f.name);
+                assert_eq!(e, t, "[{group}] {}: the variable and the TOML key disagree", f.name);
+                assert!(by_env.is_given(group, f.name) && by_toml.is_given(group, f.name));
+                count += 1;
+            }
+        }
+        assert_eq!(count, StoreBuilder::fields().len() + <OwnerGroup as settings::SettingGroup>::FIELDS.len());
+        // What the owner resolves carries them (its data directory is the example's).
+        let r = by_env.resolve(&env).expect("resolve");
+        assert_eq!(r.store.dram.bytes, 64 << 20, "given, so not derived");
+        assert_eq!(r.store.ssd.bytes, 256 << 20);
+        assert!(r.store.ssd.dir.is_none(), "[owner] ssd = false: DRAM only, even with [ssd] dir");
+        assert!(r.owner.unix_socket.is_none() && r.owner.allow_unauthenticated_loopback);
+        assert_eq!((r.owner.max_connections, r.owner.max_items, r.owner.shutdown_grace_ms), (64, 1024, 1000));
+        assert_eq!((r.owner.max_payload_bytes, r.owner.chunk_bytes), (2 << 20, 512 << 10));
+        let _ = std::fs::remove_dir_all("/tmp/kvtide-owner-settings-example");
+    }
+
+    #[test]
+    fn the_owner_engine_sees_kvtide_ssd_bytes_and_every_engine_variable() {
+        let dir = temp_dir("ssd-bytes");
+        let env = vars(&[
+            ("KVTIDE_SSD_BYTES", "3GiB"),
+            ("KVTIDE_SSD_WRITE_THROUGH", "true"),
+            ("KVTIDE_RUNTIME_IDLE_SPIN_US", "7"),
+        ]);
+        let s =
+            OwnerSettings::layered(&env, Some(&in_dir(&dir, "tcp = \"off\"\n")), &Flags::default()).expect("settings");
+        let r = s.resolve(&env).expect("resolve");
+        assert_eq!(r.store.ssd.bytes, 3 << 30, "KVTIDE_SSD_BYTES, not a default");
+        assert_eq!(r.store.ssd.dir, Some(dir.join("ssd")));
+        assert!(r.store.ssd.write_through);
+        assert_eq!(r.store.runtime.idle_spin_us, 7);
+        // A flag beats the variable.
+        let s = OwnerSettings::layered(&env, Some(&in_dir(&dir, "tcp = \"off\"\n")), &flags(&["--ssd-bytes", "2GiB"]))
+            .expect("settings");
+        assert_eq!(s.resolve(&env).expect("resolve").store.ssd.bytes, 2 << 30);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn unknown_owner_names_fail_with_the_closest_valid_one() {
+        let e = OwnerSettings::layered(&vars(&[("KVTIDE_OWNER_TCPP", "off")]), None, &Flags::default())
+            .expect_err("unknown");
+        assert_eq!(e, "unknown variable KVTIDE_OWNER_TCPP; did you mean KVTIDE_OWNER_TCP?");
+        let e = OwnerSettings::layered(&vars(&[("KVTIDE_WRITE_THROUGH", "1")]), None, &Flags::default())
+            .expect_err("unknown");
+        assert!(e.ends_with("did you mean KVTIDE_SSD_WRITE_THROUGH?"), "{e}");
+        let e = OwnerSettings::layered(&[], Some("[owner]\nmax_conections = 3\n"), &Flags::default())
+            .expect_err("unknown key");
+        assert!(e.contains("did you mean max_connections?"), "{e}");
+        // The file format before sections: a top-level key names its section.
+        let e = OwnerSettings::layered(&[], Some("tcp = \"off\"\n"), &Flags::default()).expect_err("no section");
+        assert!(e.contains("did you mean [owner] tcp?"), "{e}");
+        let ok = vars(&[("KVTIDE_LOG", "debug"), ("KVTIDE_DATA_DIR", "/x"), ("KVTIDE_TOKEN_FILE", "/t")]);
+        OwnerSettings::layered(&ok, None, &Flags::default()).expect("non-setting variables are ignored");
+    }
+}

@@ -1,0 +1,94 @@
+//! Through the owner process on the real disk: objects a client saw acknowledged (write-through)
+//! survive SIGKILL of `kvtide-owner` while their segments are reclaimed, and the advertised
+//! maximum value is storable through it.
+
+#[path = "../../engine/tests/common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::churn::{once_key, CHURN_BYTES, CHURN_KEYS, CHURN_PUTS, HOT_BYTES, ONCE, ONCE_BYTES};
+use common::value_for;
+use kvtide::{PutOptions, Store};
+use kvtide_remote::RemoteStore;
+
+fn tmp(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("kvtide-owner-durability-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    p
+}
+
+/// Starts `kvtide-owner` on `dir` (write-through, 1 shard, 32 MiB DRAM, 64 MiB SSD in 4 MiB
+/// segments, Unix socket only) and waits until a client can connect.
+fn start_owner(dir: &Path) -> (std::process::Child, RemoteStore) {
+    std::fs::create_dir_all(dir).expect("data dir");
+    let config = dir.join("owner.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[owner]\ndata_dir = {:?}\ntcp = \"off\"\n[dram]\nbytes = \"32MiB\"\n[ssd]\nbytes = \"64MiB\"\n\
+             segment_bytes = \"4MiB\"\nwrite_through = true\n[runtime]\nshards = 1\npin_threads = false\n",
+            dir.display().to_string()
+        ),
+    )
+    .expect("config");
+    let child = Command::new(env!("CARGO_BIN_EXE_kvtide-owner"))
+        .args(["--config", &config.display().to_string()])
+        .env("KVTIDE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvtide-owner");
+    let socket = format!("unix:{}", dir.join("owner.sock").display());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match RemoteStore::connect(&socket) {
+            Ok(store) => return (child, store),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "owner never served: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+#[test]
+fn through_the_owner_acknowledged_objects_survive_sigkill_and_the_maximum_is_storable() {
+    let dir = tmp("owner-kill");
+    let (mut owner, store) = start_owner(&dir);
+    store.put(b"hot/object", &value_for(b"hot/object", 1, HOT_BYTES), PutOptions::INSERT).expect("hot");
+    for i in 0..ONCE {
+        store.put(&once_key(i), &value_for(&once_key(i), 1, ONCE_BYTES), PutOptions::INSERT).expect("once");
+    }
+    for n in 0..CHURN_PUTS / 2 {
+        let key = format!("churn/{}", n % CHURN_KEYS).into_bytes();
+        store.put(&key, &value_for(&key, n, CHURN_BYTES), PutOptions::UPSERT).expect("churn");
+    }
+    // The advertised maximum through the owner, and put-and-pin.
+    let max = store.max_value_bytes().expect("limits") as usize;
+    let big = value_for(b"max", 3, max);
+    store.put(b"max", &big, PutOptions::INSERT).unwrap_or_else(|e| panic!("put of max_value_bytes ({max}): {e}"));
+    assert_eq!(store.get(b"max").expect("read right after the put"), big);
+    store.put(b"pinned", &[7u8; 4096], PutOptions::INSERT.pinned()).expect("put and pin");
+    assert_eq!(store.unpin(b"pinned"), Ok(()), "the put pinned it once");
+    let s = store.stats().total;
+    assert!(s.segments_reclaimed > 5, "the churn must reclaim segments: {s:?}");
+    assert_eq!(s.ssd_evictions, 0, "{s:?}");
+    owner.kill().expect("SIGKILL the owner");
+    owner.wait().expect("reap");
+    drop(store);
+    let (mut owner, store) = start_owner(&dir);
+    let hot = store.get(b"hot/object").expect("hot/object after SIGKILL of the owner");
+    assert_eq!(hot, value_for(b"hot/object", 1, HOT_BYTES));
+    for i in 0..ONCE {
+        assert_eq!(
+            store.get(&once_key(i)).unwrap_or_else(|e| panic!("once/{i} lost with the owner: {e}")),
+            value_for(&once_key(i), 1, ONCE_BYTES)
+        );
+    }
+    owner.kill().expect("stop the owner");
+    owner.wait().expect("reap");
+    let _ = std::fs::remove_dir_all(&dir);
+}
