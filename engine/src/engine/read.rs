@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kvtide_transport::{Direction, EarlyStart, MemoryKind, Piece, Region, Transfer};
+use xxhash_rust::xxh3::Xxh3Builder;
 
 use super::gpu::Timing;
 use super::transports::{KeepAwake, Route, Transports};
@@ -117,20 +118,19 @@ impl Engine {
         let _awake = KeepAwake::new(self, &targets.routes);
         let mut results: Vec<Result<usize>> = (0..slots.len()).map(|_| pending()).collect();
         // Each distinct key is leased once; its slots read under that lease.
-        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-        let mut keys: Vec<&[u8]> = Vec::new();
-        let mut slots_of: Vec<Vec<usize>> = Vec::new();
+        let mut key_index: HashMap<&[u8], usize, Xxh3Builder> =
+            HashMap::with_capacity_and_hasher(slots.len(), Xxh3Builder::new());
+        let mut keys: Vec<&[u8]> = Vec::with_capacity(slots.len());
+        let mut key_of_slot: Vec<usize> = vec![usize::MAX; slots.len()];
         for (s, slot) in slots.iter().enumerate() {
             if let Err(e) = self.validate_key(slot.key) {
                 results[s] = Err(e);
                 continue;
             }
-            let k = *key_index.entry(slot.key).or_insert_with(|| {
+            key_of_slot[s] = *key_index.entry(slot.key).or_insert_with(|| {
                 keys.push(slot.key);
-                slots_of.push(Vec::new());
                 keys.len() - 1
             });
-            slots_of[k].push(s);
         }
         let mut remaining: Vec<usize> = (0..keys.len()).collect();
         let mut first_round = true;
@@ -140,12 +140,22 @@ impl Engine {
             let (grants, leases) = pending_leases.wait();
             let granted_at = Instant::now();
             let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; slots.len()];
+            let mut in_round = vec![false; keys.len()];
             let mut retry = Vec::new();
             for &k in &remaining {
+                in_round[k] = true;
+                if let Some(Err(Error::NoSpace)) = grants.get(&k) {
+                    retry.push(k);
+                }
+            }
+            for (s, &k) in key_of_slot.iter().enumerate() {
+                if k == usize::MAX || !in_round[k] {
+                    continue;
+                }
                 match grants.get(&k) {
-                    Some(Err(Error::NoSpace)) => retry.push(k),
-                    Some(grant) => slots_of[k].iter().for_each(|&s| grant_of[s] = Some(grant)),
-                    None => slots_of[k].iter().for_each(|&s| results[s] = Err(Error::Internal("key was not leased"))),
+                    Some(Err(Error::NoSpace)) => {}
+                    Some(grant) => grant_of[s] = Some(grant),
+                    None => results[s] = Err(Error::Internal("key was not leased")),
                 }
             }
             // The first bytes may start moving before the destinations are checked.
@@ -165,8 +175,10 @@ impl Engine {
             // Keys that did not fit beside the rest get another round once this round's leases
             // are gone, as long as rounds make progress.
             if retry.len() == remaining.len() {
-                for k in retry {
-                    slots_of[k].iter().for_each(|&s| results[s] = Err(Error::NoSpace));
+                for (s, &k) in key_of_slot.iter().enumerate() {
+                    if k != usize::MAX && in_round[k] && grant_of[s].is_none() {
+                        results[s] = Err(Error::NoSpace);
+                    }
                 }
                 break;
             }
