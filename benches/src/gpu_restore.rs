@@ -1,5 +1,5 @@
 //! `gpu-restore` (feature `cuda`): an SSD-resident batch restored into fragmented GPU pages
-//! three ways (issue 5 on the H200): barrier (load everything, then transfer everything),
+//! three ways (on a GPU machine): barrier (load everything, then transfer everything),
 //! serialized sub-batches and pipelined sub-batches (the shard loads sub-batch i+1 while
 //! sub-batch i goes to the GPU). Baselines in the same run and process:
 //! - load-only: the same SSD-resident restore into host buffers through a transfer stage that
@@ -12,7 +12,7 @@
 //! SSD, staging on) gets one batch of stamped objects; transfer-only runs; filler pushes the batch
 //! to the SSD and is removed; then each mode and load-only run `--iters` times after a warm-up.
 //! The device pool is checked byte for byte after each mode, and `stats().loads` shows that every
-//! key came from the SSD. Target (seed 003): pipelined at most 1.15 x max(load-only,
+//! key came from the SSD. Bound: pipelined at most 1.15 x max(load-only,
 //! transfer-only) plus one sub-batch's transfer, where the barrier pays their sum.
 
 use std::path::PathBuf;

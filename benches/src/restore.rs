@@ -1,4 +1,4 @@
-//! `restore`: the same SSD-resident batch restored three ways (issue 5, seed 003): barrier (load
+//! `restore`: the same SSD-resident batch restored three ways: barrier (load
 //! everything, then transfer everything), serialized sub-batches (load, transfer, load, ...) and
 //! pipelined sub-batches (load sub-batch i+1 while sub-batch i transfers), with host
 //! destinations and a transfer stage throttled to `--transfer-gbps` to model a PCIe link at the

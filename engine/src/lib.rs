@@ -1,9 +1,10 @@
 //! kvtide: a storage engine for LLM KV cache.
 //!
-//! Inference workers save KV blocks into it and load them back (into host buffers now, GPU
-//! pages with the CUDA transport) when a prompt prefix is reused. Shard-per-core executors each
-//! own an io_uring ring, a slice of one DRAM arena and their part of the index; callers batch
-//! one message per shard and copy bytes themselves under leases the shards grant.
+//! Inference workers save KV blocks into it and load them back (into host buffers, or GPU pages
+//! through the CUDA transport, feature `cuda`) when a prompt prefix is reused. Shard-per-core
+//! executors each own an io_uring ring, a slice of one DRAM arena and their part of the index;
+//! callers batch one message per shard and move bytes themselves, through the transports, under
+//! leases the shards grant. The owner process and remote clients live in crate `kvtide-remote`.
 //!
 //! ```no_run
 //! use kvtide::{PutOptions, Region, Store, StoreBuilder};

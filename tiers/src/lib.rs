@@ -1,9 +1,10 @@
 //! kvtide-tiers: where kvtide's bytes rest.
 //!
 //! Owns the DRAM arena (one mmap, split into per-shard slices), the O(1) offset allocator
-//! that carves a slice, and the eviction policies that choose what leaves DRAM. It never
-//! reaches up into the engine: it knows offsets, sizes and entry ids, not keys' meaning,
-//! leases or requests. The SSD tier joins it later.
+//! that carves a slice, the eviction policies that choose what leaves DRAM, and the SSD tier's
+//! parts (record format, segment table, data directory, recovery scan, disk operations and the
+//! seeded simulated disk). It never reaches up into the engine: it knows offsets, sizes and
+//! entry ids, not keys' meaning, leases or requests.
 
 pub mod dram;
 pub mod eviction;

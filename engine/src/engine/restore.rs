@@ -1,4 +1,4 @@
-//! Pipelined restore of SSD-resident batches (seed 003).
+//! Pipelined restore of SSD-resident batches.
 //!
 //! Owns planning (whole-object sub-batches per shard, by bytes and count), the two stages (the
 //! shard loads sub-batch i+1 from SSD into DRAM while the calling thread transfers sub-batch i to

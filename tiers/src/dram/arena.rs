@@ -170,7 +170,7 @@ impl Arena {
         self.backing
     }
 
-    /// The memfd behind the mapping (for sharing with other processes later).
+    /// The memfd behind the mapping (shared with other processes by the owner).
     pub fn memfd(&self) -> &OwnedFd {
         &self.memfd
     }
