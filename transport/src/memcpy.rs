@@ -156,6 +156,41 @@ mod tests {
     }
 
     #[test]
+    fn the_transport_reports_per_transfer_and_copies_nothing_of_a_bad_one() {
+        let object: Vec<u8> = (0..32u8).collect();
+        let mut a = vec![0u8; 16];
+        let mut b = vec![0u8; 16];
+        let piece = |host_offset, buf: &mut Vec<u8>, len| crate::Piece {
+            host_offset,
+            addr: buf.as_mut_ptr() as u64,
+            len,
+            kind: MemoryKind::Host,
+        };
+        let good = Transfer { host: object.as_ptr() as u64, host_len: 32, pieces: vec![piece(8, &mut a, 16)] };
+        // The second piece reaches past the object: the whole transfer fails, nothing lands.
+        let bad = Transfer {
+            host: object.as_ptr() as u64,
+            host_len: 32,
+            pieces: vec![piece(0, &mut b, 8), piece(30, &mut b, 4)],
+        };
+        // SAFETY: every buffer is a live local untouched until `wait` returned.
+        let results =
+            unsafe { MemcpyTransport.submit(Direction::HostToDevice, &[good, bad], None) }.expect("submit").wait();
+        assert_eq!(results[0], Ok(()));
+        assert!(matches!(results[1], Err(TransportError::Region(_))));
+        assert_eq!(&a[..], &object[8..24]);
+        assert!(b.iter().all(|&x| x == 0));
+        // Gathering back into an object.
+        let mut into = vec![0u8; 16];
+        let gather = Transfer { host: into.as_mut_ptr() as u64, host_len: 16, pieces: vec![piece(0, &mut a, 16)] };
+        // SAFETY: as above.
+        let results =
+            unsafe { MemcpyTransport.submit(Direction::DeviceToHost, &[gather], None) }.expect("submit").wait();
+        assert_eq!(results, vec![Ok(())]);
+        assert_eq!(&into[..], &object[8..24]);
+    }
+
+    #[test]
     fn device_regions_are_refused_without_cuda() {
         let src_buf = [1u8; 8];
         let src = Region::host_readonly(&src_buf);

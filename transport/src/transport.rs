@@ -6,6 +6,12 @@
 //! A CPU copy completes inside `submit`; the CUDA transport completes on events; a transport
 //! whose completions arrive from a NIC or a socket implements `Progress` the same way. It never
 //! takes leases or looks up objects: the caller keeps the host bytes valid until completion.
+//!
+//! Completion is per transfer, so a caller that wants per-chunk completion (progressive
+//! loads) submits an object as several transfers (`Transfer::split`) and sees each land on its
+//! own. A transport bound to a caller's ordering (a caller-supplied CUDA stream) is a transport
+//! value built for that caller, e.g. a `CudaCopier` carrying the stream: the engine picks the
+//! transport per call (`RestoreOptions::host_transport` shows the pattern for host memory).
 
 use std::any::Any;
 use std::time::{Duration, Instant};
