@@ -8,6 +8,7 @@ pub mod record;
 pub mod recovery;
 pub mod segments;
 pub mod sim;
+pub mod tier;
 
 pub use disk::{DiskCompletion, DiskIo, DiskOp, DiskOpKind, FileId};
 pub use files::{DataDir, DataDirError, ShardFiles};
@@ -15,3 +16,4 @@ pub use record::{RecordError, RecordKind, BLOCK_BYTES};
 pub use recovery::{scan_segment, Discarded, FoundRecord, SegmentScan};
 pub use segments::{Append, AppendError, SegmentTable, SsdLocation};
 pub use sim::{SimDisk, SimFaults, SimRng};
+pub use tier::{IoFailure, Placement, Recovered, SsdTier, TierConfig, TierCounters, TierEvent, TombstonesFull};
