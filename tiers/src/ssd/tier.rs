@@ -336,6 +336,11 @@ impl SsdTier {
         self.ios.is_empty() && self.outbox.is_empty()
     }
 
+    /// Operations queued and not yet handed out by `take_disk_ops`.
+    pub fn queued_ops(&self) -> usize {
+        self.outbox.len()
+    }
+
     /// Operations queued or submitted and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.ios.len()
@@ -638,6 +643,12 @@ impl SsdTier {
         self.tombstone_room()?;
         self.tombstones.push_back(PendingTombstone { key: key.into(), seq, tries: 0 });
         Ok(())
+    }
+
+    /// Queues a tombstone even past the bound: for a key already gone from the caller's index
+    /// (a put that could not be made durable), whose tombstone must not be dropped.
+    pub fn must_queue_tombstone(&mut self, key: &[u8], seq: u64) {
+        self.tombstones.push_back(PendingTombstone { key: key.into(), seq, tries: 0 });
     }
 
     /// `TombstonesFull` when `queue_tombstone` would refuse.
