@@ -1,12 +1,14 @@
-//! The SSD tier's disk-side state machine: segment placement, segment headers, the durable
-//! prefix of each segment, group commit, tombstones, zeroing freed segments' headers, and short
-//! or failed transfers.
+//! The SSD tier's policy, sans I/O: segment placement, segment headers, the durable prefix of
+//! each segment, group commit, tombstones, segment reclaim (copying live records forward),
+//! zeroing freed segments' headers, short or failed transfers, and applying recovery scans.
 //!
 //! Owns every disk operation of a shard and the bookkeeping that says which bytes on disk are
 //! durable. Never knows what a record belongs to: a caller's operation or durability wait is an
-//! opaque `u64` tag that comes back in a [`TierEvent`]. Never reports a record durable before the
-//! `fdatasync` covering it completed, never frees or reuses a segment that a read, write or sync
-//! can still touch, never drops a tombstone silently (one it gives up on is counted and logged).
+//! opaque `u64` tag, a record's owner an opaque `u64` token, and both come back in
+//! [`TierEvent`]s. Never reports a record durable before the `fdatasync` covering it completed,
+//! never writes a copy whose source failed its checks, never frees or reuses a segment that a
+//! read, write or sync can still touch or whose live records are not durable elsewhere, never
+//! drops a tombstone silently (one it gives up on after `WRITE_TRIES` is counted and logged).
 //!
 //! # Interface
 //!
@@ -28,10 +30,24 @@
 //!   `max_pending_tombstones`); [`SsdTier::pump_tombstones`] writes queued ones, a failed or
 //!   un-durable one goes back to the queue (a bounded number of tries).
 //! - [`SsdTier::queue_syncs`] is group commit; [`SsdTier::invalidate_stale_headers`] zeroes freed
-//!   segments' headers; [`SsdTier::free_segment`] frees the oldest sealed segment once the caller
-//!   moved its live records elsewhere.
+//!   segments' headers.
+//! - Reclaim: [`SsdTier::reclaim_step`] starts one when due and asks the caller to decide about
+//!   the records resting in the segment ([`ReclaimStep::Decide`]); the caller rewrites the ones
+//!   it holds in memory (a relocation `place` + `write_record`, announced with
+//!   `relocation_write_started`, reported with `relocation_write_done` and `track_copy`), and
+//!   hands the others to [`SsdTier::reclaim_decided`] as [`CopyRequest`]s, which the tier copies
+//!   through its staging buffer, checking header, key and checksum as the chunks pass
+//!   ([`TierEvent::CopyFinished`]). The segment is freed once every copy is durable
+//!   ([`TierEvent::SegmentFreed`]); a copy its segment's break made undurable is undone
+//!   ([`TierEvent::CopyLost`]). [`RecordOwners`] answers, during a completion, whether a queued
+//!   copy may start and whether its owner still wants it.
+//! - Clean shutdown: [`SsdTier::set_shutting_down`] (no eager reclaims), [`SsdTier::freeze`]
+//!   (copies stop), [`SsdTier::tombstones_pending`] and the segment table's stale headers say
+//!   what is left to make durable.
 //! - [`SsdTier::take_disk_ops`] / [`SsdTier::on_completion`] connect it to a [`super::DiskIo`].
 //! - [`SsdTier::apply_scans`] installs what a recovery scan found and says which records won.
+//!
+//! Caller tags must stay below `1 << 63` (the tier's own copy operations use that bit).
 //!
 //! Memory: the tier writes from and reads into caller memory (arena memory) named by raw
 //! pointers. The methods that take one are `unsafe`: the memory must stay valid, and untouched by
@@ -68,12 +84,18 @@ pub struct TierConfig {
     pub epoch_seed: u64,
     /// Tombstones that may wait to be written; more get `Busy`.
     pub max_pending_tombstones: usize,
+    /// Bytes of the staging buffer relocation copies pass through (a multiple of 4 KiB).
+    pub staging_bytes: u64,
 }
 
 impl TierConfig {
-    /// Bytes of scratch memory the tier needs: one header block per segment, a zero block and
-    /// the tombstone slots.
+    /// Bytes of scratch memory the tier needs: one header block per segment, a zero block, the
+    /// tombstone slots and the staging buffer.
     pub fn scratch_bytes(&self) -> u64 {
+        self.staging_offset() + self.staging_bytes
+    }
+
+    fn staging_offset(&self) -> u64 {
         (u64::from(self.segments) + 1 + TOMBSTONE_SLOTS as u64) * BLOCK_BYTES
     }
 }
@@ -118,6 +140,16 @@ pub enum TierEvent {
     Durability { durable: Vec<u64>, lost: Vec<u64> },
     /// The caller memory lent for a tombstone (`pump_tombstones`) is free again.
     BufferReleased { handle: u64 },
+    /// A copy through the staging buffer (`CopyRequest`) ended; the owner is no longer held.
+    /// `written_bytes` were written to the destination.
+    CopyFinished { owner: u64, src: SsdLocation, written_bytes: u64, outcome: CopyOutcome },
+    /// A copy made by the reclaim (`track_copy`) will never be durable (its segment broke before
+    /// it): if the owner still rests at `dst`, it rests at `src` again (still intact); the next
+    /// pass copies it anew.
+    CopyLost { owner: u64, src: SsdLocation, dst: SsdLocation },
+    /// The reclaimed `segment` was freed after `copies` records were copied out of it; records
+    /// still naming it are gone.
+    SegmentFreed { segment: u32, copies: usize },
 }
 
 /// `queue_tombstone` past the bound: nothing was queued.
@@ -255,6 +287,16 @@ pub struct SsdTier {
     next_order: u64,
     /// A segment header could not be written (or zeroed): the tier takes no more writes.
     failed: bool,
+    /// The reclaim in progress.
+    reclaim: Option<Reclaim>,
+    /// A clean shutdown is flushing: reclaims start only for writes that wait.
+    shutting_down: bool,
+    /// A clean shutdown ran out of time: copies stop.
+    frozen: bool,
+    /// Reclaims in a row that gained less than `FRUITLESS_GAIN_PERCENT` of a segment (their
+    /// records were nearly all live). After a whole turn of the log of them, copying forward is
+    /// not making room.
+    fruitless_reclaims: u32,
     /// A write found no room since `clear_space_wanted`.
     space_wanted: bool,
     counters: TierCounters,
@@ -283,10 +325,21 @@ impl SsdTier {
             tombstones: VecDeque::new(),
             next_order: 1,
             failed: false,
+            reclaim: None,
+            shutting_down: false,
+            frozen: false,
+            fruitless_reclaims: 0,
             space_wanted: false,
             counters: TierCounters::default(),
             config,
         }
+    }
+
+    /// The staging buffer relocation copies pass through.
+    fn staging(&self) -> NonNull<u8> {
+        // SAFETY: the staging buffer is the tail of the scratch region (`new`'s contract), so
+        // the offset stays inside one allocation.
+        unsafe { self.scratch.add(self.config.staging_offset() as usize) }
     }
 
     pub fn config(&self) -> &TierConfig {
@@ -392,14 +445,13 @@ impl SsdTier {
     // ---- placement --------------------------------------------------------------------------
 
     /// Places a record of `record_bytes`. Only relocation copies may open the last free segment,
-    /// so a reclaim always has room to finish; while `reclaiming` names a segment whose live
-    /// records are being copied forward, other writes leave the open segment's room to them once
-    /// the spare is taken. Queues the segment header write when the record opens a segment.
-    pub fn place(&mut self, record_bytes: u64, relocation: bool, reclaiming: Option<u32>) -> Placement {
+    /// so a reclaim always has room to finish; while a reclaim copies a segment's live records
+    /// forward, other writes leave the open segment's room to them once the spare is taken. Queues the segment header write when the record opens a segment.
+    pub fn place(&mut self, record_bytes: u64, relocation: bool) -> Placement {
         if self.failed {
             return Placement::Full;
         }
-        if let Some(segment) = reclaiming.filter(|_| !relocation) {
+        if let Some(segment) = self.reclaiming().filter(|_| !relocation) {
             let still_to_copy = self.segments.get(segment).map_or(0, |s| s.live_bytes);
             let room = self.segments.open_room();
             if self.segments.usable_free_count() == 0 && room.saturating_sub(record_bytes) < still_to_copy {
@@ -612,8 +664,9 @@ impl SsdTier {
     /// Group commit: one `fdatasync` per segment with completed, unsynced writes that is due.
     /// Write-back records promise nothing, so they are synced in groups; a sync is due at once
     /// when `all` is set (clean shutdown), something waits on it (a durability wait, a tombstone,
-    /// or a segment in `wanted`), or its header is not durable yet. True if any was queued.
-    pub fn queue_syncs(&mut self, all: bool, wanted: &[u32]) -> bool {
+    /// or a reclaim's copies), or its header is not durable yet. True if any was queued.
+    pub fn queue_syncs(&mut self, all: bool) -> bool {
+        let wanted = self.reclaim_waits();
         let due: Vec<u32> = self
             .segments
             .needing_sync()
@@ -667,11 +720,7 @@ impl SsdTier {
     /// # Safety
     /// Memory `borrow` returns must be valid for `bytes` of writes, used by nothing else, until
     /// its `BufferReleased` event.
-    pub unsafe fn pump_tombstones(
-        &mut self,
-        reclaiming: Option<u32>,
-        borrow: &mut dyn FnMut(u64) -> Option<(NonNull<u8>, u64)>,
-    ) -> bool {
+    pub unsafe fn pump_tombstones(&mut self, borrow: &mut dyn FnMut(u64) -> Option<(NonNull<u8>, u64)>) -> bool {
         let mut queued = false;
         while let Some(front) = self.tombstones.front() {
             let record_bytes = record::record_bytes(front.key.len(), 0);
@@ -683,7 +732,7 @@ impl SsdTier {
                 let Some((ptr, handle)) = borrow(record_bytes) else { break };
                 (TombstoneBuffer::Borrowed(handle), Some(ptr))
             };
-            let location = match self.place(record_bytes, false, reclaiming) {
+            let location = match self.place(record_bytes, false) {
                 Placement::At(location) => location,
                 Placement::Full | Placement::TooLarge => {
                     self.release_tombstone_buffer(buffer);
@@ -799,8 +848,8 @@ impl SsdTier {
     }
 
     /// Advances the operation a completion belongs to (a short transfer continues). Unknown
-    /// tokens are ignored.
-    pub fn on_completion(&mut self, completion: DiskCompletion) {
+    /// tokens are ignored. `owners` is asked about records a reclaim copies.
+    pub fn on_completion(&mut self, completion: DiskCompletion, owners: &mut dyn RecordOwners) {
         let token = completion.token as usize;
         let Some(io) = self.ios.get_mut(token) else {
             tracing::warn!(token, "completion for an unknown disk operation");
@@ -812,7 +861,7 @@ impl SsdTier {
             let n = completion.result as u64;
             if n == 0 {
                 // EOF or a zero-length transfer: never progress, so treat as an I/O error.
-                return self.finish_io(token, Err(IoFailure::NoProgress));
+                return self.finish_io(token, Err(IoFailure::NoProgress), owners);
             }
             io.done += n;
             if io.done < io.total {
@@ -837,10 +886,10 @@ impl SsdTier {
         } else {
             Ok(())
         };
-        self.finish_io(token, result);
+        self.finish_io(token, result, owners);
     }
 
-    fn finish_io(&mut self, token: usize, result: Result<(), IoFailure>) {
+    fn finish_io(&mut self, token: usize, result: Result<(), IoFailure>, owners: &mut dyn RecordOwners) {
         let io = self.ios.remove(token);
         let ok = result.is_ok();
         match io.kind {
@@ -872,6 +921,7 @@ impl SsdTier {
                 self.end_write(location, ok);
                 self.events.push_back(TierEvent::Done { tag, result });
             }
+            IoKind::Raw { tag: COPY_TAG, read } => self.on_copy_io(read, io.total, ok, owners),
             IoKind::Raw { tag, .. } => self.events.push_back(TierEvent::Done { tag, result }),
             IoKind::Sync { segment, covers } => {
                 if let Some(s) = self.segments.get_mut(segment) {
@@ -986,7 +1036,13 @@ impl SsdTier {
                 )
             })
             .collect();
-        format!("segments [{}]; ios {}; tombstones {}", segs.join(", "), self.ios.len(), self.tombstones.len())
+        format!(
+            "segments [{}]; reclaim {}; ios {}; tombstones {}",
+            segs.join(", "),
+            self.describe_reclaim(),
+            self.ios.len(),
+            self.tombstones.len()
+        )
     }
 }
 
@@ -995,5 +1051,12 @@ fn write_op(token: u64, file: u32, ptr: NonNull<u8>, offset: u64, len: u64) -> D
     DiskOp { token, file, kind: DiskOpKind::Write { buf: ptr.as_ptr().cast_const(), len, offset } }
 }
 
+mod reclaim;
 #[cfg(test)]
 mod tests;
+
+pub use reclaim::{
+    CopyOutcome, CopyRequest, ReclaimStep, RecordIdentity, RecordOwners, COPY_FORWARD_UP_TO_LIVE_PERCENT,
+    EAGER_RECLAIM_DEAD_PERCENT, FRUITLESS_GAIN_PERCENT, MAX_RELOCATION_FAILURES, RECLAIM_AT_FREE_SEGMENTS,
+};
+use reclaim::{Reclaim, COPY_TAG};

@@ -1,23 +1,24 @@
 //! The shard's side of the SSD tier: which objects rest on SSD and what happens to them there
-//! (demotion on eviction, write-through, loads on read, segment reclaim with records copied
-//! forward, clean-shutdown flushes, recovery into the index).
+//! (demotion on eviction, write-through, loads on read, deciding what a segment reclaim does
+//! with each object, clean-shutdown flushes, recovery into the index).
 //!
-//! Owns the objects' SSD locations, per-segment residents and the reclaim, load and copy state
-//! machines that need the object table. The disk itself (placement, segment headers, durable
-//! prefixes, group commit, tombstones, header zeroing, short or failed transfers) is
-//! `kvtide_tiers::ssd::SsdTier`'s: this module asks it for operations by tag and reacts to its
-//! `TierEvent`s. It never reports a record durable before the tier said the `fdatasync` covering
-//! it completed, never hands out bytes whose checksum failed, never lets a segment be reused
-//! while its own reads or copies can still touch it, never frees a segment whose live records are
-//! not durable elsewhere, and never drops a tombstone silently.
+//! Owns the objects' SSD locations, per-segment residents, loads, write-through waits and the
+//! shutdown flush queue. The policy on disk (placement, segment headers, durable prefixes, group
+//! commit, tombstones, reclaim and its copies, header zeroing, short or failed transfers) is
+//! `kvtide_tiers::ssd::SsdTier`'s: this module asks it for operations by tag, names objects to
+//! it by an owner token (id and generation) and reacts to its `TierEvent`s. It never reports a
+//! record durable before the tier said the `fdatasync` covering it completed, never hands out
+//! bytes whose checksum failed, never lets a segment be reused while its own reads can still
+//! touch it, never lets go of a record a reclaim has not copied durably elsewhere, and never
+//! drops a tombstone silently.
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
 
 use kvtide_tiers::dram::{Allocation, ArenaSlice, OffsetAllocator};
 use kvtide_tiers::eviction::EntryId;
-use kvtide_tiers::ssd::record::{self, RecordHeader, RecordKind, BLOCK_BYTES, HEADER_BYTES};
-use kvtide_tiers::ssd::tier::TOMBSTONE_SLOTS;
+use kvtide_tiers::ssd::record::{self, RecordKind, BLOCK_BYTES, HEADER_BYTES};
+use kvtide_tiers::ssd::tier::{CopyOutcome, CopyRequest, ReclaimStep, RecordIdentity, RecordOwners, TOMBSTONE_SLOTS};
 use kvtide_tiers::ssd::{
     scan_segment, DiskCompletion, DiskIo, DiskOp, Placement, SsdLocation, SsdTier, TierConfig, TierCounters, TierEvent,
 };
@@ -26,23 +27,9 @@ use slab::Slab;
 use super::{Object, ObjectState, ShardCore, RELAXED};
 use crate::error::{Error, Result};
 
-/// A reclaim starts ahead of demand when this many free segments (or fewer) are left and the
-/// oldest segment is at least `EAGER_RECLAIM_DEAD_PERCENT` dead space; it starts on demand when
-/// a write found no room. The last free segment is kept for relocation copies.
-const RECLAIM_AT_FREE_SEGMENTS: usize = 2;
-const EAGER_RECLAIM_DEAD_PERCENT: u64 = 25;
-/// A reclaim that frees less than this share of a segment (net of its copies) gained nothing.
-const FRUITLESS_GAIN_PERCENT: u64 = 10;
-/// While the tier holds at most this share of live bytes, a reclaimed segment's live records are
-/// all copied forward (a mostly dead tier never evicts); above it, its cold records (SSD only,
-/// not pinned) leave the cache, oldest first.
-const COPY_FORWARD_UP_TO_LIVE_PERCENT: u64 = 80;
 /// Tombstones queued and not yet written, by default; a remove past this gets `Busy` (nothing
 /// is dropped).
 pub const DEFAULT_MAX_PENDING_TOMBSTONES: usize = 1 << 16;
-/// Relocation failures in one reclaim after which the rest of its records leave the cache
-/// instead (a failing disk must not keep a reclaim going forever).
-const MAX_RELOCATION_FAILURES: u32 = 8;
 /// Bounds of the relocation staging buffer (records are copied segment to segment through it,
 /// in chunks, so a full DRAM never stops a reclaim).
 const MIN_STAGING_BYTES: u64 = 16 * BLOCK_BYTES;
@@ -94,11 +81,7 @@ enum WritePurpose {
 /// An operation of the core that the tier carries; its tag is the key in `SsdState::ops`.
 enum CoreOp {
     /// A record image written from an object's DRAM copy.
-    Write {
-        id: u32,
-        location: SsdLocation,
-        purpose: WritePurpose,
-    },
+    Write { id: u32, location: SsdLocation, purpose: WritePurpose },
     /// A record read into a fresh allocation for object `id` (readers join it).
     Load {
         id: u32,
@@ -106,14 +89,6 @@ enum CoreOp {
         allocation: Option<Allocation>,
         waiters: Vec<(usize, usize)>,
         ptr: NonNull<u8>,
-    },
-    /// One chunk of an SSD-only record being copied forward through the staging buffer.
-    CopyRead {
-        len: u64,
-        ptr: NonNull<u8>,
-    },
-    CopyWrite {
-        len: u64,
     },
 }
 
@@ -148,74 +123,18 @@ pub(crate) struct SsdState {
     /// DRAM lent to the tier for tombstones of keys longer than one block, by handle.
     borrowed: Slab<Allocation>,
     /// The tier's scratch blocks (one header block per segment, a zero block, the tombstone
-    /// slots), then the relocation staging buffer.
+    /// slots and the relocation staging buffer).
     scratch: Allocation,
-    staging_bytes: u64,
     /// Bytes of `borrowed`.
     borrowed_bytes: u64,
     space_waiters: VecDeque<SpaceWaiter>,
     loading_bytes: u64,
-    reclaim: Option<Reclaim>,
     /// Dirty objects a clean shutdown still has to write.
     flush_queue: Option<VecDeque<(u32, u32)>>,
     /// A clean shutdown ran out of time: nothing new starts.
     frozen: bool,
-    /// A clean shutdown is flushing: reclaims start only for writes that wait.
-    shutting_down: bool,
-    /// Reclaims in a row that gained less than `FRUITLESS_GAIN_PERCENT` of a segment (their
-    /// records were nearly all live). After a whole turn of the log of them, copying forward is
-    /// not making room.
-    fruitless_reclaims: u32,
     /// The tier's counters as last added to the shard's.
     published: TierCounters,
-}
-
-/// Freeing the oldest segment: its live records are copied forward (or, in a tier that is
-/// mostly live, its cold ones leave the cache), and it is freed once the copies are durable.
-struct Reclaim {
-    segment: u32,
-    /// Copy SSD-only records forward too (else they leave the cache).
-    copy_cold: bool,
-    /// DRAM-resident record rewrites in flight.
-    writes: u32,
-    /// SSD-only records waiting for the staging buffer, and the one being copied.
-    queue: VecDeque<(u32, u32)>,
-    copy: Option<CopyJob>,
-    /// The copies made. The old segment is freed only once all of them are durable, so a crash
-    /// never loses an object that was durable before; a copy its segment's break made
-    /// undurable is undone (the object points at its old record again) and made anew.
-    copies: Vec<Copied>,
-    failures: u32,
-}
-
-/// A record copied forward by a reclaim.
-#[derive(Clone, Copy, Debug)]
-struct Copied {
-    id: u32,
-    generation: u32,
-    src: SsdLocation,
-    dst: SsdLocation,
-}
-
-impl Copied {
-    fn end(&self) -> u64 {
-        self.dst.offset + self.dst.record_bytes
-    }
-}
-
-/// An SSD-only record moving from `src` to `dst` through the staging buffer, chunk by chunk.
-/// The destination is placed only after the first chunk's header checked out, so a rotten
-/// source never writes a bad header into a segment (which would end its scan there).
-struct CopyJob {
-    id: u32,
-    generation: u32,
-    src: SsdLocation,
-    dst: Option<SsdLocation>,
-    header: Option<RecordHeader>,
-    /// Bytes of the record written to `dst` so far.
-    copied: u64,
-    body_crc: crc32fast::Hasher,
-    key_matches: bool,
 }
 
 /// Bytes of relocation staging for a slice of `capacity_bytes`.
@@ -225,12 +144,7 @@ fn staging_bytes_for(capacity_bytes: u64) -> u64 {
 
 /// Bytes the tier keeps for itself in a slice: header blocks, zero block, tombstone slots, staging.
 fn scratch_bytes_for(segments: u32, capacity_bytes: u64) -> u64 {
-    tier_scratch_bytes(segments) + staging_bytes_for(capacity_bytes)
-}
-
-/// Bytes of the tier's own scratch blocks (at the front of the scratch allocation).
-fn tier_scratch_bytes(segments: u32) -> u64 {
-    (u64::from(segments) + 1 + TOMBSTONE_SLOTS as u64) * BLOCK_BYTES
+    (u64::from(segments) + 1 + TOMBSTONE_SLOTS as u64) * BLOCK_BYTES + staging_bytes_for(capacity_bytes)
 }
 
 /// The largest value a shard with an SSD tier can store and keep: its record (with the longest
@@ -259,8 +173,9 @@ impl SsdState {
             segment_bytes: config.segment_bytes,
             epoch_seed: config.epoch_seed,
             max_pending_tombstones: config.max_pending_tombstones,
+            staging_bytes,
         };
-        debug_assert_eq!(tier_config.scratch_bytes(), tier_scratch_bytes(config.segments));
+        debug_assert_eq!(tier_config.scratch_bytes(), scratch.len());
         let Some(ptr) = slice.ptr_at(scratch.offset(), tier_config.scratch_bytes()) else {
             allocator.free(scratch);
             return None;
@@ -276,15 +191,11 @@ impl SsdState {
             durable_waiters: Slab::new(),
             borrowed: Slab::new(),
             scratch,
-            staging_bytes,
             borrowed_bytes: 0,
             space_waiters: VecDeque::new(),
             loading_bytes: 0,
-            reclaim: None,
             flush_queue: None,
             frozen: false,
-            shutting_down: false,
-            fruitless_reclaims: 0,
             published: TierCounters::default(),
             config,
         })
@@ -299,24 +210,7 @@ impl SsdState {
     /// A one-line summary of the tier's moving parts (test failure messages).
     #[cfg(test)]
     pub(crate) fn describe(&self) -> String {
-        let reclaim = self.reclaim.as_ref().map(|r| {
-            format!(
-                "seg {} cold {} writes {} queue {} copy {} copies {} failures {}",
-                r.segment,
-                r.copy_cold,
-                r.writes,
-                r.queue.len(),
-                r.copy.is_some(),
-                r.copies.len(),
-                r.failures
-            )
-        });
-        format!(
-            "{}; reclaim {reclaim:?}; core ops {}; space waiters {}",
-            self.tier.describe(),
-            self.ops.len(),
-            self.space_waiters.len()
-        )
+        format!("{}; core ops {}; space waiters {}", self.tier.describe(), self.ops.len(), self.space_waiters.len())
     }
 
     /// Bytes the tier keeps allocated for itself (scratch blocks, staging, borrowed tombstones).
@@ -328,11 +222,6 @@ impl SsdState {
         self.tier.is_quiet() && self.ops.is_empty()
     }
 
-    /// The relocation staging buffer's offset in the slice (after the tier's scratch blocks).
-    fn staging_offset(&self) -> u64 {
-        self.scratch.offset() + tier_scratch_bytes(self.config.segments)
-    }
-
     /// A free segment exists that an append cannot open yet (its old header is being zeroed).
     fn room_coming(&self) -> bool {
         self.tier.room_coming()
@@ -340,12 +229,44 @@ impl SsdState {
 
     /// A reclaim is running or can start, so a write that found no room can wait for one.
     fn space_coming(&self) -> bool {
-        !self.tier.failed() && (self.reclaim.is_some() || self.tier.segments().oldest_sealed().is_some())
+        self.tier.space_coming()
+    }
+}
+
+/// The shard's objects as the owners of SSD records: an owner token is an object id and its
+/// generation.
+struct Owners<'a> {
+    objects: &'a mut Slab<Object>,
+}
+
+fn owner_token(id: u32, generation: u32) -> u64 {
+    (u64::from(id) << 32) | u64::from(generation)
+}
+
+fn owner_parts(owner: u64) -> (u32, u32) {
+    ((owner >> 32) as u32, owner as u32)
+}
+
+impl RecordOwners for Owners<'_> {
+    /// A live SSD-only object still at `src` and not in use is copied; its `io_refs` hold it
+    /// until the copy's `CopyFinished`.
+    fn claim_copy(&mut self, owner: u64, src: SsdLocation) -> bool {
+        let (id, generation) = owner_parts(owner);
+        let Some(object) = self.objects.get_mut(id as usize) else { return false };
+        let eligible = object.generation == generation
+            && object.state == ObjectState::Live
+            && object.io_refs == 0
+            && object.dram.is_none()
+            && object.ssd == Some(src);
+        if eligible {
+            object.io_refs += 1;
+        }
+        eligible
     }
 
-    /// The segment a reclaim is emptying, if one runs.
-    fn reclaiming(&self) -> Option<u32> {
-        self.reclaim.as_ref().map(|r| r.segment)
+    fn still_wanted(&self, owner: u64) -> bool {
+        let (id, generation) = owner_parts(owner);
+        self.objects.get(id as usize).is_some_and(|o| o.generation == generation && o.state == ObjectState::Live)
     }
 }
 
@@ -408,22 +329,14 @@ impl ShardCore {
 
     fn queue_syncs(&mut self, all: bool) -> bool {
         let Some(ssd) = self.ssd.as_mut() else { return false };
-        // A reclaim whose copies are all written waits for them to be durable.
-        let reclaim_waits: Vec<u32> = ssd
-            .reclaim
-            .as_ref()
-            .filter(|r| r.writes == 0 && r.copy.is_none() && r.queue.is_empty())
-            .map(|r| r.copies.iter().map(|c| c.dst.segment).collect())
-            .unwrap_or_default();
-        ssd.tier.queue_syncs(all, &reclaim_waits)
+        ssd.tier.queue_syncs(all)
     }
 
     /// Places a record of `record_bytes`. Only relocation copies may open the last free
     /// segment, so a reclaim always has room to finish.
     fn place_record(&mut self, record_bytes: u64, relocation: bool) -> Placement {
         let Some(ssd) = self.ssd.as_mut() else { return Placement::TooLarge };
-        let reclaiming = ssd.reclaiming();
-        ssd.tier.place(record_bytes, relocation, reclaiming)
+        ssd.tier.place(record_bytes, relocation)
     }
 
     /// Reacts to what the tier reports, in order, until it has nothing more to say; then
@@ -436,6 +349,11 @@ impl ShardCore {
                 }
                 TierEvent::Durability { durable, lost } => self.on_durability(&durable, &lost),
                 TierEvent::BufferReleased { handle } => self.release_borrowed(handle as usize),
+                TierEvent::CopyFinished { owner, src, written_bytes, outcome } => {
+                    self.on_copy_finished(owner, src, written_bytes, outcome);
+                }
+                TierEvent::CopyLost { owner, src, dst } => self.on_copy_lost(owner, src, dst),
+                TierEvent::SegmentFreed { segment, copies } => self.on_segment_freed(segment, copies),
             }
         }
         self.publish_tier_counters();
@@ -466,59 +384,21 @@ impl ShardCore {
 
     // ---- reclaim --------------------------------------------------------------------------
 
-    /// Starts or advances the reclaim of the oldest segment. Every live record in it is copied
-    /// forward first: DRAM-resident ones are rewritten from their DRAM image, SSD-only ones are
-    /// copied through the staging buffer. Only when the tier is mostly live do its cold records
-    /// leave the cache instead (and then a write-through object leaves DRAM too: an object that
-    /// is served must be durable). The segment is freed once nothing is left in it and the
-    /// copies are durable.
+    /// Starts or advances the reclaim of the oldest segment (the tier decides when one is due
+    /// and frees the segment). Every live record in it is copied forward first: DRAM-resident
+    /// ones are rewritten from their DRAM image, SSD-only ones are copied by the tier through its
+    /// staging buffer. Only when the tier is mostly live do its cold records leave the cache
+    /// instead (and then a write-through object leaves DRAM too: an object that is served must
+    /// be durable).
     fn advance_reclaim(&mut self) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        if ssd.reclaim.is_none() {
-            let segments = ssd.tier.segments();
-            let free = segments.usable_free_count();
-            if free > RECLAIM_AT_FREE_SEGMENTS {
-                return;
-            }
-            let Some(segment) = segments.oldest_sealed() else { return };
-            let dead = segments.get(segment).map_or(0, |s| s.write_offset.saturating_sub(BLOCK_BYTES + s.live_bytes));
-            let worth_it = dead * 100 >= segments.segment_bytes() * EAGER_RECLAIM_DEAD_PERCENT;
-            // Ahead of demand only when it gains a good share of a segment: relocating a mostly
-            // live segment just to keep a spare would copy the same records round and round.
-            if !(free == 0 || ssd.tier.space_wanted() || (worth_it && !ssd.shutting_down)) {
-                return;
-            }
-            // Live records may fill the tier up to a share of it, and never beyond what leaves an
-            // open and a spare segment; past that (or when reclaims keep freeing nothing for the
-            // writers that wait), the oldest cold records leave instead of being copied again.
-            let capacity = segments.capacity_bytes();
-            let room = (capacity * COPY_FORWARD_UP_TO_LIVE_PERCENT / 100)
-                .min(capacity.saturating_sub(2 * segments.segment_bytes()));
-            // A whole turn of the log that gained nothing means copying is not making room.
-            let copy_cold = segments.live_bytes() <= room && ssd.fruitless_reclaims < segments.count();
-            ssd.tier.clear_space_wanted();
-            ssd.reclaim = Some(Reclaim {
-                segment,
-                copy_cold,
-                writes: 0,
-                queue: VecDeque::new(),
-                copy: None,
-                copies: Vec::new(),
-                failures: 0,
-            });
-        }
-        let Some(r) = ssd.reclaim.as_ref() else { return };
-        if r.writes > 0 || r.copy.is_some() {
-            return;
-        }
-        if !r.queue.is_empty() {
-            self.start_next_copy();
-            return;
-        }
-        let (segment, copy_cold) = (r.segment, r.copy_cold && r.failures < MAX_RELOCATION_FAILURES);
+        let step = ssd.tier.reclaim_step(&mut Owners { objects: &mut self.objects });
+        self.drain_tier_events();
+        let ReclaimStep::Decide { segment, copy_cold } = step else { return };
+        let Some(ssd) = self.ssd.as_mut() else { return };
         let residents = ssd.residents[segment as usize].clone();
         let mut busy = false;
-        let mut queue = VecDeque::new();
+        let mut queue = Vec::new();
         for (id, generation) in residents {
             let Some(object) = self.objects.get(id as usize) else { continue };
             if object.generation != generation || object.ssd.is_none_or(|l| l.segment != segment) {
@@ -546,8 +426,8 @@ impl ShardCore {
                 self.policy.remove(id as EntryId);
                 match self.start_record_write(id, WritePurpose::Relocation) {
                     Placement::At(_) => {
-                        if let Some(r) = self.ssd.as_mut().and_then(|s| s.reclaim.as_mut()) {
-                            r.writes += 1;
+                        if let Some(ssd) = self.ssd.as_mut() {
+                            ssd.tier.relocation_write_started();
                         }
                     }
                     Placement::Full if self.ssd.as_ref().is_some_and(SsdState::room_coming) => {
@@ -561,53 +441,36 @@ impl ShardCore {
                     }
                 }
             } else if copy_cold || pinned {
-                queue.push_back((id, generation));
+                if let Some(src) = object.ssd {
+                    let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.clone() };
+                    queue.push(CopyRequest { owner: owner_token(id, generation), src, identity });
+                }
             } else {
                 self.evict_from_ssd(id);
             }
         }
-        let Some(r) = self.ssd.as_mut().and_then(|s| s.reclaim.as_mut()) else { return };
-        if !queue.is_empty() {
-            r.queue = queue;
-            self.start_next_copy();
-            return;
-        }
-        if r.writes > 0 || busy {
-            return;
-        }
-        self.finish_reclaim();
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        ssd.tier.reclaim_decided(queue, busy, &mut Owners { objects: &mut self.objects });
+        self.drain_tier_events();
     }
 
-    /// Frees the reclaimed segment once its copies are durable and nothing can touch it.
-    fn finish_reclaim(&mut self) {
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        let Some(r) = ssd.reclaim.as_mut() else { return };
-        let segment = r.segment;
-        // A copy behind its segment's break will never be durable: undo it, so the object
-        // points at its intact old record again and the next pass copies it anew.
-        let tier = &ssd.tier;
-        let (lost, copies): (Vec<Copied>, Vec<Copied>) =
-            std::mem::take(&mut r.copies).into_iter().partition(|c| tier.broken_before(c.dst.segment, c.end()));
-        r.copies = copies;
-        let durable = r.copies.iter().all(|c| tier.is_durable(c.dst.segment, c.end()));
-        for c in &lost {
-            let Some(object) = self.objects.get_mut(c.id as usize) else { continue };
-            if object.generation == c.generation && object.ssd == Some(c.dst) {
-                object.ssd = Some(c.src);
-                if let Some(ssd) = self.ssd.as_mut() {
-                    ssd.tier.sub_live(c.dst.segment, c.dst.record_bytes);
-                    ssd.tier.add_live(c.src.segment, c.src.record_bytes);
-                }
+    /// A copy the reclaim made will never be durable: the object rests at its old record again.
+    fn on_copy_lost(&mut self, owner: u64, src: SsdLocation, dst: SsdLocation) {
+        let (id, generation) = owner_parts(owner);
+        let Some(object) = self.objects.get_mut(id as usize) else { return };
+        if object.generation == generation && object.ssd == Some(dst) {
+            object.ssd = Some(src);
+            if let Some(ssd) = self.ssd.as_mut() {
+                ssd.tier.sub_live(dst.segment, dst.record_bytes);
+                ssd.tier.add_live(src.segment, src.record_bytes);
             }
         }
+    }
+
+    /// The reclaimed segment was freed: anything still naming it (a retired object kept by a
+    /// reader) lets go now.
+    fn on_segment_freed(&mut self, segment: u32, copies: usize) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        // Commits and tombstones waiting on this segment's sync are answered first.
-        let settled = ssd.tier.settled(segment);
-        if !lost.is_empty() || !durable || !settled || ssd.tier.segments().reclaim_candidate() != Some(segment) {
-            return;
-        }
-        let Some(r) = ssd.reclaim.take() else { return };
-        // Anything still naming this segment (a retired object kept by a reader) lets go now.
         let residents = std::mem::take(&mut ssd.residents[segment as usize]);
         for (id, generation) in residents {
             let Some(object) = self.objects.get_mut(id as usize) else { continue };
@@ -620,22 +483,53 @@ impl ShardCore {
                 }
             }
         }
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        let used = ssd.tier.segments().get(segment).map_or(0, |s| s.write_offset);
-        if ssd.tier.free_segment(segment) {
-            let copied: u64 = r.copies.iter().map(|c| c.dst.record_bytes).sum();
-            let gain = used.saturating_sub(copied);
-            if gain * 100 < ssd.tier.segments().segment_bytes() * FRUITLESS_GAIN_PERCENT {
-                ssd.fruitless_reclaims += 1;
-            } else {
-                ssd.fruitless_reclaims = 0;
+        self.counters.segments_reclaimed.fetch_add(1, RELAXED);
+        if copies > 0 {
+            self.counters.compactions.fetch_add(1, RELAXED);
+            self.counters.compacted_records.fetch_add(copies as u64, RELAXED);
+        }
+        self.retry_waiters();
+    }
+
+    /// A copy through the tier's staging buffer ended: the object moves to its new record, or
+    /// (a rotten or unreadable source, or no room) leaves the cache, counted.
+    fn on_copy_finished(&mut self, owner: u64, src: SsdLocation, written_bytes: u64, outcome: CopyOutcome) {
+        let (id, generation) = owner_parts(owner);
+        self.counters.ssd_write_bytes.fetch_add(written_bytes, RELAXED);
+        let Some(object) = self.objects.get_mut(id as usize) else { return };
+        // The copy held the object (`claim_copy`).
+        object.io_refs -= 1;
+        let live = object.generation == generation && object.ssd == Some(src) && object.state == ObjectState::Live;
+        match outcome {
+            CopyOutcome::Copied { dst } if live => {
+                object.ssd = Some(dst);
+                if let Some(ssd) = self.ssd.as_mut() {
+                    ssd.tier.sub_live(src.segment, src.record_bytes);
+                    ssd.tier.add_live(dst.segment, dst.record_bytes);
+                    ssd.residents[dst.segment as usize].push((id, generation));
+                    ssd.tier.track_copy(owner, src, dst);
+                }
             }
-            ssd.residents[segment as usize].clear();
-            self.counters.segments_reclaimed.fetch_add(1, RELAXED);
-            if !r.copies.is_empty() {
-                self.counters.compactions.fetch_add(1, RELAXED);
-                self.counters.compacted_records.fetch_add(r.copies.len() as u64, RELAXED);
+            CopyOutcome::RetryLater => {
+                // Read again on a later pass.
+                self.after_last_use(id);
+                return;
             }
+            _ if live => {
+                match outcome {
+                    CopyOutcome::Corrupted(_) => {
+                        self.counters.corrupted.fetch_add(1, RELAXED);
+                    }
+                    CopyOutcome::Failed(_) => {
+                        if let Some(ssd) = self.ssd.as_mut() {
+                            ssd.tier.relocation_failed();
+                        }
+                    }
+                    _ => {}
+                }
+                self.evict_from_ssd(id);
+            }
+            _ => self.after_last_use(id),
         }
         self.retry_waiters();
     }
@@ -677,214 +571,6 @@ impl ShardCore {
         } else {
             self.after_last_use(id);
         }
-    }
-
-    /// Starts copying the next queued SSD-only record: its first chunk is read into staging.
-    fn start_next_copy(&mut self) {
-        loop {
-            let Some(ssd) = self.ssd.as_mut() else { return };
-            let (staging, staging_bytes) = (ssd.staging_offset(), ssd.staging_bytes);
-            if ssd.frozen {
-                return;
-            }
-            let Some(r) = ssd.reclaim.as_mut() else { return };
-            if r.copy.is_some() {
-                return;
-            }
-            let Some((id, generation)) = r.queue.pop_front() else {
-                return;
-            };
-            let segment = r.segment;
-            let Some(object) = self.objects.get(id as usize) else { continue };
-            let eligible = object.generation == generation
-                && object.state == ObjectState::Live
-                && object.io_refs == 0
-                && object.dram.is_none()
-                && object.ssd.is_some_and(|l| l.segment == segment);
-            let Some(src) = object.ssd.filter(|_| eligible) else { continue };
-            let Some(ptr) = self.slice.ptr_at(staging, staging_bytes) else { return };
-            let first = src.record_bytes.min(staging_bytes);
-            r.copy = Some(CopyJob {
-                id,
-                generation,
-                src,
-                dst: None,
-                header: None,
-                copied: 0,
-                body_crc: crc32fast::Hasher::new(),
-                key_matches: true,
-            });
-            ssd.tier.add_reader(src.segment);
-            let tag = ssd.ops.insert(CoreOp::CopyRead { len: first, ptr }) as u64;
-            // SAFETY: the staging buffer is the shard's own scratch memory (held for its whole
-            // life) and only the one copy in progress uses it; it is not touched until this
-            // read's completion comes back through `finish_op`.
-            unsafe { ssd.tier.read(src.segment, src.offset, ptr, first, tag) };
-            self.objects[id as usize].io_refs += 1;
-            return;
-        }
-    }
-
-    /// A chunk of the record being copied arrived in staging: check it, then write it forward.
-    fn on_copy_read(&mut self, len: u64, ptr: NonNull<u8>, result: Result<()>) {
-        let Some(mut job) = self.ssd.as_mut().and_then(|s| s.reclaim.as_mut()).and_then(|r| r.copy.take()) else {
-            return;
-        };
-        if let Err(e) = result {
-            return self.end_copy(job, Some(e));
-        }
-        // SAFETY: the read filled `len` bytes of the staging buffer, which only this copy uses.
-        let chunk = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len as usize) };
-        let at = job.copied;
-        if job.header.is_none() {
-            let object = &self.objects[job.id as usize];
-            if object.generation != job.generation || object.state != ObjectState::Live {
-                // Removed or replaced meanwhile: nothing to copy.
-                return self.end_copy(job, None);
-            }
-            let header = match record::decode_header(chunk) {
-                Ok(h) => h,
-                Err(e) => return self.end_copy(job, Some(Error::Corrupted(e.to_string()))),
-            };
-            let belongs = header.kind == RecordKind::Put
-                && header.epoch == job.src.epoch
-                && header.seq == object.seq
-                && header.value_len == object.len
-                && header.key_len as usize == object.key.len()
-                && header.record_bytes() == job.src.record_bytes;
-            if !belongs {
-                return self.end_copy(job, Some(Error::Corrupted("record does not belong to this key".into())));
-            }
-            let dst = match self.place_record(job.src.record_bytes, true) {
-                Placement::At(dst) => dst,
-                Placement::Full if self.ssd.as_ref().is_some_and(SsdState::room_coming) => {
-                    return self.retry_copy_later(job);
-                }
-                Placement::Full | Placement::TooLarge => return self.end_copy(job, None),
-            };
-            if record::restamp_epoch(chunk, dst.epoch).is_err() {
-                self.abandon_placement(dst);
-                return self.end_copy(job, Some(Error::Internal("re-stamping a checked header failed")));
-            }
-            let Some(ssd) = self.ssd.as_mut() else { return };
-            ssd.tier.begin_write(dst);
-            job.header = Some(header);
-            job.dst = Some(dst);
-        }
-        let (Some(header), Some(dst)) = (job.header, job.dst) else { return };
-        // The body (key then value) checksum and the key are checked as the chunks pass.
-        let key_end = (HEADER_BYTES + header.key_len as usize) as u64;
-        let body_end = key_end + header.value_len;
-        let (lo, hi) = (at.max(HEADER_BYTES as u64), (at + len).min(body_end));
-        if lo < hi {
-            job.body_crc.update(&chunk[(lo - at) as usize..(hi - at) as usize]);
-        }
-        let (klo, khi) = (at.max(HEADER_BYTES as u64), (at + len).min(key_end));
-        if klo < khi {
-            let key = &self.objects[job.id as usize].key;
-            let want = &key[(klo - HEADER_BYTES as u64) as usize..(khi - HEADER_BYTES as u64) as usize];
-            job.key_matches &= &chunk[(klo - at) as usize..(khi - at) as usize] == want;
-        }
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        let tag = ssd.ops.insert(CoreOp::CopyWrite { len }) as u64;
-        // SAFETY: the chunk sits in the staging buffer, which only this copy uses; the next read
-        // into it starts only after this write's completion comes back through `finish_op`.
-        unsafe { ssd.tier.write_chunk(dst.segment, dst.offset + at, ptr, len, tag) };
-        if let Some(r) = ssd.reclaim.as_mut() {
-            r.copy = Some(job);
-        }
-    }
-
-    /// A copy that found no room yet (the spare segment is still being zeroed): it goes back to
-    /// the front of the queue; a later pass reads it again.
-    fn retry_copy_later(&mut self, job: CopyJob) {
-        if let Some(ssd) = self.ssd.as_mut() {
-            ssd.tier.drop_reader(job.src.segment);
-        }
-        self.objects[job.id as usize].io_refs -= 1;
-        if let Some(r) = self.ssd.as_mut().and_then(|s| s.reclaim.as_mut()) {
-            r.queue.push_front((job.id, job.generation));
-        }
-        self.after_last_use(job.id);
-    }
-
-    /// A chunk reached its new place: read the next one or finish the copy.
-    fn on_copy_write(&mut self, len: u64, result: Result<()>) {
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        let Some(mut job) = ssd.reclaim.as_mut().and_then(|r| r.copy.take()) else { return };
-        if let Err(e) = result {
-            return self.end_copy(job, Some(e));
-        }
-        job.copied += len;
-        if job.copied < job.src.record_bytes && ssd.frozen {
-            // Out of shutdown time: stop here (the destination breaks at this record).
-            return self.end_copy(job, Some(Error::ShuttingDown));
-        }
-        if job.copied < job.src.record_bytes {
-            let next = (job.src.record_bytes - job.copied).min(ssd.staging_bytes);
-            let staging = ssd.staging_offset();
-            let Some(ptr) = self.slice.ptr_at(staging, next) else {
-                return self.end_copy(job, Some(Error::Internal("staging outside slice")));
-            };
-            let offset = job.src.offset + job.copied;
-            let tag = ssd.ops.insert(CoreOp::CopyRead { len: next, ptr }) as u64;
-            // SAFETY: as for the first chunk: the staging buffer is this copy's alone, and the
-            // previous chunk's write from it has completed.
-            unsafe { ssd.tier.read(job.src.segment, offset, ptr, next, tag) };
-            if let Some(r) = ssd.reclaim.as_mut() {
-                r.copy = Some(job);
-            }
-            return;
-        }
-        self.end_copy(job, None);
-    }
-
-    /// Ends a copy: installs the new location when every chunk arrived intact, otherwise the
-    /// object leaves the cache (a rotten or unreadable source, or no room: counted).
-    fn end_copy(&mut self, job: CopyJob, error: Option<Error>) {
-        let complete = error.is_none() && job.dst.is_some() && job.copied == job.src.record_bytes;
-        let intact = job.header.is_some_and(|h| h.body_crc() == job.body_crc.clone().finalize()) && job.key_matches;
-        if let Some(dst) = job.dst {
-            if complete {
-                self.counters.ssd_write_bytes.fetch_add(dst.record_bytes, RELAXED);
-            }
-            // A copy that stopped part-way leaves a hole: the destination segment breaks there.
-            self.finish_segment_write(dst, complete);
-        }
-        if let Some(ssd) = self.ssd.as_mut() {
-            ssd.tier.drop_reader(job.src.segment);
-        }
-        let object = &mut self.objects[job.id as usize];
-        object.io_refs -= 1;
-        let live =
-            object.generation == job.generation && object.ssd == Some(job.src) && object.state == ObjectState::Live;
-        match job.dst {
-            Some(dst) if live && complete && intact => {
-                object.ssd = Some(dst);
-                if let Some(ssd) = self.ssd.as_mut() {
-                    ssd.tier.sub_live(job.src.segment, job.src.record_bytes);
-                    ssd.tier.add_live(dst.segment, dst.record_bytes);
-                    ssd.residents[dst.segment as usize].push((job.id, job.generation));
-                    if let Some(r) = ssd.reclaim.as_mut() {
-                        r.copies.push(Copied { id: job.id, generation: job.generation, src: job.src, dst });
-                    }
-                }
-            }
-            _ if live => {
-                let corrupted = matches!(error, Some(Error::Corrupted(_))) || (complete && !intact);
-                if corrupted {
-                    self.counters.corrupted.fetch_add(1, RELAXED);
-                } else if error.is_some() {
-                    if let Some(r) = self.ssd.as_mut().and_then(|s| s.reclaim.as_mut()) {
-                        r.failures += 1;
-                    }
-                }
-                self.evict_from_ssd(job.id);
-            }
-            _ => self.after_last_use(job.id),
-        }
-        self.start_next_copy();
-        self.retry_waiters();
     }
 
     // ---- writes ---------------------------------------------------------------------------
@@ -1044,7 +730,6 @@ impl ShardCore {
     /// for theirs).
     fn pump_tombstones(&mut self) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        let reclaiming = ssd.reclaiming();
         let SsdState { tier, borrowed, borrowed_bytes, .. } = ssd;
         let (allocator, slice, counters) = (&mut self.allocator, &self.slice, &self.counters);
         let mut borrow = |bytes: u64| {
@@ -1059,7 +744,7 @@ impl ShardCore {
         };
         // SAFETY: each block lent is a fresh allocation of `bytes` inside the slice, held in
         // `borrowed` (used by nothing else) until the tier's `BufferReleased` event frees it.
-        unsafe { tier.pump_tombstones(reclaiming, &mut borrow) };
+        unsafe { tier.pump_tombstones(&mut borrow) };
         self.drain_tier_events();
     }
 
@@ -1147,7 +832,7 @@ impl ShardCore {
     /// Advances the operation a completion belongs to. Unknown tokens are ignored.
     pub fn on_disk_completion(&mut self, completion: DiskCompletion) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        ssd.tier.on_completion(completion);
+        ssd.tier.on_completion(completion, &mut Owners { objects: &mut self.objects });
         self.drain_tier_events();
     }
 
@@ -1172,8 +857,6 @@ impl ShardCore {
                 let checked = self.verify_loaded(id, &location, ptr, result);
                 self.finish_load(id, location, allocation, waiters, checked);
             }
-            CoreOp::CopyRead { len, ptr } => self.on_copy_read(len, ptr, result),
-            CoreOp::CopyWrite { len } => self.on_copy_write(len, result),
         }
     }
 
@@ -1182,13 +865,6 @@ impl ShardCore {
     fn abandon_placement(&mut self, location: SsdLocation) {
         let Some(ssd) = self.ssd.as_mut() else { return };
         ssd.tier.abandon(location);
-        self.drain_tier_events();
-    }
-
-    /// Ends a write begun with `SsdTier::begin_write` (a relocation copy).
-    fn finish_segment_write(&mut self, location: SsdLocation, ok: bool) {
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        ssd.tier.end_write(location, ok);
         self.drain_tier_events();
     }
 
@@ -1234,11 +910,8 @@ impl ShardCore {
             self.demoting_bytes -= dram_bytes;
         }
         if purpose == WritePurpose::Relocation {
-            if let Some(r) = self.ssd.as_mut().and_then(|s| s.reclaim.as_mut()) {
-                r.writes = r.writes.saturating_sub(1);
-                if result.is_err() {
-                    r.failures += 1;
-                }
+            if let Some(ssd) = self.ssd.as_mut() {
+                ssd.tier.relocation_write_done(result.is_ok());
             }
         }
         let object = &mut self.objects[id as usize];
@@ -1261,9 +934,7 @@ impl ShardCore {
                         ssd.tier.await_durable(location.segment, end, tag as u64);
                     }
                     if let (WritePurpose::Relocation, Some(src)) = (purpose, previous) {
-                        if let Some(r) = ssd.reclaim.as_mut() {
-                            r.copies.push(Copied { id, generation, src, dst: location });
-                        }
+                        ssd.tier.track_copy(owner_token(id, generation), src, location);
                     }
                 }
                 if matches!(purpose, WritePurpose::WriteThrough { .. }) {
@@ -1377,7 +1048,7 @@ impl ShardCore {
     /// A clean shutdown began: reclaims now start only for writes that wait for room.
     pub(super) fn ssd_shutting_down(&mut self) {
         if let Some(ssd) = self.ssd.as_mut() {
-            ssd.shutting_down = true;
+            ssd.tier.set_shutting_down();
         }
     }
 
@@ -1385,6 +1056,7 @@ impl ShardCore {
     pub(super) fn freeze_ssd(&mut self) {
         if let Some(ssd) = self.ssd.as_mut() {
             ssd.frozen = true;
+            ssd.tier.freeze();
         }
     }
 

@@ -1,8 +1,9 @@
 //! Drives `SsdTier` alone on the seeded `SimDisk`, with faults and crashes: records become
 //! durable only after a sync, a crash never loses an acknowledged record or brings back a key
-//! whose tombstone was durable, and the bounds hold.
+//! whose tombstone was durable, a reclaim copies live records forward without losing any, and
+//! the bounds hold.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
 
 use super::*;
@@ -12,9 +13,31 @@ use crate::ssd::{scan_segment, DiskIo, SimDisk, SimFaults, SimRng};
 const SEGMENTS: u32 = 6;
 const SEGMENT_BYTES: u64 = 16 * BLOCK_BYTES;
 
+/// Record owners as a caller would keep them: where each owner's record rests.
+#[derive(Default)]
+struct TestOwners {
+    rest: HashMap<u64, SsdLocation>,
+    held: HashSet<u64>,
+}
+
+impl RecordOwners for TestOwners {
+    fn claim_copy(&mut self, owner: u64, src: SsdLocation) -> bool {
+        let ok = self.rest.get(&owner) == Some(&src) && !self.held.contains(&owner);
+        if ok {
+            self.held.insert(owner);
+        }
+        ok
+    }
+
+    fn still_wanted(&self, owner: u64) -> bool {
+        self.rest.contains_key(&owner)
+    }
+}
+
 /// A tier, its disk and the memory the tier's operations name.
 struct Harness {
     tier: SsdTier,
+    owners: TestOwners,
     disk: SimDisk,
     _scratch: Vec<u8>,
     /// Record images by tag, kept until their `Done`.
@@ -32,6 +55,7 @@ impl Harness {
             segment_bytes: SEGMENT_BYTES,
             epoch_seed: seed ^ 0x5eed,
             max_pending_tombstones: 8,
+            staging_bytes: 2 * BLOCK_BYTES,
         };
         let mut scratch = vec![0u8; config.scratch_bytes() as usize];
         let ptr = NonNull::new(scratch.as_mut_ptr()).expect("vec pointer");
@@ -41,6 +65,7 @@ impl Harness {
         let disk = SimDisk::new(SEGMENTS, SEGMENT_BYTES, seed, faults);
         Harness {
             tier,
+            owners: TestOwners::default(),
             disk,
             _scratch: scratch,
             images: HashMap::new(),
@@ -66,7 +91,7 @@ impl Harness {
             }
             self.disk.reap(&mut done);
             for c in done.drain(..) {
-                self.tier.on_completion(c);
+                self.tier.on_completion(c, &mut self.owners);
             }
             self.drain_events();
             if self.tier.is_quiet() && self.disk.in_flight() == 0 {
@@ -85,7 +110,7 @@ impl Harness {
                 TierEvent::BufferReleased { handle } => {
                     self.borrowed.remove(handle);
                 }
-                TierEvent::Durability { .. } => {}
+                _ => {}
             }
             self.events.push(event);
         }
@@ -94,7 +119,7 @@ impl Harness {
     /// Places and writes a put record; returns its tag and where it went.
     fn put(&mut self, key: &[u8], value: &[u8], seq: u64) -> Option<(u64, SsdLocation)> {
         let bytes = record::record_bytes(key.len(), value.len() as u64);
-        let Placement::At(location) = self.tier.place(bytes, false, None) else { return None };
+        let Placement::At(location) = self.tier.place(bytes, false) else { return None };
         let mut image = vec![0u8; bytes as usize].into_boxed_slice();
         record::encode(&mut image, RecordKind::Put, key, value, seq, location.epoch).expect("encode");
         let tag = self.next_tag;
@@ -118,7 +143,7 @@ impl Harness {
             Some((ptr, handle))
         };
         // SAFETY: borrowed blocks stay in `borrowed` until their `BufferReleased` event.
-        unsafe { self.tier.pump_tombstones(None, &mut borrow) };
+        unsafe { self.tier.pump_tombstones(&mut borrow) };
     }
 
     fn durable_tags(&self) -> Vec<u64> {
@@ -158,7 +183,7 @@ fn a_write_is_durable_only_after_a_sync_covers_it() {
     h.drain_events();
     assert!(h.durable_tags().is_empty(), "written but not synced: not durable");
     assert!(!h.tier.is_durable(location.segment, location.offset + location.record_bytes));
-    assert!(h.tier.queue_syncs(false, &[]), "a waiter makes a sync due at once");
+    assert!(h.tier.queue_syncs(false), "a waiter makes a sync due at once");
     h.run();
     assert_eq!(h.durable_tags(), vec![tag]);
     assert_eq!(h.tier.counters().syncs, 1);
@@ -198,11 +223,11 @@ fn a_failed_write_breaks_its_segment_and_the_waits_behind_it_are_lost() {
             // SAFETY: the buffers are owned by the harness until their completion.
             unsafe { h.disk.submit(op) }.expect("submit");
         } else {
-            h.tier.on_completion(DiskCompletion { token: op.token, result });
+            h.tier.on_completion(DiskCompletion { token: op.token, result }, &mut h.owners);
         }
     }
     h.run();
-    h.tier.queue_syncs(true, &[]);
+    h.tier.queue_syncs(true);
     h.run();
     let lost: Vec<u64> = h
         .events
@@ -239,7 +264,7 @@ fn tombstones_past_the_bound_are_refused_and_queued_ones_are_never_dropped() {
     h.pump_tombstones();
     h.run();
     assert!(h.tier.tombstones_pending(), "written but not durable yet");
-    h.tier.queue_syncs(false, &[]);
+    h.tier.queue_syncs(false);
     h.run();
     assert!(!h.tier.tombstones_pending());
     assert_eq!((h.tier.counters().tombstones, h.tier.counters().tombstones_skipped), (8, 0));
@@ -254,7 +279,7 @@ fn a_long_key_tombstone_borrows_memory_and_gives_it_back() {
     assert_eq!(h.borrowed.len(), 1);
     h.run();
     assert!(h.borrowed.is_empty(), "released with its completion");
-    h.tier.queue_syncs(false, &[]);
+    h.tier.queue_syncs(false);
     h.run();
     assert!(!h.tier.tombstones_pending());
 }
@@ -269,7 +294,7 @@ fn a_segment_is_not_freed_while_it_is_read_or_while_a_freed_header_is_stale() {
         seq += 1;
         h.run();
     }
-    h.tier.queue_syncs(true, &[]);
+    h.tier.queue_syncs(true);
     h.run();
     let oldest = h.tier.segments().oldest_sealed().expect("sealed");
     h.tier.add_reader(oldest);
@@ -341,7 +366,7 @@ fn run_scenario(seed: u64) -> (u64, u64) {
             }
             _ => {
                 h.pump_tombstones();
-                h.tier.queue_syncs(false, &[]);
+                h.tier.queue_syncs(false);
                 h.tier.invalidate_stale_headers();
             }
         }
@@ -357,7 +382,7 @@ fn run_scenario(seed: u64) -> (u64, u64) {
         let mut done = Vec::new();
         h.disk.reap(&mut done);
         for c in done {
-            h.tier.on_completion(c);
+            h.tier.on_completion(c, &mut h.owners);
         }
         h.drain_events();
         for event in std::mem::take(&mut h.events) {
@@ -404,4 +429,141 @@ fn run_scenario(seed: u64) -> (u64, u64) {
         }
     }
     counts
+}
+
+/// Puts records for many owners until the tier is full, then reclaims: every record resting in
+/// the reclaimed segments is copied forward through the staging buffer (several chunks each),
+/// and after each freed segment a crash and a restart scan still find every acknowledged record.
+#[test]
+fn reclaim_copies_live_records_forward_and_never_loses_an_acknowledged_one() {
+    let mut copied = 0;
+    for seed in 0..40 {
+        let faults = if seed % 2 == 0 {
+            SimFaults::default()
+        } else {
+            SimFaults { short_ppm: 100_000, max_delay_polls: 2, ..SimFaults::default() }
+        };
+        let mut h = Harness::new(seed, faults);
+        let mut seq = 0;
+        // owner -> (key, seq, value length) of its newest acknowledged record.
+        let mut acked: HashMap<u64, (Vec<u8>, u64, u64)> = HashMap::new();
+        let mut identities: HashMap<u64, RecordIdentity> = HashMap::new();
+        // Twenty owners written once (they stay live in the oldest segments; most of their
+        // records take more than one staging chunk), then four rewritten until the tier is full.
+        let rounds = (0..20u64).map(|o| vec![o]).chain((0..200).map(|_| vec![20, 21, 22, 23]));
+        'fill: for (round, owners) in rounds.enumerate() {
+            let round = round as u64;
+            for owner in owners {
+                let key = format!("owner-{owner}").into_bytes();
+                seq += 1;
+                let mut value = value_for(&key, seq + round);
+                if owner < 20 {
+                    value.resize(value.len() + (owner as usize * 997) % 7000, owner as u8);
+                }
+                let Some((tag, location)) = h.put(&key, &value, seq) else { break 'fill };
+                h.run();
+                assert!(h.events.iter().any(|e| matches!(e, TierEvent::Done { tag: t, result: Ok(()) } if *t == tag)));
+                if let Some(old) = h.owners.rest.insert(owner, location) {
+                    h.tier.sub_live(old.segment, old.record_bytes);
+                }
+                identities
+                    .insert(owner, RecordIdentity { seq, value_len: value.len() as u64, key: key.clone().into() });
+                h.tier.await_durable(location.segment, location.offset + location.record_bytes, tag);
+                h.tier.queue_syncs(false);
+                h.run();
+                assert!(h.durable_tags().contains(&tag), "seed {seed}: a synced record is durable");
+                acked.insert(owner, (key, seq, value.len() as u64));
+            }
+        }
+        let mut freed = 0;
+        for _ in 0..200 {
+            match h.tier.reclaim_step(&mut h.owners) {
+                ReclaimStep::Idle => break,
+                ReclaimStep::Busy => {}
+                ReclaimStep::Decide { segment, .. } => {
+                    let queue: Vec<CopyRequest> = h
+                        .owners
+                        .rest
+                        .iter()
+                        .filter(|(_, l)| l.segment == segment)
+                        .map(|(&owner, &src)| CopyRequest { owner, src, identity: identities[&owner].clone() })
+                        .collect();
+                    h.tier.reclaim_decided(queue, false, &mut h.owners);
+                }
+            }
+            h.run();
+            for event in std::mem::take(&mut h.events) {
+                match event {
+                    TierEvent::CopyFinished { owner, src, outcome, .. } => {
+                        h.owners.held.remove(&owner);
+                        let CopyOutcome::Copied { dst } = outcome else {
+                            panic!("seed {seed}: copy failed: {outcome:?}")
+                        };
+                        assert_eq!(h.owners.rest.insert(owner, dst), Some(src));
+                        h.tier.sub_live(src.segment, src.record_bytes);
+                        h.tier.add_live(dst.segment, dst.record_bytes);
+                        h.tier.track_copy(owner, src, dst);
+                    }
+                    TierEvent::CopyLost { owner, src, dst } if h.owners.rest.get(&owner) == Some(&dst) => {
+                        h.owners.rest.insert(owner, src);
+                    }
+                    TierEvent::SegmentFreed { segment, copies } => {
+                        freed += 1;
+                        copied += copies;
+                        assert!(
+                            h.owners.rest.values().all(|l| l.segment != segment),
+                            "seed {seed}: a freed segment still holds a live record"
+                        );
+                    }
+                    _ => {}
+                }
+            }
+            h.tier.queue_syncs(false);
+            h.tier.invalidate_stale_headers();
+            h.run();
+        }
+        assert!(freed > 0, "seed {seed}: a full tier reclaims");
+        assert_eq!(h.tier.reclaiming(), None, "seed {seed}: {}", h.tier.describe());
+        h.disk.crash();
+        let recovered = h.restart(seed);
+        let found: HashMap<Vec<u8>, (u64, u64)> =
+            recovered.live.iter().map(|f| (f.key.clone(), (f.seq, f.value_len))).collect();
+        for (owner, (key, seq, len)) in acked {
+            assert_eq!(found.get(&key), Some(&(seq, len)), "seed {seed}: owner {owner}'s acknowledged record");
+        }
+    }
+    assert!(copied > 40, "reclaims must copy live records forward: {copied}");
+}
+
+/// A copy whose source record does not belong to the owner (rotten or stale) is refused before
+/// anything is written.
+#[test]
+fn a_copy_of_a_record_that_does_not_belong_is_refused_before_writing() {
+    let mut h = Harness::new(11, SimFaults::default());
+    let value = vec![9u8; (14 * BLOCK_BYTES) as usize];
+    let mut seq = 0;
+    let mut locations = Vec::new();
+    loop {
+        seq += 1;
+        let Some((_, location)) = h.put(b"k", &value, seq) else { break };
+        h.run();
+        locations.push((seq, location));
+    }
+    h.tier.queue_syncs(true);
+    h.run();
+    let (first_seq, first) = locations[0];
+    h.owners.rest.insert(1, first);
+    let ReclaimStep::Decide { segment, .. } = h.tier.reclaim_step(&mut h.owners) else {
+        panic!("a full tier reclaims")
+    };
+    assert_eq!(segment, first.segment);
+    let wrong = RecordIdentity { seq: first_seq + 100, value_len: value.len() as u64, key: b"k".to_vec().into() };
+    let before = h.tier.segments().used_bytes();
+    h.tier.reclaim_decided(vec![CopyRequest { owner: 1, src: first, identity: wrong }], false, &mut h.owners);
+    h.run();
+    assert!(h
+        .events
+        .iter()
+        .any(|e| matches!(e, TierEvent::CopyFinished { outcome: CopyOutcome::Corrupted(_), written_bytes: 0, .. })));
+    assert_eq!(h.tier.segments().used_bytes(), before, "no destination was placed");
 }
