@@ -20,4 +20,6 @@ pub use record::{RecordError, RecordKind, BLOCK_BYTES};
 pub use recovery::{scan_segment, Discarded, FoundRecord, SegmentScan};
 pub use segments::{Append, AppendError, SegmentTable, SsdLocation};
 pub use sim::{SimDisk, SimFaults, SimRng};
-pub use tier::{IoFailure, Placement, Recovered, SsdTier, TierConfig, TierCounters, TierEvent, TombstonesFull};
+pub use tier::{
+    IoFailure, LoadFailure, Placement, Recovered, SsdTier, TierConfig, TierCounters, TierEvent, TombstonesFull,
+};

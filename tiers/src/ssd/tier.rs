@@ -19,6 +19,8 @@
 //! - [`SsdTier::write_record`] writes a whole record image to its placement; the completion is a
 //!   [`TierEvent::Done`] with the caller's tag, after the segment's bookkeeping was updated (its
 //!   live bytes count the record once written).
+//! - [`SsdTier::load`] reads a record and verifies it (checksums, epoch, key, sequence number)
+//!   before [`TierEvent::Loaded`] reports it: bytes that failed a check are never reported good.
 //! - [`SsdTier::begin_write`], [`SsdTier::write_chunk`] and [`SsdTier::end_write`] write a placed
 //!   record in pieces (a relocation copy through a staging buffer); [`SsdTier::read`] reads any
 //!   bytes, and [`SsdTier::add_reader`] / [`SsdTier::drop_reader`] keep a segment from reuse while
@@ -130,11 +132,23 @@ impl fmt::Display for IoFailure {
     }
 }
 
+/// Why a load failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadFailure {
+    /// The read failed.
+    Io(IoFailure),
+    /// The bytes failed their checksums, or are not the record asked for.
+    Corrupted(String),
+}
+
 /// What the caller must react to, in order.
 #[derive(Debug, PartialEq, Eq)]
 pub enum TierEvent {
     /// The caller's operation `tag` finished: every byte transferred, or it failed.
     Done { tag: u64, result: Result<(), IoFailure> },
+    /// The load `tag` finished: on `Ok` the buffer holds the record asked for, every checksum
+    /// verified; on an error its bytes must not be used.
+    Loaded { tag: u64, result: Result<(), LoadFailure> },
     /// Waits (`await_durable` tags) the durable prefix now covers, and those it never will (a
     /// write or sync before them failed).
     Durability { durable: Vec<u64>, lost: Vec<u64> },
@@ -217,6 +231,12 @@ enum IoKind {
     Raw {
         tag: u64,
         read: bool,
+    },
+    /// A whole record read for the caller, verified before it is reported.
+    Load {
+        tag: u64,
+        location: SsdLocation,
+        identity: RecordIdentity,
     },
     Sync {
         segment: u32,
@@ -604,6 +624,25 @@ impl SsdTier {
         });
     }
 
+    /// Reads the record at `location` into `buf` and verifies it (checksums, epoch, and that it
+    /// is `identity`'s version) before a `Loaded { tag }` event reports it. The segment is kept
+    /// from reuse meanwhile.
+    ///
+    /// # Safety
+    /// `buf` must be valid for `location.record_bytes` bytes of writes, and nothing else may read
+    /// or write it, until `Loaded`.
+    pub unsafe fn load(&mut self, location: SsdLocation, buf: NonNull<u8>, identity: RecordIdentity, tag: u64) {
+        self.add_reader(location.segment);
+        let (file, offset, len) = (location.segment, location.offset, location.record_bytes);
+        let io = Io { kind: IoKind::Load { tag, location, identity }, file, offset, ptr: buf, total: len, done: 0 };
+        let token = self.ios.insert(io) as u64;
+        self.outbox.push_back(DiskOp {
+            token,
+            file,
+            kind: DiskOpKind::Read { buf: buf.as_ptr(), len: len.min(MAX_IO_BYTES) as u32, offset },
+        });
+    }
+
     // ---- durability -------------------------------------------------------------------------
 
     /// Waits until `segment`'s durable prefix reaches `end`: a `Durability` event names `tag`
@@ -872,7 +911,9 @@ impl SsdTier {
                 let ptr = unsafe { io.ptr.as_ptr().add(io.done as usize) };
                 let offset = io.offset + io.done;
                 let kind = match io.kind {
-                    IoKind::Raw { read: true, .. } => DiskOpKind::Read { buf: ptr, len: rest as u32, offset },
+                    IoKind::Raw { read: true, .. } | IoKind::Load { .. } => {
+                        DiskOpKind::Read { buf: ptr, len: rest as u32, offset }
+                    }
                     _ => DiskOpKind::Write { buf: ptr.cast_const(), len: rest as u32, offset },
                 };
                 let file = io.file;
@@ -922,6 +963,19 @@ impl SsdTier {
                 self.events.push_back(TierEvent::Done { tag, result });
             }
             IoKind::Raw { tag: COPY_TAG, read } => self.on_copy_io(read, io.total, ok, owners),
+            IoKind::Load { tag, location, identity } => {
+                self.drop_reader(location.segment);
+                let result = match result {
+                    Err(failure) => Err(LoadFailure::Io(failure)),
+                    Ok(()) => {
+                        // SAFETY: the read filled `record_bytes` bytes of the caller's buffer, which
+                        // the operation owned until now (`load`'s contract).
+                        let image = unsafe { std::slice::from_raw_parts(io.ptr.as_ptr(), io.total as usize) };
+                        verify_loaded(image, &location, &identity)
+                    }
+                };
+                self.events.push_back(TierEvent::Loaded { tag, result });
+            }
             IoKind::Raw { tag, .. } => self.events.push_back(TierEvent::Done { tag, result }),
             IoKind::Sync { segment, covers } => {
                 if let Some(s) = self.segments.get_mut(segment) {
@@ -1043,6 +1097,20 @@ impl SsdTier {
             self.ios.len(),
             self.tombstones.len()
         )
+    }
+}
+
+/// Checks a loaded record image: checksums, epoch, and that it is `identity`'s version.
+fn verify_loaded(image: &[u8], location: &SsdLocation, identity: &RecordIdentity) -> Result<(), LoadFailure> {
+    let header = record::verify(image, Some(location.epoch)).map_err(|e| LoadFailure::Corrupted(e.to_string()))?;
+    let matches = header.kind == RecordKind::Put
+        && header.seq == identity.seq
+        && header.value_len == identity.value_len
+        && record::key_of(image, &header) == &identity.key[..];
+    if matches {
+        Ok(())
+    } else {
+        Err(LoadFailure::Corrupted("record does not belong to this key".into()))
     }
 }
 

@@ -13,14 +13,14 @@
 //! drops a tombstone silently.
 
 use std::collections::VecDeque;
-use std::ptr::NonNull;
 
 use kvtide_tiers::dram::{Allocation, ArenaSlice, OffsetAllocator};
 use kvtide_tiers::eviction::EntryId;
 use kvtide_tiers::ssd::record::{self, RecordKind, BLOCK_BYTES, HEADER_BYTES};
 use kvtide_tiers::ssd::tier::{CopyOutcome, CopyRequest, ReclaimStep, RecordIdentity, RecordOwners, TOMBSTONE_SLOTS};
 use kvtide_tiers::ssd::{
-    scan_segment, DiskCompletion, DiskIo, DiskOp, Placement, SsdLocation, SsdTier, TierConfig, TierCounters, TierEvent,
+    scan_segment, DiskCompletion, DiskIo, DiskOp, LoadFailure, Placement, SsdLocation, SsdTier, TierConfig,
+    TierCounters, TierEvent,
 };
 use slab::Slab;
 
@@ -83,13 +83,7 @@ enum CoreOp {
     /// A record image written from an object's DRAM copy.
     Write { id: u32, location: SsdLocation, purpose: WritePurpose },
     /// A record read into a fresh allocation for object `id` (readers join it).
-    Load {
-        id: u32,
-        location: SsdLocation,
-        allocation: Option<Allocation>,
-        waiters: Vec<(usize, usize)>,
-        ptr: NonNull<u8>,
-    },
+    Load { id: u32, location: SsdLocation, allocation: Option<Allocation>, waiters: Vec<(usize, usize)> },
 }
 
 /// A write-through commit waiting for its record to become durable.
@@ -348,6 +342,7 @@ impl ShardCore {
                     self.finish_op(tag as usize, result.map_err(|failure| Error::Io(failure.to_string())));
                 }
                 TierEvent::Durability { durable, lost } => self.on_durability(&durable, &lost),
+                TierEvent::Loaded { tag, result } => self.finish_loaded(tag as usize, result),
                 TierEvent::BufferReleased { handle } => self.release_borrowed(handle as usize),
                 TierEvent::CopyFinished { owner, src, written_bytes, outcome } => {
                     self.on_copy_finished(owner, src, written_bytes, outcome);
@@ -775,12 +770,13 @@ impl ShardCore {
             return false;
         };
         self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
-        ssd.tier.add_reader(location.segment);
         ssd.loading_bytes += location.record_bytes;
-        let token = ssd.ops.insert(CoreOp::Load { id, location, allocation: Some(allocation), waiters, ptr });
+        let object = &self.objects[id as usize];
+        let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.clone() };
+        let token = ssd.ops.insert(CoreOp::Load { id, location, allocation: Some(allocation), waiters });
         // SAFETY: the buffer is a fresh allocation of the record's size, held by the operation
-        // (nothing else references it) until its completion comes back through `finish_op`.
-        unsafe { ssd.tier.read(location.segment, location.offset, ptr, location.record_bytes, token as u64) };
+        // (nothing else references it) until the tier's `Loaded` event for it.
+        unsafe { ssd.tier.load(location, ptr, identity, token as u64) };
         let object = &mut self.objects[id as usize];
         object.loading = Some(token);
         object.io_refs += 1;
@@ -851,13 +847,28 @@ impl ShardCore {
                     .fetch_add(if result.is_ok() { location.record_bytes } else { 0 }, RELAXED);
                 self.finish_record_write(id, location, purpose, result);
             }
-            CoreOp::Load { id, location, allocation, waiters, ptr } => {
-                ssd.tier.drop_reader(location.segment);
+            CoreOp::Load { id, location, allocation, waiters } => {
+                // Loads end with `Loaded`; a plain `Done` for one is a tier bug: fail it.
                 ssd.loading_bytes -= location.record_bytes;
-                let checked = self.verify_loaded(id, &location, ptr, result);
+                let checked = result.and(Err(Error::Internal("a load ended without verification")));
                 self.finish_load(id, location, allocation, waiters, checked);
             }
         }
+    }
+
+    /// A load finished: the tier verified the record (or says why it is not good).
+    fn finish_loaded(&mut self, tag: usize, result: std::result::Result<(), LoadFailure>) {
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        let Some(CoreOp::Load { id, location, allocation, waiters }) = ssd.ops.try_remove(tag) else {
+            tracing::warn!(tag, "the SSD tier finished an unknown load");
+            return;
+        };
+        ssd.loading_bytes -= location.record_bytes;
+        let checked = result.map_err(|failure| match failure {
+            LoadFailure::Io(failure) => Error::Io(failure.to_string()),
+            LoadFailure::Corrupted(why) => Error::Corrupted(why),
+        });
+        self.finish_load(id, location, allocation, waiters, checked);
     }
 
     /// A placed record that will never be written: a hole in its segment (see
@@ -1069,25 +1080,6 @@ impl ShardCore {
     /// Tombstones queued or not yet durable, on a tier still taking writes.
     pub(super) fn ssd_tombstones_pending(&self) -> bool {
         self.ssd.as_ref().is_some_and(|s| s.tier.tombstones_pending())
-    }
-
-    /// Checks a loaded record image: checksums, epoch, and that it is this object's version.
-    fn verify_loaded(&self, id: u32, location: &SsdLocation, ptr: NonNull<u8>, result: Result<()>) -> Result<()> {
-        result?;
-        // SAFETY: the load wrote `record_bytes` bytes into this buffer, which the operation
-        // owned until now and which nothing else references.
-        let image = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), location.record_bytes as usize) };
-        let header = record::verify(image, Some(location.epoch)).map_err(|e| Error::Corrupted(e.to_string()))?;
-        let object = &self.objects[id as usize];
-        let matches = header.kind == RecordKind::Put
-            && header.seq == object.seq
-            && header.value_len == object.len
-            && record::key_of(image, &header) == &object.key[..];
-        if matches {
-            Ok(())
-        } else {
-            Err(Error::Corrupted("record does not belong to this key".into()))
-        }
     }
 
     /// Installs a verified load (granting its waiting readers) or reports its failure to them.

@@ -567,3 +567,36 @@ fn a_copy_of_a_record_that_does_not_belong_is_refused_before_writing() {
         .any(|e| matches!(e, TierEvent::CopyFinished { outcome: CopyOutcome::Corrupted(_), written_bytes: 0, .. })));
     assert_eq!(h.tier.segments().used_bytes(), before, "no destination was placed");
 }
+
+/// A load is reported good only when every check passed: a rotted bit or a record of another
+/// version reads as corrupted, never as good bytes.
+#[test]
+fn a_load_reports_good_bytes_only_after_every_check() {
+    let mut h = Harness::new(12, SimFaults::default());
+    let value = value_for(b"key", 7);
+    let (_, location) = h.put(b"key", &value, 7).expect("placed");
+    h.tier.queue_syncs(true);
+    h.run();
+    let identity = RecordIdentity { seq: 7, value_len: value.len() as u64, key: b"key".to_vec().into() };
+    let load = |h: &mut Harness, identity: RecordIdentity| {
+        let mut buf = vec![0u8; location.record_bytes as usize];
+        let ptr = NonNull::new(buf.as_mut_ptr()).expect("vec pointer");
+        // SAFETY: `buf` outlives the load (the harness runs it to completion below).
+        unsafe { h.tier.load(location, ptr, identity, 99) };
+        h.run();
+        let result = h.events.iter().rev().find_map(|e| match e {
+            TierEvent::Loaded { tag: 99, result } => Some(result.clone()),
+            _ => None,
+        });
+        (result.expect("a Loaded event"), buf)
+    };
+    let (good, buf) = load(&mut h, identity.clone());
+    assert_eq!(good, Ok(()));
+    let header = record::verify(&buf, Some(location.epoch)).expect("verified");
+    assert_eq!(record::value_of(&buf, &header), &value[..]);
+    let other = RecordIdentity { seq: 8, ..identity.clone() };
+    assert!(matches!(load(&mut h, other).0, Err(LoadFailure::Corrupted(_))), "another version");
+    h.disk.flip_bit(location.segment, location.offset + 200, 1);
+    assert!(matches!(load(&mut h, identity).0, Err(LoadFailure::Corrupted(_))), "a rotted bit");
+    assert_eq!(h.tier.segments().get(location.segment).map(|s| s.readers), Some(0));
+}
