@@ -162,8 +162,8 @@ pub enum TierEvent {
     /// pass copies it anew.
     CopyLost { owner: u64, src: SsdLocation, dst: SsdLocation },
     /// The reclaimed `segment` was freed after `copies` records were copied out of it; records
-    /// still naming it are gone.
-    SegmentFreed { segment: u32, copies: usize },
+    /// still naming it are gone. `owners` are those registered for it (some may have moved).
+    SegmentFreed { segment: u32, copies: usize, owners: Vec<u64> },
 }
 
 /// `queue_tombstone` past the bound: nothing was queued.
@@ -307,6 +307,9 @@ pub struct SsdTier {
     next_order: u64,
     /// A segment header could not be written (or zeroed): the tier takes no more writes.
     failed: bool,
+    /// Per segment: the owners whose records rest there (`add_resident`), as the caller named
+    /// them; a reclaim hands them back to the caller to decide about.
+    residents: Vec<Vec<u64>>,
     /// The reclaim in progress.
     reclaim: Option<Reclaim>,
     /// A clean shutdown is flushing: reclaims start only for writes that wait.
@@ -345,6 +348,7 @@ impl SsdTier {
             tombstones: VecDeque::new(),
             next_order: 1,
             failed: false,
+            residents: (0..config.segments).map(|_| Vec::new()).collect(),
             reclaim: None,
             shutting_down: false,
             frozen: false,
@@ -448,6 +452,14 @@ impl SsdTier {
         }
     }
 
+    /// `owner`'s record now rests in `segment` (written, copied or recovered there). The list
+    /// is the tier's per-record owner map: never checked by the tier, handed back by a reclaim.
+    pub fn add_resident(&mut self, segment: u32, owner: u64) {
+        if let Some(residents) = self.residents.get_mut(segment as usize) {
+            residents.push(owner);
+        }
+    }
+
     /// A caller reads `segment` (through `read` or otherwise): it is not reused until
     /// `drop_reader`.
     pub fn add_reader(&mut self, segment: u32) {
@@ -512,6 +524,7 @@ impl SsdTier {
     }
 
     fn write_segment_header(&mut self, segment: u32, epoch: u64, order: u64) {
+        self.residents[segment as usize].clear();
         let log = &mut self.logs[segment as usize];
         *log = SegmentLog::default();
         log.uncovered.insert(0);
@@ -840,6 +853,7 @@ impl SsdTier {
             return false;
         }
         self.logs[segment as usize] = SegmentLog::default();
+        self.residents[segment as usize].clear();
         true
     }
 

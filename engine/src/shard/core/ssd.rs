@@ -2,7 +2,7 @@
 //! (demotion on eviction, write-through, loads on read, deciding what a segment reclaim does
 //! with each object, clean-shutdown flushes, recovery into the index).
 //!
-//! Owns the objects' SSD locations, per-segment residents, loads, write-through waits and the
+//! Owns the objects' SSD locations, loads, write-through waits and the
 //! shutdown flush queue. The policy on disk (placement, segment headers, durable prefixes, group
 //! commit, tombstones, reclaim and its copies, header zeroing, short or failed transfers) is
 //! `kvtide_tiers::ssd::SsdTier`'s: this module asks it for operations by tag, names objects to
@@ -108,8 +108,6 @@ pub(crate) struct SsdState {
     config: SsdConfig,
     /// The disk side: placement, durability, syncs, tombstones, header zeroing.
     tier: SsdTier,
-    /// Per segment: objects whose SSD copy is in it, (id, generation).
-    residents: Vec<Vec<(u32, u32)>>,
     /// The core's operations in flight through the tier, by tag.
     ops: Slab<CoreOp>,
     /// Write-through commits waiting for durability, by the tier's wait tag.
@@ -180,7 +178,6 @@ impl SsdState {
         let tier = unsafe { SsdTier::new(tier_config, ptr) };
         Some(SsdState {
             tier,
-            residents: (0..config.segments).map(|_| Vec::new()).collect(),
             ops: Slab::new(),
             durable_waiters: Slab::new(),
             borrowed: Slab::new(),
@@ -348,7 +345,7 @@ impl ShardCore {
                     self.on_copy_finished(owner, src, written_bytes, outcome);
                 }
                 TierEvent::CopyLost { owner, src, dst } => self.on_copy_lost(owner, src, dst),
-                TierEvent::SegmentFreed { segment, copies } => self.on_segment_freed(segment, copies),
+                TierEvent::SegmentFreed { segment, copies, owners } => self.on_segment_freed(segment, copies, owners),
             }
         }
         self.publish_tier_counters();
@@ -389,12 +386,10 @@ impl ShardCore {
         let Some(ssd) = self.ssd.as_mut() else { return };
         let step = ssd.tier.reclaim_step(&mut Owners { objects: &mut self.objects });
         self.drain_tier_events();
-        let ReclaimStep::Decide { segment, copy_cold } = step else { return };
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        let residents = ssd.residents[segment as usize].clone();
+        let ReclaimStep::Decide { segment, copy_cold, owners } = step else { return };
         let mut busy = false;
         let mut queue = Vec::new();
-        for (id, generation) in residents {
+        for (id, generation) in owners.into_iter().map(owner_parts) {
             let Some(object) = self.objects.get(id as usize) else { continue };
             if object.generation != generation || object.ssd.is_none_or(|l| l.segment != segment) {
                 continue;
@@ -464,10 +459,8 @@ impl ShardCore {
 
     /// The reclaimed segment was freed: anything still naming it (a retired object kept by a
     /// reader) lets go now.
-    fn on_segment_freed(&mut self, segment: u32, copies: usize) {
-        let Some(ssd) = self.ssd.as_mut() else { return };
-        let residents = std::mem::take(&mut ssd.residents[segment as usize]);
-        for (id, generation) in residents {
+    fn on_segment_freed(&mut self, segment: u32, copies: usize, owners: Vec<u64>) {
+        for (id, generation) in owners.into_iter().map(owner_parts) {
             let Some(object) = self.objects.get_mut(id as usize) else { continue };
             if object.generation == generation && object.ssd.is_some_and(|l| l.segment == segment) {
                 if let Some(location) = object.ssd.take() {
@@ -501,7 +494,7 @@ impl ShardCore {
                 if let Some(ssd) = self.ssd.as_mut() {
                     ssd.tier.sub_live(src.segment, src.record_bytes);
                     ssd.tier.add_live(dst.segment, dst.record_bytes);
-                    ssd.residents[dst.segment as usize].push((id, generation));
+                    ssd.tier.add_resident(dst.segment, owner);
                     ssd.tier.track_copy(owner, src, dst);
                 }
             }
@@ -938,7 +931,7 @@ impl ShardCore {
                 self.counters.ssd_objects.fetch_add(1, RELAXED);
                 self.counters.ssd_bytes.fetch_add(location.record_bytes, RELAXED);
                 if let Some(ssd) = self.ssd.as_mut() {
-                    ssd.residents[location.segment as usize].push((id, generation));
+                    ssd.tier.add_resident(location.segment, owner_token(id, generation));
                     if let WritePurpose::WriteThrough { pending, slot } = purpose {
                         let end = location.offset + location.record_bytes;
                         let tag = ssd.durable_waiters.insert(DurableWaiter { pending, slot, object: id, generation });
@@ -1195,7 +1188,7 @@ impl ShardCore {
             self.index.insert(key.into_boxed_slice(), id);
             if let Some(ssd) = self.ssd.as_mut() {
                 // The tier counted its bytes live already.
-                ssd.residents[location.segment as usize].push((id, generation));
+                ssd.tier.add_resident(location.segment, owner_token(id, generation));
             }
             report.objects += 1;
             report.bytes += found.value_len;

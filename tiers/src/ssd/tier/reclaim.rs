@@ -119,7 +119,7 @@ struct CopyJob {
 }
 
 /// What the caller does next for a running reclaim (`SsdTier::reclaim_step`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReclaimStep {
     /// No reclaim runs, and none is due.
     Idle,
@@ -128,8 +128,9 @@ pub enum ReclaimStep {
     /// Decide about every record still resting in `segment`: rewrite a record the caller holds
     /// in memory (`place` as a relocation, `write_record`, `relocation_write_started`), queue a
     /// copy of one that rests only on SSD (when `copy_cold`, or for a record that must stay),
-    /// or let it leave; then call `reclaim_decided`.
-    Decide { segment: u32, copy_cold: bool },
+    /// or let it leave; then call `reclaim_decided`. `owners` are those registered with
+    /// `add_resident` for the segment (some may have moved or gone since: the caller checks).
+    Decide { segment: u32, copy_cold: bool, owners: Vec<u64> },
 }
 
 /// Tags of the tier's own copy operations have this bit set (callers' tags never do).
@@ -170,7 +171,11 @@ impl SsdTier {
             self.start_next_copy(owners);
             return ReclaimStep::Busy;
         }
-        ReclaimStep::Decide { segment: r.segment, copy_cold: r.copy_cold && r.failures < MAX_RELOCATION_FAILURES }
+        ReclaimStep::Decide {
+            segment: r.segment,
+            copy_cold: r.copy_cold && r.failures < MAX_RELOCATION_FAILURES,
+            owners: self.residents[r.segment as usize].clone(),
+        }
     }
 
     fn start_reclaim(&mut self) -> bool {
@@ -288,6 +293,7 @@ impl SsdTier {
         }
         let Some(r) = self.reclaim.take() else { return };
         let used = self.segments.get(segment).map_or(0, |s| s.write_offset);
+        let owners = std::mem::take(&mut self.residents[segment as usize]);
         if self.free_segment(segment) {
             let copied: u64 = r.copies.iter().map(|c| c.dst.record_bytes).sum();
             let gain = used.saturating_sub(copied);
@@ -296,7 +302,7 @@ impl SsdTier {
             } else {
                 self.fruitless_reclaims = 0;
             }
-            self.events.push_back(TierEvent::SegmentFreed { segment, copies: r.copies.len() });
+            self.events.push_back(TierEvent::SegmentFreed { segment, copies: r.copies.len(), owners });
         }
     }
 

@@ -463,6 +463,7 @@ fn reclaim_copies_live_records_forward_and_never_loses_an_acknowledged_one() {
                 let Some((tag, location)) = h.put(&key, &value, seq) else { break 'fill };
                 h.run();
                 assert!(h.events.iter().any(|e| matches!(e, TierEvent::Done { tag: t, result: Ok(()) } if *t == tag)));
+                h.tier.add_resident(location.segment, owner);
                 if let Some(old) = h.owners.rest.insert(owner, location) {
                     h.tier.sub_live(old.segment, old.record_bytes);
                 }
@@ -480,7 +481,8 @@ fn reclaim_copies_live_records_forward_and_never_loses_an_acknowledged_one() {
             match h.tier.reclaim_step(&mut h.owners) {
                 ReclaimStep::Idle => break,
                 ReclaimStep::Busy => {}
-                ReclaimStep::Decide { segment, .. } => {
+                ReclaimStep::Decide { segment, owners, .. } => {
+                    assert!(owners.iter().all(|o| h.owners.rest.contains_key(o)));
                     let queue: Vec<CopyRequest> = h
                         .owners
                         .rest
@@ -503,11 +505,12 @@ fn reclaim_copies_live_records_forward_and_never_loses_an_acknowledged_one() {
                         h.tier.sub_live(src.segment, src.record_bytes);
                         h.tier.add_live(dst.segment, dst.record_bytes);
                         h.tier.track_copy(owner, src, dst);
+                        h.tier.add_resident(dst.segment, owner);
                     }
                     TierEvent::CopyLost { owner, src, dst } if h.owners.rest.get(&owner) == Some(&dst) => {
                         h.owners.rest.insert(owner, src);
                     }
-                    TierEvent::SegmentFreed { segment, copies } => {
+                    TierEvent::SegmentFreed { segment, copies, .. } => {
                         freed += 1;
                         copied += copies;
                         assert!(
