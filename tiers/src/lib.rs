@@ -1,10 +1,11 @@
 //! kvtide-tiers: where kvtide's bytes rest.
 //!
 //! Owns the DRAM arena (one mmap, split into per-shard slices), the O(1) offset allocator
-//! that carves a slice, the eviction policies that choose what leaves DRAM, and the SSD tier's
-//! parts (record format, segment table, data directory, recovery scan, disk operations and the
-//! seeded simulated disk). It never reaches up into the engine: it knows offsets, sizes and
-//! entry ids, not keys' meaning, leases or requests.
+//! that carves a slice, the eviction policies that choose what leaves DRAM, and the SSD tier
+//! (`ssd`): the sans-I/O `SsdTier` (placement, durability, group commit, reclaim, tombstones),
+//! record format, segment table, data directory, recovery scan and the seeded simulated disk.
+//! It never reaches up into the engine: it knows offsets, sizes, entry ids and opaque owner
+//! tokens, not keys' meaning, leases or requests.
 
 pub mod dram;
 pub mod eviction;

@@ -249,7 +249,7 @@ impl ShardCore {
         }
         let mut allocator = OffsetAllocator::new(capacity, config.align_bytes, config.max_objects)?;
         let ssd = match ssd {
-            Some(c) => Some(SsdState::new(c, &mut allocator).ok_or_else(|| {
+            Some(c) => Some(SsdState::new(c, &mut allocator, &slice).ok_or_else(|| {
                 OpenError::Config(format!(
                     "a {capacity}-byte arena slice cannot hold the SSD tier's scratch blocks; raise dram_bytes"
                 ))
