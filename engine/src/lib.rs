@@ -22,7 +22,7 @@ mod config;
 mod engine;
 mod error;
 pub mod settings;
-pub mod shard;
+mod shard;
 mod stats;
 mod ticket;
 

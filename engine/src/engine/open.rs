@@ -38,7 +38,6 @@ impl Engine {
         for index in 0..config.shards {
             let slice = arena.slice(index)?;
             let shard_config = ShardConfig {
-                shard: index,
                 high_watermark_bytes: (slice_bytes as f64 * config.high_watermark) as u64,
                 low_watermark_bytes: (slice_bytes as f64 * config.low_watermark) as u64,
                 policy: config.policy,

@@ -148,7 +148,6 @@ struct Lease {
 /// Limits a shard enforces, derived from the builder.
 #[derive(Clone, Debug)]
 pub struct ShardConfig {
-    pub shard: usize,
     pub high_watermark_bytes: u64,
     pub low_watermark_bytes: u64,
     pub policy: EvictionPolicy,
@@ -231,6 +230,7 @@ pub struct ShardCore {
 
 impl ShardCore {
     /// A DRAM-only shard over `slice`, publishing counters to `counters`.
+    #[cfg(test)]
     pub fn new(config: ShardConfig, slice: ArenaSlice, counters: Arc<ShardCounters>) -> Result<Self, OpenError> {
         Self::with_ssd(config, slice, counters, None)
     }
@@ -288,13 +288,9 @@ impl ShardCore {
     }
 
     /// Bytes this shard's objects can use.
+    #[cfg(test)]
     pub fn capacity_bytes(&self) -> u64 {
         self.allocator.capacity_bytes()
-    }
-
-    /// True when the shard has an SSD tier.
-    pub fn has_ssd(&self) -> bool {
-        self.ssd.is_some()
     }
 
     // ---- reads ------------------------------------------------------------------------------
@@ -954,6 +950,7 @@ impl ShardCore {
     }
 
     /// Checks the cross-structure invariants (tests and debug builds).
+    #[cfg(test)]
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut live = 0usize;
         let mut used = 0u64;
@@ -1013,26 +1010,25 @@ impl ShardCore {
     }
 
     /// Number of keys in the index.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.index.len()
     }
 
-    /// True when the index is empty.
-    pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
-    }
-
     /// Leases currently held.
+    #[cfg(test)]
     pub fn leases_held(&self) -> usize {
         self.leases.len()
     }
 
     /// Bytes allocated (live, reserved, retired objects and SSD scratch buffers).
+    #[cfg(test)]
     pub fn used_bytes(&self) -> u64 {
         self.allocator.used_bytes()
     }
 
     /// True when nothing waits and no I/O is in flight.
+    #[cfg(test)]
     pub fn is_quiet(&self) -> bool {
         self.waiters.is_empty()
             && self.pending_reads.is_empty()

@@ -52,7 +52,6 @@ fn ssd_config(segments: u32, write_through: bool, promote: bool) -> SsdConfig {
 fn core_with(arena: &Arc<Arena>, ssd: SsdConfig) -> ShardCore {
     let slice = arena.slice(0).expect("slice");
     let config = ShardConfig {
-        shard: 0,
         high_watermark_bytes: slice.len_bytes() as u64 * 95 / 100,
         low_watermark_bytes: slice.len_bytes() as u64 * 85 / 100,
         policy: EvictionPolicy::S3Fifo,

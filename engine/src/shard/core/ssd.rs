@@ -115,7 +115,8 @@ pub(crate) struct SsdState {
     /// DRAM lent to the tier for tombstones of keys longer than one block, by handle.
     borrowed: Slab<Allocation>,
     /// The tier's scratch blocks (one header block per segment, a zero block, the tombstone
-    /// slots and the relocation staging buffer).
+    /// slots and the relocation staging buffer); held for the tier's lifetime.
+    #[cfg_attr(not(test), allow(dead_code))]
     scratch: Allocation,
     /// Bytes of `borrowed`.
     borrowed_bytes: u64,
@@ -205,10 +206,12 @@ impl SsdState {
     }
 
     /// Bytes the tier keeps allocated for itself (scratch blocks, staging, borrowed tombstones).
+    #[cfg(test)]
     pub(crate) fn reserved_bytes(&self) -> u64 {
         self.scratch.len() + self.borrowed_bytes
     }
 
+    #[cfg(test)]
     pub(crate) fn is_quiet(&self) -> bool {
         self.tier.is_quiet() && self.ops.is_empty()
     }

@@ -38,7 +38,6 @@ fn core(capacity_bytes: usize, policy: EvictionPolicy) -> ShardCore {
     let arena = Arena::new(capacity_bytes, 1).expect("arena");
     let slice = arena.slice(0).expect("slice");
     let config = ShardConfig {
-        shard: 0,
         high_watermark_bytes: capacity_bytes as u64,
         low_watermark_bytes: capacity_bytes as u64 * 9 / 10,
         policy,
