@@ -11,7 +11,6 @@ use std::sync::Arc;
 use super::device::{self, Prestaged};
 use super::driver::{CudaTransport, RangeChecker};
 use super::plan::StagingPolicy;
-use crate::memcpy::check_host_list;
 use crate::region::{MemoryKind, Region};
 use crate::transfer::{Direction, Summary, Transfer};
 use crate::transport::{EarlyStart, InFlight, Progress, Transport};
@@ -44,16 +43,12 @@ impl Transport for CudaCopier {
         let mut out: Vec<Option<TransportError>> = vec![None; lists.len()];
         let mut ordinals: Vec<u32> = Vec::new();
         for (owner, regions) in lists.iter().enumerate() {
+            // Host regions of a mixed list are copied by the CPU: they only need to be writable.
             if writable {
                 if let Some(e) = regions.iter().find_map(|r| r.check_writable().err()) {
                     out[owner] = Some(e.into());
                     continue;
                 }
-            }
-            let host: Vec<Region<'_>> = regions.iter().filter(|r| r.kind().is_host()).copied().collect();
-            if let Some(e) = check_host_list(&host, writable) {
-                out[owner] = Some(e);
-                continue;
             }
             // The GPUs this list names (one, nearly always).
             ordinals.clear();
