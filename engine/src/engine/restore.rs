@@ -537,7 +537,9 @@ impl Engine {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             reply,
         })
-        .gather(self, |i, _, found| {
+        // Blocking, as before the pipeline starts: a polling caller would take CPU time the
+        // shards need on a small machine.
+        .gather_waiting(self, false, |i, _, found| {
             out.insert(i, found.ok().flatten());
         });
         out

@@ -35,9 +35,25 @@ type Bucket<P> = (Vec<usize>, Vec<(Box<[u8]>, P)>);
 impl<R> Fanout<R> {
     /// Waits for every shard; calls `each(caller index, shard, result)` once per item. A shard
     /// that is gone gives its items the error.
-    pub(crate) fn gather(self, engine: &Engine, mut each: impl FnMut(usize, usize, Result<R>)) {
+    pub(crate) fn gather(self, engine: &Engine, each: impl FnMut(usize, usize, Result<R>)) {
+        self.gather_waiting(engine, true, each)
+    }
+
+    /// `gather`; `spin` false blocks on each reply at once instead of polling first (for
+    /// replies that take a while, so the caller leaves the CPU to the shards).
+    pub(crate) fn gather_waiting(self, engine: &Engine, spin: bool, mut each: impl FnMut(usize, usize, Result<R>)) {
         for FanoutPart { shard, indices, reply } in self.parts {
-            match reply.and_then(|rx| engine.recv_reply(&rx)) {
+            let reply =
+                reply.and_then(
+                    |rx| {
+                        if spin {
+                            engine.recv_reply(&rx)
+                        } else {
+                            rx.recv().map_err(|_| Error::ShuttingDown)
+                        }
+                    },
+                );
+            match reply {
                 Ok(replies) => {
                     let mut replies = replies.into_iter();
                     for index in indices {
