@@ -161,10 +161,6 @@ impl Transport for NullTransfer {
         true
     }
 
-    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
-        MemcpyTransport.check(lists, writable)
-    }
-
     unsafe fn submit(
         &self,
         _direction: Direction,
@@ -192,10 +188,6 @@ impl Transport for SharedLink {
 
     fn completes_inline(&self) -> bool {
         true
-    }
-
-    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
-        MemcpyTransport.check(lists, writable)
     }
 
     unsafe fn submit(

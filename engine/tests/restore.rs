@@ -277,10 +277,6 @@ impl Transport for FlakyTransfer {
         true
     }
 
-    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
-        MemcpyTransport.check(lists, writable)
-    }
-
     unsafe fn submit(
         &self,
         direction: Direction,

@@ -42,10 +42,6 @@ impl Transport for MemcpyTransport {
         true
     }
 
-    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
-        lists.iter().map(|regions| check_host_list(regions, writable)).collect()
-    }
-
     unsafe fn submit(
         &self,
         direction: Direction,

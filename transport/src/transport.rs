@@ -34,8 +34,11 @@ pub trait Transport: Send + Sync {
 
     /// Checks region lists before anything is submitted: `lists[i]` are the regions of owner
     /// `i` (a key, a buffer); `writable` for destinations. Returns each owner's first error
-    /// (None: good). Nothing is ever submitted for an owner that failed here.
-    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>>;
+    /// (None: good). Nothing is ever submitted for an owner that failed here. The default
+    /// accepts host memory only (writable for destinations): right for any CPU-copy transport.
+    fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
+        lists.iter().map(|regions| crate::memcpy::check_host_list(regions, writable)).collect()
+    }
 
     /// Starts moving the bytes of `objects` ((host address, length), in the order the later
     /// `submit` will name them) towards memory of `target`, before the destinations are
