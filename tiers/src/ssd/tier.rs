@@ -1075,7 +1075,11 @@ impl SsdTier {
         }
         self.segments.restore(restored);
         self.next_order = self.next_order.max(recovered.max_seq + 1);
-        for (_, found) in winners {
+        // In disk order, so a recovery (and every simulator run) installs objects the same way
+        // each time: a map's iteration order differs per process.
+        let mut winners: Vec<FoundRecord> = winners.into_values().collect();
+        winners.sort_unstable_by_key(|f| (f.location.segment, f.location.offset));
+        for found in winners {
             if found.kind == RecordKind::Tombstone {
                 recovered.removed_by_tombstone += 1;
                 continue;
