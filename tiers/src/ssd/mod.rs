@@ -21,5 +21,5 @@ pub use recovery::{scan_segment, Discarded, FoundRecord, SegmentScan};
 pub use segments::{Append, AppendError, SegmentTable, SsdLocation};
 pub use sim::{SimDisk, SimFaults, SimRng};
 pub use tier::{
-    IoFailure, LoadFailure, Placement, Recovered, SsdTier, TierConfig, TierCounters, TierEvent, TombstonesFull,
+    IoFailure, LoadFailure, Placement, Recovered, SsdTier, TierConfig, TierCounters, TierEvent, TombstoneRefused,
 };

@@ -166,10 +166,14 @@ pub enum TierEvent {
     SegmentFreed { segment: u32, copies: usize, owners: Vec<u64> },
 }
 
-/// `queue_tombstone` past the bound: nothing was queued.
+/// Why `queue_tombstone` queued nothing (the remove must then not happen).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TombstonesFull {
-    pub limit: usize,
+pub enum TombstoneRefused {
+    /// `limit` tombstones wait already.
+    Full { limit: usize },
+    /// The tier stopped taking writes (a segment header failed every try): no tombstone can be
+    /// written any more.
+    TierFailed,
 }
 
 /// Totals since the tier was made (the caller publishes them).
@@ -552,7 +556,7 @@ impl SsdTier {
         log.header_tries += 1;
         if log.header_tries >= WRITE_TRIES {
             tracing::error!(segment, "a segment header could not be written; the SSD tier stops taking writes");
-            self.failed = true;
+            self.fail();
             return;
         }
         log.uncovered.insert(0);
@@ -744,24 +748,48 @@ impl SsdTier {
 
     /// Queues a tombstone for `key` with sequence number `seq` (taken when the remove happened).
     /// Past the bound nothing is queued: the remove must not happen.
-    pub fn queue_tombstone(&mut self, key: &[u8], seq: u64) -> Result<(), TombstonesFull> {
+    pub fn queue_tombstone(&mut self, key: &[u8], seq: u64) -> Result<(), TombstoneRefused> {
         self.tombstone_room()?;
         self.tombstones.push_back(PendingTombstone { key: key.into(), seq, tries: 0 });
         Ok(())
     }
 
     /// Queues a tombstone even past the bound: for a key already gone from the caller's index
-    /// (a put that could not be made durable), whose tombstone must not be dropped.
+    /// (a put that could not be made durable), whose tombstone must not be dropped. On a failed
+    /// tier it cannot be written: it counts in `tombstones_skipped`.
     pub fn must_queue_tombstone(&mut self, key: &[u8], seq: u64) {
+        if self.failed {
+            self.skip_tombstones(1);
+            return;
+        }
         self.tombstones.push_back(PendingTombstone { key: key.into(), seq, tries: 0 });
     }
 
-    /// `TombstonesFull` when `queue_tombstone` would refuse.
-    pub fn tombstone_room(&self) -> Result<(), TombstonesFull> {
+    /// The reason `queue_tombstone` would refuse, if it would.
+    pub fn tombstone_room(&self) -> Result<(), TombstoneRefused> {
+        if self.failed {
+            return Err(TombstoneRefused::TierFailed);
+        }
         if self.tombstones.len() >= self.config.max_pending_tombstones {
-            return Err(TombstonesFull { limit: self.config.max_pending_tombstones });
+            return Err(TombstoneRefused::Full { limit: self.config.max_pending_tombstones });
         }
         Ok(())
+    }
+
+    /// Tombstones that will never be written: their keys may come back after a restart.
+    fn skip_tombstones(&mut self, count: usize) {
+        if count > 0 {
+            self.counters.tombstones_skipped += count as u64;
+            tracing::error!(count, "tombstones could not be written; their keys may come back after a restart");
+        }
+    }
+
+    /// The tier takes no more writes: the tombstones still queued can never be written.
+    fn fail(&mut self) {
+        self.failed = true;
+        let queued = self.tombstones.len();
+        self.tombstones.clear();
+        self.skip_tombstones(queued);
     }
 
     /// Writes queued tombstones while blocks and segment room are free. One-block tombstones use
@@ -828,11 +856,10 @@ impl SsdTier {
     /// counted and logged).
     fn requeue_tombstone(&mut self, mut pending: PendingTombstone) {
         pending.tries += 1;
-        if pending.tries < WRITE_TRIES {
+        if pending.tries < WRITE_TRIES && !self.failed {
             self.tombstones.push_front(pending);
         } else {
-            self.counters.tombstones_skipped += 1;
-            tracing::error!("a tombstone could not be written; its key may come back after a restart");
+            self.skip_tombstones(1);
         }
     }
 
@@ -875,7 +902,7 @@ impl SsdTier {
         log.header_tries += 1;
         if log.header_tries >= WRITE_TRIES && !self.failed {
             tracing::error!(segment, "a freed segment's header could not be zeroed; the SSD tier stops taking writes");
-            self.failed = true;
+            self.fail();
         }
     }
 

@@ -20,7 +20,7 @@ use kvtide_tiers::ssd::record::{self, RecordKind, BLOCK_BYTES, HEADER_BYTES};
 use kvtide_tiers::ssd::tier::{CopyOutcome, CopyRequest, ReclaimStep, RecordIdentity, RecordOwners, TOMBSTONE_SLOTS};
 use kvtide_tiers::ssd::{
     scan_segment, DiskCompletion, DiskIo, DiskOp, LoadFailure, Placement, SsdLocation, SsdTier, TierConfig,
-    TierCounters, TierEvent,
+    TierCounters, TierEvent, TombstoneRefused,
 };
 use slab::Slab;
 
@@ -688,11 +688,20 @@ impl ShardCore {
         Placement::At(location)
     }
 
-    /// `Busy` when the tombstone queue is at its bound (a remove or upsert that needs one must
-    /// then not happen: nothing is dropped).
+    /// The SSD tier stopped taking writes (a segment header failed every try).
+    #[cfg(test)]
+    pub(super) fn ssd_failed(&self) -> bool {
+        self.ssd.as_ref().is_some_and(|s| s.tier.failed())
+    }
+
+    /// `Busy` when the tombstone queue is at its bound, `Io` when the tier can no longer write
+    /// one: a remove or upsert that needs one must then not happen (nothing is dropped).
     pub(super) fn tombstone_room(&self) -> Result<()> {
         match self.ssd.as_ref().map(|s| s.tier.tombstone_room()) {
-            Some(Err(full)) => Err(Error::Busy { limit: full.limit }),
+            Some(Err(TombstoneRefused::Full { limit })) => Err(Error::Busy { limit }),
+            Some(Err(TombstoneRefused::TierFailed)) => Err(Error::Io(
+                "the SSD tier stopped taking writes after repeated disk failures: removing or replacing an object stored on SSD cannot be made durable".into(),
+            )),
             _ => Ok(()),
         }
     }

@@ -259,7 +259,7 @@ fn tombstones_past_the_bound_are_refused_and_queued_ones_are_never_dropped() {
     for i in 0..8u64 {
         h.tier.queue_tombstone(format!("key{i}").as_bytes(), i + 1).expect("room");
     }
-    assert_eq!(h.tier.queue_tombstone(b"one more", 9), Err(TombstonesFull { limit: 8 }));
+    assert_eq!(h.tier.queue_tombstone(b"one more", 9), Err(TombstoneRefused::Full { limit: 8 }));
     assert_eq!(h.tier.queued_tombstones(), 8);
     h.pump_tombstones();
     h.run();
@@ -268,6 +268,49 @@ fn tombstones_past_the_bound_are_refused_and_queued_ones_are_never_dropped() {
     h.run();
     assert!(!h.tier.tombstones_pending());
     assert_eq!((h.tier.counters().tombstones, h.tier.counters().tombstones_skipped), (8, 0));
+}
+
+#[test]
+fn a_tier_that_stops_writing_counts_its_queued_tombstones_lost_and_refuses_new_ones() {
+    let mut h = Harness::new(5, SimFaults::default());
+    h.put(b"a", b"1", 1).expect("a");
+    for i in 0..3u64 {
+        h.tier.queue_tombstone(format!("gone{i}").as_bytes(), 10 + i).expect("room");
+    }
+    // Every write of a segment header fails: after its tries the tier stops taking writes.
+    let mut ops = Vec::new();
+    let mut done = Vec::new();
+    for _ in 0..1000 {
+        h.tier.take_disk_ops(&mut ops);
+        for op in ops.drain(..) {
+            if matches!(op.kind, DiskOpKind::Write { offset: 0, .. }) {
+                h.tier.on_completion(DiskCompletion { token: op.token, result: -5 }, &mut h.owners);
+            } else {
+                // SAFETY: the buffers are owned by the harness until their completion.
+                unsafe { h.disk.submit(op) }.expect("submit");
+            }
+        }
+        h.disk.reap(&mut done);
+        for c in done.drain(..) {
+            h.tier.on_completion(c, &mut h.owners);
+        }
+        h.drain_events();
+        if h.tier.failed() {
+            break;
+        }
+        h.tier.queue_syncs(true);
+    }
+    assert!(h.tier.failed(), "the header never failed for good: {}", h.tier.describe());
+    h.run();
+    // Nothing waits for tombstones that can never be written: they are counted lost.
+    assert_eq!(h.tier.queued_tombstones(), 0);
+    assert!(!h.tier.tombstones_pending());
+    assert_eq!(h.tier.counters().tombstones_skipped, 3);
+    // A new remove must not happen; an unacknowledged put's tombstone is counted lost at once.
+    assert_eq!(h.tier.queue_tombstone(b"later", 20), Err(TombstoneRefused::TierFailed));
+    assert_eq!(h.tier.tombstone_room(), Err(TombstoneRefused::TierFailed));
+    h.tier.must_queue_tombstone(b"unacknowledged", 21);
+    assert_eq!((h.tier.queued_tombstones(), h.tier.counters().tombstones_skipped), (0, 4));
 }
 
 #[test]
