@@ -1,5 +1,5 @@
 //! `StoreBuilder`: what users fill in (in code, from a TOML file or from `KVTIDE_*` variables),
-//! grouped as `[dram]`, `[ssd]`, `[restore]`, `[gpu]` and `[runtime]`, each setting declared once
+//! grouped as `[dram]`, `[ssd]`, `[restore]`, `[gpu]`, `[runtime]` and `[stream]`, each setting declared once
 //! (`settings_group!`). Owns validating everything before any memory is mapped and deriving the
 //! engine's configuration; never maps memory or starts shards itself (`Engine::open` does).
 
@@ -119,8 +119,25 @@ crate::settings_group! {
     }
 }
 
+crate::settings_group! {
+    /// `[stream]`: progressive and streaming transfers (`KVTIDE_STREAM_*`).
+    pub struct StreamGroup = "stream" {
+        /// Chunks of one handle in flight at once: a large read never holds more than this many
+        /// chunks of transport work (staging, copies) at a time. Default 4.
+        window_chunks: usize = 4, Count, eg "2";
+        /// Chunk handles whose transfers run at once; more are refused with Busy. Default 256.
+        max_handles: usize = 256, Count, eg "8";
+        /// How long a progressive put may stay unsealed; then it is aborted and the readers that
+        /// follow it fail with ProducerAborted. Default 60 s.
+        unsealed_ttl_ms: u64 = 60_000, Count, eg "2500";
+        /// Bytes of unsealed progressive puts a shard holds at most. Default: a quarter of a
+        /// shard's DRAM slice.
+        unsealed_bytes_per_shard: Option<u64> = None, Bytes, eg "4MiB";
+    }
+}
+
 /// Builds an embedded store. Every setting has a default and lives in its group (`[dram]`,
-/// `[ssd]`, `[restore]`, `[gpu]`, `[runtime]`); the fluent setters below cover them.
+/// `[ssd]`, `[restore]`, `[gpu]`, `[runtime]`, `[stream]`); the fluent setters below cover them.
 #[derive(Clone, Debug, Default)]
 pub struct StoreBuilder {
     pub dram: DramGroup,
@@ -128,6 +145,7 @@ pub struct StoreBuilder {
     pub restore: RestoreGroup,
     pub gpu: GpuGroup,
     pub runtime: RuntimeGroup,
+    pub stream: StreamGroup,
     /// Run the SSD tier on the in-memory fault-injecting simulator instead of files (tests and
     /// benchmarks; nothing survives the process). Set with `simulated_ssd`; never from text.
     pub simulated_ssd: Option<(u64, kvtide_tiers::ssd::SimFaults)>,
@@ -161,7 +179,14 @@ macro_rules! settings_of_groups {
 }
 
 impl Settings for StoreBuilder {
-    settings_of_groups!(dram: DramGroup, ssd: SsdGroup, restore: RestoreGroup, gpu: GpuGroup, runtime: RuntimeGroup);
+    settings_of_groups!(
+        dram: DramGroup,
+        ssd: SsdGroup,
+        restore: RestoreGroup,
+        gpu: GpuGroup,
+        runtime: RuntimeGroup,
+        stream: StreamGroup,
+    );
 }
 
 /// What the engine derives from a validated builder.
@@ -194,6 +219,10 @@ pub(crate) struct EngineConfig {
     pub(crate) restore_sub_batch_keys: usize,
     pub(crate) restore_window: usize,
     pub(crate) restore_staging_bytes: u64,
+    pub(crate) stream_window_chunks: usize,
+    pub(crate) stream_max_handles: usize,
+    pub(crate) unsealed_ttl: Duration,
+    pub(crate) unsealed_bytes_per_shard: u64,
 }
 
 /// The SSD tier's derived settings.
@@ -280,6 +309,14 @@ impl StoreBuilder {
         restore_window: usize => restore.window);
     setter!(/// Staging bytes all restores may hold at once (`[restore] staging_bytes`).
         restore_staging_bytes: u64 => restore.staging_bytes);
+    setter!(/// Chunks of one chunk handle in flight at once (`[stream] window_chunks`).
+        stream_window_chunks: usize => stream.window_chunks);
+    setter!(/// Chunk handles running at once (`[stream] max_handles`).
+        stream_max_handles: usize => stream.max_handles);
+    setter!(/// Lifetime of an unsealed progressive put, in milliseconds (`[stream] unsealed_ttl_ms`).
+        unsealed_ttl_ms: u64 => stream.unsealed_ttl_ms);
+    setter!(/// Unsealed progressive-put bytes per shard (`[stream] unsealed_bytes_per_shard`).
+        unsealed_bytes_per_shard: u64 => stream.unsealed_bytes_per_shard);
     setter!(/// Stage fragmented GPU transfers through one device buffer, feature `cuda`
         /// (`[gpu] staging`).
         gpu_staging: bool => gpu.staging);
@@ -428,7 +465,21 @@ impl StoreBuilder {
         {
             return err("[restore] window must be 1..=8 and the sub-batch limits positive".into());
         }
+        if !(1..=1024).contains(&self.stream.window_chunks) || self.stream.max_handles == 0 {
+            return err("[stream] window_chunks must be 1..=1024 and max_handles positive".into());
+        }
+        if self.stream.unsealed_ttl_ms == 0 || self.stream.unsealed_bytes_per_shard == Some(0) {
+            return err("[stream] unsealed_ttl_ms and unsealed_bytes_per_shard must be positive".into());
+        }
         Ok(EngineConfig {
+            stream_window_chunks: self.stream.window_chunks,
+            stream_max_handles: self.stream.max_handles,
+            unsealed_ttl: Duration::from_millis(self.stream.unsealed_ttl_ms),
+            unsealed_bytes_per_shard: self
+                .stream
+                .unsealed_bytes_per_shard
+                .unwrap_or(self.dram.bytes / shards as u64 / 4)
+                .max(1),
             restore_pipeline: self.restore.pipeline,
             restore_sub_batch_bytes: self.restore.sub_batch_bytes,
             restore_sub_batch_keys: self.restore.sub_batch_keys,
@@ -485,7 +536,7 @@ mod tests {
     fn every_setting_is_reachable_as_a_variable_and_in_toml() {
         let defaults = StoreBuilder::default();
         let fields = StoreBuilder::fields();
-        assert_eq!(fields.len(), 32, "dram 6, ssd 7, restore 6, gpu 4, runtime 9");
+        assert_eq!(fields.len(), 36, "dram 6, ssd 7, restore 6, gpu 4, runtime 9, stream 4");
         let all_vars: Vec<(String, String)> =
             fields.iter().map(|(g, f)| (settings::variable_name(g, f.name), f.example.to_string())).collect();
         let by_env = StoreBuilder::new().with_vars(all_vars).expect("every variable at its example");
@@ -525,6 +576,8 @@ mod tests {
         assert_eq!(ssd.dir, std::path::PathBuf::from("/tmp/kvtide-settings-example"));
         assert_eq!((ssd.bytes, ssd.segment_bytes, ssd.restore_budget_bytes), (256 << 20, 4 << 20, 16 << 20));
         assert!(ssd.write_through && !ssd.promote_on_hit);
+        assert_eq!((c.stream_window_chunks, c.stream_max_handles), (2, 8));
+        assert_eq!((c.unsealed_ttl, c.unsealed_bytes_per_shard), (Duration::from_millis(2500), 4 << 20));
     }
 
     #[test]

@@ -22,13 +22,16 @@ use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
 pub(crate) mod gpu;
 mod open;
+mod progressive;
 pub(crate) mod read;
 mod restore;
 mod router;
 mod store;
+mod stream;
 pub(crate) mod transports;
 mod write;
 
+pub use progressive::PutStream;
 pub use restore::{RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservations};
 
@@ -56,6 +59,8 @@ pub struct Engine {
     /// Non-zero while GPU transfers are in flight: shards then poll instead of parking.
     keep_awake: Arc<AtomicUsize>,
     gpu: gpu::GpuState,
+    streams: Arc<stream::StreamCounters>,
+    unsealed: Arc<progressive::UnsealedPuts>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -149,6 +154,7 @@ impl Engine {
     /// Later calls fail with `ShuttingDown`. Idempotent; `drop` calls it.
     pub fn shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
+        self.unsealed.close();
         for shard in &self.shards {
             shard.inbox.close();
         }

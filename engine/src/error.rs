@@ -48,6 +48,10 @@ pub enum Error {
     Busy { limit: usize },
     #[error("the request was cancelled")]
     Cancelled,
+    /// The progressive put a reader followed ended without a seal: its producer aborted,
+    /// dropped its stream, disconnected, or let its unsealed TTL pass.
+    #[error("the producer of this object stopped before sealing it: {0}")]
+    ProducerAborted(String),
     #[error("the store is shutting down")]
     ShuttingDown,
     #[error("the engine broke an internal invariant: {0}")]

@@ -17,6 +17,7 @@
 
 mod api;
 pub mod checks;
+mod chunks;
 mod completion;
 mod config;
 mod engine;
@@ -27,10 +28,12 @@ mod stats;
 mod ticket;
 
 pub use api::{BatchTicket, Fragment, PutOptions, Store};
+pub use chunks::{ChunkHandle, ChunkPlace, ChunkState, HandleStatus};
 pub use completion::Completion;
-pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder};
+pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
-    Engine, ObjectLease, PendingPut, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace,
+    Engine, ObjectLease, PendingPut, PutStream, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
+    SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;
@@ -42,5 +45,5 @@ pub use kvtide_transport as transport;
 pub use kvtide_transport::cuda;
 pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, Throttled, Transport};
 pub use shard::core::RecoveryReport;
-pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats};
+pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats, StreamStats};
 pub use ticket::Ticket;

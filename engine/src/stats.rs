@@ -184,6 +184,33 @@ pub struct Stats {
     pub gpu: GpuStats,
     /// Pipelined restores.
     pub restore: RestoreStats,
+    /// Progressive and streaming transfers.
+    pub stream: StreamStats,
+}
+
+/// Progressive and streaming transfer counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct StreamStats {
+    /// Chunk handles whose transfers still run (or hold leases).
+    pub handles_open: u64,
+    /// Chunk handles made.
+    pub handles: u64,
+    pub chunks_delivered: u64,
+    pub chunks_failed: u64,
+    /// Chunks submitted to a transport and not yet completed, now and at most.
+    pub chunks_in_flight: u64,
+    pub peak_chunks_in_flight: u64,
+    /// Object bytes leased by chunk handles, now and at most.
+    pub leased_bytes: u64,
+    pub peak_leased_bytes: u64,
+    /// Progressive puts not yet sealed, and their bytes.
+    pub unsealed_objects: u64,
+    pub unsealed_bytes: u64,
+    /// Progressive puts sealed, aborted (or dropped, or failed to seal) and expired.
+    pub sealed: u64,
+    pub producer_aborts: u64,
+    pub unsealed_expired: u64,
 }
 
 /// Pipelined restore counters.
@@ -263,6 +290,10 @@ impl Stats {
             retired_objects: self.total.retired_objects,
             tickets_in_flight: self.tickets_in_flight,
             restore_credits_bytes: self.restore.credits_held_bytes,
+            stream_handles: self.stream.handles_open,
+            stream_chunks_in_flight: self.stream.chunks_in_flight,
+            stream_leased_bytes: self.stream.leased_bytes,
+            unsealed_bytes: self.stream.unsealed_bytes,
         }
     }
 }
@@ -308,6 +339,10 @@ pub struct HeldResources {
     pub retired_objects: u64,
     pub tickets_in_flight: u64,
     pub restore_credits_bytes: u64,
+    pub stream_handles: u64,
+    pub stream_chunks_in_flight: u64,
+    pub stream_leased_bytes: u64,
+    pub unsealed_bytes: u64,
 }
 
 impl HeldResources {

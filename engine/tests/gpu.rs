@@ -190,6 +190,87 @@ mod cuda {
         assert_idle(&store);
     }
 
+    /// Waits until the stream drivers finished and released everything.
+    fn wait_streams_idle(store: &Engine) {
+        let started = std::time::Instant::now();
+        while !store.stats().held_resources().is_zero() {
+            assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", store.stats().held_resources());
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            store.sync_shards().expect("sync");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn progressive_and_streaming_reads_into_device_memory() {
+        for staging in [false, true] {
+            let store = store(staging, 4 << 20);
+            let device = gpu();
+            let buf = pool(&device, 8 << 20);
+            let len = (5 << 20) + 777;
+            let value = value_for(b"prog", 1, len);
+            store.put(b"prog", &value, PutOptions::INSERT).expect("put");
+            let h = store.progressive_get(b"prog", dev(&buf, 5, len as u64 + 10), 512 << 10).expect("progressive_get");
+            assert_eq!(h.num_chunks(), 11);
+            h.wait_chunk(0).expect("chunk 0");
+            let mut first = vec![0u8; 512 << 10];
+            buf.read(5, &mut first).expect("read chunk 0");
+            assert_eq!(first, &value[..512 << 10], "chunk 0 is usable once it is ready");
+            h.wait_all().expect("every chunk");
+            drop(h);
+            let back = read_back(&buf);
+            assert_eq!(&back[5..5 + len], &value[..], "staging {staging}");
+            assert!(back[..5].iter().chain(&back[5 + len..]).all(|&b| b == GUARD));
+            let s = store.stats().stream;
+            assert!(s.peak_chunks_in_flight <= 4, "the window bounds chunks in flight: {s:?}");
+            // Streaming ranges into a device buffer and a host buffer, with a missing key.
+            buf.fill(GUARD).expect("fill");
+            let host: &'static mut [u8] = Box::leak(vec![0u8; 4096].into_boxed_slice());
+            let host_addr = host.as_ptr() as usize;
+            let frags = vec![
+                vec![Fragment::new(b"prog".to_vec(), 100, 1000, 3 << 20), Fragment::new(b"nope".to_vec(), 0, 0, 10)],
+                vec![Fragment::new(b"prog".to_vec(), 7, 0, 4096)],
+            ];
+            let h = store
+                .streaming_batch_get_buffer_ranges(&[dev(&buf, 0, 8 << 20), Region::host(host)], &frags, 1 << 20)
+                .expect("streaming");
+            assert_eq!(h.num_chunks(), 5);
+            assert!(matches!(h.wait_all(), Err(Error::NotFound)));
+            assert!((0..3).chain([4]).all(|i| h.is_chunk_ready(i)));
+            drop(h);
+            let back = read_back(&buf);
+            assert_eq!(&back[1000..1000 + (3 << 20)], &value[100..100 + (3 << 20)]);
+            assert!(back[..1000].iter().chain(&back[1000 + (3 << 20)..]).all(|&b| b == GUARD));
+            // SAFETY: every chunk settled.
+            assert_eq!(unsafe { std::slice::from_raw_parts(host_addr as *const u8, 4096) }, &value[7..4103]);
+            wait_streams_idle(&store);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_progressive_put_from_device_memory_is_followed_into_device_memory() {
+        let store = store(true, 4 << 20);
+        let device = gpu();
+        let src = pool(&device, 4 << 20);
+        let value = value_for(b"from-gpu", 2, 4 << 20);
+        src.write(0, &value).expect("upload");
+        let dst = pool(&device, 4 << 20);
+        let mut put = store.progressive_put(b"from-gpu", 4 << 20, 1 << 20, PutOptions::INSERT).expect("put");
+        let h = store.progressive_get_unsealed(b"from-gpu", dev(&dst, 0, 4 << 20), 1 << 20).expect("follow");
+        for i in [2usize, 0, 3, 1] {
+            put.put_chunk(i, dev(&src, (i as u64) << 20, 1 << 20)).expect("chunk from device memory");
+        }
+        h.wait_chunk(0).expect("chunk 0");
+        put.seal().expect("seal");
+        drop(put);
+        h.wait_all().expect("all");
+        drop(h);
+        assert_eq!(read_back(&dst), value);
+        assert_eq!(store.get(b"from-gpu").expect("sealed"), value);
+        wait_streams_idle(&store);
+    }
+
     #[test]
     #[ignore = "needs a CUDA device"]
     fn one_object_fans_out_to_several_destinations() {
@@ -702,6 +783,20 @@ mod cuda {
         assert!(matches!(ranges[0][0], Err(Error::CudaUnavailable(_))));
         assert!(matches!(store.put_from(b"g", &[gpu_page], PutOptions::INSERT), Err(Error::CudaUnavailable(_))));
         assert_eq!(store.get(b"g"), Err(Error::NotFound));
+        assert!(matches!(store.progressive_get(b"k", gpu_page, 1024), Err(Error::CudaUnavailable(_))));
+        let h = store
+            .streaming_batch_get_buffer_ranges(&[gpu_page], &[vec![Fragment::new(b"k".to_vec(), 0, 0, 16)]], 8)
+            .expect("streaming: the fragment fails, not the call");
+        assert!(matches!(h.wait_all(), Err(Error::CudaUnavailable(_))));
+        drop(h);
+        let put = store.progressive_put(b"p", 4096, 4096, PutOptions::INSERT).expect("progressive put");
+        assert!(matches!(put.put_chunk(0, gpu_page), Err(Error::CudaUnavailable(_))));
+        put.abort();
+        let started = std::time::Instant::now();
+        while store.stats().stream.handles_open > 0 {
+            assert!(started.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
         assert!(!store.stats().gpu.arena_registered);
         assert_idle(&store);
     }

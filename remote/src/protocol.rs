@@ -904,6 +904,7 @@ const E_SHUTTING_DOWN: u16 = 21;
 const E_UNAUTHORIZED: u16 = 22;
 const E_PROTOCOL_VERSION: u16 = 23;
 const E_PROTOCOL: u16 = 24;
+const E_PRODUCER_ABORTED: u16 = 25;
 const E_OTHER: u16 = 100;
 
 /// Labels that errors carry as `&'static str`, restored by name on the receiving side.
@@ -970,6 +971,7 @@ fn store_error_code(error: &StoreError) -> (u16, u64, u64, u64, String) {
         StoreError::Busy { limit } => (E_BUSY, *limit as u64, 0, 0, String::new()),
         StoreError::Cancelled => (E_CANCELLED, 0, 0, 0, String::new()),
         StoreError::ShuttingDown => (E_SHUTTING_DOWN, 0, 0, 0, String::new()),
+        StoreError::ProducerAborted(why) => (E_PRODUCER_ABORTED, 0, 0, 0, why.clone()),
         // Everything else (internal errors, GPU failures, ...) travels as its message.
         other @ (StoreError::Cuda(_) | StoreError::Internal(_)) => (E_OTHER, 0, 0, 0, other.to_string()),
     }
@@ -1012,6 +1014,7 @@ pub fn decode_error(r: &mut Reader<'_>) -> PResult<Error> {
         E_BUSY => StoreError::Busy { limit: usize::try_from(a).unwrap_or(usize::MAX) },
         E_CANCELLED => StoreError::Cancelled,
         E_SHUTTING_DOWN => StoreError::ShuttingDown,
+        E_PRODUCER_ABORTED => StoreError::ProducerAborted(message),
         E_UNAUTHORIZED => return Ok(Error::Unauthorized(message)),
         // The sender's "ours" is the receiver's "theirs".
         E_PROTOCOL_VERSION => {
@@ -1139,6 +1142,7 @@ mod tests {
             StoreError::Busy { limit: 9 }.into(),
             StoreError::Cancelled.into(),
             StoreError::ShuttingDown.into(),
+            StoreError::ProducerAborted("it aborted".into()).into(),
             Error::Unauthorized("bad mac".into()),
             Error::Protocol("truncated".into()),
         ];

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use kvtide_tiers::dram::Arena;
 use kvtide_tiers::ssd::{DataDir, SimDisk};
 
-use super::{gpu, restore, Engine, OBJECT_ALIGN_BYTES};
+use super::{gpu, progressive, restore, Engine, OBJECT_ALIGN_BYTES};
 use crate::config::EngineConfig;
 use crate::error::OpenError;
 use crate::shard::core::SsdConfig;
@@ -151,7 +151,6 @@ impl Engine {
             shards,
             joins: Mutex::new(joins),
             arena,
-            config,
             max_value_bytes,
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
             shutting_down: AtomicBool::new(false),
@@ -159,6 +158,13 @@ impl Engine {
             credits,
             restore: restore::RestoreCounters::default(),
             keep_awake,
+            streams: Arc::default(),
+            unsealed: Arc::new(progressive::UnsealedPuts::new(
+                config.shards,
+                config.unsealed_bytes_per_shard,
+                config.unsealed_ttl,
+            )),
+            config,
         })
     }
 }

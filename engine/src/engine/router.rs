@@ -228,6 +228,11 @@ pub(crate) struct Reservations<'e> {
 }
 
 impl Reservations<'_> {
+    /// Hands every reservation over to the caller, who commits or aborts it by message.
+    pub(crate) fn forget(mut self) {
+        self.by_shard.iter_mut().for_each(Vec::clear);
+    }
+
     /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
     pub(crate) fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
         let (upsert, pin) = (opts.upsert, opts.pin);

@@ -149,6 +149,7 @@ impl Store for Engine {
         stats.tickets_in_flight = self.tickets_in_flight.load(Ordering::Relaxed);
         stats.restore = self.restore_stats();
         stats.gpu = self.gpu.stats();
+        stats.stream = self.streams.snapshot();
         stats
     }
 

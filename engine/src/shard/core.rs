@@ -93,6 +93,9 @@ enum ObjectState {
     Live,
     /// Unlinked (replaced or removed); freed when its last lease and I/O are gone.
     Retired,
+    /// A reservation given up while readers that follow its writer still lease it; freed when
+    /// their last lease is gone. Never visible.
+    Abandoned,
 }
 
 struct Object {
@@ -386,7 +389,7 @@ impl ShardCore {
         if object.leases > 0 || object.io_refs > 0 {
             return;
         }
-        if object.state == ObjectState::Retired {
+        if matches!(object.state, ObjectState::Retired | ObjectState::Abandoned) {
             self.free_object(id);
         } else if object.transient && object.ssd.is_some() {
             self.drop_dram(id);
@@ -557,7 +560,7 @@ impl ShardCore {
         let mut inherited_pins = 0;
         if let Some(&old) = self.index.get(&key) {
             if !upsert {
-                self.free_object(id);
+                self.drop_reservation(id);
                 return Err(Error::AlreadyExists);
             }
             let previous = &self.objects[old as usize];
@@ -566,7 +569,7 @@ impl ShardCore {
             let supersedes_ssd = !self.write_through() && previous.may_have_ssd_record() && self.ssd.is_some();
             if supersedes_ssd {
                 if let Err(e) = self.tombstone_room() {
-                    self.free_object(id);
+                    self.drop_reservation(id);
                     return Err(e);
                 }
             }
@@ -601,8 +604,39 @@ impl ShardCore {
     pub fn abort(&mut self, object: ObjectRef) {
         if self.is_reserved(object) {
             self.counters.writes_in_flight.fetch_sub(1, RELAXED);
-            self.free_object(object.id);
+            self.drop_reservation(object.id);
         }
+    }
+
+    /// Frees a reservation that will not be published, or leaves it to its followers' last
+    /// lease (`writes_in_flight` already counted it out).
+    fn drop_reservation(&mut self, id: u32) {
+        let object = &mut self.objects[id as usize];
+        if object.leases > 0 {
+            object.state = ObjectState::Abandoned;
+        } else {
+            self.free_object(id);
+        }
+    }
+
+    /// Leases an object by reference while it is reserved (readers that follow a progressive
+    /// put) or live in DRAM; NotFound once it was aborted, replaced or left DRAM.
+    pub fn lease_object(&mut self, object: ObjectRef) -> Result<ReadGrant> {
+        let Some(o) = self.objects.get(object.id as usize) else { return Err(Error::NotFound) };
+        let usable = o.generation == object.generation
+            && matches!(o.state, ObjectState::Reserved | ObjectState::Live)
+            && o.dram.is_some()
+            && o.loading.is_none();
+        if !usable {
+            return Err(Error::NotFound);
+        }
+        if self.leases.len() >= self.config.max_leases as usize {
+            return Err(Error::Busy { limit: self.config.max_leases as usize });
+        }
+        let ptr = self.value_ptr(object.id)?;
+        let len = self.objects[object.id as usize].len;
+        let lease = self.add_lease(object.id);
+        Ok(ReadGrant { lease, ptr, len })
     }
 
     /// Removes `key`. A leased or pinned object is refused unless `force`; forced, its readers
@@ -911,7 +945,7 @@ impl ShardCore {
             self.forget_ssd_copy(&location);
         }
         if let Some(allocation) = object.dram {
-            if object.state != ObjectState::Reserved {
+            if matches!(object.state, ObjectState::Live | ObjectState::Retired) {
                 self.counters.dram_objects.fetch_sub(1, RELAXED);
             }
             self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
@@ -974,6 +1008,9 @@ impl ShardCore {
                 }
                 ObjectState::Retired if object.leases == 0 && object.io_refs == 0 => {
                     return Err(format!("retired object {id} without users still allocated"));
+                }
+                ObjectState::Abandoned if object.leases == 0 => {
+                    return Err(format!("abandoned reservation {id} without readers still allocated"));
                 }
                 _ => {}
             }

@@ -35,6 +35,11 @@ pub(crate) enum Request {
         ttl: Option<Duration>,
         reply: Sender<Vec<Result<ReadGrant>>>,
     },
+    /// Lease objects by reference: reservations that readers follow, or what they became.
+    LeaseObjects {
+        objects: Vec<ObjectRef>,
+        reply: Sender<Vec<Result<ReadGrant>>>,
+    },
     /// Give leases back (fire and forget; duplicates are harmless).
     Release {
         leases: Vec<LeaseId>,

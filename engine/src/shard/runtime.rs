@@ -416,6 +416,9 @@ impl ShardLoop {
                 let deadline = ttl.map(|ttl| Instant::now() + ttl);
                 core.lease_read_batch(keys, deadline, Box::new(move |grants| drop(reply.send(grants))));
             }
+            Request::LeaseObjects { objects, reply } => {
+                let _ = reply.send(objects.into_iter().map(|object| core.lease_object(object)).collect());
+            }
             Request::Release { leases } => leases.into_iter().for_each(|lease| core.release(lease)),
             Request::Reserve { items, upsert, reply } => {
                 core.reserve_batch(items, upsert, Box::new(move |grants| drop(reply.send(grants))));
