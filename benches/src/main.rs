@@ -25,6 +25,10 @@
 //!   8 clients. Baselines in the same run: Redis (SET/GET over TCP and its Unix socket) and a
 //!   plain memcpy of the same bytes (the limit of the shared-memory path).
 //!
+//! - `stream`: time to the first and last chunk of `progressive_get` (DRAM- and SSD-resident
+//!   objects of 64 MiB to 1 GiB) against a whole-object `get_into`, and a producer -> consumer
+//!   pipeline (progressive put + a reader that follows it) against put-then-get, in the same run.
+//!
 //! Every subcommand uses a fixed RNG seed (`--seed`) so runs are repeatable.
 
 mod alloc_churn;
@@ -38,6 +42,7 @@ mod hist;
 mod remote;
 mod restore;
 mod ssd;
+mod stream;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -69,6 +74,8 @@ enum Command {
     GpuRestore(gpu_restore::GpuRestoreArgs),
     /// kvtide-owner over Unix+shm and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
     Remote(remote::RemoteArgs),
+    /// Chunk handles vs whole-object reads; progressive put + follow vs put-then-get.
+    Stream(stream::StreamArgs),
     /// The owner process `remote` starts (internal).
     #[command(hide = true)]
     RemoteOwner(remote::RemoteOwnerArgs),
@@ -83,6 +90,7 @@ fn main() {
         Command::Ssd(args) => ssd::run(&args),
         Command::Restore(args) => restore::run(&args),
         Command::Remote(args) => remote::run(&args),
+        Command::Stream(args) => stream::run(&args),
         Command::RemoteOwner(args) => remote::run_owner(&args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(&args),
