@@ -78,8 +78,9 @@ impl<E: Clone> Chunks<E> {
     }
 }
 
-/// Creates a handle over `places` and the sink its driver settles chunks through.
-pub(crate) fn chunk_pair<E: Clone + From<Error>>(places: Vec<ChunkPlace>) -> (ChunkHandle<E>, ChunkSink<E>) {
+/// Creates a handle over `places` and the sink its driver settles chunks through (the embedded
+/// engine's drivers, and the remote client's).
+pub fn chunk_pair<E: Clone + From<Error>>(places: Vec<ChunkPlace>) -> (ChunkHandle<E>, ChunkSink<E>) {
     let n = places.len();
     let chunks = Arc::new(Chunks {
         places,
@@ -97,25 +98,38 @@ pub(crate) fn chunk_pair<E: Clone + From<Error>>(places: Vec<ChunkPlace>) -> (Ch
 
 /// The driver's side: settles chunks; every chunk still pending when it drops fails with
 /// Cancelled (the driver stopped without it: the handle was dropped, or the driver failed).
-pub(crate) struct ChunkSink<E: Clone + From<Error>> {
+pub struct ChunkSink<E: Clone + From<Error>> {
     chunks: Arc<Chunks<E>>,
 }
 
 impl<E: Clone + From<Error>> ChunkSink<E> {
-    pub(crate) fn place(&self, i: usize) -> &ChunkPlace {
+    /// Number of chunks.
+    pub fn len(&self) -> usize {
+        self.chunks.places.len()
+    }
+
+    /// True without chunks (never: every handle has at least one).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.places.is_empty()
+    }
+
+    /// Where chunk `i` lands.
+    pub fn place(&self, i: usize) -> &ChunkPlace {
         &self.chunks.places[i]
     }
 
-    pub(crate) fn done(&self, i: usize) {
+    /// Chunk `i` landed.
+    pub fn done(&self, i: usize) {
         self.chunks.settle(i, ChunkState::Done);
     }
 
-    pub(crate) fn fail(&self, i: usize, error: E) {
+    /// Chunk `i` failed.
+    pub fn fail(&self, i: usize, error: E) {
         self.chunks.settle(i, ChunkState::Failed(error));
     }
 
     /// True once the handle was dropped: start nothing new.
-    pub(crate) fn cancelled(&self) -> bool {
+    pub fn cancelled(&self) -> bool {
         self.chunks.cancel.load(Ordering::Acquire)
     }
 }
@@ -282,14 +296,34 @@ impl<E: Clone> Drop for ChunkHandle<E> {
 
 /// Cuts `len` bytes at `dst_offset` of `buffer` into chunks of at most `chunk_bytes`. An empty
 /// range is one empty chunk, so every fragment has a chunk that reports its result.
-pub(crate) fn cut(buffer: usize, dst_offset: u64, len: u64, chunk_bytes: u64) -> impl Iterator<Item = ChunkPlace> {
+/// Callers bound the count first (`chunk_count`); the arithmetic saturates.
+pub fn cut(buffer: usize, dst_offset: u64, len: u64, chunk_bytes: u64) -> impl Iterator<Item = ChunkPlace> {
     let chunk_bytes = chunk_bytes.max(1);
-    let n = len.div_ceil(chunk_bytes).max(1);
+    let n = chunk_count(len, chunk_bytes);
+    let last = dst_offset.saturating_add(len);
     (0..n).map(move |c| {
-        let start = dst_offset + c * chunk_bytes;
-        let end = (start + chunk_bytes).min(dst_offset + len);
+        let start = dst_offset.saturating_add(c.saturating_mul(chunk_bytes));
+        let end = start.saturating_add(chunk_bytes).min(last);
         ChunkPlace { buffer, range: start..end }
     })
+}
+
+/// Chunks of `len` bytes cut at `chunk_bytes` (an empty range is one chunk).
+pub fn chunk_count(len: u64, chunk_bytes: u64) -> u64 {
+    len.div_ceil(chunk_bytes.max(1)).max(1)
+}
+
+/// Most chunks one handle or progressive put has (a larger `chunk_bytes` covers more bytes).
+pub const MAX_CHUNKS: u64 = 1 << 20;
+
+/// `InvalidArgument` when `chunks` exceed `MAX_CHUNKS`.
+pub fn check_chunk_count(chunks: u64) -> Result<(), Error> {
+    if chunks > MAX_CHUNKS {
+        return Err(Error::InvalidArgument(format!(
+            "{chunks} chunks exceed the limit of {MAX_CHUNKS}; use a larger chunk_bytes"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

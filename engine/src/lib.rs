@@ -28,7 +28,10 @@ mod stats;
 mod ticket;
 
 pub use api::{BatchTicket, Fragment, PutOptions, Store};
-pub use chunks::{ChunkHandle, ChunkPlace, ChunkState, HandleStatus};
+pub use chunks::{
+    check_chunk_count, chunk_count, chunk_pair, cut as cut_chunks, ChunkHandle, ChunkPlace, ChunkSink, ChunkState,
+    HandleStatus, MAX_CHUNKS,
+};
 pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{

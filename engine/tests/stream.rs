@@ -97,6 +97,28 @@ fn progressive_get_edge_cases_and_call_errors() {
         Some(Error::BufferTooSmall { object_bytes: 10, buffer_bytes: 9 })
     );
     assert!(matches!(store.progressive_get(b"small", Region::host(buffer(10, 0)), 0), Err(Error::InvalidArgument(_))));
+    // Chunk counts are bounded before anything is allocated per chunk.
+    store.put(b"two-mib", &vec![1u8; 2 << 20], PutOptions::INSERT).expect("put");
+    assert!(matches!(
+        store.progressive_get(b"two-mib", Region::host(buffer(2 << 20, 0)), 1),
+        Err(Error::InvalidArgument(m)) if m.contains("chunks exceed")
+    ));
+    assert!(matches!(
+        store.progressive_put(b"many", 2 << 20, 1, PutOptions::INSERT),
+        Err(Error::InvalidArgument(m)) if m.contains("chunks exceed")
+    ));
+    let huge = vec![vec![
+        Fragment::new(b"small".to_vec(), 0, 0, 2 << 20),
+        Fragment::new(b"small".to_vec(), 0, u64::MAX, u64::MAX),
+    ]];
+    assert!(matches!(
+        store.streaming_batch_get_buffer_ranges(&[Region::host(buffer(2 << 20, 0))], &huge, 1),
+        Err(Error::InvalidArgument(_))
+    ));
+    let hostile = vec![vec![Fragment::new(b"small".to_vec(), u64::MAX, u64::MAX - 1, u64::MAX)]];
+    let h = store.streaming_batch_get_buffer_ranges(&[Region::host(buffer(16, 0))], &hostile, 1).expect("one chunk");
+    assert_eq!(h.num_chunks(), 1);
+    assert!(matches!(h.wait_all(), Err(Error::InvalidRange(_))));
     let readonly: &'static [u8] = buffer(10, 0);
     assert_eq!(
         store.progressive_get(b"small", Region::host_readonly(readonly), 4).err(),

@@ -35,6 +35,9 @@ use kvtide::{Error as StoreError, Fragment, PutOptions, Stats, Store, Ticket};
 
 use crate::error::{Error, Result};
 
+mod stream;
+pub use stream::RemotePutStream;
+
 /// A lease is trusted only if the copy finished this long before its TTL.
 const LEASE_MARGIN: Duration = Duration::from_millis(500);
 /// First allocation for `get` over a stream (grown as bytes arrive, so a lying length cannot

@@ -20,7 +20,7 @@ mod sock;
 mod wire;
 
 pub use auth::Token;
-pub use client::{ClientOptions, RemoteStore};
+pub use client::{ClientOptions, RemotePutStream, RemoteStore};
 pub use error::{Error, Result};
 pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
 pub use settings::{Flags, OwnerGroup, OwnerSettings, ResolvedOwner, USAGE as OWNER_USAGE};

@@ -64,6 +64,14 @@ pub enum Op {
     Stats = 17,
     /// Releases leases granted by `Get` in lease mode. No reply.
     Release = 18,
+    /// Opens a progressive put on this connection (its stream id is this request's id).
+    PutOpen = 19,
+    /// One chunk of an open progressive put; its bytes follow in `Data` frames.
+    PutChunk = 20,
+    /// Publishes an open progressive put.
+    PutSeal = 21,
+    /// Gives up an open progressive put.
+    PutAbort = 22,
     /// A chunk of a value (either direction).
     Data = 30,
     HelloOk = 64,
@@ -93,6 +101,10 @@ impl Op {
             16 => Op::Unpin,
             17 => Op::Stats,
             18 => Op::Release,
+            19 => Op::PutOpen,
+            20 => Op::PutChunk,
+            21 => Op::PutSeal,
+            22 => Op::PutAbort,
             30 => Op::Data,
             64 => Op::HelloOk,
             65 => Op::AuthOk,
@@ -565,15 +577,48 @@ const RANGE_ITEM_BYTES: usize = 20;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request<'a> {
     Hello(Hello),
-    Auth { mac: [u8; MAC_BYTES] },
-    Get { lease: bool, items: Vec<GetItem<'a>> },
-    GetRanges { keys: Vec<&'a [u8]>, fragments: Vec<RangeItem> },
-    Exists { keys: Vec<&'a [u8]> },
-    Remove { key: &'a [u8], force: bool },
-    Pin { key: &'a [u8] },
-    Unpin { key: &'a [u8] },
+    Auth {
+        mac: [u8; MAC_BYTES],
+    },
+    Get {
+        lease: bool,
+        items: Vec<GetItem<'a>>,
+    },
+    GetRanges {
+        keys: Vec<&'a [u8]>,
+        fragments: Vec<RangeItem>,
+    },
+    Exists {
+        keys: Vec<&'a [u8]>,
+    },
+    Remove {
+        key: &'a [u8],
+        force: bool,
+    },
+    Pin {
+        key: &'a [u8],
+    },
+    Unpin {
+        key: &'a [u8],
+    },
     Stats,
-    Release { leases: Vec<u64> },
+    Release {
+        leases: Vec<u64>,
+    },
+    /// A progressive put of `total_len` bytes in chunks of `chunk_bytes`.
+    PutOpen {
+        key: &'a [u8],
+        total_len: u64,
+        chunk_bytes: u64,
+        upsert: bool,
+        pin: bool,
+    },
+    PutSeal {
+        stream: u64,
+    },
+    PutAbort {
+        stream: u64,
+    },
 }
 
 impl<'a> Request<'a> {
@@ -623,6 +668,30 @@ impl<'a> Request<'a> {
             Op::Pin => Request::Pin { key: r.key(limits.max_key_bytes)? },
             Op::Unpin => Request::Unpin { key: r.key(limits.max_key_bytes)? },
             Op::Stats => Request::Stats,
+            Op::PutOpen => {
+                let flags = r.u8()?;
+                if flags & !(PUT_UPSERT | PUT_PIN) != 0 {
+                    return Err(ProtocolError::Invalid { what: "put flags" });
+                }
+                let key = r.key(limits.max_key_bytes)?;
+                let total_len = r.u64()?;
+                let chunk_bytes = r.u64()?;
+                if total_len > limits.max_value_bytes {
+                    return Err(ProtocolError::FrameTooLarge { len: total_len, max: limits.max_value_bytes });
+                }
+                if chunk_bytes == 0 {
+                    return Err(ProtocolError::Invalid { what: "chunk size" });
+                }
+                Request::PutOpen {
+                    key,
+                    total_len,
+                    chunk_bytes,
+                    upsert: flags & PUT_UPSERT != 0,
+                    pin: flags & PUT_PIN != 0,
+                }
+            }
+            Op::PutSeal => Request::PutSeal { stream: r.u64()? },
+            Op::PutAbort => Request::PutAbort { stream: r.u64()? },
             Op::Release => {
                 let count = r.count(8, limits.max_items, "leases")?;
                 let mut leases = Vec::with_capacity(count);
@@ -670,6 +739,13 @@ impl<'a> Request<'a> {
                 buf.put_u32(leases.len() as u32);
                 leases.iter().for_each(|&l| buf.put_u64(l));
             }
+            Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {
+                buf.put_u8(if *upsert { PUT_UPSERT } else { 0 } | if *pin { PUT_PIN } else { 0 });
+                buf.put_key(key);
+                buf.put_u64(*total_len);
+                buf.put_u64(*chunk_bytes);
+            }
+            Request::PutSeal { stream } | Request::PutAbort { stream } => buf.put_u64(*stream),
         }
     }
 
@@ -686,6 +762,9 @@ impl<'a> Request<'a> {
             Request::Unpin { .. } => Op::Unpin,
             Request::Stats => Op::Stats,
             Request::Release { .. } => Op::Release,
+            Request::PutOpen { .. } => Op::PutOpen,
+            Request::PutSeal { .. } => Op::PutSeal,
+            Request::PutAbort { .. } => Op::PutAbort,
         }
     }
 }
@@ -702,6 +781,38 @@ fn decode_keys<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Vec<&'a [u8]>
 fn encode_keys(buf: &mut Vec<u8>, keys: &[&[u8]]) {
     buf.put_u32(keys.len() as u32);
     keys.iter().for_each(|k| buf.put_key(k));
+}
+
+/// Payload bytes of a `PutChunk` frame.
+pub const PUT_CHUNK_HEAD_BYTES: usize = 20;
+
+/// A `PutChunk` frame's payload: `stream u64 | index u32 | len u64`; `len` bytes of the chunk
+/// follow in `Data` frames of the same request id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PutChunkHead {
+    pub stream: u64,
+    pub index: u32,
+    pub len: u64,
+}
+
+impl PutChunkHead {
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        buf.put_u64(self.stream);
+        buf.put_u32(self.index);
+        buf.put_u64(self.len);
+    }
+
+    /// Validates a `PutChunk` payload (exactly `PUT_CHUNK_HEAD_BYTES`; a chunk no longer than
+    /// the largest value).
+    pub fn decode(payload: &[u8], limits: &Limits) -> PResult<PutChunkHead> {
+        let mut r = Reader::new(payload);
+        let head = PutChunkHead { stream: r.u64()?, index: r.u32()?, len: r.u64()? };
+        r.finish("put chunk head")?;
+        if head.len > limits.max_value_bytes {
+            return Err(ProtocolError::FrameTooLarge { len: head.len, max: limits.max_value_bytes });
+        }
+        Ok(head)
+    }
 }
 
 /// The fixed start of a `Put` payload: `flags u8 | reserved u8 | key_len u16 | total_len u64`,

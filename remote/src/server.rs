@@ -26,17 +26,19 @@ use std::time::{Duration, Instant};
 use crate::auth::Token;
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, end_frame, FrameHeader, GetItem,
-    Grant, Hello, HelloOk, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED,
-    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    Grant, Hello, HelloOk, Limits, Op, ProtocolError, PutChunkHead, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED,
+    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
 use crate::sock::{self, Stream, WakeFlag};
 use crate::wire::{FrameIo, WResult, WireError};
-use kvtide::{Engine, Error as StoreError, ObjectLease, PutOptions, Store};
+use kvtide::{Engine, Error as StoreError, ObjectLease, PutOptions, PutStream, Store};
 
 use crate::error::{Error, Result};
 
 /// Data chunks up to this size are copied into the write buffer instead of sent on their own.
 const SMALL_CHUNK_BYTES: usize = 16 << 10;
+/// Progressive puts one connection may hold open at once.
+pub const MAX_OPEN_PUTS_PER_CONNECTION: usize = 16;
 /// Flush the write buffer once it holds this much.
 const FLUSH_BYTES: usize = 64 << 10;
 /// A refused connection is kept this long (at most `MAX_LINGERING` of them per listener), so
@@ -622,8 +624,15 @@ fn refuse(stream: Stream, error: &Error) -> Option<Stream> {
 fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
     let shared = Arc::clone(&slot.shared);
     let unix = stream.is_unix();
-    let mut conn =
-        Connection { shared: &shared, io: FrameIo::new(stream), leases: HashMap::new(), next_lease: 1, unix, slot };
+    let mut conn = Connection {
+        shared: &shared,
+        io: FrameIo::new(stream),
+        leases: HashMap::new(),
+        next_lease: 1,
+        puts: HashMap::new(),
+        unix,
+        slot,
+    };
     let result = match conn.handshake(accepted_at) {
         Err(WireError::Deadline) => {
             shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
@@ -651,6 +660,9 @@ struct Connection<'s> {
     io: FrameIo,
     leases: HashMap<u64, ObjectLease>,
     next_lease: u64,
+    /// Open progressive puts by stream id (the `PutOpen` request id); dropped (aborted) with
+    /// the connection, so a client that disconnects makes their readers fail.
+    puts: HashMap<u64, PutStream<'s>>,
     unix: bool,
     // Last, so it is given back after the leases and the socket.
     slot: Slot,
@@ -863,6 +875,7 @@ impl Connection<'_> {
         let rid = header.request_id;
         match header.op {
             Op::Put => return self.put(header, shutting),
+            Op::PutChunk => return self.put_chunk(header),
             Op::Data => {
                 self.fatal(rid, &Error::Protocol("data frame outside a put".into()));
                 return Ok(Flow::Close);
@@ -919,6 +932,26 @@ impl Connection<'_> {
                 Ok(text) => self.io.push_frame(Op::StatsReply, rid, text.as_bytes()),
                 Err(e) => self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Remote(format!("stats: {e}"))),
             },
+            Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {
+                self.put_open(rid, key, total_len, chunk_bytes, PutOptions { upsert, pin })
+            }
+            Request::PutSeal { stream } => {
+                let result = match self.puts.get_mut(&stream) {
+                    None => Err(unknown_put(stream)),
+                    Some(put) => put.seal().map_err(Error::from),
+                };
+                // A seal refused for missing chunks leaves the put open; otherwise it is over.
+                if !matches!(result, Err(Error::Store(StoreError::InvalidArgument(_)))) {
+                    self.puts.remove(&stream);
+                }
+                self.reply(rid, result);
+            }
+            Request::PutAbort { stream } => {
+                if let Some(put) = self.puts.remove(&stream) {
+                    put.abort();
+                }
+                self.reply(rid, Ok(()));
+            }
             Request::Release { leases } => {
                 for id in leases {
                     if self.leases.remove(&id).is_some() {
@@ -1159,6 +1192,95 @@ impl Connection<'_> {
         Ok(Flow::Continue)
     }
 
+    /// `PutChunk`: the chunk's bytes go from the socket straight into the put's reservation;
+    /// when the chunk is refused they are read and dropped, so the stream stays in sync.
+    fn put_chunk(&mut self, header: FrameHeader) -> WResult<Flow> {
+        let rid = header.request_id;
+        if header.payload_len as usize != PUT_CHUNK_HEAD_BYTES {
+            self.fatal(rid, &Error::Protocol("a put chunk head of the wrong length".into()));
+            return Ok(Flow::Close);
+        }
+        let mut head = [0u8; PUT_CHUNK_HEAD_BYTES];
+        self.io.read_exact(&mut head)?;
+        let head = match PutChunkHead::decode(&head, &self.shared.limits) {
+            Ok(h) => h,
+            Err(e) => {
+                self.fatal(rid, &e.into());
+                return Ok(Flow::Close);
+            }
+        };
+        self.arm_read_deadline();
+        let Some(put) = self.puts.remove(&head.stream) else {
+            return self.refuse_chunk(rid, head.len, unknown_put(head.stream));
+        };
+        let index = head.index as usize;
+        let expected = put.chunk_range(index).map(|r| r.end - r.start);
+        if expected != Some(head.len) {
+            self.puts.insert(head.stream, put);
+            let error = match expected {
+                Some(len) => StoreError::SizeMismatch { object_bytes: len, destination_bytes: head.len },
+                None => StoreError::InvalidArgument(format!("chunk {index} does not exist")),
+            };
+            return self.refuse_chunk(rid, head.len, error.into());
+        }
+        let mut called = false;
+        let mut wire: Option<WireError> = None;
+        let mut violated = false;
+        let result = put.fill_chunk(index, |dst| {
+            called = true;
+            let mut filled = 0usize;
+            while filled < dst.len() {
+                let n = match self.next_data(rid, (dst.len() - filled) as u64) {
+                    Ok(Some(n)) => n as usize,
+                    Ok(None) => {
+                        violated = true;
+                        return Err(StoreError::Io("the chunk's data frames broke the protocol".into()));
+                    }
+                    Err(e) => {
+                        wire = Some(e);
+                        return Err(StoreError::Io("the connection failed in the middle of a chunk".into()));
+                    }
+                };
+                if let Err(e) = self.io.read_exact(&mut dst[filled..filled + n]) {
+                    wire = Some(e);
+                    return Err(StoreError::Io("the connection failed in the middle of a chunk".into()));
+                }
+                filled += n;
+            }
+            Ok(())
+        });
+        // A connection that failed mid-chunk ends here; its puts (this one dropped) abort.
+        if let Some(e) = wire {
+            return Err(e);
+        }
+        if violated {
+            return Ok(Flow::Close);
+        }
+        self.puts.insert(head.stream, put);
+        if !called && head.len > 0 {
+            // Refused before any byte was read (written already, expired, aborted).
+            return self.refuse_chunk(
+                rid,
+                head.len,
+                result.map_err(Error::from).err().unwrap_or(unknown_put(head.stream)),
+            );
+        }
+        self.reply(rid, result.map_err(Error::from));
+        Ok(Flow::Continue)
+    }
+
+    /// Reads and drops a refused chunk's `len` bytes of data frames, then answers `error`.
+    fn refuse_chunk(&mut self, rid: u64, len: u64, error: Error) -> WResult<Flow> {
+        let mut left = len;
+        while left > 0 {
+            let Some(n) = self.next_data(rid, left)? else { return Ok(Flow::Close) };
+            self.io.skip(n)?;
+            left -= n;
+        }
+        self.reply(rid, Err(error));
+        Ok(Flow::Continue)
+    }
+
     /// Reads the header of the next `Data` frame of request `rid` (at most `left` bytes).
     /// None after a protocol violation (already answered).
     fn next_data(&mut self, rid: u64, left: u64) -> WResult<Option<u64>> {
@@ -1177,6 +1299,29 @@ impl Connection<'_> {
         }
         Ok(Some(h.payload_len.into()))
     }
+}
+
+impl<'s> Connection<'s> {
+    /// `PutOpen`: a progressive put on the owner's engine, held by this connection.
+    fn put_open(&mut self, rid: u64, key: &[u8], total_len: u64, chunk_bytes: u64, opts: PutOptions) {
+        if self.puts.len() >= MAX_OPEN_PUTS_PER_CONNECTION {
+            self.reply(rid, Err(StoreError::Busy { limit: MAX_OPEN_PUTS_PER_CONNECTION }.into()));
+            return;
+        }
+        let shared: &'s Arc<Shared> = self.shared;
+        let engine: &'s Engine = &shared.engine;
+        match engine.progressive_put(key, total_len, chunk_bytes, opts) {
+            Ok(put) => {
+                self.puts.insert(rid, put);
+                self.reply(rid, Ok(()));
+            }
+            Err(e) => self.reply(rid, Err(e.into())),
+        }
+    }
+}
+
+fn unknown_put(stream: u64) -> Error {
+    StoreError::InvalidArgument(format!("no open progressive put {stream} on this connection")).into()
 }
 
 /// The budget of request bytes held in memory: each connection's guaranteed share, and a pool

@@ -1530,3 +1530,150 @@ fn refusing_a_flood_never_stalls_the_accept_loop() {
     wait_gauges_zero(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+// ---- progressive and streaming reads ---------------------------------------------------------
+
+fn leaked(len: usize) -> &'static mut [u8] {
+    Box::leak(vec![0u8; len].into_boxed_slice())
+}
+
+#[test]
+fn progressive_and_streaming_reads_through_the_owner() {
+    let dir = temp_dir("stream");
+    let e = engine(64 << 20);
+    let owner = owner(&e, &dir, any_port());
+    let unix = unix_client(&owner);
+    let tcp = tcp_client(&owner);
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let streamed =
+        RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect");
+    let len = (5 << 20) + 11;
+    let value = value_for(b"big", 1, len);
+    tcp.put(b"big", &value, PutOptions::INSERT).expect("put");
+    tcp.put(b"small", b"0123456789", PutOptions::INSERT).expect("put small");
+    for (name, client) in [("unix+shm", &unix), ("tcp", &tcp), ("unix stream", &streamed)] {
+        let dst = leaked(len + 7);
+        let addr = dst.as_ptr() as usize;
+        let h = client.progressive_get(b"big", Region::host(dst), 1 << 20).expect("progressive_get");
+        assert_eq!(h.num_chunks(), 6, "{name}");
+        h.wait_chunk(0).expect("chunk 0");
+        // SAFETY: chunk 0 landed; nothing writes its range any more.
+        assert_eq!(unsafe { std::slice::from_raw_parts(addr as *const u8, 1 << 20) }, &value[..1 << 20], "{name}");
+        h.wait_all().expect("every chunk");
+        // SAFETY: every chunk settled.
+        let got = unsafe { std::slice::from_raw_parts(addr as *const u8, len + 7) };
+        assert_eq!(&got[..len], &value[..], "{name}");
+        assert_eq!(&got[len..], &[0u8; 7], "{name}: bytes past the object untouched");
+        // Errors found before the first byte are the call's.
+        assert_eq!(
+            client.progressive_get(b"nope", Region::host(leaked(8)), 4).err(),
+            Some(StoreError::NotFound.into())
+        );
+        assert_eq!(
+            client.progressive_get(b"small", Region::host(leaked(9)), 4).err(),
+            Some(StoreError::BufferTooSmall { object_bytes: 10, buffer_bytes: 9 }.into()),
+            "{name}"
+        );
+        assert!(matches!(
+            client.progressive_get(b"small", Region::host(leaked(10)), 0),
+            Err(Error::Store(StoreError::InvalidArgument(_)))
+        ));
+        assert_eq!(client.progressive_get(b"", Region::host(leaked(10)), 4).err(), Some(StoreError::EmptyKey.into()));
+        // Streaming ranges: chunks in the caller's order, a bad fragment fails alone.
+        let (b0, b1) = (leaked(3 << 20), leaked(64));
+        let (a0, a1) = (b0.as_ptr() as usize, b1.as_ptr() as usize);
+        let frags = vec![
+            vec![Fragment::new(b"big".to_vec(), 100, 0, 3 << 20), Fragment::new(b"missing".to_vec(), 0, 0, 5)],
+            vec![Fragment::new(b"small".to_vec(), 2, 0, 8), Fragment::new(b"small".to_vec(), 5, 8, 10)],
+        ];
+        let h = client
+            .streaming_batch_get_buffer_ranges(&[Region::host(b0), Region::host(b1)], &frags, 1 << 20)
+            .expect("streaming");
+        assert_eq!(h.num_chunks(), 6);
+        assert_eq!(h.wait_all().err(), Some(StoreError::NotFound.into()), "{name}");
+        assert!((0..3).all(|i| h.is_chunk_ready(i)) && h.is_chunk_ready(4), "{name}");
+        assert!(matches!(
+            h.chunk_state(5),
+            Some(kvtide::ChunkState::Failed(Error::Store(StoreError::InvalidRange(_))))
+        ));
+        // SAFETY: every chunk settled.
+        unsafe {
+            assert_eq!(std::slice::from_raw_parts(a0 as *const u8, 3 << 20), &value[100..100 + (3 << 20)]);
+            assert_eq!(std::slice::from_raw_parts(a1 as *const u8, 8), b"23456789");
+        }
+        // A handle dropped at once leaves the client usable.
+        drop(client.progressive_get(b"big", Region::host(leaked(len)), 64 << 10).expect("dropped handle"));
+        assert_eq!(client.get(b"small").expect("the client still works"), b"0123456789");
+    }
+    // Dropped handles finish in the background.
+    std::thread::sleep(Duration::from_millis(200));
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn progressive_puts_through_the_owner_are_followed_and_end_with_their_connection() {
+    use kvtide_remote::protocol::PutChunkHead;
+    let dir = temp_dir("put-stream");
+    let e = engine(64 << 20);
+    let owner = owner(&e, &dir, any_port());
+    for (name, client) in [("unix", unix_client(&owner)), ("tcp", tcp_client(&owner))] {
+        let key = format!("p/{name}").into_bytes();
+        let value = value_for(&key, 1, (3 << 20) + 5);
+        let mut put = client.progressive_put(&key, value.len() as u64, 1 << 20, PutOptions::INSERT).expect("open");
+        assert_eq!(put.num_chunks(), 4);
+        // A reader on the owner's engine follows the remote producer.
+        let dst = leaked(value.len());
+        let addr = dst.as_ptr() as usize;
+        let h = e.progressive_get_unsealed(&key, Region::host(dst), 1 << 20).expect("follow");
+        let chunk = |i: usize| {
+            let r = put.chunk_range(i).expect("range");
+            value[r.start as usize..r.end as usize].to_vec()
+        };
+        let chunks: Vec<Vec<u8>> = (0..4).map(chunk).collect();
+        put.put_chunk(0, Region::host_readonly(&chunks[0])).expect("chunk 0");
+        h.wait_chunk(0).expect("the follower has chunk 0 before the rest is written");
+        assert_eq!(put.put_chunk(0, Region::host_readonly(&chunks[0])), Err(StoreError::AlreadyExists.into()));
+        assert!(matches!(
+            put.put_chunk(1, Region::host_readonly(&chunks[0][..10])),
+            Err(Error::Store(StoreError::SizeMismatch { .. }))
+        ));
+        put.put_chunk(3, Region::host_readonly(&chunks[3])).expect("chunk 3");
+        assert_eq!(client.exists(&key), Ok(false), "{name}: invisible before the seal");
+        assert!(matches!(put.seal(), Err(Error::Store(StoreError::InvalidArgument(m))) if m.contains("[1, 2]")));
+        put.put_chunk(2, Region::host_readonly(&chunks[2])).expect("chunk 2");
+        put.put_chunk(1, Region::host_readonly(&chunks[1])).expect("chunk 1");
+        put.seal().expect("seal");
+        drop(put);
+        h.wait_all().expect("the follower got every chunk");
+        // SAFETY: every chunk settled.
+        assert_eq!(unsafe { std::slice::from_raw_parts(addr as *const u8, value.len()) }, &value[..]);
+        assert_eq!(client.get(&key).expect("sealed"), value, "{name}");
+        // Dropping an unsealed stream aborts it.
+        let dropped = client.progressive_put(b"dropped", 4096, 1024, PutOptions::INSERT).expect("open");
+        let h = e.progressive_get_unsealed(b"dropped", Region::host(leaked(4096)), 1024).expect("follow");
+        drop(dropped);
+        assert!(matches!(h.wait_all(), Err(StoreError::ProducerAborted(_))), "{name}");
+        assert_eq!(client.get(b"small-after").err(), Some(StoreError::NotFound.into()), "the client carries on");
+    }
+    // A producer whose connection dies mid-chunk: its put is aborted, its readers fail, nothing
+    // stays held.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.request(&Request::PutOpen { key: b"raw", total_len: 8192, chunk_bytes: 4096, upsert: false, pin: false }, 5);
+    let (h, _) = raw.recv().expect("put open reply");
+    assert_eq!(h.op, Op::Ok);
+    let follower = e.progressive_get_unsealed(b"raw", Region::host(leaked(8192)), 4096).expect("follow");
+    let mut head = Vec::new();
+    PutChunkHead { stream: 5, index: 0, len: 4096 }.encode(&mut head);
+    raw.send(&frame(Op::PutChunk, 6, &head));
+    raw.send(&frame(Op::Data, 6, &[1u8; 100]));
+    drop(raw);
+    assert!(matches!(follower.wait_all(), Err(StoreError::ProducerAborted(_))));
+    assert_eq!(e.exists(b"raw"), Ok(false));
+    drop(follower);
+    std::thread::sleep(Duration::from_millis(100));
+    wait_idle(&owner);
+    assert_eq!(e.stats().stream.unsealed_objects, 0);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -19,7 +19,7 @@ use super::stream::StreamCounters;
 use super::transports::Route;
 use super::Engine;
 use crate::api::PutOptions;
-use crate::chunks::{cut, ChunkPlace};
+use crate::chunks::{check_chunk_count, chunk_count, cut, ChunkPlace};
 use crate::error::{Error, Result};
 use crate::shard::{Inbox, ObjectRef, Request};
 
@@ -331,12 +331,16 @@ impl PutStream<'_> {
         self.put.lock().landed_count
     }
 
+    fn range_of(&self, i: usize) -> Result<Range<u64>> {
+        self.chunk_range(i).ok_or_else(|| {
+            Error::InvalidArgument(format!("chunk {i} does not exist (the put has {} chunks)", self.places.len()))
+        })
+    }
+
     /// Writes chunk `i` from `src` (exactly `chunk_range(i)`'s length; host or GPU memory). A
     /// chunk is written once; followers see it as soon as this returns.
     pub fn put_chunk(&self, i: usize, src: Region<'_>) -> Result<()> {
-        let range = self.chunk_range(i).ok_or_else(|| {
-            Error::InvalidArgument(format!("chunk {i} does not exist (the put has {} chunks)", self.places.len()))
-        })?;
+        let range = self.range_of(i)?;
         let len = range.end - range.start;
         if src.len() as u64 != len {
             return Err(Error::SizeMismatch { object_bytes: len, destination_bytes: src.len() as u64 });
@@ -348,6 +352,49 @@ impl PutStream<'_> {
         {
             return Err(e);
         }
+        self.write_chunk(i, |range| {
+            let transfer = Transfer {
+                host: self.put.host,
+                host_len: self.put.len,
+                pieces: vec![Piece { host_offset: range.start, addr: src.addr(), len, kind: src.kind() }],
+            };
+            // SAFETY: `write_chunk` gives this call chunk `i` of the reservation alone until it
+            // returns (see there); the source passed its transport's check and is borrowed for
+            // the call.
+            match unsafe { transports.get(route).submit(Direction::DeviceToHost, &[transfer], None) } {
+                Ok(inflight) => inflight
+                    .wait()
+                    .pop()
+                    .unwrap_or(Err(kvtide_transport::TransportError::Io("a transfer gave no result".into()))),
+                Err(e) => Err(e),
+            }
+            .map_err(Error::from)
+        })
+    }
+
+    /// Writes chunk `i` in place: `fill` gets the chunk's bytes of the reservation (host memory)
+    /// and must fill all of them, or fail (the chunk then stays unwritten and may be written
+    /// again). The owner process reads a socket straight into it. Same rules as `put_chunk`.
+    pub fn fill_chunk(&self, i: usize, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<()> {
+        self.write_chunk(i, |range| {
+            // SAFETY: `write_chunk` gives this call chunk `i` of the reservation alone until it
+            // returns; the range lies inside the reservation (a chunk range of the object).
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (self.put.host + range.start) as *mut u8,
+                    (range.end - range.start) as usize,
+                )
+            };
+            fill(bytes)
+        })
+    }
+
+    /// Runs `write(range of chunk i)` with chunk `i` of the reservation given to it alone: the
+    /// reservation stays ours while `writers` counts the write (`end` and `seal` wait for
+    /// writers to reach zero) and `writing[i]` keeps every other writer of the chunk out. The
+    /// chunk lands when `write` succeeds.
+    fn write_chunk(&self, i: usize, write: impl FnOnce(Range<u64>) -> Result<()>) -> Result<()> {
+        let range = self.range_of(i)?;
         {
             let mut state = self.put.lock();
             state.phase.check_open()?;
@@ -362,27 +409,7 @@ impl PutStream<'_> {
             state.writing[i] = true;
             state.writers += 1;
         }
-        let outcome = if len == 0 {
-            Ok(())
-        } else {
-            let transfer = Transfer {
-                host: self.put.host,
-                host_len: self.put.len,
-                pieces: vec![Piece { host_offset: range.start, addr: src.addr(), len, kind: src.kind() }],
-            };
-            // SAFETY: the reservation stays ours while `writers` counts this write (nothing
-            // releases it meanwhile: `end` and `seal` wait for writers to reach zero), chunk `i`
-            // is written by this call alone (`writing[i]`), and the source passed its
-            // transport's check and is borrowed for the call.
-            match unsafe { transports.get(route).submit(Direction::DeviceToHost, &[transfer], None) } {
-                Ok(inflight) => inflight
-                    .wait()
-                    .pop()
-                    .unwrap_or(Err(kvtide_transport::TransportError::Io("a transfer gave no result".into()))),
-                Err(e) => Err(e),
-            }
-            .map_err(Error::from)
-        };
+        let outcome = if range.is_empty() { Ok(()) } else { write(range) };
         let mut state = self.put.lock();
         state.writing[i] = false;
         state.writers -= 1;
@@ -480,6 +507,7 @@ impl Engine {
         if chunk_bytes == 0 {
             return Err(Error::InvalidArgument("chunk_bytes must be at least 1".into()));
         }
+        check_chunk_count(chunk_count(total_bytes, chunk_bytes))?;
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(Error::ShuttingDown);
         }

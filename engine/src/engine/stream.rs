@@ -25,7 +25,7 @@ use super::progressive::Unsealed;
 use super::transports::{Route, Transports};
 use super::Engine;
 use crate::api::Fragment;
-use crate::chunks::{chunk_pair, cut, ChunkHandle, ChunkPlace, ChunkSink};
+use crate::chunks::{check_chunk_count, chunk_count, chunk_pair, cut, ChunkHandle, ChunkPlace, ChunkSink};
 use crate::error::{Error, Result};
 use crate::shard::{Inbox, ReadGrant, Request};
 use crate::stats::StreamStats;
@@ -355,6 +355,8 @@ impl ReadPlan {
         chunk_bytes: u64,
         error: Option<Error>,
     ) {
+        // A fragment that failed its checks is one chunk that reports the error.
+        let len = if error.is_some() { 0 } else { len };
         for place in cut(buffer, dst_offset, len, chunk_bytes) {
             let within = place.range.start - dst_offset;
             self.chunks.push(ChunkPlan {
@@ -382,9 +384,14 @@ impl Engine {
         let (slot, route, transports) = self.open_single(&dst, chunk_bytes)?;
         let shard = self.shard_of(key);
         let grant = self.lease_for_stream(shard, key)?;
-        if grant.len > dst.len() as u64 {
+        let refused = if grant.len > dst.len() as u64 {
+            Err(Error::BufferTooSmall { object_bytes: grant.len, buffer_bytes: dst.len() as u64 })
+        } else {
+            check_chunk_count(chunk_count(grant.len, chunk_bytes))
+        };
+        if let Err(e) = refused {
             let _ = self.shards[shard].inbox.send(Request::Release { leases: vec![grant.lease] });
-            return Err(Error::BufferTooSmall { object_bytes: grant.len, buffer_bytes: dst.len() as u64 });
+            return Err(e);
         }
         self.counters_stream().add(
             &self.counters_stream().leased_bytes,
@@ -418,6 +425,7 @@ impl Engine {
         if len > dst.len() as u64 {
             return Err(Error::BufferTooSmall { object_bytes: len, buffer_bytes: dst.len() as u64 });
         }
+        check_chunk_count(chunk_count(len, chunk_bytes))?;
         // Leased now: the producer's bytes stay in place for this reader from the call on,
         // whatever happens to the key after the seal.
         let shard = unsealed.shard();
@@ -464,6 +472,21 @@ impl Engine {
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
         let transports = self.transports(&routes, None);
         let checks = self.check_lists(&transports, &lists, &routes, true);
+        // Bounded before anything is allocated per chunk (a fragment past its buffer is one).
+        let chunks: u64 = buffers
+            .iter()
+            .zip(fragments)
+            .flat_map(|(region, frags)| {
+                frags.iter().map(move |f| {
+                    if region.check_range(f.dst_offset, f.len).is_ok() {
+                        chunk_count(f.len, chunk_bytes)
+                    } else {
+                        1
+                    }
+                })
+            })
+            .sum();
+        check_chunk_count(chunks)?;
         let mut plan = ReadPlan::new();
         let mut key_index: std::collections::HashMap<&[u8], usize> = std::collections::HashMap::new();
         for (b, (region, frags)) in buffers.iter().zip(fragments).enumerate() {

@@ -1,0 +1,553 @@
+//! Progressive and streaming reads through the owner, behind the engine's `ChunkHandle`.
+//!
+//! Owns the client side of chunked reads: `progressive_get` sends one `Get` on a connection of
+//! its own, learns the object's length from the first reply, and hands the rest to a thread
+//! that settles each chunk as its bytes land (copied out of the shared arena under the lease on
+//! a Unix socket; read from `Data` frames otherwise); `streaming_batch_get_buffer_ranges` runs
+//! the chunks as range requests, a few chunks per request, in the caller's order;
+//! `progressive_put` holds a put open on the owner over a connection of its own. It never
+//! settles a chunk before its bytes are in the destination, and never reports a chunk copied
+//! from the arena after its lease could have run out.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvtide::{check_chunk_count, chunk_count, chunk_pair, cut_chunks, ChunkHandle, ChunkPlace, ChunkSink};
+use kvtide::{Error as StoreError, Fragment, Store};
+use kvtide_transport::Region;
+
+use super::{check_destination, check_source, source_slices, Conn, Inner, RemoteStore, LEASE_MARGIN};
+use crate::error::{Error, Result};
+use crate::protocol::{
+    decode_error_frame, decode_grants, decode_object, GetItem, LenCheck, Op, ProtocolError, PutChunkHead, Request,
+    WHOLE_REQUEST,
+};
+use crate::shm::ShmMapping;
+use crate::wire::{WResult, WireError};
+
+/// Chunks per range request of a streaming read: the window of chunks in flight.
+const STREAM_GROUP_CHUNKS: usize = 4;
+
+/// What the first reply to a progressive get said.
+enum First {
+    /// Leased in the shared arena.
+    Grant { offset: u64, len: u64, lease: u64, ttl: Duration, sent: Instant, mapping: Arc<ShmMapping> },
+    /// Streamed: `len` bytes of `Data` frames follow.
+    Object { len: u64 },
+}
+
+impl First {
+    fn len(&self) -> u64 {
+        match self {
+            First::Grant { len, .. } | First::Object { len } => *len,
+        }
+    }
+}
+
+impl Conn {
+    /// Sends a one-key `Get` for a destination of `room` bytes and reads up to the object's
+    /// length.
+    fn start_progressive(&mut self, rid: u64, key: &[u8], room: u64) -> WResult<Result<First>> {
+        let lease = self.shm.is_some();
+        let start = self.io.begin(Op::Get, rid);
+        Request::Get { lease, items: vec![GetItem { key, check: LenCheck::AtMost(room) }] }.encode(self.io.out());
+        self.io.end(start);
+        let sent = Instant::now();
+        self.io.flush()?;
+        if let Some(mapping) = self.shm.clone() {
+            let h = self.read_reply_header(rid)?;
+            let payload = self.io.read_payload(h.payload_len)?;
+            let (ttl_ms, grants) = match h.op {
+                Op::Grants => decode_grants(&payload, self.limits.max_items, mapping.len())?,
+                Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+                other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+            };
+            let mut grants = grants.into_iter();
+            let (Some(grant), None) = (grants.next(), grants.next()) else {
+                return Err(ProtocolError::Invalid { what: "grant count" }.into());
+            };
+            let grant = match grant {
+                Ok(g) => g,
+                Err(e) => return Ok(Err(e)),
+            };
+            if let Err(e) = LenCheck::AtMost(room).check(grant.len) {
+                self.release(rid, grant.lease)?;
+                return Ok(Err(e.into()));
+            }
+            let ttl = Duration::from_millis(u64::from(ttl_ms));
+            return Ok(Ok(First::Grant {
+                offset: grant.offset,
+                len: grant.len,
+                lease: grant.lease,
+                ttl,
+                sent,
+                mapping,
+            }));
+        }
+        let h = self.read_reply_header(rid)?;
+        let payload = self.io.read_payload(h.payload_len)?;
+        match h.op {
+            Op::Object => {
+                let (index, len) = decode_object(&payload)?;
+                if index != 0 || len > room {
+                    return Err(ProtocolError::Invalid { what: "object of a progressive get" }.into());
+                }
+                Ok(Ok(First::Object { len }))
+            }
+            Op::Error => {
+                let (index, error) = decode_error_frame(&payload)?;
+                if index != WHOLE_REQUEST {
+                    // The key's own error: the stream still ends with `End`.
+                    self.read_end(rid)?;
+                }
+                Ok(Err(error))
+            }
+            other => Err(ProtocolError::Unexpected { expected: "an object or an error", got: other }.into()),
+        }
+    }
+
+    fn read_end(&mut self, rid: u64) -> WResult<()> {
+        let h = self.read_reply_header(rid)?;
+        if h.op != Op::End || h.payload_len != 0 {
+            return Err(ProtocolError::Invalid { what: "end frame" }.into());
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, rid: u64, lease: u64) -> WResult<()> {
+        let start = self.io.begin(Op::Release, rid);
+        Request::Release { leases: vec![lease] }.encode(self.io.out());
+        self.io.end(start);
+        self.io.flush()
+    }
+
+    /// Copies a leased object out of the shared arena chunk by chunk, then releases the lease.
+    /// A chunk whose copy ended too close to the lease's TTL fails with `LeaseExpired`.
+    fn deliver_grant(
+        &mut self,
+        rid: u64,
+        first: &First,
+        dst: &Region<'static>,
+        sink: &ChunkSink<Error>,
+    ) -> WResult<()> {
+        let First::Grant { offset, lease, ttl, sent, mapping, .. } = first else {
+            return Err(ProtocolError::Invalid { what: "a grant" }.into());
+        };
+        for i in 0..sink.len() {
+            if sink.cancelled() {
+                break;
+            }
+            let range = sink.place(i).range.clone();
+            let n = range.end - range.start;
+            let copied = if n == 0 {
+                Ok(())
+            } else {
+                // SAFETY: the destination is caller memory lent writable for as long as the
+                // handle runs (a `'static` region, checked by check_destination); the range lies
+                // inside it (the object fits, checked against the grant); the source is leased to
+                // this connection until the release below.
+                unsafe { mapping.copy_out(offset + range.start, n, (dst.addr() + range.start) as *mut u8) }
+            };
+            match copied {
+                Ok(()) if sent.elapsed() + LEASE_MARGIN < *ttl => sink.done(i),
+                Ok(()) => {
+                    fail_from(sink, i, StoreError::LeaseExpired.into());
+                    break;
+                }
+                Err(e) => {
+                    fail_from(sink, i, e);
+                    break;
+                }
+            }
+        }
+        self.release(rid, *lease)
+    }
+
+    /// Reads an object's `Data` frames into `dst`, settling each chunk once its last byte
+    /// arrived, then the stream's `End`.
+    fn deliver_stream(
+        &mut self,
+        rid: u64,
+        len: u64,
+        dst: &Region<'static>,
+        sink: &ChunkSink<Error>,
+        deadline: Instant,
+    ) -> WResult<()> {
+        let mut pos = 0u64;
+        let mut next = 0usize;
+        let settle_up_to = |pos: u64, next: &mut usize| {
+            while *next < sink.len() && sink.place(*next).range.end <= pos {
+                sink.done(*next);
+                *next += 1;
+            }
+        };
+        settle_up_to(0, &mut next);
+        while pos < len {
+            if sink.cancelled() {
+                // Stop reading: the connection is dropped with the rest of the stream.
+                return Err(WireError::Closed("the handle was dropped".into()));
+            }
+            if Instant::now() > deadline {
+                return Err(WireError::Timeout);
+            }
+            let h = self.read_reply_header(rid)?;
+            match h.op {
+                Op::Data => {
+                    let n = u64::from(h.payload_len);
+                    if n == 0 || n > len - pos {
+                        return Err(ProtocolError::Invalid { what: "data frame length" }.into());
+                    }
+                    // SAFETY: `[pos, pos + n)` lies inside the object, which fits the
+                    // destination (checked against `room`); the destination is caller memory
+                    // lent writable while the handle runs.
+                    unsafe { self.io.read_raw((dst.addr() + pos) as *mut u8, n as usize)? };
+                    pos += n;
+                    settle_up_to(pos, &mut next);
+                }
+                Op::Abort => {
+                    let payload = self.io.read_payload(h.payload_len)?;
+                    let (_, error) = decode_error_frame(&payload)?;
+                    fail_from(sink, next, error);
+                    return self.read_end(rid);
+                }
+                other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
+            }
+        }
+        self.read_end(rid)
+    }
+}
+
+/// Fails chunk `from` and every later chunk still pending.
+fn fail_from(sink: &ChunkSink<Error>, from: usize, error: Error) {
+    for i in from..sink.len() {
+        sink.fail(i, error.clone());
+    }
+}
+
+impl RemoteStore {
+    /// `Engine::progressive_get` through the owner: `key` into the start of `dst` (host memory,
+    /// at least the object's length), chunk `i` usable once it landed. Over a Unix socket with
+    /// shared memory the chunks are copied out of the owner's arena under one lease; otherwise
+    /// they complete as the owner's data frames arrive. Errors found before the first byte (bad
+    /// key, missing object, too small a destination) are returned here.
+    pub fn progressive_get(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<ChunkHandle<Error>> {
+        if chunk_bytes == 0 {
+            return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
+        }
+        check_destination(&dst)?;
+        dst.check_writable().map_err(StoreError::from)?;
+        let limits = self.inner.limits()?;
+        self.inner.validate_key(&limits, key)?;
+        let inner = &self.inner;
+        // A pooled connection found dead (the owner restarted) is retried once on a new one.
+        let mut pooled = inner.checkout();
+        let (conn, rid, first) = loop {
+            let reused = pooled.is_some();
+            let mut conn = match pooled.take() {
+                Some(c) => c,
+                None => inner.open()?,
+            };
+            let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+            match conn.start_progressive(rid, key, dst.len() as u64) {
+                Ok(Ok(first)) => break (conn, rid, first),
+                Ok(Err(e)) => {
+                    inner.checkin(conn);
+                    return Err(e);
+                }
+                Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
+                    inner.pool.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                }
+                Err(e) => return Err(e.into_error("progressive_get", inner.options.timeout_ms)),
+            }
+        };
+        let len = first.len();
+        if let Err(e) = check_chunk_count(chunk_count(len, chunk_bytes)) {
+            // Too many chunks. A leased object is released; a stream is left unread, so its
+            // connection is dropped.
+            let mut conn = conn;
+            if let First::Grant { lease, .. } = &first {
+                if conn.release(rid, *lease).is_ok() {
+                    inner.checkin(conn);
+                }
+            }
+            return Err(e.into());
+        }
+        let places: Vec<ChunkPlace> = cut_chunks(0, 0, len, chunk_bytes).collect();
+        let (handle, sink) = chunk_pair(places);
+        let inner = Arc::clone(&self.inner);
+        let deadline = Instant::now() + inner.timeout();
+        let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
+            let mut conn = conn;
+            let outcome = match &first {
+                First::Grant { .. } => conn.deliver_grant(rid, &first, &dst, &sink),
+                First::Object { len } => conn.deliver_stream(rid, *len, &dst, &sink, deadline),
+            };
+            match outcome {
+                Ok(()) => inner.checkin(conn),
+                // The connection is dropped; the chunks not delivered fail with the reason.
+                Err(e) => fail_from(&sink, 0, e.into_error("progressive_get", inner.options.timeout_ms)),
+            }
+        });
+        if let Err(e) = spawned {
+            return Err(StoreError::Io(format!("could not start a stream thread: {e}")).into());
+        }
+        Ok(handle)
+    }
+
+    /// `Engine::streaming_batch_get_buffer_ranges` through the owner: the fragments (buffer-major)
+    /// in the caller's order, cut into chunks of at most `chunk_bytes`, fetched a few chunks per
+    /// range request; each chunk settles with its own result, so a bad fragment fails only its
+    /// own chunks.
+    pub fn streaming_batch_get_buffer_ranges(
+        &self,
+        buffers: &[Region<'static>],
+        fragments: &[Vec<Fragment>],
+        chunk_bytes: u64,
+    ) -> Result<ChunkHandle<Error>> {
+        if chunk_bytes == 0 {
+            return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
+        }
+        kvtide::checks::one_list_per_key(buffers.len(), fragments.len(), "fragment list")?;
+        // A fragment past its buffer is one chunk (that reports the error); the count is bounded
+        // before anything is allocated per chunk.
+        let cut_len =
+            |region: &Region<'_>, f: &Fragment| if region.check_range(f.dst_offset, f.len).is_ok() { f.len } else { 0 };
+        let chunks: u64 = buffers
+            .iter()
+            .zip(fragments)
+            .flat_map(|(region, frags)| frags.iter().map(move |f| chunk_count(cut_len(region, f), chunk_bytes)))
+            .sum();
+        check_chunk_count(chunks)?;
+        let mut places = Vec::with_capacity(chunks as usize);
+        let mut parts: Vec<Fragment> = Vec::with_capacity(chunks as usize);
+        for (b, (region, frags)) in buffers.iter().zip(fragments).enumerate() {
+            for f in frags {
+                let len = cut_len(region, f);
+                for place in cut_chunks(b, f.dst_offset, len, chunk_bytes) {
+                    let within = place.range.start - f.dst_offset;
+                    let n = if len == 0 { f.len } else { place.range.end - place.range.start };
+                    parts.push(Fragment::new(f.key.clone(), f.src_offset.saturating_add(within), place.range.start, n));
+                    places.push(place);
+                }
+            }
+        }
+        let (handle, sink) = chunk_pair(places);
+        let store = RemoteStore { inner: Arc::clone(&self.inner) };
+        let buffers = buffers.to_vec();
+        let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
+            let indices: Vec<usize> = (0..parts.len()).collect();
+            for group in indices.chunks(STREAM_GROUP_CHUNKS) {
+                if sink.cancelled() {
+                    break;
+                }
+                let mut lists: Vec<Vec<Fragment>> = vec![Vec::new(); buffers.len()];
+                let mut order: Vec<(usize, usize)> = Vec::with_capacity(group.len());
+                for &c in group {
+                    let b = sink.place(c).buffer;
+                    order.push((b, lists[b].len()));
+                    lists[b].push(parts[c].clone());
+                }
+                let results = store.get_into_ranges(&buffers, &lists);
+                for (&c, (b, k)) in group.iter().zip(order) {
+                    match results.get(b).and_then(|r| r.get(k)) {
+                        Some(Ok(_)) => sink.done(c),
+                        Some(Err(e)) => sink.fail(c, e.clone()),
+                        None => sink.fail(c, StoreError::Internal("a range result was missing").into()),
+                    }
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            return Err(StoreError::Io(format!("could not start a stream thread: {e}")).into());
+        }
+        Ok(handle)
+    }
+}
+
+/// A progressive put through the owner (`RemoteStore::progressive_put`): chunks written in any
+/// order (`put_chunk` takes `&self`; calls are serialized on the put's connection), then `seal`.
+/// The owner holds the put on this connection: dropping the stream unsealed, or losing the
+/// connection, aborts it, and readers that follow it on the owner fail with `ProducerAborted`.
+pub struct RemotePutStream {
+    inner: Arc<Inner>,
+    conn: Mutex<Option<Conn>>,
+    stream: u64,
+    places: Vec<ChunkPlace>,
+    total_bytes: u64,
+    finished: bool,
+}
+
+impl std::fmt::Debug for RemotePutStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemotePutStream").field("len", &self.total_bytes).field("chunks", &self.places.len()).finish()
+    }
+}
+
+impl RemotePutStream {
+    /// Number of chunks.
+    pub fn num_chunks(&self) -> usize {
+        self.places.len()
+    }
+
+    /// Byte range of chunk `i` in the object.
+    pub fn chunk_range(&self, i: usize) -> Option<std::ops::Range<u64>> {
+        self.places.get(i).map(|p| p.range.clone())
+    }
+
+    /// The object's length.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Runs one request on the put's connection; a connection that failed is dropped (the owner
+    /// then aborts the put) and later calls get `Disconnected`.
+    fn on_conn<T>(&self, op: &'static str, f: impl FnOnce(&mut Conn, u64) -> WResult<Result<T>>) -> Result<T> {
+        let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(conn) = slot.as_mut() else {
+            return Err(Error::Disconnected("the progressive put's connection failed earlier".into()));
+        };
+        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        match f(conn, rid) {
+            Ok(result) => result,
+            Err(e) => {
+                *slot = None;
+                Err(e.into_error(op, self.inner.options.timeout_ms))
+            }
+        }
+    }
+
+    /// Writes chunk `i` from `src` (host memory, exactly the chunk's length).
+    pub fn put_chunk(&self, i: usize, src: Region<'_>) -> Result<()> {
+        let range = self.chunk_range(i).ok_or_else(|| {
+            Error::from(StoreError::InvalidArgument(format!(
+                "chunk {i} does not exist (the put has {} chunks)",
+                self.places.len()
+            )))
+        })?;
+        let len = range.end - range.start;
+        if src.len() as u64 != len {
+            return Err(StoreError::SizeMismatch { object_bytes: len, destination_bytes: src.len() as u64 }.into());
+        }
+        check_source(&src)?;
+        let stream = self.stream;
+        self.on_conn("put_chunk", |conn, rid| {
+            let start = conn.io.begin(Op::PutChunk, rid);
+            PutChunkHead { stream, index: i as u32, len }.encode(conn.io.out());
+            conn.io.end(start);
+            conn.io.flush()?;
+            let frame = u64::from(conn.hello.chunk_bytes);
+            let mut pos = 0;
+            while pos < len {
+                let n = frame.min(len - pos);
+                conn.io.send_data(Op::Data, rid, &source_slices(std::slice::from_ref(&src), pos, n))?;
+                pos += n;
+            }
+            conn.read_status(rid)
+        })
+    }
+
+    /// Publishes the object once every chunk was written (otherwise an error names the missing
+    /// ones and the put stays open).
+    pub fn seal(&mut self) -> Result<()> {
+        let stream = self.stream;
+        let result = self.on_conn("seal", |conn, rid| {
+            let start = conn.io.begin(Op::PutSeal, rid);
+            Request::PutSeal { stream }.encode(conn.io.out());
+            conn.io.end(start);
+            conn.io.flush()?;
+            conn.read_status(rid)
+        });
+        if !matches!(result, Err(Error::Store(StoreError::InvalidArgument(_)))) {
+            self.finish();
+        }
+        result
+    }
+
+    /// Gives up: readers that follow it on the owner fail with `ProducerAborted`.
+    pub fn abort(mut self) {
+        self.abort_now();
+    }
+
+    fn abort_now(&mut self) {
+        if self.finished {
+            return;
+        }
+        let stream = self.stream;
+        // Best effort: a connection that fails here is dropped, which aborts the put too.
+        let _ = self.on_conn("abort", |conn, rid| {
+            let start = conn.io.begin(Op::PutAbort, rid);
+            Request::PutAbort { stream }.encode(conn.io.out());
+            conn.io.end(start);
+            conn.io.flush()?;
+            conn.read_status(rid)
+        });
+        self.finish();
+    }
+
+    /// The put is over: its connection goes back to the pool.
+    fn finish(&mut self) {
+        self.finished = true;
+        if let Some(conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.inner.checkin(conn);
+        }
+    }
+}
+
+impl Drop for RemotePutStream {
+    fn drop(&mut self) {
+        self.abort_now();
+    }
+}
+
+impl RemoteStore {
+    /// `Engine::progressive_put` through the owner: the owner reserves `total_bytes` under `key`
+    /// now and holds the put on a connection of its own; chunks travel as they are written and
+    /// land straight in the reservation. Readers on the owner's engine can follow it
+    /// (`Engine::progressive_get_unsealed`).
+    pub fn progressive_put(
+        &self,
+        key: &[u8],
+        total_bytes: u64,
+        chunk_bytes: u64,
+        opts: kvtide::PutOptions,
+    ) -> Result<RemotePutStream> {
+        if chunk_bytes == 0 {
+            return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
+        }
+        check_chunk_count(chunk_count(total_bytes, chunk_bytes))?;
+        let limits = self.inner.limits()?;
+        self.inner.validate_key(&limits, key)?;
+        if total_bytes > limits.max_value_bytes {
+            return Err(StoreError::TooLarge { what: "value", len: total_bytes, max: limits.max_value_bytes }.into());
+        }
+        let mut conn = match self.inner.checkout() {
+            Some(c) => c,
+            None => self.inner.open()?,
+        };
+        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let opened = (|| -> WResult<Result<()>> {
+            let start = conn.io.begin(Op::PutOpen, rid);
+            Request::PutOpen { key, total_len: total_bytes, chunk_bytes, upsert: opts.upsert, pin: opts.pin }
+                .encode(conn.io.out());
+            conn.io.end(start);
+            conn.io.flush()?;
+            conn.read_status(rid)
+        })();
+        match opened {
+            Ok(Ok(())) => Ok(RemotePutStream {
+                inner: Arc::clone(&self.inner),
+                conn: Mutex::new(Some(conn)),
+                stream: rid,
+                places: cut_chunks(0, 0, total_bytes, chunk_bytes).collect(),
+                total_bytes,
+                finished: false,
+            }),
+            Ok(Err(e)) => {
+                self.inner.checkin(conn);
+                Err(e)
+            }
+            Err(e) => Err(e.into_error("progressive_put", self.inner.options.timeout_ms)),
+        }
+    }
+}
