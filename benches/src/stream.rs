@@ -1,7 +1,8 @@
 //! `stream`: chunk handles against whole-object reads, and a producer -> consumer pipeline
 //! against put-then-get.
 //!
-//! Per object size and source (DRAM-resident, SSD-resident):
+//! Per object size and source (DRAM-resident, SSD-resident, DRAM-resident through an owner over
+//! loopback TCP):
 //! - whole: `get_into` of the object into a host buffer (the baseline);
 //! - progressive: `progressive_get` of the same object into the same buffer, timing the first
 //!   chunk's `wait_chunk` and `wait_all`;
@@ -41,7 +42,8 @@ pub struct StreamArgs {
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
-    /// Sources (comma-separated): dram, ssd.
+    /// Sources (comma-separated): dram, ssd, owner-tcp (DRAM-resident, through an owner in
+    /// this process over loopback TCP).
     #[arg(long, value_delimiter = ',', default_values = ["dram", "ssd"])]
     pub sources: Vec<String>,
     /// SSD tier directory (removed at the end).
@@ -137,6 +139,53 @@ impl Dst {
     }
 }
 
+/// The reads the benchmark times, on the embedded engine and through the owner.
+trait Reads {
+    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String>;
+    /// (time to chunk 0, time to the last chunk).
+    fn progressive(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<(Duration, Duration), String>;
+    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String>;
+}
+
+fn time_handle<E: Clone + std::fmt::Display + From<kvtide::Error>>(
+    started: Instant,
+    h: Result<kvtide::ChunkHandle<E>, E>,
+) -> Result<(Duration, Duration), String> {
+    let h = h.map_err(|e| format!("progressive_get: {e}"))?;
+    h.wait_chunk(0).map_err(|e| format!("chunk 0: {e}"))?;
+    let first = started.elapsed();
+    h.wait_all().map_err(|e| format!("progressive: {e}"))?;
+    Ok((first, started.elapsed()))
+}
+
+impl Reads for Engine {
+    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String> {
+        self.get_into(key, dst).map(drop).map_err(|e| format!("get_into: {e}"))
+    }
+    fn progressive(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<(Duration, Duration), String> {
+        let t = Instant::now();
+        time_handle(t, self.progressive_get(key, dst, chunk_bytes))
+    }
+    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String> {
+        let r = self.get_into_ranges(&[dst], &[vec![Fragment::new(key.to_vec(), 0, 0, len)]]);
+        r[0][0].as_ref().map(drop).map_err(|e| format!("one chunk: {e}"))
+    }
+}
+
+impl Reads for kvtide_remote::RemoteStore {
+    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String> {
+        self.get_into(key, dst).map(drop).map_err(|e| format!("get_into: {e}"))
+    }
+    fn progressive(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<(Duration, Duration), String> {
+        let t = Instant::now();
+        time_handle(t, self.progressive_get(key, dst, chunk_bytes))
+    }
+    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String> {
+        let r = self.get_into_ranges(&[dst], &[vec![Fragment::new(key.to_vec(), 0, 0, len)]]);
+        r[0][0].as_ref().map(drop).map_err(|e| format!("one chunk: {e}"))
+    }
+}
+
 struct ReadResult {
     whole: Duration,
     first: Duration,
@@ -147,7 +196,7 @@ struct ReadResult {
 
 fn measure_reads(
     args: &StreamArgs,
-    store: &Engine,
+    store: &dyn Reads,
     key: &[u8],
     len: u64,
     expect: &[u8],
@@ -158,32 +207,19 @@ fn measure_reads(
     let small = Dst::new(4096);
     for rep in 0..=args.reps {
         let t = Instant::now();
-        store.get_into(key, dst.region()).map_err(|e| format!("get_into: {e}"))?;
+        store.whole(key, dst.region())?;
         let w = t.elapsed();
         if dst.bytes()[..len as usize] != *expect {
             return Err("get_into delivered wrong bytes".into());
         }
-        let t = Instant::now();
-        let h =
-            store.progressive_get(key, dst.region(), args.chunk_bytes).map_err(|e| format!("progressive_get: {e}"))?;
-        h.wait_chunk(0).map_err(|e| format!("chunk 0: {e}"))?;
-        let f = t.elapsed();
-        h.wait_all().map_err(|e| format!("progressive: {e}"))?;
-        let l = t.elapsed();
-        drop(h);
+        let (f, l) = store.progressive(key, dst.region(), args.chunk_bytes)?;
         if dst.bytes()[..len as usize] != *expect {
             return Err("progressive_get delivered wrong bytes".into());
         }
         let t = Instant::now();
-        let r = store.get_into_ranges(&[dst.region()], &[vec![Fragment::new(key.to_vec(), 0, 0, chunk)]]);
+        store.one_range(key, dst.region(), chunk)?;
         let c = t.elapsed();
-        if r[0][0] != Ok(chunk as usize) {
-            return Err(format!("one chunk: {:?}", r[0][0]));
-        }
-        let t = Instant::now();
-        let h = store.progressive_get(b"stream/fixed", small.region(), args.chunk_bytes).map_err(|e| e.to_string())?;
-        h.wait_all().map_err(|e| e.to_string())?;
-        let x = t.elapsed();
+        let (_, x) = store.progressive(b"stream/fixed", small.region(), args.chunk_bytes)?;
         if rep > 0 {
             whole.push(w);
             first.push(f);
@@ -235,15 +271,16 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
     println!("| source | object | whole get_into ms | first chunk ms | last chunk ms | one chunk's transfer ms | fixed cost ms | first / (chunk + fixed) | last / whole | peak chunks in flight | peak leased |");
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for source in &args.sources {
-        let ssd = match source.as_str() {
-            "dram" => false,
-            "ssd" => true,
-            other => return Err(format!("unknown source {other:?} (dram, ssd)")),
+        let (ssd, owner_tcp) = match source.as_str() {
+            "dram" => (false, false),
+            "ssd" => (true, false),
+            "owner-tcp" => (false, true),
+            other => return Err(format!("unknown source {other:?} (dram, ssd, owner-tcp)")),
         };
         for &len in &args.sizes {
             // Every shard can hold the object twice over.
             let dram_bytes = (2 * len * args.shards as u64).max(512 << 20);
-            let store = open(args, dram_bytes, ssd)?;
+            let mut store = open(args, dram_bytes, ssd)?;
             let key = format!("stream/{len}").into_bytes();
             let expect = value(len, len);
             store.put(&key, &expect, PutOptions::INSERT).map_err(|e| format!("put: {e}"))?;
@@ -262,7 +299,30 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
                 }
             }
             let dst = Dst::new(len as usize);
-            let r = measure_reads(args, &store, &key, len, &expect, &dst)?;
+            let r = if owner_tcp {
+                // An owner in this process on loopback TCP; the reads go through `RemoteStore`.
+                let engine = Arc::new(store);
+                let config = kvtide_remote::OwnerConfig {
+                    tcp: Some("127.0.0.1:0".parse().map_err(|e| format!("{e}"))?),
+                    allow_unauthenticated_loopback: true,
+                    ..kvtide_remote::OwnerConfig::default()
+                };
+                let owner = kvtide_remote::Owner::start(Arc::clone(&engine), config).map_err(|e| e.to_string())?;
+                let addr = owner.tcp_addr().ok_or("no tcp address")?;
+                let client = kvtide_remote::RemoteStore::connect_with(
+                    &addr.to_string(),
+                    kvtide_remote::ClientOptions { timeout_ms: 60_000, ..kvtide_remote::ClientOptions::default() },
+                )
+                .map_err(|e| e.to_string())?;
+                let r = measure_reads(args, &client, &key, len, &expect, &dst)?;
+                drop(client);
+                owner.shutdown();
+                drop(owner);
+                store = Arc::into_inner(engine).ok_or("the owner still holds the engine")?;
+                r
+            } else {
+                measure_reads(args, &store, &key, len, &expect, &dst)?
+            };
             let s = store.stats().stream;
             println!(
                 "| {source} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.2} | {:.3} | {} | {} |",
