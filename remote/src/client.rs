@@ -59,6 +59,9 @@ pub struct ClientOptions {
     pub max_idle_connections: usize,
     /// `submit_batch_get` tickets in flight at once. Default 64.
     pub max_tickets_in_flight: usize,
+    /// Chunk handles (`progressive_get`, `streaming_batch_get_buffer_ranges`) running at once;
+    /// more are refused with `Busy`. Default 64.
+    pub max_stream_handles: usize,
 }
 
 impl Default for ClientOptions {
@@ -70,6 +73,7 @@ impl Default for ClientOptions {
             shared_memory: true,
             max_idle_connections: 16,
             max_tickets_in_flight: 64,
+            max_stream_handles: 64,
         }
     }
 }
@@ -153,6 +157,8 @@ struct Inner {
     mapping: Mutex<Option<Arc<ShmMapping>>>,
     next_request: AtomicU64,
     tickets_in_flight: Arc<AtomicU64>,
+    /// Chunk handles whose threads still run.
+    streams_open: Arc<AtomicU64>,
     last_limits: Mutex<Option<Limits>>,
     last_max_leases: AtomicU64,
 }
@@ -192,6 +198,7 @@ impl RemoteStore {
             mapping: Mutex::new(None),
             next_request: AtomicU64::new(1),
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
+            streams_open: Arc::new(AtomicU64::new(0)),
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
         });

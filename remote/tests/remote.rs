@@ -1601,6 +1601,15 @@ fn progressive_and_streaming_reads_through_the_owner() {
             assert_eq!(std::slice::from_raw_parts(a0 as *const u8, 3 << 20), &value[100..100 + (3 << 20)]);
             assert_eq!(std::slice::from_raw_parts(a1 as *const u8, 8), b"23456789");
         }
+        // Handles are bounded per client (a bound of zero refuses every one).
+        let none = RemoteStore::connect_with(
+            &if name == "tcp" { owner.tcp_addr().expect("tcp").to_string() } else { path.clone() },
+            ClientOptions { max_stream_handles: 0, shared_memory: name == "unix+shm", ..options() },
+        )
+        .expect("connect");
+        let busy = Some(Error::from(StoreError::Busy { limit: 0 }));
+        assert_eq!(none.progressive_get(b"big", Region::host(leaked(len)), 64 << 10).err(), busy);
+        assert_eq!(none.streaming_batch_get_buffer_ranges(&[Region::host(leaked(8))], &[vec![]], 8).err(), busy);
         // A handle dropped at once leaves the client usable.
         drop(client.progressive_get(b"big", Region::host(leaked(len)), 64 << 10).expect("dropped handle"));
         assert_eq!(client.get(b"small").expect("the client still works"), b"0123456789");

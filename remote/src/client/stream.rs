@@ -218,6 +218,26 @@ impl Conn {
     }
 }
 
+/// One of `ClientOptions::max_stream_handles`, held by a handle's thread until it ends.
+struct StreamSlot(Arc<std::sync::atomic::AtomicU64>);
+
+impl StreamSlot {
+    fn take(inner: &Inner) -> Result<StreamSlot> {
+        let limit = inner.options.max_stream_handles;
+        if inner.streams_open.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
+            inner.streams_open.fetch_sub(1, Ordering::AcqRel);
+            return Err(StoreError::Busy { limit }.into());
+        }
+        Ok(StreamSlot(Arc::clone(&inner.streams_open)))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Fails chunk `from` and every later chunk still pending.
 fn fail_from(sink: &ChunkSink<Error>, from: usize, error: Error) {
     for i in from..sink.len() {
@@ -239,6 +259,7 @@ impl RemoteStore {
         dst.check_writable().map_err(StoreError::from)?;
         let limits = self.inner.limits()?;
         self.inner.validate_key(&limits, key)?;
+        let slot = StreamSlot::take(&self.inner)?;
         let inner = &self.inner;
         // A pooled connection found dead (the owner restarted) is retried once on a new one.
         let mut pooled = inner.checkout();
@@ -278,6 +299,7 @@ impl RemoteStore {
         let inner = Arc::clone(&self.inner);
         let deadline = Instant::now() + inner.timeout();
         let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
+            let _slot = slot;
             let mut conn = conn;
             let outcome = match &first {
                 First::Grant { .. } => conn.deliver_grant(rid, &first, &dst, &sink),
@@ -319,6 +341,7 @@ impl RemoteStore {
             .flat_map(|(region, frags)| frags.iter().map(move |f| chunk_count(cut_len(region, f), chunk_bytes)))
             .sum();
         check_chunk_count(chunks)?;
+        let slot = StreamSlot::take(&self.inner)?;
         let mut places = Vec::with_capacity(chunks as usize);
         let mut parts: Vec<Fragment> = Vec::with_capacity(chunks as usize);
         for (b, (region, frags)) in buffers.iter().zip(fragments).enumerate() {
@@ -336,6 +359,7 @@ impl RemoteStore {
         let store = RemoteStore { inner: Arc::clone(&self.inner) };
         let buffers = buffers.to_vec();
         let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
+            let _slot = slot;
             let indices: Vec<usize> = (0..parts.len()).collect();
             for group in indices.chunks(STREAM_GROUP_CHUNKS) {
                 if sink.cancelled() {
