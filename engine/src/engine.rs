@@ -31,7 +31,7 @@ mod stream;
 pub(crate) mod transports;
 mod write;
 
-pub use progressive::PutStream;
+pub use progressive::{Following, PutStream};
 pub use restore::{RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservations};
 

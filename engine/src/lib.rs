@@ -35,7 +35,7 @@ pub use chunks::{
 pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
-    Engine, ObjectLease, PendingPut, PutStream, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
+    Engine, Following, ObjectLease, PendingPut, PutStream, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
     SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};

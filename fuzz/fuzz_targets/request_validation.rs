@@ -1,10 +1,11 @@
 //! Fuzzes the owner's request validation: `op | max_items | max_key_bytes (u16) | payload`.
 //! Whatever the payload, decoding never panics and never allocates from an unchecked count,
 //! and an accepted request honours every limit: item counts, key lengths (1..=max), fragment
-//! key indices, put lengths (inline <= total <= max value). Accepted requests round-trip.
+//! key indices, put lengths (inline <= total <= max value), progressive put heads and chunk
+//! heads. Accepted requests round-trip.
 #![no_main]
 
-use kvtide_remote::protocol::{Limits, Op, PutHead, Request, PUT_HEAD_BYTES};
+use kvtide_remote::protocol::{Limits, Op, PutChunkHead, PutHead, Request, PUT_HEAD_BYTES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -28,6 +29,15 @@ fuzz_target!(|data: &[u8]| {
         }
         return;
     }
+    if op == Op::PutChunk {
+        if let Ok(head) = PutChunkHead::decode(payload, &limits) {
+            assert!(head.len <= limits.max_value_bytes);
+            let mut again = Vec::new();
+            head.encode(&mut again);
+            assert_eq!(again, payload);
+        }
+        return;
+    }
     let Ok(request) = Request::decode(op, payload, &limits) else { return };
     let key_ok = |k: &[u8]| !k.is_empty() && k.len() <= limits.max_key_bytes as usize;
     let max = limits.max_items as usize;
@@ -40,9 +50,14 @@ fuzz_target!(|data: &[u8]| {
             assert!(fragments.iter().all(|f| (f.key_index as usize) < keys.len()));
         }
         Request::Exists { keys } => assert!(keys.len() <= max && keys.iter().all(|k| key_ok(k))),
-        Request::Remove { key, .. } | Request::Pin { key } | Request::Unpin { key } => assert!(key_ok(key)),
+        Request::Remove { key, .. } | Request::Pin { key } | Request::Unpin { key } | Request::GetFollow { key } => {
+            assert!(key_ok(key))
+        }
         Request::Release { leases } => assert!(leases.len() <= max),
-        Request::Hello(_) | Request::Auth { .. } | Request::Stats => {}
+        Request::PutOpen { key, total_len, chunk_bytes, .. } => {
+            assert!(key_ok(key) && *total_len <= limits.max_value_bytes && *chunk_bytes >= 1);
+        }
+        Request::Hello(_) | Request::Auth { .. } | Request::Stats | Request::PutSeal { .. } | Request::PutAbort { .. } => {}
     }
     let mut again = Vec::new();
     request.encode(&mut again);

@@ -72,6 +72,8 @@ pub enum Op {
     PutSeal = 21,
     /// Gives up an open progressive put.
     PutAbort = 22,
+    /// Reads a key as its unsealed progressive put lands (a plain streamed get without one).
+    GetFollow = 23,
     /// A chunk of a value (either direction).
     Data = 30,
     HelloOk = 64,
@@ -105,6 +107,7 @@ impl Op {
             20 => Op::PutChunk,
             21 => Op::PutSeal,
             22 => Op::PutAbort,
+            23 => Op::GetFollow,
             30 => Op::Data,
             64 => Op::HelloOk,
             65 => Op::AuthOk,
@@ -619,6 +622,9 @@ pub enum Request<'a> {
     PutAbort {
         stream: u64,
     },
+    GetFollow {
+        key: &'a [u8],
+    },
 }
 
 impl<'a> Request<'a> {
@@ -691,6 +697,7 @@ impl<'a> Request<'a> {
                 }
             }
             Op::PutSeal => Request::PutSeal { stream: r.u64()? },
+            Op::GetFollow => Request::GetFollow { key: r.key(limits.max_key_bytes)? },
             Op::PutAbort => Request::PutAbort { stream: r.u64()? },
             Op::Release => {
                 let count = r.count(8, limits.max_items, "leases")?;
@@ -733,7 +740,7 @@ impl<'a> Request<'a> {
                 buf.put_u8(if *force { REMOVE_FORCE } else { 0 });
                 buf.put_key(key);
             }
-            Request::Pin { key } | Request::Unpin { key } => buf.put_key(key),
+            Request::Pin { key } | Request::Unpin { key } | Request::GetFollow { key } => buf.put_key(key),
             Request::Stats => {}
             Request::Release { leases } => {
                 buf.put_u32(leases.len() as u32);
@@ -765,6 +772,7 @@ impl<'a> Request<'a> {
             Request::PutOpen { .. } => Op::PutOpen,
             Request::PutSeal { .. } => Op::PutSeal,
             Request::PutAbort { .. } => Op::PutAbort,
+            Request::GetFollow { .. } => Op::GetFollow,
         }
     }
 }

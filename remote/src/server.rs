@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 use crate::auth::Token;
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, end_frame, FrameHeader, GetItem,
-    Grant, Hello, HelloOk, Limits, Op, ProtocolError, PutChunkHead, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED,
-    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    Grant, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, PutChunkHead, PutHead, RangeItem, Request,
+    HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_CHUNK_HEAD_BYTES,
+    PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
 use crate::sock::{self, Stream, WakeFlag};
 use crate::wire::{FrameIo, WResult, WireError};
@@ -37,6 +38,8 @@ use crate::error::{Error, Result};
 
 /// Data chunks up to this size are copied into the write buffer instead of sent on their own.
 const SMALL_CHUNK_BYTES: usize = 16 << 10;
+/// How long a follower's wait for a producer's chunk lasts before it looks again.
+const FOLLOW_WAIT_MS: u64 = 100;
 /// Progressive puts one connection may hold open at once.
 pub const MAX_OPEN_PUTS_PER_CONNECTION: usize = 16;
 /// Flush the write buffer once it holds this much.
@@ -946,6 +949,7 @@ impl Connection<'_> {
                 }
                 self.reply(rid, result);
             }
+            Request::GetFollow { key } => self.follow_get(rid, key)?,
             Request::PutAbort { stream } => {
                 if let Some(put) = self.puts.remove(&stream) {
                     put.abort();
@@ -1047,6 +1051,58 @@ impl Connection<'_> {
             if self.io.pending_out() >= FLUSH_BYTES {
                 self.io.flush()?;
             }
+        }
+        self.io.push_frame(Op::End, rid, &[]);
+        Ok(())
+    }
+
+    /// `GetFollow`: a key's unsealed progressive put streamed as its chunks land (`Object`,
+    /// `Data` frames, `End`; an `Abort` with `ProducerAborted` when the producer goes away), or
+    /// a plain streamed get when no put of the key is open.
+    fn follow_get(&mut self, rid: u64, key: &[u8]) -> WResult<()> {
+        let engine = Arc::clone(&self.shared.engine);
+        let following = match engine.follow_unsealed(key) {
+            Ok(Some(f)) => f,
+            Ok(None) => return self.stream_get(rid, &[GetItem { key, check: LenCheck::Any }]),
+            Err(e) => {
+                self.push_error(Op::Error, rid, 0, &e.into());
+                self.io.push_frame(Op::End, rid, &[]);
+                return Ok(());
+            }
+        };
+        let start = self.io.begin(Op::Object, rid);
+        encode_object(self.io.out(), 0, following.len());
+        self.io.end(start);
+        self.io.flush()?;
+        // Frames never span two of the producer's chunks, so each goes out as soon as its chunk
+        // landed.
+        let frame = u64::from(self.config().chunk_bytes).min(following.chunk_bytes()).max(1);
+        let produced = following.chunk_bytes().max(1);
+        let mut pos = 0;
+        while pos < following.len() {
+            let chunk_end = (pos / produced + 1).saturating_mul(produced);
+            let n = frame.min(following.len() - pos).min(chunk_end - pos);
+            // The wait is bounded by the put's TTL (an expired put ends) and the owner's shutdown
+            // (which ends every open put).
+            let landed = loop {
+                match following.wait_landed(pos..pos + n, FOLLOW_WAIT_MS) {
+                    Ok(true) => break Ok(()),
+                    Ok(false) if self.shared.shutting_down.load(Ordering::SeqCst) => {
+                        break Err(StoreError::ShuttingDown)
+                    }
+                    Ok(false) => continue,
+                    Err(e) => break Err(e),
+                }
+            };
+            let bytes = landed.and_then(|()| following.bytes(pos..pos + n));
+            match bytes {
+                Ok(piece) => self.io.send_data(Op::Data, rid, &[IoSlice::new(piece)])?,
+                Err(e) => {
+                    self.push_error(Op::Abort, rid, 0, &e.into());
+                    break;
+                }
+            }
+            pos += n;
         }
         self.io.push_frame(Op::End, rid, &[]);
         Ok(())

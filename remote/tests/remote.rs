@@ -1658,11 +1658,46 @@ fn progressive_puts_through_the_owner_are_followed_and_end_with_their_connection
         // SAFETY: every chunk settled.
         assert_eq!(unsafe { std::slice::from_raw_parts(addr as *const u8, value.len()) }, &value[..]);
         assert_eq!(client.get(&key).expect("sealed"), value, "{name}");
-        // Dropping an unsealed stream aborts it.
+        // Dropping an unsealed stream aborts it, for readers on the owner and through it.
         let dropped = client.progressive_put(b"dropped", 4096, 1024, PutOptions::INSERT).expect("open");
         let h = e.progressive_get_unsealed(b"dropped", Region::host(leaked(4096)), 1024).expect("follow");
+        let remote_reader =
+            client.progressive_get_unsealed(b"dropped", Region::host(leaked(4096)), 1024).expect("remote follow");
+        dropped.put_chunk(0, Region::host_readonly(&[9u8; 1024])).expect("chunk 0");
+        remote_reader.wait_chunk(0).expect("a remote reader gets chunk 0 before the rest is written");
         drop(dropped);
         assert!(matches!(h.wait_all(), Err(StoreError::ProducerAborted(_))), "{name}");
+        assert!(
+            matches!(remote_reader.wait_all(), Err(Error::Store(StoreError::ProducerAborted(_)))),
+            "{name}: {:?}",
+            remote_reader.status()
+        );
+        // A remote reader that follows a remote producer to the seal; without an open put the
+        // same call reads the sealed object.
+        let key2 = format!("followed/{name}").into_bytes();
+        let value2 = value_for(&key2, 2, (2 << 20) + 3);
+        let mut put2 = client.progressive_put(&key2, value2.len() as u64, 1 << 20, PutOptions::INSERT).expect("open");
+        let dst2 = leaked(value2.len());
+        let addr2 = dst2.as_ptr() as usize;
+        let reader = client.progressive_get_unsealed(&key2, Region::host(dst2), 512 << 10).expect("remote follow");
+        for i in 0..put2.num_chunks() {
+            let r = put2.chunk_range(i).expect("range");
+            put2.put_chunk(i, Region::host_readonly(&value2[r.start as usize..r.end as usize])).expect("chunk");
+        }
+        put2.seal().expect("seal");
+        drop(put2);
+        reader.wait_all().expect("the remote reader got every chunk");
+        // SAFETY: every chunk settled.
+        assert_eq!(unsafe { std::slice::from_raw_parts(addr2 as *const u8, value2.len()) }, &value2[..]);
+        let dst3 = leaked(value2.len());
+        let addr3 = dst3.as_ptr() as usize;
+        client.progressive_get_unsealed(&key2, Region::host(dst3), 1 << 20).expect("sealed").wait_all().expect("all");
+        // SAFETY: every chunk settled.
+        assert_eq!(unsafe { std::slice::from_raw_parts(addr3 as *const u8, value2.len()) }, &value2[..]);
+        assert_eq!(
+            client.progressive_get_unsealed(b"never", Region::host(leaked(8)), 4).err(),
+            Some(StoreError::NotFound.into())
+        );
         assert_eq!(client.get(b"small-after").err(), Some(StoreError::NotFound.into()), "the client carries on");
     }
     // A producer whose connection dies mid-chunk: its put is aborted, its readers fail, nothing

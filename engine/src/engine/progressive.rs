@@ -116,6 +116,13 @@ impl Unsealed {
         first..end
     }
 
+    /// True when the producer's chunks under `range` landed (or the put was sealed).
+    fn has_landed(&self, range: &Range<u64>) -> bool {
+        let under = self.chunks_under(range);
+        let state = self.lock();
+        matches!(state.phase, Phase::Sealed | Phase::Sealing) || state.landed[under].iter().all(|&l| l)
+    }
+
     /// Blocks until the producer's chunks under `range` landed (Ok), the producer is gone
     /// (ProducerAborted), or `cancelled()` says to stop (Cancelled), checking every `nap`.
     pub(crate) fn wait_landed(&self, range: Range<u64>, nap: Duration, cancelled: impl Fn() -> bool) -> Result<()> {
@@ -488,7 +495,101 @@ impl Drop for PutStream<'_> {
     }
 }
 
+/// A reader's hold on an unsealed progressive put (`Engine::follow_unsealed`): the producer's
+/// bytes stay in place while it lives, whatever happens to the key after the seal. The owner
+/// process streams them to remote readers as they land.
+pub struct Following {
+    put: Arc<Unsealed>,
+    grant: crate::shard::ReadGrant,
+    inbox: Arc<Inbox>,
+    _arena: Arc<kvtide_tiers::dram::Arena>,
+}
+
+impl std::fmt::Debug for Following {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Following").field("len", &self.grant.len).finish()
+    }
+}
+
+impl Following {
+    /// The object's length.
+    pub fn len(&self) -> u64 {
+        self.grant.len
+    }
+
+    /// True for an empty object.
+    pub fn is_empty(&self) -> bool {
+        self.grant.len == 0
+    }
+
+    /// The producer's chunk size (its chunks land one by one).
+    pub fn chunk_bytes(&self) -> u64 {
+        self.put.chunk_bytes
+    }
+
+    /// Waits at most `timeout_ms` for the producer's bytes of `range`: Ok(true) once they
+    /// landed (then `bytes` gives them), Ok(false) when the time ran out, `ProducerAborted` when
+    /// the producer is gone.
+    pub fn wait_landed(&self, range: Range<u64>, timeout_ms: u64) -> Result<bool> {
+        kvtide_transport::region::check_range(
+            "object",
+            range.start,
+            range.end.saturating_sub(range.start),
+            self.len(),
+        )?;
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        match self.put.wait_landed(range, Duration::from_millis(timeout_ms.clamp(1, 20)), || Instant::now() >= deadline)
+        {
+            Ok(()) => Ok(true),
+            Err(Error::Cancelled) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The producer's bytes of `range`, once they landed (`InvalidArgument` before).
+    pub fn bytes(&self, range: Range<u64>) -> Result<&[u8]> {
+        let len = range.end.saturating_sub(range.start);
+        kvtide_transport::region::check_range("object", range.start, len, self.len())?;
+        if !self.put.has_landed(&range) {
+            return Err(Error::InvalidArgument("those bytes have not landed yet".into()));
+        }
+        // SAFETY: the lease keeps the reservation (or the object it became) in place until this
+        // drops; the range lies inside it and its chunks landed, so no producer writes it any
+        // more (each chunk is written once, before it lands).
+        Ok(unsafe { std::slice::from_raw_parts(self.grant.ptr.as_ptr().add(range.start as usize), len as usize) })
+    }
+}
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        // A shard that is gone dropped its leases with it.
+        let _ = self.inbox.send(Request::Release { leases: vec![self.grant.lease] });
+    }
+}
+
 impl Engine {
+    /// Follows the unsealed progressive put of `key`, if one is open (None otherwise: read the
+    /// key as usual). The hold is taken now.
+    pub fn follow_unsealed(&self, key: &[u8]) -> Result<Option<Following>> {
+        self.validate_key(key)?;
+        let Some(put) = self.unsealed.open_put(key) else { return Ok(None) };
+        let shard = put.shard();
+        let object = put.object();
+        let rx = self.send_with_reply(shard, |reply| Request::LeaseObjects { objects: vec![object], reply })?;
+        match self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))? {
+            Ok(grant) => Ok(Some(Following {
+                put,
+                grant,
+                inbox: Arc::clone(&self.shards[shard].inbox),
+                _arena: Arc::clone(&self.arena),
+            })),
+            // Sealed and then replaced or evicted already: read the key as usual.
+            Err(Error::NotFound) if !put.ended() => Ok(None),
+            Err(Error::NotFound) => Err(put.gone_error()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Starts a progressive put of `total_bytes` under `key`, written as chunks of `chunk_bytes`
     /// (the last one shorter) in any order, published by `PutStream::seal`. One unsealed put per
     /// key at a time (`AlreadyExists`); unsealed bytes per shard are bounded

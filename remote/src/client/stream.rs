@@ -48,14 +48,20 @@ impl First {
 impl Conn {
     /// Sends a one-key `Get` for a destination of `room` bytes and reads up to the object's
     /// length.
-    fn start_progressive(&mut self, rid: u64, key: &[u8], room: u64) -> WResult<Result<First>> {
-        let lease = self.shm.is_some();
-        let start = self.io.begin(Op::Get, rid);
-        Request::Get { lease, items: vec![GetItem { key, check: LenCheck::AtMost(room) }] }.encode(self.io.out());
+    /// With `follow`, the owner streams an unsealed progressive put of the key as it lands.
+    fn start_progressive(&mut self, rid: u64, key: &[u8], room: u64, follow: bool) -> WResult<Result<First>> {
+        let lease = self.shm.is_some() && !follow;
+        let request = if follow {
+            Request::GetFollow { key }
+        } else {
+            Request::Get { lease, items: vec![GetItem { key, check: LenCheck::AtMost(room) }] }
+        };
+        let start = self.io.begin(request.op(), rid);
+        request.encode(self.io.out());
         self.io.end(start);
         let sent = Instant::now();
         self.io.flush()?;
-        if let Some(mapping) = self.shm.clone() {
+        if let (true, Some(mapping)) = (lease, self.shm.clone()) {
             let h = self.read_reply_header(rid)?;
             let payload = self.io.read_payload(h.payload_len)?;
             let (ttl_ms, grants) = match h.op {
@@ -90,8 +96,13 @@ impl Conn {
         match h.op {
             Op::Object => {
                 let (index, len) = decode_object(&payload)?;
-                if index != 0 || len > room {
+                if index != 0 {
                     return Err(ProtocolError::Invalid { what: "object of a progressive get" }.into());
+                }
+                if len > room {
+                    // Only a followed put is not checked by the owner: refuse it here, and drop
+                    // the connection rather than read the stream.
+                    return Err(WireError::Closed(format!("the object ({len} bytes) exceeds the destination")));
                 }
                 Ok(Ok(First::Object { len }))
             }
@@ -165,15 +176,17 @@ impl Conn {
     }
 
     /// Reads an object's `Data` frames into `dst`, settling each chunk once its last byte
-    /// arrived, then the stream's `End`.
+    /// arrived, then the stream's `End`. Each frame must arrive within `timeout` of the one
+    /// before (a followed producer may take longer than that in all).
     fn deliver_stream(
         &mut self,
         rid: u64,
         len: u64,
         dst: &Region<'static>,
         sink: &ChunkSink<Error>,
-        deadline: Instant,
+        timeout: Duration,
     ) -> WResult<()> {
+        let mut deadline = Instant::now() + timeout;
         let mut pos = 0u64;
         let mut next = 0usize;
         let settle_up_to = |pos: u64, next: &mut usize| {
@@ -204,6 +217,7 @@ impl Conn {
                     unsafe { self.io.read_raw((dst.addr() + pos) as *mut u8, n as usize)? };
                     pos += n;
                     settle_up_to(pos, &mut next);
+                    deadline = Instant::now() + timeout;
                 }
                 Op::Abort => {
                     let payload = self.io.read_payload(h.payload_len)?;
@@ -252,6 +266,29 @@ impl RemoteStore {
     /// they complete as the owner's data frames arrive. Errors found before the first byte (bad
     /// key, missing object, too small a destination) are returned here.
     pub fn progressive_get(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<ChunkHandle<Error>> {
+        self.progressive_read(key, dst, chunk_bytes, false)
+    }
+
+    /// `Engine::progressive_get_unsealed` through the owner: follows the owner's unsealed
+    /// progressive put of `key` (chunks complete as the producer's bytes land on the owner and
+    /// travel here in data frames; `ProducerAborted` if the producer goes away), or reads the
+    /// key like `progressive_get` (streamed) when no put of it is open.
+    pub fn progressive_get_unsealed(
+        &self,
+        key: &[u8],
+        dst: Region<'static>,
+        chunk_bytes: u64,
+    ) -> Result<ChunkHandle<Error>> {
+        self.progressive_read(key, dst, chunk_bytes, true)
+    }
+
+    fn progressive_read(
+        &self,
+        key: &[u8],
+        dst: Region<'static>,
+        chunk_bytes: u64,
+        follow: bool,
+    ) -> Result<ChunkHandle<Error>> {
         if chunk_bytes == 0 {
             return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
         }
@@ -270,7 +307,7 @@ impl RemoteStore {
                 None => inner.open()?,
             };
             let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
-            match conn.start_progressive(rid, key, dst.len() as u64) {
+            match conn.start_progressive(rid, key, dst.len() as u64, follow) {
                 Ok(Ok(first)) => break (conn, rid, first),
                 Ok(Err(e)) => {
                     inner.checkin(conn);
@@ -297,13 +334,13 @@ impl RemoteStore {
         let places: Vec<ChunkPlace> = cut_chunks(0, 0, len, chunk_bytes).collect();
         let (handle, sink) = chunk_pair(places);
         let inner = Arc::clone(&self.inner);
-        let deadline = Instant::now() + inner.timeout();
+        let timeout = inner.timeout();
         let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
             let _slot = slot;
             let mut conn = conn;
             let outcome = match &first {
                 First::Grant { .. } => conn.deliver_grant(rid, &first, &dst, &sink),
-                First::Object { len } => conn.deliver_stream(rid, *len, &dst, &sink, deadline),
+                First::Object { len } => conn.deliver_stream(rid, *len, &dst, &sink, timeout),
             };
             match outcome {
                 Ok(()) => inner.checkin(conn),
