@@ -544,3 +544,22 @@ fn disk_errors_and_rotten_records_fail_the_call_or_their_chunks_only() {
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_reader_of_an_empty_put_waits_for_its_one_chunk_and_sees_an_abort() {
+    // Found by the chunk_handles fuzz target: an empty object's one chunk used to count as
+    // landed at once, so a reader of an aborted empty put reported success.
+    let store = stream_store(|b| b);
+    let put = store.progressive_put(b"empty", 0, 16, PutOptions::INSERT).expect("put");
+    let h = store.progressive_get_unsealed(b"empty", Region::host(buffer(0, 0)), 97).expect("follow");
+    assert_eq!(h.wait_chunk_timeout(0, 50), Ok(false), "not before the producer wrote it");
+    drop(put);
+    assert!(matches!(h.wait_all(), Err(Error::ProducerAborted(_))));
+    let mut put = store.progressive_put(b"empty", 0, 16, PutOptions::INSERT).expect("put again");
+    let h = store.progressive_get_unsealed(b"empty", Region::host(buffer(0, 0)), 97).expect("follow");
+    put.put_chunk(0, Region::host_readonly(&[])).expect("the empty chunk");
+    h.wait_all().expect("landed");
+    put.seal().expect("seal");
+    drop((h, put));
+    wait_idle(&store);
+}

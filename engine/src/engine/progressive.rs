@@ -110,10 +110,13 @@ impl Unsealed {
     }
 
     /// Chunks of the producer that cover `range` of the object.
+    /// An empty range is under the chunk at its position (the last one at the end), so a reader
+    /// of an empty object still waits for the producer's one empty chunk (and sees an abort).
     fn chunks_under(&self, range: &Range<u64>) -> Range<usize> {
-        let first = (range.start / self.chunk_bytes) as usize;
-        let end = if range.end > range.start { range.end.div_ceil(self.chunk_bytes) as usize } else { first };
-        first..end
+        let chunks = chunk_count(self.len, self.chunk_bytes) as usize;
+        let first = ((range.start / self.chunk_bytes) as usize).min(chunks - 1);
+        let end = if range.end > range.start { range.end.div_ceil(self.chunk_bytes) as usize } else { first + 1 };
+        first..end.min(chunks)
     }
 
     /// True when the producer's chunks under `range` landed (or the put was sealed).
@@ -129,13 +132,15 @@ impl Unsealed {
         let under = self.chunks_under(&range);
         let mut state = self.lock();
         loop {
+            // Bytes that landed stay valid under the reader's hold, even once the producer is
+            // gone: only what never landed fails.
+            if state.landed[under.clone()].iter().all(|&l| l) {
+                return Ok(());
+            }
             match &state.phase {
                 Phase::Gone(why) => return Err(Error::ProducerAborted(why.clone())),
                 Phase::Sealed | Phase::Sealing => return Ok(()),
                 Phase::Open => {}
-            }
-            if state.landed[under.clone()].iter().all(|&l| l) {
-                return Ok(());
             }
             if cancelled() {
                 return Err(Error::Cancelled);
