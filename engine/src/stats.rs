@@ -55,6 +55,8 @@ pub struct ShardCounters {
     pub ssd_space_waits: AtomicU64,
     /// Tombstones queued, not yet written (a gauge).
     pub tombstones_pending: AtomicU64,
+    /// 1 once the shard's SSD tier stopped taking writes (a gauge; see `ShardStats`).
+    pub ssd_write_failed: AtomicU64,
     pub fixed_buffers_registered: AtomicBool,
 }
 
@@ -110,6 +112,10 @@ pub struct ShardStats {
     pub ssd_space_waits: u64,
     /// Tombstones queued, not yet written (a gauge).
     pub tombstones_pending: u64,
+    /// 1 once this shard's SSD tier stopped taking writes (a segment header failed every
+    /// try); in the totals, the number of such shards. Removes and upserts of keys on SSD then
+    /// fail with `Error::Io` instead of risking a return after a restart.
+    pub ssd_write_failed: u64,
     pub fixed_buffers_registered: bool,
 }
 
@@ -163,6 +169,7 @@ impl ShardCounters {
             shutdown_demotions: r(&self.shutdown_demotions),
             ssd_space_waits: r(&self.ssd_space_waits),
             tombstones_pending: r(&self.tombstones_pending),
+            ssd_write_failed: r(&self.ssd_write_failed),
             fixed_buffers_registered: self.fixed_buffers_registered.load(Ordering::Relaxed),
         }
     }
@@ -276,6 +283,7 @@ impl Stats {
             t.shutdown_demotions += s.shutdown_demotions;
             t.ssd_space_waits += s.ssd_space_waits;
             t.tombstones_pending += s.tombstones_pending;
+            t.ssd_write_failed += s.ssd_write_failed;
             t.fixed_buffers_registered &= s.fixed_buffers_registered;
         }
         Stats { total: t, shards, ..Stats::default() }

@@ -272,7 +272,13 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                     }
                     // The tier failed and could not keep it removed: nothing changed.
                     Err(Error::Io(_)) => {
-                        assert!(core.ssd_failed(), "{}: remove of k{k} failed on a working tier", ctx(seed, step))
+                        assert!(core.ssd_failed(), "{}: remove of k{k} failed on a working tier", ctx(seed, step));
+                        assert_eq!(
+                            core.counters().snapshot().ssd_write_failed,
+                            1,
+                            "{}: the failed tier shows",
+                            ctx(seed, step)
+                        )
                     }
                     // Not there: evicted (it may come back with that value) or never put.
                     Err(Error::NotFound) => {

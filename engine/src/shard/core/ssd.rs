@@ -366,6 +366,7 @@ impl ShardCore {
         c.tombstones.fetch_add(now.tombstones - was.tombstones, RELAXED);
         c.tombstones_skipped.fetch_add(now.tombstones_skipped - was.tombstones_skipped, RELAXED);
         c.tombstones_pending.store(ssd.tier.queued_tombstones() as u64, RELAXED);
+        c.ssd_write_failed.store(u64::from(ssd.tier.failed()), RELAXED);
     }
 
     /// DRAM lent to the tier for a long tombstone came back.
@@ -699,9 +700,12 @@ impl ShardCore {
     pub(super) fn tombstone_room(&self) -> Result<()> {
         match self.ssd.as_ref().map(|s| s.tier.tombstone_room()) {
             Some(Err(TombstoneRefused::Full { limit })) => Err(Error::Busy { limit }),
-            Some(Err(TombstoneRefused::TierFailed)) => Err(Error::Io(
-                "the SSD tier stopped taking writes after repeated disk failures: removing or replacing an object stored on SSD cannot be made durable".into(),
-            )),
+            Some(Err(TombstoneRefused::TierFailed)) => {
+                self.counters.ssd_write_failed.store(1, RELAXED);
+                Err(Error::Io(
+                    "the SSD tier stopped taking writes after repeated disk failures: removing or replacing an object stored on SSD cannot be made durable".into(),
+                ))
+            }
             _ => Ok(()),
         }
     }
