@@ -578,17 +578,19 @@ impl Engine {
     pub fn follow_unsealed(&self, key: &[u8]) -> Result<Option<Following>> {
         self.validate_key(key)?;
         let Some(put) = self.unsealed.open_put(key) else { return Ok(None) };
-        let shard = put.shard();
+        let Some(grant) = self.lease_unsealed(&put)? else { return Ok(None) };
+        let inbox = Arc::clone(&self.shards[put.shard()].inbox);
+        Ok(Some(Following { put, grant, inbox, _arena: Arc::clone(&self.arena) }))
+    }
+
+    /// Leases the reservation of `put` (or the object it became): None when it was sealed and
+    /// then replaced or evicted already (read the key as usual), `ProducerAborted` when it ended
+    /// unsealed.
+    pub(crate) fn lease_unsealed(&self, put: &Unsealed) -> Result<Option<crate::shard::ReadGrant>> {
         let object = put.object();
-        let rx = self.send_with_reply(shard, |reply| Request::LeaseObjects { objects: vec![object], reply })?;
+        let rx = self.send_with_reply(put.shard(), |reply| Request::LeaseObjects { objects: vec![object], reply })?;
         match self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))? {
-            Ok(grant) => Ok(Some(Following {
-                put,
-                grant,
-                inbox: Arc::clone(&self.shards[shard].inbox),
-                _arena: Arc::clone(&self.arena),
-            })),
-            // Sealed and then replaced or evicted already: read the key as usual.
+            Ok(grant) => Ok(Some(grant)),
             Err(Error::NotFound) if !put.ended() => Ok(None),
             Err(Error::NotFound) => Err(put.gone_error()),
             Err(e) => Err(e),

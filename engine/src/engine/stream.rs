@@ -429,17 +429,9 @@ impl Engine {
         // Leased now: the producer's bytes stay in place for this reader from the call on,
         // whatever happens to the key after the seal.
         let shard = unsealed.shard();
-        let object = unsealed.object();
-        let rx = self.send_with_reply(shard, |reply| Request::LeaseObjects { objects: vec![object], reply })?;
-        let grant = match self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))? {
-            Ok(grant) => grant,
-            // Sealed and then replaced or evicted already: read the key as it is now.
-            Err(Error::NotFound) if !unsealed.ended() => {
-                drop(slot);
-                return self.progressive_get(key, dst, chunk_bytes);
-            }
-            Err(Error::NotFound) => return Err(unsealed.gone_error()),
-            Err(e) => return Err(e),
+        let Some(grant) = self.lease_unsealed(&unsealed)? else {
+            drop(slot);
+            return self.progressive_get(key, dst, chunk_bytes);
         };
         self.streams.add(&self.streams.leased_bytes, &self.streams.peak_leased_bytes, grant.len);
         let mut plan = ReadPlan::new();
