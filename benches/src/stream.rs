@@ -139,12 +139,20 @@ impl Dst {
     }
 }
 
-/// The reads the benchmark times, on the embedded engine and through the owner.
-trait Reads {
-    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String>;
+/// The reads the benchmark times, on the embedded engine and through the owner: the object API
+/// they share, plus each one's `progressive_get`.
+trait Reads: Store {
     /// (time to chunk 0, time to the last chunk).
     fn progressive(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<(Duration, Duration), String>;
-    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String>;
+
+    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String> {
+        self.get_into(key, dst).map(drop).map_err(|e| format!("get_into: {e}"))
+    }
+
+    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String> {
+        let r = self.get_into_ranges(&[dst], &[vec![Fragment::new(key.to_vec(), 0, 0, len)]]);
+        r[0][0].as_ref().map(drop).map_err(|e| format!("one chunk: {e}"))
+    }
 }
 
 fn time_handle<E: Clone + std::fmt::Display + From<kvtide::Error>>(
@@ -159,30 +167,14 @@ fn time_handle<E: Clone + std::fmt::Display + From<kvtide::Error>>(
 }
 
 impl Reads for Engine {
-    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String> {
-        self.get_into(key, dst).map(drop).map_err(|e| format!("get_into: {e}"))
-    }
     fn progressive(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<(Duration, Duration), String> {
-        let t = Instant::now();
-        time_handle(t, self.progressive_get(key, dst, chunk_bytes))
-    }
-    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String> {
-        let r = self.get_into_ranges(&[dst], &[vec![Fragment::new(key.to_vec(), 0, 0, len)]]);
-        r[0][0].as_ref().map(drop).map_err(|e| format!("one chunk: {e}"))
+        time_handle(Instant::now(), self.progressive_get(key, dst, chunk_bytes))
     }
 }
 
 impl Reads for kvtide_remote::RemoteStore {
-    fn whole(&self, key: &[u8], dst: Region<'static>) -> Result<(), String> {
-        self.get_into(key, dst).map(drop).map_err(|e| format!("get_into: {e}"))
-    }
     fn progressive(&self, key: &[u8], dst: Region<'static>, chunk_bytes: u64) -> Result<(Duration, Duration), String> {
-        let t = Instant::now();
-        time_handle(t, self.progressive_get(key, dst, chunk_bytes))
-    }
-    fn one_range(&self, key: &[u8], dst: Region<'static>, len: u64) -> Result<(), String> {
-        let r = self.get_into_ranges(&[dst], &[vec![Fragment::new(key.to_vec(), 0, 0, len)]]);
-        r[0][0].as_ref().map(drop).map_err(|e| format!("one chunk: {e}"))
+        time_handle(Instant::now(), self.progressive_get(key, dst, chunk_bytes))
     }
 }
 
@@ -194,9 +186,9 @@ struct ReadResult {
     fixed: Duration,
 }
 
-fn measure_reads(
+fn measure_reads<S: Reads>(
     args: &StreamArgs,
-    store: &dyn Reads,
+    store: &S,
     key: &[u8],
     len: u64,
     expect: &[u8],
