@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::record::{BLOCK_BYTES, FORMAT_VERSION};
+use super::record::{BLOCK_BYTES, FORMAT_VERSION, OLDEST_READABLE_VERSION};
 
 /// Errors opening a data directory.
 #[derive(Debug, thiserror::Error)]
@@ -19,7 +19,7 @@ pub enum DataDirError {
     #[error("data directory {path}: {source}")]
     Io { path: String, source: std::io::Error },
     #[error(
-        "data directory {path} was written by kvtide format version {found}; this build reads version {FORMAT_VERSION}"
+        "data directory {path} was written by kvtide format version {found}; this build reads versions {OLDEST_READABLE_VERSION} to {FORMAT_VERSION}"
     )]
     FormatVersion { path: String, found: String },
     #[error("data directory {path} was created with {found}; this store is configured with {expected} (use a new directory or the same settings)")]
@@ -73,15 +73,15 @@ impl DataDir {
         let format_path = path.join("FORMAT");
         let expected = format!("shards={shards} segment_bytes={segment_bytes} segments_per_shard={segments_per_shard}");
         match std::fs::read_to_string(&format_path) {
-            Ok(text) => check_format(path, &text, &expected)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let tmp = path.join("FORMAT.tmp");
-                let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
-                writeln!(f, "kvtide-ssd-format={FORMAT_VERSION}\n{expected}").map_err(|e| io(&tmp, e))?;
-                f.sync_all().map_err(|e| io(&tmp, e))?;
-                std::fs::rename(&tmp, &format_path).map_err(|e| io(&format_path, e))?;
-                File::open(path).and_then(|d| d.sync_all()).map_err(|e| io(path, e))?;
+            Ok(text) => {
+                if check_format(path, &text, &expected)? < FORMAT_VERSION {
+                    // Older records stay readable; new ones are written in this version, which
+                    // older builds must refuse.
+                    tracing::info!(path = %path.display(), "data directory upgraded to format version {FORMAT_VERSION}");
+                    write_format(path, &expected)?;
+                }
             }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => write_format(path, &expected)?,
             Err(e) => return Err(io(&format_path, e)),
         }
         Ok(DataDir { path: path.to_path_buf(), shards, segment_bytes, segments_per_shard })
@@ -128,20 +128,33 @@ impl DataDir {
     }
 }
 
-fn check_format(path: &Path, text: &str, expected: &str) -> Result<(), DataDirError> {
+/// Writes the FORMAT file atomically (a temporary file renamed over it, both synced).
+fn write_format(path: &Path, layout: &str) -> Result<(), DataDirError> {
+    let format_path = path.join("FORMAT");
+    let tmp = path.join("FORMAT.tmp");
+    let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
+    writeln!(f, "kvtide-ssd-format={FORMAT_VERSION}\n{layout}").map_err(|e| io(&tmp, e))?;
+    f.sync_all().map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, &format_path).map_err(|e| io(&format_path, e))?;
+    File::open(path).and_then(|d| d.sync_all()).map_err(|e| io(path, e))
+}
+
+/// Checks a FORMAT file against the configured layout; returns the version it names.
+fn check_format(path: &Path, text: &str, expected: &str) -> Result<u16, DataDirError> {
     let p = path.display().to_string();
     let mut lines = text.lines();
     let version = lines.next().and_then(|l| l.strip_prefix("kvtide-ssd-format=")).ok_or_else(|| {
         DataDirError::BadFormatFile { path: p.clone(), reason: "missing kvtide-ssd-format line".into() }
     })?;
-    if version.trim() != FORMAT_VERSION.to_string() {
-        return Err(DataDirError::FormatVersion { path: p, found: version.trim().to_string() });
-    }
+    let found = match version.trim().parse::<u16>() {
+        Ok(v) if (OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&v) => v,
+        _ => return Err(DataDirError::FormatVersion { path: p, found: version.trim().to_string() }),
+    };
     let layout = lines.next().unwrap_or("").trim();
     if layout != expected {
         return Err(DataDirError::Layout { path: p, found: layout.to_string(), expected: expected.to_string() });
     }
-    Ok(())
+    Ok(found)
 }
 
 fn preallocate(file: &File, path: &Path, bytes: u64) -> Result<(), DataDirError> {
@@ -255,6 +268,13 @@ mod tests {
         DataDir::open(&p, 8 << 20, 2, 1 << 20).expect("reopen");
         let e = DataDir::open(&p, 8 << 20, 4, 1 << 20).expect_err("other shard count");
         assert!(matches!(e, DataDirError::Layout { .. }), "{e}");
+        // A version 1 directory (the layout before per-block checksums) opens and is marked as
+        // this version's, so older builds refuse it from now on.
+        let layout = "shards=2 segment_bytes=1048576 segments_per_shard=4";
+        std::fs::write(p.join("FORMAT"), format!("kvtide-ssd-format=1\n{layout}\n")).expect("write");
+        DataDir::open(&p, 8 << 20, 2, 1 << 20).expect("a version 1 directory opens");
+        let text = std::fs::read_to_string(p.join("FORMAT")).expect("read");
+        assert_eq!(text, format!("kvtide-ssd-format={FORMAT_VERSION}\n{layout}\n"));
         std::fs::write(p.join("FORMAT"), "kvtide-ssd-format=99\nx\n").expect("write");
         let e = DataDir::open(&p, 8 << 20, 2, 1 << 20).expect_err("other version");
         assert!(e.to_string().contains("format version 99"), "{e}");

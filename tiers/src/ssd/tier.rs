@@ -21,6 +21,8 @@
 //!   live bytes count the record once written).
 //! - [`SsdTier::load`] reads a record and verifies it (checksums, epoch, key, sequence number)
 //!   before [`TierEvent::Loaded`] reports it: bytes that failed a check are never reported good.
+//!   [`SsdTier::load_progressive`] reads it in pieces and reports the value's checked front as
+//!   it grows ([`TierEvent::LoadProgress`]), block by block against the record's checksum table.
 //! - [`SsdTier::begin_write`], [`SsdTier::write_chunk`] and [`SsdTier::end_write`] write a placed
 //!   record in pieces (a relocation copy through a staging buffer); [`SsdTier::read`] reads any
 //!   bytes, and [`SsdTier::add_reader`] / [`SsdTier::drop_reader`] keep a segment from reuse while
@@ -149,6 +151,12 @@ pub enum TierEvent {
     /// The load `tag` finished: on `Ok` the buffer holds the record asked for, every checksum
     /// verified; on an error its bytes must not be used.
     Loaded { tag: u64, result: Result<(), LoadFailure> },
+    /// The first `value_bytes` of the progressive load `tag`'s value arrived and passed their
+    /// checks (header, key, checksum table, their blocks): the caller may use them now. Grows
+    /// with each event; `Loaded` still ends the load (and may fail it for a later block).
+    /// `value_offset` is where the value starts in the record (it depends on the record's
+    /// format version).
+    LoadProgress { tag: u64, value_offset: u64, value_bytes: u64 },
     /// Waits (`await_durable` tags) the durable prefix now covers, and those it never will (a
     /// write or sync before them failed).
     Durability { durable: Vec<u64>, lost: Vec<u64> },
@@ -236,6 +244,10 @@ enum IoKind {
         tag: u64,
         read: bool,
     },
+    /// One piece of a progressive load (`pieces`).
+    LoadPiece {
+        load: usize,
+    },
     /// A whole record read for the caller, verified before it is reported.
     Load {
         tag: u64,
@@ -301,6 +313,8 @@ pub struct SsdTier {
     segments: SegmentTable,
     logs: Vec<SegmentLog>,
     ios: Slab<Io>,
+    /// Progressive loads in flight (their pieces are in `ios`).
+    piece_loads: Slab<PieceLoad>,
     outbox: VecDeque<DiskOp>,
     events: VecDeque<TierEvent>,
     /// One header block per segment, a zero block, then the tombstone slots.
@@ -345,6 +359,7 @@ impl SsdTier {
             segments: SegmentTable::new(config.segments, config.segment_bytes, config.epoch_seed),
             logs: (0..config.segments).map(|_| SegmentLog::default()).collect(),
             ios: Slab::new(),
+            piece_loads: Slab::new(),
             outbox: VecDeque::new(),
             events: VecDeque::new(),
             scratch,
@@ -952,7 +967,7 @@ impl SsdTier {
                 let ptr = unsafe { io.ptr.as_ptr().add(io.done as usize) };
                 let offset = io.offset + io.done;
                 let kind = match io.kind {
-                    IoKind::Raw { read: true, .. } | IoKind::Load { .. } => {
+                    IoKind::Raw { read: true, .. } | IoKind::Load { .. } | IoKind::LoadPiece { .. } => {
                         DiskOpKind::Read { buf: ptr, len: rest as u32, offset }
                     }
                     _ => DiskOpKind::Write { buf: ptr.cast_const(), len: rest as u32, offset },
@@ -1017,6 +1032,7 @@ impl SsdTier {
                 };
                 self.events.push_back(TierEvent::Loaded { tag, result });
             }
+            IoKind::LoadPiece { load } => self.on_piece(load, &io, result),
             IoKind::Raw { tag, .. } => self.events.push_back(TierEvent::Done { tag, result }),
             IoKind::Sync { segment, covers } => {
                 if let Some(s) = self.segments.get_mut(segment) {
@@ -1164,9 +1180,13 @@ fn write_op(token: u64, file: u32, ptr: NonNull<u8>, offset: u64, len: u64) -> D
     DiskOp { token, file, kind: DiskOpKind::Write { buf: ptr.as_ptr().cast_const(), len, offset } }
 }
 
+mod pieces;
 mod reclaim;
 #[cfg(test)]
 mod tests;
+
+use pieces::PieceLoad;
+pub use pieces::LOAD_PIECES_IN_FLIGHT;
 
 pub use reclaim::{
     CopyOutcome, CopyRequest, ReclaimStep, RecordIdentity, RecordOwners, COPY_FORWARD_UP_TO_LIVE_PERCENT,

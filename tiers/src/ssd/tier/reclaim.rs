@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 
 use super::{Placement, SsdTier, TierEvent};
-use crate::ssd::record::{self, RecordHeader, RecordKind, BLOCK_BYTES, HEADER_BYTES};
+use crate::ssd::record::{self, RecordChecker, RecordHeader, RecordKind, BLOCK_BYTES, HEADER_BYTES};
 use crate::ssd::segments::SsdLocation;
 
 /// A reclaim starts ahead of demand when this many free segments (or fewer) are left and the
@@ -114,7 +114,8 @@ struct CopyJob {
     header: Option<RecordHeader>,
     /// Bytes of the record written to `dst` so far.
     copied: u64,
-    body_crc: crc32fast::Hasher,
+    /// Checks the record's checksums as its chunks pass (made once the header is read).
+    checker: Option<RecordChecker>,
     key_matches: bool,
 }
 
@@ -324,14 +325,7 @@ impl SsdTier {
             }
             let src = request.src;
             let first = src.record_bytes.min(staging_bytes);
-            r.copy = Some(CopyJob {
-                request,
-                dst: None,
-                header: None,
-                copied: 0,
-                body_crc: crc32fast::Hasher::new(),
-                key_matches: true,
-            });
+            r.copy = Some(CopyJob { request, dst: None, header: None, copied: 0, checker: None, key_matches: true });
             self.add_reader(src.segment);
             // SAFETY: the staging buffer is the tier's own (see `new`) and only the one copy in
             // progress uses it; nothing touches it until this read completes.
@@ -393,16 +387,16 @@ impl SsdTier {
                 return self.end_copy(job, Some(outcome), owners);
             }
             self.begin_write(dst);
+            job.checker = Some(RecordChecker::new(header));
             job.header = Some(header);
             job.dst = Some(dst);
         }
         let (Some(header), Some(dst)) = (job.header, job.dst) else { return };
-        // The body (key then value) checksum and the key are checked as the chunks pass.
+        // The checksums and the key are checked as the chunks pass.
         let key_end = (HEADER_BYTES + header.key_len as usize) as u64;
-        let body_end = key_end + header.value_len;
-        let (lo, hi) = (at.max(HEADER_BYTES as u64), (at + len).min(body_end));
-        if lo < hi {
-            job.body_crc.update(&chunk[(lo - at) as usize..(hi - at) as usize]);
+        let lo = at.max(HEADER_BYTES as u64);
+        if let (Some(checker), true) = (job.checker.as_mut(), lo < at + len) {
+            checker.feed(&chunk[(lo - at) as usize..]);
         }
         let (klo, khi) = (at.max(HEADER_BYTES as u64), (at + len).min(key_end));
         if klo < khi {
@@ -446,7 +440,7 @@ impl SsdTier {
     /// `CopyFinished` tells the caller.
     fn end_copy(&mut self, job: CopyJob, outcome: Option<CopyOutcome>, owners: &mut dyn RecordOwners) {
         let complete = outcome.is_none() && job.dst.is_some() && job.copied == job.request.src.record_bytes;
-        let intact = job.header.is_some_and(|h| h.body_crc() == job.body_crc.clone().finalize()) && job.key_matches;
+        let intact = job.checker.as_ref().is_some_and(|c| c.finish().is_ok()) && job.key_matches;
         if let Some(dst) = job.dst {
             self.end_write(dst, complete);
         }

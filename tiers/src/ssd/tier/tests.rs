@@ -50,9 +50,13 @@ struct Harness {
 
 impl Harness {
     fn new(seed: u64, faults: SimFaults) -> Harness {
+        Harness::with_segment_bytes(seed, faults, SEGMENT_BYTES)
+    }
+
+    fn with_segment_bytes(seed: u64, faults: SimFaults, segment_bytes: u64) -> Harness {
         let config = TierConfig {
             segments: SEGMENTS,
-            segment_bytes: SEGMENT_BYTES,
+            segment_bytes,
             epoch_seed: seed ^ 0x5eed,
             max_pending_tombstones: 8,
             staging_bytes: 2 * BLOCK_BYTES,
@@ -62,7 +66,7 @@ impl Harness {
         // SAFETY: the scratch vector lives in the harness as long as the tier and is used by
         // nothing else (its heap buffer does not move when the harness does).
         let tier = unsafe { SsdTier::new(config, ptr) };
-        let disk = SimDisk::new(SEGMENTS, SEGMENT_BYTES, seed, faults);
+        let disk = SimDisk::new(SEGMENTS, segment_bytes, seed, faults);
         Harness {
             tier,
             owners: TestOwners::default(),
@@ -645,4 +649,84 @@ fn a_load_reports_good_bytes_only_after_every_check() {
     h.disk.flip_bit(location.segment, location.offset + 200, 1);
     assert!(matches!(load(&mut h, identity).0, Err(LoadFailure::Corrupted(_))), "a rotted bit");
     assert_eq!(h.tier.segments().get(location.segment).map(|s| s.readers), Some(0));
+}
+
+/// A progressive load releases its value front block by block, each block only after the
+/// header, key, table and the block itself checked out; a rotted block stops the front before it
+/// and fails the load; read errors, short reads and reordered completions never make it report
+/// bytes that differ from what was written, and it never ends with a read in flight.
+#[test]
+fn a_progressive_load_reports_its_checked_front_and_nothing_else() {
+    let block = record::CHECK_BLOCK_BYTES;
+    let value: Vec<u8> = (0..5 * block + 100).map(|i| (i * 13 % 251) as u8).collect();
+    let identity = RecordIdentity { seq: 3, value_len: value.len() as u64, key: b"big".to_vec().into() };
+    let mut saw_io_failure = false;
+    for seed in 0..40u64 {
+        let mut h = Harness::with_segment_bytes(seed, SimFaults::default(), 1 << 20);
+        let (_, location) = h.put(b"big", &value, 3).expect("placed");
+        h.tier.queue_syncs(true);
+        h.run();
+        let rot = seed % 4 == 1;
+        if rot {
+            let at = location.offset + record::value_offset(3, value.len() as u64) + 3 * block + 7;
+            h.disk.flip_bit(location.segment, at, 2);
+        }
+        if seed % 2 == 0 {
+            h.disk.set_faults(SimFaults {
+                read_eio_ppm: 30_000,
+                short_ppm: 200_000,
+                max_delay_polls: 4,
+                ..SimFaults::default()
+            });
+        }
+        let mut buf = vec![0u8; location.record_bytes as usize];
+        let ptr = NonNull::new(buf.as_mut_ptr()).expect("vec pointer");
+        let piece = BLOCK_BYTES * (1 + seed % 5);
+        // SAFETY: `buf` outlives the load (run to completion below).
+        unsafe { h.tier.load_progressive(location, ptr, identity.clone(), 77, piece) };
+        h.run();
+        let start = record::value_offset(3, value.len() as u64) as usize;
+        let mut front = 0;
+        let mut steps = 0;
+        let mut ended = None;
+        for event in &h.events {
+            match event {
+                TierEvent::LoadProgress { tag: 77, value_offset, value_bytes } => {
+                    assert_eq!(*value_offset as usize, start);
+                    steps += 1;
+                    assert!(ended.is_none(), "seed {seed}: progress after the end");
+                    assert!(*value_bytes > front, "seed {seed}: the front only grows");
+                    assert!(
+                        value_bytes % block == 0 || *value_bytes == value.len() as u64,
+                        "seed {seed}: whole blocks"
+                    );
+                    front = *value_bytes;
+                }
+                TierEvent::Loaded { tag: 77, result } => ended = Some(result.clone()),
+                _ => {}
+            }
+        }
+        let front = front as usize;
+        assert_eq!(&buf[start..start + front], &value[..front], "seed {seed}: reported bytes are the written ones");
+        match ended.expect("a Loaded event") {
+            Ok(()) => {
+                assert!(!rot, "seed {seed}: a rotted block was reported good");
+                assert_eq!(front, value.len(), "seed {seed}: a good load reported its whole value");
+                assert_eq!(&buf[start..start + value.len()], &value[..]);
+                assert!(steps >= 2, "seed {seed}: the front grew in {steps} steps");
+            }
+            Err(LoadFailure::Corrupted(why)) => {
+                assert!(rot, "seed {seed}: corrupted without a rotted bit: {why}");
+                assert!(front <= 3 * block as usize, "seed {seed}: the front passed the rotted block");
+                if seed % 2 == 1 {
+                    assert_eq!(front, 3 * block as usize, "seed {seed}: the blocks before the rotted one are good");
+                }
+            }
+            Err(LoadFailure::Io(_)) => saw_io_failure = true,
+        }
+        assert_eq!(h.tier.progressive_loads(), 0);
+        assert!(h.tier.is_quiet(), "seed {seed}: a read is still in flight");
+        assert_eq!(h.tier.segments().get(location.segment).map(|s| s.readers), Some(0));
+    }
+    assert!(saw_io_failure, "the injected read errors failed some load");
 }
