@@ -116,13 +116,26 @@ impl Engine {
 
     /// Takes an explicit lease on `key` for a caller that reads asynchronously. The bytes stay
     /// in place until the guard drops; `ttl_ms` is only a backstop for a caller that vanishes.
+    /// An SSD-resident object is loaded into DRAM (and checked) before this returns.
     pub fn lease(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
+        self.lease_with(key, ttl_ms, false)
+    }
+
+    /// `lease` for a caller that sends the bytes on in order: an SSD-resident object is leased
+    /// as soon as its load starts, and `ObjectLease::bytes_when_ready` hands out each range
+    /// once the load's checked front passed it (a DRAM-resident object's ranges at once).
+    pub fn lease_progressive(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
+        self.lease_with(key, ttl_ms, true)
+    }
+
+    fn lease_with(&self, key: &[u8], ttl_ms: u64, early: bool) -> Result<ObjectLease> {
         self.validate_key(key)?;
         let ttl = Duration::from_millis(ttl_ms);
         let shard = self.shard_of(key);
         let rx = self.send_with_reply(shard, |reply| Request::LeaseRead {
             keys: vec![key.into()],
             ttl: Some(ttl + LEASE_EXPIRY_GRACE),
+            early,
             reply,
         })?;
         let grant = self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))??;
@@ -246,15 +259,45 @@ impl std::fmt::Debug for ObjectLease {
 }
 
 impl ObjectLease {
-    /// The object's bytes, while the TTL has not passed.
+    /// The object's bytes, while the TTL has not passed (for a `lease_progressive` lease of an
+    /// object still loading, once its load ended).
     pub fn bytes(&self) -> Result<&[u8]> {
+        match self.bytes_when_ready(0..self.grant.len, self.expires_at)? {
+            Some(bytes) => Ok(bytes),
+            None => Err(Error::LeaseExpired),
+        }
+    }
+
+    /// The object's bytes `range` once they are in DRAM and checked: at once for a DRAM-resident
+    /// object; for one still loading from SSD (`Engine::lease_progressive`) as soon as the
+    /// load's checked front passed `range.end`, waiting at most until `deadline` (then `None`).
+    /// A load that fails before the range fails it (`Io`, `Corrupted`); `LeaseExpired` once
+    /// the TTL passed.
+    pub fn bytes_when_ready(&self, range: std::ops::Range<u64>, deadline: Instant) -> Result<Option<&[u8]>> {
+        let len = range.end.saturating_sub(range.start);
+        kvtide_transport::region::check_range("object", range.start, len, self.grant.len)?;
         if Instant::now() >= self.expires_at {
             return Err(Error::LeaseExpired);
         }
+        let value_offset = match &self.grant.landing {
+            None => 0,
+            Some(landing) => {
+                let deadline = deadline.min(self.expires_at);
+                match landing.wait_ready(range.end, Duration::from_millis(20), || Instant::now() >= deadline) {
+                    Ok(offset) => offset,
+                    Err(Error::Cancelled) if Instant::now() >= self.expires_at => return Err(Error::LeaseExpired),
+                    Err(Error::Cancelled) => return Ok(None),
+                    Err(e) => return Err(e),
+                }
+            }
+        };
         // SAFETY: the lease keeps these bytes in place and unchanged until it is released (drop)
         // or reclaimed by the shard, which happens only LEASE_EXPIRY_GRACE after `expires_at`;
-        // the arena stays mapped because we hold it.
-        Ok(unsafe { std::slice::from_raw_parts(self.grant.ptr.as_ptr(), self.grant.len as usize) })
+        // the arena stays mapped because we hold it. For a lease taken while its object loads,
+        // the range lies in the load's checked front, which no read writes any more.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts(self.grant.ptr.as_ptr().add((value_offset + range.start) as usize), len as usize)
+        }))
     }
 
     /// Object length.

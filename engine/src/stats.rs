@@ -44,6 +44,9 @@ pub struct ShardCounters {
     pub tombstones_skipped: AtomicU64,
     pub segments_reclaimed: AtomicU64,
     pub ssd_evictions: AtomicU64,
+    /// Written-back records found never to become durable (a write or sync before them in
+    /// their segment failed); their objects were made dirty again or left the cache.
+    pub ssd_records_lost: AtomicU64,
     pub restore_waits: AtomicU64,
     pub recovered_objects: AtomicU64,
     pub recovery_discarded: AtomicU64,
@@ -101,6 +104,7 @@ pub struct ShardStats {
     pub tombstones_skipped: u64,
     pub segments_reclaimed: u64,
     pub ssd_evictions: u64,
+    pub ssd_records_lost: u64,
     pub restore_waits: u64,
     pub recovered_objects: u64,
     pub recovery_discarded: u64,
@@ -161,6 +165,7 @@ impl ShardCounters {
             tombstones_skipped: r(&self.tombstones_skipped),
             segments_reclaimed: r(&self.segments_reclaimed),
             ssd_evictions: r(&self.ssd_evictions),
+            ssd_records_lost: r(&self.ssd_records_lost),
             restore_waits: r(&self.restore_waits),
             recovered_objects: r(&self.recovered_objects),
             recovery_discarded: r(&self.recovery_discarded),
@@ -205,6 +210,9 @@ pub struct StreamStats {
     pub handles: u64,
     pub chunks_delivered: u64,
     pub chunks_failed: u64,
+    /// Chunks of SSD-resident objects that started before their object's load ended (its
+    /// checked front had passed them).
+    pub chunks_ahead_of_load: u64,
     /// Chunks submitted to a transport and not yet completed, now and at most.
     pub chunks_in_flight: u64,
     pub peak_chunks_in_flight: u64,
@@ -275,6 +283,7 @@ impl Stats {
             t.tombstones_skipped += s.tombstones_skipped;
             t.segments_reclaimed += s.segments_reclaimed;
             t.ssd_evictions += s.ssd_evictions;
+            t.ssd_records_lost += s.ssd_records_lost;
             t.restore_waits += s.restore_waits;
             t.recovered_objects += s.recovered_objects;
             t.recovery_discarded += s.recovery_discarded;

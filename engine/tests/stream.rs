@@ -496,7 +496,11 @@ fn disk_errors_and_rotten_records_fail_the_call_or_their_chunks_only() {
     }
     store.sync_shards().expect("sync");
     assert!(store.stats().total.demotions > 0);
-    assert!(matches!(store.progressive_get(&key(0), Region::host(buffer(256 << 10, 0)), 64 << 10), Err(Error::Io(_))));
+    // The object is leased as its load starts: the read errors fail its chunks.
+    let h = store.progressive_get(&key(0), Region::host(buffer(256 << 10, 0)), 64 << 10).expect("leased early");
+    assert!(matches!(h.wait_all(), Err(Error::Io(_))));
+    assert!(matches!(h.chunk_state(0), Some(ChunkState::Failed(Error::Io(_)))), "{:?}", h.chunk_state(0));
+    drop(h);
     let dst = buffer(2048, 0);
     let frags = vec![vec![Fragment::new(key(1), 0, 0, 1024), Fragment::new(key(59), 0, 1024, 1024)]];
     let h = store.streaming_batch_get_buffer_ranges(&[Region::host(dst)], &frags, 512).expect("streaming");
@@ -527,12 +531,16 @@ fn disk_errors_and_rotten_records_fail_the_call_or_their_chunks_only() {
         store.put(b"ok", &[4u8; 100], PutOptions::INSERT).expect("ok");
     }
     let store = open();
-    // Segment 0: header block, then "rot" (header, key, value).
+    // Segment 0: header block, then "rot" (header, key, checksum table, value).
     let seg = dir.join("shard-000/seg-000000.kvt");
     let mut bytes = std::fs::read(&seg).expect("read segment");
-    bytes[4096 + 64 + 3 + 700] ^= 0x20;
+    bytes[4096 + 64 + 3 + 4 + 700] ^= 0x20;
     std::fs::write(&seg, &bytes).expect("rot the record");
-    assert!(matches!(store.progressive_get(b"rot", Region::host(buffer(10_000, 0)), 4096), Err(Error::Corrupted(_))));
+    let h = store.progressive_get(b"rot", Region::host(buffer(10_000, 0)), 4096).expect("leased early");
+    assert!(matches!(h.wait_all(), Err(Error::Corrupted(_))));
+    assert!((0..h.num_chunks()).all(|i| matches!(h.chunk_state(i), Some(ChunkState::Failed(Error::Corrupted(_))))));
+    drop(h);
+    assert_eq!(store.get(b"rot").err(), Some(Error::NotFound), "a rotten record is dropped");
     let dst = buffer(100, 0);
     let addr = dst.as_ptr() as usize;
     let h = store.progressive_get(b"ok", Region::host(dst), 64).expect("the other key");
@@ -561,5 +569,106 @@ fn a_reader_of_an_empty_put_waits_for_its_one_chunk_and_sees_an_abort() {
     h.wait_all().expect("landed");
     put.seal().expect("seal");
     drop((h, put));
+    wait_idle(&store);
+}
+
+/// Value bytes each checksum table entry of an SSD record covers.
+const CHECK_BLOCK_BYTES: usize = 64 << 10;
+
+/// An SSD-resident object is delivered block by block as its checked front grows: a block that
+/// rotted on disk fails the chunks that need it and those after it, while the chunks before it
+/// (checked against their own checksums) are delivered intact. The rotten record is dropped and
+/// nothing stays held.
+#[test]
+fn a_rotten_block_fails_only_the_chunks_from_it_on() {
+    let dir = ssd_tmp("blocks");
+    let open = || {
+        StoreBuilder::new()
+            .dram_bytes(16 << 20)
+            .shards(1)
+            .pin_threads(false)
+            .ssd_dir(&dir)
+            .ssd_bytes(32 << 20)
+            .ssd_segment_bytes(4 << 20)
+            .write_through(true)
+            .open()
+            .expect("open")
+    };
+    let len = 16 * CHECK_BLOCK_BYTES + 5000;
+    let value = value_for(b"blocks", 1, len);
+    {
+        let store = open();
+        store.put(b"blocks", &value, PutOptions::INSERT).expect("put");
+    }
+    // Rotted after recovery (a scan would skip the record), found as the read reaches it.
+    let store = open();
+    // Segment 0: header block, then the record: header, key, checksum table, value.
+    let table = 4 * len.div_ceil(CHECK_BLOCK_BYTES);
+    let value_at = 4096 + 64 + b"blocks".len() + table;
+    let seg = dir.join("shard-000/seg-000000.kvt");
+    let mut bytes = std::fs::read(&seg).expect("read segment");
+    bytes[value_at + 10 * CHECK_BLOCK_BYTES + 123] ^= 0x08;
+    std::fs::write(&seg, &bytes).expect("rot block 10");
+    let scratch_bytes = store.stats().total.bytes_used;
+    let dst = buffer(len, 0);
+    let addr = dst.as_ptr() as usize;
+    let h = store.progressive_get(b"blocks", Region::host(dst), CHECK_BLOCK_BYTES as u64).expect("leased early");
+    assert!(matches!(h.wait_all(), Err(Error::Corrupted(_))));
+    for i in 0..h.num_chunks() {
+        match h.chunk_state(i) {
+            Some(ChunkState::Done) => {
+                assert!(i < 10, "chunk {i} past the rotten block was delivered");
+                let range = h.chunk_range(i).expect("range");
+                // SAFETY: the chunk settled; its bytes are in the destination.
+                let got = unsafe {
+                    std::slice::from_raw_parts((addr + range.start as usize) as *const u8, CHECK_BLOCK_BYTES)
+                };
+                assert_eq!(got, &value[range.start as usize..range.end as usize], "chunk {i}");
+            }
+            Some(ChunkState::Failed(Error::Corrupted(why))) => {
+                assert!(i >= 10, "chunk {i} before the rotten block failed: {why}")
+            }
+            other => panic!("chunk {i}: {other:?}"),
+        }
+    }
+    assert_eq!((0..10).filter(|&i| h.chunk_state(i) == Some(ChunkState::Done)).count(), 10);
+    drop(h);
+    assert_eq!(store.get(b"blocks").err(), Some(Error::NotFound), "the rotten record is dropped");
+    wait_idle(&store);
+    assert_eq!(store.stats().total.bytes_used, scratch_bytes, "the load buffer went back");
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// On a slow disk the chunks of an SSD-resident object start while its load is still running:
+/// the first chunk waits for the first pieces' reads, not for the whole object.
+#[test]
+fn ssd_chunks_start_before_their_object_finished_loading() {
+    let store = StoreBuilder::new()
+        .dram_bytes(8 << 20)
+        .shards(1)
+        .pin_threads(false)
+        .ssd_bytes(64 << 20)
+        .ssd_segment_bytes(8 << 20)
+        .simulated_ssd(9, kvtide::SimFaults { us_per_mib: 40_000, ..kvtide::SimFaults::default() })
+        .open()
+        .expect("open");
+    let key = |i: u64| format!("slow/{i}").into_bytes();
+    let len = 4 << 20;
+    for i in 0..4u64 {
+        store.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    store.sync_shards().expect("sync");
+    let loads = store.stats().total.loads;
+    let dst = buffer(len, 0);
+    let addr = dst.as_ptr() as usize;
+    let h = store.progressive_get(&key(0), Region::host(dst), 256 << 10).expect("progressive_get");
+    h.wait_all().expect("all");
+    // SAFETY: every chunk settled.
+    assert_eq!(unsafe { std::slice::from_raw_parts(addr as *const u8, len) }, &value_for(&key(0), 0, len)[..]);
+    assert_eq!(store.stats().total.loads, loads + 1, "the object came from SSD");
+    let s = store.stats().stream;
+    assert!(s.chunks_ahead_of_load > 0, "no chunk started before the load ended: {s:?}");
+    drop(h);
     wait_idle(&store);
 }

@@ -1033,7 +1033,9 @@ impl Connection<'_> {
         for (index, item) in items.iter().enumerate() {
             let index = index as u32;
             let leased_at = Instant::now();
-            let lease = match engine.lease(item.key, u64::from(self.config().lease_ttl_ms)) {
+            // Sent in order: an SSD-resident object's frames go out as its load's checked
+            // front passes them.
+            let lease = match engine.lease_progressive(item.key, u64::from(self.config().lease_ttl_ms)) {
                 Ok(l) => l,
                 Err(e) => {
                     self.push_error(Op::Error, rid, index, &e.into());
@@ -1120,7 +1122,7 @@ impl Connection<'_> {
                 continue;
             }
             let leased_at = Instant::now();
-            let lease = match engine.lease(keys[k], u64::from(self.config().lease_ttl_ms)) {
+            let lease = match engine.lease_progressive(keys[k], u64::from(self.config().lease_ttl_ms)) {
                 Ok(l) => l,
                 Err(e) => {
                     let e = Error::from(e);
@@ -1166,17 +1168,21 @@ impl Connection<'_> {
         while pos < end {
             let n = chunk.min(end - pos);
             // A chunk send may block for up to the I/O timeout; start it only if the lease
-            // surely outlives it.
-            let bytes =
-                if Instant::now() + io_timeout >= lease_end { Err(StoreError::LeaseExpired) } else { lease.bytes() };
-            let bytes = match bytes {
-                Ok(b) => b,
+            // surely outlives it (a lease of an object still loading waits for the chunk's
+            // bytes until then).
+            let send_by = lease_end.checked_sub(io_timeout).unwrap_or(lease_end);
+            let ready = if Instant::now() >= send_by {
+                Err(StoreError::LeaseExpired)
+            } else {
+                lease.bytes_when_ready(pos..pos + n, send_by).and_then(|b| b.ok_or(StoreError::LeaseExpired))
+            };
+            let piece = match ready {
+                Ok(piece) => piece,
                 Err(e) => {
                     self.push_error(Op::Abort, rid, index, &e.into());
                     return Ok(());
                 }
             };
-            let piece = &bytes[pos as usize..(pos + n) as usize];
             if piece.len() <= SMALL_CHUNK_BYTES {
                 self.io.push_frame(Op::Data, rid, piece);
             } else {

@@ -1620,6 +1620,80 @@ fn progressive_and_streaming_reads_through_the_owner() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// An SSD-resident object read through the owner: over a socket stream the owner leases it as
+/// its load starts and sends each frame once the load's checked front passed it; over shared
+/// memory the lease is granted once it is loaded. Bytes are exact either way, and a load that
+/// fails fails the chunks (streamed) or the call (shared memory), never with wrong bytes.
+#[test]
+fn ssd_resident_objects_stream_through_the_owner() {
+    let slow = |faults: kvtide::SimFaults| {
+        Arc::new(
+            StoreBuilder::new()
+                .dram_bytes(8 << 20)
+                .shards(1)
+                .pin_threads(false)
+                .idle_spin_us(20)
+                .register_fixed_buffers(false)
+                .ssd_bytes(64 << 20)
+                .ssd_segment_bytes(8 << 20)
+                .simulated_ssd(3, faults)
+                .open()
+                .expect("open store"),
+        )
+    };
+    let key = |i: u64| format!("ssd/{i}").into_bytes();
+    let len = 3 << 20;
+    let dir = temp_dir("ssd-stream");
+    let e = slow(kvtide::SimFaults { us_per_mib: 5_000, ..kvtide::SimFaults::default() });
+    let owner = owner(&e, &dir, any_port());
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let streamed =
+        RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect");
+    let clients = [("unix+shm", unix_client(&owner)), ("tcp", tcp_client(&owner)), ("unix stream", streamed)];
+    for i in 0..6u64 {
+        e.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    e.sync_shards().expect("sync");
+    for (n, (name, client)) in clients.iter().enumerate() {
+        // Each client reads a key that is on SSD only (the reads before promoted theirs).
+        let i = n as u64;
+        let loads = e.stats().total.loads;
+        let dst = leaked(len);
+        let addr = dst.as_ptr() as usize;
+        let h = client.progressive_get(&key(i), Region::host(dst), 256 << 10).expect("progressive_get");
+        h.wait_all().expect("every chunk");
+        // SAFETY: every chunk settled.
+        let got = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        assert_eq!(got, &value_for(&key(i), i, len)[..], "{name}");
+        assert_eq!(e.stats().total.loads, loads + 1, "{name}: the object came from SSD");
+        assert_eq!(client.get(&key(i + 3)).expect("get"), value_for(&key(i + 3), i + 3, len), "{name}");
+    }
+    drop(clients);
+    wait_idle(&owner);
+    drop(owner);
+
+    // Every read fails: streamed chunks fail with Io, a shared-memory lease fails the call.
+    let e = slow(kvtide::SimFaults { read_eio_ppm: 1_000_000, ..kvtide::SimFaults::default() });
+    let owner = self::owner(&e, &dir, any_port());
+    for i in 0..6u64 {
+        e.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    e.sync_shards().expect("sync");
+    let tcp = tcp_client(&owner);
+    let h = tcp.progressive_get(&key(0), Region::host(leaked(len)), 256 << 10).expect("the object's length is known");
+    assert!(matches!(h.wait_all(), Err(Error::Store(StoreError::Io(_)))), "{:?}", h.status());
+    assert!(matches!(tcp.get(&key(1)), Err(Error::Store(StoreError::Io(_)))));
+    let unix = unix_client(&owner);
+    assert!(matches!(
+        unix.progressive_get(&key(2), Region::host(leaked(len)), 256 << 10),
+        Err(Error::Store(StoreError::Io(_)))
+    ));
+    drop(h);
+    drop((tcp, unix));
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn progressive_puts_through_the_owner_are_followed_and_end_with_their_connection() {
     use kvtide_remote::protocol::PutChunkHead;

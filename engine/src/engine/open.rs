@@ -81,6 +81,7 @@ impl Engine {
                         promote_on_hit: ssd.promote_on_hit,
                         epoch_seed: random_seed(index),
                         max_pending_tombstones: crate::shard::DEFAULT_MAX_PENDING_TOMBSTONES,
+                        load_piece_bytes: crate::shard::core::DEFAULT_LOAD_PIECE_BYTES,
                     };
                     (Some(ssd_config), disk)
                 }

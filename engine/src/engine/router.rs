@@ -146,6 +146,7 @@ impl Engine {
         let fanout = self.fan_out(keys.into_iter().map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             ttl: None,
+            early: false,
             reply,
         });
         PendingLeases { engine: self, fanout }

@@ -9,8 +9,11 @@
 //! that reads it is in flight.
 //!
 //! Where the bytes come from: DRAM-resident objects are leased in place. An SSD-resident object
-//! is loaded whole into DRAM by its lease (its record CRC is checked before any chunk is
-//! delivered), so its first chunk follows the whole object's read.
+//! is leased as soon as its load into DRAM starts (an early lease): the load reads the record
+//! in pieces and checks the value block by block against the record's checksum table, and a
+//! chunk starts once the checked front passed it (`Landing`), so the first chunk follows the
+//! first pieces' reads, not the whole object's. A block that fails its checksum fails the
+//! chunks that need it; the chunks before it were checked and stay good.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +46,7 @@ pub(crate) struct StreamCounters {
     pub(crate) handles: AtomicU64,
     pub(crate) chunks_delivered: AtomicU64,
     pub(crate) chunks_failed: AtomicU64,
+    pub(crate) chunks_ahead_of_load: AtomicU64,
     pub(crate) chunks_in_flight: AtomicU64,
     pub(crate) peak_chunks_in_flight: AtomicU64,
     pub(crate) leased_bytes: AtomicU64,
@@ -62,6 +66,7 @@ impl StreamCounters {
             handles: get(&self.handles),
             chunks_delivered: get(&self.chunks_delivered),
             chunks_failed: get(&self.chunks_failed),
+            chunks_ahead_of_load: get(&self.chunks_ahead_of_load),
             chunks_in_flight: get(&self.chunks_in_flight),
             peak_chunks_in_flight: get(&self.peak_chunks_in_flight),
             leased_bytes: get(&self.leased_bytes),
@@ -96,6 +101,8 @@ struct KeyState {
     shard: usize,
     source: Source,
     grant: Option<ReadGrant>,
+    /// The shard's answer to the lease asked for ahead of use.
+    asked: Option<GrantReply>,
     error: Option<Error>,
     /// Chunks of this key not yet settled; the lease goes back at zero.
     chunks_left: usize,
@@ -175,7 +182,7 @@ impl ReadDriver {
         let plan = &self.chunks[c];
         let key = &self.keys[k];
         let grant = match (&key.grant, &key.error) {
-            (Some(grant), _) => *grant,
+            (Some(grant), _) => grant,
             (None, Some(e)) => {
                 let e = e.clone();
                 self.settle(c, Err(e));
@@ -190,6 +197,26 @@ impl ReadDriver {
             self.settle(c, Err(e.into()));
             return None;
         }
+        let (grant_ptr, grant_len) = (grant.ptr.as_ptr() as u64, grant.len);
+        // An object still loading from SSD: wait for the checked front to pass this chunk.
+        let value_offset = match &grant.landing {
+            None => 0,
+            Some(landing) => {
+                let sink = &self.sink;
+                match landing.wait_ready(plan.src_offset + len, FOLLOW_POLL, || sink.cancelled()) {
+                    Ok(offset) => {
+                        if !landing.ended() {
+                            self.counters.chunks_ahead_of_load.fetch_add(1, Ordering::Relaxed);
+                        }
+                        offset
+                    }
+                    Err(e) => {
+                        self.settle(c, Err(e));
+                        return None;
+                    }
+                }
+            }
+        };
         if let Source::Follow(unsealed) = &key.source {
             let sink = &self.sink;
             if let Err(e) =
@@ -204,8 +231,8 @@ impl ReadDriver {
             return None;
         }
         let transfer = Transfer {
-            host: grant.ptr.as_ptr() as u64,
-            host_len: grant.len,
+            host: grant_ptr + value_offset,
+            host_len: grant_len,
             pieces: vec![Piece { host_offset: plan.src_offset, addr: plan.dst_addr, len, kind: plan.kind }],
         };
         let route = plan.route;
@@ -274,46 +301,46 @@ impl ReadDriver {
         }
     }
 
-    /// Leases the keys of chunk `c` and of the chunks after it that are not leased yet (up to
-    /// `LEASE_AHEAD_KEYS` keys, or the window's): one message per shard, then waits.
+    /// Asks for the leases of chunk `c`'s key and of the keys of the chunks after it (up to
+    /// `LEASE_AHEAD_KEYS`, or the window's) that were not asked for yet, one request per key (an
+    /// SSD-resident key that must wait for memory never holds back another key's grant), then
+    /// waits for chunk `c`'s.
     fn lease_ahead(&mut self, c: usize) {
         let ahead = LEASE_AHEAD_KEYS.max(self.window);
-        let mut picked: Vec<usize> = Vec::new();
+        let mut seen: Vec<usize> = Vec::new();
         for plan in &self.chunks[c..] {
-            if picked.len() >= ahead {
+            if seen.len() >= ahead {
                 break;
             }
-            let key = &self.keys[plan.key];
-            if key.grant.is_none() && key.error.is_none() && key.chunks_left > 0 && !picked.contains(&plan.key) {
-                picked.push(plan.key);
+            let k = plan.key;
+            let key = &mut self.keys[k];
+            if key.grant.is_some() || key.error.is_some() || key.chunks_left == 0 || seen.contains(&k) {
+                continue;
             }
-        }
-        let mut asks: Vec<(GrantReply, Vec<usize>)> = Vec::new();
-        for shard in 0..self.inboxes.len() {
-            let ks: Vec<usize> = picked.iter().copied().filter(|&k| self.keys[k].shard == shard).collect();
-            if ks.is_empty() {
+            seen.push(k);
+            if key.asked.is_some() {
                 continue;
             }
             let (reply, rx) = crossbeam_channel::bounded(1);
-            let keys = ks.iter().map(|&k| self.keys[k].key.clone()).collect();
-            match self.inboxes[shard].send(Request::LeaseRead { keys, ttl: None, reply }) {
-                Ok(()) => asks.push((rx, ks)),
-                Err(_) => ks.iter().for_each(|&k| self.keys[k].error = Some(Error::ShuttingDown)),
+            let keys = vec![key.key.clone()];
+            match self.inboxes[key.shard].send(Request::LeaseRead { keys, ttl: None, early: true, reply }) {
+                Ok(()) => key.asked = Some(rx),
+                Err(_) => key.error = Some(Error::ShuttingDown),
             }
         }
-        for (rx, ks) in asks {
-            let grants = rx.recv().unwrap_or_default();
-            let mut grants = grants.into_iter();
-            for k in ks {
-                match grants.next() {
-                    Some(Ok(grant)) => {
-                        self.counters.add(&self.counters.leased_bytes, &self.counters.peak_leased_bytes, grant.len);
-                        self.keys[k].grant = Some(grant);
-                    }
-                    Some(Err(e)) => self.keys[k].error = Some(e),
-                    None => self.keys[k].error = Some(Error::ShuttingDown),
-                }
+        self.collect(self.chunks[c].key);
+    }
+
+    /// Waits for key `k`'s lease, if it was asked for.
+    fn collect(&mut self, k: usize) {
+        let Some(rx) = self.keys[k].asked.take() else { return };
+        match rx.recv().ok().and_then(|mut grants| grants.pop()) {
+            Some(Ok(grant)) => {
+                self.counters.add(&self.counters.leased_bytes, &self.counters.peak_leased_bytes, grant.len);
+                self.keys[k].grant = Some(grant);
             }
+            Some(Err(e)) => self.keys[k].error = Some(e),
+            None => self.keys[k].error = Some(Error::ShuttingDown),
         }
     }
 }
@@ -321,7 +348,10 @@ impl ReadDriver {
 impl Drop for ReadDriver {
     fn drop(&mut self) {
         // Runs after `run`'s submissions completed (they are dropped, and waited for, first).
+        // Leases asked for ahead and never used are collected (the shard answers every request)
+        // and given back with the rest.
         for k in 0..self.keys.len() {
+            self.collect(k);
             self.release(k);
         }
         self.counters.handles_open.fetch_sub(1, Ordering::Relaxed);
@@ -398,16 +428,18 @@ impl Engine {
             &self.counters_stream().peak_leased_bytes,
             grant.len,
         );
+        let len = grant.len;
         let mut plan = ReadPlan::new();
         plan.keys.push(KeyState {
             key: key.into(),
             shard,
             source: Source::Granted,
             grant: Some(grant),
+            asked: None,
             error: None,
             chunks_left: 0,
         });
-        plan.add_chunks(0, 0, &dst, route, 0, 0, grant.len, chunk_bytes, None);
+        plan.add_chunks(0, 0, &dst, route, 0, 0, len, chunk_bytes, None);
         Ok(self.start_driver(plan, transports, slot))
     }
 
@@ -440,6 +472,7 @@ impl Engine {
             shard,
             source: Source::Follow(unsealed),
             grant: Some(grant),
+            asked: None,
             error: None,
             chunks_left: 0,
         });
@@ -489,6 +522,7 @@ impl Engine {
                         shard: if f.key.is_empty() { 0 } else { self.shard_of(&f.key) },
                         source: Source::ByKey,
                         grant: None,
+                        asked: None,
                         error: None,
                         chunks_left: 0,
                     });
@@ -556,8 +590,12 @@ impl Engine {
 
     /// Leases one key for a driver that releases it itself.
     fn lease_for_stream(&self, shard: usize, key: &[u8]) -> Result<ReadGrant> {
-        let rx =
-            self.send_with_reply(shard, |reply| Request::LeaseRead { keys: vec![key.into()], ttl: None, reply })?;
+        let rx = self.send_with_reply(shard, |reply| Request::LeaseRead {
+            keys: vec![key.into()],
+            ttl: None,
+            early: true,
+            reply,
+        })?;
         self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))?
     }
 

@@ -24,6 +24,8 @@ use std::time::Instant;
 use kvtide_tiers::dram::{Allocation, ArenaSlice, OffsetAllocator};
 use kvtide_tiers::eviction::{EntryId, Eviction, EvictionPolicy};
 use kvtide_tiers::ssd::record::{self, HEADER_BYTES};
+
+use super::landing::Landing;
 use kvtide_tiers::ssd::SsdLocation;
 use slab::Slab;
 use xxhash_rust::xxh3::Xxh3Builder;
@@ -33,7 +35,7 @@ use crate::stats::ShardCounters;
 
 pub(crate) use ssd::largest_value_bytes;
 use ssd::SsdState;
-pub use ssd::{RecoveryReport, SsdConfig, DEFAULT_MAX_PENDING_TOMBSTONES};
+pub use ssd::{RecoveryReport, SsdConfig, DEFAULT_LOAD_PIECE_BYTES, DEFAULT_MAX_PENDING_TOMBSTONES};
 
 /// Called once with a request's results, possibly after disk I/O.
 pub type Done<T> = Box<dyn FnOnce(T)>;
@@ -62,11 +64,16 @@ pub struct LeaseId {
 }
 
 /// Where a leased object's bytes are, for as long as the lease is held.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ReadGrant {
     pub lease: LeaseId,
+    /// The value's first byte; with `landing`, the start of the record image being loaded (the
+    /// value starts at the offset `Landing::wait_ready` returns).
     pub ptr: NonNull<u8>,
     pub len: u64,
+    /// An early grant (`LeaseRead { early }`) of an object still loading from SSD: its bytes are
+    /// usable only as far as this says.
+    pub landing: Option<Arc<Landing>>,
 }
 
 // SAFETY: a grant is an address plus a lease id; the lease keeps the bytes in place and unchanged
@@ -195,6 +202,8 @@ struct PendingRead {
     batch: Batch<ReadGrant>,
     keys: Vec<Box<[u8]>>,
     deadline: Option<Instant>,
+    /// Grant SSD-resident keys when their load starts (with a `Landing`), not when it ends.
+    early: bool,
 }
 
 /// Work parked until memory frees up, retried in arrival order.
@@ -300,14 +309,16 @@ impl ShardCore {
 
     /// Leases each key for reading; SSD-resident keys are loaded first. `deadline` is the TTL
     /// backstop for explicit leases (None for the RAII leases of a running copy).
+    /// With `early`, an SSD-resident key is granted as soon as its load starts (see `ReadGrant`).
     pub fn lease_read_batch(
         &mut self,
         keys: Vec<Box<[u8]>>,
         deadline: Option<Instant>,
+        early: bool,
         done: Done<Vec<Result<ReadGrant>>>,
     ) {
         let n = keys.len();
-        let pending = self.pending_reads.insert(PendingRead { batch: Batch::new(n, done), keys, deadline });
+        let pending = self.pending_reads.insert(PendingRead { batch: Batch::new(n, done), keys, deadline, early });
         for slot in 0..n {
             if !self.start_read(pending, slot) {
                 self.waiters.push_back(Waiter::Load { pending, slot });
@@ -361,7 +372,7 @@ impl ShardCore {
         self.policy.access(id);
         self.counters.hits.fetch_add(1, RELAXED);
         self.counters.bytes_read.fetch_add(len, RELAXED);
-        Ok(ReadGrant { lease, ptr, len })
+        Ok(ReadGrant { lease, ptr, len, landing: None })
     }
 
     /// Releases a lease. Stale and duplicate ids are ignored (and counted).
@@ -515,7 +526,7 @@ impl ShardCore {
     /// Bytes to allocate for an object and where its value starts in them.
     fn layout(&self, key_len: usize, len: u64) -> (u64, u64) {
         if self.ssd.is_some() {
-            (record::record_bytes(key_len, len), (HEADER_BYTES + key_len) as u64)
+            (record::record_bytes(key_len, len), record::value_offset(key_len, len))
         } else {
             // A zero-length object still takes one aligned unit, so every object has an address.
             (len.max(1), 0)
@@ -636,7 +647,7 @@ impl ShardCore {
         let ptr = self.value_ptr(object.id)?;
         let len = self.objects[object.id as usize].len;
         let lease = self.add_lease(object.id);
-        Ok(ReadGrant { lease, ptr, len })
+        Ok(ReadGrant { lease, ptr, len, landing: None })
     }
 
     /// Removes `key`. A leased or pinned object is refused unless `force`; forced, its readers

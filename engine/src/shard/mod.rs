@@ -4,6 +4,7 @@
 
 pub mod core;
 pub(crate) mod inbox;
+pub mod landing;
 mod ring;
 mod runtime;
 pub(crate) mod task;
@@ -30,9 +31,12 @@ use crate::error::Result;
 /// A request to one shard. Batched: one message per shard per call phase, not per key.
 pub(crate) enum Request {
     /// Lease each key for reading; `ttl` makes them explicit leases with a backstop deadline.
+    /// With `early`, an SSD-resident key is granted as soon as its load starts, with the
+    /// `Landing` its reader waits on (progressive reads).
     LeaseRead {
         keys: Vec<Box<[u8]>>,
         ttl: Option<Duration>,
+        early: bool,
         reply: Sender<Vec<Result<ReadGrant>>>,
     },
     /// Lease objects by reference: reservations that readers follow, or what they became.

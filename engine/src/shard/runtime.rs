@@ -412,9 +412,9 @@ impl ShardLoop {
         let core = &mut self.core;
         // A reply whose caller gave up is simply dropped; the caller's guard cleans up.
         match request {
-            Request::LeaseRead { keys, ttl, reply } => {
+            Request::LeaseRead { keys, ttl, early, reply } => {
                 let deadline = ttl.map(|ttl| Instant::now() + ttl);
-                core.lease_read_batch(keys, deadline, Box::new(move |grants| drop(reply.send(grants))));
+                core.lease_read_batch(keys, deadline, early, Box::new(move |grants| drop(reply.send(grants))));
             }
             Request::LeaseObjects { objects, reply } => {
                 let _ = reply.send(objects.into_iter().map(|object| core.lease_object(object)).collect());

@@ -138,7 +138,7 @@ impl BatchGetTask {
         self.grants = Some(cell);
         self.round = items;
         self.delivered_this_round = 0;
-        core.lease_read_batch(keys, None, Box::new(move |grants| *sink.borrow_mut() = Some(grants)));
+        core.lease_read_batch(keys, None, false, Box::new(move |grants| *sink.borrow_mut() = Some(grants)));
     }
 
     /// Takes the round's grants and plans each leased item (the read path's planner).
@@ -171,9 +171,9 @@ impl BatchGetTask {
                 self.delivered_this_round += 1;
                 continue;
             }
-            state.grant = Some(grant);
-            state.bytes_left = grant.len;
             let transfer = Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces };
+            state.bytes_left = grant.len;
+            state.grant = Some(grant);
             let route = state.item.route;
             if self.transports.get(route).completes_inline() {
                 self.inline.push_back((index, transfer));

@@ -24,8 +24,12 @@ use kvtide_tiers::ssd::{
 };
 use slab::Slab;
 
-use super::{Object, ObjectState, ShardCore, RELAXED};
+use std::cmp::Reverse;
+use std::sync::Arc;
+
+use super::{LeaseId, Object, ObjectState, ReadGrant, ShardCore, RELAXED};
 use crate::error::{Error, Result};
+use crate::shard::landing::Landing;
 
 /// Tombstones queued and not yet written, by default; a remove past this gets `Busy` (nothing
 /// is dropped).
@@ -50,7 +54,13 @@ pub struct SsdConfig {
     pub epoch_seed: u64,
     /// Tombstones that may wait to be written; a remove past this gets `Busy`.
     pub max_pending_tombstones: usize,
+    /// Bytes per read of a progressive load (an early-granted read of an SSD-resident key).
+    pub load_piece_bytes: u64,
 }
+
+/// Default bytes per read of a progressive load: small enough that the first chunk of a large
+/// object arrives after a few reads, large enough to keep the disk's queue efficient.
+pub const DEFAULT_LOAD_PIECE_BYTES: u64 = 1 << 20;
 
 /// What recovery found, per shard.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -82,17 +92,37 @@ enum WritePurpose {
 enum CoreOp {
     /// A record image written from an object's DRAM copy.
     Write { id: u32, location: SsdLocation, purpose: WritePurpose },
-    /// A record read into a fresh allocation for object `id` (readers join it).
-    Load { id: u32, location: SsdLocation, allocation: Option<Allocation>, waiters: Vec<(usize, usize)> },
+    /// A record read into a fresh allocation for object `id` (readers join it). Early readers
+    /// hold leases on it before it ends (`early`) and follow its `landing`.
+    Load {
+        id: u32,
+        location: SsdLocation,
+        allocation: Option<Allocation>,
+        waiters: Vec<(usize, usize)>,
+        landing: Option<Arc<Landing>>,
+        early: Vec<LeaseId>,
+    },
 }
 
-/// A write-through commit waiting for its record to become durable.
+/// A load that ended, taken out of `SsdState::ops`.
+struct FinishedLoad {
+    id: u32,
+    location: SsdLocation,
+    allocation: Option<Allocation>,
+    waiters: Vec<(usize, usize)>,
+    landing: Option<Arc<Landing>>,
+    early: Vec<LeaseId>,
+}
+
+/// A record waiting to become durable: a write-through commit's (`commit` names its batch
+/// slot), or a written-back one's, whose object must not keep resting on a record that a break
+/// earlier in its segment keeps recovery from ever reaching.
 #[derive(Clone, Copy)]
 struct DurableWaiter {
-    pending: usize,
-    slot: usize,
+    commit: Option<(usize, usize)>,
     object: u32,
     generation: u32,
+    location: SsdLocation,
 }
 
 /// A write-through commit waiting for SSD space (a reclaim is freeing a segment). The object is
@@ -153,7 +183,7 @@ pub(crate) fn largest_value_bytes(
     let in_dram = high_watermark_bytes.saturating_sub(scratch_bytes_for(segments, slice_bytes));
     let in_segment = segment_bytes.saturating_sub(BLOCK_BYTES);
     let record = in_dram.min(in_segment) / BLOCK_BYTES * BLOCK_BYTES;
-    record.saturating_sub((HEADER_BYTES + max_key_bytes) as u64).max(1)
+    record::largest_value(record, max_key_bytes).max(1)
 }
 
 impl SsdState {
@@ -343,6 +373,13 @@ impl ShardCore {
                 }
                 TierEvent::Durability { durable, lost } => self.on_durability(&durable, &lost),
                 TierEvent::Loaded { tag, result } => self.finish_loaded(tag as usize, result),
+                TierEvent::LoadProgress { tag, value_offset, value_bytes } => {
+                    if let Some(CoreOp::Load { landing: Some(landing), .. }) =
+                        self.ssd.as_ref().and_then(|s| s.ops.get(tag as usize))
+                    {
+                        landing.advance(value_offset, value_bytes);
+                    }
+                }
                 TierEvent::BufferReleased { handle } => self.release_borrowed(handle as usize),
                 TierEvent::CopyFinished { owner, src, written_bytes, outcome } => {
                     self.on_copy_finished(owner, src, written_bytes, outcome);
@@ -664,7 +701,20 @@ impl ShardCore {
         let object = &self.objects[id as usize];
         let Some(allocation) = object.dram.as_ref() else { return Placement::TooLarge };
         let (key_len, len, seq, offset) = (object.key.len(), object.len, object.seq, allocation.offset());
-        let record_bytes = record::record_bytes(key_len, len);
+        // An image loaded from an older record keeps its layout: it is re-stamped, not re-sealed.
+        let current_layout = object.value_offset == record::value_offset(key_len, len);
+        let record_bytes = if current_layout {
+            record::record_bytes(key_len, len)
+        } else {
+            let Some(head) = self.slice.ptr_at(offset, HEADER_BYTES as u64) else { return Placement::TooLarge };
+            // SAFETY: the header block of this object's own DRAM image (checked when it was
+            // loaded); nothing writes it while no write of the object is in flight.
+            let head = unsafe { std::slice::from_raw_parts(head.as_ptr(), HEADER_BYTES) };
+            match record::decode_header(head) {
+                Ok(header) => header.record_bytes(),
+                Err(_) => return Placement::TooLarge,
+            }
+        };
         let Some(ptr) = self.slice.ptr_at(offset, record_bytes) else { return Placement::TooLarge };
         let location = match self.place_record(record_bytes, purpose == WritePurpose::Relocation) {
             Placement::At(location) => location,
@@ -672,10 +722,15 @@ impl ShardCore {
         };
         // SAFETY: the record image is this object's own DRAM allocation; its value is immutable
         // once committed, and no other write of it is in flight (callers check io_refs), so
-        // nothing else writes the header block. io_refs (below) keeps the allocation alive
-        // until the write completes. Readers only read the value bytes.
+        // nothing else writes the header block or the checksum table. io_refs (below) keeps the
+        // allocation alive until the write completes. Readers only read the value bytes.
         let image = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), record_bytes as usize) };
-        if record::seal_in_place(image, RecordKind::Put, key_len, len, seq, location.epoch).is_err() {
+        let sealed = if current_layout {
+            record::seal_in_place(image, RecordKind::Put, key_len, len, seq, location.epoch)
+        } else {
+            record::restamp_epoch(image, location.epoch).map(drop)
+        };
+        if sealed.is_err() {
             self.abandon_placement(location);
             return Placement::TooLarge;
         }
@@ -762,43 +817,61 @@ impl ShardCore {
     }
 
     /// Queues the read of `location` into `allocation` (already taken from the allocator) for
-    /// object `id`. False (and the allocation returned) if the buffer is outside the slice.
+    /// object `id`: in pieces, with a `Landing` early readers follow, when `progressive`. None
+    /// (and the allocation returned) if the buffer is outside the slice; else the load's tag.
     fn submit_load(
         &mut self,
         id: u32,
         location: SsdLocation,
         allocation: Allocation,
         waiters: Vec<(usize, usize)>,
-    ) -> bool {
+        progressive: bool,
+    ) -> Option<usize> {
         let Some(ptr) = self.slice.ptr_at(allocation.offset(), location.record_bytes) else {
             self.allocator.free(allocation);
-            return false;
+            return None;
         };
         let Some(ssd) = self.ssd.as_mut() else {
             self.allocator.free(allocation);
-            return false;
+            return None;
         };
         self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
         ssd.loading_bytes += location.record_bytes;
         let object = &self.objects[id as usize];
         let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.clone() };
-        let token = ssd.ops.insert(CoreOp::Load { id, location, allocation: Some(allocation), waiters });
-        // SAFETY: the buffer is a fresh allocation of the record's size, held by the operation
-        // (nothing else references it) until the tier's `Loaded` event for it.
-        unsafe { ssd.tier.load(location, ptr, identity, token as u64) };
+        let landing = progressive.then(|| Arc::new(Landing::default()));
+        let op = CoreOp::Load { id, location, allocation: Some(allocation), waiters, landing, early: Vec::new() };
+        let token = ssd.ops.insert(op);
+        if progressive {
+            let piece_bytes = ssd.config.load_piece_bytes;
+            // SAFETY: as below; the value bytes a `LoadProgress` reports are only read (by early
+            // readers), never written again.
+            unsafe { ssd.tier.load_progressive(location, ptr, identity, token as u64, piece_bytes) };
+        } else {
+            // SAFETY: the buffer is a fresh allocation of the record's size, held by the
+            // operation (nothing else references it) until the tier's `Loaded` event for it.
+            unsafe { ssd.tier.load(location, ptr, identity, token as u64) };
+        }
         let object = &mut self.objects[id as usize];
         object.loading = Some(token);
         object.io_refs += 1;
         self.counters.loads.fetch_add(1, RELAXED);
-        true
+        Some(token)
     }
 
-    /// Starts or joins the load of an SSD-only object for slot `slot` of a pending read. False
-    /// when it must wait for memory or restore budget.
+    /// Starts or joins the load of an SSD-only object for slot `slot` of a pending read (an
+    /// early read is granted at once, see `early_lease`). False when it must wait for memory or
+    /// restore budget.
     pub(super) fn load_for_read(&mut self, id: u32, pending: usize, slot: usize) -> bool {
+        let early = self.pending_reads.get(pending).is_some_and(|p| p.early);
         if let Some(token) = self.objects[id as usize].loading {
             if let Some(CoreOp::Load { waiters, .. }) = self.ssd.as_mut().and_then(|s| s.ops.get_mut(token)) {
-                waiters.push((pending, slot));
+                if early {
+                    let grant = self.early_lease(id, token, pending);
+                    self.resolve_read(pending, slot, grant);
+                } else {
+                    waiters.push((pending, slot));
+                }
                 return true;
             }
         }
@@ -827,11 +900,46 @@ impl ShardCore {
             }
         };
         // The eviction above may have reclaimed memory but never this object (it has no DRAM).
-        if !self.submit_load(id, location, allocation, vec![(pending, slot)]) {
+        let waiters = if early { Vec::new() } else { vec![(pending, slot)] };
+        let Some(token) = self.submit_load(id, location, allocation, waiters, early) else {
             self.resolve_read(pending, slot, Err(Error::Internal("load buffer outside slice")));
             return true;
+        };
+        if early {
+            let grant = self.early_lease(id, token, pending);
+            self.resolve_read(pending, slot, grant);
         }
         true
+    }
+
+    /// Leases object `id` while its load `token` runs: the grant names the record buffer and the
+    /// load's `Landing` (made now if the load had none: it then moves only when the load ends).
+    fn early_lease(&mut self, id: u32, token: usize, pending: usize) -> Result<ReadGrant> {
+        if self.leases.len() >= self.config.max_leases as usize {
+            return Err(Error::Busy { limit: self.config.max_leases as usize });
+        }
+        let deadline = self.pending_reads.get(pending).and_then(|p| p.deadline);
+        let Some(CoreOp::Load { location, allocation: Some(allocation), landing, .. }) =
+            self.ssd.as_mut().and_then(|s| s.ops.get_mut(token))
+        else {
+            return Err(Error::Internal("an early read joined no load"));
+        };
+        let landing = Arc::clone(landing.get_or_insert_with(Default::default));
+        let ptr = self
+            .slice
+            .ptr_at(allocation.offset(), location.record_bytes)
+            .ok_or(Error::Internal("load buffer outside slice"))?;
+        let lease = self.add_lease(id);
+        if let Some(CoreOp::Load { early, .. }) = self.ssd.as_mut().and_then(|s| s.ops.get_mut(token)) {
+            early.push(lease);
+        }
+        if let Some(deadline) = deadline {
+            self.lease_deadlines.push(Reverse((deadline, lease)));
+        }
+        let len = self.objects[id as usize].len;
+        self.counters.hits.fetch_add(1, RELAXED);
+        self.counters.bytes_read.fetch_add(len, RELAXED);
+        Ok(ReadGrant { lease, ptr, len, landing: Some(landing) })
     }
 
     /// Advances the operation a completion belongs to. Unknown tokens are ignored.
@@ -856,11 +964,11 @@ impl ShardCore {
                     .fetch_add(if result.is_ok() { location.record_bytes } else { 0 }, RELAXED);
                 self.finish_record_write(id, location, purpose, result);
             }
-            CoreOp::Load { id, location, allocation, waiters } => {
+            CoreOp::Load { id, location, allocation, waiters, landing, early } => {
                 // Loads end with `Loaded`; a plain `Done` for one is a tier bug: fail it.
                 ssd.loading_bytes -= location.record_bytes;
                 let checked = result.and(Err(Error::Internal("a load ended without verification")));
-                self.finish_load(id, location, allocation, waiters, checked);
+                self.finish_load(FinishedLoad { id, location, allocation, waiters, landing, early }, checked);
             }
         }
     }
@@ -868,7 +976,7 @@ impl ShardCore {
     /// A load finished: the tier verified the record (or says why it is not good).
     fn finish_loaded(&mut self, tag: usize, result: std::result::Result<(), LoadFailure>) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        let Some(CoreOp::Load { id, location, allocation, waiters }) = ssd.ops.try_remove(tag) else {
+        let Some(CoreOp::Load { id, location, allocation, waiters, landing, early }) = ssd.ops.try_remove(tag) else {
             tracing::warn!(tag, "the SSD tier finished an unknown load");
             return;
         };
@@ -877,7 +985,7 @@ impl ShardCore {
             LoadFailure::Io(failure) => Error::Io(failure.to_string()),
             LoadFailure::Corrupted(why) => Error::Corrupted(why),
         });
-        self.finish_load(id, location, allocation, waiters, checked);
+        self.finish_load(FinishedLoad { id, location, allocation, waiters, landing, early }, checked);
     }
 
     /// A placed record that will never be written: a hole in its segment (see
@@ -898,10 +1006,16 @@ impl ShardCore {
             lost.iter().filter_map(|&tag| ssd.durable_waiters.try_remove(tag as usize)).collect();
         let mut touched = Vec::new();
         for w in ready {
-            self.resolve_commit(w.pending, w.slot, Ok(()));
-            touched.push(w.pending);
+            if let Some((pending, slot)) = w.commit {
+                self.resolve_commit(pending, slot, Ok(()));
+                touched.push(pending);
+            }
         }
         for w in failed {
+            let Some((pending, slot)) = w.commit else {
+                self.forget_undurable_record(w);
+                continue;
+            };
             // All or nothing: a put that cannot be made durable is not kept.
             let live = self
                 .objects
@@ -911,17 +1025,48 @@ impl ShardCore {
                 self.unlink_unacknowledged(w.object);
             }
             self.resolve_commit(
-                w.pending,
-                w.slot,
+                pending,
+                slot,
                 Err(Error::Io("the SSD write or sync before this record failed".into())),
             );
-            touched.push(w.pending);
+            touched.push(pending);
         }
         touched.sort_unstable();
         touched.dedup();
         for pending in touched {
             self.finish_commit_if_done(pending);
         }
+    }
+
+    /// A written-back record will never be durable (a write or sync before it in its segment
+    /// failed): recovery stops at the break, so after a restart the object would be gone without
+    /// a trace. If the object still rests there, it stops doing so: a DRAM copy becomes dirty
+    /// again (a later demotion or shutdown flush writes it anew); an object on SSD only leaves
+    /// the cache now, counted as an eviction (its older versions were tombstoned when it
+    /// replaced them).
+    fn forget_undurable_record(&mut self, w: DurableWaiter) {
+        let rests_there = self.objects.get(w.object as usize).is_some_and(|o| {
+            o.generation == w.generation && o.ssd == Some(w.location) && o.state != ObjectState::Abandoned
+        });
+        if !rests_there {
+            return;
+        }
+        self.counters.ssd_records_lost.fetch_add(1, RELAXED);
+        let object = &mut self.objects[w.object as usize];
+        object.ssd = None;
+        let (in_dram, live) = (object.dram.is_some(), object.state == ObjectState::Live);
+        // A copy loaded for one read only would go with its reader: it is the only copy now.
+        let untracked = std::mem::replace(&mut object.transient, false);
+        self.forget_ssd_copy(&w.location);
+        if in_dram || !live {
+            // Dirty again (or retired: freed with its last user).
+            if live && untracked {
+                self.track_if_resident(w.object);
+            }
+            return;
+        }
+        self.counters.evictions.fetch_add(1, RELAXED);
+        self.unlink(w.object);
     }
 
     fn finish_record_write(&mut self, id: u32, location: SsdLocation, purpose: WritePurpose, result: Result<()>) {
@@ -948,17 +1093,26 @@ impl ShardCore {
                 self.counters.ssd_bytes.fetch_add(location.record_bytes, RELAXED);
                 if let Some(ssd) = self.ssd.as_mut() {
                     ssd.tier.add_resident(location.segment, owner_token(id, generation));
-                    if let WritePurpose::WriteThrough { pending, slot } = purpose {
+                    // A write-through commit waits for durability; a demotion or flush watches
+                    // for a break before it (relocation copies have the tier's `CopyLost`).
+                    let commit = match purpose {
+                        WritePurpose::WriteThrough { pending, slot } => Some(Some((pending, slot))),
+                        WritePurpose::Demotion | WritePurpose::Flush => Some(None),
+                        WritePurpose::Relocation => None,
+                    };
+                    if let Some(commit) = commit {
                         let end = location.offset + location.record_bytes;
-                        let tag = ssd.durable_waiters.insert(DurableWaiter { pending, slot, object: id, generation });
+                        let waiter = DurableWaiter { commit, object: id, generation, location };
+                        let tag = ssd.durable_waiters.insert(waiter);
                         ssd.tier.await_durable(location.segment, end, tag as u64);
                     }
                     if let (WritePurpose::Relocation, Some(src)) = (purpose, previous) {
                         ssd.tier.track_copy(owner_token(id, generation), src, location);
                     }
                 }
-                if matches!(purpose, WritePurpose::WriteThrough { .. }) {
-                    // Usually not yet durable; a sync that already covers it says so now.
+                if purpose != WritePurpose::Relocation {
+                    // Usually not yet durable; a sync that already covers it (or a break before
+                    // it) says so now.
                     self.drain_tier_events();
                 }
             }
@@ -1093,29 +1247,42 @@ impl ShardCore {
 
     /// Installs a verified load (granting its waiting readers) or reports its failure to them.
     /// True when the object now has its DRAM copy.
-    fn finish_load(
-        &mut self,
-        id: u32,
-        location: SsdLocation,
-        allocation: Option<Allocation>,
-        waiters: Vec<(usize, usize)>,
-        checked: Result<()>,
-    ) -> bool {
+    fn finish_load(&mut self, load: FinishedLoad, checked: Result<()>) -> bool {
+        let FinishedLoad { id, location, allocation, waiters, landing, early } = load;
         let object = &mut self.objects[id as usize];
         object.loading = None;
         object.io_refs -= 1;
+        // The record was checked: its header says where the value starts (version 1 records
+        // have no checksum table).
+        let checked = checked.and_then(|()| {
+            let allocation = allocation.as_ref().ok_or(Error::Internal("load without a buffer"))?;
+            let head = self
+                .slice
+                .ptr_at(allocation.offset(), HEADER_BYTES as u64)
+                .ok_or(Error::Internal("load buffer outside slice"))?;
+            // SAFETY: the header block of the record buffer, filled and checked by the load that
+            // just ended; nothing writes it now.
+            let head = unsafe { std::slice::from_raw_parts(head.as_ptr(), HEADER_BYTES) };
+            let header = record::decode_header(head).map_err(|e| Error::Corrupted(e.to_string()))?;
+            Ok(header.value_offset() as u64)
+        });
         match (checked, allocation) {
-            (Ok(()), Some(allocation)) => {
+            (Ok(value_offset), Some(allocation)) => {
                 self.counters.ssd_read_bytes.fetch_add(location.record_bytes, RELAXED);
                 let promote = self.ssd.as_ref().is_some_and(|s| s.config.promote_on_hit);
                 let object = &mut self.objects[id as usize];
                 object.dram = Some(allocation);
-                object.value_offset = (HEADER_BYTES + object.key.len()) as u64;
+                object.value_offset = value_offset;
                 object.transient = !promote;
+                let len = object.len;
                 self.counters.dram_objects.fetch_add(1, RELAXED);
                 if promote {
                     self.counters.promotions.fetch_add(1, RELAXED);
                     self.track_if_resident(id);
+                }
+                // Early leases are ordinary leases of the object from now on.
+                if let Some(landing) = landing {
+                    landing.finish(Ok((value_offset, len)));
                 }
                 for (pending, slot) in waiters {
                     let deadline = self.pending_reads.get(pending).and_then(|p| p.deadline);
@@ -1128,14 +1295,16 @@ impl ShardCore {
                 true
             }
             (outcome, allocation) => {
-                if let Some(allocation) = allocation {
-                    self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
-                    self.allocator.free(allocation);
-                }
                 let error = match outcome {
                     Err(e) => e,
-                    Ok(()) => Error::Internal("load without a buffer"),
+                    Ok(_) => Error::Internal("load without a buffer"),
                 };
+                if let Some(landing) = landing {
+                    landing.finish(Err(error.clone()));
+                }
+                if let Some(allocation) = allocation {
+                    self.park_or_free_load_buffer(id, allocation, &early);
+                }
                 if matches!(error, Error::Corrupted(_)) {
                     self.counters.corrupted.fetch_add(1, RELAXED);
                     // A record that fails its checksum is dropped; its neighbours are unaffected.
@@ -1155,6 +1324,47 @@ impl ShardCore {
                 false
             }
         }
+    }
+
+    /// The buffer of a failed load: freed now, or, while early readers still hold leases on
+    /// it (they may be copying bytes that passed their checks), handed to a hidden abandoned
+    /// object that their leases move to and whose last release frees it.
+    fn park_or_free_load_buffer(&mut self, id: u32, allocation: Allocation, early: &[LeaseId]) {
+        let held: Vec<LeaseId> = early
+            .iter()
+            .copied()
+            .filter(|l| self.leases.get(l.slot as usize).is_some_and(|e| e.generation == l.generation))
+            .collect();
+        if held.is_empty() {
+            self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+            self.allocator.free(allocation);
+            return;
+        }
+        let generation = self.bump_generation();
+        let object = &self.objects[id as usize];
+        let parked = Object {
+            key: object.key.clone(),
+            key_hash: object.key_hash,
+            generation,
+            seq: object.seq,
+            dram: Some(allocation),
+            value_offset: 0,
+            ssd: None,
+            len: object.len,
+            leases: held.len() as u32,
+            pins: 0,
+            io_refs: 0,
+            transient: false,
+            loading: None,
+            committed_turn: 0,
+            shadowed: false,
+            state: ObjectState::Abandoned,
+        };
+        let parked = self.objects.insert(parked) as u32;
+        for lease in &held {
+            self.leases[lease.slot as usize].object = parked;
+        }
+        self.objects[id as usize].leases -= held.len() as u32;
     }
 
     /// Rebuilds the index from the segments on `disk` (highest sequence number per key wins;

@@ -30,7 +30,7 @@ impl ShardCore {
         now(|done| self.commit_batch(vec![object], upsert, false, done))
     }
     fn lease_read(&mut self, key: &[u8], deadline: Option<Instant>) -> Result<ReadGrant> {
-        now(|done| self.lease_read_batch(vec![key.into()], deadline, done))
+        now(|done| self.lease_read_batch(vec![key.into()], deadline, false, done))
     }
 }
 
