@@ -7,7 +7,8 @@
 //! - progressive: `progressive_get` of the same object into the same buffer, timing the first
 //!   chunk's `wait_chunk` and `wait_all`;
 //! - the first-chunk target's parts, measured in the same run: one chunk's transfer
-//!   (`get_into_ranges` of a chunk-sized range of the object) and the call's fixed cost (a
+//!   (`get_into_ranges` of a chunk-sized range of the object; from SSD, `get_into` of a
+//!   chunk-sized SSD-resident object, a load of one chunk's bytes) and the call's fixed cost (a
 //!   `progressive_get` of a 4 KiB object, to its last chunk).
 //!
 //! Pipeline (DRAM): a producer writes `--pipeline-bytes` in chunks at `--produce-gbps` (it sleeps
@@ -186,10 +187,13 @@ struct ReadResult {
     fixed: Duration,
 }
 
+/// `chunk_key`: an object of one chunk's size resting where `key` does (SSD), whose whole read
+/// is one chunk's transfer; without it, a range of one chunk of `key` is.
 fn measure_reads<S: Reads>(
     args: &StreamArgs,
     store: &S,
     key: &[u8],
+    chunk_key: Option<&[u8]>,
     len: u64,
     expect: &[u8],
     dst: &Dst,
@@ -209,7 +213,10 @@ fn measure_reads<S: Reads>(
             return Err("progressive_get delivered wrong bytes".into());
         }
         let t = Instant::now();
-        store.one_range(key, dst.region(), chunk)?;
+        match chunk_key {
+            Some(chunk_key) => store.whole(chunk_key, dst.region())?,
+            None => store.one_range(key, dst.region(), chunk)?,
+        }
         let c = t.elapsed();
         let (_, x) = store.progressive(b"stream/fixed", small.region(), args.chunk_bytes)?;
         if rep > 0 {
@@ -277,6 +284,12 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
             let expect = value(len, len);
             store.put(&key, &expect, PutOptions::INSERT).map_err(|e| format!("put: {e}"))?;
             store.put(b"stream/fixed", &[7u8; 4096], PutOptions::INSERT.pinned()).map_err(|e| e.to_string())?;
+            // From SSD, one chunk's transfer is the load of a chunk-sized object.
+            let chunk_key = ssd.then(|| b"stream/one-chunk".to_vec());
+            if let Some(k) = &chunk_key {
+                let one = value(args.chunk_bytes.min(len), 5);
+                store.put(k, &one, PutOptions::INSERT).map_err(|e| format!("put: {e}"))?;
+            }
             if ssd {
                 // Fill DRAM until the object is demoted, then drop the filler.
                 let filler = value(FILLER_BYTES, 3);
@@ -285,7 +298,8 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
                 for f in &fillers {
                     store.put(f, &filler, PutOptions::INSERT).map_err(|e| format!("filler: {e}"))?;
                 }
-                wait_demoted(&store, std::slice::from_ref(&key))?;
+                let measured: Vec<Vec<u8>> = std::iter::once(key.clone()).chain(chunk_key.clone()).collect();
+                wait_demoted(&store, &measured)?;
                 for f in &fillers {
                     let _ = store.remove(f, true);
                 }
@@ -306,14 +320,14 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
                     kvtide_remote::ClientOptions { timeout_ms: 60_000, ..kvtide_remote::ClientOptions::default() },
                 )
                 .map_err(|e| e.to_string())?;
-                let r = measure_reads(args, &client, &key, len, &expect, &dst)?;
+                let r = measure_reads(args, &client, &key, None, len, &expect, &dst)?;
                 drop(client);
                 owner.shutdown();
                 drop(owner);
                 store = Arc::into_inner(engine).ok_or("the owner still holds the engine")?;
                 r
             } else {
-                measure_reads(args, &store, &key, len, &expect, &dst)?
+                measure_reads(args, &store, &key, chunk_key.as_deref(), len, &expect, &dst)?
             };
             let s = store.stats().stream;
             println!(
