@@ -54,6 +54,9 @@ pub struct ShardCounters {
     pub compacted_records: AtomicU64,
     /// Objects written to SSD by a clean shutdown.
     pub shutdown_demotions: AtomicU64,
+    /// Dirty objects a clean shutdown gave up writing: the tier could not make room for them
+    /// (reclaims kept going without the flush getting shorter). Absent after the restart.
+    pub shutdown_flush_skipped: AtomicU64,
     /// Writes that waited for a segment to be reclaimed.
     pub ssd_space_waits: AtomicU64,
     /// Tombstones queued, not yet written (a gauge).
@@ -112,6 +115,7 @@ pub struct ShardStats {
     pub compacted_records: u64,
     /// Objects written to SSD by a clean shutdown.
     pub shutdown_demotions: u64,
+    pub shutdown_flush_skipped: u64,
     /// Writes that waited for a segment to be reclaimed.
     pub ssd_space_waits: u64,
     /// Tombstones queued, not yet written (a gauge).
@@ -172,6 +176,7 @@ impl ShardCounters {
             compactions: r(&self.compactions),
             compacted_records: r(&self.compacted_records),
             shutdown_demotions: r(&self.shutdown_demotions),
+            shutdown_flush_skipped: r(&self.shutdown_flush_skipped),
             ssd_space_waits: r(&self.ssd_space_waits),
             tombstones_pending: r(&self.tombstones_pending),
             ssd_write_failed: r(&self.ssd_write_failed),
@@ -290,6 +295,7 @@ impl Stats {
             t.compactions += s.compactions;
             t.compacted_records += s.compacted_records;
             t.shutdown_demotions += s.shutdown_demotions;
+            t.shutdown_flush_skipped += s.shutdown_flush_skipped;
             t.ssd_space_waits += s.ssd_space_waits;
             t.tombstones_pending += s.tombstones_pending;
             t.ssd_write_failed += s.ssd_write_failed;

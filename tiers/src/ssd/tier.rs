@@ -1138,8 +1138,9 @@ impl SsdTier {
         let segs: Vec<String> = (0..self.segments.count())
             .filter_map(|i| self.segments.get(i).map(|s| (i, s)))
             .map(|(i, s)| {
+                let log = &self.logs[i as usize];
                 format!(
-                    "{i}:{:?} off {} live {} r{} w{} s{} hd{} stale{}",
+                    "{i}:{:?} off {} live {} r{} w{} s{} hd{} stale{} waits{} tomb{} unsynced{} broken{:?}",
                     s.state,
                     s.write_offset,
                     s.live_bytes,
@@ -1147,14 +1148,19 @@ impl SsdTier {
                     s.writes_in_flight,
                     s.sync_in_flight as u8,
                     s.header_durable as u8,
-                    s.stale_header as u8
+                    s.stale_header as u8,
+                    log.waiters.len(),
+                    log.tombstones.len(),
+                    log.uncovered.len(),
+                    log.broken_at,
                 )
             })
             .collect();
         format!(
-            "segments [{}]; reclaim {}; ios {}; tombstones {}",
+            "segments [{}]; reclaim {} (candidate {:?}); ios {}; tombstones {}",
             segs.join(", "),
             self.describe_reclaim(),
+            self.segments.reclaim_candidate(),
             self.ios.len(),
             self.tombstones.len()
         )

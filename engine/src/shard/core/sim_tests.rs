@@ -265,9 +265,8 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
             0..=8 => {
                 version += 1;
                 // Now and then a value of several checksum blocks (progressive loads release it
-                // block by block); not in the three-segment reclaim scenarios, whose 1 MiB
-                // segments such values would fill in three puts.
-                let len = if segments > 3 && rng.below(8) == 0 {
+                // block by block).
+                let len = if rng.below(8) == 0 {
                     (64 << 10) + rng.below(200 << 10) as usize
                 } else {
                     1 + rng.below(40 << 10) as usize
@@ -379,6 +378,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 clean_shutdown(&mut core, &mut disk);
                 let lossless = faults_off
                     && core.counters.ssd_evictions.load(RELAXED) == evictions_before
+                    && core.counters.shutdown_flush_skipped.load(RELAXED) == 0
                     && core.counters.tombstones_skipped.load(RELAXED) == skipped_before;
                 let tombstones_lost = core.counters.tombstones_skipped.load(RELAXED) > 0;
                 evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;

@@ -154,6 +154,9 @@ pub(crate) struct SsdState {
     loading_bytes: u64,
     /// Dirty objects a clean shutdown still has to write.
     flush_queue: Option<VecDeque<(u32, u32)>>,
+    /// The shortest the flush queue has been, and `segments_reclaimed` then: a flush that
+    /// stays no shorter while reclaims turn the log over twice gives up (see `flush_dirty`).
+    flush_best: Option<(usize, u64)>,
     /// A clean shutdown ran out of time: nothing new starts.
     frozen: bool,
     /// The tier's counters as last added to the shard's.
@@ -217,6 +220,7 @@ impl SsdState {
             space_waiters: VecDeque::new(),
             loading_bytes: 0,
             flush_queue: None,
+            flush_best: None,
             frozen: false,
             published: TierCounters::default(),
             config,
@@ -1216,7 +1220,33 @@ impl ShardCore {
                 Placement::Full | Placement::TooLarge => {}
             }
         }
-        self.ssd.as_ref().and_then(|s| s.flush_queue.as_ref()).map_or(0, VecDeque::len)
+        self.give_up_stalled_flush()
+    }
+
+    /// Dirty objects left to flush. When the queue has not got shorter while reclaims turned
+    /// the log over twice, room is not coming: a tier too small for the dirty data, whose
+    /// reclaims free space only by making other DRAM objects dirty again, would otherwise go
+    /// round until the shutdown deadline. The rest are not written (counted and logged): they
+    /// are absent after the restart, never an older version (an upsert tombstoned those).
+    fn give_up_stalled_flush(&mut self) -> usize {
+        let reclaimed = self.counters.segments_reclaimed.load(RELAXED);
+        let Some(ssd) = self.ssd.as_mut() else { return 0 };
+        let left = ssd.flush_queue.as_ref().map_or(0, VecDeque::len);
+        match ssd.flush_best {
+            Some((best, _)) if left >= best => {}
+            _ => {
+                ssd.flush_best = Some((left, reclaimed));
+                return left;
+            }
+        }
+        let since = ssd.flush_best.map_or(0, |(_, at)| reclaimed.saturating_sub(at));
+        if left == 0 || since < 2 * u64::from(ssd.config.segments) {
+            return left;
+        }
+        let skipped = ssd.flush_queue.as_mut().map_or(0, |q| std::mem::take(q).len());
+        tracing::warn!(skipped, "clean shutdown: no SSD room for the remaining dirty objects; they are not kept");
+        self.counters.shutdown_flush_skipped.fetch_add(skipped as u64, RELAXED);
+        0
     }
 
     /// A clean shutdown began: reclaims now start only for writes that wait for room.
