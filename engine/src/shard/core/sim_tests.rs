@@ -200,6 +200,9 @@ struct KeyModel {
     /// unless it was evicted (not removed) with `evicted_value`, which may come back.
     absent_since_restart: bool,
     evicted_value: Option<Vec<u8>>,
+    /// The value a remove since the last clean restart took away: a crash may undo the remove
+    /// (its tombstone not yet durable), and the key may then leave again by eviction.
+    removed_value: Option<Vec<u8>>,
     /// Values offered since the last restart: a put that failed may still have reached the
     /// disk, so a crash may bring one back (never anything older).
     offered_since_restart: Vec<Vec<u8>>,
@@ -282,6 +285,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 match r {
                     Ok(()) => {
                         m.latest = Some(v.clone());
+                        m.removed_value = None;
                         m.durable = write_through.then_some(v);
                         m.absent_since_restart = false;
                         m.evicted_value = None;
@@ -329,7 +333,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 }
                 match core.remove(&key, false) {
                     Ok(()) => {
-                        m.latest = None;
+                        m.removed_value = m.latest.take();
                         m.durable = None;
                         m.evicted_value = None;
                     }
@@ -472,6 +476,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                         Err(e) => panic!("{}: read after a clean restart: {e}", ctx(seed, step)),
                     }
                     m.offered_since_restart.clear();
+                    m.removed_value = None;
                 }
                 core.check_invariants().unwrap_or_else(|e| panic!("{}: after clean restart: {e}", ctx(seed, step)));
                 disk.set_faults(faults.clone());
@@ -558,7 +563,8 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                                 ctx(seed, step)
                             );
                             if !m.absent_since_restart {
-                                m.evicted_value = m.latest.take();
+                                // A crash may have undone a remove, and the key left again by eviction.
+                                m.evicted_value = m.latest.take().or_else(|| m.removed_value.clone());
                             }
                             m.latest = None;
                             m.absent_since_restart = true;
