@@ -284,8 +284,9 @@ struct Io {
 /// that offset: nothing after it can ever be acknowledged durable.
 #[derive(Default)]
 struct SegmentLog {
-    /// `await_durable` waits: (end offset, tag).
-    waiters: Vec<(u64, u64)>,
+    /// `await_durable` and `watch_durable` waits: (end offset, tag, urgent). Only urgent ones
+    /// make a sync of an open segment due at once.
+    waiters: Vec<(u64, u64, bool)>,
     /// Start offsets of writes placed here and not yet covered by a completed sync.
     uncovered: BTreeSet<u64>,
     /// Writes completed since the last sync was submitted.
@@ -680,8 +681,19 @@ impl SsdTier {
     /// Waits until `segment`'s durable prefix reaches `end`: a `Durability` event names `tag`
     /// as durable, or as lost if the segment broke before `end`. It may be decided at once.
     pub fn await_durable(&mut self, segment: u32, end: u64, tag: u64) {
+        self.wait_durable(segment, end, tag, true);
+    }
+
+    /// `await_durable` for a record nobody waits on (a write-back): answered the same way, but
+    /// it does not make a sync of its open segment due before group commit would (a sealed
+    /// segment is synced at once either way).
+    pub fn watch_durable(&mut self, segment: u32, end: u64, tag: u64) {
+        self.wait_durable(segment, end, tag, false);
+    }
+
+    fn wait_durable(&mut self, segment: u32, end: u64, tag: u64, urgent: bool) {
         if let Some(log) = self.logs.get_mut(segment as usize) {
-            log.waiters.push((end, tag));
+            log.waiters.push((end, tag, urgent));
             self.advance_durability(segment);
         }
     }
@@ -707,9 +719,9 @@ impl SsdTier {
         let header_durable = log.header_written && !log.uncovered.contains(&0);
         let broken_at = log.broken_at;
         let (ready, waiting): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut log.waiters).into_iter().partition(|&(end, _)| end <= prefix);
+            std::mem::take(&mut log.waiters).into_iter().partition(|&(end, _, _)| end <= prefix);
         let (failed, waiting): (Vec<_>, Vec<_>) =
-            waiting.into_iter().partition(|&(end, _)| broken_at.is_some_and(|b| end > b));
+            waiting.into_iter().partition(|&(end, _, _)| broken_at.is_some_and(|b| end > b));
         log.waiters = waiting;
         // Durable tombstones are done; those behind a break go back to the queue.
         log.tombstones.retain(|(end, _)| *end > prefix);
@@ -726,8 +738,8 @@ impl SsdTier {
         }
         if !ready.is_empty() || !failed.is_empty() {
             self.events.push_back(TierEvent::Durability {
-                durable: ready.into_iter().map(|(_, tag)| tag).collect(),
-                lost: failed.into_iter().map(|(_, tag)| tag).collect(),
+                durable: ready.into_iter().map(|(_, tag, _)| tag).collect(),
+                lost: failed.into_iter().map(|(_, tag, _)| tag).collect(),
             });
         }
     }
@@ -743,9 +755,11 @@ impl SsdTier {
             .needing_sync()
             .filter(|&segment| {
                 let log = &self.logs[segment as usize];
-                let waiting = !log.waiters.is_empty() || !log.tombstones.is_empty() || wanted.contains(&segment);
+                let waiting = !log.tombstones.is_empty() || wanted.contains(&segment);
                 self.segments.get(segment).is_some_and(|s| {
-                    all || waiting || !s.header_durable || s.unsynced_writes >= WRITE_BACK_SYNC_EVERY_WRITES
+                    let open = s.state == SegmentState::Open;
+                    let waited = log.waiters.iter().any(|&(_, _, urgent)| urgent || !open);
+                    all || waiting || waited || !s.header_durable || s.unsynced_writes >= WRITE_BACK_SYNC_EVERY_WRITES
                 })
             })
             .collect();

@@ -1098,7 +1098,8 @@ impl ShardCore {
                 if let Some(ssd) = self.ssd.as_mut() {
                     ssd.tier.add_resident(location.segment, owner_token(id, generation));
                     // A write-through commit waits for durability; a demotion or flush watches
-                    // for a break before it (relocation copies have the tier's `CopyLost`).
+                    // for a break before it, without hurrying group commit (relocation copies
+                    // have the tier's `CopyLost`).
                     let commit = match purpose {
                         WritePurpose::WriteThrough { pending, slot } => Some(Some((pending, slot))),
                         WritePurpose::Demotion | WritePurpose::Flush => Some(None),
@@ -1107,8 +1108,12 @@ impl ShardCore {
                     if let Some(commit) = commit {
                         let end = location.offset + location.record_bytes;
                         let waiter = DurableWaiter { commit, object: id, generation, location };
-                        let tag = ssd.durable_waiters.insert(waiter);
-                        ssd.tier.await_durable(location.segment, end, tag as u64);
+                        let tag = ssd.durable_waiters.insert(waiter) as u64;
+                        if commit.is_some() {
+                            ssd.tier.await_durable(location.segment, end, tag);
+                        } else {
+                            ssd.tier.watch_durable(location.segment, end, tag);
+                        }
                     }
                     if let (WritePurpose::Relocation, Some(src)) = (purpose, previous) {
                         ssd.tier.track_copy(owner_token(id, generation), src, location);
