@@ -91,6 +91,15 @@ crate::settings_group! {
         /// Shards do not park while a GPU transfer that holds their leases is in flight, so its
         /// release and the caller's next request cost no wake-up. Default true.
         keep_shards_awake: bool = true, Bool, eg "false";
+        /// Staging units per GPU for stream-bound reads (`*_on_stream`): reads on one stream
+        /// share a unit, so this many streams stage at once before the next falls back to
+        /// direct copies. Default 4.
+        stream_units: u32 = 4, Count, eg "8";
+        /// Device buffer of each stream-bound staging unit. Default 32 MiB.
+        stream_unit_bytes: u64 = 32 << 20, Bytes, eg "64MiB";
+        /// Backstop for a stream-bound read whose stream never passes its copies: after this
+        /// long its leases are released and the read reported failed (`Timeout`). Default 60 s.
+        stream_ttl_ms: u64 = 60_000, Count, eg "10000";
     }
 }
 
@@ -214,6 +223,9 @@ pub(crate) struct EngineConfig {
     pub(crate) gpu_staging: bool,
     pub(crate) gpu_staging_bytes: u64,
     pub(crate) gpu_staging_tail_bytes: u64,
+    pub(crate) gpu_stream_units: u32,
+    pub(crate) gpu_stream_unit_bytes: u64,
+    pub(crate) gpu_stream_ttl: Duration,
     pub(crate) restore_pipeline: bool,
     pub(crate) restore_sub_batch_bytes: u64,
     pub(crate) restore_sub_batch_keys: usize,
@@ -325,6 +337,13 @@ impl StoreBuilder {
     setter!(/// Size the last staging fills of a request shrink to, in bytes, 0 for fixed fills
         /// (`[gpu] staging_tail_bytes`).
         gpu_staging_tail_bytes: u64 => gpu.staging_tail_bytes);
+    setter!(/// Staging units per GPU for stream-bound reads (`[gpu] stream_units`).
+        gpu_stream_units: u32 => gpu.stream_units);
+    setter!(/// Device buffer of each stream-bound staging unit, in bytes (`[gpu] stream_unit_bytes`).
+        gpu_stream_unit_bytes: u64 => gpu.stream_unit_bytes);
+    setter!(/// Backstop lifetime of a stream-bound read whose stream never passes its copies, in
+        /// milliseconds (`[gpu] stream_ttl_ms`).
+        gpu_stream_ttl_ms: u64 => gpu.stream_ttl_ms);
 
     /// Runs the SSD tier (`ssd_bytes`, `ssd_segment_bytes`) on the seeded in-memory simulator
     /// with these faults instead of files: for tests and benchmarks of the engine above the disk.
@@ -424,6 +443,15 @@ impl StoreBuilder {
         if !(4096..=(1 << 32)).contains(&self.gpu.staging_bytes) {
             return err(format!("[gpu] staging_bytes = {}: must be 4 KiB..=4 GiB", self.gpu.staging_bytes));
         }
+        if !(4096..=(1 << 32)).contains(&self.gpu.stream_unit_bytes) || self.gpu.stream_units > 64 {
+            return err(format!(
+                "[gpu] stream_unit_bytes = {}: must be 4 KiB..=4 GiB; stream_units = {}: at most 64",
+                self.gpu.stream_unit_bytes, self.gpu.stream_units
+            ));
+        }
+        if self.gpu.stream_ttl_ms == 0 {
+            return err("[gpu] stream_ttl_ms must be positive".into());
+        }
         if self.gpu.staging_tail_bytes > self.gpu.staging_bytes {
             return err(format!(
                 "[gpu] staging_tail_bytes = {}: at most staging_bytes ({})",
@@ -489,6 +517,9 @@ impl StoreBuilder {
             gpu_staging: self.gpu.staging,
             gpu_staging_bytes: self.gpu.staging_bytes,
             gpu_staging_tail_bytes: self.gpu.staging_tail_bytes,
+            gpu_stream_units: self.gpu.stream_units,
+            gpu_stream_unit_bytes: self.gpu.stream_unit_bytes,
+            gpu_stream_ttl: Duration::from_millis(self.gpu.stream_ttl_ms),
             shards,
             dram_bytes: self.dram.bytes,
             max_key_bytes: self.runtime.max_key_bytes,

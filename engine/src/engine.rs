@@ -21,6 +21,7 @@ use crate::shard::core::RecoveryReport;
 use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
 pub(crate) mod gpu;
+mod on_stream;
 mod open;
 mod progressive;
 pub(crate) mod read;
@@ -31,6 +32,7 @@ mod stream;
 pub(crate) mod transports;
 mod write;
 
+pub use on_stream::{StreamStatus, StreamTicket};
 pub use progressive::{Following, PutStream};
 pub use restore::{RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservations};
@@ -61,6 +63,8 @@ pub struct Engine {
     gpu: gpu::GpuState,
     streams: Arc<stream::StreamCounters>,
     unsealed: Arc<progressive::UnsealedPuts>,
+    /// The shard that watches the next stream-bound read (round robin).
+    next_watch_shard: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Engine {

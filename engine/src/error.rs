@@ -54,6 +54,22 @@ pub enum Error {
     ProducerAborted(String),
     #[error("the store is shutting down")]
     ShuttingDown,
+    /// A stream-bound read was given a stream that is being captured into a CUDA graph (`active`
+    /// or `invalidated`): enqueue the reads outside capture, record an event after each, and let
+    /// the graph wait on those events.
+    #[error(
+        "the stream is being captured into a CUDA graph ({0}): enqueue kvtide reads outside capture and wait on \
+         their events in the graph"
+    )]
+    StreamCapturing(&'static str),
+    /// The stream of a stream-bound read cannot carry its copies (an unknown or destroyed
+    /// stream, another GPU's stream or context).
+    #[error("stream rejected: {0}")]
+    Stream(String),
+    /// The stream did not pass a stream-bound read's copies within `[gpu] stream_ttl_ms`: its
+    /// leases were released, so the bytes it still copies may be wrong.
+    #[error("the stream did not pass this read's copies within {ttl_ms} ms; its leases were released")]
+    StreamExpired { ttl_ms: u64 },
     #[error("the engine broke an internal invariant: {0}")]
     Internal(&'static str),
 }
@@ -68,6 +84,8 @@ impl From<TransportError> for Error {
             TransportError::DevicePointer { .. } | TransportError::NoSuchDevice { .. } => {
                 Error::InvalidArgument(e.to_string())
             }
+            TransportError::StreamCapturing(how) => Error::StreamCapturing(how),
+            TransportError::Stream { .. } => Error::Stream(e.to_string()),
         }
     }
 }

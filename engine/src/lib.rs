@@ -35,8 +35,8 @@ pub use chunks::{
 pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
-    Engine, Following, ObjectLease, PendingPut, PutStream, RestoreMode, RestoreOptions, RestoreReport, SubBatchState,
-    SubBatchTrace,
+    Engine, Following, ObjectLease, PendingPut, PutStream, RestoreMode, RestoreOptions, RestoreReport, StreamStatus,
+    StreamTicket, SubBatchState, SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;
@@ -46,7 +46,7 @@ pub use kvtide_transport as transport;
 /// The CUDA transport (device buffers for tests and benchmarks, fault hooks), feature `cuda`.
 #[cfg(feature = "cuda")]
 pub use kvtide_transport::cuda;
-pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, Throttled, Transport};
+pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, StreamHandle, Throttled, Transport};
 pub use shard::core::RecoveryReport;
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats, StreamStats};
 pub use ticket::Ticket;

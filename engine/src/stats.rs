@@ -317,6 +317,8 @@ impl Stats {
             stream_chunks_in_flight: self.stream.chunks_in_flight,
             stream_leased_bytes: self.stream.leased_bytes,
             unsealed_bytes: self.stream.unsealed_bytes,
+            stream_bound_in_flight: self.gpu.stream_bound_in_flight,
+            stream_bound_keys_pinned: self.gpu.stream_bound_keys_pinned,
         }
     }
 }
@@ -351,6 +353,20 @@ pub struct GpuStats {
     /// staging copies (prestage), checking regions and building transfers, planning and
     /// submission, waiting on events].
     pub read_phase_us: [u64; 6],
+    /// Stream-bound reads (`*_on_stream`) made, and those whose stream has not yet passed their
+    /// copies (or that still hold leases).
+    pub stream_bound_reads: u64,
+    pub stream_bound_in_flight: u64,
+    /// Keys leased by stream-bound reads right now.
+    pub stream_bound_keys_pinned: u64,
+    /// Keys of stream-bound reads that were still loading from SSD: the stream waited on a
+    /// gate for them.
+    pub stream_bound_gated_keys: u64,
+    /// Keys of stream-bound reads that failed (at the call, in the transfer or in their load).
+    pub stream_bound_failed_keys: u64,
+    /// Stream-bound reads whose stream did not pass their copies within `[gpu] stream_ttl_ms`:
+    /// their leases were released and the read reported failed.
+    pub stream_bound_expired: u64,
 }
 
 /// Held-resource gauges; all zero when idle. Tests assert on this.
@@ -366,6 +382,8 @@ pub struct HeldResources {
     pub stream_chunks_in_flight: u64,
     pub stream_leased_bytes: u64,
     pub unsealed_bytes: u64,
+    pub stream_bound_in_flight: u64,
+    pub stream_bound_keys_pinned: u64,
 }
 
 impl HeldResources {

@@ -1024,6 +1024,9 @@ const E_UNAUTHORIZED: u16 = 22;
 const E_PROTOCOL_VERSION: u16 = 23;
 const E_PROTOCOL: u16 = 24;
 const E_PRODUCER_ABORTED: u16 = 25;
+const E_STREAM_CAPTURING: u16 = 26;
+const E_STREAM: u16 = 27;
+const E_STREAM_EXPIRED: u16 = 28;
 const E_OTHER: u16 = 100;
 
 /// Labels that errors carry as `&'static str`, restored by name on the receiving side.
@@ -1091,6 +1094,9 @@ fn store_error_code(error: &StoreError) -> (u16, u64, u64, u64, String) {
         StoreError::Cancelled => (E_CANCELLED, 0, 0, 0, String::new()),
         StoreError::ShuttingDown => (E_SHUTTING_DOWN, 0, 0, 0, String::new()),
         StoreError::ProducerAborted(why) => (E_PRODUCER_ABORTED, 0, 0, 0, why.clone()),
+        StoreError::StreamCapturing(how) => (E_STREAM_CAPTURING, 0, 0, 0, (*how).to_string()),
+        StoreError::Stream(why) => (E_STREAM, 0, 0, 0, why.clone()),
+        StoreError::StreamExpired { ttl_ms } => (E_STREAM_EXPIRED, *ttl_ms, 0, 0, String::new()),
         // Everything else (internal errors, GPU failures, ...) travels as its message.
         other @ (StoreError::Cuda(_) | StoreError::Internal(_)) => (E_OTHER, 0, 0, 0, other.to_string()),
     }
@@ -1134,6 +1140,11 @@ pub fn decode_error(r: &mut Reader<'_>) -> PResult<Error> {
         E_CANCELLED => StoreError::Cancelled,
         E_SHUTTING_DOWN => StoreError::ShuttingDown,
         E_PRODUCER_ABORTED => StoreError::ProducerAborted(message),
+        E_STREAM_CAPTURING => {
+            StoreError::StreamCapturing(if message == "invalidated" { "invalidated" } else { "active" })
+        }
+        E_STREAM => StoreError::Stream(message),
+        E_STREAM_EXPIRED => StoreError::StreamExpired { ttl_ms: a },
         E_UNAUTHORIZED => return Ok(Error::Unauthorized(message)),
         // The sender's "ours" is the receiver's "theirs".
         E_PROTOCOL_VERSION => {
@@ -1262,6 +1273,9 @@ mod tests {
             StoreError::Cancelled.into(),
             StoreError::ShuttingDown.into(),
             StoreError::ProducerAborted("it aborted".into()).into(),
+            StoreError::StreamCapturing("invalidated").into(),
+            StoreError::Stream("another GPU's stream".into()).into(),
+            StoreError::StreamExpired { ttl_ms: 60_000 }.into(),
             Error::Unauthorized("bad mac".into()),
             Error::Protocol("truncated".into()),
         ];

@@ -9,11 +9,13 @@
 pub mod cuda;
 pub mod memcpy;
 pub mod region;
+pub mod stream;
 pub mod transfer;
 pub mod transport;
 
 pub use memcpy::{copy_regions, MemcpyTransport};
 pub use region::{MemoryKind, Region, RegionError};
+pub use stream::{Gate, StreamHandle, StreamSubmit};
 pub use transfer::{Direction, Piece, Summary, Transfer};
 pub use transport::{EarlyStart, InFlight, Progress, Throttled, Transport, Unreachable};
 
@@ -39,4 +41,12 @@ pub enum TransportError {
     /// injected fault).
     #[error("transfer failed: {0}")]
     Io(String),
+    /// The caller's stream is being captured into a graph: stream-bound reads are enqueued
+    /// outside capture (the graph waits on events recorded after them).
+    #[error("the stream is being captured into a CUDA graph ({0}): enqueue kvtide reads outside capture and wait on their events in the graph")]
+    StreamCapturing(&'static str),
+    /// The caller's stream cannot carry this transfer (another GPU's memory, an unknown
+    /// context, a stream the driver rejects).
+    #[error("stream {stream:#x} cannot carry the copies: {why}")]
+    Stream { stream: u64, why: String },
 }

@@ -66,6 +66,11 @@ pub trait Transport: Send + Sync {
         transfers: &[Transfer],
         early: Option<EarlyStart>,
     ) -> Result<InFlight, TransportError>;
+
+    /// The transport's stream-bound submissions, when it has them (the CUDA transport).
+    fn on_stream(&self) -> Option<&dyn crate::stream::StreamSubmit> {
+        None
+    }
 }
 
 /// Work a transport started ahead of its submission (`Transport::start_early`). Dropping it
@@ -158,6 +163,14 @@ impl InFlight {
     /// The per-transfer results (after `poll` returned true).
     pub fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
         self.progress.take_results()
+    }
+
+    /// Blocks until complete, leaving the results to `take_results`.
+    pub fn block(&mut self) {
+        if !self.done {
+            self.progress.block();
+            self.done = true;
+        }
     }
 
     /// What was submitted.

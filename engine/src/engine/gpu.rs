@@ -22,6 +22,9 @@ use crate::stats::GpuStats;
 pub(crate) struct GpuState {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     policy: StagingPolicy,
+    /// Stream-bound staging units per GPU and their size.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    stream_units: (u32, u64),
     /// The transport for GPU memory, made at first use (with the arena registration).
     transport: Mutex<Option<Arc<dyn Transport>>>,
     counters: Arc<GpuCounters>,
@@ -58,6 +61,12 @@ pub(crate) struct GpuCounters {
     bytes_to_host: AtomicU64,
     failed_keys: AtomicU64,
     fallbacks: Mutex<HashMap<&'static str, u64>>,
+    pub(crate) bound_reads: AtomicU64,
+    pub(crate) bound_in_flight: AtomicU64,
+    pub(crate) bound_keys_pinned: AtomicU64,
+    pub(crate) bound_gated_keys: AtomicU64,
+    pub(crate) bound_failed_keys: AtomicU64,
+    pub(crate) bound_expired: AtomicU64,
 }
 
 impl GpuCounters {
@@ -108,6 +117,7 @@ impl GpuState {
                 buffer_bytes: config.gpu_staging_bytes,
                 tail_fill_bytes: config.gpu_staging_tail_bytes,
             },
+            stream_units: (config.gpu_stream_units, config.gpu_stream_unit_bytes),
             transport: Mutex::new(None),
             counters: Arc::new(GpuCounters::default()),
         }
@@ -143,6 +153,12 @@ impl GpuState {
                 c.submit_us.load(Relaxed),
                 c.wait_us.load(Relaxed),
             ],
+            stream_bound_reads: c.bound_reads.load(Relaxed),
+            stream_bound_in_flight: c.bound_in_flight.load(Relaxed),
+            stream_bound_keys_pinned: c.bound_keys_pinned.load(Relaxed),
+            stream_bound_gated_keys: c.bound_gated_keys.load(Relaxed),
+            stream_bound_failed_keys: c.bound_failed_keys.load(Relaxed),
+            stream_bound_expired: c.bound_expired.load(Relaxed),
         }
     }
 
@@ -163,7 +179,8 @@ impl GpuState {
 
     #[cfg(feature = "cuda")]
     fn open_cuda(&self, arena: &Arena) -> Result<Arc<dyn Transport>, TransportError> {
-        use kvtide_transport::cuda::{CudaCopier, CudaTransport};
+        use kvtide_transport::cuda::{CudaCopier, CudaTransport, StreamStaging};
+        let stream_staging = StreamStaging { units: self.stream_units.0, unit_bytes: self.stream_units.1 };
         let transport = CudaTransport::get()?;
         let registered = transport
             .registrar()
@@ -183,7 +200,7 @@ impl GpuState {
             // Copies still work from unregistered memory (the driver stages them), slower.
             Err(e) => tracing::warn!(error = %e, "could not register the DRAM arena with CUDA"),
         }
-        Ok(Arc::new(CudaCopier { transport, policy: self.policy }))
+        Ok(Arc::new(CudaCopier { transport, policy: self.policy, stream_staging }))
     }
 
     #[cfg(not(feature = "cuda"))]

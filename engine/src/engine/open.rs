@@ -165,6 +165,7 @@ impl Engine {
                 config.unsealed_bytes_per_shard,
                 config.unsealed_ttl,
             )),
+            next_watch_shard: Default::default(),
             config,
         })
     }

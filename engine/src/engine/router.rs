@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -14,6 +15,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::Engine;
 use crate::api::PutOptions;
 use crate::error::{Error, Result};
+use crate::shard::inbox::Inbox;
 use crate::shard::{LeaseId, ObjectRef, ReadGrant, Request, WriteGrant};
 
 /// Requests sent to the shards and not yet answered.
@@ -143,10 +145,20 @@ impl Engine {
 
     /// Sends the lease requests for `keys` ((caller index, key)) without waiting for them.
     pub(super) fn send_leases<'k>(&self, keys: impl IntoIterator<Item = (usize, &'k [u8])>) -> PendingLeases<'_> {
+        self.send_leases_with(keys, false)
+    }
+
+    /// `send_leases`; `early` grants objects still loading from SSD as their load starts, with
+    /// the `Landing` that tells how far it got.
+    pub(super) fn send_leases_with<'k>(
+        &self,
+        keys: impl IntoIterator<Item = (usize, &'k [u8])>,
+        early: bool,
+    ) -> PendingLeases<'_> {
         let fanout = self.fan_out(keys.into_iter().map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             ttl: None,
-            early: false,
+            early,
             reply,
         });
         PendingLeases { engine: self, fanout }
@@ -196,6 +208,39 @@ impl Drop for LeaseSet<'_> {
                 // A shard that is gone has dropped its leases with it.
                 let _ = self.engine.shards[shard].inbox.send(Request::Release { leases: std::mem::take(leases) });
             }
+        }
+    }
+}
+
+impl LeaseSet<'_> {
+    /// The leases as a set that owns its way to the shards, for work that outlives the call
+    /// (stream-bound reads release them once the stream passed their copies).
+    pub(crate) fn into_held(mut self) -> HeldLeases {
+        let by_shard = std::mem::take(&mut self.by_shard)
+            .into_iter()
+            .enumerate()
+            .filter(|(_, leases)| !leases.is_empty())
+            .map(|(shard, leases)| (Arc::clone(&self.engine.shards[shard].inbox), leases))
+            .collect();
+        HeldLeases { by_shard }
+    }
+
+    /// Leases held.
+    pub(crate) fn len(&self) -> usize {
+        self.by_shard.iter().map(Vec::len).sum()
+    }
+}
+
+/// Read leases that outlive the call that took them; released when dropped.
+pub(crate) struct HeldLeases {
+    by_shard: Vec<(Arc<Inbox>, Vec<LeaseId>)>,
+}
+
+impl Drop for HeldLeases {
+    fn drop(&mut self) {
+        for (inbox, leases) in self.by_shard.drain(..) {
+            // A shard that is gone has dropped its leases with it.
+            let _ = inbox.send(Request::Release { leases });
         }
     }
 }

@@ -11,6 +11,10 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
+/// What a reader that cannot block is told when the load ended: where the value starts in the
+/// record image, or why the load failed.
+pub(crate) type OnEnd = Box<dyn FnOnce(Result<u64>) + Send>;
+
 /// The front of one load, shared by its shard and the readers that lease it early.
 #[derive(Debug, Default)]
 pub struct Landing {
@@ -18,7 +22,7 @@ pub struct Landing {
     changed: Condvar,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct LandingState {
     /// Where the value starts in the record image (known with the first checked bytes).
     value_offset: Option<u64>,
@@ -26,6 +30,19 @@ struct LandingState {
     ready: u64,
     /// Ok once every byte is ready; the error once the load failed.
     end: Option<Result<()>>,
+    /// Told once the load ends (stream-bound reads open their gates from here).
+    on_end: Vec<OnEnd>,
+}
+
+impl std::fmt::Debug for LandingState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LandingState")
+            .field("value_offset", &self.value_offset)
+            .field("ready", &self.ready)
+            .field("end", &self.end)
+            .field("on_end", &self.on_end.len())
+            .finish()
+    }
 }
 
 impl Landing {
@@ -59,8 +76,40 @@ impl Landing {
             }
             Err(e) => Err(e),
         });
+        let told = std::mem::take(&mut state.on_end);
+        let outcome = Self::outcome(&state);
         drop(state);
         self.changed.notify_all();
+        for tell in told {
+            tell(outcome.clone());
+        }
+    }
+
+    fn outcome(state: &LandingState) -> Result<u64> {
+        match (&state.end, state.value_offset) {
+            (Some(Ok(())), Some(offset)) => Ok(offset),
+            (Some(Err(e)), _) => Err(e.clone()),
+            _ => Err(Error::Internal("a finished load has no value offset")),
+        }
+    }
+
+    /// How the load ended (where the value starts, or its error); None while it runs.
+    pub(crate) fn outcome_now(&self) -> Option<Result<u64>> {
+        let state = self.lock();
+        state.end.as_ref().map(|_| Self::outcome(&state))
+    }
+
+    /// Calls `tell` once the load ended (at once when it has), with where the value starts or
+    /// the load's error. It runs on the shard that finishes the load, so it must be quick.
+    pub(crate) fn on_end(&self, tell: OnEnd) {
+        let mut state = self.lock();
+        if state.end.is_none() {
+            state.on_end.push(tell);
+            return;
+        }
+        let outcome = Self::outcome(&state);
+        drop(state);
+        tell(outcome);
     }
 
     /// The load ended (well or not).
@@ -104,6 +153,16 @@ impl Landing {
     }
 }
 
+impl Drop for Landing {
+    fn drop(&mut self) {
+        // A load dropped unfinished (its shard stopped): whoever waits for its end is told.
+        let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        for tell in std::mem::take(&mut state.on_end) {
+            tell(Err(Error::ShuttingDown));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -130,5 +189,30 @@ mod tests {
         assert_eq!(idle.wait_ready(1, nap, || true), Err(Error::Cancelled));
         idle.finish(Ok((64, 10)));
         assert_eq!(idle.wait_ready(10, nap, || false), Ok(64));
+    }
+
+    #[test]
+    fn end_callbacks_run_once_whether_registered_before_or_after_the_end() {
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let tell = |told: &Arc<Mutex<Vec<Result<u64>>>>| -> OnEnd {
+            let told = Arc::clone(told);
+            Box::new(move |r| told.lock().expect("lock").push(r))
+        };
+        let landing = Landing::default();
+        landing.on_end(tell(&told));
+        landing.advance(64, 10);
+        assert!(told.lock().expect("lock").is_empty(), "not before the end");
+        landing.finish(Ok((64, 100)));
+        landing.on_end(tell(&told));
+        landing.finish(Err(Error::Io("late".into())));
+        assert_eq!(*told.lock().expect("lock"), vec![Ok(64), Ok(64)]);
+        let failed = Landing::default();
+        failed.on_end(tell(&told));
+        failed.finish(Err(Error::Io("EIO".into())));
+        let dropped = Landing::default();
+        dropped.on_end(tell(&told));
+        drop(dropped);
+        let got = told.lock().expect("lock").clone();
+        assert_eq!(&got[2..], &[Err(Error::Io("EIO".into())), Err(Error::ShuttingDown)]);
     }
 }

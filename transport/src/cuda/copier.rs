@@ -8,10 +8,12 @@
 
 use std::sync::Arc;
 
+use super::bound::{self, CudaGate, StreamStaging};
 use super::device::{self, Prestaged};
 use super::driver::{CudaTransport, RangeChecker};
 use super::plan::StagingPolicy;
 use crate::region::{MemoryKind, Region};
+use crate::stream::{Gate, StreamHandle, StreamSubmit};
 use crate::transfer::{Direction, Summary, Transfer};
 use crate::transport::{EarlyStart, InFlight, Progress, Transport};
 use crate::TransportError;
@@ -21,11 +23,16 @@ use crate::TransportError;
 pub struct CudaCopier {
     pub transport: Arc<CudaTransport>,
     pub policy: StagingPolicy,
+    /// The stream-bound staging pool (`on_stream`).
+    pub stream_staging: StreamStaging,
 }
 
 impl std::fmt::Debug for CudaCopier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaCopier").field("policy", &self.policy).finish()
+        f.debug_struct("CudaCopier")
+            .field("policy", &self.policy)
+            .field("stream_staging", &self.stream_staging)
+            .finish()
     }
 }
 
@@ -98,6 +105,51 @@ impl Transport for CudaCopier {
         let prestaged = early.and_then(EarlyStart::take::<Prestaged>).map(|p| *p);
         // SAFETY: forwarded contract.
         let inflight = unsafe { device::submit_with(&self.transport, direction, transfers, self.policy, prestaged)? };
+        Ok(InFlight::new(Box::new(inflight)))
+    }
+
+    fn on_stream(&self) -> Option<&dyn StreamSubmit> {
+        Some(self)
+    }
+}
+
+impl StreamSubmit for CudaCopier {
+    fn check_stream(&self, stream: StreamHandle) -> Result<u32, TransportError> {
+        bound::check_stream(&self.transport, stream)
+    }
+
+    fn gate(&self, ordinal: u32) -> Result<Arc<dyn Gate>, TransportError> {
+        Ok(Arc::new(self.transport.device(ordinal)?.gate()?))
+    }
+
+    fn prepare(&self, ordinal: u32) -> Result<(), TransportError> {
+        self.transport.device(ordinal)?.prepare_stream_bound(self.stream_staging)
+    }
+
+    unsafe fn submit_on_stream(
+        &self,
+        stream: StreamHandle,
+        transfers: &[Transfer],
+        gates: &[Option<Arc<dyn Gate>>],
+    ) -> Result<InFlight, TransportError> {
+        let ordinal = self.check_stream(stream)?;
+        // Gates of this transport only: anything else cannot be waited on by a CUDA stream.
+        let mut ours: Vec<Option<&CudaGate>> = Vec::with_capacity(transfers.len());
+        for i in 0..transfers.len() {
+            match gates.get(i).and_then(Option::as_ref) {
+                None => ours.push(None),
+                Some(gate) => match gate.as_any().downcast_ref::<CudaGate>() {
+                    Some(g) => ours.push(Some(g)),
+                    None => {
+                        return Err(TransportError::Stream { stream, why: "a gate made by another transport".into() })
+                    }
+                },
+            }
+        }
+        // SAFETY: forwarded contract.
+        let inflight = unsafe {
+            bound::submit_bound(&self.transport, ordinal, stream, transfers, &ours, self.policy, self.stream_staging)?
+        };
         Ok(InFlight::new(Box::new(inflight)))
     }
 }

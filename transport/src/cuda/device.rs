@@ -23,16 +23,16 @@ use crate::transfer::Summary;
 use crate::TransportError;
 
 /// Threads per block of the scatter/gather kernels.
-const KERNEL_THREADS: u32 = 256;
+pub(crate) const KERNEL_THREADS: u32 = 256;
 /// Blocks per multiprocessor at most (a grid-stride loop over warps covers any table).
-const BLOCKS_PER_SM: u32 = 8;
+pub(crate) const BLOCKS_PER_SM: u32 = 8;
 /// Rows per block at one row per warp.
-const ROWS_PER_BLOCK: u32 = KERNEL_THREADS / 32;
+pub(crate) const ROWS_PER_BLOCK: u32 = KERNEL_THREADS / 32;
 /// How long a waiter spins on an event before it starts yielding its CPU.
 const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(200);
 
 struct Stream(sys::CUstream);
-struct Event(sys::CUevent);
+pub(crate) struct Event(pub(crate) sys::CUevent);
 // SAFETY: stream and event handles are driver handles usable from any thread with the context
 // current; each is owned by one pool slot or one in-flight request at a time.
 unsafe impl Send for Stream {}
@@ -47,6 +47,12 @@ pub(crate) struct Executor {
     staging: Mutex<Option<StagingUnit>>,
     staging_busy: AtomicBool,
     kernels: OnceLock<Result<Kernels, TransportError>>,
+    /// Staging units of stream-bound reads (`bound`).
+    pub(crate) stream_units: Mutex<super::bound::StreamUnits>,
+    /// Gate words of stream-bound reads (`bound`).
+    pub(crate) gates: Mutex<super::bound::GateSlab>,
+    /// The workload kernels of tests and benchmarks (`graph`).
+    pub(crate) workload: OnceLock<Result<super::graph::Workload, TransportError>>,
 }
 
 /// The staging buffer and what it needs; held by one request at a time (`staging_busy`).
@@ -117,13 +123,13 @@ impl Drop for StagingHold {
 }
 
 /// A stage of a submission: transfers whose bytes are done when `event` has fired.
-struct Stage {
-    device: Arc<CudaDevice>,
-    event: Option<Event>,
-    transfers: Vec<usize>,
+pub(crate) struct Stage {
+    pub(crate) device: Arc<CudaDevice>,
+    pub(crate) event: Option<Event>,
+    pub(crate) transfers: Vec<usize>,
     /// Streams to wait on if the event cannot tell us (error paths).
-    streams: Vec<sys::CUstream>,
-    done: bool,
+    pub(crate) streams: Vec<sys::CUstream>,
+    pub(crate) done: bool,
 }
 
 // SAFETY: see Stream/Event; the stream handles are only used to wait on error paths.
@@ -132,13 +138,15 @@ unsafe impl Send for Stage {}
 /// Work submitted to the GPU. Poll it (or `wait`) until complete; the host memory and the pages
 /// it names must stay valid until then (the engine keeps its leases alive with it).
 pub struct InFlight {
-    stages: Vec<Stage>,
+    pub(crate) stages: Vec<Stage>,
     errors: Vec<Option<TransportError>>,
+    /// Stream-bound staging units this submission shares until it completed.
+    pub(crate) unit_shares: Vec<super::bound::UnitShare>,
     /// Streams borrowed from device pools, returned at completion.
     pooled_streams: Vec<(Arc<CudaDevice>, Stream)>,
     /// The device whose staging unit this request holds.
     staging_of: Option<Arc<CudaDevice>>,
-    summary: Summary,
+    pub(crate) summary: Summary,
     finished: bool,
     /// Timing events (`KVTIDE_CUDA_PROFILE`), staged requests only.
     probe: Option<Probe>,
@@ -151,10 +159,11 @@ impl std::fmt::Debug for InFlight {
 }
 
 impl InFlight {
-    fn new(transfers: usize) -> InFlight {
+    pub(crate) fn new(transfers: usize) -> InFlight {
         InFlight {
             stages: Vec::new(),
             errors: vec![None; transfers],
+            unit_shares: Vec::new(),
             pooled_streams: Vec::new(),
             staging_of: None,
             summary: Summary::default(),
@@ -227,7 +236,7 @@ impl InFlight {
         std::mem::take(&mut self.errors).into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
     }
 
-    fn fail(&mut self, transfers: impl IntoIterator<Item = usize>, error: &TransportError) {
+    pub(crate) fn fail(&mut self, transfers: impl IntoIterator<Item = usize>, error: &TransportError) {
         for t in transfers {
             if let Some(slot) = self.errors.get_mut(t) {
                 slot.get_or_insert_with(|| error.clone());
@@ -250,6 +259,7 @@ impl InFlight {
         if let Some(device) = self.staging_of.take() {
             device.exec.staging_busy.store(false, Ordering::Release);
         }
+        self.unit_shares.clear();
         self.finished = true;
     }
 }
@@ -269,7 +279,7 @@ impl Drop for InFlight {
 }
 
 /// Waits for streams (error and drop paths only).
-fn drain(device: &CudaDevice, streams: &[sys::CUstream]) {
+pub(crate) fn drain(device: &CudaDevice, streams: &[sys::CUstream]) {
     if device.bind().is_ok() {
         for &stream in streams {
             // SAFETY: a stream this request used; it is still alive (pooled or staging-owned).
@@ -566,7 +576,7 @@ fn transfers_on(transfers: &[Transfer], ordinal: u32) -> Vec<usize> {
 }
 
 impl CudaDevice {
-    fn kernels(&self) -> Result<&Kernels, TransportError> {
+    pub(crate) fn kernels(&self) -> Result<&Kernels, TransportError> {
         self.exec.kernels.get_or_init(|| kernel::load(self)).as_ref().map_err(Clone::clone)
     }
 
@@ -599,7 +609,7 @@ impl CudaDevice {
         Ok(Stream(stream))
     }
 
-    fn take_event(&self) -> Result<Event, TransportError> {
+    pub(crate) fn take_event(&self) -> Result<Event, TransportError> {
         if let Some(event) = self.exec.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Ok(event);
         }
@@ -612,7 +622,7 @@ impl CudaDevice {
         Ok(Event(event))
     }
 
-    fn give_event(&self, event: Event) {
+    pub(crate) fn give_event(&self, event: Event) {
         self.exec.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
     }
 }

@@ -1,21 +1,25 @@
-//! The staged-copy kernels: `scatter.cu` compiled with NVRTC at first use and loaded into a GPU's
-//! context. Without NVRTC (or when compilation fails) the staged path is unavailable and requests
-//! take the direct path; nothing panics.
+//! Kernels compiled with NVRTC at first use and loaded into a GPU's context: the staged-copy
+//! kernels (`scatter.cu`) and the workload stand-ins of tests and benchmarks (`workload.cu`).
+//! Without NVRTC (or when compilation fails) the staged path is unavailable and requests take
+//! the direct path; nothing panics.
 
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr};
 
 use cudarc::driver::sys;
 
 use super::driver::{check, CudaDevice};
 use crate::TransportError;
 
-/// The kernel source, committed next to this file.
+/// The staged-copy kernel source, committed next to this file.
 pub const SCATTER_SOURCE: &str = include_str!("scatter.cu");
+/// The workload kernels of tests and benchmarks (a kernel that runs for a set time).
+pub const WORKLOAD_SOURCE: &str = include_str!("workload.cu");
 
-/// A loaded module with both entry points.
+/// The staged-copy entry points.
 pub(crate) struct Kernels {
     _module: sys::CUmodule,
     pub(crate) scatter: sys::CUfunction,
+    pub(crate) scatter_gated: sys::CUfunction,
     pub(crate) gather: sys::CUfunction,
 }
 
@@ -27,19 +31,39 @@ unsafe impl Sync for Kernels {}
 
 /// Compiles `scatter.cu` for `device` and loads it.
 pub(crate) fn load(device: &CudaDevice) -> Result<Kernels, TransportError> {
+    let (module, mut functions) = compile(
+        device,
+        SCATTER_SOURCE,
+        "kvtide_scatter.cu",
+        &[c"kvtide_scatter", c"kvtide_scatter_gated", c"kvtide_gather"],
+    )?;
+    let gather = functions.pop().unwrap_or(std::ptr::null_mut());
+    let scatter_gated = functions.pop().unwrap_or(std::ptr::null_mut());
+    let scatter = functions.pop().unwrap_or(std::ptr::null_mut());
+    Ok(Kernels { _module: module, scatter, scatter_gated, gather })
+}
+
+/// Compiles `source` with NVRTC for `device`, loads it into its context and looks up `entries`
+/// (in order). The module stays loaded for the life of the process.
+pub(crate) fn compile(
+    device: &CudaDevice,
+    source: &str,
+    name: &str,
+    entries: &[&CStr],
+) -> Result<(sys::CUmodule, Vec<sys::CUfunction>), TransportError> {
     // SAFETY: only tries to dlopen NVRTC's library names.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(TransportError::CudaUnavailable("NVRTC (libnvrtc) was not found: no staged kernels"));
+        return Err(TransportError::CudaUnavailable("NVRTC (libnvrtc) was not found: no kernels"));
     }
     let _serial = super::driver::COMPILE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let (major, minor) = device.compute_capability;
     let started = std::time::Instant::now();
     let options = cudarc::nvrtc::CompileOptions {
         options: vec![format!("--gpu-architecture=compute_{major}{minor}"), "-default-device".into()],
-        name: Some("kvtide_scatter.cu".into()),
+        name: Some(name.into()),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SCATTER_SOURCE, options)
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options)
         .map_err(|e| TransportError::Cuda { op: "nvrtcCompileProgram", detail: e.to_string() })?;
     let image = ptx.as_bytes().ok_or(TransportError::Cuda { op: "nvrtcGetPTX", detail: "no PTX image".into() })?;
     let mut text = image.to_vec();
@@ -50,19 +74,19 @@ pub(crate) fn load(device: &CudaDevice) -> Result<Kernels, TransportError> {
     let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `text` is a NUL-terminated PTX image that outlives the call.
     check(unsafe { sys::cuModuleLoadData(&mut module, text.as_ptr().cast::<c_void>()) }, "cuModuleLoadData")?;
-    let function = |name: &std::ffi::CStr| -> Result<sys::CUfunction, TransportError> {
+    let mut functions = Vec::with_capacity(entries.len());
+    for entry in entries {
         let mut f: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: the module was just loaded; the name is NUL-terminated.
-        check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
-        Ok(f)
-    };
-    let kernels =
-        Kernels { scatter: function(c"kvtide_scatter")?, gather: function(c"kvtide_gather")?, _module: module };
+        check(unsafe { sys::cuModuleGetFunction(&mut f, module, entry.as_ptr()) }, "cuModuleGetFunction")?;
+        functions.push(f);
+    }
     tracing::info!(
         gpu = device.ordinal,
+        source = name,
         arch = format!("compute_{major}{minor}"),
         elapsed_ms = started.elapsed().as_millis() as u64,
-        "staged-copy kernels compiled with NVRTC"
+        "kernels compiled with NVRTC"
     );
-    Ok(kernels)
+    Ok((module, functions))
 }

@@ -15,17 +15,23 @@
 pub mod plan;
 
 #[cfg(feature = "cuda")]
+mod bound;
+#[cfg(feature = "cuda")]
 mod copier;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
 mod kernel;
 #[cfg(feature = "cuda")]
 pub mod profile;
 
 pub use crate::transfer::Summary;
+#[cfg(feature = "cuda")]
+pub use bound::StreamStaging;
 #[cfg(feature = "cuda")]
 pub use copier::CudaCopier;
 #[cfg(feature = "cuda")]
@@ -36,7 +42,9 @@ pub use device::{
 #[cfg(feature = "cuda")]
 pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, PinnedBuffer, RangeChecker};
 #[cfg(feature = "cuda")]
-pub use kernel::SCATTER_SOURCE;
+pub use graph::{CudaEvent, CudaGraph, CudaStream};
+#[cfg(feature = "cuda")]
+pub use kernel::{SCATTER_SOURCE, WORKLOAD_SOURCE};
 
 /// True when this build has the CUDA transport (the `cuda` feature).
 pub const BUILT_WITH_CUDA: bool = cfg!(feature = "cuda");
@@ -61,6 +69,8 @@ mod tests {
     fn kernel_source_has_both_entry_points() {
         assert!(SCATTER_SOURCE.contains("extern \"C\" __global__ void kvtide_scatter"));
         assert!(SCATTER_SOURCE.contains("extern \"C\" __global__ void kvtide_gather"));
+        assert!(SCATTER_SOURCE.contains("extern \"C\" __global__ void kvtide_scatter_gated"));
+        assert!(WORKLOAD_SOURCE.contains("extern \"C\" __global__ void kvtide_spin"));
         // The row layout in the source matches `plan::Descriptor` (16 bytes: u64, u32, u32).
         assert_eq!(std::mem::size_of::<plan::Descriptor>(), 16);
         assert!(SCATTER_SOURCE.contains("unsigned long long page;"));

@@ -69,6 +69,21 @@ extern "C" __global__ void kvtide_scatter(const unsigned char* staging, const De
     }
 }
 
+// Stream-bound reads of an object that was still loading: the stream waited for `gate` to leave 0
+// (cuStreamWaitValue32); 1 means the bytes in the staging buffer are good, anything else that the
+// load failed, and then no page is touched.
+extern "C" __global__ void kvtide_scatter_gated(const unsigned char* staging, const Desc* rows, unsigned int count,
+                                                const volatile unsigned int* gate) {
+    __shared__ unsigned int open;
+    if (threadIdx.x == 0) open = *gate;
+    __syncthreads();
+    if (open != 1u) return;
+    for (unsigned int r = warp_id(); r < count; r += warp_count()) {
+        const Desc row = rows[r];
+        copy_bytes(reinterpret_cast<unsigned char*>(row.page), staging + row.staging_offset, row.len);
+    }
+}
+
 // Writes: pages -> staging buffer.
 extern "C" __global__ void kvtide_gather(unsigned char* staging, const Desc* rows, unsigned int count) {
     for (unsigned int r = warp_id(); r < count; r += warp_count()) {

@@ -1,0 +1,577 @@
+//! Stream-bound reads (`*_on_stream`): the copies run on the caller's device stream, so an
+//! event the caller records on it after the call is a "KV ready" signal another stream or a
+//! captured graph can wait on, and the host never waits for the transfer.
+//!
+//! Owns the call (lease, plan, submit on the stream, before returning), the `StreamTicket` the
+//! caller polls, and the shard task that keeps the objects leased until the shard sees the
+//! stream pass the copies (an event recorded after them, polled by the shard loop; no host
+//! callback), with `[gpu] stream_ttl_ms` as a backstop. Objects still loading from SSD are
+//! leased early: the stream waits on a gate the load's end opens, and a failed load opens it
+//! failed, which makes the staged copy skip its pages and the ticket report the key. It never
+//! reports a key done before the stream passed its copies, and never releases a lease before
+//! that (or the backstop).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvtide_transport::{Gate, InFlight, Region, StreamHandle, Transfer, Transport};
+
+use super::gpu::GpuCounters;
+use super::read::{plan_pieces, ReadTargets, Slot, Want};
+use super::router::HeldLeases;
+use super::transports::Route;
+use super::Engine;
+use crate::api::Fragment;
+use crate::checks;
+use crate::error::{Error, Result};
+use crate::shard::core::ShardCore;
+use crate::shard::landing::Landing;
+use crate::shard::task::{ShardTask, TaskPoll};
+use crate::shard::Request;
+use crate::ticket::pending;
+
+/// Where a stream-bound read stands (`StreamTicket::status`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StreamStatus {
+    /// The stream has not yet passed the copies (the objects stay leased).
+    Pending,
+    /// Every key's bytes were delivered; the leases are back.
+    Done,
+    /// Some keys failed: (result index, error) of each. The others were delivered.
+    Failed(Vec<(usize, Error)>),
+}
+
+struct Shared {
+    results: Mutex<Option<Vec<Result<usize>>>>,
+    ended: Condvar,
+    pinned: AtomicUsize,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Option<Vec<Result<usize>>>> {
+        self.results.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn end(&self, results: Vec<Result<usize>>) {
+        let mut slot = self.lock();
+        if slot.is_none() {
+            *slot = Some(results);
+        }
+        drop(slot);
+        self.ended.notify_all();
+    }
+}
+
+/// A stream-bound read in flight. The copies are already ordered on the caller's stream when
+/// the call returns; the ticket only says how they went, once the engine has seen the stream
+/// pass them. Dropping it neither blocks nor cancels anything.
+pub struct StreamTicket {
+    shared: Arc<Shared>,
+    slots: usize,
+}
+
+impl std::fmt::Debug for StreamTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamTicket").field("slots", &self.slots).field("status", &self.status()).finish()
+    }
+}
+
+impl StreamTicket {
+    fn new(slots: usize) -> StreamTicket {
+        let shared = Shared { results: Mutex::new(None), ended: Condvar::new(), pinned: AtomicUsize::new(0) };
+        StreamTicket { shared: Arc::new(shared), slots }
+    }
+
+    fn ended(results: Vec<Result<usize>>) -> StreamTicket {
+        let ticket = StreamTicket::new(results.len());
+        ticket.shared.end(results);
+        ticket
+    }
+
+    /// Pending, done, or failed with the failed keys' errors.
+    pub fn status(&self) -> StreamStatus {
+        match self.shared.lock().as_ref() {
+            None => StreamStatus::Pending,
+            Some(results) => {
+                let failed: Vec<(usize, Error)> =
+                    results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e.clone()))).collect();
+                if failed.is_empty() {
+                    StreamStatus::Done
+                } else {
+                    StreamStatus::Failed(failed)
+                }
+            }
+        }
+    }
+
+    /// One result per key (or fragment) once the read ended: bytes delivered, or the error.
+    pub fn results(&self) -> Option<Vec<Result<usize>>> {
+        self.shared.lock().clone()
+    }
+
+    /// Blocks the host until the read ended or `timeout` passed (host-side callers and tests;
+    /// device-side callers wait on an event recorded on the stream instead).
+    pub fn wait(&self, timeout: Duration) -> Option<Vec<Result<usize>>> {
+        let deadline = Instant::now() + timeout;
+        let mut slot = self.shared.lock();
+        loop {
+            if let Some(results) = slot.as_ref() {
+                return Some(results.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            slot = self.shared.ended.wait_timeout(slot, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Keys this read still holds leases on (0 once the stream passed the copies).
+    pub fn keys_pinned(&self) -> usize {
+        self.shared.pinned.load(Relaxed)
+    }
+
+    /// Number of results (keys, or fragments for `get_into_ranges_on_stream`).
+    pub fn len(&self) -> usize {
+        self.slots
+    }
+
+    /// True for a read of nothing.
+    pub fn is_empty(&self) -> bool {
+        self.slots == 0
+    }
+}
+
+/// A key whose object was still loading when it was leased: the gate its load opens.
+struct Loading {
+    landing: Arc<Landing>,
+    /// Where the value starts in the record image, as the copies assume.
+    value_offset: u64,
+    slots: Vec<usize>,
+}
+
+impl Engine {
+    /// Reads object `i` into `dsts[i]` (scattered in order, sizes adding up to the object) with
+    /// the copies enqueued on `stream` (a `CUstream` of the GPU the destinations are on). When
+    /// this returns, everything the caller enqueues on `stream` afterwards sees the bytes: an
+    /// event recorded on it right after is a valid "KV ready" signal. The host does not wait
+    /// for the transfer. Objects stay leased until the engine sees the stream pass the copies.
+    ///
+    /// `stream` 0 is today's blocking read (the ticket is complete on return). Host
+    /// destinations are written by the CPU before the call returns. A stream being captured
+    /// into a graph is refused (`StreamCapturing`). Per-key failures are in the ticket.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle (or 0), and every destination must stay valid
+    /// until the stream has passed the copies (`StreamTicket::status` no longer `Pending`, or
+    /// any later point in the stream's order).
+    pub unsafe fn batch_get_into_multi_buffers_on_stream(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        stream: StreamHandle,
+    ) -> Result<StreamTicket> {
+        // SAFETY: forwarded contract.
+        unsafe { self.batch_get_on_stream_via(keys, dsts, stream, None) }
+    }
+
+    /// `batch_get_into_multi_buffers_on_stream` through `transport` instead of the store's GPU
+    /// transport (tests drive the stream-bound path with a simulated stream).
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`, for `transport`'s streams.
+    #[doc(hidden)]
+    pub unsafe fn batch_get_on_stream_via(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        stream: StreamHandle,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<StreamTicket> {
+        checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        let slots: Vec<Slot<'_>> =
+            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        // SAFETY: forwarded contract.
+        unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
+    }
+
+    /// `get_into_ranges` with the copies on `stream`, as `batch_get_into_multi_buffers_on_stream`
+    /// does. The ticket has one result per fragment, buffer after buffer.
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`.
+    pub unsafe fn get_into_ranges_on_stream(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+        stream: StreamHandle,
+    ) -> Result<StreamTicket> {
+        // SAFETY: forwarded contract.
+        unsafe { self.get_into_ranges_on_stream_via(buffers, fragments, stream, None) }
+    }
+
+    /// `get_into_ranges_on_stream` through `transport` (tests).
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`, for `transport`'s streams.
+    #[doc(hidden)]
+    pub unsafe fn get_into_ranges_on_stream_via(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+        stream: StreamHandle,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<StreamTicket> {
+        if fragments.len() > buffers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "fragments for {} buffers but only {} buffers",
+                fragments.len(),
+                buffers.len()
+            )));
+        }
+        let lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
+        let mut slots = Vec::new();
+        for (b, frags) in fragments.iter().enumerate() {
+            for frag in frags {
+                let want = Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
+                slots.push(Slot { key: &frag.key, list: b, want });
+            }
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
+    }
+
+    /// Makes later stream-bound reads to GPU `ordinal` allocate and compile nothing: registers
+    /// the DRAM arena with CUDA, allocates the stream-bound staging units (`[gpu] stream_units`
+    /// of `stream_unit_bytes`) and a block of gates, and compiles the kernels.
+    pub fn prepare_gpu(&self, ordinal: u32) -> Result<()> {
+        let transport = self.gpu.transport(&self.arena);
+        let submitter = transport
+            .on_stream()
+            .ok_or(Error::CudaUnavailable("stream-bound reads need the cuda feature and a GPU"))?;
+        submitter.prepare(ordinal)?;
+        Ok(())
+    }
+
+    /// The stream-bound read of `slots` into `lists`.
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`.
+    unsafe fn read_on_stream(
+        &self,
+        lists: &[&[Region<'_>]],
+        slots: &[Slot<'_>],
+        stream: StreamHandle,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<StreamTicket> {
+        if stream == 0 {
+            let mut targets = ReadTargets::new(self, lists, None);
+            return Ok(StreamTicket::ended(self.read(&mut targets, slots)));
+        }
+        let transport = transport.unwrap_or_else(|| self.gpu.transport(&self.arena));
+        let submitter = transport
+            .on_stream()
+            .ok_or(Error::CudaUnavailable("stream-bound reads need the cuda feature and a GPU"))?;
+        let ordinal = submitter.check_stream(stream)?;
+        let counters = Arc::clone(self.gpu.counters());
+        let mut results: Vec<Result<usize>> = (0..slots.len()).map(|_| pending()).collect();
+        let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
+        // Host destinations: written by the CPU before this returns.
+        let host: Vec<usize> = (0..slots.len()).filter(|&s| routes[slots[s].list] == Route::Host).collect();
+        if !host.is_empty() {
+            let sub: Vec<Slot<'_>> = host.iter().map(|&s| slots[s]).collect();
+            let mut targets = ReadTargets::new(self, lists, None);
+            for (&s, r) in host.iter().zip(self.read(&mut targets, &sub)) {
+                results[s] = r;
+            }
+        }
+        // Device destinations: one lease per key, granted early for objects still loading.
+        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut key_of: Vec<usize> = vec![usize::MAX; slots.len()];
+        for (s, slot) in slots.iter().enumerate() {
+            if routes[slot.list] != Route::Gpu {
+                continue;
+            }
+            if let Err(e) = self.validate_key(slot.key) {
+                results[s] = Err(e);
+                continue;
+            }
+            key_of[s] = *key_index.entry(slot.key).or_insert_with(|| {
+                keys.push(slot.key);
+                keys.len() - 1
+            });
+        }
+        let (grants, leases) = self.send_leases_with(keys.iter().enumerate().map(|(k, key)| (k, *key)), true).wait();
+        // Destinations: each GPU list checked once, before anything is submitted.
+        let used: Vec<usize> = {
+            let mut used: Vec<usize> =
+                (0..slots.len()).filter(|&s| key_of[s] != usize::MAX).map(|s| slots[s].list).collect();
+            used.sort_unstable();
+            used.dedup();
+            used
+        };
+        let checked: Vec<&[Region<'_>]> = used.iter().map(|&l| lists[l]).collect();
+        let mut list_error: HashMap<usize, Error> = HashMap::new();
+        for (&l, e) in used.iter().zip(transport.check(&checked, true)) {
+            if let Some(e) = e {
+                list_error.insert(l, e.into());
+            }
+        }
+        // Plan: one transfer per (key, slot); range slots of one key share its gate.
+        let mut transfers: Vec<Transfer> = Vec::new();
+        let mut gates: Vec<Option<Arc<dyn Gate>>> = Vec::new();
+        let mut owners: Vec<(usize, usize)> = Vec::new();
+        let mut key_gate: HashMap<usize, Arc<dyn Gate>> = HashMap::new();
+        let mut loading: HashMap<usize, Loading> = HashMap::new();
+        for (s, slot) in slots.iter().enumerate() {
+            let k = key_of[s];
+            if k == usize::MAX {
+                continue;
+            }
+            if let Some(e) = list_error.get(&slot.list) {
+                results[s] = Err(e.clone());
+                continue;
+            }
+            let grant = match grants.get(&k) {
+                Some(Ok(grant)) => grant,
+                Some(Err(e)) => {
+                    results[s] = Err(e.clone());
+                    continue;
+                }
+                None => {
+                    results[s] = Err(Error::Internal("key was not leased"));
+                    continue;
+                }
+            };
+            let (mut pieces, reported) = match plan_pieces(grant.len, lists[slot.list], slot.want) {
+                Ok(planned) => planned,
+                Err(e) => {
+                    results[s] = Err(e);
+                    continue;
+                }
+            };
+            let mut host = grant.ptr.as_ptr() as u64;
+            let mut gate = None;
+            if let Some(landing) = &grant.landing {
+                // The value's place in the record image being loaded (this build's format; a
+                // record of an older format fails the key: read it again once it is in DRAM).
+                let value_offset = kvtide_tiers::ssd::record::value_offset(slot.key.len(), grant.len);
+                host += value_offset;
+                let made = match key_gate.get(&k) {
+                    Some(g) => Ok(Arc::clone(g)),
+                    None => submitter.gate(ordinal).map_err(Error::from),
+                };
+                match made {
+                    Ok(g) => {
+                        key_gate.entry(k).or_insert_with(|| Arc::clone(&g));
+                        loading
+                            .entry(k)
+                            .or_insert_with(|| Loading {
+                                landing: Arc::clone(landing),
+                                value_offset,
+                                slots: Vec::new(),
+                            })
+                            .slots
+                            .push(s);
+                        gate = Some(g);
+                    }
+                    Err(e) => {
+                        results[s] = Err(e);
+                        continue;
+                    }
+                }
+            }
+            pieces.retain(|p| p.len > 0);
+            transfers.push(Transfer { host, host_len: grant.len, pieces });
+            gates.push(gate);
+            owners.push((s, reported));
+        }
+        let pinned = leases.len();
+        counters.bound_reads.fetch_add(1, Relaxed);
+        counters.bound_gated_keys.fetch_add(loading.len() as u64, Relaxed);
+        if transfers.is_empty() {
+            drop(leases);
+            return Ok(finish_now(results, &counters));
+        }
+        // The loads' ends open the gates (on the shard that finishes each load).
+        for (k, l) in &loading {
+            if let Some(gate) = key_gate.get(k) {
+                let gate = Arc::clone(gate);
+                let expected = l.value_offset;
+                l.landing.on_end(Box::new(move |outcome| gate.open(outcome == Ok(expected))));
+            }
+        }
+        // SAFETY: every transfer's host bytes are leased until the watch below saw the stream
+        // pass the copies; the destinations passed the transport's check and the caller keeps
+        // them valid for as long (this function's contract).
+        let submitted = unsafe { submitter.submit_on_stream(stream, &transfers, &gates) };
+        let inflight = match submitted {
+            Ok(inflight) => inflight,
+            Err(e) => {
+                // Nothing was enqueued.
+                let e = Error::from(e);
+                for &(s, _) in &owners {
+                    results[s] = Err(e.clone());
+                }
+                key_gate.values().for_each(|g| g.open(false));
+                drop(leases);
+                return Ok(finish_now(results, &counters));
+            }
+        };
+        let ticket = StreamTicket::new(slots.len());
+        ticket.shared.pinned.store(pinned, Relaxed);
+        counters.bound_in_flight.fetch_add(1, Relaxed);
+        counters.bound_keys_pinned.fetch_add(pinned as u64, Relaxed);
+        let watch = StreamWatch {
+            inflight: Some(inflight),
+            owners,
+            results: Some(results),
+            loading: loading.into_values().collect(),
+            gates: key_gate.into_values().collect(),
+            leases: Some(leases.into_held()),
+            pinned,
+            shared: Arc::clone(&ticket.shared),
+            counters,
+            deadline: Instant::now() + self.config.gpu_stream_ttl,
+            ttl_ms: self.config.gpu_stream_ttl.as_millis() as u64,
+        };
+        // Round robin over the shards: each watch is polled by one shard loop. A shard that is
+        // gone (shutting down) drops the watch, which waits for the stream here.
+        let shard = self.next_watch_shard.fetch_add(1, Relaxed) as usize % self.shards.len();
+        drop(self.shards[shard].inbox.send(Request::Task(Box::new(watch))));
+        Ok(ticket)
+    }
+}
+
+/// A ticket for a read that submitted nothing to a stream.
+fn finish_now(results: Vec<Result<usize>>, counters: &GpuCounters) -> StreamTicket {
+    let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+    counters.bound_failed_keys.fetch_add(failed, Relaxed);
+    StreamTicket::ended(results)
+}
+
+/// Keeps a stream-bound read's objects leased until its shard sees the stream pass the copies.
+struct StreamWatch {
+    inflight: Option<InFlight>,
+    /// (result slot, bytes it reports) of each transfer.
+    owners: Vec<(usize, usize)>,
+    /// The results known at submission (set into the ticket at the end).
+    results: Option<Vec<Result<usize>>>,
+    loading: Vec<Loading>,
+    gates: Vec<Arc<dyn Gate>>,
+    leases: Option<HeldLeases>,
+    pinned: usize,
+    shared: Arc<Shared>,
+    counters: Arc<GpuCounters>,
+    deadline: Instant,
+    ttl_ms: u64,
+}
+
+impl StreamWatch {
+    /// The stream passed the copies (or the watch is dropped): results, leases back. Once.
+    fn finish(&mut self) {
+        let Some(mut inflight) = self.inflight.take() else { return };
+        let outcomes = inflight.take_results();
+        if let Some(mut results) = self.results.take() {
+            for (&(s, reported), outcome) in self.owners.iter().zip(outcomes) {
+                results[s] = outcome.map(|()| reported).map_err(Error::from);
+            }
+            for l in &self.loading {
+                // A failed load (or a record of another layout) fails its slots: its gate told
+                // the device to skip their pages.
+                let error = match l.landing.outcome_now() {
+                    Some(Ok(offset)) if offset == l.value_offset => None,
+                    Some(Ok(_)) => Some(Error::Io(
+                        "the record on SSD has an older layout than stream-bound reads copy from; read it again \
+                         once it is in DRAM"
+                            .into(),
+                    )),
+                    Some(Err(e)) => Some(e),
+                    // Only a watch dropped at shutdown opens a gate before its load ended.
+                    None => Some(Error::ShuttingDown),
+                };
+                if let Some(e) = error {
+                    for &s in &l.slots {
+                        results[s] = Err(e.clone());
+                    }
+                }
+            }
+            let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+            self.counters.bound_failed_keys.fetch_add(failed, Relaxed);
+            self.shared.end(results);
+        }
+        self.release();
+        self.counters.bound_in_flight.fetch_sub(1, Relaxed);
+    }
+
+    /// Releases the leases (once).
+    fn release(&mut self) {
+        if self.leases.take().is_some() {
+            self.shared.pinned.store(0, Relaxed);
+            self.counters.bound_keys_pinned.fetch_sub(self.pinned as u64, Relaxed);
+        }
+    }
+
+    /// The backstop: the stream has not passed the copies within the TTL. The read is reported
+    /// failed and its leases released; the watch keeps polling so the transport's resources go
+    /// back once the stream does pass.
+    fn expire(&mut self) {
+        let Some(mut results) = self.results.take() else { return };
+        tracing::warn!(
+            ttl_ms = self.ttl_ms,
+            "a stream-bound read's stream did not pass its copies in time; leases released"
+        );
+        for &(s, _) in &self.owners {
+            results[s] = Err(Error::StreamExpired { ttl_ms: self.ttl_ms });
+        }
+        // A stream waiting on a load that never ends is let through (the copies then skip).
+        self.gates.iter().for_each(|g| g.open(false));
+        let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+        self.counters.bound_failed_keys.fetch_add(failed, Relaxed);
+        self.counters.bound_expired.fetch_add(1, Relaxed);
+        self.shared.end(results);
+        self.release();
+    }
+
+    /// One look at the stream; true once the watch is finished.
+    fn poll_once(&mut self) -> bool {
+        let done = self.inflight.as_mut().is_none_or(InFlight::poll);
+        if done {
+            self.finish();
+            return true;
+        }
+        if self.results.is_some() && Instant::now() >= self.deadline {
+            self.expire();
+        }
+        false
+    }
+}
+
+impl ShardTask for StreamWatch {
+    fn start(&mut self, _core: &mut ShardCore) {}
+
+    fn poll(&mut self, _core: &mut ShardCore, _budget_bytes: &mut u64) -> TaskPoll {
+        if self.poll_once() {
+            TaskPoll::Finished
+        } else {
+            TaskPoll::Polling
+        }
+    }
+}
+
+impl Drop for StreamWatch {
+    fn drop(&mut self) {
+        if let Some(inflight) = self.inflight.as_mut() {
+            // Dropped unfinished (its shard stopped, or never took it): open the gates first so
+            // the stream cannot wait on a load that will never end, wait for it to pass the
+            // copies, then report and release as usual.
+            self.gates.iter().for_each(|g| g.open(false));
+            inflight.block();
+            self.finish();
+        }
+    }
+}

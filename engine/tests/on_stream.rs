@@ -1,0 +1,524 @@
+//! Stream-bound reads (`*_on_stream`) on the embedded engine, driven through a simulated
+//! stream: a transport whose "stream" is a queue of copies, gate waits and completion marks
+//! that the test runs when it chooses, as a GPU would. Checks what the CUDA tests check on the
+//! H200 without a GPU: the bytes arrive only when the stream runs, the objects stay leased until
+//! the engine saw the stream pass the copies (so upserts, removes and eviction in between
+//! change nothing), SSD-resident keys wait on their gate and a failed load skips their copies,
+//! the TTL backstop, capture refusal, and every counter back at zero.
+
+mod common;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::value_for;
+use kvtide::transport::{Direction, EarlyStart, Gate, InFlight, Progress, StreamSubmit, Transfer, TransportError};
+use kvtide::{
+    Engine, Error, Fragment, MemoryKind, PutOptions, Region, Store, StoreBuilder, StreamHandle, StreamStatus,
+    StreamTicket, Transport,
+};
+
+/// The stream handle the simulated transport reports as being captured.
+const CAPTURING: StreamHandle = 0xCA97;
+/// The "GPU" of the simulated device memory (host memory behind `MemoryKind::Device`).
+const GPU: MemoryKind = MemoryKind::Device { ordinal: 3 };
+
+#[derive(Default)]
+struct SimGate(AtomicU8);
+
+impl Gate for SimGate {
+    fn open(&self, ok: bool) {
+        let _ = self.0.compare_exchange(0, if ok { 1 } else { 2 }, Ordering::AcqRel, Ordering::Acquire);
+    }
+    fn state(&self) -> Option<bool> {
+        match self.0.load(Ordering::Acquire) {
+            0 => None,
+            v => Some(v == 1),
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+enum Op {
+    Wait(Arc<SimGate>),
+    Copy { src: u64, dst: u64, len: usize, gate: Option<Arc<SimGate>> },
+    Mark(Arc<AtomicBool>),
+}
+
+/// Streams as queues of operations, run by the test.
+#[derive(Default)]
+struct SimStreams {
+    queues: Mutex<HashMap<StreamHandle, VecDeque<Op>>>,
+    gates_made: std::sync::atomic::AtomicUsize,
+}
+
+impl SimStreams {
+    /// Runs `stream` until it is empty or waits on a closed gate; true when empty.
+    fn run(&self, stream: StreamHandle) -> bool {
+        let mut queues = self.queues.lock().expect("lock");
+        let queue = queues.entry(stream).or_default();
+        while let Some(op) = queue.front() {
+            match op {
+                Op::Wait(gate) if gate.state().is_none() => return false,
+                Op::Wait(_) => {}
+                Op::Copy { src, dst, len, gate } => {
+                    if gate.as_ref().is_none_or(|g| g.state() == Some(true)) {
+                        // SAFETY: the engine keeps the source leased and the test keeps the
+                        // destination alive until the stream passed this copy.
+                        unsafe { std::ptr::copy_nonoverlapping(*src as *const u8, *dst as *mut u8, *len) };
+                    }
+                }
+                Op::Mark(done) => done.store(true, Ordering::Release),
+            }
+            queue.pop_front();
+        }
+        true
+    }
+
+    /// Runs `stream` until empty, waiting for its gates to open.
+    fn run_to_end(&self, stream: StreamHandle) {
+        let started = Instant::now();
+        while !self.run(stream) {
+            assert!(started.elapsed() < Duration::from_secs(20), "a gate never opened");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+struct SimProgress {
+    done: Arc<AtomicBool>,
+    transfers: usize,
+    streams: Arc<SimStreams>,
+    stream: StreamHandle,
+}
+
+impl Progress for SimProgress {
+    fn poll(&mut self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+    fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        vec![Ok(()); self.transfers]
+    }
+    /// A waiter that cannot leave (a store shutting down) lets the stream run, as a GPU would.
+    fn block(&mut self) {
+        while !self.poll() {
+            self.streams.run(self.stream);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// A transport whose device memory is host memory and whose streams are `SimStreams`.
+struct SimTransport(Arc<SimStreams>);
+
+impl Transport for SimTransport {
+    fn name(&self) -> &'static str {
+        "sim-stream"
+    }
+    fn completes_inline(&self) -> bool {
+        false
+    }
+    fn check(&self, lists: &[&[Region<'_>]], _writable: bool) -> Vec<Option<TransportError>> {
+        lists.iter().map(|_| None).collect()
+    }
+    unsafe fn submit(
+        &self,
+        _direction: Direction,
+        _transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        Err(TransportError::Io("the simulated stream transport only submits on streams".into()))
+    }
+    fn on_stream(&self) -> Option<&dyn StreamSubmit> {
+        Some(self)
+    }
+}
+
+impl StreamSubmit for SimTransport {
+    fn check_stream(&self, stream: StreamHandle) -> Result<u32, TransportError> {
+        if stream == CAPTURING {
+            return Err(TransportError::StreamCapturing("active"));
+        }
+        Ok(3)
+    }
+    fn gate(&self, _ordinal: u32) -> Result<Arc<dyn Gate>, TransportError> {
+        self.0.gates_made.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(SimGate::default()))
+    }
+    fn prepare(&self, _ordinal: u32) -> Result<(), TransportError> {
+        Ok(())
+    }
+    unsafe fn submit_on_stream(
+        &self,
+        stream: StreamHandle,
+        transfers: &[Transfer],
+        gates: &[Option<Arc<dyn Gate>>],
+    ) -> Result<InFlight, TransportError> {
+        let mut queues = self.0.queues.lock().expect("lock");
+        let queue = queues.entry(stream).or_default();
+        // Objects in DRAM first, then each loading one behind its gate (as the CUDA transport).
+        let mut order: Vec<usize> = (0..transfers.len()).collect();
+        order.sort_by_key(|&i| gates[i].is_some());
+        for (t, gate) in order.iter().map(|&i| (&transfers[i], &gates[i])) {
+            let gate: Option<Arc<SimGate>> = gate.as_ref().map(|g| {
+                let g = Arc::clone(g);
+                assert!(g.as_any().is::<SimGate>());
+                // SAFETY: checked above: the Arc holds a SimGate.
+                unsafe { Arc::from_raw(Arc::into_raw(g).cast::<SimGate>()) }
+            });
+            if let Some(g) = &gate {
+                queue.push_back(Op::Wait(Arc::clone(g)));
+            }
+            for p in &t.pieces {
+                queue.push_back(Op::Copy {
+                    src: t.host + p.host_offset,
+                    dst: p.addr,
+                    len: p.len as usize,
+                    gate: gate.clone(),
+                });
+            }
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        queue.push_back(Op::Mark(Arc::clone(&done)));
+        let streams = Arc::clone(&self.0);
+        Ok(InFlight::new(Box::new(SimProgress { done, transfers: transfers.len(), streams, stream })))
+    }
+}
+
+/// "Device" memory: a leaked host buffer the simulated stream writes into.
+fn device_buffer(len: usize, fill: u8) -> &'static mut [u8] {
+    Box::leak(vec![fill; len].into_boxed_slice())
+}
+
+fn device_region(buf: &[u8], offset: usize, len: usize) -> Region<'static> {
+    assert!(offset + len <= buf.len());
+    // SAFETY: leaked buffers live for the process; the simulated transport writes them.
+    unsafe { Region::from_raw(buf.as_ptr() as u64 + offset as u64, len, GPU) }
+}
+
+fn store(configure: impl FnOnce(StoreBuilder) -> StoreBuilder) -> Engine {
+    configure(StoreBuilder::new().dram_bytes(32 << 20).shards(2).pin_threads(false).idle_spin_us(20))
+        .open()
+        .expect("open")
+}
+
+fn wait_idle(store: &Engine) {
+    let started = Instant::now();
+    loop {
+        store.sync_shards().expect("sync");
+        let held = store.stats().held_resources();
+        if held.is_zero() {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "resources still held: {held:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn wait_ended(ticket: &StreamTicket) -> Vec<kvtide::Result<usize>> {
+    ticket.wait(Duration::from_secs(20)).expect("the engine saw the stream pass the copies")
+}
+
+#[test]
+fn bytes_arrive_with_the_stream_and_the_objects_stay_leased_until_it_passed_them() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = store(|b| b);
+    let key = |i: u64| format!("layer/{i}").into_bytes();
+    let sizes = [4096usize, 1, 12_345, 64 << 10, 3 << 20];
+    for (i, &len) in sizes.iter().enumerate() {
+        s.put(&key(i as u64), &value_for(&key(i as u64), 1, len), PutOptions::INSERT).expect("put");
+    }
+    // Odd sizes scattered over pages in reverse order, with guard bytes between them.
+    let total: usize = sizes.iter().sum::<usize>() + 64 * 1024;
+    let dev = device_buffer(total, 0xEE);
+    let mut dsts = Vec::new();
+    let mut layout = Vec::new();
+    let mut cursor = total;
+    for &len in &sizes {
+        let (first, second) = (len / 2, len - len / 2);
+        cursor -= second + 64;
+        let b = cursor;
+        cursor -= first + 64;
+        let a = cursor;
+        dsts.push(vec![device_region(dev, b, second), device_region(dev, a, first)]);
+        layout.push((b, second, a, first));
+    }
+    let keys: Vec<Vec<u8>> = (0..sizes.len() as u64).map(key).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let stream: StreamHandle = 0x51;
+    // SAFETY: the destinations are leaked; the simulated stream is run below.
+    let ticket =
+        unsafe { s.batch_get_on_stream_via(&key_refs, &dsts, stream, Some(Arc::clone(&transport))) }.expect("enqueued");
+    assert_eq!(ticket.status(), StreamStatus::Pending);
+    assert_eq!(ticket.keys_pinned(), sizes.len());
+    assert!(dev.iter().all(|&b| b == 0xEE), "nothing is written before the stream runs");
+    // The store changes underneath while the stream has not run: an upsert, a forced remove
+    // and enough new objects to evict everything evictable.
+    s.put(&key(0), &value_for(&key(0), 2, sizes[0]), PutOptions::UPSERT).expect("upsert");
+    s.remove(&key(1), true).expect("force remove");
+    for i in 0..40u64 {
+        let _ = s.put(format!("filler/{i}").as_bytes(), &vec![i as u8; 1 << 20], PutOptions::INSERT);
+    }
+    assert!(s.stats().total.leases_held >= sizes.len() as u64);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(ticket.status(), StreamStatus::Pending, "the stream has not passed the copies");
+    streams.run_to_end(stream);
+    let results = wait_ended(&ticket);
+    assert_eq!(results, sizes.iter().map(|&n| Ok(n)).collect::<Vec<_>>());
+    assert_eq!(ticket.status(), StreamStatus::Done);
+    assert_eq!(ticket.keys_pinned(), 0);
+    for (i, &(b, second, a, first)) in layout.iter().enumerate() {
+        let want = value_for(&key(i as u64), 1, sizes[i]);
+        // The object fills its pages in list order: the page at `b` (higher in memory) gets
+        // its first `second` bytes.
+        let mut got = dev[b..b + second].to_vec();
+        got.extend_from_slice(&dev[a..a + first]);
+        assert_eq!(got, want, "key {i}: the old version's bytes, in page order");
+        assert!(dev[b + second..b + second + 64].iter().all(|&x| x == 0xEE), "guard after page {i}");
+        assert!(dev[a + first..a + first + 64].iter().all(|&x| x == 0xEE), "guard after page {i}");
+    }
+    let g = s.stats().gpu;
+    assert_eq!((g.stream_bound_reads, g.stream_bound_failed_keys, g.stream_bound_gated_keys), (1, 0, 0));
+    wait_idle(&s);
+}
+
+#[test]
+fn per_key_failures_and_range_reads_on_a_stream() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = store(|b| b);
+    s.put(b"a", &value_for(b"a", 0, 1000), PutOptions::INSERT).expect("put");
+    s.put(b"b", &value_for(b"b", 0, 500), PutOptions::INSERT).expect("put");
+    let dev = device_buffer(4096, 0);
+    let dsts = vec![
+        vec![device_region(dev, 0, 1000)],
+        vec![device_region(dev, 1000, 999)], // one byte short
+        vec![device_region(dev, 2000, 10)],
+        vec![device_region(dev, 3000, 500)],
+    ];
+    let keys: [&[u8]; 4] = [b"a", b"a", b"missing", b"b"];
+    // SAFETY: leaked destinations; the stream is run below.
+    let ticket = unsafe { s.batch_get_on_stream_via(&keys, &dsts, 7, Some(Arc::clone(&transport))) }.expect("enqueued");
+    streams.run_to_end(7);
+    let r = wait_ended(&ticket);
+    assert_eq!(r[0], Ok(1000));
+    assert!(matches!(r[1], Err(Error::SizeMismatch { .. })), "{:?}", r[1]);
+    assert_eq!(r[2], Err(Error::NotFound));
+    assert_eq!(r[3], Ok(500));
+    match ticket.status() {
+        StreamStatus::Failed(failed) => assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![1, 2]),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    assert_eq!(&dev[..1000], &value_for(b"a", 0, 1000)[..]);
+    assert!(dev[1000..2000].iter().all(|&x| x == 0), "a failed key writes nothing");
+    assert_eq!(&dev[3000..3500], &value_for(b"b", 0, 500)[..]);
+
+    // Ranges: two keys into one buffer, one fragment out of its object's bounds.
+    let out = device_buffer(256, 0x11);
+    let frags = vec![vec![
+        Fragment::new(b"a".to_vec(), 10, 0, 100),
+        Fragment::new(b"b".to_vec(), 0, 100, 50),
+        Fragment::new(b"b".to_vec(), 490, 150, 20),
+        Fragment::new(b"a".to_vec(), 900, 200, 50),
+    ]];
+    let buffers = [device_region(out, 0, 256)];
+    // SAFETY: as above.
+    let ticket = unsafe { s.get_into_ranges_on_stream_via(&buffers, &frags, 9, Some(Arc::clone(&transport))) }
+        .expect("enqueued");
+    assert_eq!(ticket.len(), 4);
+    streams.run_to_end(9);
+    let r = wait_ended(&ticket);
+    assert_eq!(r[0], Ok(100));
+    assert_eq!(r[1], Ok(50));
+    assert!(matches!(r[2], Err(Error::InvalidRange(_))), "{:?}", r[2]);
+    assert_eq!(r[3], Ok(50));
+    assert_eq!(&out[..100], &value_for(b"a", 0, 1000)[10..110]);
+    assert_eq!(&out[100..150], &value_for(b"b", 0, 500)[..50]);
+    assert!(out[150..200].iter().all(|&x| x == 0x11), "the bad fragment wrote nothing");
+    assert_eq!(&out[200..250], &value_for(b"a", 0, 1000)[900..950]);
+    // Call-level errors: fragments for a buffer that is not there; a list per key.
+    // SAFETY: nothing is enqueued by failing calls.
+    unsafe {
+        assert!(matches!(
+            s.get_into_ranges_on_stream_via(&[], &frags, 9, Some(Arc::clone(&transport))),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            s.batch_get_on_stream_via(&keys, &dsts[..1], 9, Some(Arc::clone(&transport))),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    wait_idle(&s);
+}
+
+#[test]
+fn a_capturing_stream_is_refused_and_stream_zero_is_the_blocking_read() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = store(|b| b);
+    s.put(b"k", &[5u8; 300], PutOptions::INSERT).expect("put");
+    let dev = device_buffer(300, 0);
+    let dsts = vec![vec![device_region(dev, 0, 300)]];
+    // SAFETY: refused calls enqueue nothing.
+    let refused = unsafe { s.batch_get_on_stream_via(&[b"k"], &dsts, CAPTURING, Some(Arc::clone(&transport))) };
+    assert_eq!(refused.err(), Some(Error::StreamCapturing("active")));
+    assert_eq!(s.stats().gpu.stream_bound_reads, 0);
+    wait_idle(&s);
+    // Stream 0: today's blocking read, complete on return (host memory here).
+    let mut host = vec![0u8; 300];
+    let dsts = vec![vec![Region::host(&mut host)]];
+    // SAFETY: a blocking read of a live local buffer.
+    let ticket = unsafe { s.batch_get_into_multi_buffers_on_stream(&[b"k"], &dsts, 0) }.expect("blocking");
+    assert_eq!(ticket.status(), StreamStatus::Done);
+    drop(dsts);
+    assert_eq!(host, vec![5u8; 300]);
+    // Host destinations on a stream are written by the CPU before the call returns.
+    let mut host = vec![0u8; 300];
+    let dsts = vec![vec![Region::host(&mut host)]];
+    // SAFETY: as above.
+    let ticket = unsafe { s.batch_get_on_stream_via(&[b"k"], &dsts, 0x99, Some(Arc::clone(&transport))) }.expect("ok");
+    assert_eq!(ticket.results(), Some(vec![Ok(300)]));
+    drop(dsts);
+    assert_eq!(host, vec![5u8; 300]);
+    if !kvtide::transport::cuda::BUILT_WITH_CUDA {
+        // Without the cuda feature the store's own transport has no streams.
+        let dsts = vec![vec![device_region(dev, 0, 300)]];
+        // SAFETY: refused calls enqueue nothing.
+        let r = unsafe { s.batch_get_into_multi_buffers_on_stream(&[b"k"], &dsts, 0x1234) };
+        assert!(matches!(r, Err(Error::CudaUnavailable(_))), "{r:?}");
+        assert!(matches!(s.prepare_gpu(0), Err(Error::CudaUnavailable(_))));
+    }
+    wait_idle(&s);
+}
+
+#[test]
+fn a_stream_that_never_passes_the_copies_expires_and_releases_its_leases() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = store(|b| b.gpu_stream_ttl_ms(100));
+    s.put(b"k", &[9u8; 4096], PutOptions::INSERT).expect("put");
+    let dev = device_buffer(4096, 0);
+    let dsts = vec![vec![device_region(dev, 0, 4096)]];
+    // SAFETY: leaked destination.
+    let ticket = unsafe { s.batch_get_on_stream_via(&[b"k"], &dsts, 5, Some(Arc::clone(&transport))) }.expect("ok");
+    drop(ticket); // dropping neither blocks nor cancels
+    // SAFETY: as above.
+    let ticket = unsafe { s.batch_get_on_stream_via(&[b"k"], &dsts, 5, Some(Arc::clone(&transport))) }.expect("ok");
+    let r = wait_ended(&ticket);
+    assert_eq!(r, vec![Err(Error::StreamExpired { ttl_ms: 100 })]);
+    assert_eq!(ticket.keys_pinned(), 0);
+    s.sync_shards().expect("sync");
+    assert_eq!(s.stats().total.leases_held, 0, "the backstop released the leases");
+    assert_eq!(s.stats().gpu.stream_bound_expired, 2);
+    assert_eq!(s.stats().gpu.stream_bound_in_flight, 2, "still watched until the stream passes");
+    streams.run_to_end(5);
+    wait_idle(&s);
+}
+
+fn ssd_store(seed: u64, faults: kvtide::SimFaults) -> Engine {
+    StoreBuilder::new()
+        .dram_bytes(8 << 20)
+        .shards(1)
+        .pin_threads(false)
+        .ssd_bytes(64 << 20)
+        .ssd_segment_bytes(8 << 20)
+        .simulated_ssd(seed, faults)
+        .open()
+        .expect("open")
+}
+
+#[test]
+fn ssd_resident_keys_wait_on_their_gate_and_a_failed_load_skips_their_copies() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    // A slow disk: the call returns while the loads still run.
+    let s = ssd_store(11, kvtide::SimFaults { us_per_mib: 20_000, ..kvtide::SimFaults::default() });
+    let key = |i: u64| format!("kv/{i}").into_bytes();
+    let len = 512 << 10;
+    for i in 0..40u64 {
+        s.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    s.sync_shards().expect("sync");
+    assert!(s.stats().total.demotions > 0);
+    let loads = s.stats().total.loads;
+    // Key 0 is on SSD only; key 39 is in DRAM.
+    let dev = device_buffer(2 * len + 64, 0xEE);
+    let dsts = vec![vec![device_region(dev, 0, len)], vec![device_region(dev, len + 64, len)]];
+    let started = Instant::now();
+    // SAFETY: leaked destinations; the stream is run below.
+    let ticket = unsafe { s.batch_get_on_stream_via(&[&key(0), &key(39)], &dsts, 3, Some(Arc::clone(&transport))) }
+        .expect("enqueued");
+    let returned_after = started.elapsed();
+    assert_eq!(s.stats().gpu.stream_bound_gated_keys, 1, "key 0 was leased while it loads");
+    // The DRAM key's copies come first and do not wait on the gate.
+    streams.run(3);
+    assert_eq!(&dev[len + 64..], &value_for(&key(39), 39, len)[..], "the DRAM key is copied at once");
+    streams.run_to_end(3);
+    let r = wait_ended(&ticket);
+    assert_eq!(r, vec![Ok(len), Ok(len)]);
+    assert_eq!(&dev[..len], &value_for(&key(0), 0, len)[..]);
+    assert!(dev[len..len + 64].iter().all(|&x| x == 0xEE));
+    assert_eq!(s.stats().total.loads, loads + 1);
+    assert!(returned_after < Duration::from_secs(5));
+    wait_idle(&s);
+    drop(s);
+
+    // Every SSD read fails: the gate opens failed, the copy is skipped, the key fails.
+    let s = ssd_store(12, kvtide::SimFaults { read_eio_ppm: 1_000_000, ..kvtide::SimFaults::default() });
+    for i in 0..40u64 {
+        s.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    s.sync_shards().expect("sync");
+    let dev = device_buffer(2 * len, 0xEE);
+    let dsts = vec![vec![device_region(dev, 0, len)], vec![device_region(dev, len, len)]];
+    // SAFETY: as above.
+    let ticket = unsafe { s.batch_get_on_stream_via(&[&key(0), &key(39)], &dsts, 4, Some(Arc::clone(&transport))) }
+        .expect("enqueued");
+    streams.run_to_end(4);
+    let r = wait_ended(&ticket);
+    assert!(matches!(r[0], Err(Error::Io(_))), "{:?}", r[0]);
+    assert_eq!(r[1], Ok(len));
+    assert!(dev[..len].iter().all(|&x| x == 0xEE), "the failed key's destination is untouched");
+    assert_eq!(&dev[len..], &value_for(&key(39), 39, len)[..]);
+    assert_eq!(s.stats().gpu.stream_bound_failed_keys, 1);
+    wait_idle(&s);
+}
+
+#[test]
+fn many_reads_on_many_streams_all_release_their_leases() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = store(|b| b);
+    for i in 0..64u64 {
+        s.put(format!("k{i}").as_bytes(), &value_for(format!("k{i}").as_bytes(), 0, 8192), PutOptions::INSERT)
+            .expect("put");
+    }
+    let dev = device_buffer(64 * 8192, 0);
+    let mut tickets = Vec::new();
+    for i in 0..64u64 {
+        let key = format!("k{i}");
+        let dsts = vec![vec![device_region(dev, i as usize * 8192, 8192)]];
+        // SAFETY: leaked destinations.
+        let t =
+            unsafe { s.batch_get_on_stream_via(&[key.as_bytes()], &dsts, 100 + i % 4, Some(Arc::clone(&transport))) }
+                .expect("enqueued");
+        tickets.push(t);
+    }
+    assert_eq!(s.stats().gpu.stream_bound_keys_pinned, 64);
+    for stream in 100..104 {
+        streams.run_to_end(stream);
+    }
+    for t in &tickets {
+        assert_eq!(wait_ended(t), vec![Ok(8192)]);
+    }
+    for i in 0..64usize {
+        assert_eq!(&dev[i * 8192..(i + 1) * 8192], &value_for(format!("k{i}").as_bytes(), 0, 8192)[..]);
+    }
+    wait_idle(&s);
+    assert_eq!(streams.gates_made.load(Ordering::Relaxed), 0);
+}
