@@ -29,6 +29,11 @@
 //!   objects of 64 MiB to 1 GiB) against a whole-object `get_into`, and a producer -> consumer
 //!   pipeline (progressive put + a reader that follows it) against put-then-get, in the same run.
 //!
+//! - `layerwise` (feature `cuda`): one step of 32 layers, each layer's compute waiting for its
+//!   KV: serial (blocking get, then compute), host-overlapped (a ticket per layer) and
+//!   stream-bound + one CUDA graph, from DRAM and from SSD. Baselines in the same run: ideal =
+//!   first load + sum of max(load, compute) per layer, and load-only.
+//!
 //! Every subcommand uses a fixed RNG seed (`--seed`) so runs are repeatable.
 
 mod alloc_churn;
@@ -39,6 +44,8 @@ mod gpu;
 #[cfg(feature = "cuda")]
 mod gpu_restore;
 mod hist;
+#[cfg(feature = "cuda")]
+mod layerwise;
 mod remote;
 mod restore;
 mod ssd;
@@ -72,6 +79,10 @@ enum Command {
     /// SSD-resident batch restored into GPU pages, barrier / serialized / pipelined (feature `cuda`).
     #[cfg(feature = "cuda")]
     GpuRestore(gpu_restore::GpuRestoreArgs),
+    /// One step of N layers each waiting for its KV: serial, host-overlapped and stream-bound +
+    /// one CUDA graph, against ideal (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Layerwise(layerwise::LayerwiseArgs),
     /// kvtide-owner over Unix+shm and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
     Remote(remote::RemoteArgs),
     /// Chunk handles vs whole-object reads; progressive put + follow vs put-then-get.
@@ -96,6 +107,8 @@ fn main() {
         Command::Gpu(args) => gpu::run(&args),
         #[cfg(feature = "cuda")]
         Command::GpuRestore(args) => gpu_restore::run(&args),
+        #[cfg(feature = "cuda")]
+        Command::Layerwise(args) => layerwise::run(&args),
     };
     if let Err(e) = result {
         eprintln!("kvtide-bench: {e}");

@@ -367,6 +367,10 @@ pub struct GpuStats {
     /// Stream-bound reads whose stream did not pass their copies within `[gpu] stream_ttl_ms`:
     /// their leases were released and the read reported failed.
     pub stream_bound_expired: u64,
+    /// Host time of the stream-bound calls that submitted, summed, in microseconds: [checking
+    /// the stream, leasing (a round trip through the shards), checking destinations and
+    /// planning, enqueueing on the stream].
+    pub stream_bound_call_us: [u64; 4],
 }
 
 /// Held-resource gauges; all zero when idle. Tests assert on this.

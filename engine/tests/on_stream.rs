@@ -407,7 +407,7 @@ fn a_stream_that_never_passes_the_copies_expires_and_releases_its_leases() {
     // SAFETY: leaked destination.
     let ticket = unsafe { s.batch_get_on_stream_via(&[b"k"], &dsts, 5, Some(Arc::clone(&transport))) }.expect("ok");
     drop(ticket); // dropping neither blocks nor cancels
-    // SAFETY: as above.
+                  // SAFETY: as above.
     let ticket = unsafe { s.batch_get_on_stream_via(&[b"k"], &dsts, 5, Some(Arc::clone(&transport))) }.expect("ok");
     let r = wait_ended(&ticket);
     assert_eq!(r, vec![Err(Error::StreamExpired { ttl_ms: 100 })]);

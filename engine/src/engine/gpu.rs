@@ -67,6 +67,7 @@ pub(crate) struct GpuCounters {
     pub(crate) bound_gated_keys: AtomicU64,
     pub(crate) bound_failed_keys: AtomicU64,
     pub(crate) bound_expired: AtomicU64,
+    bound_call_us: [AtomicU64; 4],
 }
 
 impl GpuCounters {
@@ -95,6 +96,15 @@ impl GpuCounters {
             Direction::DeviceToHost => &c.bytes_to_host,
         };
         bytes.fetch_add(summary.bytes, Relaxed);
+    }
+
+    /// A stream-bound call's phase boundaries: start, stream checked, leases granted, planned,
+    /// submitted.
+    pub(crate) fn record_bound_call(&self, at: [Instant; 5]) {
+        for (phase, w) in at.windows(2).enumerate() {
+            let us = w[1].saturating_duration_since(w[0]).as_micros() as u64;
+            self.bound_call_us[phase].fetch_add(us, Relaxed);
+        }
     }
 
     /// A blocking read's phases, ending now.
@@ -159,6 +169,7 @@ impl GpuState {
             stream_bound_gated_keys: c.bound_gated_keys.load(Relaxed),
             stream_bound_failed_keys: c.bound_failed_keys.load(Relaxed),
             stream_bound_expired: c.bound_expired.load(Relaxed),
+            stream_bound_call_us: std::array::from_fn(|i| c.bound_call_us[i].load(Relaxed)),
         }
     }
 

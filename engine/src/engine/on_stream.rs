@@ -21,7 +21,7 @@ use kvtide_transport::{Gate, InFlight, Region, StreamHandle, Transfer, Transport
 use super::gpu::GpuCounters;
 use super::read::{plan_pieces, ReadTargets, Slot, Want};
 use super::router::HeldLeases;
-use super::transports::Route;
+use super::transports::{KeepAwake, Route};
 use super::Engine;
 use crate::api::Fragment;
 use crate::checks;
@@ -275,7 +275,9 @@ impl Engine {
         let submitter = transport
             .on_stream()
             .ok_or(Error::CudaUnavailable("stream-bound reads need the cuda feature and a GPU"))?;
+        let started = Instant::now();
         let ordinal = submitter.check_stream(stream)?;
+        let _awake = KeepAwake::new(self, &[Route::Gpu]);
         let counters = Arc::clone(self.gpu.counters());
         let mut results: Vec<Result<usize>> = (0..slots.len()).map(|_| pending()).collect();
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
@@ -305,7 +307,9 @@ impl Engine {
                 keys.len() - 1
             });
         }
+        let checked_at = Instant::now();
         let (grants, leases) = self.send_leases_with(keys.iter().enumerate().map(|(k, key)| (k, *key)), true).wait();
+        let leased_at = Instant::now();
         // Destinations: each GPU list checked once, before anything is submitted.
         let used: Vec<usize> = {
             let mut used: Vec<usize> =
@@ -405,10 +409,12 @@ impl Engine {
                 l.landing.on_end(Box::new(move |outcome| gate.open(outcome == Ok(expected))));
             }
         }
+        let planned_at = Instant::now();
         // SAFETY: every transfer's host bytes are leased until the watch below saw the stream
         // pass the copies; the destinations passed the transport's check and the caller keeps
         // them valid for as long (this function's contract).
         let submitted = unsafe { submitter.submit_on_stream(stream, &transfers, &gates) };
+        counters.record_bound_call([started, checked_at, leased_at, planned_at, Instant::now()]);
         let inflight = match submitted {
             Ok(inflight) => inflight,
             Err(e) => {
@@ -438,6 +444,7 @@ impl Engine {
             counters,
             deadline: Instant::now() + self.config.gpu_stream_ttl,
             ttl_ms: self.config.gpu_stream_ttl.as_millis() as u64,
+            awake: Some(KeepAwake::new(self, &[Route::Gpu])),
         };
         // Round robin over the shards: each watch is polled by one shard loop. A shard that is
         // gone (shutting down) drops the watch, which waits for the stream here.
@@ -469,6 +476,9 @@ struct StreamWatch {
     counters: Arc<GpuCounters>,
     deadline: Instant,
     ttl_ms: u64,
+    /// Keeps the shards polling while the read is in flight (`[gpu] keep_shards_awake`), so the
+    /// next layer's call and this release cost no wake-up.
+    awake: Option<KeepAwake>,
 }
 
 impl StreamWatch {
@@ -502,10 +512,13 @@ impl StreamWatch {
             }
             let failed = results.iter().filter(|r| r.is_err()).count() as u64;
             self.counters.bound_failed_keys.fetch_add(failed, Relaxed);
+            // Leases first: a caller that sees the read ended sees no key pinned.
+            self.release();
             self.shared.end(results);
         }
         self.release();
         self.counters.bound_in_flight.fetch_sub(1, Relaxed);
+        self.awake.take();
     }
 
     /// Releases the leases (once).
@@ -533,8 +546,8 @@ impl StreamWatch {
         let failed = results.iter().filter(|r| r.is_err()).count() as u64;
         self.counters.bound_failed_keys.fetch_add(failed, Relaxed);
         self.counters.bound_expired.fetch_add(1, Relaxed);
-        self.shared.end(results);
         self.release();
+        self.shared.end(results);
     }
 
     /// One look at the stream; true once the watch is finished.

@@ -628,21 +628,33 @@ impl BoundRun<'_> {
             // SAFETY: the run holds `rows.len()` rows and no queued kernel reads it (runs are
             // given back only once the submission that used them completed).
             unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), rows_host, rows.len()) };
+            let copies = plan::staging_copies(&fill, transfers);
             let summary = &mut self.inflight.summary;
-            for copy in plan::staging_copies(&fill, transfers) {
+            summary.bytes += copies.iter().map(|c| c.len).sum::<u64>();
+            // One batched call where the driver has it: the host cost per read is what limits
+            // a layer-by-layer caller.
+            let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = copies.iter().map(|c| (buffer + c.device, c.host)).unzip();
+            let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
+            let batched = copies.len() > 1
                 // SAFETY: host bytes per the contract; [buffer + device, +len) lies inside the
                 // unit (the planner keeps fills inside `bytes`).
-                let result = unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        buffer + copy.device,
-                        copy.host as *const c_void,
-                        copy.len as usize,
-                        self.stream,
-                    )
-                };
-                summary.copy_calls += 1;
-                summary.bytes += copy.len;
-                check(result, "cuMemcpyHtoDAsync")?;
+                && unsafe { self.device.batch_copy(&mut dsts, &mut srcs, &mut sizes, true, self.stream) }?;
+            if batched {
+                summary.batch_calls += 1;
+            } else {
+                for copy in &copies {
+                    // SAFETY: as above.
+                    let result = unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            buffer + copy.device,
+                            copy.host as *const c_void,
+                            copy.len as usize,
+                            self.stream,
+                        )
+                    };
+                    summary.copy_calls += 1;
+                    check(result, "cuMemcpyHtoDAsync")?;
+                }
             }
             let mut staging_arg = buffer;
             let mut rows_arg = rows_device;

@@ -111,6 +111,16 @@ impl CudaStream {
         check(result, "cuLaunchKernel")
     }
 
+    /// Enqueues a device-to-device copy of `len` bytes (a consumer of the KV a read delivered).
+    ///
+    /// # Safety
+    /// Both ranges must be device memory of this GPU that stays valid until the copy ran.
+    pub unsafe fn copy_device(&self, dst: u64, src: u64, len: usize) -> Result<(), TransportError> {
+        self.device.bind()?;
+        // SAFETY: the caller vouches for both ranges.
+        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw) }, "cuMemcpyDtoDAsync")
+    }
+
     /// Starts capturing this stream into a graph (relaxed mode: other threads' CUDA calls are
     /// not affected).
     pub fn begin_capture(&self) -> Result<(), TransportError> {
