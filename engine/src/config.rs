@@ -567,7 +567,7 @@ mod tests {
     fn every_setting_is_reachable_as_a_variable_and_in_toml() {
         let defaults = StoreBuilder::default();
         let fields = StoreBuilder::fields();
-        assert_eq!(fields.len(), 36, "dram 6, ssd 7, restore 6, gpu 4, runtime 9, stream 4");
+        assert_eq!(fields.len(), 39, "dram 6, ssd 7, restore 6, gpu 7, runtime 9, stream 4");
         let all_vars: Vec<(String, String)> =
             fields.iter().map(|(g, f)| (settings::variable_name(g, f.name), f.example.to_string())).collect();
         let by_env = StoreBuilder::new().with_vars(all_vars).expect("every variable at its example");
@@ -600,6 +600,8 @@ mod tests {
         assert_eq!((c.ring_entries, c.max_tickets_in_flight), (128, 16));
         assert_eq!(c.shutdown_flush_timeout, Duration::from_millis(1500));
         assert!(c.gpu_staging && c.gpu_staging_bytes == 64 << 20 && c.gpu_staging_tail_bytes == 1 << 20);
+        assert_eq!((c.gpu_stream_units, c.gpu_stream_unit_bytes), (8, 64 << 20));
+        assert_eq!(c.gpu_stream_ttl, Duration::from_millis(10_000));
         assert!(!c.restore_pipeline);
         assert_eq!((c.restore_sub_batch_bytes, c.restore_sub_batch_keys, c.restore_window), (1 << 20, 32, 4));
         assert_eq!(c.restore_staging_bytes, 8 << 20);

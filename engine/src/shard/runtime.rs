@@ -307,6 +307,9 @@ impl ShardLoop {
         }
         for completion in std::mem::take(&mut self.disk_done) {
             self.core.on_disk_completion(completion);
+            // A burst of completions (each load piece is checked against its checksums here)
+            // must not hold up requests: a caller's lease waits behind at most one completion.
+            self.drain_inbox();
         }
         true
     }

@@ -19,6 +19,8 @@ use crate::TransportError;
 /// `CU_EVENT_WAIT_EXTERNAL`: inside capture, the wait becomes an external event wait node that
 /// waits on whatever record of the event precedes each launch.
 const CU_EVENT_WAIT_EXTERNAL: u32 = 1;
+/// `CU_STREAM_WAIT_VALUE_EQ`.
+const CU_STREAM_WAIT_VALUE_EQ: u32 = 1;
 
 /// The workload kernels, loaded once per GPU.
 pub(crate) struct Workload {
@@ -119,6 +121,30 @@ impl CudaStream {
         self.device.bind()?;
         // SAFETY: the caller vouches for both ranges.
         check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw) }, "cuMemcpyDtoDAsync")
+    }
+
+    /// Enqueues a wait until the 32-bit word at `addr` (device memory of this GPU) equals
+    /// `value` (`cuStreamWaitValue32`; inside capture, a memory-operation node).
+    ///
+    /// # Safety
+    /// `addr` must be a live, 4-byte aligned word of device memory for as long as the wait can run.
+    pub unsafe fn wait_value(&self, addr: u64, value: u32) -> Result<(), TransportError> {
+        self.device.bind()?;
+        // SAFETY: the caller vouches for the word.
+        check(
+            unsafe { sys::cuStreamWaitValue32_v2(self.raw, addr, value, CU_STREAM_WAIT_VALUE_EQ) },
+            "cuStreamWaitValue32",
+        )
+    }
+
+    /// Enqueues a write of `value` to the 32-bit word at `addr` (`cuStreamWriteValue32`).
+    ///
+    /// # Safety
+    /// As `wait_value`.
+    pub unsafe fn write_value(&self, addr: u64, value: u32) -> Result<(), TransportError> {
+        self.device.bind()?;
+        // SAFETY: the caller vouches for the word.
+        check(unsafe { sys::cuStreamWriteValue32_v2(self.raw, addr, value, 0) }, "cuStreamWriteValue32")
     }
 
     /// Starts capturing this stream into a graph (relaxed mode: other threads' CUDA calls are
