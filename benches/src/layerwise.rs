@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use kvtide::cuda::{CudaDevice, CudaEvent, CudaStream, CudaTransport, DeviceBuffer};
 use kvtide::{Engine, MemoryKind, PutOptions, Region, Store, StoreBuilder};
 
-use crate::util::{fmt_bytes, json_str, parse_size};
+use crate::util::{fmt_bytes, json_str, parse_size, stamped};
 
 /// Arguments of `kvtide-bench layerwise`.
 #[derive(clap::Args, Debug, Clone)]
@@ -93,16 +93,12 @@ impl Step {
     }
 }
 
+/// The stamped value of `key`.
 fn value(key: &[u8], len: usize) -> Vec<u8> {
-    let mut state = key.iter().fold(0x9E37_79B9_7F4A_7C15u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    stamped(
+        len as u64,
+        key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)),
+    )
 }
 
 fn layout(args: &LayerwiseArgs, layer_bytes: u64, pool: &DeviceBuffer) -> Step {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use kvtide::{Engine, Fragment, PutOptions, Region, Store, StoreBuilder};
 
-use crate::util::{fmt_bytes, parse_size};
+use crate::util::{fmt_bytes, parse_size, stamped as value};
 
 /// Filler object size (what pushes the measured objects out of DRAM).
 const FILLER_BYTES: u64 = 64 << 20;
@@ -82,19 +82,6 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// A stamped value: any misplaced byte shows.
-fn value(len: u64, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
 }
 
 fn open(args: &StreamArgs, dram_bytes: u64, ssd: bool) -> Result<Engine, String> {

@@ -81,6 +81,19 @@ pub fn json_str(text: &str) -> String {
     out
 }
 
+/// A stamped value: any misplaced byte shows.
+pub fn stamped(len: u64, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,9 +10,9 @@ mod common;
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use super::common::value_for;
+    use super::common::{value_for, wait_idle};
     use kvtide::cuda::{CudaDevice, CudaEvent, CudaStream, CudaTransport, DeviceBuffer};
     use kvtide::{
         Engine, Error, Fragment, MemoryKind, PutOptions, Region, SimFaults, Store, StoreBuilder, StreamStatus,
@@ -56,19 +56,6 @@ mod cuda {
         let mut out = vec![0u8; buf.len()];
         buf.read(0, &mut out).expect("read back");
         out
-    }
-
-    fn wait_idle(store: &Engine) {
-        let started = Instant::now();
-        loop {
-            store.sync_shards().expect("sync");
-            let held = store.stats().held_resources();
-            if held.is_zero() {
-                return;
-            }
-            assert!(started.elapsed() < Duration::from_secs(10), "resources still held: {held:?}");
-            std::thread::sleep(Duration::from_millis(2));
-        }
     }
 
     /// Page size p of object i: odd sizes, some below a row, some of several rows.

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::value_for;
+use common::{value_for, wait_idle};
 use kvtide::transport::{Direction, EarlyStart, Gate, InFlight, Progress, StreamSubmit, Transfer, TransportError};
 use kvtide::{
     Engine, Error, Fragment, MemoryKind, PutOptions, Region, Store, StoreBuilder, StreamHandle, StreamStatus,
@@ -204,19 +204,6 @@ fn store(configure: impl FnOnce(StoreBuilder) -> StoreBuilder) -> Engine {
     configure(StoreBuilder::new().dram_bytes(32 << 20).shards(2).pin_threads(false).idle_spin_us(20))
         .open()
         .expect("open")
-}
-
-fn wait_idle(store: &Engine) {
-    let started = Instant::now();
-    loop {
-        store.sync_shards().expect("sync");
-        let held = store.stats().held_resources();
-        if held.is_zero() {
-            return;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "resources still held: {held:?}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 fn wait_ended(ticket: &StreamTicket) -> Vec<kvtide::Result<usize>> {

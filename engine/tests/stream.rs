@@ -9,27 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{small_store, value_for};
+use common::{small_store, value_for, wait_idle};
 use kvtide::{ChunkState, Engine, Error, Fragment, HandleStatus, PutOptions, Region, RegionError, Store, StoreBuilder};
 
 /// A leaked buffer: chunk handles write after the call returns, into `'static` memory.
 fn buffer(len: usize, fill: u8) -> &'static mut [u8] {
     Box::leak(vec![fill; len].into_boxed_slice())
-}
-
-/// Waits until the stream drivers finished and the shards caught up, then asserts nothing is
-/// held (drivers give their leases back on their own threads, after the last chunk settled).
-fn wait_idle(store: &Engine) {
-    let started = Instant::now();
-    loop {
-        store.sync_shards().expect("sync");
-        let held = store.stats().held_resources();
-        if held.is_zero() {
-            return;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "resources still held: {held:?}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 fn stream_store(configure: impl FnOnce(StoreBuilder) -> StoreBuilder) -> Engine {

@@ -136,8 +136,6 @@ pub struct Summary {
     pub batch_calls: u64,
     /// Bytes moved between host and device.
     pub bytes: u64,
-    /// Stream-bound transfers that waited on a gate (objects still loading).
-    pub gated: u64,
 }
 
 #[cfg(test)]

@@ -27,6 +27,21 @@ pub fn xxhash(key: &[u8]) -> u64 {
     key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
+/// Waits until work that gives its resources back on other threads (stream drivers, stream-bound
+/// read watches) has finished and the shards caught up, then asserts nothing is held.
+pub fn wait_idle(store: &Engine) {
+    let started = std::time::Instant::now();
+    loop {
+        store.sync_shards().expect("sync");
+        let held = store.stats().held_resources();
+        if held.is_zero() {
+            return;
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(10), "resources still held: {held:?}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// Asserts nothing is held once the shards have caught up.
 pub fn assert_idle(store: &Engine) {
     store.sync_shards().expect("sync");

@@ -44,12 +44,6 @@ pub struct StreamStaging {
     pub unit_bytes: u64,
 }
 
-impl Default for StreamStaging {
-    fn default() -> Self {
-        StreamStaging { units: 4, unit_bytes: 32 << 20 }
-    }
-}
-
 impl StreamStaging {
     /// Row-table entries of a unit: enough for 512-byte pages filling its buffer.
     fn rows_capacity(self) -> usize {
@@ -532,7 +526,6 @@ impl BoundRun<'_> {
             // engine holds the gate until it completed).
             let waited = unsafe { sys::cuStreamWaitValue32_v2(self.stream, gate.device_addr, GATE_OK, WAIT_VALUE_GEQ) };
             check(waited, "cuStreamWaitValue32")?;
-            self.inflight.summary.gated += 1;
             let one = std::slice::from_ref(&transfers[i]);
             let all_device = transfers[i].pieces.iter().all(|p| !p.kind.is_host());
             match kernels {
@@ -569,22 +562,32 @@ impl BoundRun<'_> {
     /// As `submit_bound`.
     unsafe fn direct(&mut self, transfers: &[Transfer]) -> Result<(), TransportError> {
         let copies = plan::direct_copies(transfers, self.device.ordinal);
-        if copies.is_empty() {
-            return Ok(());
-        }
+        // SAFETY: forwarded contract; the planner's copies name the transfers' own bytes.
+        unsafe { self.host_to_device(&copies, 0) }
+    }
+
+    /// Enqueues `copies` (host -> `base + copy.device`) on the stream: one `cuMemcpyBatchAsync`
+    /// where the driver has it (the host's cost per read is what limits a layer-by-layer
+    /// caller), else a copy loop.
+    ///
+    /// # Safety
+    /// As `submit_bound`; every `[base + device, +len)` is device memory the read may write.
+    unsafe fn host_to_device(&mut self, copies: &[plan::BulkCopy], base: u64) -> Result<(), TransportError> {
         let summary = &mut self.inflight.summary;
         summary.bytes += copies.iter().map(|c| c.len).sum::<u64>();
-        let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = copies.iter().map(|c| (c.device, c.host)).unzip();
+        let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = copies.iter().map(|c| (base + c.device, c.host)).unzip();
         let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
-        // SAFETY: forwarded contract; the arrays describe exactly the planned copies.
-        if unsafe { self.device.batch_copy(&mut dsts, &mut srcs, &mut sizes, true, self.stream) }? {
+        let batched = copies.len() > 1
+            // SAFETY: forwarded contract; the arrays describe exactly `copies`.
+            && unsafe { self.device.batch_copy(&mut dsts, &mut srcs, &mut sizes, true, self.stream) }?;
+        if batched {
             summary.batch_calls += 1;
             return Ok(());
         }
-        for c in &copies {
+        for c in copies {
             let result =
                 // SAFETY: forwarded contract.
-                unsafe { sys::cuMemcpyHtoDAsync_v2(c.device, c.host as *const c_void, c.len as usize, self.stream) };
+                unsafe { sys::cuMemcpyHtoDAsync_v2(base + c.device, c.host as *const c_void, c.len as usize, self.stream) };
             summary.copy_calls += 1;
             check(result, "cuMemcpyHtoDAsync")?;
         }
@@ -628,34 +631,9 @@ impl BoundRun<'_> {
             // SAFETY: the run holds `rows.len()` rows and no queued kernel reads it (runs are
             // given back only once the submission that used them completed).
             unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), rows_host, rows.len()) };
-            let copies = plan::staging_copies(&fill, transfers);
-            let summary = &mut self.inflight.summary;
-            summary.bytes += copies.iter().map(|c| c.len).sum::<u64>();
-            // One batched call where the driver has it: the host cost per read is what limits
-            // a layer-by-layer caller.
-            let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = copies.iter().map(|c| (buffer + c.device, c.host)).unzip();
-            let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
-            let batched = copies.len() > 1
-                // SAFETY: host bytes per the contract; [buffer + device, +len) lies inside the
-                // unit (the planner keeps fills inside `bytes`).
-                && unsafe { self.device.batch_copy(&mut dsts, &mut srcs, &mut sizes, true, self.stream) }?;
-            if batched {
-                summary.batch_calls += 1;
-            } else {
-                for copy in &copies {
-                    // SAFETY: as above.
-                    let result = unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            buffer + copy.device,
-                            copy.host as *const c_void,
-                            copy.len as usize,
-                            self.stream,
-                        )
-                    };
-                    summary.copy_calls += 1;
-                    check(result, "cuMemcpyHtoDAsync")?;
-                }
-            }
+            // SAFETY: host bytes per the contract; [buffer + device, +len) lies inside the unit
+            // (the planner keeps fills inside `bytes`).
+            unsafe { self.host_to_device(&plan::staging_copies(&fill, transfers), buffer)? };
             let mut staging_arg = buffer;
             let mut rows_arg = rows_device;
             let mut count_arg = rows.len() as u32;
@@ -684,9 +662,9 @@ impl BoundRun<'_> {
                     std::ptr::null_mut(),
                 )
             };
-            summary.kernel_launches += 1;
+            self.inflight.summary.kernel_launches += 1;
             check(result, "cuLaunchKernel")?;
-            summary.fills += 1;
+            self.inflight.summary.fills += 1;
         }
         Ok(())
     }
