@@ -110,6 +110,10 @@ pub trait Store: Send + Sync {
     }
     /// Removes `key`; a leased or pinned object is refused unless `force`.
     fn remove(&self, key: &[u8], force: bool) -> Result<(), Self::Error>;
+    /// `remove` for many keys; one result per key, in order.
+    fn batch_remove(&self, keys: &[&[u8]], force: bool) -> Vec<Result<(), Self::Error>> {
+        keys.iter().map(|key| self.remove(key, force)).collect()
+    }
     /// Keeps `key` from eviction until a matching `unpin`.
     fn pin(&self, key: &[u8]) -> Result<(), Self::Error>;
     fn unpin(&self, key: &[u8]) -> Result<(), Self::Error>;

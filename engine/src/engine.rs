@@ -148,6 +148,7 @@ impl Engine {
             expires_at: Instant::now() + ttl,
             inbox: Arc::clone(&self.shards[shard].inbox),
             _arena: Arc::clone(&self.arena),
+            held: true,
         })
     }
 
@@ -165,6 +166,59 @@ impl Engine {
         let (mut grants, reservations) = self.reserve_many(std::iter::once((0, key, len)), opts.upsert, || {});
         let grant = grants.remove(&0).ok_or(Error::Internal("no reservation"))??;
         Ok(PendingPut { grant, reservations, opts })
+    }
+
+    /// `lease` for many keys at once: one request per shard, so the SSD-resident keys of every
+    /// shard load at the same time (each shard within its restore budget) instead of one after
+    /// another. One result per key, in order; a bad key fails only itself.
+    pub fn lease_batch(&self, keys: &[&[u8]], ttl_ms: u64) -> Vec<Result<ObjectLease>> {
+        let ttl = Duration::from_millis(ttl_ms);
+        let mut out: Vec<Result<ObjectLease>> =
+            keys.iter().map(|_| Err(Error::Internal("lease never answered"))).collect();
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.validate_key(key) {
+                Ok(()) => valid.push((i, *key, ())),
+                Err(e) => out[i] = Err(e),
+            }
+        }
+        let fanout = self.fan_out(valid, |items, reply| Request::LeaseRead {
+            keys: items.into_iter().map(|(k, ())| k).collect(),
+            ttl: Some(ttl + LEASE_EXPIRY_GRACE),
+            early: false,
+            reply,
+        });
+        let expires_at = Instant::now() + ttl;
+        // Loads may take a while: block on the replies rather than spin beside the shards.
+        fanout.gather_waiting(self, false, |index, shard, grant| {
+            out[index] = grant.and_then(|g| g).map(|grant| ObjectLease {
+                grant,
+                expires_at,
+                inbox: Arc::clone(&self.shards[shard].inbox),
+                _arena: Arc::clone(&self.arena),
+                held: true,
+            });
+        });
+        out
+    }
+
+    /// `reserve_put` for many values at once (one request per shard); `PendingPuts::commit`
+    /// publishes the ones the caller filled, in one request per shard.
+    pub fn reserve_puts(&self, items: &[(&[u8], u64)], opts: PutOptions) -> PendingPuts<'_> {
+        let mut grants: Vec<Result<WriteGrant>> =
+            items.iter().map(|_| Err(Error::Internal("reservation never answered"))).collect();
+        let mut valid = Vec::with_capacity(items.len());
+        for (i, (key, len)) in items.iter().enumerate() {
+            match self.validate_key(key).and_then(|()| self.validate_value_len(*len)) {
+                Ok(()) => valid.push((i, *key, *len)),
+                Err(e) => grants[i] = Err(e),
+            }
+        }
+        let (granted, reservations) = self.reserve_many(valid, opts.upsert, || {});
+        for (i, grant) in granted {
+            grants[i] = grant;
+        }
+        PendingPuts { grants, reservations, opts }
     }
 
     /// Stops accepting requests, lets in-flight work finish and joins the shard threads.
@@ -248,12 +302,75 @@ impl PendingPut<'_> {
     }
 }
 
+/// Reserved, not yet visible objects (`Engine::reserve_puts`); those not committed are aborted
+/// when this drops.
+pub struct PendingPuts<'e> {
+    grants: Vec<Result<WriteGrant>>,
+    reservations: Reservations<'e>,
+    opts: PutOptions,
+}
+
+impl std::fmt::Debug for PendingPuts<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingPuts").field("items", &self.grants.len()).finish()
+    }
+}
+
+impl PendingPuts<'_> {
+    /// Items reserved or refused.
+    pub fn len(&self) -> usize {
+        self.grants.len()
+    }
+
+    /// True for an empty batch.
+    pub fn is_empty(&self) -> bool {
+        self.grants.is_empty()
+    }
+
+    /// Item `i`'s reserved bytes, to be filled before `commit`, or why it has none.
+    pub fn bytes_mut(&mut self, i: usize) -> Result<&mut [u8]> {
+        let grant = match self.grants.get(i) {
+            Some(Ok(g)) => g,
+            Some(Err(e)) => return Err(e.clone()),
+            None => return Err(Error::InvalidArgument(format!("no item {i} in this batch"))),
+        };
+        if grant.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: the reservation gives this batch exclusive use of `len` bytes at grant.ptr
+        // until commit or abort (drop); `&mut self` makes the borrow unique.
+        Ok(unsafe { std::slice::from_raw_parts_mut(grant.ptr.as_ptr(), grant.len as usize) })
+    }
+
+    /// Publishes the items `filled` accepts (one request per shard) and aborts the rest. Per
+    /// item: the commit's result, the reservation's error, or `Cancelled` for an item that was
+    /// reserved but not filled.
+    pub fn commit(self, filled: impl Fn(usize) -> bool) -> Vec<Result<()>> {
+        let PendingPuts { grants, reservations, opts } = self;
+        let mut results: Vec<Result<()>> = grants
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| match g {
+                Ok(_) if filled(i) => Err(Error::Internal("commit never answered")),
+                Ok(_) => Err(Error::Cancelled),
+                Err(e) => Err(e),
+            })
+            .collect();
+        for (i, result) in reservations.commit(opts, filled) {
+            results[i] = result;
+        }
+        results
+    }
+}
+
 /// An explicit lease: the object's bytes stay in place until this drops.
 pub struct ObjectLease {
     grant: ReadGrant,
     expires_at: Instant,
     inbox: Arc<crate::shard::Inbox>,
     _arena: Arc<Arena>,
+    /// False once `release_all` gave the lease back.
+    held: bool,
 }
 
 impl std::fmt::Debug for ObjectLease {
@@ -315,8 +432,28 @@ impl ObjectLease {
     }
 }
 
+impl ObjectLease {
+    /// Gives `leases` back with one message per shard (dropping them one by one sends one each).
+    pub fn release_all(leases: impl IntoIterator<Item = ObjectLease>) {
+        let mut by_shard: Vec<(Arc<crate::shard::Inbox>, Vec<crate::shard::LeaseId>)> = Vec::new();
+        for mut lease in leases {
+            lease.held = false;
+            match by_shard.iter_mut().find(|(inbox, _)| Arc::ptr_eq(inbox, &lease.inbox)) {
+                Some((_, ids)) => ids.push(lease.grant.lease),
+                None => by_shard.push((Arc::clone(&lease.inbox), vec![lease.grant.lease])),
+            }
+        }
+        for (inbox, leases) in by_shard {
+            // A shard that is gone has dropped its leases with it.
+            let _ = inbox.send(Request::Release { leases });
+        }
+    }
+}
+
 impl Drop for ObjectLease {
     fn drop(&mut self) {
-        let _ = self.inbox.send(Request::Release { leases: vec![self.grant.lease] });
+        if self.held {
+            let _ = self.inbox.send(Request::Release { leases: vec![self.grant.lease] });
+        }
     }
 }

@@ -1,8 +1,8 @@
 //! Fuzzes the owner's request validation: `op | max_items | max_key_bytes (u16) | payload`.
 //! Whatever the payload, decoding never panics and never allocates from an unchecked count,
 //! and an accepted request honours every limit: item counts, key lengths (1..=max), fragment
-//! key indices, put lengths (inline <= total <= max value), progressive put heads and chunk
-//! heads. Accepted requests round-trip.
+//! key indices, put lengths (inline <= total <= max value), batched puts (lengths, window
+//! offsets only for window values), progressive put heads and chunk heads. Accepted requests round-trip.
 #![no_main]
 
 use kvtide_remote::protocol::{Limits, Op, PutChunkHead, PutHead, Request, PUT_HEAD_BYTES};
@@ -57,7 +57,17 @@ fuzz_target!(|data: &[u8]| {
         Request::PutOpen { key, total_len, chunk_bytes, .. } => {
             assert!(key_ok(key) && *total_len <= limits.max_value_bytes && *chunk_bytes >= 1);
         }
-        Request::Hello(_) | Request::Auth { .. } | Request::Stats | Request::PutSeal { .. } | Request::PutAbort { .. } => {}
+        Request::PutBatch { window, items, .. } => {
+            assert!(items.len() <= max && items.iter().all(|i| key_ok(i.key) && i.len <= limits.max_value_bytes));
+            assert!(*window || items.iter().all(|i| i.window_offset == 0));
+        }
+        Request::RemoveBatch { keys, .. } => assert!(keys.len() <= max && keys.iter().all(|k| key_ok(k))),
+        Request::Hello(_)
+        | Request::Auth { .. }
+        | Request::Stats
+        | Request::PutSeal { .. }
+        | Request::PutAbort { .. }
+        | Request::PutWindow => {}
     }
     let mut again = Vec::new();
     request.encode(&mut again);

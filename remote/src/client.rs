@@ -24,10 +24,10 @@ use kvtide_transport::Region;
 use crate::auth::Token;
 use crate::protocol::{
     decode_error_frame, decode_exists, decode_grants, decode_mac, decode_object, FrameHeader, GetItem, Hello, HelloOk,
-    LenCheck, Limits, Op, ProtocolError, PutHead, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
-    HELLO_WANT_SHM, NONCE_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
+    NONCE_BYTES, WHOLE_REQUEST,
 };
-use crate::shm::ShmMapping;
+use crate::shm::{PutWindow, ShmMapping};
 use crate::sock::{self, Stream};
 use crate::wire::{FrameIo, WResult, WireError};
 use kvtide::checks::{self, total_len};
@@ -35,7 +35,9 @@ use kvtide::{Error as StoreError, Fragment, PutOptions, Stats, Store, Ticket};
 
 use crate::error::{Error, Result};
 
+mod batch;
 mod stream;
+use batch::PutSource;
 pub use stream::RemotePutStream;
 
 /// A lease is trusted only if the copy finished this long before its TTL.
@@ -168,6 +170,18 @@ struct Conn {
     hello: HelloOk,
     limits: Limits,
     shm: Option<Arc<ShmMapping>>,
+    window: WindowState,
+    /// Failed midway through a batch whose earlier requests took effect: never reused.
+    broken: bool,
+}
+
+/// A connection's put window.
+enum WindowState {
+    /// Not asked for yet (asked on the first put over a Unix socket with shared memory).
+    Untried,
+    /// Refused, failed or not applicable: values travel over the socket.
+    Unavailable,
+    Mapped(PutWindow),
 }
 
 /// One object read: its length, and its bytes when the target was `Owned`.
@@ -248,6 +262,9 @@ impl Inner {
     }
 
     fn checkin(&self, conn: Conn) {
+        if conn.broken {
+            return;
+        }
         let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
         if pool.len() < self.options.max_idle_connections {
             pool.push(conn);
@@ -466,7 +483,7 @@ fn batches(key_lens: &[usize], per_item: usize, max_items: usize, limits: &Limit
 }
 
 fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>) -> Conn {
-    Conn { io, limits: hello.limits(), hello, shm }
+    Conn { io, limits: hello.limits(), hello, shm, window: WindowState::Untried, broken: false }
 }
 
 fn check_destination(dst: &Region<'_>) -> Result<()> {
@@ -544,32 +561,6 @@ impl Conn {
             Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
             other => Err(ProtocolError::Unexpected { expected: "a status", got: other }.into()),
         }
-    }
-
-    /// Sends one put (value gathered from `sources`, `total` bytes) and reads its status.
-    fn put(
-        &mut self,
-        rid: u64,
-        key: &[u8],
-        sources: &[Region<'_>],
-        total: u64,
-        opts: PutOptions,
-    ) -> WResult<Result<()>> {
-        let chunk = u64::from(self.hello.chunk_bytes);
-        let inline = total.min(chunk.saturating_sub((PUT_HEAD_BYTES + key.len()) as u64));
-        let payload_len = (PUT_HEAD_BYTES + key.len()) as u64 + inline;
-        let out = self.io.out();
-        out.extend_from_slice(&FrameHeader::new(Op::Put, rid, payload_len as u32).encode());
-        PutHead::encode(out, opts.upsert, opts.pin, key, total);
-        out.extend_from_slice(key);
-        self.io.send_with(&source_slices(sources, 0, inline))?;
-        let mut pos = inline;
-        while pos < total {
-            let n = chunk.min(total - pos);
-            self.io.send_data(Op::Data, rid, &source_slices(sources, pos, n))?;
-            pos += n;
-        }
-        self.read_status(rid)
     }
 
     /// One `Get` request: leases through shared memory when mapped, else a stream.
@@ -822,18 +813,61 @@ impl Store for RemoteStore {
             Ok(l) => l,
             Err(e) => return vec![Err(e); keys.len()],
         };
-        keys.iter()
-            .zip(sources)
-            .map(|(key, srcs)| {
-                self.inner.validate_key(&limits, key)?;
+        let mut results: Vec<Result<()>> = (0..keys.len()).map(|_| Ok(())).collect();
+        let mut valid = Vec::with_capacity(keys.len());
+        let mut items = Vec::with_capacity(keys.len());
+        for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
+            let checked = self.inner.validate_key(&limits, key).and_then(|()| {
                 srcs.iter().try_for_each(check_source)?;
                 let total = total_len(srcs)?;
                 if total > limits.max_value_bytes {
                     return Err(StoreError::TooLarge { what: "value", len: total, max: limits.max_value_bytes }.into());
                 }
-                self.inner.call("put", |conn, rid| conn.put(rid, key, srcs, total, opts))
-            })
-            .collect()
+                Ok(total)
+            });
+            match checked {
+                Ok(len) => {
+                    valid.push(i);
+                    items.push(PutSource { key, sources: srcs, len });
+                }
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        if items.is_empty() {
+            return results;
+        }
+        let inner = &self.inner;
+        match inner.call("put", |conn, _| conn.put_batch(inner, &items, opts)) {
+            Ok(statuses) => valid.into_iter().zip(statuses).for_each(|(i, r)| results[i] = r),
+            Err(e) => valid.into_iter().for_each(|i| results[i] = Err(e.clone())),
+        }
+        results
+    }
+
+    fn batch_remove(&self, keys: &[&[u8]], force: bool) -> Vec<Result<()>> {
+        let limits = match self.inner.limits() {
+            Ok(l) => l,
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        let mut results: Vec<Result<()>> = (0..keys.len()).map(|_| Ok(())).collect();
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.inner.validate_key(&limits, key) {
+                Ok(()) => valid.push(i),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
+        let max_items = (limits.max_items as usize).min(8192);
+        for (start, end) in batches(&key_lens, batch::REMOVE_ITEM_OVERHEAD, max_items, &limits) {
+            let chunk = &valid[start..end];
+            let batch: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
+            match self.inner.call("remove", |conn, rid| conn.remove_batch(rid, &batch, force)) {
+                Ok(statuses) => chunk.iter().zip(statuses).for_each(|(&i, r)| results[i] = r),
+                Err(e) => chunk.iter().for_each(|&i| results[i] = Err(e.clone())),
+            }
+        }
+        results
     }
 
     fn get(&self, key: &[u8]) -> Result<Vec<u8>> {

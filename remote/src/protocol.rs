@@ -74,6 +74,13 @@ pub enum Op {
     PutAbort = 22,
     /// Reads a key as its unsealed progressive put lands (a plain streamed get without one).
     GetFollow = 23,
+    /// Many puts in one request, one `Statuses` reply: the values follow in `Data` frames or lie
+    /// in the connection's put window.
+    PutBatch = 24,
+    /// Many removes in one request, one `Statuses` reply.
+    RemoveBatch = 25,
+    /// Asks for this connection's put window (Unix socket only): a `Window` reply carries it.
+    PutWindow = 26,
     /// A chunk of a value (either direction).
     Data = 30,
     HelloOk = 64,
@@ -86,6 +93,10 @@ pub enum Op {
     Grants = 71,
     ExistsReply = 72,
     StatsReply = 73,
+    /// One status per item of a batch.
+    Statuses = 74,
+    /// The put window: its size, its memfd attached (`SCM_RIGHTS`).
+    Window = 75,
 }
 
 impl Op {
@@ -108,6 +119,9 @@ impl Op {
             21 => Op::PutSeal,
             22 => Op::PutAbort,
             23 => Op::GetFollow,
+            24 => Op::PutBatch,
+            25 => Op::RemoveBatch,
+            26 => Op::PutWindow,
             30 => Op::Data,
             64 => Op::HelloOk,
             65 => Op::AuthOk,
@@ -119,6 +133,8 @@ impl Op {
             71 => Op::Grants,
             72 => Op::ExistsReply,
             73 => Op::StatsReply,
+            74 => Op::Statuses,
+            75 => Op::Window,
             _ => return None,
         })
     }
@@ -571,7 +587,13 @@ pub const PUT_PIN: u8 = 2;
 /// `Remove` flag: remove even when leased or pinned.
 pub const REMOVE_FORCE: u8 = 1;
 
+/// `PutBatch` source: the values follow in `Data` frames, in item order.
+pub const PUT_SOURCE_STREAM: u8 = 0;
+/// `PutBatch` source: each value lies in the connection's put window at its offset.
+pub const PUT_SOURCE_WINDOW: u8 = 1;
+
 const MIN_KEY_BYTES: usize = 3; // u16 length + at least one byte
+const PUT_ITEM_BYTES: usize = MIN_KEY_BYTES + 16;
 const GET_ITEM_BYTES: usize = MIN_KEY_BYTES + 9;
 const RANGE_ITEM_BYTES: usize = 20;
 
@@ -625,6 +647,28 @@ pub enum Request<'a> {
     GetFollow {
         key: &'a [u8],
     },
+    /// Puts of `items`; with `window`, each value lies in the put window, else the values follow
+    /// in `Data` frames of this request id, item after item.
+    PutBatch {
+        upsert: bool,
+        pin: bool,
+        window: bool,
+        items: Vec<PutItem<'a>>,
+    },
+    RemoveBatch {
+        keys: Vec<&'a [u8]>,
+        force: bool,
+    },
+    PutWindow,
+}
+
+/// One value of a `PutBatch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PutItem<'a> {
+    pub key: &'a [u8],
+    pub len: u64,
+    /// Where the value starts in the put window (0 for streamed values).
+    pub window_offset: u64,
 }
 
 impl<'a> Request<'a> {
@@ -699,6 +743,39 @@ impl<'a> Request<'a> {
             Op::PutSeal => Request::PutSeal { stream: r.u64()? },
             Op::GetFollow => Request::GetFollow { key: r.key(limits.max_key_bytes)? },
             Op::PutAbort => Request::PutAbort { stream: r.u64()? },
+            Op::PutBatch => {
+                let flags = r.u8()?;
+                if flags & !(PUT_UPSERT | PUT_PIN) != 0 {
+                    return Err(ProtocolError::Invalid { what: "put flags" });
+                }
+                let window = match r.u8()? {
+                    PUT_SOURCE_STREAM => false,
+                    PUT_SOURCE_WINDOW => true,
+                    _ => return Err(ProtocolError::Invalid { what: "put source" }),
+                };
+                let count = r.count(PUT_ITEM_BYTES, limits.max_items, "puts")?;
+                let mut items = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let item = PutItem { key: r.key(limits.max_key_bytes)?, len: r.u64()?, window_offset: r.u64()? };
+                    if item.len > limits.max_value_bytes {
+                        return Err(ProtocolError::FrameTooLarge { len: item.len, max: limits.max_value_bytes });
+                    }
+                    // Window ranges are checked against the window by the owner, which knows it.
+                    if !window && item.window_offset != 0 {
+                        return Err(ProtocolError::Invalid { what: "window offset of a streamed value" });
+                    }
+                    items.push(item);
+                }
+                Request::PutBatch { upsert: flags & PUT_UPSERT != 0, pin: flags & PUT_PIN != 0, window, items }
+            }
+            Op::RemoveBatch => {
+                let flags = r.u8()?;
+                if flags & !REMOVE_FORCE != 0 {
+                    return Err(ProtocolError::Invalid { what: "remove flags" });
+                }
+                Request::RemoveBatch { keys: decode_keys(&mut r, limits)?, force: flags & REMOVE_FORCE != 0 }
+            }
+            Op::PutWindow => Request::PutWindow,
             Op::Release => {
                 let count = r.count(8, limits.max_items, "leases")?;
                 let mut leases = Vec::with_capacity(count);
@@ -753,6 +830,21 @@ impl<'a> Request<'a> {
                 buf.put_u64(*chunk_bytes);
             }
             Request::PutSeal { stream } | Request::PutAbort { stream } => buf.put_u64(*stream),
+            Request::PutBatch { upsert, pin, window, items } => {
+                buf.put_u8(if *upsert { PUT_UPSERT } else { 0 } | if *pin { PUT_PIN } else { 0 });
+                buf.put_u8(if *window { PUT_SOURCE_WINDOW } else { PUT_SOURCE_STREAM });
+                buf.put_u32(items.len() as u32);
+                for item in items {
+                    buf.put_key(item.key);
+                    buf.put_u64(item.len);
+                    buf.put_u64(item.window_offset);
+                }
+            }
+            Request::RemoveBatch { keys, force } => {
+                buf.put_u8(if *force { REMOVE_FORCE } else { 0 });
+                encode_keys(buf, keys);
+            }
+            Request::PutWindow => {}
         }
     }
 
@@ -773,6 +865,9 @@ impl<'a> Request<'a> {
             Request::PutSeal { .. } => Op::PutSeal,
             Request::PutAbort { .. } => Op::PutAbort,
             Request::GetFollow { .. } => Op::GetFollow,
+            Request::PutBatch { .. } => Op::PutBatch,
+            Request::RemoveBatch { .. } => Op::RemoveBatch,
+            Request::PutWindow => Op::PutWindow,
         }
     }
 }
@@ -963,6 +1058,47 @@ pub fn decode_grants(payload: &[u8], max_items: u32, arena_bytes: u64) -> PResul
     }
     r.finish("grants")?;
     Ok((ttl_ms, grants))
+}
+
+/// Appends a `Statuses` payload: per item 0 (done) or 1 and its error.
+pub fn encode_statuses(buf: &mut Vec<u8>, statuses: &[Result<(), Error>]) {
+    buf.put_u32(statuses.len() as u32);
+    for status in statuses {
+        match status {
+            Ok(()) => buf.put_u8(0),
+            Err(e) => {
+                buf.put_u8(1);
+                encode_error(buf, e);
+            }
+        }
+    }
+}
+
+/// Decodes a `Statuses` payload.
+pub fn decode_statuses(payload: &[u8], max_items: u32) -> PResult<Vec<Result<(), Error>>> {
+    let mut r = Reader::new(payload);
+    let count = r.count(1, max_items, "statuses")?;
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        out.push(match r.u8()? {
+            0 => Ok(()),
+            1 => Err(decode_error(&mut r)?),
+            _ => return Err(ProtocolError::Invalid { what: "status tag" }),
+        });
+    }
+    r.finish("statuses")?;
+    Ok(out)
+}
+
+/// Decodes a `Window` payload: the window's size, at least `min_bytes` and at most `max_bytes`.
+pub fn decode_window(payload: &[u8], min_bytes: u64, max_bytes: u64) -> PResult<u64> {
+    let mut r = Reader::new(payload);
+    let bytes = r.u64()?;
+    r.finish("window")?;
+    if bytes < min_bytes || bytes > max_bytes {
+        return Err(ProtocolError::Invalid { what: "put window size" });
+    }
+    Ok(bytes)
 }
 
 /// Appends an `ExistsReply` payload.
@@ -1204,6 +1340,23 @@ mod tests {
             Request::Release { leases: vec![1, 2, 3] },
             Request::Auth { mac: [7; MAC_BYTES] },
             Request::Hello(Hello { client_nonce: [3; NONCE_BYTES], flags: HELLO_WANT_SHM }),
+            Request::PutBatch {
+                upsert: true,
+                pin: false,
+                window: true,
+                items: vec![
+                    PutItem { key: b"a", len: 10, window_offset: 0 },
+                    PutItem { key: b"bb", len: 0, window_offset: 10 },
+                ],
+            },
+            Request::PutBatch {
+                upsert: false,
+                pin: true,
+                window: false,
+                items: vec![PutItem { key: b"s", len: 1 << 20, window_offset: 0 }],
+            },
+            Request::RemoveBatch { keys: vec![b"x", b"yy"], force: true },
+            Request::PutWindow,
         ];
         for req in requests {
             let mut buf = Vec::new();
@@ -1232,6 +1385,53 @@ mod tests {
         buf.put_u64(0);
         buf.put_u64(1);
         assert!(matches!(Request::decode(Op::GetRanges, &buf, &Limits::default()), Err(ProtocolError::Invalid { .. })));
+    }
+
+    #[test]
+    fn put_batches_are_checked() {
+        let limits = Limits { max_value_bytes: 1000, ..Limits::default() };
+        let encode = |window: bool, len: u64, window_offset: u64| {
+            let mut buf = Vec::new();
+            Request::PutBatch {
+                upsert: false,
+                pin: false,
+                window,
+                items: vec![PutItem { key: b"k", len, window_offset }],
+            }
+            .encode(&mut buf);
+            buf
+        };
+        assert!(Request::decode(Op::PutBatch, &encode(true, 1000, 5), &limits).is_ok());
+        let too_large = encode(true, 1001, 0);
+        assert!(matches!(Request::decode(Op::PutBatch, &too_large, &limits), Err(ProtocolError::FrameTooLarge { .. })));
+        let streamed_offset = encode(false, 10, 5);
+        assert!(matches!(Request::decode(Op::PutBatch, &streamed_offset, &limits), Err(ProtocolError::Invalid { .. })));
+        let mut bad_source = encode(true, 10, 0);
+        bad_source[1] = 7;
+        assert!(matches!(Request::decode(Op::PutBatch, &bad_source, &limits), Err(ProtocolError::Invalid { .. })));
+        let mut bad_flags = encode(true, 10, 0);
+        bad_flags[0] = 0x80;
+        assert!(matches!(Request::decode(Op::PutBatch, &bad_flags, &limits), Err(ProtocolError::Invalid { .. })));
+        let mut many = vec![0u8, 0];
+        many.put_u32(u32::MAX);
+        assert!(matches!(Request::decode(Op::PutBatch, &many, &limits), Err(ProtocolError::TooMany { .. })));
+    }
+
+    #[test]
+    fn statuses_and_window_round_trip() {
+        let statuses = vec![Ok(()), Err(Error::from(StoreError::AlreadyExists)), Ok(())];
+        let mut buf = Vec::new();
+        encode_statuses(&mut buf, &statuses);
+        assert_eq!(decode_statuses(&buf, 16), Ok(statuses));
+        for cut in 0..buf.len() {
+            assert!(decode_statuses(&buf[..cut], 16).is_err());
+        }
+        assert!(matches!(decode_statuses(&buf, 2), Err(ProtocolError::TooMany { .. })));
+        let mut window = Vec::new();
+        window.put_u64(1 << 20);
+        assert_eq!(decode_window(&window, 4096, 1 << 30), Ok(1 << 20));
+        assert!(decode_window(&window, 4096, 1 << 19).is_err());
+        assert!(decode_window(&window[..7], 4096, 1 << 30).is_err());
     }
 
     #[test]

@@ -25,11 +25,12 @@ use std::time::{Duration, Instant};
 
 use crate::auth::Token;
 use crate::protocol::{
-    begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, end_frame, FrameHeader, GetItem,
-    Grant, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, PutChunkHead, PutHead, RangeItem, Request,
-    HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES, PUT_CHUNK_HEAD_BYTES,
-    PUT_HEAD_BYTES, WHOLE_REQUEST,
+    begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, encode_statuses, end_frame,
+    FrameHeader, GetItem, Grant, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, PutChunkHead, PutHead, PutItem,
+    RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES,
+    PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
+use crate::shm::PutWindow;
 use crate::sock::{self, Stream, WakeFlag};
 use crate::wire::{FrameIo, WResult, WireError};
 use kvtide::{Engine, Error as StoreError, ObjectLease, PutOptions, PutStream, Store};
@@ -73,6 +74,14 @@ pub struct OwnerConfig {
     pub max_unauthenticated_connections: usize,
     /// Shared-memory leases one connection may hold; past it, keys get `Busy`.
     pub max_leases_per_connection: u32,
+    /// Each Unix connection's put window: shared memory the client writes values into and the
+    /// owner copies into its reservations, so a batch of puts is one request and one reply with
+    /// no value bytes on the socket. Only the client maps it writable; the arena stays
+    /// read-only. 0: no windows (puts travel over the socket).
+    pub put_window_bytes: u64,
+    /// Put windows of all connections together; a connection that would pass it is refused one
+    /// (`Busy`) and its client puts over the socket.
+    pub max_put_window_bytes: u64,
     /// Largest frame payload accepted or sent.
     pub max_payload_bytes: u32,
     /// Bulk data travels in chunks of this size.
@@ -123,6 +132,8 @@ impl Default for OwnerConfig {
             max_connections: 256,
             max_unauthenticated_connections: 32,
             max_leases_per_connection: 4096,
+            put_window_bytes: 32 << 20,
+            max_put_window_bytes: 1 << 30,
             max_payload_bytes: 4 << 20,
             chunk_bytes: 1 << 20,
             max_items: 65_536,
@@ -177,6 +188,13 @@ pub struct OwnerCounters {
     pub leases_outstanding: AtomicU64,
     pub unknown_releases: AtomicU64,
     pub busy_replies: AtomicU64,
+    /// Bytes of the put windows that connections hold now (gauge).
+    pub put_window_bytes: AtomicU64,
+    /// Put windows refused because `max_put_window_bytes` was reached.
+    pub put_windows_refused: AtomicU64,
+    /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
+    pub batch_requests: AtomicU64,
+    pub batch_items: AtomicU64,
 }
 
 struct Shared {
@@ -400,6 +418,9 @@ fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     }
     if c.io_timeout_ms == 0 || c.handshake_timeout_ms == 0 || c.payload_timeout_ms == 0 || c.idle_timeout_ms == 0 {
         return bad("timeouts must be positive".into());
+    }
+    if c.put_window_bytes != 0 && (c.put_window_bytes < 64 << 10 || c.put_window_bytes > 1 << 34) {
+        return bad(format!("put_window_bytes = {} must be 0 or in 64 KiB..=16 GiB", c.put_window_bytes));
     }
     if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
         return bad("max_unauthenticated_connections must be positive when serving TCP".into());
@@ -633,6 +654,7 @@ fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
         leases: HashMap::new(),
         next_lease: 1,
         puts: HashMap::new(),
+        window: None,
         unix,
         slot,
     };
@@ -666,6 +688,8 @@ struct Connection<'s> {
     /// Open progressive puts by stream id (the `PutOpen` request id); dropped (aborted) with
     /// the connection, so a client that disconnects makes their readers fail.
     puts: HashMap<u64, PutStream<'s>>,
+    /// The put window, once the client asked for one (its bytes count in the gauge).
+    window: Option<PutWindow>,
     unix: bool,
     // Last, so it is given back after the leases and the socket.
     slot: Slot,
@@ -676,6 +700,10 @@ impl Drop for Connection<'_> {
         let n = self.leases.len() as u64;
         if n > 0 {
             self.shared.counters.leases_outstanding.fetch_sub(n, Ordering::Relaxed);
+        }
+        ObjectLease::release_all(std::mem::take(&mut self.leases).into_values());
+        if let Some(window) = self.window.take() {
+            self.shared.counters.put_window_bytes.fetch_sub(window.len(), Ordering::Relaxed);
         }
     }
 }
@@ -929,6 +957,18 @@ impl Connection<'_> {
                 self.io.end(start);
             }
             Request::Remove { key, force } => self.reply(rid, engine.remove(key, force).map_err(Error::from)),
+            Request::RemoveBatch { keys, force } => {
+                self.count_batch(keys.len());
+                let statuses: Vec<Result<()>> =
+                    engine.batch_remove(&keys, force).into_iter().map(|r| r.map_err(Error::from)).collect();
+                let start = self.io.begin(Op::Statuses, rid);
+                encode_statuses(self.io.out(), &statuses);
+                self.io.end(start);
+            }
+            Request::PutBatch { upsert, pin, window, items } => {
+                return self.put_batch(rid, PutOptions { upsert, pin }, window, &items);
+            }
+            Request::PutWindow => self.open_window(rid)?,
             Request::Pin { key } => self.reply(rid, engine.pin(key).map_err(Error::from)),
             Request::Unpin { key } => self.reply(rid, engine.unpin(key).map_err(Error::from)),
             Request::Stats => match toml::to_string(&engine.stats()) {
@@ -957,13 +997,17 @@ impl Connection<'_> {
                 self.reply(rid, Ok(()));
             }
             Request::Release { leases } => {
+                let mut released = Vec::with_capacity(leases.len());
                 for id in leases {
-                    if self.leases.remove(&id).is_some() {
-                        self.shared.counters.leases_outstanding.fetch_sub(1, Ordering::Relaxed);
-                    } else {
-                        self.shared.counters.unknown_releases.fetch_add(1, Ordering::Relaxed);
+                    match self.leases.remove(&id) {
+                        Some(lease) => released.push(lease),
+                        None => {
+                            self.shared.counters.unknown_releases.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
+                self.shared.counters.leases_outstanding.fetch_sub(released.len() as u64, Ordering::Relaxed);
+                ObjectLease::release_all(released);
             }
         }
         Ok(Flow::Continue)
@@ -982,14 +1026,19 @@ impl Connection<'_> {
         }
         let engine = Arc::clone(&self.shared.engine);
         let max = self.config().max_leases_per_connection as usize;
+        // The keys within the connection's lease limit are leased together (one request per
+        // shard, so SSD-resident keys load side by side); the rest get `Busy`.
+        let room = max.saturating_sub(self.leases.len()).min(items.len());
+        let keys: Vec<&[u8]> = items[..room].iter().map(|i| i.key).collect();
+        let mut leased = engine.lease_batch(&keys, u64::from(self.config().lease_ttl_ms)).into_iter();
         let mut grants = Vec::with_capacity(items.len());
         for item in items {
-            if self.leases.len() >= max {
+            let Some(lease) = leased.next() else {
                 self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
                 grants.push(Err(StoreError::Busy { limit: max }.into()));
                 continue;
-            }
-            let granted = engine.lease(item.key, u64::from(self.config().lease_ttl_ms)).and_then(|lease| {
+            };
+            let granted = lease.and_then(|lease| {
                 item.check.check(lease.len())?;
                 let offset = self.offset_of(&lease)?;
                 Ok((lease, offset))
@@ -1011,6 +1060,99 @@ impl Connection<'_> {
         let start = self.io.begin(Op::Grants, rid);
         encode_grants(self.io.out(), ttl_ms, &grants);
         self.io.end(start);
+    }
+
+    fn count_batch(&self, items: usize) {
+        self.shared.counters.batch_requests.fetch_add(1, Ordering::Relaxed);
+        self.shared.counters.batch_items.fetch_add(items as u64, Ordering::Relaxed);
+    }
+
+    /// `PutWindow`: a sealed memfd for this connection, within the owners' total.
+    fn open_window(&mut self, rid: u64) -> WResult<()> {
+        let bytes = self.config().put_window_bytes;
+        if !self.unix || bytes == 0 {
+            let e = StoreError::InvalidArgument("this owner gives no put window here".into());
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
+            return Ok(());
+        }
+        if self.window.is_some() {
+            let e = StoreError::InvalidArgument("this connection already has a put window".into());
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
+            return Ok(());
+        }
+        let max = self.config().max_put_window_bytes;
+        let gauge = &self.shared.counters.put_window_bytes;
+        if gauge.fetch_add(bytes, Ordering::Relaxed).saturating_add(bytes) > max {
+            gauge.fetch_sub(bytes, Ordering::Relaxed);
+            self.shared.counters.put_windows_refused.fetch_add(1, Ordering::Relaxed);
+            let limit = usize::try_from(max).unwrap_or(usize::MAX);
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &StoreError::Busy { limit }.into());
+            return Ok(());
+        }
+        match PutWindow::create(bytes) {
+            Ok((window, fd)) => {
+                // Counted from here on; the connection's drop gives the bytes back.
+                self.window = Some(window);
+                self.io.push_frame(Op::Window, rid, &bytes.to_le_bytes());
+                self.io.flush_with_fd(Some(fd.as_fd()))?;
+            }
+            Err(e) => {
+                gauge.fetch_sub(bytes, Ordering::Relaxed);
+                let e = StoreError::Io(format!("cannot create a put window: {e}"));
+                self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// `PutBatch`: every value reserved at once (one request per shard), filled from the put
+    /// window or from the `Data` frames that follow, and published at once; one `Statuses`
+    /// reply. A value that cannot be read fails only its own item.
+    fn put_batch(&mut self, rid: u64, opts: PutOptions, window: bool, items: &[PutItem<'_>]) -> WResult<Flow> {
+        self.count_batch(items.len());
+        if window && self.window.is_none() {
+            // Nothing follows a window batch, so the stream is in sync: answer and go on.
+            let e = StoreError::InvalidArgument("no put window on this connection".into());
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
+            return Ok(Flow::Continue);
+        }
+        let engine = Arc::clone(&self.shared.engine);
+        let sizes: Vec<(&[u8], u64)> = items.iter().map(|i| (i.key, i.len)).collect();
+        let mut pending = engine.reserve_puts(&sizes, opts);
+        let mut failed: Vec<Option<Error>> = vec![None; items.len()];
+        for (i, item) in items.iter().enumerate() {
+            if let Some(w) = self.window.as_ref().filter(|_| window) {
+                if let Ok(dst) = pending.bytes_mut(i) {
+                    if let Err(e) = w.read(item.window_offset, dst) {
+                        failed[i] = Some(e.into());
+                    }
+                }
+                continue;
+            }
+            // The value's frames follow: into the reservation, or read and dropped.
+            let mut filled = 0u64;
+            while filled < item.len {
+                let Some(n) = self.next_data(rid, item.len - filled)? else { return Ok(Flow::Close) };
+                match pending.bytes_mut(i) {
+                    Ok(dst) => self.io.read_exact(&mut dst[filled as usize..(filled + n) as usize])?,
+                    Err(_) => self.io.skip(n)?,
+                }
+                filled += n;
+            }
+        }
+        let statuses: Vec<Result<()>> = pending
+            .commit(|i| failed[i].is_none())
+            .into_iter()
+            .zip(failed)
+            .map(|(committed, failed)| match failed {
+                Some(e) => Err(e),
+                None => committed.map_err(Error::from),
+            })
+            .collect();
+        let start = self.io.begin(Op::Statuses, rid);
+        encode_statuses(self.io.out(), &statuses);
+        self.io.end(start);
+        Ok(Flow::Continue)
     }
 
     /// Where a leased object starts within the shared arena.

@@ -53,6 +53,11 @@ kvtide::settings_group! {
         max_unauthenticated_connections: usize = OwnerConfig::default().max_unauthenticated_connections, Count, eg "4";
         /// Leases one connection may hold (default 4096).
         max_leases_per_connection: u32 = OwnerConfig::default().max_leases_per_connection, Count, eg "128";
+        /// Each Unix connection's put window, shared memory for batched puts (default 32 MiB;
+        /// 0: puts travel over the socket).
+        put_window_bytes: u64 = OwnerConfig::default().put_window_bytes, Bytes, eg "8MiB";
+        /// Put windows of all connections together (default 1 GiB).
+        max_put_window_bytes: u64 = OwnerConfig::default().max_put_window_bytes, Bytes, eg "256MiB";
         /// Largest frame payload (default 4 MiB).
         max_frame_bytes: u32 = OwnerConfig::default().max_payload_bytes, Bytes, eg "2MiB";
         /// Bytes of a value per data frame (default 1 MiB).
@@ -288,6 +293,8 @@ impl OwnerSettings {
             max_connections: o.max_connections,
             max_unauthenticated_connections: o.max_unauthenticated_connections,
             max_leases_per_connection: o.max_leases_per_connection,
+            put_window_bytes: o.put_window_bytes,
+            max_put_window_bytes: o.max_put_window_bytes,
             max_payload_bytes: o.max_frame_bytes,
             chunk_bytes: o.chunk_bytes,
             max_items: o.max_items,

@@ -1,8 +1,11 @@
 //! The same-host fast path's memory: the owner hands out a read-only descriptor of its DRAM
-//! arena; the client maps it read-only and copies leased objects straight out of it.
+//! arena; the client maps it read-only and copies leased objects straight out of it. For puts,
+//! each connection may get a put window: shared memory the client writes values into and the
+//! owner copies them out of.
 //!
 //! It owns the owner's check that the arena memfd is sealed before it is shared, the client's
-//! mapping and the bounds check of every copy against it. It never shares a descriptor whose
+//! mapping and the bounds check of every copy against it, and the put windows (sealed size,
+//! read-only on the owner's side). It never shares a descriptor whose
 //! seals it could not confirm, never maps anything writable, and never reads outside a range the
 //! caller validated against a lease the owner granted (the grant check happens in
 //! `protocol::Grant::check` and again here).
@@ -148,6 +151,133 @@ impl Drop for ShmMapping {
     }
 }
 
+/// Seals of a put window: its size is fixed for good, so neither side can shrink it under the
+/// other's mapping (a read past the end would kill the reader with `SIGBUS`); writes stay allowed.
+const WINDOW_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A put window: shared memory of one connection, which the client writes values into and the
+/// owner copies out of into its reservations. The owner creates it (so it counts and bounds it)
+/// and maps it read-only; only the client maps it writable. The arena is never part of it.
+#[derive(Debug)]
+pub(crate) struct PutWindow {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: shared memory whose every access is a bounds-checked raw copy (never a reference);
+// the client writes only ranges it has not handed to the owner, the owner only reads.
+unsafe impl Send for PutWindow {}
+// SAFETY: as above.
+unsafe impl Sync for PutWindow {}
+
+impl PutWindow {
+    /// The owner's side: a new sealed memfd of `len` bytes, mapped read-only here, and the
+    /// descriptor to send to the client.
+    pub(crate) fn create(len: u64) -> io::Result<(PutWindow, OwnedFd)> {
+        let len_usize = usize::try_from(len).map_err(|_| io::Error::other("window larger than the address space"))?;
+        if len_usize == 0 {
+            return Err(io::Error::other("empty put window"));
+        }
+        // SAFETY: a valid NUL-terminated name; the result is checked.
+        let fd =
+            unsafe { libc::memfd_create(c"kvtide-put-window".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain syscalls on the descriptor we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, WINDOW_SEALS) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let window = PutWindow::map(&fd, len_usize, libc::PROT_READ)?;
+        Ok((window, fd))
+    }
+
+    /// The client's side: maps a window the owner sent, writable, after checking that its size
+    /// is sealed and covers `len`.
+    pub(crate) fn map_writable(fd: OwnedFd, len: u64) -> io::Result<PutWindow> {
+        let len = usize::try_from(len).map_err(|_| io::Error::other("window larger than the address space"))?;
+        // SAFETY: fcntl reads the seals of a descriptor we own.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & WINDOW_SEALS != WINDOW_SEALS {
+            return Err(io::Error::other("the put window's size is not sealed"));
+        }
+        // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if (st.st_size as u64) < len as u64 || len == 0 {
+            return Err(io::Error::other(format!("put window is {} bytes, the owner announced {len}", st.st_size)));
+        }
+        PutWindow::map(&fd, len, libc::PROT_READ | libc::PROT_WRITE)
+    }
+
+    fn map(fd: &OwnedFd, len: usize, prot: libc::c_int) -> io::Result<PutWindow> {
+        // SAFETY: a new shared mapping of a descriptor we hold, at an address the kernel picks,
+        // so no existing mapping is replaced.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(PutWindow { base, len })
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<usize, kvtide::Error> {
+        kvtide_transport::region::check_range("put window", offset, len, self.len as u64)?;
+        Ok(offset as usize)
+    }
+
+    /// The owner's copy of `[offset, offset + dst.len())` into `dst`, after checking the range.
+    /// The client may scribble on the range meanwhile; that changes only its own value, which
+    /// is what it asked to store.
+    pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), kvtide::Error> {
+        let start = self.check(offset, dst.len() as u64)?;
+        if !dst.is_empty() {
+            // SAFETY: the range was checked against the mapping; a raw copy (no reference to the
+            // shared bytes is ever formed); `dst` is ours and cannot overlap a mapping we only read.
+            unsafe { std::ptr::copy_nonoverlapping(self.base.as_ptr().add(start), dst.as_mut_ptr(), dst.len()) };
+        }
+        Ok(())
+    }
+
+    /// The client's copy of `len` bytes at `src` into the window at `offset`.
+    ///
+    /// # Safety
+    /// `[src, src + len)` must be valid for reads, and the client must not have handed this
+    /// range to the owner in a request it has not answered yet.
+    pub(crate) unsafe fn write(&self, offset: u64, src: *const u8, len: u64) -> Result<(), kvtide::Error> {
+        let start = self.check(offset, len)?;
+        if len > 0 {
+            // SAFETY: the destination range was checked against the (writable) mapping; the
+            // source is the caller's (contract) and lies outside a mapping the client just made.
+            unsafe { std::ptr::copy_nonoverlapping(src, self.base.as_ptr().add(start), len as usize) };
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PutWindow {
+    fn drop(&mut self) {
+        // SAFETY: base/len describe the mapping made in `map`; the owner drops it with its
+        // connection, the client with its connection, after the last copy.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,5 +299,36 @@ mod tests {
         assert!(check_sealed(&fd, 1 << 20).is_err(), "no write seal");
         let arena = kvtide_tiers::dram::Arena::new(4 << 20, 1).expect("arena");
         check_sealed(arena.memfd(), arena.len_bytes() as u64).expect("the arena is sealed");
+    }
+
+    #[test]
+    fn a_put_window_cannot_be_resized_and_checks_every_range() {
+        let (owner_side, fd) = PutWindow::create(64 << 10).expect("window");
+        // A hostile client cannot shrink it under the owner's mapping.
+        // SAFETY: a plain syscall on our descriptor; it must fail.
+        assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
+        let client_side = PutWindow::map_writable(fd, 64 << 10).expect("client mapping");
+        let value: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        // SAFETY: value is a live buffer; nothing was handed to the owner.
+        unsafe { client_side.write(100, value.as_ptr(), value.len() as u64) }.expect("write");
+        let mut out = vec![0u8; 1000];
+        owner_side.read(100, &mut out).expect("read");
+        assert_eq!(out, value);
+        assert!(owner_side.read((64 << 10) - 10, &mut out).is_err(), "past the end");
+        assert!(owner_side.read(u64::MAX - 5, &mut out).is_err(), "overflow");
+        // SAFETY: as above; the range is refused before anything is copied.
+        assert!(unsafe { client_side.write(64 << 10, value.as_ptr(), 1) }.is_err());
+    }
+
+    #[test]
+    fn an_unsealed_window_is_refused_by_the_client() {
+        // SAFETY: a valid NUL-terminated name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"kvtide-test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a plain syscall on our descriptor.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 1 << 20) }, 0);
+        assert!(PutWindow::map_writable(fd, 1 << 20).is_err());
     }
 }

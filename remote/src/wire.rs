@@ -261,16 +261,6 @@ impl FrameIo {
         Ok(result?)
     }
 
-    /// Sends the write buffer followed by `data` (the caller wrote a frame header announcing it).
-    pub(crate) fn send_with(&mut self, data: &[IoSlice<'_>]) -> WResult<()> {
-        let mut bufs = Vec::with_capacity(data.len() + 1);
-        bufs.push(IoSlice::new(&self.wbuf));
-        bufs.extend_from_slice(data);
-        let result = sock::send_all(self.stream.fd(), &bufs, None);
-        self.wbuf.clear();
-        Ok(result?)
-    }
-
     /// Sends the write buffer, then a frame header and `data` (gathered, no copy of `data`).
     pub(crate) fn send_data(&mut self, op: Op, request_id: u64, data: &[IoSlice<'_>]) -> WResult<()> {
         let len: usize = data.iter().map(|d| d.len()).sum();

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use common::value_for;
 use kvtide::{Engine, Error as StoreError, Fragment, PutOptions, Region, RegionError, Store, StoreBuilder};
 use kvtide_remote::protocol::{
-    decode_error_frame, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead, Request,
-    HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
+    decode_error_frame, decode_statuses, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead,
+    PutItem, Request, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
 
@@ -1246,11 +1246,15 @@ fn wait_gauges_zero(owner: &Owner) {
             c.connections_open.load(Ordering::SeqCst),
             c.handshakes_open.load(Ordering::SeqCst),
             c.buffered_bytes.load(Ordering::SeqCst),
+            c.put_window_bytes.load(Ordering::SeqCst),
         );
-        if held == (0, 0, 0) {
+        if held == (0, 0, 0, 0) {
             return;
         }
-        assert!(Instant::now() < deadline, "still held (connections, handshakes, buffered bytes): {held:?}");
+        assert!(
+            Instant::now() < deadline,
+            "still held (connections, handshakes, buffered bytes, put window bytes): {held:?}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -1668,6 +1672,38 @@ fn ssd_resident_objects_stream_through_the_owner() {
         assert_eq!(e.stats().total.loads, loads + 1, "{name}: the object came from SSD");
         assert_eq!(client.get(&key(i + 3)).expect("get"), value_for(&key(i + 3), i + 3, len), "{name}");
     }
+    // A batch of SSD-resident keys through the shared arena: leased together, loaded side by
+    // side, every byte checked; a batch larger than DRAM gets what fits and `NoSpace` or
+    // `Busy` for the rest, never a wrong byte.
+    let batch_len = 512 << 10;
+    let batch_key = |i: u64| format!("ssd-batch/{i}").into_bytes();
+    for i in 0..24u64 {
+        e.put(&batch_key(i), &value_for(&batch_key(i), i, batch_len), PutOptions::INSERT).expect("put");
+    }
+    e.sync_shards().expect("sync");
+    for count in [8u64, 24] {
+        let keys: Vec<Vec<u8>> = (0..count).map(batch_key).collect();
+        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let mut bufs: Vec<Vec<u8>> = (0..count).map(|_| vec![0u8; batch_len]).collect();
+        let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+        let got = clients[0].1.batch_get_into_multi_buffers(&key_refs, &dsts);
+        drop(dsts);
+        let mut ok = 0;
+        for (i, r) in got.iter().enumerate() {
+            match r {
+                Ok(n) => {
+                    assert_eq!(*n, batch_len);
+                    assert!(bufs[i] == value_for(&keys[i], i as u64, batch_len), "bytes of {i}");
+                    ok += 1;
+                }
+                Err(e) => assert!(
+                    matches!(e, Error::Store(StoreError::NoSpace | StoreError::Busy { .. })),
+                    "batch of {count}: key {i}: {e:?}"
+                ),
+            }
+        }
+        assert!(ok >= 8.min(count), "batch of {count}: {ok} keys read: {got:?}");
+    }
     drop(clients);
     wait_idle(&owner);
     drop(owner);
@@ -1793,5 +1829,218 @@ fn progressive_puts_through_the_owner_are_followed_and_end_with_their_connection
     std::thread::sleep(Duration::from_millis(100));
     wait_idle(&owner);
     assert_eq!(e.stats().stream.unsealed_objects, 0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+// ---- batches through the owner ----------------------------------------------------------------
+
+/// Batch requests the owner served so far (a get's release frame is a request of its own, so
+/// the plain request count would include those).
+fn requests(owner: &Owner) -> u64 {
+    owner.counters().batch_requests.load(Ordering::SeqCst)
+}
+
+#[test]
+fn batches_through_the_owner_take_one_request_per_group() {
+    let engine = engine(256 << 20);
+    let dir = temp_dir("batches");
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.put_window_bytes = 4 << 20;
+        c.idle_timeout_ms = 60_000;
+        c.payload_timeout_ms = 10_000;
+    });
+    for (name, store) in [("unix", unix_client(&owner)), ("tcp", tcp_client(&owner))] {
+        // 40 values that fit a 2 MiB window half, 2 that do not (streamed), an empty one, and
+        // two bad keys that fail only themselves.
+        let mut keys: Vec<Vec<u8>> = (0..40).map(|i| format!("{name}-small-{i}").into_bytes()).collect();
+        keys.push(format!("{name}-large-0").into_bytes());
+        keys.push(format!("{name}-large-1").into_bytes());
+        keys.push(format!("{name}-empty").into_bytes());
+        keys.push(Vec::new());
+        keys.push(vec![b'k'; 2000]);
+        let lens: Vec<usize> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, _)| {
+                if i < 40 {
+                    64 << 10
+                } else if i < 42 {
+                    3 << 20
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let values: Vec<Vec<u8>> = keys.iter().zip(&lens).map(|(k, &len)| value_for(k, 1, len)).collect();
+        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        // The first value comes from two regions, to check the gather into the window.
+        let mut sources: Vec<Vec<Region<'_>>> = values.iter().map(|v| vec![Region::host_readonly(v)]).collect();
+        sources[0] = vec![Region::host_readonly(&values[0][..1000]), Region::host_readonly(&values[0][1000..])];
+        let before = requests(&owner);
+        let results = store.batch_put_from_multi_buffers(&key_refs, &sources, PutOptions::default());
+        let put_requests = requests(&owner) - before;
+        for (i, r) in results.iter().enumerate().take(43) {
+            assert_eq!(r, &Ok(()), "{name}: put {i}");
+        }
+        assert_eq!(results[43], Err(StoreError::EmptyKey.into()), "{name}");
+        assert!(matches!(results[44], Err(Error::Store(StoreError::TooLarge { what: "key", .. }))), "{name}");
+        // Unix: two window halves of small values, the large ones streamed, the empty one in a
+        // window half; TCP: one streamed request.
+        let most = if name == "unix" { 4 } else { 1 };
+        assert!(put_requests <= most, "{name}: {put_requests} requests for 45 puts");
+        assert_eq!(store.uses_shared_memory(), name == "unix");
+
+        let mut bufs: Vec<Vec<u8>> = lens[..43].iter().map(|&len| vec![0u8; len]).collect();
+        let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+        let got = store.batch_get_into_multi_buffers(&key_refs[..43], &dsts);
+        drop(dsts);
+        for (i, r) in got.iter().enumerate() {
+            assert_eq!(r, &Ok(lens[i]), "{name}: get {i}");
+            assert!(bufs[i] == values[i], "{name}: bytes of {i}");
+        }
+
+        // Again without upsert: existing keys fail alone, a new key in the same batch lands.
+        let again: Vec<&[u8]> = vec![key_refs[0], b"fresh", key_refs[41]];
+        let srcs = vec![vec![Region::host_readonly(&values[0])], vec![Region::host_readonly(b"new")], vec![]];
+        let results = store.batch_put_from_multi_buffers(&again, &srcs, PutOptions::default());
+        assert_eq!(results, vec![Err(StoreError::AlreadyExists.into()), Ok(()), Err(StoreError::AlreadyExists.into())]);
+        // With upsert, a value changes in place.
+        let newer = value_for(key_refs[1], 2, 64 << 10);
+        let results = store.batch_put_from_multi_buffers(
+            &[key_refs[1]],
+            &[vec![Region::host_readonly(&newer)]],
+            PutOptions { upsert: true, pin: false },
+        );
+        assert_eq!(results, vec![Ok(())]);
+        assert!(store.get(key_refs[1]).expect("upserted") == newer, "{name}: upsert");
+
+        let before = requests(&owner);
+        let mut doomed: Vec<&[u8]> = key_refs[..43].to_vec();
+        doomed.push(b"fresh");
+        doomed.push(b"never-stored");
+        doomed.push(b"");
+        let removed = store.batch_remove(&doomed, false);
+        assert_eq!(requests(&owner) - before, 1, "{name}: one remove request");
+        assert!(removed[..44].iter().all(|r| r.is_ok()), "{name}: {removed:?}");
+        assert_eq!(removed[44], Err(StoreError::NotFound.into()));
+        assert_eq!(removed[45], Err(StoreError::EmptyKey.into()));
+        assert!(store.batch_exists(&doomed[..45]).into_iter().all(|r| r == Ok(false)), "{name}: all gone");
+        if name == "unix" {
+            assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 4 << 20, "one window");
+        }
+    }
+    wait_idle(&owner);
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn put_windows_are_bounded_and_a_refused_client_puts_over_the_socket() {
+    let engine = engine(64 << 20);
+    let dir = temp_dir("windows");
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.put_window_bytes = 1 << 20;
+        c.max_put_window_bytes = 1 << 20;
+        c.idle_timeout_ms = 60_000;
+    });
+    let value = value_for(b"w", 1, 100_000);
+    let first = unix_client(&owner);
+    first.put(b"first", &value, PutOptions::default()).expect("first put");
+    assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 1 << 20);
+    let second = unix_client(&owner);
+    second.put(b"second", &value, PutOptions::default()).expect("second put, over the socket");
+    assert_eq!(owner.counters().put_windows_refused.load(Ordering::SeqCst), 1);
+    assert!(second.get(b"second").expect("second") == value);
+    assert!(first.get(b"second").expect("seen by the first") == value);
+    drop(first);
+    drop(second);
+    wait_gauges_zero(&owner);
+
+    // Without windows, Unix puts travel over the socket.
+    drop(owner);
+    let owner = guarded_owner(&engine, &dir, |c| c.put_window_bytes = 0);
+    let store = unix_client(&owner);
+    store.put(b"no-window", &value, PutOptions::default()).expect("put");
+    assert!(store.get(b"no-window").expect("get") == value);
+    assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 0);
+    drop(store);
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn hostile_batches_fail_only_what_they_must() {
+    let engine = engine(64 << 20);
+    let dir = temp_dir("hostile-batches");
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.put_window_bytes = 1 << 20;
+        c.idle_timeout_ms = 60_000;
+    });
+    let put =
+        |window: bool, items: Vec<PutItem<'static>>| Request::PutBatch { upsert: false, pin: false, window, items };
+
+    // A window batch on a connection without a window: refused whole, the connection goes on.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.request(&put(true, vec![PutItem { key: b"a", len: 10, window_offset: 0 }]), 1);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    raw.request(&Request::Exists { keys: vec![b"a"] }, 2);
+    assert_eq!(raw.recv().expect("exists").0.op, Op::ExistsReply);
+
+    // With a window: a range outside it fails its own item only; a second window is refused.
+    raw.request(&Request::PutWindow, 3);
+    let (h, payload) = raw.recv().expect("window");
+    assert_eq!((h.op, payload.len()), (Op::Window, 8));
+    raw.request(&Request::PutWindow, 4);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    let items = vec![
+        PutItem { key: b"outside", len: 10, window_offset: (1 << 20) - 5 },
+        PutItem { key: b"wrapping", len: 10, window_offset: u64::MAX - 3 },
+        PutItem { key: b"inside", len: 10, window_offset: 0 },
+    ];
+    raw.request(&put(true, items), 5);
+    let (h, payload) = raw.recv().expect("statuses");
+    assert_eq!(h.op, Op::Statuses);
+    let statuses = decode_statuses(&payload, 16).expect("statuses");
+    assert!(matches!(statuses[0], Err(Error::Store(StoreError::InvalidRange(_)))), "{statuses:?}");
+    assert!(matches!(statuses[1], Err(Error::Store(StoreError::InvalidRange(_)))), "{statuses:?}");
+    assert_eq!(statuses[2], Ok(()));
+    assert_eq!(engine.exists(b"outside"), Ok(false), "a failed item is not published");
+    assert_eq!(engine.get(b"inside").expect("inside"), vec![0u8; 10]);
+    assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 1 << 20);
+    drop(raw);
+
+    // TCP connections get no window.
+    let open_tcp = Owner::start(
+        Arc::clone(&engine),
+        OwnerConfig { tcp: Some(any_port()), allow_unauthenticated_loopback: true, ..OwnerConfig::default() },
+    )
+    .expect("loopback owner");
+    let mut raw = Raw::tcp(&open_tcp);
+    raw.handshake(false);
+    raw.request(&Request::PutWindow, 1);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    drop(raw);
+    drop(open_tcp);
+
+    // A streamed batch whose value frame is longer than its item: the connection is closed and
+    // nothing of the batch is published.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.request(&put(false, vec![PutItem { key: b"long", len: 4, window_offset: 0 }]), 1);
+    raw.send(&frame(Op::Data, 1, &[7u8; 8]));
+    assert!(matches!(raw.expect_error(), Error::Protocol(_)));
+    raw.expect_closed();
+    assert_eq!(engine.exists(b"long"), Ok(false));
+    // A streamed batch cut short by a vanishing client publishes nothing either.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    raw.request(&put(false, vec![PutItem { key: b"cut", len: 8192, window_offset: 0 }]), 1);
+    raw.send(&frame(Op::Data, 1, &[7u8; 4096]));
+    drop(raw);
+    wait_idle(&owner);
+    wait_gauges_zero(&owner);
+    assert_eq!(engine.exists(b"cut"), Ok(false));
+    assert!(engine.stats().held_resources().is_zero());
     let _ = std::fs::remove_dir_all(dir);
 }

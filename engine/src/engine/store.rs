@@ -129,6 +129,19 @@ impl Store for Engine {
         self.call(self.shard_of(key), |reply| Request::Remove { key: key.into(), force, reply })?
     }
 
+    fn batch_remove(&self, keys: &[&[u8]], force: bool) -> Vec<Result<()>> {
+        // Every request goes out before the first reply is awaited, so the shards work on them
+        // together.
+        let sent: Vec<Result<_>> = keys
+            .iter()
+            .map(|key| {
+                self.validate_key(key)?;
+                self.send_with_reply(self.shard_of(key), |reply| Request::Remove { key: (*key).into(), force, reply })
+            })
+            .collect();
+        sent.into_iter().map(|rx| rx.and_then(|rx| self.recv_reply(&rx)).and_then(|r| r)).collect()
+    }
+
     fn pin(&self, key: &[u8]) -> Result<()> {
         self.validate_key(key)?;
         self.call(self.shard_of(key), |reply| Request::Pin { key: key.into(), reply })?
