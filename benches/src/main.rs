@@ -20,6 +20,9 @@
 //! - `gpu-restore` (feature `cuda`): an SSD-resident batch restored into fragmented GPU pages
 //!   (barrier, serialized, pipelined). Baselines in the same run: load-only, transfer-only
 //!   (DRAM-resident) and one raw pinned `cuMemcpyHtoDAsync` of the same bytes.
+//! - `gpu-remote` (feature `cuda`): reader processes reading fragmented GPU pages through one
+//!   owner on the same host (1, 2 and 4 readers, direct and staged). Baselines in the same run:
+//!   one raw pinned `cuMemcpyHtoDAsync` of the same bytes and the embedded engine's reads.
 //! - `remote`: a `kvtide-owner` process through `RemoteStore` over Unix socket + shared memory
 //!   and over TCP: put/get throughput and p50/p99 for 64 KiB, 1 MiB and 16 MiB values with 1 and
 //!   8 clients. Baselines in the same run: Redis (SET/GET over TCP and its Unix socket) and a
@@ -41,6 +44,8 @@ mod dram;
 mod eviction;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_remote;
 #[cfg(feature = "cuda")]
 mod gpu_restore;
 mod hist;
@@ -79,6 +84,13 @@ enum Command {
     /// SSD-resident batch restored into GPU pages, barrier / serialized / pipelined (feature `cuda`).
     #[cfg(feature = "cuda")]
     GpuRestore(gpu_restore::GpuRestoreArgs),
+    /// Reader processes reading GPU pages through one owner, vs embedded and raw PCIe (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    GpuRemote(gpu_remote::GpuRemoteArgs),
+    /// A reader process of `gpu-remote` (internal).
+    #[cfg(feature = "cuda")]
+    #[command(hide = true)]
+    GpuRemoteReader(gpu_remote::GpuRemoteReaderArgs),
     /// One step of N layers each waiting for its KV: serial, host-overlapped and stream-bound +
     /// one CUDA graph, against ideal (feature `cuda`).
     #[cfg(feature = "cuda")]
@@ -107,6 +119,10 @@ fn main() {
         Command::Gpu(args) => gpu::run(&args),
         #[cfg(feature = "cuda")]
         Command::GpuRestore(args) => gpu_restore::run(&args),
+        #[cfg(feature = "cuda")]
+        Command::GpuRemote(args) => gpu_remote::run(&args),
+        #[cfg(feature = "cuda")]
+        Command::GpuRemoteReader(args) => gpu_remote::run_reader(&args),
         #[cfg(feature = "cuda")]
         Command::Layerwise(args) => layerwise::run(&args),
     };

@@ -50,6 +50,11 @@ pub struct RemoteArgs {
     /// Only measure kvtide (and memcpy).
     #[arg(long)]
     pub skip_redis: bool,
+    /// Keys per call. Above 1, kvtide's puts and gets are batched calls
+    /// (`batch_put_from_multi_buffers`, `batch_get_into_multi_buffers`), Redis is skipped, and
+    /// the baseline is memcpy of the same bytes.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
     /// Also print one JSON line per result.
     #[arg(long)]
     pub json: bool,
@@ -98,6 +103,14 @@ trait Client: Send {
     fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), String>;
     /// Reads `key` into `buf` (value-sized); returns the length.
     fn get(&mut self, key: &[u8], buf: &mut [u8]) -> Result<usize, String>;
+    /// Puts `value` under every key, in one call where the system has one.
+    fn put_batch(&mut self, keys: &[&[u8]], value: &[u8]) -> Result<(), String> {
+        keys.iter().try_for_each(|k| self.put(k, value))
+    }
+    /// Reads `keys[i]` into `bufs[i]` (value-sized), in one call where the system has one.
+    fn get_batch(&mut self, keys: &[&[u8]], bufs: &mut [Vec<u8>]) -> Result<(), String> {
+        keys.iter().zip(bufs.iter_mut()).try_for_each(|(k, b)| self.get(k, b).map(|_| ()))
+    }
 }
 
 struct Kvtide(RemoteStore);
@@ -108,6 +121,20 @@ impl Client for Kvtide {
     }
     fn get(&mut self, key: &[u8], buf: &mut [u8]) -> Result<usize, String> {
         self.0.get_into(key, Region::host(buf)).map_err(|e| e.to_string())
+    }
+    fn put_batch(&mut self, keys: &[&[u8]], value: &[u8]) -> Result<(), String> {
+        let sources: Vec<Vec<Region<'_>>> = keys.iter().map(|_| vec![Region::host_readonly(value)]).collect();
+        self.0
+            .batch_put_from_multi_buffers(keys, &sources, PutOptions::UPSERT)
+            .into_iter()
+            .try_for_each(|r| r.map_err(|e| e.to_string()))
+    }
+    fn get_batch(&mut self, keys: &[&[u8]], bufs: &mut [Vec<u8>]) -> Result<(), String> {
+        let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+        self.0
+            .batch_get_into_multi_buffers(keys, &dsts)
+            .into_iter()
+            .try_for_each(|r| r.map(|_| ()).map_err(|e| e.to_string()))
     }
 }
 
@@ -281,7 +308,14 @@ where
     Ok(phase)
 }
 
-fn measure(system: &System, size: u64, clients: usize, keys: usize, duration: Duration) -> Result<Row, String> {
+fn measure(
+    system: &System,
+    size: u64,
+    clients: usize,
+    keys: usize,
+    batch: usize,
+    duration: Duration,
+) -> Result<Row, String> {
     let value: Vec<u8> = (0..size).map(|i| (i as u8).wrapping_mul(31).wrapping_add(7)).collect();
     let mut conns = Vec::with_capacity(clients);
     for _ in 0..clients {
@@ -299,30 +333,65 @@ fn measure(system: &System, size: u64, clients: usize, keys: usize, duration: Du
         let mine: Vec<Vec<u8>> = (c..keys).step_by(clients).map(|k| key_of(size, k)).collect();
         let (mut ops, mut hist) = (0u64, Histogram::default());
         while Instant::now() < deadline {
+            let picked: Vec<&[u8]> = (0..batch).map(|j| mine[(ops as usize + j) % mine.len()].as_slice()).collect();
             let t0 = Instant::now();
-            conn.put(&mine[ops as usize % mine.len()], &value).map_err(|e| format!("{} put: {e}", system.name()))?;
+            if batch == 1 { conn.put(picked[0], &value) } else { conn.put_batch(&picked, &value) }
+                .map_err(|e| format!("{} put: {e}", system.name()))?;
             hist.record(t0.elapsed().as_nanos() as u64);
-            ops += 1;
+            ops += batch as u64;
         }
         Ok((ops, ops * size, hist))
     })?;
     let get = drive(clients, duration, |c, deadline| {
         let mut conn = conns[c].lock().map_err(|_| "poisoned")?;
-        let mut buf = vec![0u8; size as usize];
+        let mut bufs: Vec<Vec<u8>> = (0..batch).map(|_| vec![0u8; size as usize]).collect();
         let (mut ops, mut hist) = (0u64, Histogram::default());
         while Instant::now() < deadline {
-            let key = key_of(size, (c * 7919 + ops as usize) % keys);
+            let picked: Vec<Vec<u8>> = (0..batch).map(|j| key_of(size, (c * 7919 + ops as usize + j) % keys)).collect();
+            let refs: Vec<&[u8]> = picked.iter().map(Vec::as_slice).collect();
             let t0 = Instant::now();
-            let n = conn.get(&key, &mut buf).map_err(|e| format!("{} get: {e}", system.name()))?;
-            hist.record(t0.elapsed().as_nanos() as u64);
-            if n as u64 != size || (ops == 0 && buf != value) {
-                return Err(format!("{}: wrong value for {}", system.name(), String::from_utf8_lossy(&key)));
+            if batch == 1 {
+                let n = conn.get(refs[0], &mut bufs[0]).map_err(|e| format!("{} get: {e}", system.name()))?;
+                if n as u64 != size {
+                    return Err(format!("{}: wrong length for {}", system.name(), String::from_utf8_lossy(refs[0])));
+                }
+            } else {
+                conn.get_batch(&refs, &mut bufs).map_err(|e| format!("{} get: {e}", system.name()))?;
             }
-            ops += 1;
+            hist.record(t0.elapsed().as_nanos() as u64);
+            if ops == 0 && bufs.iter().any(|b| *b != value) {
+                return Err(format!("{}: wrong value for {}", system.name(), String::from_utf8_lossy(refs[0])));
+            }
+            ops += batch as u64;
         }
         Ok((ops, ops * size, hist))
     })?;
     Ok(Row { size, clients, system: system.name(), put: Some(put), get })
+}
+
+/// `memcpy` of one `size`-byte value into successive slots of a working set of the systems'
+/// size (split among the threads): the one copy an embedded put makes, which a put through the
+/// owner can at best reach. The destination is touched once before the clock starts.
+fn memcpy_put_row(size: u64, clients: usize, working_set: u64, duration: Duration) -> Result<Row, String> {
+    let slots = (working_set / clients as u64 / size).max(2) as usize;
+    let mut arenas: Vec<std::sync::Mutex<Vec<u8>>> =
+        (0..clients).map(|_| std::sync::Mutex::new(vec![1u8; slots * size as usize])).collect();
+    let put = drive(clients, duration, |c, deadline| {
+        let value = vec![7u8; size as usize];
+        let mut arena = arenas[c].lock().map_err(|_| "poisoned")?;
+        let (mut ops, mut hist) = (0u64, Histogram::default());
+        while Instant::now() < deadline {
+            let at = (ops as usize % slots) * size as usize;
+            let t0 = Instant::now();
+            arena[at..at + size as usize].copy_from_slice(&value);
+            std::hint::black_box(&mut arena[at]);
+            hist.record(t0.elapsed().as_nanos() as u64);
+            ops += 1;
+        }
+        Ok((ops, ops * size, hist))
+    })?;
+    arenas.clear();
+    Ok(Row { size, clients, system: "memcpy into a working set", put: Some(put), get: Phase::default() })
 }
 
 /// `memcpy` of `size`-byte values from a working set of the same size as the systems' (split
@@ -433,12 +502,16 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let owner = start_owner(args, &dir)?;
-    let redis = if args.skip_redis { None } else { Some(start_redis(&args.redis_server, &dir)?) };
+    if args.batch == 0 {
+        return Err("--batch must be positive".into());
+    }
+    let redis = if args.skip_redis || args.batch > 1 { None } else { Some(start_redis(&args.redis_server, &dir)?) };
     let duration = Duration::from_secs_f64(args.duration_secs.max(0.1));
     println!(
-        "## remote: sizes {}, clients {:?}, {} s per phase, working set {}, owner DRAM {}, {} CPUs",
+        "## remote: sizes {}, clients {:?}, {} keys per call, {} s per phase, working set {}, owner DRAM {}, {} CPUs",
         args.sizes.iter().map(|s| fmt_bytes(*s)).collect::<Vec<_>>().join("/"),
         args.clients,
+        args.batch,
         args.duration_secs,
         fmt_bytes(args.working_set),
         fmt_bytes(args.dram_bytes),
@@ -453,16 +526,17 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
     let mut rows = Vec::new();
     for &size in &args.sizes {
         for &clients in &args.clients {
-            let keys = ((args.working_set / size) as usize).max(2 * clients);
+            let keys = ((args.working_set / size) as usize).max(2 * clients * args.batch);
             // The limit is measured before and after the systems; the better run counts, so a
             // burst of other load on the machine cannot make the limit look low.
             let before = memcpy_row(size, clients, args.working_set, duration)?;
             for system in &systems {
                 eprintln!("  {} x{clients} {} ...", system.name(), fmt_bytes(size));
-                rows.push(measure(system, size, clients, keys, duration)?);
+                rows.push(measure(system, size, clients, keys, args.batch, duration)?);
             }
             let after = memcpy_row(size, clients, args.working_set, duration)?;
             rows.push(if after.get.ops_per_sec() > before.get.ops_per_sec() { after } else { before });
+            rows.push(memcpy_put_row(size, clients, args.working_set, duration)?);
             if let Some(r) = &redis {
                 // Free redis memory between cells.
                 if let Ok(s) = TcpStream::connect(r.tcp) {
@@ -528,8 +602,8 @@ fn print_table(rows: &[Row], json: bool) {
     }
     println!();
     println!("Ratios (same run; > 1 means kvtide is faster):");
-    println!("| value | clients | shm get / memcpy | shm get / redis unix get | tcp get / redis tcp get | shm put / redis unix put | tcp put / redis tcp put |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
+    println!("| value | clients | shm get / memcpy | shm put / memcpy into a working set | shm get / redis unix get | tcp get / redis tcp get | shm put / redis unix put | tcp put / redis tcp put |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
     let find = |size: u64, clients: usize, system: &str| {
         rows.iter().find(|r| r.size == size && r.clients == clients && r.system == system)
     };
@@ -543,10 +617,11 @@ fn print_table(rows: &[Row], json: bool) {
             _ => "–".into(),
         };
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             fmt_bytes(size),
             clients,
             ratio(get("kvtide unix+shm"), get("memcpy (best of 2)")),
+            ratio(put("kvtide unix+shm"), put("memcpy into a working set")),
             ratio(get("kvtide unix+shm"), get("redis unix")),
             ratio(get("kvtide tcp"), get("redis tcp")),
             ratio(put("kvtide unix+shm"), put("redis unix")),

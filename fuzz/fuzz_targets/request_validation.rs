@@ -42,7 +42,7 @@ fuzz_target!(|data: &[u8]| {
     let key_ok = |k: &[u8]| !k.is_empty() && k.len() <= limits.max_key_bytes as usize;
     let max = limits.max_items as usize;
     match &request {
-        Request::Get { items, .. } => {
+        Request::Get { items, .. } | Request::GetParts { items } => {
             assert!(items.len() <= max && items.iter().all(|i| key_ok(i.key)));
         }
         Request::GetRanges { keys, fragments } => {

@@ -19,13 +19,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtide_transport::Region;
+use kvtide_transport::{Direction, Region, Transfer};
 
 use crate::auth::Token;
 use crate::protocol::{
-    decode_error_frame, decode_exists, decode_grants, decode_mac, decode_object, FrameHeader, GetItem, Hello, HelloOk,
-    LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    NONCE_BYTES, WHOLE_REQUEST,
+    decode_error_frame, decode_exists, decode_grants, decode_mac, decode_object, FrameHeader, GetItem, GrantsPart,
+    Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
+    HELLO_WANT_SHM, NONCE_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::{PutWindow, ShmMapping};
 use crate::sock::{self, Stream};
@@ -36,6 +36,7 @@ use kvtide::{Error as StoreError, Fragment, PutOptions, Stats, Store, Ticket};
 use crate::error::{Error, Result};
 
 mod batch;
+mod gpu;
 mod stream;
 use batch::PutSource;
 pub use stream::RemotePutStream;
@@ -64,6 +65,9 @@ pub struct ClientOptions {
     /// Chunk handles (`progressive_get`, `streaming_batch_get_buffer_ranges`) running at once;
     /// more are refused with `Busy`. Default 64.
     pub max_stream_handles: usize,
+    /// How this client copies between the owner's memory and GPU memory (feature `cuda`):
+    /// staged or direct, as the embedded engine's `[gpu]` settings.
+    pub gpu: kvtide::GpuGroup,
 }
 
 impl Default for ClientOptions {
@@ -76,6 +80,7 @@ impl Default for ClientOptions {
             max_idle_connections: 16,
             max_tickets_in_flight: 64,
             max_stream_handles: 64,
+            gpu: kvtide::GpuGroup::default(),
         }
     }
 }
@@ -155,6 +160,7 @@ impl std::fmt::Debug for RemoteStore {
 struct Inner {
     endpoint: Endpoint,
     options: ClientOptions,
+    gpu: gpu::ClientGpu,
     pool: Mutex<Vec<Conn>>,
     mapping: Mutex<Option<Arc<ShmMapping>>>,
     next_request: AtomicU64,
@@ -207,6 +213,7 @@ impl RemoteStore {
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<RemoteStore> {
         let inner = Arc::new(Inner {
             endpoint: Endpoint::parse(address)?,
+            gpu: gpu::ClientGpu::new(options.gpu.clone()),
             options,
             pool: Mutex::new(Vec::new()),
             mapping: Mutex::new(None),
@@ -411,6 +418,22 @@ impl Inner {
         Ok(())
     }
 
+    /// Checks a destination list: GPU memory through the GPU transport, host memory writable.
+    fn check_destinations(&self, regions: &[Region<'_>]) -> Result<()> {
+        if gpu::names_device(regions) {
+            return self.gpu.check(regions, true);
+        }
+        regions.iter().try_for_each(check_destination)
+    }
+
+    /// Checks a source list: GPU memory through the GPU transport.
+    fn check_sources(&self, regions: &[Region<'_>]) -> Result<()> {
+        if gpu::names_device(regions) {
+            return self.gpu.check(regions, false);
+        }
+        regions.iter().try_for_each(check_source)
+    }
+
     /// The limits of the owner as of the last handshake (connecting if there was none).
     fn limits(&self) -> Result<Limits> {
         if let Some(l) = *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) {
@@ -443,7 +466,7 @@ impl Inner {
         for (start, end) in batches(&key_lens, 11, max_items, &limits) {
             let mut batch: Vec<(&[u8], LenCheck, Target<'a>)> =
                 items[start..end].iter_mut().filter_map(Option::take).collect();
-            let outcome = self.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.timeout()));
+            let outcome = self.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.timeout(), &self.gpu));
             match outcome {
                 Ok(per_key) => {
                     for (slot, r) in results[start..end].iter_mut().zip(per_key) {
@@ -569,21 +592,35 @@ impl Conn {
         rid: u64,
         batch: &mut [(&[u8], LenCheck, Target<'_>)],
         timeout: Duration,
+        gpu: &gpu::ClientGpu,
     ) -> WResult<Result<Vec<ReadResult>>> {
         let lease = self.shm.is_some();
         let items: Vec<GetItem<'_>> = batch.iter().map(|(key, check, _)| GetItem { key, check: *check }).collect();
-        let start = self.io.begin(Op::Get, rid);
-        Request::Get { lease, items }.encode(self.io.out());
+        let request = if lease { Request::GetParts { items } } else { Request::Get { lease: false, items } };
+        let start = self.io.begin(request.op(), rid);
+        request.encode(self.io.out());
         self.io.end(start);
         let sent = Instant::now();
         self.io.flush()?;
         if lease {
-            self.read_grants(rid, batch, sent)
+            self.read_grant_parts(rid, batch, gpu)
         } else {
+            // GPU destinations take a host buffer in between.
+            let bounced: Vec<Option<Vec<Region<'_>>>> = batch
+                .iter_mut()
+                .map(|(_, _, target)| match target {
+                    Target::Regions(regions) if gpu::names_device(regions) => {
+                        let regions = std::mem::take(regions);
+                        *target = Target::Owned(Vec::new());
+                        Some(regions)
+                    }
+                    _ => None,
+                })
+                .collect();
             let mut targets: Vec<&mut Target<'_>> = batch.iter_mut().map(|(_, _, t)| t).collect();
             let results = self.read_stream(rid, &mut targets, sent + timeout)?;
             Ok(results.map(|per_item| {
-                per_item
+                let mut out: Vec<ReadResult> = per_item
                     .into_iter()
                     .zip(batch.iter_mut())
                     .map(|(res, (_, _, target))| {
@@ -592,55 +629,96 @@ impl Conn {
                             Target::Regions(_) => (len, None),
                         })
                     })
-                    .collect()
+                    .collect();
+                land_bounced(gpu, &mut out, &bounced);
+                out
             }))
         }
     }
 
-    /// Reads a `Grants` reply, copies each granted object out of the shared arena into its
-    /// target, and releases the leases.
-    fn read_grants(
+    /// Reads the `GrantsPart` frames of a `GetParts`: copies each part's objects out of the
+    /// shared arena into their targets (GPU targets in one submission per part) and releases
+    /// the part's leases before reading the next, so the owner can lease further parts.
+    fn read_grant_parts(
         &mut self,
         rid: u64,
         batch: &mut [(&[u8], LenCheck, Target<'_>)],
-        sent: Instant,
+        gpu: &gpu::ClientGpu,
     ) -> WResult<Result<Vec<ReadResult>>> {
-        let h = self.read_reply_header(rid)?;
-        let payload = self.io.read_payload(h.payload_len)?;
         let Some(mapping) = self.shm.clone() else {
             return Err(ProtocolError::Invalid { what: "grants without shared memory" }.into());
         };
-        let (ttl_ms, grants) = match h.op {
-            Op::Grants => decode_grants(&payload, self.limits.max_items, mapping.len())?,
-            Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
-            other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
-        };
-        if grants.len() != batch.len() {
-            return Err(ProtocolError::Invalid { what: "grant count" }.into());
+        let mut results: Vec<Option<ReadResult>> = (0..batch.len()).map(|_| None).collect();
+        loop {
+            let h = self.read_reply_header(rid)?;
+            let payload = self.io.read_payload(h.payload_len)?;
+            let arrived = Instant::now();
+            let part = match h.op {
+                Op::GrantsPart => GrantsPart::decode(&payload, self.limits.max_items, batch.len(), mapping.len())?,
+                Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+                other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+            };
+            let mut leases = Vec::with_capacity(part.grants.len());
+            // GPU destinations: straight from the arena mapping, one submission per part.
+            let mut device: Vec<(usize, Transfer)> = Vec::new();
+            let mut answered = Vec::with_capacity(part.grants.len());
+            for (index, grant) in part.grants {
+                let i = index as usize;
+                if results[i].is_some() {
+                    return Err(ProtocolError::Invalid { what: "item granted twice" }.into());
+                }
+                let (_, check, target) = &mut batch[i];
+                let r = grant.and_then(|g| {
+                    leases.push(g.lease);
+                    check.check(g.len)?;
+                    match target {
+                        Target::Regions(regions) if gpu::names_device(regions) => {
+                            let host = mapping.addr_of(g.offset, g.len)?;
+                            device.push((i, Transfer::in_order(host, g.len, &gpu::covering(regions, g.len)?)));
+                            Ok((g.len as usize, None))
+                        }
+                        _ => copy_grant(&mapping, g.offset, g.len, target),
+                    }
+                });
+                results[i] = Some(r);
+                answered.push(i);
+            }
+            if !device.is_empty() {
+                gpu.pin(mapping.memory(), true);
+                let transfers: Vec<Transfer> = device.iter().map(|(_, t)| t.clone()).collect();
+                // SAFETY: the host bytes are leased to this connection until the release below,
+                // after the copies completed; the device pieces were checked by
+                // check_destinations.
+                let copied = unsafe { gpu.copy(Direction::HostToDevice, &transfers) };
+                for ((i, _), outcome) in device.iter().zip(copied) {
+                    if let Err(e) = outcome {
+                        results[*i] = Some(Err(e));
+                    }
+                }
+            }
+            // The owner keeps leased bytes in place until the TTL; a copy that finished later
+            // than that cannot be trusted.
+            if arrived.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(part.ttl_ms)) {
+                for &i in &answered {
+                    if let Some(r @ Ok(_)) = &mut results[i] {
+                        *r = Err(StoreError::LeaseExpired.into());
+                    }
+                }
+            }
+            if !leases.is_empty() {
+                let start = self.io.begin(Op::Release, rid);
+                Request::Release { leases }.encode(self.io.out());
+                self.io.end(start);
+                self.io.flush()?;
+            }
+            if part.last {
+                break;
+            }
         }
-        let mut leases = Vec::with_capacity(grants.len());
-        let mut results = Vec::with_capacity(grants.len());
-        for (grant, (_, check, target)) in grants.into_iter().zip(batch.iter_mut()) {
-            let r = grant.and_then(|g| {
-                leases.push(g.lease);
-                check.check(g.len)?;
-                copy_grant(&mapping, g.offset, g.len, target)
-            });
-            results.push(r);
+        if results.iter().any(Option::is_none) {
+            return Err(ProtocolError::Invalid { what: "the owner did not answer for every key" }.into());
         }
-        // The owner keeps leased bytes in place until the TTL; a copy that finished later than
-        // that cannot be trusted.
-        let ttl = Duration::from_millis(u64::from(ttl_ms));
-        if sent.elapsed() + LEASE_MARGIN >= ttl {
-            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(StoreError::LeaseExpired.into()));
-        }
-        if !leases.is_empty() {
-            let start = self.io.begin(Op::Release, rid);
-            Request::Release { leases }.encode(self.io.out());
-            self.io.end(start);
-            self.io.flush()?;
-        }
-        Ok(Ok(results))
+        Ok(Ok(results.into_iter().map(|r| r.unwrap_or(Err(StoreError::Internal("unanswered").into()))).collect()))
     }
 
     /// Reads `Object`/`Data`/`Abort`/`Error` frames up to `End`, writing each object into its
@@ -763,6 +841,39 @@ impl Conn {
     }
 }
 
+/// Copies the objects read into host buffers for GPU destinations (`bounced[i]`: the regions of
+/// item i) on to the GPU, one submission for all; an item whose copy failed gets its error.
+fn land_bounced(gpu: &gpu::ClientGpu, results: &mut [ReadResult], bounced: &[Option<Vec<Region<'_>>>]) {
+    let mut staged: Vec<(usize, Transfer)> = Vec::new();
+    for (i, regions) in bounced.iter().enumerate() {
+        let Some(regions) = regions else { continue };
+        let transfer = match &results[i] {
+            Ok((len, Some(bytes))) => {
+                gpu::covering(regions, *len as u64).map(|r| Transfer::in_order(bytes.as_ptr() as u64, *len as u64, &r))
+            }
+            _ => continue,
+        };
+        match transfer {
+            Ok(t) => staged.push((i, t)),
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    let transfers: Vec<Transfer> = staged.iter().map(|(_, t)| t.clone()).collect();
+    // SAFETY: the host bytes are the results' own buffers, untouched until this returns; the
+    // device pieces were checked by check_destinations.
+    let copied = unsafe { gpu.copy(Direction::HostToDevice, &transfers) };
+    for ((i, _), outcome) in staged.iter().zip(copied) {
+        results[*i] = match (outcome, &mut results[*i]) {
+            (Ok(()), Ok((len, bytes))) => {
+                *bytes = None;
+                Ok((*len, None))
+            }
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(e)) => Err(e.clone()),
+        };
+    }
+}
+
 /// Copies a granted object out of the shared arena into `target`.
 fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &mut Target<'_>) -> ReadResult {
     match target {
@@ -818,7 +929,7 @@ impl Store for RemoteStore {
         let mut items = Vec::with_capacity(keys.len());
         for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
             let checked = self.inner.validate_key(&limits, key).and_then(|()| {
-                srcs.iter().try_for_each(check_source)?;
+                self.inner.check_sources(srcs)?;
                 let total = total_len(srcs)?;
                 if total > limits.max_value_bytes {
                     return Err(StoreError::TooLarge { what: "value", len: total, max: limits.max_value_bytes }.into());
@@ -881,7 +992,7 @@ impl Store for RemoteStore {
     fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
         let limits = self.inner.limits()?;
         self.inner.validate_key(&limits, key)?;
-        check_destination(&dst)?;
+        self.inner.check_destinations(std::slice::from_ref(&dst))?;
         let check = LenCheck::AtMost(dst.len() as u64);
         let mut r = self.inner.read_objects(vec![(key, check, Target::Regions(vec![dst]))]);
         r.pop().unwrap_or(Err(StoreError::Internal("no result").into())).map(|(n, _)| n)
@@ -903,7 +1014,7 @@ impl Store for RemoteStore {
             let checked = self
                 .inner
                 .validate_key(&limits, key)
-                .and_then(|()| regions.iter().try_for_each(check_destination))
+                .and_then(|()| self.inner.check_destinations(regions))
                 .and_then(|()| Ok(total_len(regions)?));
             match checked {
                 Ok(total) => {
@@ -932,7 +1043,7 @@ impl Store for RemoteStore {
             buffers,
             fragments,
             &mut results,
-            |_, buffer| check_destination(buffer),
+            |_, buffer| self.inner.check_destinations(std::slice::from_ref(buffer)),
             |key| self.inner.validate_key(&limits, key),
         );
         let shm = self.uses_shared_memory();
@@ -1096,16 +1207,34 @@ impl RemoteStore {
                 return Err(ProtocolError::Invalid { what: "grant count" }.into());
             }
             let mut results = Vec::with_capacity(chunk.len());
-            for (&(b, f), &k) in chunk.iter().zip(&key_of) {
+            let mut device: Vec<(usize, Transfer)> = Vec::new();
+            for (n, (&(b, f), &k)) in chunk.iter().zip(&key_of).enumerate() {
                 let frag = &fragments[b][f];
                 results.push(grants[k].clone().and_then(|g| {
                     kvtide_transport::region::check_range("object", frag.src_offset, frag.len, g.len)?;
                     let dst = buffers[b].slice(frag.dst_offset, frag.len)?;
+                    if gpu::names_device(std::slice::from_ref(&dst)) {
+                        let host = mapping.addr_of(g.offset + frag.src_offset, frag.len)?;
+                        device.push((n, Transfer::in_order(host, frag.len, &[dst])));
+                        return Ok(frag.len as usize);
+                    }
                     // SAFETY: dst is a checked slice of a caller buffer lent writable for this
                     // call; the source is leased to this connection until the release below.
                     unsafe { mapping.copy_out(g.offset + frag.src_offset, frag.len, dst.addr() as *mut u8)? };
                     Ok(frag.len as usize)
                 }));
+            }
+            if !device.is_empty() {
+                self.inner.gpu.pin(mapping.memory(), true);
+                let transfers: Vec<Transfer> = device.iter().map(|(_, t)| t.clone()).collect();
+                // SAFETY: the host bytes are leased to this connection until the release below;
+                // the device buffers were checked by check_destinations.
+                let copied = unsafe { self.inner.gpu.copy(Direction::HostToDevice, &transfers) };
+                for ((n, _), outcome) in device.iter().zip(copied) {
+                    if let Err(e) = outcome {
+                        results[*n] = Err(e);
+                    }
+                }
             }
             if sent.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(ttl_ms)) {
                 results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(StoreError::LeaseExpired.into()));
@@ -1174,16 +1303,38 @@ impl RemoteStore {
             let sent = Instant::now();
             conn.io.flush()?;
             let mut targets: Vec<Target<'_>> = Vec::with_capacity(chunk.len());
+            // GPU buffers take a host buffer in between.
+            let mut bounced: Vec<Option<Vec<Region<'_>>>> = Vec::with_capacity(chunk.len());
             for &(b, f) in chunk {
                 let frag = &fragments[b][f];
                 match buffers[b].slice(frag.dst_offset, frag.len) {
+                    Ok(dst) if gpu::names_device(std::slice::from_ref(&dst)) => {
+                        targets.push(Target::Owned(Vec::new()));
+                        bounced.push(Some(vec![dst]));
+                        continue;
+                    }
                     Ok(dst) => targets.push(Target::Regions(vec![dst])),
                     // Checked before; an empty target makes a mismatch a protocol error.
                     Err(_) => targets.push(Target::Regions(Vec::new())),
                 }
+                bounced.push(None);
             }
             let mut refs: Vec<&mut Target<'_>> = targets.iter_mut().collect();
-            conn.read_stream(rid, &mut refs, sent + timeout)
+            let read = conn.read_stream(rid, &mut refs, sent + timeout)?;
+            Ok(read.map(|per_item| {
+                let mut out: Vec<ReadResult> = per_item
+                    .into_iter()
+                    .zip(targets.iter_mut())
+                    .map(|(r, t)| {
+                        r.map(|len| match t {
+                            Target::Owned(v) => (len, Some(std::mem::take(v))),
+                            Target::Regions(_) => (len, None),
+                        })
+                    })
+                    .collect();
+                land_bounced(&self.inner.gpu, &mut out, &bounced);
+                out.into_iter().map(|r| r.map(|(len, _)| len)).collect()
+            }))
         });
         match outcome {
             Ok(r) => r,

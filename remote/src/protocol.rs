@@ -81,6 +81,9 @@ pub enum Op {
     RemoveBatch = 25,
     /// Asks for this connection's put window (Unix socket only): a `Window` reply carries it.
     PutWindow = 26,
+    /// `Get` in lease mode, answered in parts (`GrantsPart` frames): the client copies each
+    /// part and releases it before the owner leases more than two parts ahead.
+    GetParts = 27,
     /// A chunk of a value (either direction).
     Data = 30,
     HelloOk = 64,
@@ -97,6 +100,8 @@ pub enum Op {
     Statuses = 74,
     /// The put window: its size, its memfd attached (`SCM_RIGHTS`).
     Window = 75,
+    /// One part of the grants of a `GetParts` (the last one says so).
+    GrantsPart = 76,
 }
 
 impl Op {
@@ -122,6 +127,7 @@ impl Op {
             24 => Op::PutBatch,
             25 => Op::RemoveBatch,
             26 => Op::PutWindow,
+            27 => Op::GetParts,
             30 => Op::Data,
             64 => Op::HelloOk,
             65 => Op::AuthOk,
@@ -135,6 +141,7 @@ impl Op {
             73 => Op::StatsReply,
             74 => Op::Statuses,
             75 => Op::Window,
+            76 => Op::GrantsPart,
             _ => return None,
         })
     }
@@ -660,6 +667,9 @@ pub enum Request<'a> {
         force: bool,
     },
     PutWindow,
+    GetParts {
+        items: Vec<GetItem<'a>>,
+    },
 }
 
 /// One value of a `PutBatch`.
@@ -776,6 +786,16 @@ impl<'a> Request<'a> {
                 Request::RemoveBatch { keys: decode_keys(&mut r, limits)?, force: flags & REMOVE_FORCE != 0 }
             }
             Op::PutWindow => Request::PutWindow,
+            Op::GetParts => {
+                let count = r.count(GET_ITEM_BYTES, limits.max_items, "keys")?;
+                let mut items = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let key = r.key(limits.max_key_bytes)?;
+                    let check = LenCheck::decode(&mut r)?;
+                    items.push(GetItem { key, check });
+                }
+                Request::GetParts { items }
+            }
             Op::Release => {
                 let count = r.count(8, limits.max_items, "leases")?;
                 let mut leases = Vec::with_capacity(count);
@@ -845,6 +865,13 @@ impl<'a> Request<'a> {
                 encode_keys(buf, keys);
             }
             Request::PutWindow => {}
+            Request::GetParts { items } => {
+                buf.put_u32(items.len() as u32);
+                for item in items {
+                    buf.put_key(item.key);
+                    item.check.encode(buf);
+                }
+            }
         }
     }
 
@@ -868,6 +895,7 @@ impl<'a> Request<'a> {
             Request::PutBatch { .. } => Op::PutBatch,
             Request::RemoveBatch { .. } => Op::RemoveBatch,
             Request::PutWindow => Op::PutWindow,
+            Request::GetParts { .. } => Op::GetParts,
         }
     }
 }
@@ -1099,6 +1127,70 @@ pub fn decode_window(payload: &[u8], min_bytes: u64, max_bytes: u64) -> PResult<
         return Err(ProtocolError::Invalid { what: "put window size" });
     }
     Ok(bytes)
+}
+
+/// One part of a `GetParts` answer: the grants of some of its items, by item index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GrantsPart {
+    pub ttl_ms: u32,
+    /// The last part of the answer.
+    pub last: bool,
+    pub grants: Vec<(u32, Result<Grant, Error>)>,
+}
+
+impl GrantsPart {
+    /// Appends a `GrantsPart` payload.
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        buf.put_u32(self.ttl_ms);
+        buf.put_u8(u8::from(self.last));
+        buf.put_u32(self.grants.len() as u32);
+        for (index, g) in &self.grants {
+            buf.put_u32(*index);
+            match g {
+                Ok(g) => {
+                    buf.put_u8(0);
+                    buf.put_u64(g.lease);
+                    buf.put_u64(g.offset);
+                    buf.put_u64(g.len);
+                }
+                Err(e) => {
+                    buf.put_u8(1);
+                    encode_error(buf, e);
+                }
+            }
+        }
+    }
+
+    /// Decodes a part of the answer to a request of `items` items; every index is checked
+    /// against `items` and every grant against `arena_bytes`.
+    pub fn decode(payload: &[u8], max_items: u32, items: usize, arena_bytes: u64) -> PResult<GrantsPart> {
+        let mut r = Reader::new(payload);
+        let ttl_ms = r.u32()?;
+        let last = match r.u8()? {
+            0 => false,
+            1 => true,
+            _ => return Err(ProtocolError::Invalid { what: "last-part flag" }),
+        };
+        let count = r.count(4 + 1 + 24, max_items, "grants")?;
+        let mut grants = Vec::with_capacity(count);
+        for _ in 0..count {
+            let index = r.u32()?;
+            if index as usize >= items {
+                return Err(ProtocolError::Invalid { what: "grant index" });
+            }
+            match r.u8()? {
+                0 => {
+                    let g = Grant { lease: r.u64()?, offset: r.u64()?, len: r.u64()? };
+                    g.check(arena_bytes)?;
+                    grants.push((index, Ok(g)));
+                }
+                1 => grants.push((index, Err(decode_error(&mut r)?))),
+                _ => return Err(ProtocolError::Invalid { what: "grant tag" }),
+            }
+        }
+        r.finish("grants part")?;
+        Ok(GrantsPart { ttl_ms, last, grants })
+    }
 }
 
 /// Appends an `ExistsReply` payload.
@@ -1357,6 +1449,12 @@ mod tests {
             },
             Request::RemoveBatch { keys: vec![b"x", b"yy"], force: true },
             Request::PutWindow,
+            Request::GetParts {
+                items: vec![
+                    GetItem { key: b"a", check: LenCheck::Any },
+                    GetItem { key: b"b", check: LenCheck::Exactly(4) },
+                ],
+            },
         ];
         for req in requests {
             let mut buf = Vec::new();
@@ -1415,6 +1513,26 @@ mod tests {
         let mut many = vec![0u8, 0];
         many.put_u32(u32::MAX);
         assert!(matches!(Request::decode(Op::PutBatch, &many, &limits), Err(ProtocolError::TooMany { .. })));
+    }
+
+    #[test]
+    fn grant_parts_round_trip_and_are_checked() {
+        let part = GrantsPart {
+            ttl_ms: 1000,
+            last: true,
+            grants: vec![
+                (2, Ok(Grant { lease: 7, offset: 4096, len: 100 })),
+                (0, Err(Error::from(StoreError::NotFound))),
+            ],
+        };
+        let mut buf = Vec::new();
+        part.encode(&mut buf);
+        assert_eq!(GrantsPart::decode(&buf, 16, 3, 1 << 20), Ok(part));
+        for cut in 0..buf.len() {
+            assert!(GrantsPart::decode(&buf[..cut], 16, 3, 1 << 20).is_err());
+        }
+        assert!(GrantsPart::decode(&buf, 16, 2, 1 << 20).is_err(), "index past the request");
+        assert!(GrantsPart::decode(&buf, 16, 3, 4100).is_err(), "grant outside the arena");
     }
 
     #[test]

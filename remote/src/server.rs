@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 use crate::auth::Token;
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, encode_statuses, end_frame,
-    FrameHeader, GetItem, Grant, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, PutChunkHead, PutHead, PutItem,
-    RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES, NONCE_BYTES,
-    PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    FrameHeader, GetItem, Grant, GrantsPart, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, PutChunkHead,
+    PutHead, PutItem, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES,
+    NONCE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::PutWindow;
 use crate::sock::{self, Stream, WakeFlag};
@@ -948,6 +948,7 @@ impl Connection<'_> {
             }
             Request::Get { lease: false, items } => self.stream_get(rid, &items)?,
             Request::Get { lease: true, items } => self.grant(rid, &items),
+            Request::GetParts { items } => return self.grant_parts(rid, &items),
             Request::GetRanges { keys, fragments } => self.stream_ranges(rid, &keys, &fragments)?,
             Request::Exists { keys } => {
                 let found: Vec<Result<bool>> =
@@ -996,46 +997,47 @@ impl Connection<'_> {
                 }
                 self.reply(rid, Ok(()));
             }
-            Request::Release { leases } => {
-                let mut released = Vec::with_capacity(leases.len());
-                for id in leases {
-                    match self.leases.remove(&id) {
-                        Some(lease) => released.push(lease),
-                        None => {
-                            self.shared.counters.unknown_releases.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-                self.shared.counters.leases_outstanding.fetch_sub(released.len() as u64, Ordering::Relaxed);
-                ObjectLease::release_all(released);
-            }
+            Request::Release { leases } => self.release(leases),
         }
         Ok(Flow::Continue)
     }
 
     /// `Get` in lease mode: one grant (or error) per key; the client copies from its mapping.
     fn grant(&mut self, rid: u64, items: &[GetItem<'_>]) {
-        if !self.unix || self.shared.shm_fd.is_none() {
-            self.push_error(
-                Op::Error,
-                rid,
-                WHOLE_REQUEST,
-                &StoreError::InvalidArgument("no shared memory here".into()).into(),
-            );
+        if let Err(e) = self.check_shared() {
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
             return;
         }
+        let all: Vec<usize> = (0..items.len()).collect();
+        let grants: Vec<Result<Grant>> = self.lease_items(items, &all).into_iter().map(|(_, g)| g).collect();
+        let ttl_ms = self.config().lease_ttl_ms;
+        let start = self.io.begin(Op::Grants, rid);
+        encode_grants(self.io.out(), ttl_ms, &grants);
+        self.io.end(start);
+    }
+
+    fn check_shared(&self) -> std::result::Result<(), StoreError> {
+        if !self.unix || self.shared.shm_fd.is_none() {
+            return Err(StoreError::InvalidArgument("no shared memory here".into()));
+        }
+        Ok(())
+    }
+
+    /// Leases `items[i]` for each `i` in `indices`, together (one request per shard, so
+    /// SSD-resident keys load side by side), within the connection's lease limit (past it:
+    /// `Busy`), and records the leases. Per index, its grant or error.
+    fn lease_items(&mut self, items: &[GetItem<'_>], indices: &[usize]) -> Vec<(u32, Result<Grant>)> {
         let engine = Arc::clone(&self.shared.engine);
         let max = self.config().max_leases_per_connection as usize;
-        // The keys within the connection's lease limit are leased together (one request per
-        // shard, so SSD-resident keys load side by side); the rest get `Busy`.
-        let room = max.saturating_sub(self.leases.len()).min(items.len());
-        let keys: Vec<&[u8]> = items[..room].iter().map(|i| i.key).collect();
+        let room = max.saturating_sub(self.leases.len()).min(indices.len());
+        let keys: Vec<&[u8]> = indices[..room].iter().map(|&i| items[i].key).collect();
         let mut leased = engine.lease_batch(&keys, u64::from(self.config().lease_ttl_ms)).into_iter();
-        let mut grants = Vec::with_capacity(items.len());
-        for item in items {
+        let mut grants = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let item = &items[i];
             let Some(lease) = leased.next() else {
                 self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
-                grants.push(Err(StoreError::Busy { limit: max }.into()));
+                grants.push((i as u32, Err(StoreError::Busy { limit: max }.into())));
                 continue;
             };
             let granted = lease.and_then(|lease| {
@@ -1051,15 +1053,102 @@ impl Connection<'_> {
                     self.leases.insert(id, lease);
                     self.shared.counters.leases_granted.fetch_add(1, Ordering::Relaxed);
                     self.shared.counters.leases_outstanding.fetch_add(1, Ordering::Relaxed);
-                    grants.push(Ok(Grant { lease: id, offset, len }));
+                    grants.push((i as u32, Ok(Grant { lease: id, offset, len })));
                 }
-                Err(e) => grants.push(Err(e.into())),
+                Err(e) => grants.push((i as u32, Err(e.into()))),
             }
         }
+        grants
+    }
+
+    /// `GetParts`: the items leased part by part as the engine's restore pipeline splits them
+    /// (DRAM-resident first, then SSD-resident sub-batches, shards interleaved), one
+    /// `GrantsPart` each. Before leasing a part the owner waits until the client released all
+    /// but `window - 1` of the parts it holds, so a batch larger than DRAM streams through it
+    /// while the next part loads as the client copies the last one.
+    fn grant_parts(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<Flow> {
+        if let Err(e) = self.check_shared() {
+            self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
+            return Ok(Flow::Continue);
+        }
+        self.count_batch(items.len());
+        let engine = Arc::clone(&self.shared.engine);
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
+        let mut parts = engine.lease_parts(&keys);
+        if parts.is_empty() {
+            parts.push(Vec::new());
+        }
+        let window = engine.restore_options().window.max(1);
         let ttl_ms = self.config().lease_ttl_ms;
-        let start = self.io.begin(Op::Grants, rid);
-        encode_grants(self.io.out(), ttl_ms, &grants);
-        self.io.end(start);
+        // Lease ids of the parts the client holds, oldest first.
+        let mut held: VecDeque<Vec<u64>> = VecDeque::new();
+        for (p, part) in parts.iter().enumerate() {
+            while held.len() >= window {
+                if !self.await_release(rid, &mut held)? {
+                    return Ok(Flow::Close);
+                }
+            }
+            let grants = self.lease_items(items, part);
+            let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
+            let start = self.io.begin(Op::GrantsPart, rid);
+            GrantsPart { ttl_ms, last: p + 1 == parts.len(), grants }.encode(self.io.out());
+            self.io.end(start);
+            self.io.flush()?;
+            if !ids.is_empty() {
+                held.push_back(ids);
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Reads the client's next frame, which must release leases of the parts it holds (the
+    /// client sends nothing else before the last part), and forgets the parts it released.
+    /// False after a protocol violation (answered; the connection closes).
+    fn await_release(&mut self, rid: u64, held: &mut VecDeque<Vec<u64>>) -> WResult<bool> {
+        // A client that neither copies nor goes away keeps its parts at most a lease TTL.
+        self.io.set_read_deadline(Some(Instant::now() + self.ttl()));
+        let h = match self.io.read_header(&self.shared.limits) {
+            Ok(h) => h,
+            Err(WireError::Protocol(p)) => {
+                self.fatal(rid, &p.into());
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
+        if h.op != Op::Release {
+            self.fatal(rid, &Error::Protocol("a request arrived before the parts of a get were released".into()));
+            return Ok(false);
+        }
+        self.arm_read_deadline();
+        let payload = self.io.read_payload(h.payload_len)?;
+        let leases = match Request::decode(Op::Release, &payload, &self.shared.limits) {
+            Ok(Request::Release { leases }) => leases,
+            _ => {
+                self.fatal(rid, &Error::Protocol("malformed release".into()));
+                return Ok(false);
+            }
+        };
+        self.release(leases);
+        for part in held.iter_mut() {
+            part.retain(|id| self.leases.contains_key(id));
+        }
+        held.retain(|part| !part.is_empty());
+        Ok(true)
+    }
+
+    /// Gives back the leases `ids` names (unknown ids are counted, not trusted).
+    fn release(&mut self, ids: Vec<u64>) {
+        let mut released = Vec::with_capacity(ids.len());
+        for id in ids {
+            match self.leases.remove(&id) {
+                Some(lease) => released.push(lease),
+                None => {
+                    self.shared.counters.unknown_releases.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        self.shared.counters.leases_outstanding.fetch_sub(released.len() as u64, Ordering::Relaxed);
+        ObjectLease::release_all(released);
     }
 
     fn count_batch(&self, items: usize) {

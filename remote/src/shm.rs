@@ -10,9 +10,36 @@
 //! caller validated against a lease the owner granted (the grant check happens in
 //! `protocol::Grant::check` and again here).
 
+use std::any::Any;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::Mutex;
+
+/// What must go before a mapping is unmapped (its CUDA registration), attached once.
+#[derive(Default)]
+pub(crate) struct Attachment(Mutex<Option<Box<dyn Any + Send + Sync>>>);
+
+impl std::fmt::Debug for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Attachment")
+    }
+}
+
+impl Attachment {
+    /// Runs `make` unless something is attached already, and keeps what it returns.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn attach_once(&self, make: impl FnOnce() -> Option<Box<dyn Any + Send + Sync>>) {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = make();
+        }
+    }
+
+    fn detach(&self) {
+        drop(self.0.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+}
 
 /// Confirms that `memfd` (the arena, `len` bytes) is sealed so that a process holding any
 /// descriptor of it can neither resize it nor write it: the seals are present, and the kernel
@@ -71,6 +98,7 @@ pub(crate) struct ShmMapping {
     base: NonNull<u8>,
     len: usize,
     instance_id: u64,
+    attachment: Attachment,
 }
 
 // SAFETY: the mapping is read-only shared memory; the pointer is only used for bounds-checked
@@ -107,11 +135,27 @@ impl ShmMapping {
             return Err(io::Error::last_os_error());
         }
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        Ok(ShmMapping { base, len, instance_id })
+        Ok(ShmMapping { base, len, instance_id, attachment: Attachment::default() })
     }
 
     pub(crate) fn instance_id(&self) -> u64 {
         self.instance_id
+    }
+
+    /// The mapping's first byte and its registration slot (for CUDA).
+    pub(crate) fn memory(&self) -> (NonNull<u8>, usize, &Attachment) {
+        (self.base, self.len, &self.attachment)
+    }
+
+    /// The address of `[offset, offset + len)` of the arena, after checking the range.
+    pub(crate) fn addr_of(&self, offset: u64, len: u64) -> Result<u64, crate::Error> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(self.base.as_ptr() as u64 + offset),
+            _ => Err(crate::Error::Protocol(format!(
+                "grant [{offset}, +{len}) lies outside the {}-byte arena mapping",
+                self.len
+            ))),
+        }
     }
 
     pub(crate) fn len(&self) -> u64 {
@@ -143,6 +187,8 @@ impl ShmMapping {
 
 impl Drop for ShmMapping {
     fn drop(&mut self) {
+        // A registration of the range goes before the range.
+        self.attachment.detach();
         // SAFETY: base/len describe the mapping created in `map`; every user holds an Arc to
         // this value, so none is left when it drops.
         unsafe {
@@ -162,6 +208,7 @@ const WINDOW_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc
 pub(crate) struct PutWindow {
     base: NonNull<u8>,
     len: usize,
+    attachment: Attachment,
 }
 
 // SAFETY: shared memory whose every access is a bounds-checked raw copy (never a reference);
@@ -227,11 +274,21 @@ impl PutWindow {
             return Err(io::Error::last_os_error());
         }
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        Ok(PutWindow { base, len })
+        Ok(PutWindow { base, len, attachment: Attachment::default() })
     }
 
     pub(crate) fn len(&self) -> u64 {
         self.len as u64
+    }
+
+    /// The window's first byte and its registration slot (for CUDA).
+    pub(crate) fn memory(&self) -> (NonNull<u8>, usize, &Attachment) {
+        (self.base, self.len, &self.attachment)
+    }
+
+    /// The address of `[offset, offset + len)` of the window, after checking the range.
+    pub(crate) fn addr_of(&self, offset: u64, len: u64) -> Result<u64, kvtide::Error> {
+        Ok(self.base.as_ptr() as u64 + self.check(offset, len)? as u64)
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<usize, kvtide::Error> {
@@ -270,6 +327,7 @@ impl PutWindow {
 
 impl Drop for PutWindow {
     fn drop(&mut self) {
+        self.attachment.detach();
         // SAFETY: base/len describe the mapping made in `map`; the owner drops it with its
         // connection, the client with its connection, after the last copy.
         unsafe {

@@ -461,6 +461,32 @@ impl Engine {
         }
     }
 
+    /// How a caller that leases `keys` itself (the owner serving a remote batch) should split
+    /// them: the restore pipeline's sub-batches under this store's restore options, as key
+    /// indices. The DRAM-resident and missing keys come first, as one part; then each shard's
+    /// SSD-resident keys in parts of about `target_bytes`, shards interleaved so their loads run
+    /// side by side. Invalid keys go with the first part (their lease fails alone).
+    pub fn lease_parts(&self, keys: &[&[u8]]) -> Vec<Vec<usize>> {
+        let mut invalid = Vec::new();
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.validate_key(key) {
+                Ok(()) => valid.push(i),
+                Err(_) => invalid.push(i),
+            }
+        }
+        let mut opts = self.restore_options();
+        opts.mode = RestoreMode::Pipelined;
+        let mut parts: Vec<Vec<usize>> = self.plan_restore(keys, &valid, &opts).into_iter().map(|p| p.keys).collect();
+        if !invalid.is_empty() {
+            match parts.first_mut() {
+                Some(first) => first.extend(invalid),
+                None => parts.push(invalid),
+            }
+        }
+        parts
+    }
+
     /// Splits the valid keys into sub-batches: DRAM-resident keys first (one sub-batch, no
     /// staging), then each shard's SSD-resident keys in request order, interleaved across shards.
     fn plan_restore(&self, keys: &[&[u8]], valid: &[usize], opts: &RestoreOptions) -> Vec<Planned> {

@@ -12,9 +12,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
 use kvtide::{Error as StoreError, PutOptions};
-use kvtide_transport::Region;
+use kvtide_transport::{Direction, Region, Transfer};
 
-use super::{source_slices, Conn, Inner, WindowState};
+use super::{gpu, source_slices, Conn, Inner, WindowState};
 use crate::error::Result;
 use crate::protocol::{
     decode_error_frame, decode_statuses, decode_window, Limits, Op, ProtocolError, PutItem, Request, MIN_CHUNK_BYTES,
@@ -25,8 +25,14 @@ use crate::wire::WResult;
 
 /// Largest put window a client maps.
 const MAX_WINDOW_BYTES: u64 = 1 << 34;
-/// Requests of one batch in flight on a connection (one per window half).
-const IN_FLIGHT: usize = 2;
+/// A group of windowed values aims at this share of the window, so the owner copies one group
+/// out while the client fills the next, and the call's tail (the last group, which nothing
+/// overlaps) stays short.
+const GROUPS_PER_WINDOW: u64 = 8;
+/// Values up to this share of the window go through it; larger ones are streamed.
+const LARGEST_WINDOWED_SHARE: u64 = 2;
+/// Requests of one streamed batch in flight on a connection.
+const STREAMED_IN_FLIGHT: usize = 2;
 /// Request payload bytes per put item besides its key (key length, value length, offset).
 const PUT_ITEM_OVERHEAD: usize = 2 + 8 + 8;
 /// Request payload bytes of a put batch besides its items.
@@ -39,22 +45,23 @@ pub(super) struct PutSource<'a, 'r> {
     pub len: u64,
 }
 
-/// A request of a batch: items `[start, end)` of the caller's list, and the window half it
-/// uses (None: its values travel in `Data` frames).
+/// A request of a batch: items `[start, end)` of the caller's list, whose values take `bytes`
+/// of the window when `windowed` (else they travel in `Data` frames).
 struct Group {
     start: usize,
     end: usize,
-    half: Option<usize>,
+    windowed: bool,
+    bytes: u64,
 }
 
-/// Splits `items` (in order) into groups that fit one request each. With a window of `half`
-/// bytes per half, every value up to `half` bytes goes through it.
-fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, half: Option<u64>) -> Vec<Group> {
+/// Splits `items` (in order) into groups that fit one request each. With a window of
+/// `window` bytes, values up to half of it go through it, in groups of about an eighth.
+fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, window: Option<u64>) -> Vec<Group> {
+    let target = window.map_or(0, |w| w / GROUPS_PER_WINDOW);
+    let windowed = |i: usize| window.is_some_and(|w| items[i].len <= w / LARGEST_WINDOWED_SHARE);
     let mut groups = Vec::new();
     let mut start = 0;
-    let mut next_half = 0;
     while start < items.len() {
-        let windowed = |i: usize| half.is_some_and(|h| items[i].len <= h);
         let via_window = windowed(start);
         let mut end = start;
         let mut payload = PUT_BATCH_OVERHEAD;
@@ -62,7 +69,7 @@ fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, h
         while end < items.len() && end - start < max_items && windowed(end) == via_window {
             let item_payload = items[end].key.len() + PUT_ITEM_OVERHEAD;
             let fits_payload = payload + item_payload <= limits.max_payload_bytes as usize;
-            let fits_window = !via_window || half.is_some_and(|h| bytes + items[end].len <= h);
+            let fits_window = !via_window || bytes + items[end].len <= target;
             if end > start && !(fits_payload && fits_window) {
                 break;
             }
@@ -70,14 +77,19 @@ fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, h
             bytes += items[end].len;
             end += 1;
         }
-        let half = via_window.then(|| {
-            next_half = (next_half + 1) % IN_FLIGHT;
-            next_half
-        });
-        groups.push(Group { start, end, half });
+        groups.push(Group { start, end, windowed: via_window, bytes: if via_window { bytes } else { 0 } });
         start = end;
     }
     groups
+}
+
+/// Where a windowed group's values go: the next `bytes` of the window taken as a ring, where
+/// `busy` holds the ranges of the requests not answered yet (oldest first). None while the range
+/// would overlap one of them.
+fn ring_offset(window: u64, head: u64, bytes: u64, busy: &VecDeque<(u64, u64)>) -> Option<u64> {
+    let at = if head + bytes <= window { head } else { 0 };
+    let free = busy.iter().all(|&(start, len)| len == 0 || bytes == 0 || at + bytes <= start || start + len <= at);
+    free.then_some(at)
 }
 
 impl Conn {
@@ -116,8 +128,8 @@ impl Conn {
         Ok(())
     }
 
-    /// Puts `items` in as few requests as fit, two in flight, and reads one `Statuses` reply
-    /// per request. Results in item order.
+    /// Puts `items` in as few requests as fit, several in flight, and reads one `Statuses`
+    /// reply per request. Results in item order.
     pub(super) fn put_batch(
         &mut self,
         inner: &Inner,
@@ -127,14 +139,47 @@ impl Conn {
         if self.io.stream().is_unix() && self.shm.is_some() {
             self.ensure_window(inner.next_request.fetch_add(1, Ordering::Relaxed))?;
         }
-        let half = match &self.window {
-            WindowState::Mapped(w) => Some(w.len() / IN_FLIGHT as u64),
+        let window = match &self.window {
+            WindowState::Mapped(w) => Some(w.len()),
             _ => None,
         };
-        let groups = plan_groups(items, &self.limits, inner.max_batch(&self.limits), half);
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
+        // GPU values that will not go through the window take a host buffer first.
+        let windowed = |len: u64| window.is_some_and(|w| len <= w / LARGEST_WINDOWED_SHARE);
+        let mut bounce: Vec<Option<Vec<u8>>> = items.iter().map(|_| None).collect();
+        let mut staged = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            if gpu::names_device(item.sources) && !windowed(item.len) {
+                let buffer = vec![0u8; item.len as usize];
+                staged.push((i, Transfer::in_order(buffer.as_ptr() as u64, item.len, item.sources)));
+                bounce[i] = Some(buffer);
+            }
+        }
+        let transfers: Vec<Transfer> = staged.iter().map(|(_, t)| t.clone()).collect();
+        // SAFETY: the host bytes are this call's own buffers, untouched until this returns; the
+        // device sources were checked by check_sources.
+        let copied = unsafe { inner.gpu.copy(Direction::DeviceToHost, &transfers) };
+        for ((i, _), outcome) in staged.iter().zip(copied) {
+            if let Err(e) = outcome {
+                results[*i] = Some(Err(e));
+            }
+        }
+        let bounced: Vec<Option<[Region<'_>; 1]>> =
+            bounce.iter().map(|b| b.as_ref().map(|bytes| [Region::host_readonly(bytes)])).collect();
+        // The items still to send, with their index in `items`.
+        let (sending, todo): (Vec<usize>, Vec<PutSource<'_, '_>>) = items
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| results[*i].is_none())
+            .map(|(i, item)| {
+                let sources = bounced[i].as_ref().map_or(item.sources, |b| &b[..]);
+                (i, PutSource { key: item.key, sources, len: item.len })
+            })
+            .unzip();
+        let groups = plan_groups(&todo, &self.limits, inner.max_batch(&self.limits), window);
+        let mut sent_results: Vec<Option<Result<()>>> = (0..todo.len()).map(|_| None).collect();
         let mut answered = 0usize;
-        match self.put_groups(inner, items, opts, &groups, &mut results, &mut answered) {
+        match self.put_groups(inner, &todo, opts, &groups, &mut sent_results, &mut answered) {
             Ok(()) => {}
             // Nothing took effect that the caller was told of: the call may retry it.
             Err(e) if answered == 0 => return Err(e),
@@ -142,8 +187,11 @@ impl Conn {
             Err(e) => {
                 self.broken = true;
                 let why = e.into_error("put", inner.options.timeout_ms);
-                results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
+                sent_results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
             }
+        }
+        for (i, r) in sending.into_iter().zip(sent_results) {
+            results[i] = r;
         }
         Ok(Ok(results
             .into_iter()
@@ -160,56 +208,127 @@ impl Conn {
         results: &mut [Option<Result<()>>],
         answered: &mut usize,
     ) -> WResult<()> {
-        let mut in_flight: VecDeque<(u64, usize)> = VecDeque::new();
-        for (g, group) in groups.iter().enumerate() {
-            // A window half is written only once the owner answered the request that used it.
-            while in_flight.len() >= IN_FLIGHT {
-                if let Some((rid, done)) = in_flight.pop_front() {
-                    self.settle(rid, &groups[done], results)?;
-                    *answered += 1;
+        let window = match &self.window {
+            WindowState::Mapped(w) => w.len(),
+            _ => 0,
+        };
+        // Requests not answered yet: (request id, the items it carries, window range).
+        let mut in_flight: VecDeque<(u64, Vec<usize>, (u64, u64))> = VecDeque::new();
+        let mut head = 0u64;
+        for group in groups {
+            // Window bytes are written only once the owner answered the request that used them.
+            let offset = loop {
+                let busy: VecDeque<(u64, u64)> = in_flight.iter().map(|f| f.2).collect();
+                let streamed_room = in_flight.len() < STREAMED_IN_FLIGHT;
+                let offset = if group.windowed { ring_offset(window, head, group.bytes, &busy) } else { None };
+                if (group.windowed && offset.is_some()) || (!group.windowed && streamed_room) {
+                    break offset.unwrap_or(0);
                 }
-            }
+                let Some((rid, members, _)) = in_flight.pop_front() else {
+                    return Err(ProtocolError::Invalid { what: "put group larger than the window" }.into());
+                };
+                self.settle(rid, &members, results)?;
+                *answered += 1;
+            };
             let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
-            self.send_group(rid, items, group, opts)?;
-            in_flight.push_back((rid, g));
+            let members = self.send_group(inner, rid, items, group, opts, offset, results)?;
+            let range = if group.windowed { (offset, group.bytes) } else { (0, 0) };
+            if group.windowed {
+                head = offset + group.bytes;
+            }
+            if !members.is_empty() {
+                in_flight.push_back((rid, members, range));
+            }
         }
-        while let Some((rid, done)) = in_flight.pop_front() {
-            self.settle(rid, &groups[done], results)?;
+        while let Some((rid, members, _)) = in_flight.pop_front() {
+            self.settle(rid, &members, results)?;
             *answered += 1;
         }
         Ok(())
     }
 
-    /// Sends one group: its values into its window half, or as `Data` frames after the request.
-    fn send_group(&mut self, rid: u64, items: &[PutSource<'_, '_>], group: &Group, opts: PutOptions) -> WResult<()> {
-        let members = &items[group.start..group.end];
+    /// Sends one group: its values into the window at `base`, or as `Data` frames after the
+    /// request. Returns the items the request carries (a GPU value whose copy into the window
+    /// failed is left out, with its error in `results`).
+    #[allow(clippy::too_many_arguments)]
+    fn send_group(
+        &mut self,
+        inner: &Inner,
+        rid: u64,
+        items: &[PutSource<'_, '_>],
+        group: &Group,
+        opts: PutOptions,
+        base: u64,
+        results: &mut [Option<Result<()>>],
+    ) -> WResult<Vec<usize>> {
+        let mut members: Vec<usize> = (group.start..group.end).collect();
         let mut put_items = Vec::with_capacity(members.len());
-        let mut offset = 0u64;
-        if let (Some(half), WindowState::Mapped(w)) = (group.half, &self.window) {
-            let base = half as u64 * (w.len() / IN_FLIGHT as u64);
-            for item in members {
-                let mut pos = base + offset;
-                for src in item.sources {
-                    // SAFETY: host sources are valid for reads for the call (Region's
-                    // contract, checked by check_source); this half's last request was answered.
-                    unsafe { w.write(pos, src.addr() as *const u8, src.len() as u64) }
-                        .map_err(|_| ProtocolError::Invalid { what: "value outside the put window" })?;
-                    pos += src.len() as u64;
+        let window = match &self.window {
+            WindowState::Mapped(w) if group.windowed => Some(w),
+            _ => None,
+        };
+        if let Some(w) = window {
+            let mut offsets = Vec::with_capacity(members.len());
+            let mut device = Vec::new();
+            let mut offset = base;
+            for &i in &members {
+                let item = &items[i];
+                offsets.push(offset);
+                if gpu::names_device(item.sources) {
+                    let host =
+                        w.addr_of(offset, item.len).map_err(|_| ProtocolError::Invalid { what: "put window" })?;
+                    device.push((i, Transfer::in_order(host, item.len, item.sources)));
+                } else {
+                    let mut pos = offset;
+                    for src in item.sources {
+                        // SAFETY: host sources are valid for reads for the call (Region's
+                        // contract, checked by check_sources); no unanswered request uses this range.
+                        unsafe { w.write(pos, src.addr() as *const u8, src.len() as u64) }
+                            .map_err(|_| ProtocolError::Invalid { what: "value outside the put window" })?;
+                        pos += src.len() as u64;
+                    }
                 }
-                put_items.push(PutItem { key: item.key, len: item.len, window_offset: base + offset });
                 offset += item.len;
             }
+            if !device.is_empty() {
+                inner.gpu.pin(w.memory(), false);
+                let transfers: Vec<Transfer> = device.iter().map(|(_, t)| t.clone()).collect();
+                // SAFETY: no unanswered request uses these window ranges; the device sources
+                // were checked by check_sources.
+                let copied = unsafe { inner.gpu.copy(Direction::DeviceToHost, &transfers) };
+                for ((i, _), outcome) in device.iter().zip(copied) {
+                    if let Err(e) = outcome {
+                        results[*i] = Some(Err(e));
+                    }
+                }
+            }
+            let mut kept = Vec::with_capacity(members.len());
+            for (&i, offset) in members.iter().zip(offsets) {
+                if results[i].is_none() {
+                    put_items.push(PutItem { key: items[i].key, len: items[i].len, window_offset: offset });
+                    kept.push(i);
+                }
+            }
+            members = kept;
+            if members.is_empty() {
+                return Ok(members);
+            }
         } else {
-            put_items.extend(members.iter().map(|i| PutItem { key: i.key, len: i.len, window_offset: 0 }));
+            put_items.extend(members.iter().map(|&i| PutItem {
+                key: items[i].key,
+                len: items[i].len,
+                window_offset: 0,
+            }));
         }
-        let window = group.half.is_some();
         let start = self.io.begin(Op::PutBatch, rid);
-        Request::PutBatch { upsert: opts.upsert, pin: opts.pin, window, items: put_items }.encode(self.io.out());
+        Request::PutBatch { upsert: opts.upsert, pin: opts.pin, window: window.is_some(), items: put_items }
+            .encode(self.io.out());
         self.io.end(start);
-        if !window {
+        if window.is_none() {
             // The request goes out with the first value frame.
             let chunk = u64::from(self.hello.chunk_bytes);
-            for item in members {
+            for &i in &members {
+                let item = &items[i];
                 let mut pos = 0;
                 while pos < item.len {
                     let n = chunk.min(item.len - pos);
@@ -218,35 +337,33 @@ impl Conn {
                 }
             }
         }
-        self.io.flush()
+        self.io.flush()?;
+        Ok(members)
     }
 
-    /// Reads the `Statuses` reply of `group`'s request into `results`.
-    fn settle(&mut self, rid: u64, group: &Group, results: &mut [Option<Result<()>>]) -> WResult<()> {
-        let members = group.end - group.start;
-        let statuses: Vec<Result<()>> = {
-            let h = self.read_reply_header(rid)?;
-            let payload = self.io.read_payload(h.payload_len)?;
-            match h.op {
-                Op::Statuses => {
-                    let statuses = decode_statuses(&payload, self.limits.max_items)?;
-                    if statuses.len() != members {
-                        return Err(ProtocolError::Invalid { what: "status count" }.into());
-                    }
-                    statuses
+    /// Reads the `Statuses` reply of a request that carried `members` into `results`.
+    fn settle(&mut self, rid: u64, members: &[usize], results: &mut [Option<Result<()>>]) -> WResult<()> {
+        let h = self.read_reply_header(rid)?;
+        let payload = self.io.read_payload(h.payload_len)?;
+        let statuses: Vec<Result<()>> = match h.op {
+            Op::Statuses => {
+                let statuses = decode_statuses(&payload, self.limits.max_items)?;
+                if statuses.len() != members.len() {
+                    return Err(ProtocolError::Invalid { what: "status count" }.into());
                 }
-                Op::Error => {
-                    let (index, e) = decode_error_frame(&payload)?;
-                    if index != WHOLE_REQUEST {
-                        return Err(ProtocolError::Invalid { what: "item error outside a status list" }.into());
-                    }
-                    vec![Err(e); members]
-                }
-                other => return Err(ProtocolError::Unexpected { expected: "statuses", got: other }.into()),
+                statuses
             }
+            Op::Error => {
+                let (index, e) = decode_error_frame(&payload)?;
+                if index != WHOLE_REQUEST {
+                    return Err(ProtocolError::Invalid { what: "item error outside a status list" }.into());
+                }
+                vec![Err(e); members.len()]
+            }
+            other => return Err(ProtocolError::Unexpected { expected: "statuses", got: other }.into()),
         };
-        for (slot, status) in results[group.start..group.end].iter_mut().zip(statuses) {
-            *slot = Some(status);
+        for (&i, status) in members.iter().zip(statuses) {
+            results[i] = Some(status);
         }
         Ok(())
     }
@@ -285,13 +402,34 @@ mod tests {
     }
 
     #[test]
-    fn groups_fit_the_window_halves_and_alternate() {
+    fn groups_fit_an_eighth_of_the_window_and_large_values_stream() {
         let limits = Limits::default();
-        let items = sources(&[400, 400, 400, 2000, 100, 0]);
-        let groups = plan_groups(&items, &limits, 64, Some(1000));
-        let shape: Vec<(usize, usize, Option<usize>)> = groups.iter().map(|g| (g.start, g.end, g.half)).collect();
-        // Two 400s fill a 1000-byte half; the 2000-byte value streams; halves alternate.
-        assert_eq!(shape, vec![(0, 2, Some(1)), (2, 3, Some(0)), (3, 4, None), (4, 6, Some(1))]);
+        let items = sources(&[400, 400, 400, 5000, 3000, 100, 0]);
+        let groups = plan_groups(&items, &limits, 64, Some(8000));
+        let shape: Vec<(usize, usize, bool, u64)> =
+            groups.iter().map(|g| (g.start, g.end, g.windowed, g.bytes)).collect();
+        // Two 400s fill a 1000-byte eighth; 5000 passes half the window and streams; 3000 is a
+        // group of its own.
+        assert_eq!(
+            shape,
+            vec![(0, 2, true, 800), (2, 3, true, 400), (3, 4, false, 0), (4, 5, true, 3000), (5, 7, true, 100)]
+        );
+        assert!(plan_groups(&items, &limits, 64, None).iter().all(|g| !g.windowed));
+    }
+
+    #[test]
+    fn the_ring_never_hands_out_a_range_still_in_flight() {
+        let mut busy = VecDeque::new();
+        assert_eq!(ring_offset(100, 0, 40, &busy), Some(0));
+        busy.push_back((0, 40));
+        assert_eq!(ring_offset(100, 40, 40, &busy), Some(40));
+        busy.push_back((40, 40));
+        // 80 + 40 passes the end: wraps to 0, which is busy.
+        assert_eq!(ring_offset(100, 80, 40, &busy), None);
+        busy.pop_front();
+        assert_eq!(ring_offset(100, 80, 40, &busy), Some(0));
+        assert_eq!(ring_offset(100, 80, 20, &busy), Some(80), "fits before the end");
+        assert_eq!(ring_offset(100, 40, 0, &busy), Some(40), "an empty group takes nothing");
     }
 
     #[test]
@@ -301,7 +439,7 @@ mod tests {
         // 6 + 4 * (3 + 18) = 90 bytes; a fifth item would pass 100.
         let groups = plan_groups(&items, &limits, 64, None);
         assert!(groups.iter().all(|g| g.end - g.start == 4 || g.end == 10));
-        assert!(groups.iter().all(|g| g.half.is_none()));
+        assert!(groups.iter().all(|g| !g.windowed));
         assert_eq!(groups.iter().map(|g| g.end - g.start).sum::<usize>(), 10);
         let groups = plan_groups(&items, &Limits::default(), 4, None);
         assert_eq!(groups.len(), 3);

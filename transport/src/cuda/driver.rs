@@ -76,6 +76,7 @@ const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: i32 = 1;
 const CU_MEM_LOCATION_TYPE_DEVICE: i32 = 1;
 const CU_MEM_LOCATION_TYPE_HOST: i32 = 2;
 const CU_MEMHOSTREGISTER_PORTABLE: u32 = 1;
+const CU_MEMHOSTREGISTER_READ_ONLY: u32 = 8;
 
 /// Whichever batched-copy entry point the driver has.
 #[derive(Clone, Copy)]
@@ -152,6 +153,55 @@ impl CudaTransport {
     pub fn registrar(&self) -> Result<Arc<dyn MemoryRegistrar>, TransportError> {
         let device = self.device(0)?;
         Ok(Arc::new(CudaRegistrar { device }))
+    }
+
+    /// Pins `[base, base + len)` for every context until the returned guard drops, so copies
+    /// from (and, unless `read_only`, to) it run at DMA speed. `read_only` registers a mapping
+    /// this process may only read (`CU_MEMHOSTREGISTER_READ_ONLY`): another process's shared
+    /// arena, mapped read-only.
+    ///
+    /// # Safety
+    /// The range must stay mapped until the guard drops.
+    pub unsafe fn register_host(
+        &self,
+        base: NonNull<u8>,
+        len: usize,
+        read_only: bool,
+    ) -> Result<HostRegistration, TransportError> {
+        let device = self.device(0)?;
+        device.bind()?;
+        let flags = CU_MEMHOSTREGISTER_PORTABLE | if read_only { CU_MEMHOSTREGISTER_READ_ONLY } else { 0 };
+        // SAFETY: the caller keeps the range mapped until the guard drops (contract).
+        check(unsafe { sys::cuMemHostRegister_v2(base.as_ptr().cast(), len, flags) }, "cuMemHostRegister")?;
+        Ok(HostRegistration { device, base })
+    }
+}
+
+/// Host memory pinned by `CudaTransport::register_host`; unpinned when dropped.
+pub struct HostRegistration {
+    device: Arc<CudaDevice>,
+    base: NonNull<u8>,
+}
+
+impl std::fmt::Debug for HostRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegistration").field("base", &self.base).finish()
+    }
+}
+
+// SAFETY: the guard only names the registered range (never dereferenced); unregistering works
+// from any thread once the context is bound.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above; no method reads through the pointer.
+unsafe impl Sync for HostRegistration {}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: the base of a registration made by `register_host`, still mapped (its
+            // caller's contract).
+            let _ = unsafe { sys::cuMemHostUnregister(self.base.as_ptr().cast()) };
+        }
     }
 }
 

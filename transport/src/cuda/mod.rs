@@ -40,7 +40,7 @@ pub use device::{
     StagingHold,
 };
 #[cfg(feature = "cuda")]
-pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, PinnedBuffer, RangeChecker};
+pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, HostRegistration, PinnedBuffer, RangeChecker};
 #[cfg(feature = "cuda")]
 pub use graph::{CudaEvent, CudaGraph, CudaStream};
 #[cfg(feature = "cuda")]

@@ -1,0 +1,251 @@
+//! GPU destinations and sources through the owner (feature `cuda`): a same-host client copies
+//! leased objects from the owner's arena straight into its GPU and puts from its GPU through
+//! the put window; a TCP client takes a host buffer in between; a second process does the same.
+//! The tests marked `needs a CUDA device` run on the lent H200; the others run in CI.
+
+#[path = "../../engine/tests/common/mod.rs"]
+mod common;
+
+use std::sync::Arc;
+
+use kvtide::{Engine, Error as StoreError, MemoryKind, PutOptions, Region, Store, StoreBuilder};
+use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, RemoteStore};
+
+fn engine() -> Arc<Engine> {
+    Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(256 << 20)
+            .shards(2)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .open()
+            .expect("open store"),
+    )
+}
+
+fn owner(engine: &Arc<Engine>, tag: &str) -> (Owner, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kvtide-gpu-remote-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        tcp: Some("127.0.0.1:0".parse().expect("addr")),
+        allow_unauthenticated_loopback: true,
+        put_window_bytes: 16 << 20,
+        ..OwnerConfig::default()
+    };
+    (Owner::start(Arc::clone(engine), config).expect("owner"), dir)
+}
+
+/// A region that claims to be GPU memory at an address no GPU allocated.
+fn bogus_device_region() -> Region<'static> {
+    // SAFETY: never dereferenced by the CPU: the GPU transport checks it (and refuses it) first.
+    unsafe { Region::from_raw(0x7000_0000_0000, 4096, MemoryKind::Device { ordinal: 0 }) }
+}
+
+#[test]
+fn device_regions_fail_alone_when_the_gpu_cannot_take_them() {
+    let e = engine();
+    let (owner, dir) = owner(&e, "refused");
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let unix = RemoteStore::connect_with(&path, ClientOptions::default()).expect("unix");
+    let tcp =
+        RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), ClientOptions::default()).expect("tcp");
+    for store in [&unix, &tcp] {
+        store.put(b"k", &[1u8; 4096], PutOptions::UPSERT).expect("put");
+        store.put(b"j", &[2u8; 4096], PutOptions::UPSERT).expect("put");
+        let mut host = vec![0u8; 4096];
+        let got = store
+            .batch_get_into_multi_buffers(&[b"k", b"j"], &[vec![bogus_device_region()], vec![Region::host(&mut host)]]);
+        // No GPU (CI): CudaUnavailable; a GPU: the address is not its memory.
+        assert!(matches!(got[0], Err(Error::Store(_))), "{:?}", got[0]);
+        assert_eq!(got[1], Ok(4096), "the neighbour is read");
+        assert_eq!(host, vec![2u8; 4096]);
+        let put = store.batch_put_from_multi_buffers(
+            &[b"from-gpu", b"from-host"],
+            &[vec![bogus_device_region()], vec![Region::host_readonly(&[3u8; 100])]],
+            PutOptions::UPSERT,
+        );
+        assert!(matches!(put[0], Err(Error::Store(_))), "{:?}", put[0]);
+        assert_eq!(put[1], Ok(()));
+        assert_eq!(store.exists(b"from-gpu"), Ok(false), "a refused source stores nothing");
+    }
+    if !cfg!(feature = "cuda") {
+        let got = unix.get_into(b"k", bogus_device_region());
+        assert!(matches!(got, Err(Error::Store(StoreError::CudaUnavailable(_)))), "{got:?}");
+    }
+    drop((unix, tcp));
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::process::Command;
+    use std::sync::Arc;
+
+    use super::common::value_for;
+    use super::{engine, owner};
+    use kvtide::cuda::{CudaDevice, CudaTransport, DeviceBuffer};
+    use kvtide::{Error as StoreError, Fragment, MemoryKind, PutOptions, Region, Store};
+    use kvtide_remote::{ClientOptions, Error, RemoteStore};
+
+    const GUARD: u8 = 0xA5;
+    const GPU0: MemoryKind = MemoryKind::Device { ordinal: 0 };
+
+    fn gpu() -> Arc<CudaDevice> {
+        CudaTransport::get().and_then(|t| t.device(0)).expect("a CUDA device")
+    }
+
+    fn dev(buf: &DeviceBuffer, offset: u64, len: u64) -> Region<'static> {
+        assert!(offset + len <= buf.len() as u64);
+        // SAFETY: inside a live device allocation that outlives every call using the region.
+        unsafe { Region::from_raw(buf.addr() + offset, len as usize, GPU0) }
+    }
+
+    fn read_back(buf: &DeviceBuffer) -> Vec<u8> {
+        let mut out = vec![0u8; buf.len()];
+        buf.read(0, &mut out).expect("read back");
+        out
+    }
+
+    /// Sizes that cover small pages, odd lengths, and values larger than half the put window
+    /// (those take a host buffer on the way to the owner).
+    const LENS: [u64; 6] = [4096, 1000, 128 << 10, 12 << 20, 333_333, 1];
+
+    /// Reads, range reads and puts between `store` and GPU memory, checked byte for byte.
+    fn round_trip(store: &RemoteStore, name: &str) {
+        let device = gpu();
+        let keys: Vec<Vec<u8>> = (0..LENS.len()).map(|i| format!("{name}/gpu/{i}").into_bytes()).collect();
+        let values: Vec<Vec<u8>> = keys.iter().zip(LENS).map(|(k, len)| value_for(k, 7, len as usize)).collect();
+        for (k, v) in keys.iter().zip(&values) {
+            store.put(k, v, PutOptions::UPSERT).expect("put");
+        }
+        // Every key into the pool: each value split over two device regions in reverse order,
+        // with guard bytes between.
+        let total: u64 = LENS.iter().map(|l| l + 64).sum::<u64>() + 4096;
+        let pool = device.alloc(total as usize).expect("alloc");
+        pool.fill(GUARD).expect("fill");
+        let mut at = total;
+        let mut dsts = Vec::new();
+        let mut places = Vec::new();
+        for len in LENS {
+            at -= len + 64;
+            let half = len / 2;
+            dsts.push(vec![dev(&pool, at, half), dev(&pool, at + half, len - half)]);
+            places.push(at);
+        }
+        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let mut with_bad = key_refs.clone();
+        with_bad.push(b"missing");
+        let mut bad_dsts = dsts.clone();
+        bad_dsts.push(vec![dev(&pool, 0, 16)]);
+        let got = store.batch_get_into_multi_buffers(&with_bad, &bad_dsts);
+        for (i, r) in got[..LENS.len()].iter().enumerate() {
+            assert_eq!(r, &Ok(LENS[i] as usize), "{name}: key {i}");
+        }
+        assert_eq!(got[LENS.len()], Err(StoreError::NotFound.into()), "{name}");
+        let bytes = read_back(&pool);
+        for (i, &at) in places.iter().enumerate() {
+            let at = at as usize;
+            assert!(bytes[at..at + LENS[i] as usize] == values[i][..], "{name}: bytes of key {i}");
+            assert!(bytes[at + LENS[i] as usize..at + LENS[i] as usize + 64].iter().all(|&b| b == GUARD));
+        }
+        // A size mismatch fails alone; get_into a larger region reads the object's length.
+        let short = store.batch_get_into_multi_buffers(&[key_refs[0]], &[vec![dev(&pool, 0, 100)]]);
+        assert!(matches!(short[0], Err(Error::Store(StoreError::SizeMismatch { .. }))), "{short:?}");
+        let single = device.alloc(1 << 20).expect("alloc");
+        single.fill(GUARD).expect("fill");
+        assert_eq!(store.get_into(key_refs[1], dev(&single, 0, 1 << 20)), Ok(1000), "{name}");
+        let back = read_back(&single);
+        assert!(back[..1000] == values[1][..] && back[1000..].iter().all(|&b| b == GUARD), "{name}: get_into");
+
+        // Ranges: pieces of two keys into one device buffer.
+        let buffer = device.alloc(64 << 10).expect("alloc");
+        buffer.fill(GUARD).expect("fill");
+        let fragments = vec![vec![
+            Fragment::new(keys[2].clone(), 5, 0, 4000),
+            Fragment::new(keys[0].clone(), 96, 8192, 4000),
+            Fragment::new(keys[1].clone(), 990, 20_000, 20),
+        ]];
+        let r = store.get_into_ranges(&[dev(&buffer, 0, 64 << 10)], &fragments);
+        assert_eq!(r[0][0], Ok(4000), "{name}");
+        assert_eq!(r[0][1], Ok(4000), "{name}");
+        assert!(matches!(r[0][2], Err(Error::Store(StoreError::InvalidRange(_)))), "{name}: {:?}", r[0][2]);
+        let back = read_back(&buffer);
+        assert!(back[..4000] == values[2][5..4005], "{name}: range 0");
+        assert!(back[8192..12_192] == values[0][96..4096], "{name}: range 1");
+        assert!(back[20_000..20_020].iter().all(|&b| b == GUARD), "{name}: a failed range writes nothing");
+
+        // Puts from GPU memory: the pool's copies go back under new keys.
+        let new_keys: Vec<Vec<u8>> = keys.iter().map(|k| [k.as_slice(), b"/from-gpu"].concat()).collect();
+        let new_refs: Vec<&[u8]> = new_keys.iter().map(Vec::as_slice).collect();
+        let put = store.batch_put_from_multi_buffers(&new_refs, &dsts, PutOptions::UPSERT);
+        assert!(put.iter().all(|r| r.is_ok()), "{name}: {put:?}");
+        for (k, v) in new_keys.iter().zip(&values) {
+            assert!(store.get(k).expect("get") == *v, "{name}: {}", String::from_utf8_lossy(k));
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn same_host_and_tcp_clients_read_into_and_put_from_their_gpu() {
+        let e = engine();
+        let (owner, dir) = owner(&e, "round-trip");
+        let path = owner.unix_path().expect("unix").display().to_string();
+        let direct = RemoteStore::connect_with(&path, ClientOptions::default()).expect("unix");
+        assert!(direct.uses_shared_memory());
+        let mut staged_options = ClientOptions::default();
+        staged_options.gpu.staging = true;
+        staged_options.gpu.staging_bytes = 8 << 20;
+        let staged = RemoteStore::connect_with(&path, staged_options).expect("unix staged");
+        let tcp = RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), ClientOptions::default())
+            .expect("tcp");
+        round_trip(&direct, "direct");
+        round_trip(&staged, "staged");
+        round_trip(&tcp, "tcp");
+        drop((direct, staged, tcp));
+        e.sync_shards().expect("sync");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(e.stats().held_resources().is_zero(), "{:?}", e.stats().held_resources());
+        assert_eq!(owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst), 0);
+        drop(owner);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Child process: reads through the owner at `KVTIDE_GPU_CHILD_SOCKET` into its own GPU.
+    #[test]
+    #[ignore = "run by a_second_process_reads_into_its_gpu as a child process"]
+    fn gpu_child_reader() {
+        let Ok(path) = std::env::var("KVTIDE_GPU_CHILD_SOCKET") else { return };
+        let store = RemoteStore::connect_with(&path, ClientOptions::default()).expect("child connect");
+        round_trip(&store, "child");
+        println!("VERIFIED");
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_second_process_reads_into_its_gpu() {
+        let e = engine();
+        let (owner, dir) = owner(&e, "child");
+        let path = owner.unix_path().expect("unix").display().to_string();
+        let exe = std::env::current_exe().expect("exe");
+        let out = Command::new(exe)
+            .args(["--ignored", "--exact", "cuda::gpu_child_reader", "--nocapture", "--test-threads=1"])
+            .env("KVTIDE_GPU_CHILD_SOCKET", &path)
+            .output()
+            .expect("run the child");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("VERIFIED"),
+            "child: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        e.sync_shards().expect("sync");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst), 0);
+        drop(owner);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
