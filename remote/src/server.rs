@@ -111,6 +111,10 @@ pub struct OwnerConfig {
     pub lease_ttl_ms: u32,
     /// How long shutdown waits for in-flight requests before closing their connections.
     pub shutdown_grace_ms: u64,
+    /// How long a connection polls for its client's next request before it sleeps, so a
+    /// client that asks again at once costs no thread wake-up. Default 50 µs on hosts with 8
+    /// or more CPUs, else 0.
+    pub spin_us: u64,
 }
 
 impl OwnerConfig {
@@ -145,6 +149,7 @@ impl Default for OwnerConfig {
             idle_timeout_ms: 600_000,
             lease_ttl_ms: 120_000,
             shutdown_grace_ms: 10_000,
+            spin_us: crate::wire::default_spin_us(),
         }
     }
 }
@@ -862,13 +867,14 @@ impl Connection<'_> {
         self.io.set_read_deadline(None);
         let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
         self.io.stream().set_timeouts(Some(io_timeout))?;
+        self.io.set_spin(Duration::from_micros(self.config().spin_us));
         Ok(())
     }
 
     fn run(&mut self) -> WResult<()> {
         loop {
             self.io.set_read_deadline(None);
-            if self.io.buffered() == 0 {
+            if !self.io.spin_for_input()? {
                 let idle = sock::poll_timeout_ms(Some(self.idle_timeout()));
                 let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), idle)?;
                 if woken && !readable {

@@ -107,7 +107,31 @@ unsafe impl Send for ShmMapping {}
 // SAFETY: as above; all access is reads.
 unsafe impl Sync for ShmMapping {}
 
+/// The arena mappings this process holds, by the memfd's identity: every `RemoteStore` of the
+/// process shares one, so its pages fault in (and get registered with CUDA) once.
+static MAPPINGS: Mutex<Vec<((u64, u64, u64), std::sync::Weak<ShmMapping>)>> = Mutex::new(Vec::new());
+
 impl ShmMapping {
+    /// The process's mapping of the arena `fd` names (the same memfd, by device and inode, and
+    /// length), mapping it now if there is none.
+    pub(crate) fn shared(fd: OwnedFd, len: u64, instance_id: u64) -> io::Result<std::sync::Arc<ShmMapping>> {
+        // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let key = (st.st_dev, st.st_ino, len);
+        let mut cache = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+        cache.retain(|(_, m)| m.strong_count() > 0);
+        if let Some(m) = cache.iter().find(|(k, _)| *k == key).and_then(|(_, m)| m.upgrade()) {
+            return Ok(m);
+        }
+        let m = std::sync::Arc::new(ShmMapping::map(fd, len, instance_id)?);
+        cache.push((key, std::sync::Arc::downgrade(&m)));
+        Ok(m)
+    }
+
     /// Maps `len` bytes of `fd` read-only (the descriptor is closed afterwards; the mapping keeps
     /// the memory alive).
     pub(crate) fn map(fd: OwnedFd, len: u64, instance_id: u64) -> io::Result<ShmMapping> {

@@ -224,6 +224,68 @@ mod cuda {
         println!("VERIFIED");
     }
 
+    /// Child process: reads a batch into its GPU over and over until it is killed.
+    #[test]
+    #[ignore = "run by a_reader_killed_mid_copy_leaves_no_lease as a child process"]
+    fn gpu_child_looper() {
+        let Ok(path) = std::env::var("KVTIDE_GPU_LOOP_SOCKET") else { return };
+        let store = RemoteStore::connect_with(&path, ClientOptions::default()).expect("child connect");
+        let device = gpu();
+        let pool = device.alloc(64 << 20).expect("alloc");
+        let keys: Vec<Vec<u8>> = (0..16).map(|i| format!("loop/{i}").into_bytes()).collect();
+        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let dsts: Vec<Vec<Region<'_>>> = (0..16).map(|i| vec![dev(&pool, i * (4 << 20), 4 << 20)]).collect();
+        let mut announced = false;
+        loop {
+            let got = store.batch_get_into_multi_buffers(&key_refs, &dsts);
+            assert!(got.iter().all(|r| r.is_ok()), "{got:?}");
+            if !announced {
+                println!("LOOPING");
+                use std::io::Write;
+                std::io::stdout().flush().expect("flush");
+                announced = true;
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_reader_killed_mid_copy_leaves_no_lease() {
+        use std::io::BufRead;
+        let e = engine();
+        let (owner, dir) = owner(&e, "killed");
+        for i in 0..16 {
+            let key = format!("loop/{i}").into_bytes();
+            e.put(&key, &value_for(&key, 1, 4 << 20), PutOptions::UPSERT).expect("put");
+        }
+        let path = owner.unix_path().expect("unix").display().to_string();
+        let exe = std::env::current_exe().expect("exe");
+        let mut child = Command::new(exe)
+            .args(["--ignored", "--exact", "cuda::gpu_child_looper", "--nocapture", "--test-threads=1"])
+            .env("KVTIDE_GPU_LOOP_SOCKET", &path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("run the child");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        assert!(lines.any(|l| l.is_ok_and(|l| l.contains("LOOPING"))), "the child reads");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reaped");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            e.sync_shards().expect("sync");
+            let outstanding = owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst);
+            if outstanding == 0 && e.stats().held_resources().is_zero() {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "still held: {outstanding} leases");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        drop(owner);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[test]
     #[ignore = "needs a CUDA device"]
     fn a_second_process_reads_into_its_gpu() {

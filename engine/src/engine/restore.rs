@@ -477,7 +477,13 @@ impl Engine {
         }
         let mut opts = self.restore_options();
         opts.mode = RestoreMode::Pipelined;
-        let mut parts: Vec<Vec<usize>> = self.plan_restore(keys, &valid, &opts).into_iter().map(|p| p.keys).collect();
+        // One key is one part: nothing to look up.
+        let mut parts: Vec<Vec<usize>> = if valid.len() <= 1 {
+            vec![valid]
+        } else {
+            self.plan_restore_with(keys, &valid, &opts, true).into_iter().map(|p| p.keys).collect()
+        };
+        parts.retain(|p| !p.is_empty());
         if !invalid.is_empty() {
             match parts.first_mut() {
                 Some(first) => first.extend(invalid),
@@ -490,7 +496,13 @@ impl Engine {
     /// Splits the valid keys into sub-batches: DRAM-resident keys first (one sub-batch, no
     /// staging), then each shard's SSD-resident keys in request order, interleaved across shards.
     fn plan_restore(&self, keys: &[&[u8]], valid: &[usize], opts: &RestoreOptions) -> Vec<Planned> {
-        let locations = self.locate(keys, valid);
+        self.plan_restore_with(keys, valid, opts, false)
+    }
+
+    /// `plan_restore`; `spin` polls for the shards' answers before blocking (a caller serving
+    /// a latency-bound request).
+    fn plan_restore_with(&self, keys: &[&[u8]], valid: &[usize], opts: &RestoreOptions, spin: bool) -> Vec<Planned> {
+        let locations = self.locate(keys, valid, spin);
         let mut dram = Vec::new();
         let mut per_shard: Vec<Vec<(usize, u64)>> = vec![Vec::new(); self.shards.len()];
         for &i in valid {
@@ -557,15 +569,15 @@ impl Engine {
     }
 
     /// Where each valid key lives (one message per shard).
-    fn locate(&self, keys: &[&[u8]], valid: &[usize]) -> HashMap<usize, Option<Location>> {
+    fn locate(&self, keys: &[&[u8]], valid: &[usize], spin: bool) -> HashMap<usize, Option<Location>> {
         let mut out = HashMap::new();
         self.fan_out(valid.iter().map(|&i| (i, keys[i], ())), |items, reply| Request::Locate {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             reply,
         })
-        // Blocking, as before the pipeline starts: a polling caller would take CPU time the
-        // shards need on a small machine.
-        .gather_waiting(self, false, |i, _, found| {
+        // Blocking unless asked, as before the pipeline starts: a polling caller would take CPU
+        // time the shards need on a small machine.
+        .gather_waiting(self, spin, |i, _, found| {
             out.insert(i, found.ok().flatten());
         });
         out

@@ -85,12 +85,17 @@ impl ClientGpu {
         Err(TransportError::CudaUnavailable("GPU memory through RemoteStore needs the cuda feature of kvtide-remote"))
     }
 
-    /// Checks a region list that names GPU memory (`writable` for destinations).
-    pub(super) fn check(&self, regions: &[Region<'_>], writable: bool) -> Result<()> {
-        match self.transport().check(&[regions], writable).pop().flatten() {
-            Some(e) => Err(StoreError::from(e).into()),
-            None => Ok(()),
-        }
+    /// Checks region lists that name GPU memory (`writable` for destinations), all at once
+    /// (one lookup per device allocation). Each list's result.
+    pub(super) fn check_lists(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Result<()>> {
+        self.transport()
+            .check(lists, writable)
+            .into_iter()
+            .map(|e| match e {
+                Some(e) => Err(StoreError::from(e).into()),
+                None => Ok(()),
+            })
+            .collect()
     }
 
     /// Pins `memory` (the arena mapping, read-only, or a put window) with CUDA once, so copies
