@@ -109,7 +109,10 @@ unsafe impl Sync for ShmMapping {}
 
 /// The arena mappings this process holds, by the memfd's identity: every `RemoteStore` of the
 /// process shares one, so its pages fault in (and get registered with CUDA) once.
-static MAPPINGS: Mutex<Vec<((u64, u64, u64), std::sync::Weak<ShmMapping>)>> = Mutex::new(Vec::new());
+static MAPPINGS: Mutex<Vec<(MemfdKey, std::sync::Weak<ShmMapping>)>> = Mutex::new(Vec::new());
+
+/// A memfd's device, inode and mapped length.
+type MemfdKey = (u64, u64, u64);
 
 impl ShmMapping {
     /// The process's mapping of the arena `fd` names (the same memfd, by device and inode, and
