@@ -180,6 +180,23 @@ fn remove_respects_leases_and_readers_keep_their_bytes() {
 }
 
 #[test]
+fn batch_remove_answers_per_key() {
+    let store = small_store(16 << 20);
+    for key in [&b"a"[..], b"b", b"pinned"] {
+        store.put(key, b"v", PutOptions::INSERT).expect("put");
+    }
+    store.pin(b"pinned").expect("pin");
+    let keys: [&[u8]; 6] = [b"a", b"pinned", b"missing", b"", b"b", b"b"];
+    assert_eq!(
+        store.batch_remove(&keys, false),
+        vec![Ok(()), Err(Error::Pinned), Err(Error::NotFound), Err(Error::EmptyKey), Ok(()), Err(Error::NotFound)]
+    );
+    assert_eq!(store.batch_remove(&[b"pinned"], true), vec![Ok(())]);
+    assert!(store.batch_exists(&keys).iter().all(|r| *r != Ok(true)));
+    assert_idle(&store);
+}
+
+#[test]
 fn pin_and_unpin() {
     let store = small_store(16 << 20);
     assert_eq!(store.pin(b"nope"), Err(Error::NotFound));

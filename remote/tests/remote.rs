@@ -237,7 +237,13 @@ where
     seen.push(Seen::Unit(one(store.remove(b"small", false))));
     seen.push(Seen::Unit(one(store.remove(b"small", false))));
     seen.push(Seen::Unit(one(store.remove(b"", false))));
+    // A batch of removes: pinned without force, missing, empty key, a key twice.
+    seen.push(Seen::Unit(one(store.pin(b"b1"))));
+    let doomed: [&[u8]; 6] = [b"b1", b"b3", b"missing", b"", b"gathered", b"gathered"];
+    seen.push(Seen::Units(many(store.batch_remove(&doomed, false))));
+    seen.push(Seen::Units(many(store.batch_remove(&[b"b1"], true))));
     seen.push(Seen::Bools(many(store.batch_exists(&keys))));
+    seen.push(Seen::Bools(many(store.batch_exists(&doomed))));
 
     // Async batch get into owned buffers.
     let mut out_a = vec![0u8; 3 << 20];
