@@ -32,7 +32,7 @@ mod stream;
 pub(crate) mod transports;
 mod write;
 
-pub use on_stream::{StreamStatus, StreamTicket};
+pub use on_stream::{StreamCompleter, StreamStatus, StreamTicket};
 pub use progressive::{Following, PutStream};
 pub use restore::{RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservations};

@@ -36,7 +36,7 @@ pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
     Engine, Following, ObjectLease, PendingPut, PendingPuts, PutStream, RestoreMode, RestoreOptions, RestoreReport,
-    StreamStatus, StreamTicket, SubBatchState, SubBatchTrace,
+    StreamCompleter, StreamStatus, StreamTicket, SubBatchState, SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;

@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 
 mod batch;
 mod gpu;
+mod on_stream;
 mod stream;
 use batch::PutSource;
 pub use stream::RemotePutStream;
@@ -165,6 +166,8 @@ struct Inner {
     endpoint: Endpoint,
     options: ClientOptions,
     gpu: gpu::ClientGpu,
+    /// Stream-bound reads in flight and their watch thread.
+    watch: on_stream::Watch,
     pool: Mutex<Vec<Conn>>,
     mapping: Mutex<Option<Arc<ShmMapping>>>,
     next_request: AtomicU64,
@@ -218,6 +221,7 @@ impl RemoteStore {
         let inner = Arc::new(Inner {
             endpoint: Endpoint::parse(address)?,
             gpu: gpu::ClientGpu::new(options.gpu.clone()),
+            watch: on_stream::Watch::default(),
             options,
             pool: Mutex::new(Vec::new()),
             mapping: Mutex::new(None),

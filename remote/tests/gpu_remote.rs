@@ -80,6 +80,55 @@ fn device_regions_fail_alone_when_the_gpu_cannot_take_them() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn stream_bound_reads_through_the_owner_without_a_gpu() {
+    let e = engine();
+    let (owner, dir) = owner(&e, "on-stream");
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let unix = RemoteStore::connect_with(&path, ClientOptions::default()).expect("unix");
+    let tcp =
+        RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), ClientOptions::default()).expect("tcp");
+    unix.put(b"s", &[5u8; 1000], PutOptions::UPSERT).expect("put");
+    for store in [&unix, &tcp] {
+        // Stream 0 is the blocking read, ended on return.
+        let mut buf = vec![0u8; 1000];
+        let mut small = vec![0u8; 10];
+        // SAFETY: stream 0 reads before returning; the buffers outlive the call.
+        let ticket = unsafe {
+            store.batch_get_into_multi_buffers_on_stream(
+                &[b"s", b"missing"],
+                &[vec![Region::host(&mut buf)], vec![Region::host(&mut small)]],
+                0,
+            )
+        }
+        .expect("stream 0");
+        assert_eq!(ticket.status(), kvtide::StreamStatus::Failed(vec![(1, StoreError::NotFound)]));
+        assert_eq!(ticket.results().expect("ended")[0], Ok(1000));
+        assert_eq!(buf, vec![5u8; 1000]);
+        let mut out = vec![0u8; 64];
+        let frags = vec![vec![
+            kvtide::Fragment::new(b"s".to_vec(), 10, 0, 32),
+            kvtide::Fragment::new(b"s".to_vec(), 999, 40, 2),
+        ]];
+        // SAFETY: as above.
+        let ticket = unsafe { store.get_into_ranges_on_stream(&[Region::host(&mut out)], &frags, 0) }.expect("ranges");
+        let results = ticket.results().expect("ended");
+        assert_eq!(results[0], Ok(32));
+        assert!(matches!(results[1], Err(StoreError::InvalidRange(_))), "{results:?}");
+        // A stream needs the GPU transport: without one the call says so.
+        if !cfg!(feature = "cuda") {
+            // SAFETY: refused before anything is enqueued.
+            let refused = unsafe {
+                store.batch_get_into_multi_buffers_on_stream(&[b"s"], &[vec![Region::host(&mut buf)]], 0x1234)
+            };
+            assert!(matches!(refused, Err(Error::Store(StoreError::CudaUnavailable(_)))), "{refused:?}");
+        }
+    }
+    drop((unix, tcp));
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::process::Command;
@@ -210,6 +259,94 @@ mod cuda {
         std::thread::sleep(std::time::Duration::from_millis(200));
         assert!(e.stats().held_resources().is_zero(), "{:?}", e.stats().held_resources());
         assert_eq!(owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst), 0);
+        drop(owner);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn stream_bound_reads_through_the_owner_land_in_stream_order() {
+        use kvtide::cuda::{CudaEvent, CudaStream};
+        use kvtide::StreamStatus;
+        use std::time::Duration;
+        let e = engine();
+        let (owner, dir) = owner(&e, "stream-gpu");
+        let path = owner.unix_path().expect("unix").display().to_string();
+        let unix = RemoteStore::connect_with(&path, ClientOptions::default()).expect("unix");
+        let tcp = RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), ClientOptions::default())
+            .expect("tcp");
+        let device = gpu();
+        let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("bound/{i}").into_bytes()).collect();
+        let len = 256 << 10;
+        for k in &keys {
+            e.put(k, &value_for(k, 3, len), PutOptions::UPSERT).expect("put");
+        }
+        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        for (name, store) in [("unix", &unix), ("tcp", &tcp)] {
+            store.prepare_gpu(0).expect("prepare");
+            let pages = device.alloc(keys.len() * len).expect("alloc");
+            pages.fill(GUARD).expect("fill");
+            let check = device.alloc(keys.len() * len).expect("alloc");
+            let dsts: Vec<Vec<Region<'_>>> =
+                (0..keys.len()).map(|i| vec![dev(&pages, (i * len) as u64, len as u64)]).collect();
+            let stream = CudaStream::new(&device).expect("stream");
+            let other = CudaStream::new(&device).expect("stream");
+            let ready = CudaEvent::new(&device, false).expect("event");
+            // The stream is busy for a while: the copies queue behind this kernel.
+            stream.spin(20_000_000).expect("spin");
+            // SAFETY: the pages outlive the stream's copies (synchronised below).
+            let ticket = unsafe { store.batch_get_into_multi_buffers_on_stream(&key_refs, &dsts, stream.handle()) }
+                .expect("enqueued");
+            ready.record(stream.handle()).expect("record");
+            other.wait_event(&ready, false).expect("wait");
+            // SAFETY: both live allocations of the same size.
+            unsafe { other.copy_device(check.addr(), pages.addr(), keys.len() * len) }.expect("copy");
+            if name == "unix" {
+                assert_eq!(ticket.status(), StreamStatus::Pending, "{name}");
+                assert_eq!(ticket.keys_pinned(), keys.len(), "{name}: leased until the stream passes");
+                // The objects change under the pending read: the leased bytes stay.
+                e.put(&keys[0], &value_for(&keys[0], 9, len), PutOptions::UPSERT).expect("upsert");
+                e.remove(&keys[1], true).expect("force remove");
+            }
+            other.synchronize().expect("sync");
+            let results = ticket.wait(Duration::from_secs(10)).expect("ended");
+            assert!(results.iter().all(|r| *r == Ok(len)), "{name}: {results:?}");
+            let got = read_back(&check);
+            // The leased (or already read) bytes: the versions as of the call.
+            for (i, k) in keys.iter().enumerate() {
+                assert!(got[i * len..(i + 1) * len] == value_for(k, 3, len)[..], "{name}: key {i}");
+            }
+            assert_eq!(ticket.keys_pinned(), 0);
+            e.put(&keys[0], &value_for(&keys[0], 3, len), PutOptions::UPSERT).expect("restore");
+            e.put(&keys[1], &value_for(&keys[1], 3, len), PutOptions::UPSERT).expect("restore");
+            // Ranges on the stream, one bad fragment failing alone.
+            let frags = vec![vec![
+                kvtide::Fragment::new(keys[2].clone(), 100, 0, 4096),
+                kvtide::Fragment::new(keys[3].clone(), (len - 10) as u64, 8192, 20),
+            ]];
+            // SAFETY: as above.
+            let ticket = unsafe { store.get_into_ranges_on_stream(&[dev(&pages, 0, 65536)], &frags, stream.handle()) }
+                .expect("ranges");
+            stream.synchronize().expect("sync");
+            let results = ticket.wait(Duration::from_secs(10)).expect("ended");
+            assert_eq!(results[0], Ok(4096), "{name}");
+            assert!(matches!(results[1], Err(StoreError::InvalidRange(_))), "{name}: {results:?}");
+            assert!(read_back(&pages)[..4096] == value_for(&keys[2], 3, len)[100..4196], "{name}: range");
+            // A capturing stream is refused.
+            let captured = CudaStream::new(&device).expect("stream");
+            captured.begin_capture().expect("capture");
+            // SAFETY: refused before anything is enqueued.
+            let refused =
+                unsafe { store.batch_get_into_multi_buffers_on_stream(&key_refs[..1], &dsts[..1], captured.handle()) };
+            assert!(matches!(refused, Err(Error::Store(StoreError::StreamCapturing(_)))), "{name}: {refused:?}");
+            drop(captured.end_capture().expect("end capture"));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+            assert!(std::time::Instant::now() < deadline, "leases still held");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop((unix, tcp));
         drop(owner);
         let _ = std::fs::remove_dir_all(dir);
     }

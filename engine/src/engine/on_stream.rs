@@ -84,10 +84,19 @@ impl StreamTicket {
         StreamTicket { shared: Arc::new(shared), slots }
     }
 
-    fn ended(results: Vec<Result<usize>>) -> StreamTicket {
+    /// A ticket that ended already with `results` (a read that needed no stream).
+    pub fn ended(results: Vec<Result<usize>>) -> StreamTicket {
         let ticket = StreamTicket::new(results.len());
         ticket.shared.end(results);
         ticket
+    }
+
+    /// A pending ticket of `slots` results for another implementation of stream-bound reads
+    /// (the remote client), and the handle that ends it.
+    pub fn pending(slots: usize) -> (StreamTicket, StreamCompleter) {
+        let ticket = StreamTicket::new(slots);
+        let completer = StreamCompleter { shared: Arc::clone(&ticket.shared), slots, ended: false };
+        (ticket, completer)
     }
 
     /// Pending, done, or failed with the failed keys' errors.
@@ -141,6 +150,43 @@ impl StreamTicket {
     /// True for a read of nothing.
     pub fn is_empty(&self) -> bool {
         self.slots == 0
+    }
+}
+
+/// Ends a ticket made by `StreamTicket::pending`. Dropping it without `end` ends the ticket
+/// with `ShuttingDown` for every slot, so no reader waits forever.
+pub struct StreamCompleter {
+    shared: Arc<Shared>,
+    slots: usize,
+    ended: bool,
+}
+
+impl std::fmt::Debug for StreamCompleter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamCompleter").field("ended", &self.ended).finish()
+    }
+}
+
+impl StreamCompleter {
+    /// Keys the read holds leases on now (`StreamTicket::keys_pinned`).
+    pub fn set_pinned(&self, keys: usize) {
+        self.shared.pinned.store(keys, Relaxed);
+    }
+
+    /// Ends the ticket with `results` (its leases must be back by now: `keys_pinned` reads 0).
+    pub fn end(mut self, results: Vec<Result<usize>>) {
+        self.ended = true;
+        self.shared.pinned.store(0, Relaxed);
+        self.shared.end(results);
+    }
+}
+
+impl Drop for StreamCompleter {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.shared.pinned.store(0, Relaxed);
+            self.shared.end((0..self.slots).map(|_| Err(Error::ShuttingDown)).collect());
+        }
     }
 }
 

@@ -50,7 +50,7 @@ impl ClientGpu {
         ClientGpu { policy, transport: Mutex::new(None) }
     }
 
-    fn transport(&self) -> Arc<dyn Transport> {
+    pub(super) fn transport(&self) -> Arc<dyn Transport> {
         let mut slot = self.transport.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = slot.as_ref() {
             return Arc::clone(t);

@@ -1,0 +1,446 @@
+//! Stream-bound reads through the owner: `RemoteStore::*_on_stream`, as the embedded engine's.
+//!
+//! Owns the client side of reads whose copies are enqueued on the caller's CUDA stream: the
+//! leases (over the Unix socket, the owner leases every key at once and the client keeps the
+//! connection that holds them, out of the pool, until the stream passed the copies), the copies
+//! from the arena mapping onto the stream (elsewhere, from host buffers the object was read into
+//! first, which the read keeps until then), and the watch thread that sees the stream pass the
+//! copies, releases the leases and ends the ticket. It never releases a lease before the stream
+//! passed the copies that read it, except once the owner's lease TTL is near: then the read is
+//! reported `StreamExpired`, as the embedded engine does.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use kvtide::{checks, Error as StoreError, Fragment, Store, StreamCompleter, StreamHandle, StreamTicket};
+use kvtide_transport::{InFlight, Region, Transfer, Transport};
+
+use super::{Conn, Inner, RemoteStore, Target, LEASE_MARGIN};
+use crate::error::{Error, Result};
+use crate::protocol::{decode_error_frame, decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
+use crate::wire::WResult;
+
+/// How often the watch thread looks at the reads in flight.
+const WATCH_INTERVAL: Duration = Duration::from_micros(200);
+
+/// A stream-bound read in flight.
+struct Bound {
+    inflight: InFlight,
+    /// The result slot of each submitted transfer.
+    slot_of: Vec<usize>,
+    results: Vec<std::result::Result<usize, StoreError>>,
+    completer: Option<StreamCompleter>,
+    /// The connection holding the leases, and their ids (None: the bytes are in `buffers`).
+    held: Option<(Conn, u64, Vec<u64>)>,
+    /// Host copies of the objects the copies read from (TCP, or no shared arena).
+    _buffers: Vec<Vec<u8>>,
+    /// When the owner may start reclaiming the leases.
+    expires_at: Instant,
+    lease_ttl_ms: u64,
+}
+
+/// The reads a `RemoteStore` has in flight, and the thread that watches them.
+#[derive(Default)]
+pub(super) struct Watch {
+    reads: Mutex<Vec<Bound>>,
+    added: Condvar,
+    started: Mutex<bool>,
+}
+
+impl Watch {
+    fn add(inner: &Arc<Inner>, read: Bound) -> Result<()> {
+        let watch = &inner.watch;
+        watch.reads.lock().unwrap_or_else(|p| p.into_inner()).push(read);
+        watch.added.notify_all();
+        let mut started = watch.started.lock().unwrap_or_else(|p| p.into_inner());
+        if !*started {
+            let weak = Arc::downgrade(inner);
+            std::thread::Builder::new()
+                .name("kvtide-remote-watch".into())
+                .spawn(move || watch_loop(weak))
+                .map_err(|e| StoreError::Io(format!("cannot start the stream watch thread: {e}")))?;
+            *started = true;
+        }
+        Ok(())
+    }
+}
+
+/// Polls the reads in flight until the store is gone; ends each as its stream passes it.
+fn watch_loop(inner: Weak<Inner>) {
+    loop {
+        let Some(store) = inner.upgrade() else { return };
+        let mut reads = store.watch.reads.lock().unwrap_or_else(|p| p.into_inner());
+        if reads.is_empty() {
+            // Wakes up now and then to notice that the store was dropped.
+            let _ = store.watch.added.wait_timeout(reads, Duration::from_millis(100));
+            continue;
+        }
+        let mut still = Vec::with_capacity(reads.len());
+        for mut read in reads.drain(..) {
+            if read.inflight.poll() {
+                finish(&store, read);
+                continue;
+            }
+            if Instant::now() >= read.expires_at {
+                // The owner may reclaim the bytes from now on: the read cannot be trusted.
+                if let Some(completer) = read.completer.take() {
+                    let ttl_ms = read.lease_ttl_ms;
+                    completer.end(read.results.iter().map(|_| Err(StoreError::StreamExpired { ttl_ms })).collect());
+                }
+            }
+            still.push(read);
+        }
+        *reads = still;
+        drop(reads);
+        drop(store);
+        std::thread::sleep(WATCH_INTERVAL);
+    }
+}
+
+/// The stream passed a read's copies: its leases go back, then its ticket ends.
+fn finish(inner: &Inner, mut read: Bound) {
+    for (slot, outcome) in read.slot_of.iter().zip(read.inflight.take_results()) {
+        if let Err(e) = outcome {
+            read.results[*slot] = Err(e.into());
+        }
+    }
+    if let Some((mut conn, rid, leases)) = read.held.take() {
+        let start = conn.io.begin(Op::Release, rid);
+        Request::Release { leases }.encode(conn.io.out());
+        conn.io.end(start);
+        // A connection that cannot send the release is dropped, which releases everything.
+        if conn.io.flush().is_ok() {
+            inner.checkin(conn);
+        }
+    }
+    inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
+    if let Some(completer) = read.completer.take() {
+        completer.end(read.results);
+    }
+}
+
+/// One object of a stream-bound read: its key, length check and, per piece, where it goes.
+struct Wanted<'a, 'r> {
+    key: &'a [u8],
+    check: LenCheck,
+    pieces: Vec<Piece<'r>>,
+}
+
+/// A piece of an object that goes to one result slot: `[offset, +len of regions)` of the object
+/// into `regions`, which lie in destination list `list`.
+struct Piece<'r> {
+    slot: usize,
+    offset: u64,
+    list: usize,
+    regions: Vec<Region<'r>>,
+}
+
+impl RemoteStore {
+    /// Makes later stream-bound reads to GPU `ordinal` allocate and compile nothing in the
+    /// client: allocates the stream-bound staging and compiles the kernels (the arena mapping is
+    /// registered with CUDA at the first read).
+    pub fn prepare_gpu(&self, ordinal: u32) -> Result<()> {
+        let transport = self.inner.gpu.transport();
+        let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable("no stream-bound transport"))?;
+        submit.prepare(ordinal).map_err(|e| Error::from(StoreError::from(e)))
+    }
+
+    /// `Engine::batch_get_into_multi_buffers_on_stream` through the owner: when this returns,
+    /// the copies of object i into `dsts[i]` are ordered on `stream`, and an event the caller
+    /// records on it afterwards is a valid "KV ready" signal. Over the Unix socket the copies
+    /// read the owner's arena, which stays leased until the client sees the stream pass them;
+    /// over TCP each object is read into a host buffer first. Stream 0 is the blocking read.
+    /// Per-key failures are in the ticket. A batch is leased whole, so it must fit the owner's
+    /// DRAM.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream handle (or 0), and every destination must stay valid
+    /// until the stream has passed the copies (the ticket no longer `Pending`).
+    pub unsafe fn batch_get_into_multi_buffers_on_stream(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        stream: StreamHandle,
+    ) -> Result<StreamTicket> {
+        checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
+        if stream == 0 {
+            let results = self.batch_get_into_multi_buffers(keys, dsts);
+            return Ok(StreamTicket::ended(results.into_iter().map(|r| r.map_err(into_store)).collect()));
+        }
+        let wanted: Vec<Wanted<'_, '_>> = keys
+            .iter()
+            .zip(dsts)
+            .enumerate()
+            .map(|(i, (key, regions))| {
+                let total = regions.iter().map(|r| r.len() as u64).sum();
+                let piece = Piece { slot: i, offset: 0, list: i, regions: regions.clone() };
+                Wanted { key, check: LenCheck::Exactly(total), pieces: vec![piece] }
+            })
+            .collect();
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        let results = (0..keys.len()).map(|_| Err(StoreError::Internal("slot never read"))).collect();
+        // SAFETY: forwarded contract.
+        unsafe { self.read_on_stream(wanted, results, &lists, stream) }
+    }
+
+    /// `Engine::get_into_ranges_on_stream` through the owner, as
+    /// `batch_get_into_multi_buffers_on_stream` does. The ticket has one result per fragment,
+    /// buffer after buffer.
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`.
+    pub unsafe fn get_into_ranges_on_stream(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+        stream: StreamHandle,
+    ) -> Result<StreamTicket> {
+        if fragments.len() > buffers.len() {
+            return Err(StoreError::InvalidArgument(format!(
+                "fragments for {} buffers but only {} buffers",
+                fragments.len(),
+                buffers.len()
+            ))
+            .into());
+        }
+        if stream == 0 {
+            let results = self.get_into_ranges(buffers, fragments).into_iter().flatten();
+            return Ok(StreamTicket::ended(results.map(|r| r.map_err(into_store)).collect()));
+        }
+        let mut wanted: Vec<Wanted<'_, '_>> = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        let mut results = Vec::new();
+        for (b, frags) in fragments.iter().enumerate() {
+            for frag in frags {
+                let slot = results.len();
+                // A fragment whose destination range is bad never reaches the owner.
+                match buffers[b].slice(frag.dst_offset, frag.len) {
+                    Ok(dst) => {
+                        let w = *index.entry(frag.key.as_slice()).or_insert_with(|| {
+                            wanted.push(Wanted { key: &frag.key, check: LenCheck::Any, pieces: Vec::new() });
+                            wanted.len() - 1
+                        });
+                        wanted[w].pieces.push(Piece { slot, offset: frag.src_offset, list: b, regions: vec![dst] });
+                        results.push(Err(StoreError::Internal("slot never read")));
+                    }
+                    Err(e) => results.push(Err(e.into())),
+                }
+            }
+        }
+        let lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
+        // SAFETY: forwarded contract.
+        unsafe { self.read_on_stream(wanted, results, &lists, stream) }
+    }
+
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`; `lists` are the destinations the pieces
+    /// slice.
+    unsafe fn read_on_stream(
+        &self,
+        wanted: Vec<Wanted<'_, '_>>,
+        mut results: Vec<std::result::Result<usize, StoreError>>,
+        lists: &[&[Region<'_>]],
+        stream: StreamHandle,
+    ) -> Result<StreamTicket> {
+        let slots = results.len();
+        let transport = self.inner.gpu.transport();
+        let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable(
+            "stream-bound reads through RemoteStore need the cuda feature of kvtide-remote",
+        ))?;
+        submit.check_stream(stream).map_err(|e| Error::from(StoreError::from(e)))?;
+        let limits = self.inner.limits()?;
+        // Every destination list, checked once; each piece's failure lands in its slot.
+        let checked = self.inner.check_destination_lists(lists);
+        let mut todo: Vec<Wanted<'_, '_>> = Vec::with_capacity(wanted.len());
+        for mut w in wanted {
+            let key_ok = self.inner.validate_key(&limits, w.key);
+            w.pieces.retain(|piece| match key_ok.clone().and(checked[piece.list].clone()) {
+                Err(e) => {
+                    results[piece.slot] = Err(into_store(e));
+                    false
+                }
+                Ok(()) => true,
+            });
+            if !w.pieces.is_empty() {
+                todo.push(w);
+            }
+        }
+        if todo.is_empty() {
+            return Ok(StreamTicket::ended(results));
+        }
+        let limit = self.inner.options.max_tickets_in_flight;
+        if self.inner.tickets_in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
+            self.inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(StoreError::Busy { limit }.into());
+        }
+        // SAFETY: forwarded contract.
+        match unsafe { self.lease_and_submit(&todo, &mut results, &*transport, stream) } {
+            Ok((inflight, slot_of, held, buffers, ttl_ms)) => {
+                let (ticket, completer) = StreamTicket::pending(slots);
+                completer.set_pinned(held.as_ref().map_or(0, |(_, _, l)| l.len()));
+                let read = Bound {
+                    inflight,
+                    slot_of,
+                    results,
+                    completer: Some(completer),
+                    held,
+                    _buffers: buffers,
+                    expires_at: Instant::now() + Duration::from_millis(ttl_ms).saturating_sub(LEASE_MARGIN),
+                    lease_ttl_ms: ttl_ms,
+                };
+                Watch::add(&self.inner, read)?;
+                Ok(ticket)
+            }
+            Err(e) => {
+                self.inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    /// Leases (or reads) the objects and enqueues their copies on `stream`.
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`.
+    #[allow(clippy::type_complexity)]
+    unsafe fn lease_and_submit(
+        &self,
+        todo: &[Wanted<'_, '_>],
+        results: &mut [std::result::Result<usize, StoreError>],
+        transport: &dyn Transport,
+        stream: StreamHandle,
+    ) -> Result<(InFlight, Vec<usize>, Option<(Conn, u64, Vec<u64>)>, Vec<Vec<u8>>, u64)> {
+        let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable("no stream-bound transport"))?;
+        let mut conn = match self.inner.checkout() {
+            Some(c) => c,
+            None => self.inner.open()?,
+        };
+        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let mut transfers = Vec::new();
+        let mut slot_of = Vec::new();
+        let mut buffers: Vec<Vec<u8>> = Vec::new();
+        let mut held = None;
+        let ttl_ms;
+        if let Some(mapping) = conn.shm.clone() {
+            let items: Vec<GetItem<'_>> = todo.iter().map(|w| GetItem { key: w.key, check: w.check }).collect();
+            let grants = conn
+                .lease_all(rid, items, mapping.len())
+                .map_err(|e| e.into_error("get", self.inner.options.timeout_ms))??;
+            ttl_ms = u64::from(grants.0);
+            let mut leases = Vec::new();
+            for (w, grant) in todo.iter().zip(grants.1) {
+                let grant = match grant {
+                    Ok(g) => g,
+                    Err(e) => {
+                        w.pieces.iter().for_each(|p| results[p.slot] = Err(into_store(e.clone())));
+                        continue;
+                    }
+                };
+                leases.push(grant.lease);
+                if let Err(e) = w.check.check(grant.len) {
+                    w.pieces.iter().for_each(|p| results[p.slot] = Err(e.clone()));
+                    continue;
+                }
+                for piece in &w.pieces {
+                    let len: u64 = piece.regions.iter().map(|r| r.len() as u64).sum();
+                    let placed = kvtide_transport::region::check_range("object", piece.offset, len, grant.len)
+                        .map_err(StoreError::from)
+                        .and_then(|()| mapping.addr_of(grant.offset + piece.offset, len).map_err(into_store));
+                    match placed {
+                        Ok(host) => {
+                            transfers.push(Transfer::in_order(host, len, &piece.regions));
+                            slot_of.push(piece.slot);
+                            results[piece.slot] = Ok(len as usize);
+                        }
+                        Err(e) => results[piece.slot] = Err(e),
+                    }
+                }
+            }
+            self.inner.gpu.pin(mapping.memory(), true);
+            held = Some((conn, rid, leases));
+        } else {
+            // No shared arena: each object comes over the socket into a host buffer first.
+            ttl_ms = u64::from(conn.hello.lease_ttl_ms);
+            self.inner.checkin(conn);
+            let mut batch: Vec<(&[u8], LenCheck, Target<'_>)> =
+                todo.iter().map(|w| (w.key, w.check, Target::Owned(Vec::new()))).collect();
+            let read = self.inner.read_objects(std::mem::take(&mut batch));
+            for (w, r) in todo.iter().zip(read) {
+                let bytes = match r {
+                    Ok((_, Some(bytes))) => bytes,
+                    Ok((_, None)) => Vec::new(),
+                    Err(e) => {
+                        w.pieces.iter().for_each(|p| results[p.slot] = Err(into_store(e.clone())));
+                        continue;
+                    }
+                };
+                for piece in &w.pieces {
+                    let len: u64 = piece.regions.iter().map(|r| r.len() as u64).sum();
+                    match kvtide_transport::region::check_range("object", piece.offset, len, bytes.len() as u64) {
+                        Ok(()) => {
+                            let host = bytes.as_ptr() as u64 + piece.offset;
+                            transfers.push(Transfer::in_order(host, len, &piece.regions));
+                            slot_of.push(piece.slot);
+                            results[piece.slot] = Ok(len as usize);
+                        }
+                        Err(e) => results[piece.slot] = Err(e.into()),
+                    }
+                }
+                buffers.push(bytes);
+            }
+        }
+        let gates = vec![None; transfers.len()];
+        // SAFETY: the host bytes are leased to `held`'s connection (or are `buffers`), both kept
+        // until the stream passed the copies; the destinations were checked and are the
+        // caller's until then (this call's contract).
+        match unsafe { submit.submit_on_stream(stream, &transfers, &gates) } {
+            Ok(inflight) => Ok((inflight, slot_of, held, buffers, ttl_ms)),
+            Err(e) => {
+                // Nothing was enqueued: the leases go back with the connection.
+                if let Some((conn, _, _)) = held {
+                    drop(conn);
+                }
+                Err(StoreError::from(e).into())
+            }
+        }
+    }
+}
+
+impl Conn {
+    /// One `Get` in lease mode for every item, answered by one `Grants` frame.
+    #[allow(clippy::type_complexity)]
+    fn lease_all(
+        &mut self,
+        rid: u64,
+        items: Vec<GetItem<'_>>,
+        arena_bytes: u64,
+    ) -> WResult<Result<(u32, Vec<std::result::Result<crate::protocol::Grant, Error>>)>> {
+        let count = items.len();
+        let start = self.io.begin(Op::Get, rid);
+        Request::Get { lease: true, items }.encode(self.io.out());
+        self.io.end(start);
+        self.io.flush()?;
+        let h = self.read_reply_header(rid)?;
+        let payload = self.io.read_payload(h.payload_len)?;
+        match h.op {
+            Op::Grants => {
+                let (ttl_ms, grants) = decode_grants(&payload, self.limits.max_items, arena_bytes)?;
+                if grants.len() != count {
+                    return Err(ProtocolError::Invalid { what: "grant count" }.into());
+                }
+                Ok(Ok((ttl_ms, grants)))
+            }
+            Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
+            other => Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+        }
+    }
+}
+
+/// A client error as the engine's error type (the ticket's): remote-only errors become `Io`.
+fn into_store(e: Error) -> StoreError {
+    match e {
+        Error::Store(e) => e,
+        other => StoreError::Io(other.to_string()),
+    }
+}
