@@ -645,22 +645,10 @@ impl Conn {
         if lease {
             self.read_grant_parts(rid, batch, gpu)
         } else {
-            // GPU destinations take a host buffer in between.
-            let bounced: Vec<Option<Vec<Region<'_>>>> = batch
-                .iter_mut()
-                .map(|(_, _, target)| match target {
-                    Target::Regions(regions) if gpu::names_device(regions) => {
-                        let regions = std::mem::take(regions);
-                        *target = Target::Owned(Vec::new());
-                        Some(regions)
-                    }
-                    _ => None,
-                })
-                .collect();
             let mut targets: Vec<&mut Target<'_>> = batch.iter_mut().map(|(_, _, t)| t).collect();
-            let results = self.read_stream(rid, &mut targets, sent + timeout)?;
+            let results = self.read_stream(rid, &mut targets, sent + timeout, gpu)?;
             Ok(results.map(|per_item| {
-                let mut out: Vec<ReadResult> = per_item
+                per_item
                     .into_iter()
                     .zip(batch.iter_mut())
                     .map(|(res, (_, _, target))| {
@@ -669,9 +657,7 @@ impl Conn {
                             Target::Regions(_) => (len, None),
                         })
                     })
-                    .collect();
-                land_bounced(gpu, &mut out, &bounced);
-                out
+                    .collect()
             }))
         }
     }
@@ -768,6 +754,7 @@ impl Conn {
         rid: u64,
         targets: &mut [&mut Target<'_>],
         deadline: Instant,
+        gpu: &gpu::ClientGpu,
     ) -> WResult<Result<Vec<Result<usize>>>> {
         let mut results: Vec<Option<Result<usize>>> = (0..targets.len()).map(|_| None).collect();
         loop {
@@ -801,7 +788,12 @@ impl Conn {
                     if i >= targets.len() || results[i].is_some() {
                         return Err(ProtocolError::Invalid { what: "item index" }.into());
                     }
-                    results[i] = Some(self.read_object(rid, len, targets[i], deadline)?);
+                    results[i] = Some(match &*targets[i] {
+                        Target::Regions(regions) if gpu::names_device(regions) => {
+                            self.read_object_to_gpu(rid, len, regions, deadline, gpu)?
+                        }
+                        _ => self.read_object(rid, len, targets[i], deadline)?,
+                    });
                 }
                 other => {
                     return Err(
@@ -814,6 +806,101 @@ impl Conn {
             .into_iter()
             .map(|r| r.unwrap_or(Err(Error::Protocol("the owner did not answer for every key".into()))))
             .collect()))
+    }
+
+    /// Reads one object's `Data` frames (or its `Abort`) into GPU `regions`: each frame lands
+    /// in one of two bounce buffers (pinned where CUDA can pin them) and is copied on to the GPU
+    /// while the next frame arrives into the other; a buffer is refilled only once its copy
+    /// completed. At most two frames of the object are in host memory at a time.
+    fn read_object_to_gpu(
+        &mut self,
+        rid: u64,
+        len: u64,
+        regions: &[Region<'_>],
+        deadline: Instant,
+        gpu: &gpu::ClientGpu,
+    ) -> WResult<Result<usize>> {
+        let room: u64 = regions.iter().map(|r| r.len() as u64).sum();
+        if len > room {
+            return Err(ProtocolError::Invalid { what: "object longer than its destination" }.into());
+        }
+        let ordinal = regions
+            .iter()
+            .find_map(|r| match r.kind() {
+                kvtide_transport::MemoryKind::Device { ordinal } => Some(ordinal),
+                _ => None,
+            })
+            .unwrap_or(0);
+        let chunk = self.hello.chunk_bytes as usize;
+        let bounces = [gpu.take_bounce(ordinal, chunk), gpu.take_bounce(ordinal, chunk)];
+        let outcome = {
+            // Declared after the buffers, so dropped (waiting for the copies) before them.
+            let mut copies: [Option<kvtide_transport::InFlight>; 2] = [None, None];
+            let mut failed: Option<Error> = None;
+            let mut pos = 0u64;
+            let mut frame = 0usize;
+            let read: WResult<()> = (|| {
+                while pos < len {
+                    if Instant::now() > deadline {
+                        return Err(WireError::Timeout);
+                    }
+                    let h = self.read_reply_header(rid)?;
+                    match h.op {
+                        Op::Data => {
+                            let n = u64::from(h.payload_len);
+                            if n == 0 || n > len - pos || n as usize > bounces[frame % 2].len() {
+                                return Err(ProtocolError::Invalid { what: "data frame length" }.into());
+                            }
+                            let k = frame % 2;
+                            if let Some(copy) = copies[k].take() {
+                                if let Some(Err(e)) = copy.wait().into_iter().find(|r| r.is_err()) {
+                                    failed.get_or_insert(StoreError::from(e).into());
+                                }
+                            }
+                            // SAFETY: the bounce buffer is ours, at least `n` bytes, and its last
+                            // copy completed just above.
+                            unsafe { self.io.read_raw(bounces[k].ptr(), n as usize)? };
+                            if failed.is_none() {
+                                let transfer = Transfer {
+                                    host: bounces[k].ptr() as u64,
+                                    host_len: n,
+                                    pieces: gpu::pieces_of(regions, pos, n),
+                                };
+                                // SAFETY: the bounce buffer stays untouched until this copy
+                                // completed (waited for before its reuse, or when `copies`
+                                // drops); the device regions were checked by check_destinations.
+                                match unsafe { gpu.submit(Direction::HostToDevice, &[transfer]) } {
+                                    Ok(copy) => copies[k] = Some(copy),
+                                    Err(e) => failed = Some(e),
+                                }
+                            }
+                            pos += n;
+                            frame += 1;
+                        }
+                        Op::Abort => {
+                            let payload = self.io.read_payload(h.payload_len)?;
+                            failed.get_or_insert(decode_error_frame(&payload)?.1);
+                            return Ok(());
+                        }
+                        other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
+                    }
+                }
+                Ok(())
+            })();
+            for copy in copies.iter_mut().filter_map(Option::take) {
+                if let Some(Err(e)) = copy.wait().into_iter().find(|r| r.is_err()) {
+                    failed.get_or_insert(StoreError::from(e).into());
+                }
+            }
+            read.map(|()| match failed {
+                Some(e) => Err(e),
+                None => Ok(len as usize),
+            })
+        };
+        for bounce in bounces {
+            gpu.give_bounce(bounce);
+        }
+        outcome
     }
 
     /// Reads one object's `Data` frames (or its `Abort`) into `target`.
@@ -878,39 +965,6 @@ impl Conn {
             }
         }
         Ok(Ok(len as usize))
-    }
-}
-
-/// Copies the objects read into host buffers for GPU destinations (`bounced[i]`: the regions of
-/// item i) on to the GPU, one submission for all; an item whose copy failed gets its error.
-fn land_bounced(gpu: &gpu::ClientGpu, results: &mut [ReadResult], bounced: &[Option<Vec<Region<'_>>>]) {
-    let mut staged: Vec<(usize, Transfer)> = Vec::new();
-    for (i, regions) in bounced.iter().enumerate() {
-        let Some(regions) = regions else { continue };
-        let transfer = match &results[i] {
-            Ok((len, Some(bytes))) => {
-                gpu::covering(regions, *len as u64).map(|r| Transfer::in_order(bytes.as_ptr() as u64, *len as u64, &r))
-            }
-            _ => continue,
-        };
-        match transfer {
-            Ok(t) => staged.push((i, t)),
-            Err(e) => results[i] = Err(e),
-        }
-    }
-    let transfers: Vec<Transfer> = staged.iter().map(|(_, t)| t.clone()).collect();
-    // SAFETY: the host bytes are the results' own buffers, untouched until this returns; the
-    // device pieces were checked by check_destinations.
-    let copied = unsafe { gpu.copy(Direction::HostToDevice, &transfers) };
-    for ((i, _), outcome) in staged.iter().zip(copied) {
-        results[*i] = match (outcome, &mut results[*i]) {
-            (Ok(()), Ok((len, bytes))) => {
-                *bytes = None;
-                Ok((*len, None))
-            }
-            (Err(e), _) => Err(e),
-            (Ok(()), Err(e)) => Err(e.clone()),
-        };
     }
 }
 
@@ -1345,38 +1399,16 @@ impl RemoteStore {
             let sent = Instant::now();
             conn.io.flush()?;
             let mut targets: Vec<Target<'_>> = Vec::with_capacity(chunk.len());
-            // GPU buffers take a host buffer in between.
-            let mut bounced: Vec<Option<Vec<Region<'_>>>> = Vec::with_capacity(chunk.len());
             for &(b, f) in chunk {
                 let frag = &fragments[b][f];
                 match buffers[b].slice(frag.dst_offset, frag.len) {
-                    Ok(dst) if gpu::names_device(std::slice::from_ref(&dst)) => {
-                        targets.push(Target::Owned(Vec::new()));
-                        bounced.push(Some(vec![dst]));
-                        continue;
-                    }
                     Ok(dst) => targets.push(Target::Regions(vec![dst])),
                     // Checked before; an empty target makes a mismatch a protocol error.
                     Err(_) => targets.push(Target::Regions(Vec::new())),
                 }
-                bounced.push(None);
             }
             let mut refs: Vec<&mut Target<'_>> = targets.iter_mut().collect();
-            let read = conn.read_stream(rid, &mut refs, sent + timeout)?;
-            Ok(read.map(|per_item| {
-                let mut out: Vec<ReadResult> = per_item
-                    .into_iter()
-                    .zip(targets.iter_mut())
-                    .map(|(r, t)| {
-                        r.map(|len| match t {
-                            Target::Owned(v) => (len, Some(std::mem::take(v))),
-                            Target::Regions(_) => (len, None),
-                        })
-                    })
-                    .collect();
-                land_bounced(&self.inner.gpu, &mut out, &bounced);
-                out.into_iter().map(|r| r.map(|(len, _)| len)).collect()
-            }))
+            conn.read_stream(rid, &mut refs, sent + timeout, &self.inner.gpu)
         });
         match outcome {
             Ok(r) => r,

@@ -620,6 +620,12 @@ impl ShardTask for StreamWatch {
             TaskPoll::Polling
         }
     }
+
+    /// A stopping store does not wait for a stream that may never pass: the watch's drop
+    /// waits for it on its own (after opening the gates) and then reports and releases.
+    fn dropped_at_shutdown(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for StreamWatch {

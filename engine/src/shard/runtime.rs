@@ -231,6 +231,13 @@ impl ShardLoop {
             self.reap();
             worked |= self.complete_disk();
             if self.inbox.quiesced() {
+                if self.inbox_is_drained() && !self.tasks.is_empty() {
+                    // Nothing new can arrive: tasks that may go now go (their drops finish them).
+                    let before = self.tasks.len();
+                    self.tasks.retain(|t| !t.dropped_at_shutdown());
+                    let dropped = (before - self.tasks.len()) as u64;
+                    self.core.counters().tasks_in_flight.fetch_sub(dropped, Relaxed);
+                }
                 if self.inbox_is_drained() && self.tasks.is_empty() {
                     let deadline = *flush_deadline.get_or_insert(now + self.config.shutdown_flush_timeout);
                     let in_time = now < deadline;

@@ -44,6 +44,11 @@ pub(crate) trait ShardTask: Send {
     fn start(&mut self, core: &mut ShardCore);
     /// Advances, spending at most `budget_bytes` of copying.
     fn poll(&mut self, core: &mut ShardCore, budget_bytes: &mut u64) -> TaskPoll;
+    /// True when a shard that is stopping may drop the task instead of waiting for it to
+    /// finish (its drop then finishes it: a stream-bound watch waits for its stream there).
+    fn dropped_at_shutdown(&self) -> bool {
+        false
+    }
 }
 
 /// Where the core drops a batch's grants once every key is leased.

@@ -13,7 +13,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use kvtide::{Error as StoreError, GpuGroup};
-use kvtide_transport::{Direction, MemoryKind, Region, Transfer, Transport, TransportError, Unreachable};
+use kvtide_transport::{
+    Direction, InFlight, MemoryKind, Piece, Region, Transfer, Transport, TransportError, Unreachable,
+};
 
 use crate::error::{Error, Result};
 use crate::shm::Attachment;
@@ -39,15 +41,64 @@ pub(super) fn covering<'a>(regions: &[Region<'a>], len: u64) -> Result<Vec<Regio
     Ok(out)
 }
 
+/// The parts of `regions` (laid end to end) that cover `[pos, pos + n)`, as pieces whose host
+/// offsets count from `pos`.
+pub(super) fn pieces_of(regions: &[Region<'_>], mut pos: u64, n: u64) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    let mut done = 0;
+    for r in regions {
+        if done == n {
+            break;
+        }
+        let len = r.len() as u64;
+        if pos >= len {
+            pos -= len;
+            continue;
+        }
+        let take = (len - pos).min(n - done);
+        pieces.push(Piece { host_offset: done, addr: r.addr() + pos, len: take, kind: r.kind() });
+        done += take;
+        pos = 0;
+    }
+    pieces
+}
+
+/// Bounce buffers kept for reuse at most.
+const BOUNCE_POOL: usize = 8;
+
+/// A host buffer that bytes from the socket land in on their way to a GPU (pinned where CUDA
+/// can pin it, so the copy out of it is DMA), reused across reads.
+pub(super) struct Bounce {
+    ptr: NonNull<u8>,
+    len: usize,
+    ordinal: u32,
+    _memory: Box<dyn std::any::Any + Send>,
+}
+
+// SAFETY: the buffer is owned through `_memory`; the pointer is only used by whoever holds the
+// `Bounce` (one reader at a time).
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    pub(super) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+}
+
 /// The client's GPU transport.
 pub(super) struct ClientGpu {
     policy: GpuGroup,
     transport: Mutex<Option<Arc<dyn Transport>>>,
+    bounces: Mutex<Vec<Bounce>>,
 }
 
 impl ClientGpu {
     pub(super) fn new(policy: GpuGroup) -> ClientGpu {
-        ClientGpu { policy, transport: Mutex::new(None) }
+        ClientGpu { policy, transport: Mutex::new(None), bounces: Mutex::new(Vec::new()) }
     }
 
     pub(super) fn transport(&self) -> Arc<dyn Transport> {
@@ -120,6 +171,47 @@ impl ClientGpu {
                 }
             }
         });
+    }
+
+    /// A bounce buffer of at least `bytes` for GPU `ordinal`: a kept one, or a new one.
+    pub(super) fn take_bounce(&self, ordinal: u32, bytes: usize) -> Bounce {
+        let mut pool = self.bounces.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = pool.iter().position(|b| b.ordinal == ordinal && b.len >= bytes) {
+            return pool.swap_remove(i);
+        }
+        drop(pool);
+        #[cfg(feature = "cuda")]
+        {
+            let pinned = kvtide_transport::cuda::CudaTransport::get()
+                .and_then(|t| t.device(ordinal))
+                .and_then(|d| d.alloc_pinned(bytes));
+            if let Ok(mut buffer) = pinned {
+                let ptr = NonNull::new(buffer.as_mut_slice().as_mut_ptr());
+                if let Some(ptr) = ptr {
+                    return Bounce { ptr, len: bytes, ordinal, _memory: Box::new(buffer) };
+                }
+            }
+        }
+        let mut buffer = vec![0u8; bytes.max(1)].into_boxed_slice();
+        let ptr = NonNull::new(buffer.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Bounce { ptr, len: bytes, ordinal, _memory: Box::new(buffer) }
+    }
+
+    /// Keeps `bounce` for the next read (a few at most).
+    pub(super) fn give_bounce(&self, bounce: Bounce) {
+        let mut pool = self.bounces.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < BOUNCE_POOL {
+            pool.push(bounce);
+        }
+    }
+
+    /// Submits `transfers` in `direction` without waiting for them.
+    ///
+    /// # Safety
+    /// As `copy`, until the returned `InFlight` completed or dropped.
+    pub(super) unsafe fn submit(&self, direction: Direction, transfers: &[Transfer]) -> Result<InFlight> {
+        // SAFETY: forwarded contract.
+        unsafe { self.transport().submit(direction, transfers, None) }.map_err(|e| StoreError::from(e).into())
     }
 
     /// Runs `transfers` in `direction` and waits for them; one result per transfer.
