@@ -34,7 +34,7 @@ mod write;
 
 pub use on_stream::{StreamCompleter, StreamStatus, StreamTicket};
 pub use progressive::{Following, PutStream};
-pub use restore::{RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
+pub use restore::{LeasePart, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservations};
 
 /// Seed for routing keys to shards; differs from the index hash so a shard's keys do not all

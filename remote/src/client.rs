@@ -23,9 +23,9 @@ use kvtide_transport::{Direction, Region, Transfer};
 
 use crate::auth::Token;
 use crate::protocol::{
-    decode_error_frame, decode_exists, decode_grants, decode_mac, decode_object, FrameHeader, GetItem, GrantsPart,
-    Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
-    HELLO_WANT_SHM, NONCE_BYTES, WHOLE_REQUEST,
+    decode_error_frame, decode_exists, decode_mac, decode_object, FrameHeader, GetItem, GrantsPart, Hello, HelloOk,
+    LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
+    NONCE_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::{PutWindow, ShmMapping};
 use crate::sock::{self, Stream};
@@ -1282,67 +1282,99 @@ impl RemoteStore {
             });
             key_of.push(k);
         }
+        // The fragments of each key, by their place in `chunk`.
+        let mut frags_of: Vec<Vec<usize>> = vec![Vec::new(); keys.len()];
+        for (n, &k) in key_of.iter().enumerate() {
+            frags_of[k].push(n);
+        }
         let outcome = self.inner.call("get_into_ranges", |conn, rid| {
             let Some(mapping) = conn.shm.clone() else {
                 return Ok(Err(Error::Protocol("shared memory went away".into())));
             };
+            // Leased in parts, as batch gets are, so SSD-heavy ranges stream through DRAM.
             let items = keys.iter().map(|key| GetItem { key, check: LenCheck::Any }).collect();
-            let start = conn.io.begin(Op::Get, rid);
-            Request::Get { lease: true, items }.encode(conn.io.out());
+            let start = conn.io.begin(Op::GetParts, rid);
+            Request::GetParts { items }.encode(conn.io.out());
             conn.io.end(start);
-            let sent = Instant::now();
             conn.io.flush()?;
-            let h = conn.read_reply_header(rid)?;
-            let payload = conn.io.read_payload(h.payload_len)?;
-            let (ttl_ms, grants) = match h.op {
-                Op::Grants => decode_grants(&payload, conn.limits.max_items, mapping.len())?,
-                Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
-                other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
-            };
-            if grants.len() != keys.len() {
-                return Err(ProtocolError::Invalid { what: "grant count" }.into());
-            }
-            let mut results = Vec::with_capacity(chunk.len());
-            let mut device: Vec<(usize, Transfer)> = Vec::new();
-            for (n, (&(b, f), &k)) in chunk.iter().zip(&key_of).enumerate() {
-                let frag = &fragments[b][f];
-                results.push(grants[k].clone().and_then(|g| {
-                    kvtide_transport::region::check_range("object", frag.src_offset, frag.len, g.len)?;
-                    let dst = buffers[b].slice(frag.dst_offset, frag.len)?;
-                    if gpu::names_device(std::slice::from_ref(&dst)) {
-                        let host = mapping.addr_of(g.offset + frag.src_offset, frag.len)?;
-                        device.push((n, Transfer::in_order(host, frag.len, &[dst])));
-                        return Ok(frag.len as usize);
+            let mut results: Vec<Option<Result<usize>>> = (0..chunk.len()).map(|_| None).collect();
+            let mut answered = vec![false; keys.len()];
+            loop {
+                let h = conn.read_reply_header(rid)?;
+                let payload = conn.io.read_payload(h.payload_len)?;
+                let arrived = Instant::now();
+                let part = match h.op {
+                    Op::GrantsPart => GrantsPart::decode(&payload, conn.limits.max_items, keys.len(), mapping.len())?,
+                    Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
+                    other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+                };
+                let mut leases = Vec::new();
+                let mut device: Vec<(usize, Transfer)> = Vec::new();
+                let mut in_part = Vec::new();
+                for (k, grant) in part.grants {
+                    let k = k as usize;
+                    if std::mem::replace(&mut answered[k], true) {
+                        return Err(ProtocolError::Invalid { what: "key granted twice" }.into());
                     }
-                    // SAFETY: dst is a checked slice of a caller buffer lent writable for this
-                    // call; the source is leased to this connection until the release below.
-                    unsafe { mapping.copy_out(g.offset + frag.src_offset, frag.len, dst.addr() as *mut u8)? };
-                    Ok(frag.len as usize)
-                }));
-            }
-            if !device.is_empty() {
-                self.inner.gpu.pin(mapping.memory(), true);
-                let transfers: Vec<Transfer> = device.iter().map(|(_, t)| t.clone()).collect();
-                // SAFETY: the host bytes are leased to this connection until the release below;
-                // the device buffers were checked by check_destinations.
-                let copied = unsafe { self.inner.gpu.copy(Direction::HostToDevice, &transfers) };
-                for ((n, _), outcome) in device.iter().zip(copied) {
-                    if let Err(e) = outcome {
-                        results[*n] = Err(e);
+                    if let Ok(g) = &grant {
+                        leases.push(g.lease);
+                    }
+                    for &n in &frags_of[k] {
+                        let (b, f) = chunk[n];
+                        let frag = &fragments[b][f];
+                        in_part.push(n);
+                        results[n] = Some(grant.clone().and_then(|g| {
+                            kvtide_transport::region::check_range("object", frag.src_offset, frag.len, g.len)?;
+                            let dst = buffers[b].slice(frag.dst_offset, frag.len)?;
+                            if gpu::names_device(std::slice::from_ref(&dst)) {
+                                let host = mapping.addr_of(g.offset + frag.src_offset, frag.len)?;
+                                device.push((n, Transfer::in_order(host, frag.len, &[dst])));
+                                return Ok(frag.len as usize);
+                            }
+                            // SAFETY: dst is a checked slice of a caller buffer lent writable for
+                            // this call; the source is leased to this connection until the
+                            // release below.
+                            unsafe { mapping.copy_out(g.offset + frag.src_offset, frag.len, dst.addr() as *mut u8)? };
+                            Ok(frag.len as usize)
+                        }));
                     }
                 }
+                if !device.is_empty() {
+                    self.inner.gpu.pin(mapping.memory(), true);
+                    let (indices, transfers): (Vec<usize>, Vec<Transfer>) = device.into_iter().unzip();
+                    // SAFETY: the host bytes are leased to this connection until the release
+                    // below; the device buffers were checked by check_destinations.
+                    let copied = unsafe { self.inner.gpu.copy(Direction::HostToDevice, &transfers) };
+                    for (n, outcome) in indices.into_iter().zip(copied) {
+                        if let Err(e) = outcome {
+                            results[n] = Some(Err(e));
+                        }
+                    }
+                }
+                if arrived.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(part.ttl_ms)) {
+                    for &n in &in_part {
+                        if let Some(r @ Ok(_)) = &mut results[n] {
+                            *r = Err(StoreError::LeaseExpired.into());
+                        }
+                    }
+                }
+                if !leases.is_empty() {
+                    let start = conn.io.begin(Op::Release, rid);
+                    Request::Release { leases }.encode(conn.io.out());
+                    conn.io.end(start);
+                    conn.io.flush()?;
+                }
+                if part.last {
+                    break;
+                }
             }
-            if sent.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(ttl_ms)) {
-                results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(StoreError::LeaseExpired.into()));
+            if answered.iter().any(|a| !a) {
+                return Err(ProtocolError::Invalid { what: "the owner did not answer for every key" }.into());
             }
-            let leases: Vec<u64> = grants.iter().filter_map(|g| g.as_ref().ok().map(|g| g.lease)).collect();
-            if !leases.is_empty() {
-                let start = conn.io.begin(Op::Release, rid);
-                Request::Release { leases }.encode(conn.io.out());
-                conn.io.end(start);
-                conn.io.flush()?;
-            }
-            Ok(Ok(results))
+            Ok(Ok(results
+                .into_iter()
+                .map(|r| r.unwrap_or(Err(StoreError::Internal("fragment never answered").into())))
+                .collect()))
         });
         match outcome {
             Ok(r) => r,

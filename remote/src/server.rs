@@ -1082,19 +1082,22 @@ impl Connection<'_> {
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
         let mut parts = engine.lease_parts(&keys);
         if parts.is_empty() {
-            parts.push(Vec::new());
+            parts.push(kvtide::LeasePart { keys: Vec::new(), in_dram: true });
         }
         let window = engine.restore_options().window.max(1);
         let ttl_ms = self.config().lease_ttl_ms;
-        // Lease ids of the parts the client holds, oldest first.
+        // Lease ids of the parts the client holds, oldest first. The DRAM-resident part may pin
+        // most of DRAM, so nothing more is leased while the client holds it.
         let mut held: VecDeque<Vec<u64>> = VecDeque::new();
+        let mut dram_part_held = false;
         for (p, part) in parts.iter().enumerate() {
-            while held.len() >= window {
+            while held.len() >= window || (dram_part_held && !held.is_empty()) {
                 if !self.await_release(rid, &mut held)? {
                     return Ok(Flow::Close);
                 }
             }
-            let grants = self.lease_items(items, part);
+            dram_part_held = false;
+            let grants = self.lease_items(items, &part.keys);
             let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
             let start = self.io.begin(Op::GrantsPart, rid);
             GrantsPart { ttl_ms, last: p + 1 == parts.len(), grants }.encode(self.io.out());
@@ -1102,6 +1105,7 @@ impl Connection<'_> {
             self.io.flush()?;
             if !ids.is_empty() {
                 held.push_back(ids);
+                dram_part_held = part.in_dram;
             }
         }
         Ok(Flow::Continue)

@@ -1702,6 +1702,16 @@ fn ssd_resident_objects_stream_through_the_owner() {
         assert!(e.stats().total.loads > loads, "batch of {count}: loaded from SSD");
         assert_eq!(owner.counters().leases_outstanding.load(Ordering::SeqCst), 0);
     }
+    // Ranges of every key of a batch three times the DRAM stream through in parts too.
+    let mut out = vec![0u8; 48 * 100];
+    let frags = vec![(0..48u64).map(|i| Fragment::new(batch_key(i), 1000 + i, i * 100, 100)).collect::<Vec<_>>()];
+    let got = clients[0].1.get_into_ranges(&[Region::host(&mut out)], &frags);
+    for i in 0..48usize {
+        assert_eq!(got[0][i], Ok(100), "range of key {i}");
+        let want = value_for(&batch_key(i as u64), i as u64, batch_len);
+        assert!(out[i * 100..(i + 1) * 100] == want[1000 + i..1100 + i], "bytes of range {i}");
+    }
+    assert_eq!(owner.counters().leases_outstanding.load(Ordering::SeqCst), 0);
     // A client that sends another request instead of releasing its parts loses its
     // connection, and with it every lease.
     let keys: Vec<Vec<u8>> = (0..48u64).map(batch_key).collect();

@@ -26,6 +26,16 @@ use crate::error::{Error, Result};
 use crate::shard::{Location, ReadGrant, Request};
 use crate::stats::RestoreStats;
 
+/// One part of a batch that a caller leases itself (`Engine::lease_parts`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeasePart {
+    /// Indices into the caller's keys.
+    pub keys: Vec<usize>,
+    /// The part of DRAM-resident (and missing) keys: nothing to load, but leasing it pins
+    /// DRAM that the loads of later parts may need.
+    pub in_dram: bool,
+}
+
 /// How a batch that touches the SSD is restored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RestoreMode {
@@ -463,10 +473,11 @@ impl Engine {
 
     /// How a caller that leases `keys` itself (the owner serving a remote batch) should split
     /// them: the restore pipeline's sub-batches under this store's restore options, as key
-    /// indices. The DRAM-resident and missing keys come first, as one part; then each shard's
-    /// SSD-resident keys in parts of about `target_bytes`, shards interleaved so their loads run
-    /// side by side. Invalid keys go with the first part (their lease fails alone).
-    pub fn lease_parts(&self, keys: &[&[u8]]) -> Vec<Vec<usize>> {
+    /// indices. The DRAM-resident and missing keys come first, as one part (`in_dram`); then
+    /// each shard's SSD-resident keys in parts of about `target_bytes`, shards interleaved so
+    /// their loads run side by side. Invalid keys go with the first part (their lease fails
+    /// alone).
+    pub fn lease_parts(&self, keys: &[&[u8]]) -> Vec<LeasePart> {
         let mut invalid = Vec::new();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
@@ -478,16 +489,19 @@ impl Engine {
         let mut opts = self.restore_options();
         opts.mode = RestoreMode::Pipelined;
         // One key is one part: nothing to look up.
-        let mut parts: Vec<Vec<usize>> = if valid.len() <= 1 {
-            vec![valid]
+        let mut parts: Vec<LeasePart> = if valid.len() <= 1 {
+            vec![LeasePart { keys: valid, in_dram: false }]
         } else {
-            self.plan_restore_with(keys, &valid, &opts, true).into_iter().map(|p| p.keys).collect()
+            self.plan_restore_with(keys, &valid, &opts, true)
+                .into_iter()
+                .map(|p| LeasePart { keys: p.keys, in_dram: p.dram })
+                .collect()
         };
-        parts.retain(|p| !p.is_empty());
+        parts.retain(|p| !p.keys.is_empty());
         if !invalid.is_empty() {
             match parts.first_mut() {
-                Some(first) => first.extend(invalid),
-                None => parts.push(invalid),
+                Some(first) => first.keys.extend(invalid),
+                None => parts.push(LeasePart { keys: invalid, in_dram: true }),
             }
         }
         parts
