@@ -51,14 +51,14 @@ pub struct GpuArgs {
     pub json: bool,
 }
 
-struct Layout {
-    objects: usize,
-    object_bytes: u64,
-    page_bytes: u64,
+pub(crate) struct Layout {
+    pub(crate) objects: usize,
+    pub(crate) object_bytes: u64,
+    pub(crate) page_bytes: u64,
 }
 
 impl Layout {
-    fn parse(text: &str) -> Result<Layout, String> {
+    pub(crate) fn parse(text: &str) -> Result<Layout, String> {
         let bad = || format!("layout {text:?}: expected OBJECTSxOBJECT_BYTES/PAGE_BYTES, e.g. 128x2MiB/8KiB");
         let (objects, rest) = text.split_once('x').ok_or_else(bad)?;
         let (object, page) = rest.split_once('/').ok_or_else(bad)?;
@@ -73,11 +73,11 @@ impl Layout {
         Ok(layout)
     }
 
-    fn total_bytes(&self) -> u64 {
+    pub(crate) fn total_bytes(&self) -> u64 {
         self.objects as u64 * self.object_bytes
     }
 
-    fn pages_per_object(&self) -> u64 {
+    pub(crate) fn pages_per_object(&self) -> u64 {
         self.object_bytes / self.page_bytes
     }
 

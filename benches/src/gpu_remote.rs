@@ -21,7 +21,7 @@ use kvtide::cuda::{BaselineMode, CudaTransport};
 use kvtide::{PutOptions, Store, StoreBuilder};
 use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
-use crate::gpu::{expected_pool, page_regions, shuffled_slots};
+use crate::gpu::{expected_pool, page_regions, shuffled_slots, Layout};
 use crate::util::{fmt_bytes, parse_size};
 
 /// Arguments of `kvtide-bench gpu-remote`.
@@ -62,27 +62,6 @@ pub struct GpuRemoteReaderArgs {
     pub seed: u64,
 }
 
-struct Layout {
-    objects: usize,
-    object_bytes: u64,
-    page_bytes: u64,
-}
-
-fn parse_layout(text: &str) -> Result<Layout, String> {
-    let bad = || format!("layout {text:?}: expected OBJECTSxOBJECT_BYTES/PAGE_BYTES");
-    let (objects, rest) = text.split_once('x').ok_or_else(bad)?;
-    let (object, page) = rest.split_once('/').ok_or_else(bad)?;
-    let layout = Layout {
-        objects: objects.trim().parse().map_err(|_| bad())?,
-        object_bytes: parse_size(object)?,
-        page_bytes: parse_size(page)?,
-    };
-    if layout.objects == 0 || layout.page_bytes == 0 || !layout.object_bytes.is_multiple_of(layout.page_bytes) {
-        return Err(bad());
-    }
-    Ok(layout)
-}
-
 fn key(o: usize) -> Vec<u8> {
     format!("gpu-remote/{o}").into_bytes()
 }
@@ -104,7 +83,7 @@ fn now_ns() -> u128 {
 /// A reader process: checks once, says READY, waits for GO, times its reads, prints
 /// `TIMES start_ns end_ns` (wall clock, comparable across processes).
 pub fn run_reader(args: &GpuRemoteReaderArgs) -> Result<(), String> {
-    let layout = parse_layout(&args.layout)?;
+    let layout = Layout::parse(&args.layout)?;
     let device = CudaTransport::get().and_then(|t| t.device(0)).map_err(|e| e.to_string())?;
     let mut options = ClientOptions::default();
     options.gpu.staging = args.staged;
@@ -114,8 +93,8 @@ pub fn run_reader(args: &GpuRemoteReaderArgs) -> Result<(), String> {
     if !store.uses_shared_memory() {
         return Err("the reader got no shared memory".into());
     }
-    let total = layout.objects as u64 * layout.object_bytes;
-    let ppo = layout.object_bytes / layout.page_bytes;
+    let total = layout.total_bytes();
+    let ppo = layout.pages_per_object();
     let slots = shuffled_slots(layout.objects as u64 * ppo, args.seed);
     let pool = device.alloc(total as usize).map_err(|e| e.to_string())?;
     // SAFETY: `pool` outlives every read below.
@@ -222,7 +201,7 @@ fn remote_run(
 /// The embedded engine's read of the same layout, median GB/s of `iters`.
 fn embedded_run(layout: &Layout, staged: bool, args: &GpuRemoteArgs) -> Result<f64, String> {
     let device = CudaTransport::get().and_then(|t| t.device(0)).map_err(|e| e.to_string())?;
-    let total = layout.objects as u64 * layout.object_bytes;
+    let total = layout.total_bytes();
     let store = StoreBuilder::new()
         .dram_bytes((total + total / 2 + (512 << 20)).next_multiple_of(2 << 20))
         .shards(args.shards)
@@ -234,7 +213,7 @@ fn embedded_run(layout: &Layout, staged: bool, args: &GpuRemoteArgs) -> Result<f
     for o in 0..layout.objects {
         store.put(&key(o), &object(o, layout.object_bytes), PutOptions::UPSERT).map_err(|e| e.to_string())?;
     }
-    let ppo = layout.object_bytes / layout.page_bytes;
+    let ppo = layout.pages_per_object();
     let slots = shuffled_slots(layout.objects as u64 * ppo, 7);
     let pool = device.alloc(total as usize).map_err(|e| e.to_string())?;
     // SAFETY: `pool` outlives every read below.
@@ -259,7 +238,7 @@ fn embedded_run(layout: &Layout, staged: bool, args: &GpuRemoteArgs) -> Result<f
 /// One raw pinned copy of the layout's bytes, median GB/s.
 fn raw_run(layout: &Layout, iters: usize) -> Result<f64, String> {
     let device = CudaTransport::get().and_then(|t| t.device(0)).map_err(|e| e.to_string())?;
-    let total = layout.objects as u64 * layout.object_bytes;
+    let total = layout.total_bytes();
     let host = device.alloc_pinned(total as usize).map_err(|e| e.to_string())?;
     let dst = device.alloc(total as usize).map_err(|e| e.to_string())?;
     let copy = [BulkCopy { host: host.as_slice().as_ptr() as u64, device: dst.addr(), len: total }];
@@ -284,8 +263,8 @@ pub fn run(args: &GpuRemoteArgs) -> Result<(), String> {
     println!("| layout | path | raw H2D GB/s | embedded GB/s | 1 reader GB/s | x embedded | 2 readers GB/s | 4 readers GB/s | max readers x raw |");
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for text in args.layouts.split(',') {
-        let layout = parse_layout(text)?;
-        let total = layout.objects as u64 * layout.object_bytes;
+        let layout = Layout::parse(text)?;
+        let total = layout.total_bytes();
         let engine = Arc::new(
             StoreBuilder::new()
                 .dram_bytes((total + total / 2 + (512 << 20)).next_multiple_of(2 << 20))

@@ -23,9 +23,9 @@ use kvtide_transport::{Direction, Region, Transfer};
 
 use crate::auth::Token;
 use crate::protocol::{
-    decode_error_frame, decode_exists, decode_mac, decode_object, FrameHeader, GetItem, GrantsPart, Hello, HelloOk,
-    LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    NONCE_BYTES, WHOLE_REQUEST,
+    decode_error_frame, decode_exists, decode_mac, decode_object, FrameHeader, GetItem, Grant, GrantsPart, Hello,
+    HelloOk, LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
+    HELLO_WANT_SHM, NONCE_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::{PutWindow, ShmMapping};
 use crate::sock::{self, Stream};
@@ -199,6 +199,23 @@ enum WindowState {
 
 /// One object read: its length, and its bytes when the target was `Owned`.
 type ReadResult = Result<(usize, Option<Vec<u8>>)>;
+
+/// One result slot of a leased item (`Conn::get_in_parts`): its result, and the GPU copy that
+/// still has to deliver it.
+struct Placed<T> {
+    slot: usize,
+    result: Result<T>,
+    device: Option<Transfer>,
+}
+
+impl<T> Placed<T> {
+    fn of(slot: usize, placed: Result<(T, Option<Transfer>)>) -> Placed<T> {
+        match placed {
+            Ok((result, device)) => Placed { slot, result: Ok(result), device },
+            Err(e) => Placed { slot, result: Err(e), device: None },
+        }
+    }
+}
 
 /// Where one object's bytes go.
 enum Target<'a> {
@@ -634,32 +651,29 @@ impl Conn {
         timeout: Duration,
         gpu: &gpu::ClientGpu,
     ) -> WResult<Result<Vec<ReadResult>>> {
-        let lease = self.shm.is_some();
+        if self.shm.is_some() {
+            return self.read_grant_parts(rid, batch, gpu);
+        }
         let items: Vec<GetItem<'_>> = batch.iter().map(|(key, check, _)| GetItem { key, check: *check }).collect();
-        let request = if lease { Request::GetParts { items } } else { Request::Get { lease: false, items } };
-        let start = self.io.begin(request.op(), rid);
-        request.encode(self.io.out());
+        let start = self.io.begin(Op::Get, rid);
+        Request::Get { lease: false, items }.encode(self.io.out());
         self.io.end(start);
         let sent = Instant::now();
         self.io.flush()?;
-        if lease {
-            self.read_grant_parts(rid, batch, gpu)
-        } else {
-            let mut targets: Vec<&mut Target<'_>> = batch.iter_mut().map(|(_, _, t)| t).collect();
-            let results = self.read_stream(rid, &mut targets, sent + timeout, gpu)?;
-            Ok(results.map(|per_item| {
-                per_item
-                    .into_iter()
-                    .zip(batch.iter_mut())
-                    .map(|(res, (_, _, target))| {
-                        res.map(|len| match target {
-                            Target::Owned(v) => (len, Some(std::mem::take(v))),
-                            Target::Regions(_) => (len, None),
-                        })
+        let mut targets: Vec<&mut Target<'_>> = batch.iter_mut().map(|(_, _, t)| t).collect();
+        let results = self.read_stream(rid, &mut targets, sent + timeout, gpu)?;
+        Ok(results.map(|per_item| {
+            per_item
+                .into_iter()
+                .zip(batch.iter_mut())
+                .map(|(res, (_, _, target))| {
+                    res.map(|len| match target {
+                        Target::Owned(v) => (len, Some(std::mem::take(v))),
+                        Target::Regions(_) => (len, None),
                     })
-                    .collect()
-            }))
-        }
+                })
+                .collect()
+        }))
     }
 
     /// Reads the `GrantsPart` frames of a `GetParts`: copies each part's objects out of the
@@ -671,43 +685,76 @@ impl Conn {
         batch: &mut [(&[u8], LenCheck, Target<'_>)],
         gpu: &gpu::ClientGpu,
     ) -> WResult<Result<Vec<ReadResult>>> {
+        let items = batch.iter().map(|(key, check, _)| GetItem { key, check: *check }).collect();
+        let slots = batch.len();
+        self.get_in_parts(rid, items, slots, gpu, |i, grant, mapping| {
+            let (_, check, target) = &mut batch[i];
+            let placed = grant.and_then(|g| {
+                check.check(g.len)?;
+                match target {
+                    Target::Regions(regions) if gpu::names_device(regions) => {
+                        let host = mapping.addr_of(g.offset, g.len)?;
+                        let transfer = Transfer::in_order(host, g.len, &gpu::covering(regions, g.len)?);
+                        Ok(((g.len as usize, None), Some(transfer)))
+                    }
+                    _ => copy_grant(mapping, g.offset, g.len, target).map(|r| (r, None)),
+                }
+            });
+            vec![Placed::of(i, placed)]
+        })
+    }
+
+    /// Sends a `GetParts` for `items` and works through its parts. `place(item, grant, arena)`
+    /// handles one granted (or refused) item: it copies host targets out of the arena itself
+    /// and returns, per result slot of the item (`slots` in all), the result and the GPU copy
+    /// it still needs. Each part's GPU copies run in one submission; then the part's results
+    /// are checked against the lease TTL and its leases released, before the next part is read.
+    fn get_in_parts<T>(
+        &mut self,
+        rid: u64,
+        items: Vec<GetItem<'_>>,
+        slots: usize,
+        gpu: &gpu::ClientGpu,
+        mut place: impl FnMut(usize, Result<Grant>, &ShmMapping) -> Vec<Placed<T>>,
+    ) -> WResult<Result<Vec<Result<T>>>> {
         let Some(mapping) = self.shm.clone() else {
             return Err(ProtocolError::Invalid { what: "grants without shared memory" }.into());
         };
-        let mut results: Vec<Option<ReadResult>> = (0..batch.len()).map(|_| None).collect();
+        let count = items.len();
+        let start = self.io.begin(Op::GetParts, rid);
+        Request::GetParts { items }.encode(self.io.out());
+        self.io.end(start);
+        self.io.flush()?;
+        let mut results: Vec<Option<Result<T>>> = (0..slots).map(|_| None).collect();
+        let mut answered = vec![false; count];
         loop {
             let h = self.read_reply_header(rid)?;
             let payload = self.io.read_payload(h.payload_len)?;
             let arrived = Instant::now();
             let part = match h.op {
-                Op::GrantsPart => GrantsPart::decode(&payload, self.limits.max_items, batch.len(), mapping.len())?,
+                Op::GrantsPart => GrantsPart::decode(&payload, self.limits.max_items, count, mapping.len())?,
                 Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
                 other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
             };
             let mut leases = Vec::with_capacity(part.grants.len());
+            let mut in_part = Vec::new();
             // GPU destinations: straight from the arena mapping, one submission per part.
             let mut device: Vec<(usize, Transfer)> = Vec::new();
-            let mut answered = Vec::with_capacity(part.grants.len());
             for (index, grant) in part.grants {
                 let i = index as usize;
-                if results[i].is_some() {
+                if std::mem::replace(&mut answered[i], true) {
                     return Err(ProtocolError::Invalid { what: "item granted twice" }.into());
                 }
-                let (_, check, target) = &mut batch[i];
-                let r = grant.and_then(|g| {
+                if let Ok(g) = &grant {
                     leases.push(g.lease);
-                    check.check(g.len)?;
-                    match target {
-                        Target::Regions(regions) if gpu::names_device(regions) => {
-                            let host = mapping.addr_of(g.offset, g.len)?;
-                            device.push((i, Transfer::in_order(host, g.len, &gpu::covering(regions, g.len)?)));
-                            Ok((g.len as usize, None))
-                        }
-                        _ => copy_grant(&mapping, g.offset, g.len, target),
+                }
+                for Placed { slot, result, device: copy } in place(i, grant, &mapping) {
+                    if let Some(copy) = copy {
+                        device.push((slot, copy));
                     }
-                });
-                results[i] = Some(r);
-                answered.push(i);
+                    in_part.push(slot);
+                    results[slot] = Some(result);
+                }
             }
             if !device.is_empty() {
                 gpu.pin(mapping.memory(), true);
@@ -716,35 +763,41 @@ impl Conn {
                 // after the copies completed; the device pieces were checked by
                 // check_destinations.
                 let copied = unsafe { gpu.copy(Direction::HostToDevice, &transfers) };
-                for (i, outcome) in indices.into_iter().zip(copied) {
+                for (slot, outcome) in indices.into_iter().zip(copied) {
                     if let Err(e) = outcome {
-                        results[i] = Some(Err(e));
+                        results[slot] = Some(Err(e));
                     }
                 }
             }
             // The owner keeps leased bytes in place until the TTL; a copy that finished later
             // than that cannot be trusted.
             if arrived.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(part.ttl_ms)) {
-                for &i in &answered {
-                    if let Some(r @ Ok(_)) = &mut results[i] {
+                for &slot in &in_part {
+                    if let Some(r @ Ok(_)) = &mut results[slot] {
                         *r = Err(StoreError::LeaseExpired.into());
                     }
                 }
             }
-            if !leases.is_empty() {
-                let start = self.io.begin(Op::Release, rid);
-                Request::Release { leases }.encode(self.io.out());
-                self.io.end(start);
-                self.io.flush()?;
-            }
+            self.send_release(rid, leases)?;
             if part.last {
                 break;
             }
         }
-        if results.iter().any(Option::is_none) {
+        if answered.contains(&false) || results.iter().any(Option::is_none) {
             return Err(ProtocolError::Invalid { what: "the owner did not answer for every key" }.into());
         }
         Ok(Ok(results.into_iter().map(|r| r.unwrap_or(Err(StoreError::Internal("unanswered").into()))).collect()))
+    }
+
+    /// Sends a one-way `Release` of `leases` (none: nothing).
+    pub(super) fn send_release(&mut self, rid: u64, leases: Vec<u64>) -> WResult<()> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let start = self.io.begin(Op::Release, rid);
+        Request::Release { leases }.encode(self.io.out());
+        self.io.end(start);
+        self.io.flush()
     }
 
     /// Reads `Object`/`Data`/`Abort`/`Error` frames up to `End`, writing each object into its
@@ -1288,93 +1341,31 @@ impl RemoteStore {
             frags_of[k].push(n);
         }
         let outcome = self.inner.call("get_into_ranges", |conn, rid| {
-            let Some(mapping) = conn.shm.clone() else {
-                return Ok(Err(Error::Protocol("shared memory went away".into())));
-            };
             // Leased in parts, as batch gets are, so SSD-heavy ranges stream through DRAM.
             let items = keys.iter().map(|key| GetItem { key, check: LenCheck::Any }).collect();
-            let start = conn.io.begin(Op::GetParts, rid);
-            Request::GetParts { items }.encode(conn.io.out());
-            conn.io.end(start);
-            conn.io.flush()?;
-            let mut results: Vec<Option<Result<usize>>> = (0..chunk.len()).map(|_| None).collect();
-            let mut answered = vec![false; keys.len()];
-            loop {
-                let h = conn.read_reply_header(rid)?;
-                let payload = conn.io.read_payload(h.payload_len)?;
-                let arrived = Instant::now();
-                let part = match h.op {
-                    Op::GrantsPart => GrantsPart::decode(&payload, conn.limits.max_items, keys.len(), mapping.len())?,
-                    Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
-                    other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
-                };
-                let mut leases = Vec::new();
-                let mut device: Vec<(usize, Transfer)> = Vec::new();
-                let mut in_part = Vec::new();
-                for (k, grant) in part.grants {
-                    let k = k as usize;
-                    if std::mem::replace(&mut answered[k], true) {
-                        return Err(ProtocolError::Invalid { what: "key granted twice" }.into());
-                    }
-                    if let Ok(g) = &grant {
-                        leases.push(g.lease);
-                    }
-                    for &n in &frags_of[k] {
+            conn.get_in_parts(rid, items, chunk.len(), &self.inner.gpu, |k, grant, mapping| {
+                frags_of[k]
+                    .iter()
+                    .map(|&n| {
                         let (b, f) = chunk[n];
                         let frag = &fragments[b][f];
-                        in_part.push(n);
-                        results[n] = Some(grant.clone().and_then(|g| {
+                        let placed = grant.clone().and_then(|g| {
                             kvtide_transport::region::check_range("object", frag.src_offset, frag.len, g.len)?;
                             let dst = buffers[b].slice(frag.dst_offset, frag.len)?;
                             if gpu::names_device(std::slice::from_ref(&dst)) {
                                 let host = mapping.addr_of(g.offset + frag.src_offset, frag.len)?;
-                                device.push((n, Transfer::in_order(host, frag.len, &[dst])));
-                                return Ok(frag.len as usize);
+                                return Ok((frag.len as usize, Some(Transfer::in_order(host, frag.len, &[dst]))));
                             }
                             // SAFETY: dst is a checked slice of a caller buffer lent writable for
-                            // this call; the source is leased to this connection until the
-                            // release below.
+                            // this call; the source is leased to this connection until the part
+                            // is released.
                             unsafe { mapping.copy_out(g.offset + frag.src_offset, frag.len, dst.addr() as *mut u8)? };
-                            Ok(frag.len as usize)
-                        }));
-                    }
-                }
-                if !device.is_empty() {
-                    self.inner.gpu.pin(mapping.memory(), true);
-                    let (indices, transfers): (Vec<usize>, Vec<Transfer>) = device.into_iter().unzip();
-                    // SAFETY: the host bytes are leased to this connection until the release
-                    // below; the device buffers were checked by check_destinations.
-                    let copied = unsafe { self.inner.gpu.copy(Direction::HostToDevice, &transfers) };
-                    for (n, outcome) in indices.into_iter().zip(copied) {
-                        if let Err(e) = outcome {
-                            results[n] = Some(Err(e));
-                        }
-                    }
-                }
-                if arrived.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(part.ttl_ms)) {
-                    for &n in &in_part {
-                        if let Some(r @ Ok(_)) = &mut results[n] {
-                            *r = Err(StoreError::LeaseExpired.into());
-                        }
-                    }
-                }
-                if !leases.is_empty() {
-                    let start = conn.io.begin(Op::Release, rid);
-                    Request::Release { leases }.encode(conn.io.out());
-                    conn.io.end(start);
-                    conn.io.flush()?;
-                }
-                if part.last {
-                    break;
-                }
-            }
-            if answered.iter().any(|a| !a) {
-                return Err(ProtocolError::Invalid { what: "the owner did not answer for every key" }.into());
-            }
-            Ok(Ok(results
-                .into_iter()
-                .map(|r| r.unwrap_or(Err(StoreError::Internal("fragment never answered").into())))
-                .collect()))
+                            Ok((frag.len as usize, None))
+                        });
+                        Placed::of(n, placed)
+                    })
+                    .collect()
+            })
         });
         match outcome {
             Ok(r) => r,

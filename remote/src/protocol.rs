@@ -1051,19 +1051,35 @@ impl Grant {
 pub fn encode_grants(buf: &mut Vec<u8>, ttl_ms: u32, grants: &[Result<Grant, Error>]) {
     buf.put_u32(ttl_ms);
     buf.put_u32(grants.len() as u32);
-    for g in grants {
-        match g {
-            Ok(g) => {
-                buf.put_u8(0);
-                buf.put_u64(g.lease);
-                buf.put_u64(g.offset);
-                buf.put_u64(g.len);
-            }
-            Err(e) => {
-                buf.put_u8(1);
-                encode_error(buf, e);
-            }
+    grants.iter().for_each(|g| encode_grant(buf, g));
+}
+
+/// One grant (tag 0 and the lease, offset and length) or its error (tag 1).
+fn encode_grant(buf: &mut Vec<u8>, grant: &Result<Grant, Error>) {
+    match grant {
+        Ok(g) => {
+            buf.put_u8(0);
+            buf.put_u64(g.lease);
+            buf.put_u64(g.offset);
+            buf.put_u64(g.len);
         }
+        Err(e) => {
+            buf.put_u8(1);
+            encode_error(buf, e);
+        }
+    }
+}
+
+/// The inverse of `encode_grant`; a grant is checked against `arena_bytes`.
+fn decode_grant(r: &mut Reader<'_>, arena_bytes: u64) -> PResult<Result<Grant, Error>> {
+    match r.u8()? {
+        0 => {
+            let g = Grant { lease: r.u64()?, offset: r.u64()?, len: r.u64()? };
+            g.check(arena_bytes)?;
+            Ok(Ok(g))
+        }
+        1 => Ok(Err(decode_error(r)?)),
+        _ => Err(ProtocolError::Invalid { what: "grant tag" }),
     }
 }
 
@@ -1074,15 +1090,7 @@ pub fn decode_grants(payload: &[u8], max_items: u32, arena_bytes: u64) -> PResul
     let count = r.count(1 + 24, max_items, "grants")?;
     let mut grants = Vec::with_capacity(count);
     for _ in 0..count {
-        match r.u8()? {
-            0 => {
-                let g = Grant { lease: r.u64()?, offset: r.u64()?, len: r.u64()? };
-                g.check(arena_bytes)?;
-                grants.push(Ok(g));
-            }
-            1 => grants.push(Err(decode_error(&mut r)?)),
-            _ => return Err(ProtocolError::Invalid { what: "grant tag" }),
-        }
+        grants.push(decode_grant(&mut r, arena_bytes)?);
     }
     r.finish("grants")?;
     Ok((ttl_ms, grants))
@@ -1146,18 +1154,7 @@ impl GrantsPart {
         buf.put_u32(self.grants.len() as u32);
         for (index, g) in &self.grants {
             buf.put_u32(*index);
-            match g {
-                Ok(g) => {
-                    buf.put_u8(0);
-                    buf.put_u64(g.lease);
-                    buf.put_u64(g.offset);
-                    buf.put_u64(g.len);
-                }
-                Err(e) => {
-                    buf.put_u8(1);
-                    encode_error(buf, e);
-                }
-            }
+            encode_grant(buf, g);
         }
     }
 
@@ -1178,15 +1175,7 @@ impl GrantsPart {
             if index as usize >= items {
                 return Err(ProtocolError::Invalid { what: "grant index" });
             }
-            match r.u8()? {
-                0 => {
-                    let g = Grant { lease: r.u64()?, offset: r.u64()?, len: r.u64()? };
-                    g.check(arena_bytes)?;
-                    grants.push((index, Ok(g)));
-                }
-                1 => grants.push((index, Err(decode_error(&mut r)?))),
-                _ => return Err(ProtocolError::Invalid { what: "grant tag" }),
-            }
+            grants.push((index, decode_grant(&mut r, arena_bytes)?));
         }
         r.finish("grants part")?;
         Ok(GrantsPart { ttl_ms, last, grants })

@@ -106,11 +106,8 @@ fn finish(inner: &Inner, mut read: Bound) {
         }
     }
     if let Some((mut conn, rid, leases)) = read.held.take() {
-        let start = conn.io.begin(Op::Release, rid);
-        Request::Release { leases }.encode(conn.io.out());
-        conn.io.end(start);
         // A connection that cannot send the release is dropped, which releases everything.
-        if conn.io.flush().is_ok() {
+        if conn.send_release(rid, leases).is_ok() {
             inner.checkin(conn);
         }
     }

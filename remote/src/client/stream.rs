@@ -78,7 +78,7 @@ impl Conn {
                 Err(e) => return Ok(Err(e)),
             };
             if let Err(e) = LenCheck::AtMost(room).check(grant.len) {
-                self.release(rid, grant.lease)?;
+                self.send_release(rid, vec![grant.lease])?;
                 return Ok(Err(e.into()));
             }
             let ttl = Duration::from_millis(u64::from(ttl_ms));
@@ -126,13 +126,6 @@ impl Conn {
         Ok(())
     }
 
-    fn release(&mut self, rid: u64, lease: u64) -> WResult<()> {
-        let start = self.io.begin(Op::Release, rid);
-        Request::Release { leases: vec![lease] }.encode(self.io.out());
-        self.io.end(start);
-        self.io.flush()
-    }
-
     /// Copies a leased object out of the shared arena chunk by chunk, then releases the lease.
     /// A chunk whose copy ended too close to the lease's TTL fails with `LeaseExpired`.
     fn deliver_grant(
@@ -172,7 +165,7 @@ impl Conn {
                 }
             }
         }
-        self.release(rid, *lease)
+        self.send_release(rid, vec![*lease])
     }
 
     /// Reads an object's `Data` frames into `dst`, settling each chunk once its last byte
@@ -325,7 +318,7 @@ impl RemoteStore {
             // connection is dropped.
             let mut conn = conn;
             if let First::Grant { lease, .. } = &first {
-                if conn.release(rid, *lease).is_ok() {
+                if conn.send_release(rid, vec![*lease]).is_ok() {
                     inner.checkin(conn);
                 }
             }
