@@ -47,6 +47,18 @@ impl Fragment {
     }
 }
 
+/// One page of `Store::scan_keys`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyPage {
+    /// Keys of this page (possibly none, even before the end).
+    pub keys: Vec<Vec<u8>>,
+    /// Where the next page starts; None once the scan has seen everything.
+    pub cursor: Option<u64>,
+}
+
+/// Keys one `scan_keys` page holds at most.
+pub const MAX_SCAN_KEYS: usize = 4096;
+
 /// The ticket of `Store::submit_batch_get`: one result per key, `E` being the store's error.
 pub type BatchTicket<E> = Ticket<Vec<Result<usize, E>>>;
 
@@ -114,6 +126,12 @@ pub trait Store: Send + Sync {
     fn batch_remove(&self, keys: &[&[u8]], force: bool) -> Vec<Result<(), Self::Error>> {
         keys.iter().map(|key| self.remove(key, force)).collect()
     }
+    /// One page of the keys that start with `prefix` (all keys: empty), from `cursor` (0 to
+    /// start) with at most `limit` (and `MAX_SCAN_KEYS`) keys. Call again with the returned
+    /// cursor until it is None. A key present and not replaced for the whole scan is returned
+    /// exactly once; keys written or removed meanwhile may or may not be. Pages may be empty
+    /// before the end: each looks at a bounded part of the store.
+    fn scan_keys(&self, prefix: &[u8], cursor: u64, limit: usize) -> Result<KeyPage, Self::Error>;
     /// Keeps `key` from eviction until a matching `unpin`.
     fn pin(&self, key: &[u8]) -> Result<(), Self::Error>;
     fn unpin(&self, key: &[u8]) -> Result<(), Self::Error>;

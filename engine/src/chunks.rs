@@ -164,6 +164,12 @@ impl<E: Clone> std::fmt::Debug for ChunkHandle<E> {
 }
 
 impl<E: Clone + From<Error>> ChunkHandle<E> {
+    /// Cancels what has not started, as dropping the handle does, but keeps the handle: a caller
+    /// that must know when its destinations are no longer written cancels, then `wait_all`s.
+    pub fn cancel(&self) {
+        self.chunks.cancel.store(true, Ordering::Release);
+    }
+
     /// Number of chunks.
     pub fn num_chunks(&self) -> usize {
         self.chunks.places.len()

@@ -27,7 +27,7 @@ mod shard;
 mod stats;
 mod ticket;
 
-pub use api::{BatchTicket, Fragment, PutOptions, Store};
+pub use api::{BatchTicket, Fragment, KeyPage, PutOptions, Store, MAX_SCAN_KEYS};
 pub use chunks::{
     check_chunk_count, chunk_count, chunk_pair, cut as cut_chunks, ChunkHandle, ChunkPlace, ChunkSink, ChunkState,
     HandleStatus, MAX_CHUNKS,

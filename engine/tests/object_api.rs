@@ -412,3 +412,56 @@ fn shutdown_lets_an_in_flight_ticket_finish() {
     assert_eq!(store.stats().held_resources().tickets_in_flight, 0);
     assert_eq!(store.stats().total.leases_held, 0);
 }
+
+/// All pages of a scan.
+fn scan_all(store: &impl Store<Error = Error>, prefix: &[u8], limit: usize) -> (Vec<Vec<u8>>, usize) {
+    let (mut keys, mut pages, mut cursor) = (Vec::new(), 0, 0);
+    loop {
+        let page = store.scan_keys(prefix, cursor, limit).expect("scan page");
+        assert!(page.keys.len() <= limit.clamp(1, kvtide::MAX_SCAN_KEYS));
+        keys.extend(page.keys);
+        pages += 1;
+        match page.cursor {
+            Some(next) => cursor = next,
+            None => return (keys, pages),
+        }
+    }
+}
+
+#[test]
+fn scan_keys_returns_every_live_key_once_in_bounded_pages() {
+    let store = StoreBuilder::new()
+        .dram_bytes(8 << 20)
+        .shards(3)
+        .pin_threads(false)
+        .ssd_bytes(64 << 20)
+        .ssd_segment_bytes(1 << 20)
+        .simulated_ssd(7, kvtide::SimFaults::default())
+        .open()
+        .expect("open");
+    // 600 x 64 KiB is far more than DRAM: most keys are on the SSD tier only.
+    let mut expected = Vec::new();
+    for i in 0..600u32 {
+        let key = format!("{}/{i}", if i % 3 == 0 { "a" } else { "b" }).into_bytes();
+        store.put(&key, &value_for(&key, 0, 64 << 10), PutOptions::INSERT).expect("put");
+        expected.push(key);
+    }
+    for i in (0..600u32).step_by(10) {
+        let key = format!("{}/{i}", if i % 3 == 0 { "a" } else { "b" }).into_bytes();
+        store.remove(&key, false).expect("remove");
+        expected.retain(|k| *k != key);
+    }
+    expected.sort();
+    let (mut all, pages) = scan_all(&store, b"", 7);
+    all.sort();
+    assert_eq!(all, expected, "every live key once, removed keys never");
+    assert!(pages >= 540 / 7, "pages hold at most the limit: {pages}");
+    let (mut a, _) = scan_all(&store, b"a/", 1000);
+    a.sort();
+    let want: Vec<_> = expected.iter().filter(|k| k.starts_with(b"a/")).cloned().collect();
+    assert_eq!(a, want);
+    assert_eq!(scan_all(&store, b"zzz", 1000).0, Vec::<Vec<u8>>::new());
+    assert!(matches!(store.scan_keys(b"", 99 << 32, 10), Err(Error::InvalidArgument(_))), "a cursor of no shard");
+    assert!(matches!(store.scan_keys(&[b'x'; 2000], 0, 10), Err(Error::TooLarge { .. })));
+    assert_idle(&store);
+}

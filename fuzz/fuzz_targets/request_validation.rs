@@ -2,7 +2,7 @@
 //! Whatever the payload, decoding never panics and never allocates from an unchecked count,
 //! and an accepted request honours every limit: item counts, key lengths (1..=max), fragment
 //! key indices, put lengths (inline <= total <= max value), batched puts (lengths, window
-//! offsets only for window values), progressive put heads and chunk heads. Accepted requests round-trip.
+//! offsets only for window values), scan prefixes and limits, progressive put heads and chunk heads. Accepted requests round-trip.
 #![no_main]
 
 use kvtide_remote::protocol::{Limits, Op, PutChunkHead, PutHead, Request, PUT_HEAD_BYTES};
@@ -62,6 +62,9 @@ fuzz_target!(|data: &[u8]| {
             assert!(*window || items.iter().all(|i| i.window_offset == 0));
         }
         Request::RemoveBatch { keys, .. } => assert!(keys.len() <= max && keys.iter().all(|k| key_ok(k))),
+        Request::ScanKeys { prefix, limit, .. } => {
+            assert!(prefix.len() <= limits.max_key_bytes as usize && *limit >= 1 && *limit as usize <= max)
+        }
         Request::Hello(_)
         | Request::Auth { .. }
         | Request::Stats

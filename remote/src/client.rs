@@ -23,9 +23,9 @@ use kvtide_transport::{Direction, Region, Transfer};
 
 use crate::auth::Token;
 use crate::protocol::{
-    decode_error_frame, decode_exists, decode_mac, decode_object, FrameHeader, GetItem, Grant, GrantsPart, Hello,
-    HelloOk, LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
-    HELLO_WANT_SHM, NONCE_BYTES, WHOLE_REQUEST,
+    decode_error_frame, decode_exists, decode_key_page, decode_mac, decode_object, FrameHeader, GetItem, Grant,
+    GrantsPart, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED,
+    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, NONCE_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::{PutWindow, ShmMapping};
 use crate::sock::{self, Stream};
@@ -176,6 +176,58 @@ struct Inner {
     streams_open: Arc<AtomicU64>,
     last_limits: Mutex<Option<Limits>>,
     last_max_leases: AtomicU64,
+    /// Lease releases sent and not yet known applied by the owner.
+    releases: Arc<Releases>,
+}
+
+/// Lease releases this client sent that the owner may not have applied yet. A release has no
+/// reply; the owner applies a connection's frames in order, so the next reply read on that
+/// connection (or its close) confirms it. `remove` waits on this before it retries a key found
+/// leased, so a read's own lease never fails the remove that follows it.
+#[derive(Default)]
+struct Releases {
+    /// (last sequence number given, those not yet confirmed).
+    state: Mutex<(u64, std::collections::BTreeSet<u64>)>,
+    confirmed: std::sync::Condvar,
+}
+
+impl Releases {
+    fn sent(&self) -> u64 {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        let seq = g.0;
+        g.1.insert(seq);
+        seq
+    }
+
+    fn confirm(&self, seqs: &mut Vec<u64>) {
+        if seqs.is_empty() {
+            return;
+        }
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        for seq in seqs.drain(..) {
+            g.1.remove(&seq);
+        }
+        self.confirmed.notify_all();
+    }
+
+    /// The sequence number of the last release sent so far (0: none yet).
+    fn last_sent(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0
+    }
+
+    /// Waits until every release up to `seq` is confirmed, or `timeout` passed.
+    fn wait_through(&self, seq: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while g.1.first().is_some_and(|&first| first <= seq) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            g = self.confirmed.wait_timeout(g, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
 }
 
 struct Conn {
@@ -186,6 +238,16 @@ struct Conn {
     window: WindowState,
     /// Failed midway through a batch whose earlier requests took effect: never reused.
     broken: bool,
+    /// Releases sent on this connection since its last reply (`Releases`).
+    unconfirmed: Vec<u64>,
+    releases: Arc<Releases>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // A closed connection's leases are dropped by the owner.
+        self.releases.confirm(&mut self.unconfirmed);
+    }
 }
 
 /// A connection's put window.
@@ -247,6 +309,7 @@ impl RemoteStore {
             streams_open: Arc::new(AtomicU64::new(0)),
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
+            releases: Arc::default(),
         });
         let conn = inner.open()?;
         inner.checkin(conn);
@@ -291,6 +354,34 @@ impl Inner {
 
     fn checkout(&self) -> Option<Conn> {
         self.pool.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    /// Makes sure the owner applied every lease release this client sent up to `through`
+    /// (`Releases::last_sent` before a request): one round trip on each idle connection that
+    /// carried one, and a wait for those other threads hold. A read's release travels without
+    /// a reply, so a `remove` right after a `get`, sent on another pooled connection, could
+    /// otherwise find the object still leased by this very client. False when no release was
+    /// sent before `through`.
+    fn confirm_releases(&self, through: u64) -> bool {
+        if through == 0 {
+            return false;
+        }
+        let flagged: Vec<Conn> = {
+            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+            let (flagged, rest): (Vec<Conn>, Vec<Conn>) = pool.drain(..).partition(|c| !c.unconfirmed.is_empty());
+            *pool = rest;
+            flagged
+        };
+        for mut conn in flagged {
+            let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
+            if conn.round_trip(rid).is_ok() {
+                self.checkin(conn);
+            }
+        }
+        // Connections other threads hold now confirm with their next reply (a second at most:
+        // one parked on a slow producer's stream need not hold this up).
+        self.releases.wait_through(through, self.timeout().min(Duration::from_secs(1)));
+        true
     }
 
     fn checkin(&self, conn: Conn) {
@@ -359,7 +450,7 @@ impl Inner {
         io.set_spin(Duration::from_micros(self.options.spin_us));
         *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(hello.0.limits());
         self.last_max_leases.store(hello.0.max_leases.into(), Ordering::Relaxed);
-        Ok(hello_conn(io, hello.0, hello.1))
+        Ok(hello_conn(io, hello.0, hello.1, Arc::clone(&self.releases)))
     }
 
     fn handshake(&self, io: &mut FrameIo) -> WResult<Result<(HelloOk, Option<Arc<ShmMapping>>)>> {
@@ -562,8 +653,9 @@ fn batches(key_lens: &[usize], per_item: usize, max_items: usize, limits: &Limit
     out
 }
 
-fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>) -> Conn {
-    Conn { io, limits: hello.limits(), hello, shm, window: WindowState::Untried, broken: false }
+fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>, releases: Arc<Releases>) -> Conn {
+    let limits = hello.limits();
+    Conn { io, limits, hello, shm, window: WindowState::Untried, broken: false, unconfirmed: Vec::new(), releases }
 }
 
 fn check_destination(dst: &Region<'_>) -> Result<()> {
@@ -626,6 +718,7 @@ impl Conn {
     /// Reads a reply header for request `rid`.
     fn read_reply_header(&mut self, rid: u64) -> WResult<FrameHeader> {
         let h = self.io.read_header(&self.limits)?;
+        self.releases.confirm(&mut self.unconfirmed);
         if h.request_id != rid {
             return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
         }
@@ -797,7 +890,23 @@ impl Conn {
         let start = self.io.begin(Op::Release, rid);
         Request::Release { leases }.encode(self.io.out());
         self.io.end(start);
+        self.unconfirmed.push(self.releases.sent());
         self.io.flush()
+    }
+
+    /// One round trip that touches no shard (an `Exists` of no keys): when it returns, the
+    /// owner has applied every frame sent before it on this connection.
+    fn round_trip(&mut self, rid: u64) -> WResult<()> {
+        let start = self.io.begin(Op::Exists, rid);
+        Request::Exists { keys: Vec::new() }.encode(self.io.out());
+        self.io.end(start);
+        self.io.flush()?;
+        let h = self.read_reply_header(rid)?;
+        self.io.read_payload(h.payload_len)?;
+        match h.op {
+            Op::ExistsReply | Op::Error => Ok(()),
+            other => Err(ProtocolError::Unexpected { expected: "exists results", got: other }.into()),
+        }
     }
 
     /// Reads `Object`/`Data`/`Abort`/`Error` frames up to `End`, writing each object into its
@@ -1055,6 +1164,35 @@ fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &mut Target<'
     }
 }
 
+impl RemoteStore {
+    /// Removes in batches of what one request carries; one result per key.
+    fn remove_in_batches(&self, keys: &[&[u8]], force: bool) -> Vec<Result<()>> {
+        let limits = match self.inner.limits() {
+            Ok(l) => l,
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        let mut results: Vec<Result<()>> = (0..keys.len()).map(|_| Ok(())).collect();
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.inner.validate_key(&limits, key) {
+                Ok(()) => valid.push(i),
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
+        let max_items = (limits.max_items as usize).min(8192);
+        for (start, end) in batches(&key_lens, batch::REMOVE_ITEM_OVERHEAD, max_items, &limits) {
+            let chunk = &valid[start..end];
+            let batch: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
+            match self.inner.call("remove", |conn, rid| conn.remove_batch(rid, &batch, force)) {
+                Ok(statuses) => chunk.iter().zip(statuses).for_each(|(&i, r)| results[i] = r),
+                Err(e) => chunk.iter().for_each(|&i| results[i] = Err(e.clone())),
+            }
+        }
+        results
+    }
+}
+
 impl Store for RemoteStore {
     type Error = Error;
 
@@ -1106,26 +1244,15 @@ impl Store for RemoteStore {
     }
 
     fn batch_remove(&self, keys: &[&[u8]], force: bool) -> Vec<Result<()>> {
-        let limits = match self.inner.limits() {
-            Ok(l) => l,
-            Err(e) => return vec![Err(e); keys.len()],
-        };
-        let mut results: Vec<Result<()>> = (0..keys.len()).map(|_| Ok(())).collect();
-        let mut valid = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            match self.inner.validate_key(&limits, key) {
-                Ok(()) => valid.push(i),
-                Err(e) => results[i] = Err(e),
-            }
-        }
-        let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
-        let max_items = (limits.max_items as usize).min(8192);
-        for (start, end) in batches(&key_lens, batch::REMOVE_ITEM_OVERHEAD, max_items, &limits) {
-            let chunk = &valid[start..end];
-            let batch: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
-            match self.inner.call("remove", |conn, rid| conn.remove_batch(rid, &batch, force)) {
-                Ok(statuses) => chunk.iter().zip(statuses).for_each(|(&i, r)| results[i] = r),
-                Err(e) => chunk.iter().for_each(|&i| results[i] = Err(e.clone())),
+        let released_before = self.inner.releases.last_sent();
+        let mut results = self.remove_in_batches(keys, force);
+        // Keys leased perhaps only by this client's own reads whose releases are on their way.
+        let leased: Vec<usize> =
+            (0..keys.len()).filter(|&i| results[i].as_ref().is_err_and(|e| *e == StoreError::Leased)).collect();
+        if !force && !leased.is_empty() && self.inner.confirm_releases(released_before) {
+            let again: Vec<&[u8]> = leased.iter().map(|&i| keys[i]).collect();
+            for (i, r) in leased.into_iter().zip(self.remove_in_batches(&again, force)) {
+                results[i] = r;
             }
         }
         results
@@ -1258,6 +1385,34 @@ impl Store for RemoteStore {
         self.simple("remove", Request::Remove { key, force })
     }
 
+    fn scan_keys(&self, prefix: &[u8], cursor: u64, limit: usize) -> Result<kvtide::KeyPage> {
+        let limits = self.inner.limits()?;
+        if prefix.len() > limits.max_key_bytes as usize {
+            let max = u64::from(limits.max_key_bytes);
+            return Err(StoreError::TooLarge { what: "prefix", len: prefix.len() as u64, max }.into());
+        }
+        let limit = limit.clamp(1, kvtide::MAX_SCAN_KEYS.min(limits.max_items as usize)) as u32;
+        self.inner.call("scan_keys", |conn, rid| {
+            let start = conn.io.begin(Op::ScanKeys, rid);
+            Request::ScanKeys { prefix, cursor, limit }.encode(conn.io.out());
+            conn.io.end(start);
+            conn.io.flush()?;
+            let h = conn.read_reply_header(rid)?;
+            let payload = conn.io.read_payload(h.payload_len)?;
+            match h.op {
+                Op::KeyPage => {
+                    let page = decode_key_page(&payload, &conn.limits)?;
+                    if page.keys.len() > limit as usize || page.keys.iter().any(|k| !k.starts_with(prefix)) {
+                        return Err(ProtocolError::Invalid { what: "key page" }.into());
+                    }
+                    Ok(Ok(page))
+                }
+                Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
+                other => Err(ProtocolError::Unexpected { expected: "a key page", got: other }.into()),
+            }
+        })
+    }
+
     fn pin(&self, key: &[u8]) -> Result<()> {
         self.simple("pin", Request::Pin { key })
     }
@@ -1308,13 +1463,25 @@ impl RemoteStore {
             _ => return Err(StoreError::Internal("not a single-key request").into()),
         };
         self.inner.validate_key(&limits, key)?;
-        self.inner.call(op, |conn, rid| {
-            let start = conn.io.begin(request.op(), rid);
-            request.encode(conn.io.out());
-            conn.io.end(start);
-            conn.io.flush()?;
-            conn.read_status(rid)
-        })
+        let send = || {
+            self.inner.call(op, |conn, rid| {
+                let start = conn.io.begin(request.op(), rid);
+                request.encode(conn.io.out());
+                conn.io.end(start);
+                conn.io.flush()?;
+                conn.read_status(rid)
+            })
+        };
+        let released_before = self.inner.releases.last_sent();
+        let result = send();
+        // Leased perhaps only by this client's own read whose release is still on its way.
+        if matches!(request, Request::Remove { force: false, .. })
+            && result.as_ref().is_err_and(|e| *e == StoreError::Leased)
+            && self.inner.confirm_releases(released_before)
+        {
+            return send();
+        }
+        result
     }
 
     /// Ranges over shared memory: lease each key once, copy each fragment out of the arena.

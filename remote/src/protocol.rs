@@ -84,6 +84,8 @@ pub enum Op {
     /// `Get` in lease mode, answered in parts (`GrantsPart` frames): the client copies each
     /// part and releases it before the owner leases more than two parts ahead.
     GetParts = 27,
+    /// One page of the keys that start with a prefix: a `KeyPage` reply.
+    ScanKeys = 28,
     /// A chunk of a value (either direction).
     Data = 30,
     HelloOk = 64,
@@ -102,6 +104,8 @@ pub enum Op {
     Window = 75,
     /// One part of the grants of a `GetParts` (the last one says so).
     GrantsPart = 76,
+    /// Keys of a `ScanKeys` and the cursor of the next page.
+    KeyPage = 77,
 }
 
 impl Op {
@@ -128,6 +132,7 @@ impl Op {
             25 => Op::RemoveBatch,
             26 => Op::PutWindow,
             27 => Op::GetParts,
+            28 => Op::ScanKeys,
             30 => Op::Data,
             64 => Op::HelloOk,
             65 => Op::AuthOk,
@@ -142,6 +147,7 @@ impl Op {
             74 => Op::Statuses,
             75 => Op::Window,
             76 => Op::GrantsPart,
+            77 => Op::KeyPage,
             _ => return None,
         })
     }
@@ -670,6 +676,12 @@ pub enum Request<'a> {
     GetParts {
         items: Vec<GetItem<'a>>,
     },
+    /// Keys that start with `prefix` (possibly empty), from `cursor`, at most `limit`.
+    ScanKeys {
+        prefix: &'a [u8],
+        cursor: u64,
+        limit: u32,
+    },
 }
 
 /// One value of a `PutBatch`.
@@ -796,6 +808,22 @@ impl<'a> Request<'a> {
                 }
                 Request::GetParts { items }
             }
+            Op::ScanKeys => {
+                let cursor = r.u64()?;
+                let limit = r.u32()?;
+                if limit == 0 || limit > limits.max_items {
+                    return Err(ProtocolError::TooMany {
+                        what: "scan limit",
+                        count: limit.into(),
+                        max: limits.max_items.into(),
+                    });
+                }
+                let len = r.u16()? as usize;
+                if len > limits.max_key_bytes as usize {
+                    return Err(ProtocolError::Invalid { what: "prefix length" });
+                }
+                Request::ScanKeys { prefix: r.take(len, "prefix")?, cursor, limit }
+            }
             Op::Release => {
                 let count = r.count(8, limits.max_items, "leases")?;
                 let mut leases = Vec::with_capacity(count);
@@ -872,6 +900,12 @@ impl<'a> Request<'a> {
                     item.check.encode(buf);
                 }
             }
+            Request::ScanKeys { prefix, cursor, limit } => {
+                buf.put_u64(*cursor);
+                buf.put_u32(*limit);
+                buf.put_u16(prefix.len() as u16);
+                buf.extend_from_slice(prefix);
+            }
         }
     }
 
@@ -896,6 +930,7 @@ impl<'a> Request<'a> {
             Request::RemoveBatch { .. } => Op::RemoveBatch,
             Request::PutWindow => Op::PutWindow,
             Request::GetParts { .. } => Op::GetParts,
+            Request::ScanKeys { .. } => Op::ScanKeys,
         }
     }
 }
@@ -1180,6 +1215,31 @@ impl GrantsPart {
         r.finish("grants part")?;
         Ok(GrantsPart { ttl_ms, last, grants })
     }
+}
+
+/// The cursor a `KeyPage` sends for "no more pages".
+const SCAN_DONE: u64 = u64::MAX;
+
+/// Appends a `KeyPage` payload.
+pub fn encode_key_page(buf: &mut Vec<u8>, page: &kvtide::KeyPage) {
+    buf.put_u64(page.cursor.unwrap_or(SCAN_DONE));
+    buf.put_u32(page.keys.len() as u32);
+    for key in &page.keys {
+        buf.put_key(key);
+    }
+}
+
+/// Decodes a `KeyPage` payload.
+pub fn decode_key_page(payload: &[u8], limits: &Limits) -> PResult<kvtide::KeyPage> {
+    let mut r = Reader::new(payload);
+    let cursor = r.u64()?;
+    let count = r.count(MIN_KEY_BYTES, limits.max_items, "scanned keys")?;
+    let mut keys = Vec::with_capacity(count);
+    for _ in 0..count {
+        keys.push(r.key(limits.max_key_bytes)?.to_vec());
+    }
+    r.finish("key page")?;
+    Ok(kvtide::KeyPage { keys, cursor: (cursor != SCAN_DONE).then_some(cursor) })
 }
 
 /// Appends an `ExistsReply` payload.

@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 
 use crate::auth::Token;
 use crate::protocol::{
-    begin_frame, encode_error_frame, encode_exists, encode_grants, encode_object, encode_statuses, end_frame,
-    FrameHeader, GetItem, Grant, GrantsPart, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, PutChunkHead,
-    PutHead, PutItem, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES,
-    NONCE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
+    begin_frame, encode_error_frame, encode_exists, encode_grants, encode_key_page, encode_object, encode_statuses,
+    end_frame, FrameHeader, GetItem, Grant, GrantsPart, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError,
+    PutChunkHead, PutHead, PutItem, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
+    MAC_BYTES, NONCE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::PutWindow;
 use crate::sock::{self, Stream, WakeFlag};
@@ -1004,6 +1004,20 @@ impl Connection<'_> {
                 self.reply(rid, Ok(()));
             }
             Request::Release { leases } => self.release(leases),
+            Request::ScanKeys { prefix, cursor, limit } => {
+                // A page must fit one reply frame.
+                let limits = &self.shared.limits;
+                let per_key = 2 + limits.max_key_bytes as usize;
+                let fit = ((limits.max_payload_bytes as usize).saturating_sub(16) / per_key).max(1);
+                match engine.scan_keys(prefix, cursor, (limit as usize).min(fit)) {
+                    Ok(page) => {
+                        let start = self.io.begin(Op::KeyPage, rid);
+                        encode_key_page(self.io.out(), &page);
+                        self.io.end(start);
+                    }
+                    Err(e) => self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into()),
+                }
+            }
         }
         Ok(Flow::Continue)
     }

@@ -113,6 +113,7 @@ enum Seen {
     Bools(Vec<Result<bool, Error>>),
     Hits(Result<usize, Error>),
     Objects(u64, u64),
+    Keys(Result<Vec<Vec<u8>>, Error>),
 }
 
 /// Any store's result as this crate's error (the embedded engine's errors become `Error::Store`).
@@ -264,6 +265,25 @@ where
     seen.push(Seen::Many(many(ticket.wait()), [out_a, out_b, out_c].concat()));
     let stats = store.stats();
     seen.push(Seen::Objects(stats.total.objects, stats.total.bytes_used));
+    // Every key, in pages of two, sorted (the page boundaries are the store's own).
+    let mut scanned = Ok(Vec::new());
+    let mut cursor = Some(0);
+    while let (Some(at), Ok(keys)) = (cursor, scanned.as_mut()) {
+        match one(store.scan_keys(b"", at, 2)) {
+            Ok(page) => {
+                keys.extend(page.keys);
+                cursor = page.cursor;
+            }
+            Err(e) => scanned = Err(e),
+        }
+    }
+    if let Ok(keys) = scanned.as_mut() {
+        keys.sort();
+    }
+    seen.push(Seen::Keys(scanned));
+    seen.push(Seen::Keys(one(store.scan_keys(b"b", 0, 100)).map(|p| p.keys)));
+    seen.push(Seen::Keys(one(store.scan_keys(&long_key, 0, 10)).map(|p| p.keys)));
+    seen.push(Seen::Keys(one(store.scan_keys(b"", 1 << 40, 10)).map(|p| p.keys)));
     seen
 }
 
@@ -2075,4 +2095,35 @@ fn hostile_batches_fail_only_what_they_must() {
     assert_eq!(engine.exists(b"cut"), Ok(false));
     assert!(engine.stats().held_resources().is_zero());
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A read's lease release travels without a reply; a `remove` right after the read, on another
+/// pooled connection of the same client, must still never find the object leased by that read.
+#[test]
+fn remove_right_after_a_read_never_sees_the_readers_own_lease() {
+    let engine = engine(64 << 20);
+    let dir = temp_dir("read-then-remove");
+    let owner = owner(&engine, &dir, any_port());
+    let store = unix_client(&owner);
+    std::thread::scope(|s| {
+        for t in 0..4u8 {
+            let store = &store;
+            s.spawn(move || {
+                let mut out = vec![0u8; 4096];
+                for i in 0..200u32 {
+                    let key = format!("rr/{t}/{i}").into_bytes();
+                    store.put(&key, &[t; 4096], PutOptions::INSERT).expect("put");
+                    assert_eq!(store.get_into(&key, Region::host(&mut out)), Ok(4096));
+                    let removed = if i % 2 == 0 {
+                        store.remove(&key, false)
+                    } else {
+                        store.batch_remove(&[key.as_slice()], false).pop().expect("one result")
+                    };
+                    assert_eq!(removed, Ok(()), "key {t}/{i}");
+                }
+            });
+        }
+    });
+    wait_idle(&owner);
+    owner.shutdown();
 }

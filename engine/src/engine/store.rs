@@ -14,7 +14,7 @@ use kvtide_transport::Region;
 use super::read::{ReadTargets, Slot, Want};
 use super::transports::Route;
 use super::Engine;
-use crate::api::{Fragment, PutOptions, Store};
+use crate::api::{Fragment, KeyPage, PutOptions, Store, MAX_SCAN_KEYS};
 use crate::checks::{self, total_len};
 use crate::error::{Error, Result};
 use crate::shard::task::{BatchGetItem, BatchGetTask};
@@ -122,6 +122,31 @@ impl Store for Engine {
         })
         .gather(self, |i, _, found| results[i] = found);
         results
+    }
+
+    fn scan_keys(&self, prefix: &[u8], cursor: u64, limit: usize) -> Result<KeyPage> {
+        if prefix.len() > self.config.max_key_bytes {
+            return Err(Error::TooLarge {
+                what: "prefix",
+                len: prefix.len() as u64,
+                max: self.config.max_key_bytes as u64,
+            });
+        }
+        // The cursor is (shard, object slot); one shard request per page bounds the call.
+        let (mut shard, from) = ((cursor >> 32) as usize, cursor as u32);
+        if shard >= self.shard_count() {
+            return Err(Error::InvalidArgument(format!("scan cursor {cursor:#x} names no shard")));
+        }
+        let limit = limit.clamp(1, MAX_SCAN_KEYS);
+        let (keys, next) = self.call(shard, |reply| Request::ScanKeys { prefix: prefix.into(), from, limit, reply })?;
+        let cursor = match next {
+            Some(slot) => Some(((shard as u64) << 32) | u64::from(slot)),
+            None => {
+                shard += 1;
+                (shard < self.shard_count()).then_some((shard as u64) << 32)
+            }
+        };
+        Ok(KeyPage { keys: keys.into_iter().map(Vec::from).collect(), cursor })
     }
 
     fn remove(&self, key: &[u8], force: bool) -> Result<()> {

@@ -212,6 +212,9 @@ enum Waiter {
     Load { pending: usize, slot: usize },
 }
 
+/// Object slots one `scan_keys` call looks at, at most: a scan never holds a shard for long.
+pub const SCAN_SLOTS: usize = 1 << 16;
+
 /// The shard's state. See the module comment.
 pub struct ShardCore {
     config: ShardConfig,
@@ -435,6 +438,27 @@ impl ShardCore {
         let o = &self.objects[id as usize];
         let staging_bytes = o.ssd.map_or_else(|| self.layout(o.key.len(), o.len).0, |l| l.record_bytes);
         Some(Location { in_dram: o.dram.is_some(), len: o.len, staging_bytes })
+    }
+
+    /// Live keys (any tier) that start with `prefix`, looking at object slots from `from` on:
+    /// at most `limit` keys and `SCAN_SLOTS` slots. The next slot to look at, None once every
+    /// slot was seen. A key present and not replaced for a whole scan is
+    /// returned exactly once: its slot does not move while it is live.
+    pub fn scan_keys(&self, prefix: &[u8], from: u32, limit: usize) -> super::ScannedKeys {
+        let end = self.objects.capacity();
+        let mut keys = Vec::new();
+        let mut slot = from as usize;
+        let stop = slot.saturating_add(SCAN_SLOTS).min(end);
+        while slot < stop && keys.len() < limit {
+            if let Some(o) = self.objects.get(slot) {
+                if o.state == ObjectState::Live && o.key.starts_with(prefix) {
+                    keys.push(o.key.clone());
+                }
+            }
+            slot += 1;
+        }
+        let next = (slot < end).then(|| u32::try_from(slot).ok()).flatten();
+        (keys, next)
     }
 
     /// True if `key` is present in any tier (and counts a hit or miss).

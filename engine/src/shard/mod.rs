@@ -28,6 +28,9 @@ pub(crate) use task::ShardTask;
 
 use crate::error::Result;
 
+/// A shard's page of a key scan: the keys and the next object slot (None: the shard is done).
+pub(crate) type ScannedKeys = (Vec<Box<[u8]>>, Option<u32>);
+
 /// A request to one shard. Batched: one message per shard per call phase, not per key.
 pub(crate) enum Request {
     /// Lease each key for reading; `ttl` makes them explicit leases with a backstop deadline.
@@ -90,6 +93,13 @@ pub(crate) enum Request {
     },
     /// Work the shard advances between other work (async batch reads through the transports).
     Task(Box<dyn ShardTask>),
+    /// Live keys starting with `prefix`, from object slot `from` on (`ShardCore::scan_keys`).
+    ScanKeys {
+        prefix: Box<[u8]>,
+        from: u32,
+        limit: usize,
+        reply: Sender<ScannedKeys>,
+    },
     /// Replies once everything sent before it from the same thread has been handled.
     Barrier {
         reply: Sender<()>,

@@ -459,6 +459,9 @@ impl ShardLoop {
                 task.start(core);
                 self.tasks.push(task);
             }
+            Request::ScanKeys { prefix, from, limit, reply } => {
+                let _ = reply.send(core.scan_keys(&prefix, from, limit));
+            }
             Request::Barrier { reply } => {
                 let _ = reply.send(());
             }

@@ -149,6 +149,16 @@ impl CudaTransport {
         slot.get_or_init(|| CudaDevice::open(ordinal, self.batch_copy).map(Arc::new)).clone()
     }
 
+    /// The GPU whose memory `addr` is, or None for host memory (pageable, pinned or unknown to
+    /// CUDA): how raw addresses from other languages are classified.
+    pub fn device_of(&self, addr: u64) -> Result<Option<u32>, TransportError> {
+        let device = self.device(0)?;
+        device.bind()?;
+        let info = device.lookup(addr)?;
+        let is_device = info.memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+        Ok(if is_device { u32::try_from(info.ordinal).ok() } else { None })
+    }
+
     /// A registrar that pins host memory for every context (`CU_MEMHOSTREGISTER_PORTABLE`).
     pub fn registrar(&self) -> Result<Arc<dyn MemoryRegistrar>, TransportError> {
         let device = self.device(0)?;

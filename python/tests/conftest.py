@@ -1,0 +1,122 @@
+"""Fixtures: an embedded store, and a kvtide-owner process reached over its Unix socket (shared
+memory) and over TCP (token). The owner binary is $KVTIDE_OWNER_BIN, else the one cargo builds
+for this checkout (`cargo build -p kvtide-remote --bin kvtide-owner`)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import kvtide
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def owner_binary():
+    path = os.environ.get("KVTIDE_OWNER_BIN")
+    if path:
+        return path
+    found = shutil.which("kvtide-owner")
+    if found and os.environ.get("KVTIDE_OWNER_FROM_PATH"):
+        return found
+    subprocess.run(["cargo", "build", "-q", "-p", "kvtide-remote", "--bin", "kvtide-owner"], cwd=REPO, check=True)
+    meta = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps"], cwd=REPO, check=True, capture_output=True
+    )
+    return str(Path(json.loads(meta.stdout)["target_directory"]) / "debug" / "kvtide-owner")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Owner:
+    """A kvtide-owner on a temporary data directory (DRAM only unless `ssd`)."""
+
+    def __init__(self, dram="64MiB", ssd=None, extra=()):
+        self.dir = Path(tempfile.mkdtemp(prefix="kvtide-py-owner-"))
+        self.port = free_port()
+        args = [owner_binary(), "--data-dir", str(self.dir), "--tcp", f"127.0.0.1:{self.port}", "--dram-bytes", dram,
+                "--shards", "2", *extra]
+        args += ["--ssd-bytes", ssd] if ssd else ["--no-ssd"]
+        env = dict(os.environ, KVTIDE_LOG="warn", KVTIDE_RUNTIME_PIN_THREADS="false")
+        env.pop("KVTIDE_OWNER_BIN", None)  # the owner refuses KVTIDE_* variables it does not know
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL)
+        self.unix = f"unix:{self.dir / 'owner.sock'}"
+        self.tcp = f"127.0.0.1:{self.port}"
+        self.token_file = str(self.dir / "token")
+        deadline = time.time() + 60
+        while True:
+            try:
+                kvtide.connect(self.unix).close()
+                break
+            except kvtide.KvtideError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"kvtide-owner did not start (exit {self.proc.poll()})")
+                time.sleep(0.05)
+
+    def connect(self, kind="unix", **kw):
+        if kind == "unix":
+            return kvtide.connect(self.unix, **kw)
+        return kvtide.connect(self.tcp, token_file=self.token_file, **kw)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def owner():
+    o = Owner()
+    yield o
+    o.stop()
+
+
+def embedded_store(**kw):
+    settings = dict(dram_bytes="64MiB", shards=2, pin_threads=False)
+    settings.update(kw)
+    return kvtide.Store(**settings)
+
+
+@pytest.fixture(params=["embedded", "unix", "tcp"])
+def store(request, owner):
+    """The same tests against the embedded engine and the owner over both transports. Each
+    test's keys are its own (the owner is shared): use the `k` fixture."""
+    if request.param == "embedded":
+        s = embedded_store()
+    else:
+        s = owner.connect(request.param)
+    yield s
+    held = wait_idle(s)
+    s.close()
+    assert all(v == 0 for v in held.values()), f"resources still held after the test: {held}"
+
+
+@pytest.fixture
+def k(request):
+    """A key maker unique to this test (and backend)."""
+    prefix = request.node.name
+
+    def make(name):
+        return f"{prefix}/{name}"
+
+    return make
+
+
+def wait_idle(s, timeout=10.0):
+    """held_resources once all are zero (or the last reading after `timeout`)."""
+    deadline = time.time() + timeout
+    while True:
+        held = s.held_resources()
+        if all(v == 0 for v in held.values()) or time.time() > deadline:
+            return held
+        time.sleep(0.02)
