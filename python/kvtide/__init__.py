@@ -5,7 +5,9 @@ uses a ``kvtide-owner`` process over a Unix socket (with shared memory) or TCP. 
 same methods. Buffers are torch tensors (CPU or CUDA, contiguous), numpy arrays or any
 buffer-protocol object (C-contiguous), or ``(address, size)`` pairs. Batch calls return one
 result per key: the value, or the exception instance in its place; they never raise for one
-bad key. ``kvtide.mooncake.MooncakeDistributedStore`` keeps Mooncake Store's Python API.
+bad key. ``kvtide.mooncake.MooncakeDistributedStore`` keeps Mooncake Store's Python API;
+``kvtide.sglang`` and ``kvtide.vllm`` adapt kvtide to SGLang's HiCache storage and vLLM's KV
+offloading.
 """
 
 from kvtide._kvtide import (  # noqa: F401
