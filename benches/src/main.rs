@@ -23,6 +23,9 @@
 //! - `gpu-remote` (feature `cuda`): reader processes reading fragmented GPU pages through one
 //!   owner on the same host (1, 2 and 4 readers, direct and staged). Baselines in the same run:
 //!   one raw pinned `cuMemcpyHtoDAsync` of the same bytes and the embedded engine's reads.
+//! - `py-call`: one batch read (`get_into_ranges` into one buffer, or
+//!   `batch_get_into_multi_buffers` with a page per key) into host or GPU memory through the
+//!   Rust API: the baseline `python/bench/overhead.py` compares the Python layer against.
 //! - `remote`: a `kvtide-owner` process through `RemoteStore` over Unix socket + shared memory
 //!   and over TCP: put/get throughput and p50/p99 for 64 KiB, 1 MiB and 16 MiB values with 1 and
 //!   8 clients. Baselines in the same run: Redis (SET/GET over TCP and its Unix socket) and a
@@ -51,6 +54,7 @@ mod gpu_restore;
 mod hist;
 #[cfg(feature = "cuda")]
 mod layerwise;
+mod pycall;
 mod remote;
 mod restore;
 mod ssd;
@@ -99,6 +103,8 @@ enum Command {
     Remote(remote::RemoteArgs),
     /// Chunk handles vs whole-object reads; progressive put + follow vs put-then-get.
     Stream(stream::StreamArgs),
+    /// One batch read through the Rust API: the baseline of python/bench/overhead.py.
+    PyCall(pycall::PyCallArgs),
     /// The owner process `remote` starts (internal).
     #[command(hide = true)]
     RemoteOwner(remote::RemoteOwnerArgs),
@@ -115,6 +121,7 @@ fn main() {
         Command::Remote(args) => remote::run(&args),
         Command::Stream(args) => stream::run(&args),
         Command::RemoteOwner(args) => remote::run_owner(&args),
+        Command::PyCall(args) => pycall::run(&args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(&args),
         #[cfg(feature = "cuda")]

@@ -7,8 +7,10 @@ use std::ffi::{c_char, c_int, c_void};
 
 use kvtide::{MemoryKind, Region};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyString, PyTuple, PyType};
 
 use crate::errors::invalid;
 
@@ -104,12 +106,26 @@ impl Buf {
     }
 }
 
+/// `torch.Tensor`, once torch has been imported by the caller (never imported here).
+static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn torch_tensor_type<'py>(py: Python<'py>) -> Option<&'py Bound<'py, PyType>> {
+    if let Some(t) = TORCH_TENSOR.get(py) {
+        return Some(t.bind(py));
+    }
+    let modules = py.import(intern!(py, "sys")).ok()?.getattr(intern!(py, "modules")).ok()?;
+    let torch = modules.get_item(intern!(py, "torch")).ok()?;
+    let tensor = torch.getattr(intern!(py, "Tensor")).ok()?.cast_into::<PyType>().ok()?;
+    let _ = TORCH_TENSOR.set(py, tensor.unbind());
+    TORCH_TENSOR.get(py).map(|t| t.bind(py))
+}
+
 /// Reads one buffer argument.
 pub fn buffer(obj: &Bound<'_, PyAny>, usage: Use) -> PyResult<Buf> {
     if let Ok(pair) = obj.cast::<PyTuple>() {
         return raw_pair(pair);
     }
-    if obj.hasattr("data_ptr")? && obj.hasattr("is_contiguous")? && obj.hasattr("element_size")? {
+    if torch_tensor_type(obj.py()).is_some_and(|t| obj.is_instance(t).unwrap_or(false)) {
         return tensor(obj);
     }
     exported(obj, usage)
@@ -147,27 +163,25 @@ fn raw_pair(pair: &Bound<'_, PyTuple>) -> PyResult<Buf> {
     Ok(Buf { addr, len, kind: crate::gpu::kind_of_address(addr), writable: true, hold: Hold::Raw })
 }
 
-/// A torch tensor (CPU or CUDA), which must be contiguous.
+/// A torch tensor (CPU or CUDA), which must be contiguous. Four or five Python calls: a batch
+/// of page views pays them per page.
 fn tensor(t: &Bound<'_, PyAny>) -> PyResult<Buf> {
-    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+    let py = t.py();
+    if !t.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
         return Err(invalid("the tensor is not contiguous (call .contiguous() on it first)"));
     }
-    let addr: u64 = t.call_method0("data_ptr")?.extract()?;
-    let numel: u64 = t.call_method0("numel")?.extract()?;
-    let item: u64 = t.call_method0("element_size")?.extract()?;
-    let len =
-        numel.checked_mul(item).and_then(|n| usize::try_from(n).ok()).ok_or_else(|| invalid("tensor too large"))?;
-    let is_cuda = t.getattr("is_cuda").and_then(|v| v.extract::<bool>()).unwrap_or(false);
-    let kind = if is_cuda {
-        let index: Option<i64> = t.getattr("device")?.getattr("index")?.extract()?;
-        let ordinal = u32::try_from(index.unwrap_or(0)).map_err(|_| invalid("tensor on an unknown CUDA device"))?;
+    let addr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let len: u64 = t.getattr(intern!(py, "nbytes"))?.extract()?;
+    let len = usize::try_from(len).map_err(|_| invalid("tensor too large"))?;
+    let kind = if t.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
+        let index: i64 = t.call_method0(intern!(py, "get_device"))?.extract()?;
+        let ordinal = u32::try_from(index).map_err(|_| invalid("tensor on an unknown CUDA device"))?;
         MemoryKind::Device { ordinal }
-    } else {
-        let device: String = t.getattr("device")?.getattr("type")?.extract()?;
-        if device != "cpu" {
-            return Err(invalid(format!("tensors on {device:?} are not supported (cpu or cuda only)")));
-        }
+    } else if t.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
         MemoryKind::Host
+    } else {
+        let device = t.getattr(intern!(py, "device"))?.str()?.to_string();
+        return Err(invalid(format!("tensors on {device:?} are not supported (cpu or cuda only)")));
     };
     if addr == 0 && len > 0 {
         return Err(invalid("the tensor has no storage"));

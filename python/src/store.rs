@@ -80,27 +80,38 @@ fn boolean(py: Python<'_>, b: bool) -> PyResult<Py<PyAny>> {
 pub fn fragments(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<Fragment>>> {
     let mut out = Vec::new();
     for list in obj.try_iter().map_err(|_| invalid("fragments: expected one list per buffer"))? {
+        let list = list?;
         let mut frags = Vec::new();
-        for item in list?.try_iter().map_err(|_| invalid("fragments: expected lists of tuples"))? {
-            let item = item?;
-            let tuple = item
-                .cast::<pyo3::types::PyTuple>()
-                .map_err(|_| invalid("a fragment is a (key, src_offset, dst_offset, length) tuple"))?;
-            if tuple.len() != 4 {
-                return Err(invalid("a fragment is a (key, src_offset, dst_offset, length) tuple"));
+        // Lists (the common case) without the iterator protocol: a page list may hold thousands.
+        if let Ok(l) = list.cast::<PyList>() {
+            frags.reserve(l.len());
+            for item in l.iter() {
+                frags.push(fragment(&item)?);
             }
-            let key = buffers::key(&tuple.get_item(0)?)?;
-            let num = |i: usize| -> PyResult<u64> {
-                tuple
-                    .get_item(i)?
-                    .extract::<u64>()
-                    .map_err(|_| invalid("fragment offsets and lengths are non-negative integers"))
-            };
-            frags.push(Fragment::new(key, num(1)?, num(2)?, num(3)?));
+        } else {
+            for item in list.try_iter().map_err(|_| invalid("fragments: expected lists of tuples"))? {
+                frags.push(fragment(&item?)?);
+            }
         }
         out.push(frags);
     }
     Ok(out)
+}
+
+fn fragment(item: &Bound<'_, PyAny>) -> PyResult<Fragment> {
+    let shape = || invalid("a fragment is a (key, src_offset, dst_offset, length) tuple");
+    let tuple = item.cast::<pyo3::types::PyTuple>().map_err(|_| shape())?;
+    if tuple.len() != 4 {
+        return Err(shape());
+    }
+    let key = buffers::key(&*tuple.get_borrowed_item(0)?)?;
+    let num = |i: usize| -> PyResult<u64> {
+        tuple
+            .get_borrowed_item(i)?
+            .extract::<u64>()
+            .map_err(|_| invalid("fragment offsets and lengths are non-negative integers"))
+    };
+    Ok(Fragment::new(key, num(1)?, num(2)?, num(3)?))
 }
 
 /// A setting's value as the text `StoreBuilder` reads.
