@@ -124,6 +124,21 @@ pub fn invalid(msg: impl Into<String>) -> PyErr {
     InvalidArgument::new_err(msg.into())
 }
 
+/// Per-key results as Python values, where a key may also have failed its argument checks.
+pub fn per_key_py<T>(
+    py: Python<'_>,
+    results: Vec<PyResult<T>>,
+    ok: impl Fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
+) -> PyResult<Vec<Py<PyAny>>> {
+    results
+        .into_iter()
+        .map(|r| match r {
+            Ok(v) => ok(py, v),
+            Err(e) => Ok(e.into_value(py).into_any()),
+        })
+        .collect()
+}
+
 /// Per-key results as Python values: the value, or the exception instance in its place (batch
 /// calls never raise for one bad key).
 pub fn per_key<T>(

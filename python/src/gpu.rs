@@ -35,6 +35,10 @@ pub fn stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<u64> {
             return Ok(handle);
         }
     }
+    // cuda-python's CUstream and similar handle objects convert with int().
+    if let Ok(handle) = stream.call_method0("__int__").and_then(|v| v.extract::<u64>()) {
+        return Ok(handle);
+    }
     for attr in ["cuda_stream", "handle", "ptr"] {
         if let Ok(value) = stream.getattr(attr) {
             if let Ok(handle) = value.extract::<u64>() {

@@ -258,7 +258,7 @@ impl PyStore {
         pin: bool,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let keys = buffers::keys(keys)?;
-        let bufs: Vec<Vec<Buf>> = buffers::buffers(sources, Use::Source)?.into_iter().map(|b| vec![b]).collect();
+        let bufs = per_key_buffers(sources, Use::Source, false)?;
         self.batch_put(py, keys, bufs, options(upsert, pin))
     }
 
@@ -273,7 +273,7 @@ impl PyStore {
         pin: bool,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let keys = buffers::keys(keys)?;
-        let bufs = nested(sources, Use::Source)?;
+        let bufs = per_key_buffers(sources, Use::Source, true)?;
         self.batch_put(py, keys, bufs, options(upsert, pin))
     }
 
@@ -305,15 +305,13 @@ impl PyStore {
         dsts: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let keys = buffers::keys(keys)?;
-        let bufs = buffers::buffers(dsts, Use::Destination)?;
-        if keys.len() != bufs.len() {
-            return Err(invalid(format!("{} keys but {} destination buffers", keys.len(), bufs.len())));
-        }
+        let bufs = per_key_buffers(dsts, Use::Destination, false)?;
         let b = self.backend()?;
-        let regions: Vec<_> = bufs.iter().map(Buf::region).collect();
-        let results = py.detach(move || with_store!(b, |s| lift_all(crate::ops::get_into_each(s, &keys, &regions))));
-        drop(bufs);
-        errors::per_key(py, results, int)
+        let results = partial(py, keys, bufs, move |keys, lists| {
+            let regions: Vec<_> = lists.iter().map(|l| l[0]).collect();
+            with_store!(b, |s| lift_all(crate::ops::get_into_each(s, keys, &regions)))
+        })?;
+        errors::per_key_py(py, results, int)
     }
 
     /// Object i scattered in order across `dsts[i]` (a list of buffers whose sizes add up to
@@ -325,15 +323,13 @@ impl PyStore {
         dsts: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<PyAny>>> {
         let keys = buffers::keys(keys)?;
-        let bufs = nested(dsts, Use::Destination)?;
-        let regions: Vec<Vec<_>> = bufs.iter().map(|l| l.iter().map(Buf::region).collect()).collect();
+        let bufs = per_key_buffers(dsts, Use::Destination, true)?;
         let b = self.backend()?;
-        let results = py.detach(move || {
+        let results = partial(py, keys, bufs, move |keys, lists| {
             let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-            with_store!(b, |s| lift_all(s.batch_get_into_multi_buffers(&keys, &regions)))
-        });
-        drop(bufs);
-        errors::per_key(py, results, int)
+            with_store!(b, |s| lift_all(s.batch_get_into_multi_buffers(&keys, &lists)))
+        })?;
+        errors::per_key_py(py, results, int)
     }
 
     /// Buffer-major ranges: `fragments[b]` lists `(key, src_offset, dst_offset, length)` into
@@ -344,15 +340,35 @@ impl PyStore {
         buffers: &Bound<'_, PyAny>,
         fragments: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Vec<Py<PyAny>>>> {
-        let bufs = buffers::buffers(buffers, Use::Destination)?;
+        // A bad buffer fails its own fragments; the other buffers are read.
+        let bufs = per_key_buffers(buffers, Use::Destination, false)?;
         let frags = self::fragments(fragments)?;
-        let regions: Vec<_> = bufs.iter().map(Buf::region).collect();
+        if frags.len() > bufs.len() {
+            return Err(invalid(format!("fragments for {} buffers but only {} buffers", frags.len(), bufs.len())));
+        }
+        let counts: Vec<usize> = frags.iter().map(Vec::len).collect();
+        let (regions, good_frags): (Vec<_>, Vec<Vec<Fragment>>) =
+            frags.into_iter().zip(&bufs).filter_map(|(f, b)| b.as_ref().ok().map(|l| (l[0].region(), f))).unzip();
         let b = self.backend()?;
-        let results = py.detach(move || {
-            with_store!(b, |s| s.get_into_ranges(&regions, &frags).into_iter().map(lift_all).collect::<Vec<_>>())
-        });
+        let mut read = py
+            .detach(move || {
+                with_store!(b, |s| s
+                    .get_into_ranges(&regions, &good_frags)
+                    .into_iter()
+                    .map(lift_all)
+                    .collect::<Vec<_>>())
+            })
+            .into_iter();
+        let mut out = Vec::with_capacity(counts.len());
+        for (buffer, n) in bufs.iter().zip(counts) {
+            let results: Vec<PyResult<usize>> = match buffer {
+                Ok(_) => read.next().unwrap_or_default().into_iter().map(|r| r.map_err(|e| to_py(&e))).collect(),
+                Err(e) => (0..n).map(|_| Err(e.clone_ref(py))).collect(),
+            };
+            out.push(errors::per_key_py(py, results, int)?);
+        }
         drop(bufs);
-        results.into_iter().map(|r| errors::per_key(py, r, int)).collect()
+        Ok(out)
     }
 
     /// Size in bytes of `key`'s object.
@@ -730,21 +746,59 @@ impl PyStore {
         &self,
         py: Python<'_>,
         keys: Vec<Vec<u8>>,
-        bufs: Vec<Vec<Buf>>,
+        bufs: KeyBuffers,
         opts: PutOptions,
     ) -> PyResult<Vec<Py<PyAny>>> {
-        if keys.len() != bufs.len() {
-            return Err(invalid(format!("{} keys but {} sources", keys.len(), bufs.len())));
-        }
-        let regions: Vec<Vec<_>> = bufs.iter().map(|l| l.iter().map(Buf::region).collect()).collect();
         let b = self.backend()?;
-        let results = py.detach(move || {
+        let results = partial(py, keys, bufs, move |keys, lists| {
             let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-            with_store!(b, |s| lift_all(s.batch_put_from_multi_buffers(&keys, &regions, opts)))
-        });
-        drop(bufs);
-        errors::per_key(py, results, none)
+            with_store!(b, |s| lift_all(s.batch_put_from_multi_buffers(&keys, &lists, opts)))
+        })?;
+        errors::per_key_py(py, results, none)
     }
+}
+
+/// Per key: its buffers, or the argument error of that key's buffers alone.
+type KeyBuffers = Vec<PyResult<Vec<Buf>>>;
+
+/// One entry per key: a buffer (`nested` false) or a list of buffers (`nested` true). A bad
+/// buffer is that key's error; only a malformed outer list fails the call.
+fn per_key_buffers(obj: &Bound<'_, PyAny>, usage: Use, nested: bool) -> PyResult<KeyBuffers> {
+    let mut out = Vec::new();
+    for item in obj.try_iter().map_err(|_| invalid("expected one buffer (or buffer list) per key"))? {
+        let item = item?;
+        out.push(if nested { buffers::buffers(&item, usage) } else { buffers::buffer(&item, usage).map(|b| vec![b]) });
+    }
+    Ok(out)
+}
+
+/// Runs `call` (without the GIL) on the keys whose buffers are good, and answers every key:
+/// the call's result, or its buffer error.
+fn partial<T: Send>(
+    py: Python<'_>,
+    keys: Vec<Vec<u8>>,
+    bufs: KeyBuffers,
+    call: impl FnOnce(&[Vec<u8>], Vec<Vec<kvtide::Region<'static>>>) -> Vec<Result<T, R>> + Send,
+) -> PyResult<Vec<PyResult<T>>> {
+    if keys.len() != bufs.len() {
+        return Err(invalid(format!("{} keys but {} buffer entries", keys.len(), bufs.len())));
+    }
+    let good: Vec<usize> = (0..keys.len()).filter(|&i| bufs[i].is_ok()).collect();
+    let good_keys: Vec<Vec<u8>> = good.iter().map(|&i| keys[i].clone()).collect();
+    let lists: Vec<Vec<_>> =
+        good.iter().filter_map(|&i| bufs[i].as_ref().ok().map(|l| l.iter().map(Buf::region).collect())).collect();
+    let mut called = py.detach(move || call(&good_keys, lists)).into_iter();
+    let out = bufs
+        .iter()
+        .map(|b| match b {
+            Ok(_) => {
+                called.next().unwrap_or(Err(R::Store(kvtide::Error::Internal("no result")))).map_err(|e| to_py(&e))
+            }
+            Err(e) => Err(e.clone_ref(py)),
+        })
+        .collect();
+    drop(bufs);
+    Ok(out)
 }
 
 /// A source argument: one buffer or a list of buffers.

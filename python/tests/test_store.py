@@ -114,11 +114,21 @@ def test_bad_destination_buffers(store, k):
         store.get_into(k("v"), np.zeros(2, np.float32))
     [r] = store.batch_get_into_multi_buffers([k("v")], [[np.zeros(3, np.float32)]])
     assert isinstance(r, kvtide.SizeMismatch)
-    # A bad buffer in a batch is an argument error of the call, before anything moves.
-    with pytest.raises(kvtide.InvalidArgument):
-        store.batch_get_into([k("v"), k("v")], [np.zeros(16, np.uint8), bytes(16)])
+    # A bad buffer in a batch fails its own key; its neighbours are read or written.
+    ok, bad = store.batch_get_into([k("v"), k("v")], [np.zeros(16, np.uint8), bytes(16)])
+    assert ok == 10 and isinstance(bad, kvtide.InvalidArgument) and "read-only" in str(bad)
+    out = np.zeros(10, np.uint8)
+    res = store.batch_get_into_multi_buffers([k("v"), k("v")], [[object()], [out]])
+    assert isinstance(res[0], kvtide.InvalidArgument) and res[1] == 10 and out.tobytes() == value(10).tobytes()
+    res = store.batch_put_from([k("w1"), k("w2"), k("w3")], [b"one", "not a buffer", np.zeros((4, 4))[:, :2]])
+    assert res[0] is None and isinstance(res[1], kvtide.InvalidArgument) and isinstance(res[2], kvtide.InvalidArgument)
+    assert store.batch_exists([k("w1"), k("w2"), k("w3")]) == [True, False, False]
+    ranges = store.get_into_ranges([bytes(8), np.zeros(8, np.uint8)], [[(k("v"), 0, 0, 4)], [(k("v"), 0, 0, 8), (k("v"), 2, 0, 2)]])
+    assert isinstance(ranges[0][0], kvtide.InvalidArgument) and ranges[1] == [8, 2]
+    # A key list and a buffer list of different lengths is an error of the call.
     with pytest.raises(kvtide.InvalidArgument):
         store.batch_get_into([k("v")], [np.zeros(16, np.uint8), np.zeros(16, np.uint8)])
+    store.remove(k("w1"))
     store.remove(k("v"))
 
 
@@ -279,4 +289,22 @@ def test_stream_bound_needs_cuda(store, k):
             store.batch_get_into_multi_buffers_on_stream([k("gpu")], [[dst]], 12345)
     with pytest.raises(kvtide.InvalidArgument, match="CUDA stream"):
         store.get_into_ranges_on_stream([dst], [[(k("gpu"), 0, 0, 3)]], "not a stream")
+
+    # Stream-like objects: torch's (cuda_stream), cuda.core's (__cuda_stream__), cuda-python's
+    # CUstream (int()); stream 0 of each is the blocking read.
+    class TorchLike:
+        cuda_stream = 0
+
+    class CoreLike:
+        def __cuda_stream__(self):
+            return (0, 0)
+
+    class IntLike:
+        def __int__(self):
+            return 0
+
+    for stream in (TorchLike(), CoreLike(), IntLike()):
+        dst[:] = 0
+        t = store.get_into_ranges_on_stream([dst], [[(k("gpu"), 0, 0, 3)]], stream)
+        assert t.results() == [3] and dst.tobytes() == b"abc"
     store.remove(k("gpu"))
