@@ -106,7 +106,8 @@ crate::settings_group! {
 crate::settings_group! {
     /// `[runtime]`: shards, their threads and rings, and per-call limits (`KVTIDE_RUNTIME_*`).
     pub struct RuntimeGroup = "runtime" {
-        /// Shard count. Default: the CPUs this process may run on.
+        /// Shard count. Default: the shard count of the SSD directory when it has one (its
+        /// layout), else the CPUs this process may run on.
         shards: Option<usize> = None, Count, eg "3";
         /// Longest key accepted. Default 1 KiB.
         max_key_bytes: usize = 1024, Bytes, eg "512";
@@ -407,7 +408,15 @@ impl StoreBuilder {
             Some(0) => return err("[runtime] shards must be at least 1".into()),
             Some(n) if n > 1024 => return err(format!("[runtime] shards = {n}: at most 1024")),
             Some(n) => n,
-            None => crate::shard::allowed_cpu_count(),
+            // An SSD directory's shard count is part of its layout: a restart under another CPU
+            // mask adopts it instead of refusing the directory.
+            None => self
+                .ssd
+                .dir
+                .as_deref()
+                .filter(|_| self.simulated_ssd.is_none())
+                .and_then(|dir| kvtide_tiers::ssd::RecordedLayout::read(dir).ok().flatten())
+                .map_or_else(crate::shard::allowed_cpu_count, |layout| layout.shards),
         };
         if !(self.dram.low_watermark > 0.0
             && self.dram.low_watermark < self.dram.high_watermark

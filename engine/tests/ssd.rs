@@ -261,3 +261,29 @@ fn recovery_open_time() {
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A store opened without a shard count adopts the SSD directory's (part of its layout), so a
+/// restart under another CPU mask opens the same directory; an explicit other count is refused
+/// with an error that says how to proceed.
+#[test]
+fn an_unset_shard_count_adopts_the_directorys() {
+    let dir = tmp("adopt-shards");
+    let builder = || {
+        StoreBuilder::new()
+            .dram_bytes(16 << 20)
+            .pin_threads(false)
+            .ssd_dir(&dir)
+            .ssd_bytes(48 << 20)
+            .ssd_segment_bytes(1 << 20)
+    };
+    let store = builder().shards(3).open().expect("first open, 3 shards");
+    store.put(b"kept", &value_for(b"kept", 1, 10_000), PutOptions::INSERT).expect("put");
+    drop(store);
+    let store = builder().open().expect("reopen without a shard count");
+    assert_eq!(store.shard_count(), 3);
+    assert_eq!(store.get(b"kept").expect("kept"), value_for(b"kept", 1, 10_000));
+    drop(store);
+    let e = builder().shards(2).open().expect_err("an explicit other count");
+    assert!(e.to_string().contains("unset to adopt"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use kvtide::settings::{self, Field, Settings};
 use kvtide::StoreBuilder;
+use kvtide_tiers::ssd::RecordedLayout;
 
 use crate::auth::Token;
 use crate::server::OwnerConfig;
@@ -266,11 +267,26 @@ impl OwnerSettings {
             store.dram.bytes = derived_dram_bytes();
         }
         if o.ssd && store.ssd.dir.is_none() {
-            let bytes =
-                if self.is_given("ssd", "bytes") { Some(store.ssd.bytes) } else { derived_ssd_bytes(&data_dir) };
+            let ssd_dir = data_dir.join("ssd");
+            // A directory made by an earlier start keeps its layout: sizes derived from today's
+            // free space would differ and refuse it.
+            let recorded = RecordedLayout::read(&ssd_dir).map_err(|e| e.to_string())?;
+            if let Some(layout) = recorded {
+                if !self.is_given("ssd", "segment_bytes") {
+                    store.ssd.segment_bytes = layout.segment_bytes;
+                }
+                if !self.is_given("runtime", "shards") {
+                    store.runtime.shards = Some(layout.shards);
+                }
+            }
+            let bytes = match (self.is_given("ssd", "bytes"), recorded) {
+                (true, _) => Some(store.ssd.bytes),
+                (false, Some(layout)) => Some(layout.ssd_bytes()),
+                (false, None) => derived_ssd_bytes(&data_dir),
+            };
             if let Some(bytes) = bytes {
                 store.ssd.bytes = bytes;
-                store.ssd.dir = Some(data_dir.join("ssd"));
+                store.ssd.dir = Some(ssd_dir);
             } else {
                 tracing::warn!(dir = %data_dir.display(), "too little free disk space for an SSD tier; DRAM only");
             }
@@ -407,6 +423,27 @@ mod tests {
         let r2 = s.resolve(&[]).expect("resolve again");
         assert_eq!(r2.owner.tcp_token, r.owner.tcp_token);
         assert!(r2.token_file.is_some_and(|(_, created)| !created));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_data_directory_keeps_the_layout_of_its_first_start() {
+        let dir = temp_dir("recorded-layout");
+        // An earlier start made the SSD directory with 3 shards of 5 x 4 MiB segments.
+        kvtide_tiers::ssd::DataDir::open(&dir.join("ssd"), 60 << 20, 3, 4 << 20).expect("first layout");
+        let s =
+            OwnerSettings::layered(&[], Some(&in_dir(&dir, "tcp = \"off\"\n")), &Flags::default()).expect("settings");
+        let r = s.resolve(&[]).expect("resolve");
+        assert_eq!(r.store.ssd.dir, Some(dir.join("ssd")));
+        assert_eq!(
+            (r.store.ssd.bytes, r.store.ssd.segment_bytes, r.store.runtime.shards),
+            (60 << 20, 4 << 20, Some(3))
+        );
+        // Explicit settings win (and are checked against the directory when the store opens).
+        let f = flags(&["--ssd-bytes", "120MiB", "--shards", "2"]);
+        let s = OwnerSettings::layered(&[], Some(&in_dir(&dir, "tcp = \"off\"\n")), &f).expect("settings");
+        let r = s.resolve(&[]).expect("resolve");
+        assert_eq!((r.store.ssd.bytes, r.store.runtime.shards), (120 << 20, Some(2)));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

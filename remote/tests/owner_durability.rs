@@ -103,3 +103,75 @@ fn owner_binary() -> std::path::PathBuf {
         "kvtide-owner".into()
     }
 }
+
+/// Starts `kvtide-owner` on `dir` with the SSD tier sized by default (from free disk space) and
+/// the shard count by default, and waits until a client can connect.
+fn start_with_default_sizes(dir: &Path) -> (std::process::Child, RemoteStore) {
+    let child = Command::new(owner_binary())
+        .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--dram-bytes", "64MiB"])
+        .env("KVTIDE_LOG", "warn")
+        .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvtide-owner");
+    let socket = format!("unix:{}", dir.join("owner.sock").display());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut child = child;
+    loop {
+        match RemoteStore::connect(&socket) {
+            Ok(store) => return (child, store),
+            Err(e) => {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("kvtide-owner exited with {status} before serving (its stderr is above)");
+                }
+                assert!(Instant::now() < deadline, "owner never served: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn stop(mut owner: std::process::Child) {
+    // SAFETY: kill with a valid pid of our own child and a valid signal.
+    unsafe { libc::kill(owner.id() as libc::pid_t, libc::SIGTERM) };
+    let status = owner.wait().expect("reap");
+    assert!(status.success(), "a clean stop exits 0: {status}");
+}
+
+/// The first start sizes the SSD tier from free disk space and preallocates it, which changes
+/// the free space the next start sees; more is taken between the starts. Every start with the
+/// same (default) settings still opens the directory and serves the same objects.
+#[test]
+fn an_owner_with_default_sizes_restarts_after_free_space_changed() {
+    let dir = tmp("default-sizes");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let (owner, store) = start_with_default_sizes(&dir);
+    let keys: Vec<Vec<u8>> = (0..50u32).map(|i| format!("restart/{i}").into_bytes()).collect();
+    for key in &keys {
+        store.put(key, &value_for(key, 7, 100_000), PutOptions::INSERT).expect("put");
+    }
+    drop(store);
+    stop(owner);
+    let tiered = dir.join("ssd/FORMAT").exists();
+    // Take 512 MiB more of the disk (fallocate: no bytes written).
+    let filler = dir.join("filler");
+    let file = std::fs::File::create(&filler).expect("filler");
+    // SAFETY: fallocate on a descriptor we own; no pointers are passed.
+    let taken = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, 512 << 20) } == 0;
+    for round in 0..2 {
+        let (owner, store) = start_with_default_sizes(&dir);
+        if tiered {
+            for key in &keys {
+                let got = store
+                    .get(key)
+                    .unwrap_or_else(|e| panic!("{} after restart {round}: {e}", String::from_utf8_lossy(key)));
+                assert_eq!(got, value_for(key, 7, 100_000));
+            }
+        }
+        drop(store);
+        stop(owner);
+    }
+    eprintln!("SSD tier: {tiered}; filler taken: {taken}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

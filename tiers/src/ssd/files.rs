@@ -22,7 +22,11 @@ pub enum DataDirError {
         "data directory {path} was written by kvtide format version {found}; this build reads versions {OLDEST_READABLE_VERSION} to {FORMAT_VERSION}"
     )]
     FormatVersion { path: String, found: String },
-    #[error("data directory {path} was created with {found}; this store is configured with {expected} (use a new directory or the same settings)")]
+    #[error(
+        "data directory {path} was created with {found}; this store is configured with {expected}. Leave the SSD \
+         size, segment size and shard count unset to adopt the directory's layout, set them to match it, or use a new \
+         directory"
+    )]
     Layout { path: String, found: String, expected: String },
     #[error("data directory {path} has an unreadable FORMAT file: {reason}")]
     BadFormatFile { path: String, reason: String },
@@ -56,6 +60,50 @@ pub struct DataDir {
     pub shards: usize,
     pub segment_bytes: u64,
     pub segments_per_shard: u32,
+}
+
+/// The layout a data directory was created with (its FORMAT file): what a store opened with
+/// derived sizes adopts, so a restart never computes a different layout than the first start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedLayout {
+    pub shards: usize,
+    pub segment_bytes: u64,
+    pub segments_per_shard: u32,
+}
+
+impl RecordedLayout {
+    /// The SSD tier size that reproduces this layout exactly.
+    pub fn ssd_bytes(&self) -> u64 {
+        self.shards as u64 * u64::from(self.segments_per_shard) * self.segment_bytes
+    }
+
+    /// The layout recorded in `path`, or None when it has none yet (a new directory).
+    pub fn read(path: &Path) -> Result<Option<RecordedLayout>, DataDirError> {
+        let format_path = path.join("FORMAT");
+        let text = match std::fs::read_to_string(&format_path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(&format_path, e)),
+        };
+        let p = path.display().to_string();
+        let bad = |reason: &str| DataDirError::BadFormatFile { path: p.clone(), reason: reason.into() };
+        let layout = text.lines().nth(1).ok_or_else(|| bad("missing layout line"))?;
+        let (mut shards, mut segment_bytes, mut segments_per_shard) = (None, None, None);
+        for field in layout.split_whitespace() {
+            match field.split_once('=') {
+                Some(("shards", v)) => shards = v.parse::<usize>().ok(),
+                Some(("segment_bytes", v)) => segment_bytes = v.parse::<u64>().ok(),
+                Some(("segments_per_shard", v)) => segments_per_shard = v.parse::<u32>().ok(),
+                _ => return Err(bad("unknown layout field")),
+            }
+        }
+        match (shards, segment_bytes, segments_per_shard) {
+            (Some(shards), Some(segment_bytes), Some(segments_per_shard)) if shards > 0 => {
+                Ok(Some(RecordedLayout { shards, segment_bytes, segments_per_shard }))
+            }
+            _ => Err(bad("incomplete layout line")),
+        }
+    }
 }
 
 impl DataDir {
@@ -268,9 +316,14 @@ mod tests {
         DataDir::open(&p, 8 << 20, 2, 1 << 20).expect("reopen");
         let e = DataDir::open(&p, 8 << 20, 4, 1 << 20).expect_err("other shard count");
         assert!(matches!(e, DataDirError::Layout { .. }), "{e}");
+        assert!(e.to_string().contains("unset to adopt"), "the error says how to proceed: {e}");
+        assert_eq!(RecordedLayout::read(&tmpdir("no-format")).expect("read"), None);
         // A version 1 directory (the layout before per-block checksums) opens and is marked as
         // this version's, so older builds refuse it from now on.
         let layout = "shards=2 segment_bytes=1048576 segments_per_shard=4";
+        let recorded = RecordedLayout::read(&p).expect("read").expect("recorded");
+        assert_eq!(recorded, RecordedLayout { shards: 2, segment_bytes: 1 << 20, segments_per_shard: 4 });
+        assert_eq!(recorded.ssd_bytes(), 8 << 20);
         std::fs::write(p.join("FORMAT"), format!("kvtide-ssd-format=1\n{layout}\n")).expect("write");
         DataDir::open(&p, 8 << 20, 2, 1 << 20).expect("a version 1 directory opens");
         let text = std::fs::read_to_string(p.join("FORMAT")).expect("read");

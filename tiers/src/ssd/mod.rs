@@ -15,7 +15,7 @@ pub mod sim;
 pub mod tier;
 
 pub use disk::{DiskCompletion, DiskIo, DiskOp, DiskOpKind, FileId};
-pub use files::{DataDir, DataDirError, ShardFiles};
+pub use files::{DataDir, DataDirError, RecordedLayout, ShardFiles};
 pub use record::{RecordError, RecordKind, BLOCK_BYTES};
 pub use recovery::{scan_segment, Discarded, FoundRecord, SegmentScan};
 pub use segments::{Append, AppendError, SegmentTable, SsdLocation};
