@@ -94,7 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stats = store.stats();
     let t = &stats.total;
     println!(
-        "stats: objects {} | used {:.1} MiB of {:.1} MiB | puts {} hits {} misses {} evictions {} | leases held {} | arena {} | io_uring fixed buffers {}",
+        "stats: objects {} | used {:.1} MiB of {:.1} MiB | puts {} hits {} misses {} evictions {} | leases held {} | arena {} | io_uring fixed buffers {} (SSD I/O only)",
         t.objects,
         t.bytes_used as f64 / (1 << 20) as f64,
         t.capacity_bytes as f64 / (1 << 20) as f64,

@@ -124,6 +124,9 @@ pub struct ShardStats {
     /// try); in the totals, the number of such shards. Removes and upserts of keys on SSD then
     /// fail with `Error::Io` instead of risking a return after a restart.
     pub ssd_write_failed: u64,
+    /// The arena slice is registered with the ring as fixed buffers (SSD I/O then uses
+    /// ReadFixed/WriteFixed). Only shards with an SSD tier register, piece by piece in idle
+    /// turns after start-up, so this turns true a little after the store opened.
     pub fixed_buffers_registered: bool,
 }
 

@@ -278,6 +278,12 @@ fn an_unset_shard_count_adopts_the_directorys() {
     };
     let store = builder().shards(3).open().expect("first open, 3 shards");
     store.put(b"kept", &value_for(b"kept", 1, 10_000), PutOptions::INSERT).expect("put");
+    // The slices are registered as fixed buffers in the background after the store opened.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !store.stats().total.fixed_buffers_registered && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(store.stats().total.fixed_buffers_registered, "registration finishes (RLIMIT_MEMLOCK permitting)");
     drop(store);
     let store = builder().open().expect("reopen without a shard count");
     assert_eq!(store.shard_count(), 3);

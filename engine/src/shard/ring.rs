@@ -18,6 +18,10 @@ const CANCEL_TAG: u64 = u64::MAX;
 /// io_uring caps one registered buffer at 1 GiB.
 const FIXED_BUFFER_MAX_BYTES: usize = 1 << 30;
 
+/// The slice is registered in pieces of this size, one per shard loop turn, so registering
+/// (which pins, and so faults in, every page) never holds a shard for long nor delays start-up.
+const FIXED_BUFFER_PIECE_BYTES: usize = 8 << 20;
+
 /// An operation the kernel holds. Its fields live until the completion arrives.
 // The boxed fields are never read by us: they exist so the kernel has somewhere to write.
 #[allow(dead_code)]
@@ -46,8 +50,10 @@ pub(crate) struct Ring {
     ops: Slab<RingOp>,
     wake_armed: bool,
     timer_armed: bool,
-    /// Registered fixed buffers: (address, length) by buffer index.
-    fixed: Vec<(usize, usize)>,
+    /// Fixed buffers by index: (address, length, registered yet).
+    fixed: Vec<(usize, usize, bool)>,
+    /// The next buffer index to register, while the table is filled piece by piece.
+    fixed_next: usize,
     files: Option<Files>,
     disk_in_flight: usize,
     disk_done: Vec<DiskCompletion>,
@@ -61,28 +67,50 @@ impl Ring {
             wake_armed: false,
             timer_armed: false,
             fixed: Vec::new(),
+            fixed_next: 0,
             files: None,
             disk_in_flight: 0,
             disk_done: Vec::new(),
         })
     }
 
-    /// Registers `pieces` (address, length) of the shard's arena slice as fixed buffers, so SSD
-    /// I/O can use ReadFixed/WriteFixed into it. The caller keeps the memory mapped for as long
-    /// as the ring lives.
-    pub(crate) fn register_fixed_buffers(&mut self, pieces: &[(usize, usize)]) -> std::io::Result<()> {
-        let iovecs: Vec<libc::iovec> = pieces
-            .iter()
-            .map(|&(addr, len)| {
-                debug_assert!(len <= FIXED_BUFFER_MAX_BYTES);
-                libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }
-            })
-            .collect();
+    /// Starts registering `pieces` (address, length) of the shard's arena slice as fixed
+    /// buffers, so SSD I/O can use ReadFixed/WriteFixed into them. With a sparse table (Linux
+    /// 5.19+) nothing is pinned yet: `register_next_fixed` fills it piece by piece, and I/O into
+    /// a piece not yet registered uses plain reads and writes. Older kernels register all at
+    /// once here. True when pieces remain to register. The caller keeps the memory mapped for
+    /// as long as the ring lives.
+    pub(crate) fn begin_fixed_buffers(&mut self, pieces: &[(usize, usize)]) -> std::io::Result<bool> {
+        debug_assert!(pieces.iter().all(|&(_, len)| len <= FIXED_BUFFER_MAX_BYTES));
+        let count = u32::try_from(pieces.len()).map_err(|_| std::io::Error::other("too many fixed buffers"))?;
+        if self.ring.submitter().register_buffers_sparse(count).is_ok() {
+            self.fixed = pieces.iter().map(|&(addr, len)| (addr, len, false)).collect();
+            self.fixed_next = 0;
+            return Ok(!pieces.is_empty());
+        }
+        let iovecs: Vec<libc::iovec> = pieces.iter().map(|&(addr, len)| iovec(addr, len)).collect();
         // SAFETY: every iovec describes memory of the arena slice, which the shard keeps mapped
         // longer than the ring (the ring is dropped first); the kernel pins those pages.
         unsafe { self.ring.submitter().register_buffers(&iovecs) }?;
-        self.fixed = pieces.to_vec();
-        Ok(())
+        self.fixed = pieces.iter().map(|&(addr, len)| (addr, len, true)).collect();
+        self.fixed_next = pieces.len();
+        Ok(false)
+    }
+
+    /// Registers the next piece of a sparse table. True when pieces remain.
+    pub(crate) fn register_next_fixed(&mut self) -> std::io::Result<bool> {
+        let Some(&(addr, len, _)) = self.fixed.get(self.fixed_next) else { return Ok(false) };
+        let index = self.fixed_next as u32;
+        // SAFETY: as in `begin_fixed_buffers`: arena memory that outlives the ring.
+        unsafe { self.ring.submitter().register_buffers_update(index, &[iovec(addr, len)], None) }?;
+        self.fixed[self.fixed_next].2 = true;
+        self.fixed_next += 1;
+        Ok(self.fixed_next < self.fixed.len())
+    }
+
+    /// Stops registering further pieces (a registration failed); those registered stay.
+    pub(crate) fn abandon_fixed(&mut self) {
+        self.fixed_next = self.fixed.len();
     }
 
     /// Gives the ring the shard's segment files.
@@ -94,7 +122,7 @@ impl Ring {
     fn fixed_index(&self, addr: usize, len: usize) -> Option<u16> {
         self.fixed
             .iter()
-            .position(|&(base, blen)| addr >= base && addr + len <= base + blen)
+            .position(|&(base, blen, registered)| registered && addr >= base && addr + len <= base + blen)
             .and_then(|i| u16::try_from(i).ok())
     }
 
@@ -103,7 +131,7 @@ impl Ring {
     }
 
     pub(crate) fn fixed_buffer_piece_bytes() -> usize {
-        FIXED_BUFFER_MAX_BYTES
+        FIXED_BUFFER_PIECE_BYTES
     }
 
     /// Makes sure an eventfd read is outstanding, so a sender's write completes a CQE.
@@ -278,4 +306,8 @@ impl DiskIo for Ring {
     fn file_bytes(&self) -> u64 {
         self.files.as_ref().map_or(0, |f| f.files.segment_bytes)
     }
+}
+
+fn iovec(addr: usize, len: usize) -> libc::iovec {
+    libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }
 }

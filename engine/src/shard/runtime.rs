@@ -74,6 +74,8 @@ struct ShardLoop {
     sim: Option<Box<SimDisk>>,
     /// Some task polls something that cannot wake a parked shard (CUDA events).
     polling_tasks: bool,
+    /// Pieces of the slice are still being registered as fixed buffers, one per turn.
+    fixed_pending: bool,
 }
 
 /// Starts a shard thread. Its ring is created on the thread so it is owned there from birth.
@@ -110,14 +112,20 @@ pub(crate) fn spawn_shard(
                     return;
                 }
             };
-            if config.register_fixed_buffers {
+            // Only segment-file I/O uses fixed buffers, and registering pins (faults in) the
+            // whole slice: a DRAM-only shard skips it and starts at once.
+            let mut fixed_pending = false;
+            if config.register_fixed_buffers && matches!(disk, DiskBackend::Files(_)) {
                 let pieces: Vec<(usize, usize)> = slice
                     .pieces(Ring::fixed_buffer_piece_bytes())
                     .into_iter()
                     .map(|(offset, len)| (slice.base().as_ptr() as usize + offset as usize, len))
                     .collect();
-                match ring.register_fixed_buffers(&pieces) {
-                    Ok(()) => core.counters().fixed_buffers_registered.store(true, Relaxed),
+                match ring.begin_fixed_buffers(&pieces) {
+                    Ok(pending) => {
+                        fixed_pending = pending;
+                        core.counters().fixed_buffers_registered.store(!pending, Relaxed);
+                    }
                     Err(e) => tracing::warn!(
                         shard = index,
                         error = %e,
@@ -168,6 +176,7 @@ pub(crate) fn spawn_shard(
                 disk_done: Vec::new(),
                 sim,
                 polling_tasks: false,
+                fixed_pending,
             };
             shard.run();
         })
@@ -209,6 +218,32 @@ impl ShardThread {
 }
 
 impl ShardLoop {
+    /// Registers one more piece of the slice as a fixed buffer while any remain (true then).
+    fn register_fixed_piece(&mut self) -> bool {
+        if self.core.counters().fixed_buffers_registered.load(Relaxed) || !self.fixed_pending {
+            return false;
+        }
+        match self.ring.register_next_fixed() {
+            Ok(true) => true,
+            Ok(false) => {
+                self.fixed_pending = false;
+                self.core.counters().fixed_buffers_registered.store(true, Relaxed);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(
+                    shard = self.index,
+                    error = %e,
+                    "io_uring refused to register part of the arena slice as fixed buffers (raise RLIMIT_MEMLOCK, \
+                     e.g. `ulimit -l unlimited`); SSD I/O into the rest uses plain reads and writes"
+                );
+                self.ring.abandon_fixed();
+                self.fixed_pending = false;
+                false
+            }
+        }
+    }
+
     fn run(&mut self) {
         let span = tracing::debug_span!("shard", shard = self.index);
         let _enter = span.enter();
@@ -230,6 +265,10 @@ impl ShardLoop {
             worked |= self.pump_disk();
             self.reap();
             worked |= self.complete_disk();
+            // Fixed-buffer registration only fills turns with nothing else to do.
+            if !worked {
+                worked = self.register_fixed_piece();
+            }
             if self.inbox.quiesced() {
                 if self.inbox_is_drained() && !self.tasks.is_empty() {
                     // Nothing new can arrive: tasks that may go now go (their drops finish them).
