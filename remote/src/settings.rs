@@ -158,6 +158,7 @@ USAGE: kvtide-owner [OPTIONS]
   --ssd-bytes SIZE         SSD tier (default: 1/8 of free disk, 1GiB..64GiB)
   --shards N               shards (default: one per CPU)
   --max-connections N      connections served at once (default 256)
+  -V, --version            the version
   -h, --help               this text
 
 Every setting is also a variable KVTIDE_<SECTION>_<KEY> (KVTIDE_DRAM_BYTES=8GiB,

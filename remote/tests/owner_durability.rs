@@ -175,3 +175,15 @@ fn an_owner_with_default_sizes_restarts_after_free_space_changed() {
     eprintln!("SSD tier: {tiered}; filler taken: {taken}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--version` answers; a fatal error is printed once and exits non-zero.
+#[test]
+fn the_command_line_reports_its_version_and_a_fatal_error_once() {
+    let out = Command::new(owner_binary()).arg("--version").output().expect("run --version");
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), format!("kvtide-owner {}", env!("CARGO_PKG_VERSION")));
+    let out = Command::new(owner_binary()).arg("--bogus-flag").env("KVTIDE_LOG", "info").output().expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.matches("--bogus-flag").count(), 1, "printed once: {stderr}");
+}

@@ -19,13 +19,17 @@ fn main() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Err(e) = run() {
-        tracing::error!("{e}");
+        // Printed once, on stderr (the log goes there too, so it is not logged as well).
         eprintln!("kvtide-owner: {e}");
         std::process::exit(1);
     }
 }
 
 fn run() -> Result<(), String> {
+    if std::env::args().skip(1).any(|a| a == "--version" || a == "-V") {
+        println!("kvtide-owner {}", env!("CARGO_PKG_VERSION"));
+        return Ok(());
+    }
     let vars: Vec<(String, String)> = std::env::vars().collect();
     let Some(settings) = OwnerSettings::load(std::env::args().skip(1), &vars)? else {
         print!("{OWNER_USAGE}");
