@@ -184,6 +184,7 @@ def test_lifecycle_and_not_set_up():
 
 def test_setup_embedded_with_ssd(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIDE_RUNTIME_PIN_THREADS", "false")
+    monkeypatch.setenv("KVTIDE_SSD_BYTES", "128MiB")  # KVTIDE_* settings apply to the embedded store
     s = MooncakeDistributedStore()
     assert s.setup("h", "meta", 32 << 20, 0, "tcp", "", "embedded", None, True, str(tmp_path / "ssd")) == 0
     assert s.get_hostname() == "h" and s.health_check() == 0

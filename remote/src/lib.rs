@@ -23,4 +23,4 @@ pub use auth::Token;
 pub use client::{ClientOptions, RemotePutStream, RemoteStore};
 pub use error::{Error, Result};
 pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
-pub use settings::{Flags, OwnerGroup, OwnerSettings, ResolvedOwner, USAGE as OWNER_USAGE};
+pub use settings::{default_socket, Flags, OwnerGroup, OwnerSettings, ResolvedOwner, USAGE as OWNER_USAGE};

@@ -143,6 +143,8 @@ pub const USAGE: &str = "\
 kvtide-owner: serve a kvtide store to other processes (Unix socket + shared memory) and hosts (TCP)
 
 USAGE: kvtide-owner [OPTIONS]
+       kvtide-owner status [unix:PATH | HOST:PORT]   health of a running owner (default: the
+                                                     default data directory's socket)
 
   --config FILE            TOML settings: [owner] (the names below and the limits) and the
                            engine's [dram], [ssd], [restore], [gpu], [runtime]
@@ -342,6 +344,14 @@ impl OwnerSettings {
         }
         Ok(ResolvedOwner { store, owner, data_dir, token_file })
     }
+}
+
+/// The Unix socket of an owner started with defaults (`kvtide-owner status`): the default data
+/// directory's `owner.sock`, `$KVTIDE_DATA_DIR` first.
+pub fn default_socket(vars: &[(String, String)]) -> PathBuf {
+    let env = |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let dir = env("KVTIDE_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| default_data_dir(&env));
+    dir.join("owner.sock")
 }
 
 fn default_data_dir(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {

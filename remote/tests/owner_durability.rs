@@ -187,3 +187,87 @@ fn the_command_line_reports_its_version_and_a_fatal_error_once() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.matches("--bogus-flag").count(), 1, "printed once: {stderr}");
 }
+
+/// Under a supervisor: READY=1 once the owner serves and STOPPING=1 when it stops, on
+/// `NOTIFY_SOCKET`; `kvtide-owner status` answers while it serves and fails once it stopped.
+#[test]
+fn the_owner_notifies_its_supervisor_and_answers_status() {
+    let dir = tmp("notify");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let notify_path = dir.join("notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).expect("bind notify socket");
+    notify.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let owner = Command::new(owner_binary())
+        .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--dram-bytes", "64MiB", "--no-ssd"])
+        .env("KVTIDE_LOG", "warn")
+        .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
+        .env("NOTIFY_SOCKET", &notify_path)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn kvtide-owner");
+    let mut buf = [0u8; 512];
+    let n = notify.recv(&mut buf).expect("READY from the owner");
+    let ready = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready}");
+    let socket = format!("unix:{}", dir.join("owner.sock").display());
+    let out = Command::new(owner_binary()).args(["status", &socket]).output().expect("status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("serving"), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    stop(owner);
+    let n = notify.recv(&mut buf).expect("STOPPING from the owner");
+    assert!(String::from_utf8_lossy(&buf[..n]).lines().any(|l| l == "STOPPING=1"));
+    let out = Command::new(owner_binary()).args(["status", &socket]).output().expect("status");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no owner serving"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The flags of the systemd unit's ExecStart and of the container image's entry point, after
+/// the binary.
+fn deploy_flags() -> Vec<(&'static str, Vec<String>)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let unit = std::fs::read_to_string(root.join("deploy/kvtide-owner.service")).expect("unit");
+    let exec = unit.lines().find_map(|l| l.strip_prefix("ExecStart=")).expect("ExecStart");
+    let mut unit_args: Vec<String> = exec.split_whitespace().map(String::from).collect();
+    assert!(unit_args.remove(0).ends_with("/kvtide-owner"));
+    let docker = std::fs::read_to_string(root.join("deploy/Dockerfile")).expect("Dockerfile");
+    let entry = docker.lines().find_map(|l| l.strip_prefix("ENTRYPOINT ")).expect("ENTRYPOINT");
+    let mut image_args: Vec<String> =
+        entry.trim_matches(['[', ']']).split(',').map(|a| a.trim().trim_matches('"').to_string()).collect();
+    assert!(image_args.remove(0).ends_with("/kvtide-owner"));
+    vec![("systemd unit", unit_args), ("container image", image_args)]
+}
+
+/// The unit's and the image's command lines start this binary: with their data directory and
+/// TCP address moved somewhere private, each serves and answers `status`.
+#[test]
+fn the_deploy_command_lines_start_an_owner() {
+    for (what, args) in deploy_flags() {
+        let dir = tmp(&format!("deploy-{}", what.replace(' ', "-")));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let mut args = args.clone();
+        for (flag, value) in [("--data-dir", dir.display().to_string()), ("--tcp", "127.0.0.1:0".to_string())] {
+            let at = args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{what} sets {flag}"));
+            args[at + 1] = value;
+        }
+        let mut owner = Command::new(owner_binary())
+            .args(&args)
+            .args(["--dram-bytes", "64MiB"])
+            .env("KVTIDE_LOG", "warn")
+            .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let socket = format!("unix:{}", dir.join("owner.sock").display());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while RemoteStore::connect(&socket).is_err() {
+            assert!(owner.try_wait().expect("poll").is_none(), "{what}: the owner exited");
+            assert!(Instant::now() < deadline, "{what}: never served");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = Command::new(owner_binary()).args(["status", &socket]).output().expect("status");
+        assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+        stop(owner);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

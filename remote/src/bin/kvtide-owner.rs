@@ -31,6 +31,9 @@ fn run() -> Result<(), String> {
         return Ok(());
     }
     let vars: Vec<(String, String)> = std::env::vars().collect();
+    if std::env::args().nth(1).as_deref() == Some("status") {
+        return status(std::env::args().nth(2), &vars);
+    }
     let Some(settings) = OwnerSettings::load(std::env::args().skip(1), &vars)? else {
         print!("{OWNER_USAGE}");
         return Ok(());
@@ -69,6 +72,7 @@ fn run() -> Result<(), String> {
     if let Some(addr) = owner.tcp_addr() {
         tracing::info!(%addr, "listening (TCP)");
     }
+    notify_supervisor("READY=1\nSTATUS=serving");
 
     let mut signal: libc::c_int = 0;
     // SAFETY: sigwait reads the set and writes the received signal number into `signal`.
@@ -77,6 +81,7 @@ fn run() -> Result<(), String> {
         return Err(format!("sigwait failed: {}", std::io::Error::from_raw_os_error(rc)));
     }
     tracing::info!(signal, "stopping: finishing in-flight requests");
+    notify_supervisor("STOPPING=1\nSTATUS=stopping: finishing in-flight requests");
     // A second signal while draining ends the process at once.
     std::thread::spawn(move || {
         let mut again: libc::c_int = 0;
@@ -91,6 +96,47 @@ fn run() -> Result<(), String> {
     engine.shutdown();
     tracing::info!("kvtide owner stopped");
     Ok(())
+}
+
+/// `kvtide-owner status [ADDRESS]`: asks a running owner (default: the default data directory's
+/// socket) for its health; exit status 0 when it serves, 1 when it cannot be reached.
+fn status(address: Option<String>, vars: &[(String, String)]) -> Result<(), String> {
+    let address = address.unwrap_or_else(|| format!("unix:{}", kvtide_remote::default_socket(vars).display()));
+    let options = kvtide_remote::ClientOptions {
+        shared_memory: false,
+        ..kvtide_remote::ClientOptions::from_env().map_err(|e| e.to_string())?
+    };
+    let store = kvtide_remote::RemoteStore::connect_with(&address, options)
+        .map_err(|e| format!("no owner serving at {address}: {e}"))?;
+    let stats = store.try_stats().map_err(|e| format!("the owner at {address} did not answer: {e}"))?;
+    let t = &stats.total;
+    println!("kvtide-owner at {address}: serving");
+    println!("shards {}  objects {}  (on SSD {})", stats.shards.len(), t.objects, t.ssd_objects);
+    println!("DRAM used {} of {} bytes  SSD {} bytes", t.bytes_used, t.capacity_bytes, t.ssd_bytes);
+    println!("hits {}  misses {}  evictions {}  leases held {}", t.hits, t.misses, t.evictions, t.leases_held);
+    if t.ssd_write_failed > 0 {
+        println!("SSD tier: writes stopped after an I/O error (ssd_write_failed)");
+    }
+    Ok(())
+}
+
+/// Tells a supervisor (systemd `Type=notify`) about a state change, when `NOTIFY_SOCKET` names
+/// one (a path, or `@name` for an abstract socket). Best effort: a supervisor that is gone
+/// must not stop the owner.
+fn notify_supervisor(state: &str) {
+    let Some(target) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let Ok(socket) = std::os::unix::net::UnixDatagram::unbound() else { return };
+    let bytes = target.as_encoded_bytes();
+    let sent = if let Some(name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(name)
+            .and_then(|addr| socket.send_to_addr(state.as_bytes(), &addr))
+    } else {
+        socket.send_to(state.as_bytes(), std::path::Path::new(&target))
+    };
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, "could not notify the supervisor (NOTIFY_SOCKET)");
+    }
 }
 
 fn stop_signals() -> libc::sigset_t {
