@@ -122,6 +122,10 @@ crate::settings_group! {
         pin_threads: bool = true, Bool, eg "no";
         /// Register each arena slice with its ring as fixed buffers. Default true.
         register_fixed_buffers: bool = true, Bool, eg "false";
+        /// Shards use io_uring (default true). Where it is refused (the default seccomp profiles
+        /// of Docker 25+ and containerd block it), a DRAM-only store parks its shards with poll(2)
+        /// on their eventfds instead, by itself; false asks for that. An SSD tier needs io_uring.
+        io_uring: bool = true, Bool, eg "false";
         /// io_uring submission queue entries per shard. Default 256.
         ring_entries: u32 = 256, Count, eg "128";
         /// Async tickets allowed in flight at once. Default 1024.
@@ -216,6 +220,7 @@ pub(crate) struct EngineConfig {
     pub(crate) gpu_keep_shards_awake: bool,
     pub(crate) pin_threads: bool,
     pub(crate) register_fixed_buffers: bool,
+    pub(crate) io_uring: bool,
     pub(crate) ring_entries: u32,
     pub(crate) max_tickets_in_flight: usize,
     pub(crate) max_objects_per_shard: u32,
@@ -289,6 +294,9 @@ impl StoreBuilder {
         pin_threads: bool => runtime.pin_threads);
     setter!(/// Register arena slices as io_uring fixed buffers (`[runtime] register_fixed_buffers`).
         register_fixed_buffers: bool => runtime.register_fixed_buffers);
+    setter!(/// Use io_uring in the shards; false parks DRAM-only shards with poll(2)
+        /// (`[runtime] io_uring`).
+        io_uring: bool => runtime.io_uring);
     setter!(/// io_uring entries per shard (`[runtime] ring_entries`).
         ring_entries: u32 => runtime.ring_entries);
     setter!(/// Async tickets allowed in flight (`[runtime] max_tickets_in_flight`).
@@ -543,6 +551,7 @@ impl StoreBuilder {
             gpu_keep_shards_awake: self.gpu.keep_shards_awake,
             pin_threads: self.runtime.pin_threads,
             register_fixed_buffers: self.runtime.register_fixed_buffers,
+            io_uring: self.runtime.io_uring,
             ring_entries: self.runtime.ring_entries,
             max_tickets_in_flight: self.runtime.max_tickets_in_flight,
             max_objects_per_shard: self.dram.max_objects_per_shard,
@@ -576,7 +585,7 @@ mod tests {
     fn every_setting_is_reachable_as_a_variable_and_in_toml() {
         let defaults = StoreBuilder::default();
         let fields = StoreBuilder::fields();
-        assert_eq!(fields.len(), 39, "dram 6, ssd 7, restore 6, gpu 7, runtime 9, stream 4");
+        assert_eq!(fields.len(), 40, "dram 6, ssd 7, restore 6, gpu 7, runtime 10, stream 4");
         let all_vars: Vec<(String, String)> =
             fields.iter().map(|(g, f)| (settings::variable_name(g, f.name), f.example.to_string())).collect();
         let by_env = StoreBuilder::new().with_vars(all_vars).expect("every variable at its example");
@@ -606,6 +615,7 @@ mod tests {
         assert_eq!((c.max_objects_per_shard, c.max_leases_per_shard), (4096, 8192));
         assert_eq!((c.idle_spin, c.reply_spin), (Duration::from_micros(20), Duration::ZERO));
         assert!(!c.pin_threads && !c.register_fixed_buffers && !c.gpu_keep_shards_awake && !c.demote_on_shutdown);
+        assert!(!c.io_uring);
         assert_eq!((c.ring_entries, c.max_tickets_in_flight), (128, 16));
         assert_eq!(c.shutdown_flush_timeout, Duration::from_millis(1500));
         assert!(c.gpu_staging && c.gpu_staging_bytes == 64 << 20 && c.gpu_staging_tail_bytes == 1 << 20);

@@ -104,6 +104,7 @@ impl Engine {
                 keep_awake: Arc::clone(&keep_awake),
                 pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
                 register_fixed_buffers: config.register_fixed_buffers,
+                io_uring: config.io_uring,
             };
             match spawn_shard(index, make_core, counters, slice, disk, runtime) {
                 Ok(started) => starting.push(started),

@@ -46,7 +46,13 @@ struct Files {
 }
 
 pub(crate) struct Ring {
-    ring: IoUring,
+    /// None when io_uring is off or refused: a DRAM-only shard then parks with poll(2) on its
+    /// eventfd (`park_without_io_uring`), and there is no disk I/O.
+    ring: Option<IoUring>,
+    /// Without io_uring: the eventfd and timeout the next park polls, and what it saw.
+    poll_fd: Option<i32>,
+    poll_after: Option<Duration>,
+    polled: Vec<(Completion, i32)>,
     ops: Slab<RingOp>,
     wake_armed: bool,
     timer_armed: bool,
@@ -61,8 +67,18 @@ pub(crate) struct Ring {
 
 impl Ring {
     pub(crate) fn new(entries: u32) -> std::io::Result<Ring> {
-        Ok(Ring {
-            ring: IoUring::new(entries)?,
+        let mut ring = Ring::without_io_uring();
+        ring.ring = Some(IoUring::new(entries)?);
+        Ok(ring)
+    }
+
+    /// A ring for a DRAM-only shard where io_uring is off or refused: it parks with poll(2).
+    pub(crate) fn without_io_uring() -> Ring {
+        Ring {
+            ring: None,
+            poll_fd: None,
+            poll_after: None,
+            polled: Vec::new(),
             ops: Slab::new(),
             wake_armed: false,
             timer_armed: false,
@@ -71,7 +87,11 @@ impl Ring {
             files: None,
             disk_in_flight: 0,
             disk_done: Vec::new(),
-        })
+        }
+    }
+
+    fn uring(&mut self) -> std::io::Result<&mut IoUring> {
+        self.ring.as_mut().ok_or_else(|| std::io::Error::other("io_uring is off"))
     }
 
     /// Starts registering `pieces` (address, length) of the shard's arena slice as fixed
@@ -83,7 +103,7 @@ impl Ring {
     pub(crate) fn begin_fixed_buffers(&mut self, pieces: &[(usize, usize)]) -> std::io::Result<bool> {
         debug_assert!(pieces.iter().all(|&(_, len)| len <= FIXED_BUFFER_MAX_BYTES));
         let count = u32::try_from(pieces.len()).map_err(|_| std::io::Error::other("too many fixed buffers"))?;
-        if self.ring.submitter().register_buffers_sparse(count).is_ok() {
+        if self.uring()?.submitter().register_buffers_sparse(count).is_ok() {
             self.fixed = pieces.iter().map(|&(addr, len)| (addr, len, false)).collect();
             self.fixed_next = 0;
             return Ok(!pieces.is_empty());
@@ -91,7 +111,7 @@ impl Ring {
         let iovecs: Vec<libc::iovec> = pieces.iter().map(|&(addr, len)| iovec(addr, len)).collect();
         // SAFETY: every iovec describes memory of the arena slice, which the shard keeps mapped
         // longer than the ring (the ring is dropped first); the kernel pins those pages.
-        unsafe { self.ring.submitter().register_buffers(&iovecs) }?;
+        unsafe { self.uring()?.submitter().register_buffers(&iovecs) }?;
         self.fixed = pieces.iter().map(|&(addr, len)| (addr, len, true)).collect();
         self.fixed_next = pieces.len();
         Ok(false)
@@ -102,7 +122,7 @@ impl Ring {
         let Some(&(addr, len, _)) = self.fixed.get(self.fixed_next) else { return Ok(false) };
         let index = self.fixed_next as u32;
         // SAFETY: as in `begin_fixed_buffers`: arena memory that outlives the ring.
-        unsafe { self.ring.submitter().register_buffers_update(index, &[iovec(addr, len)], None) }?;
+        unsafe { self.uring()?.submitter().register_buffers_update(index, &[iovec(addr, len)], None) }?;
         self.fixed[self.fixed_next].2 = true;
         self.fixed_next += 1;
         Ok(self.fixed_next < self.fixed.len())
@@ -139,13 +159,18 @@ impl Ring {
         if self.wake_armed {
             return Ok(());
         }
+        if self.ring.is_none() {
+            self.poll_fd = Some(eventfd);
+            self.wake_armed = true;
+            return Ok(());
+        }
         let mut buf = Box::new(0u64);
         let ptr: *mut u64 = &mut *buf;
         let key = self.ops.insert(RingOp::Wake { buf });
         let sqe = opcode::Read::new(types::Fd(eventfd), ptr.cast(), 8).build().user_data(key as u64);
         // SAFETY: the buffer lives in `ops[key]` until its completion is reaped, and the eventfd
         // stays open for the shard's lifetime.
-        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+        if unsafe { self.uring()?.submission().push(&sqe) }.is_err() {
             self.ops.remove(key);
             return Err(std::io::Error::other("submission queue full"));
         }
@@ -158,12 +183,17 @@ impl Ring {
         if self.timer_armed {
             return Ok(());
         }
+        if self.ring.is_none() {
+            self.poll_after = Some(after);
+            self.timer_armed = true;
+            return Ok(());
+        }
         let spec = Box::new(types::Timespec::from(after));
         let ptr: *const types::Timespec = &*spec;
         let key = self.ops.insert(RingOp::Timer { spec });
         let sqe = opcode::Timeout::new(ptr).build().user_data(key as u64);
         // SAFETY: the timespec lives in `ops[key]` until the timeout's completion is reaped.
-        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+        if unsafe { self.uring()?.submission().push(&sqe) }.is_err() {
             self.ops.remove(key);
             return Err(std::io::Error::other("submission queue full"));
         }
@@ -173,7 +203,11 @@ impl Ring {
 
     /// Submits pending SQEs and blocks until at least one completion.
     pub(crate) fn submit_and_wait(&mut self) -> std::io::Result<()> {
-        match self.ring.submit_and_wait(1) {
+        let Some(ring) = self.ring.as_mut() else {
+            self.park_without_io_uring();
+            return Ok(());
+        };
+        match ring.submit_and_wait(1) {
             Ok(_) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => Ok(()),
             Err(e) => Err(e),
@@ -182,7 +216,8 @@ impl Ring {
 
     /// Submits pending SQEs without waiting.
     pub(crate) fn submit(&mut self) -> std::io::Result<()> {
-        match self.ring.submit() {
+        let Some(ring) = self.ring.as_mut() else { return Ok(()) };
+        match ring.submit() {
             Ok(_) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EINTR) || e.raw_os_error() == Some(libc::EBUSY) => Ok(()),
             Err(e) => Err(e),
@@ -192,7 +227,13 @@ impl Ring {
     /// Takes every available completion, frees its op entry and reports what it was.
     pub(crate) fn reap_cq(&mut self, mut on_completion: impl FnMut(Completion, i32)) -> usize {
         let mut reaped = 0;
-        let cq: Vec<(u64, i32)> = self.ring.completion().map(|cqe| (cqe.user_data(), cqe.result())).collect();
+        let Some(ring) = self.ring.as_mut() else {
+            let polled = std::mem::take(&mut self.polled);
+            let count = polled.len();
+            polled.into_iter().for_each(|(completion, result)| on_completion(completion, result));
+            return count;
+        };
+        let cq: Vec<(u64, i32)> = ring.completion().map(|cqe| (cqe.user_data(), cqe.result())).collect();
         for (user_data, result) in cq {
             if user_data == CANCEL_TAG {
                 continue;
@@ -223,11 +264,12 @@ impl Ring {
     /// Cancels every outstanding operation and waits for the kernel to let go of their memory.
     /// Called at shutdown, before the ring is dropped.
     pub(crate) fn drain(&mut self) {
+        let Some(ring) = self.ring.as_mut() else { return };
         let keys: Vec<u64> = self.ops.iter().map(|(key, _)| key as u64).collect();
         for key in keys {
             let sqe = opcode::AsyncCancel::new(key).build().user_data(CANCEL_TAG);
             // SAFETY: a cancel SQE carries no pointers.
-            if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            if unsafe { ring.submission().push(&sqe) }.is_err() {
                 break;
             }
         }
@@ -267,13 +309,19 @@ impl DiskIo for Ring {
             DiskOpKind::Sync => opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build(),
         }
         .user_data(key as u64);
+        let Some(ring) = self.ring.as_mut() else {
+            // Files without io_uring never happen (start-up refuses an SSD tier then).
+            self.disk_done.push(DiskCompletion { token: op.token, result: -i64::from(libc::ENOSYS) });
+            return Ok(());
+        };
         // SAFETY: the caller keeps the buffer valid until this op's completion is reaped (the
         // DiskIo contract); the descriptor stays open while the ring lives.
-        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+        if unsafe { ring.submission().push(&sqe) }.is_err() {
             // Make room by handing the queued entries to the kernel, then try once more.
             let _ = self.submit();
+            let Ok(ring) = self.uring() else { return Err(op) };
             // SAFETY: as above.
-            if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            if unsafe { ring.submission().push(&sqe) }.is_err() {
                 return Err(op);
             }
         }
@@ -310,4 +358,28 @@ impl DiskIo for Ring {
 
 fn iovec(addr: usize, len: usize) -> libc::iovec {
     libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }
+}
+
+impl Ring {
+    /// A park without io_uring: poll(2) the armed eventfd until it is readable or the armed
+    /// timeout passes, then report a Wake (the eventfd read, which resets it) or a Timer.
+    fn park_without_io_uring(&mut self) {
+        let timeout_ms = self.poll_after.map_or(-1, |d| i32::try_from(d.as_millis().max(1)).unwrap_or(i32::MAX));
+        let fd = self.poll_fd.unwrap_or(-1);
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd (a negative fd is ignored by poll, which then only waits).
+        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        if rc > 0 && fd >= 0 {
+            let mut value = 0u64;
+            // SAFETY: reads 8 bytes into `value` from the shard's non-blocking eventfd.
+            let n = unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) };
+            self.polled.push((Completion::Wake, n as i32));
+            self.wake_armed = false;
+        } else if rc == 0 {
+            self.polled.push((Completion::Timer, -libc::ETIME));
+        }
+        // A timeout is armed per park here (io_uring keeps one until it fires).
+        self.timer_armed = false;
+        self.poll_after = None;
+    }
 }

@@ -41,6 +41,8 @@ pub(crate) struct RuntimeConfig {
     pub(crate) keep_awake: Arc<AtomicUsize>,
     pub(crate) pin_to_cpu: Option<usize>,
     pub(crate) register_fixed_buffers: bool,
+    /// Use io_uring; without it (off, or refused) only a DRAM-only shard can run.
+    pub(crate) io_uring: bool,
 }
 
 /// Where a shard's SSD I/O goes.
@@ -105,10 +107,10 @@ pub(crate) fn spawn_shard(
                     return;
                 }
             };
-            let mut ring = match Ring::new(config.ring_entries) {
+            let mut ring = match make_ring(index, &config, &disk) {
                 Ok(ring) => ring,
                 Err(e) => {
-                    let _ = ready_tx.send(Err(shard_error(e)));
+                    let _ = ready_tx.send(Err(e));
                     return;
                 }
             };
@@ -182,6 +184,46 @@ pub(crate) fn spawn_shard(
         })
         .map_err(shard_error)?;
     Ok(StartingShard { index, thread: ShardThread { inbox, counters, join: Some(join) }, ready: ready_rx })
+}
+
+/// The shard's ring: io_uring, or for a DRAM-only shard where io_uring is off or refused, a
+/// ring that parks with poll(2). An SSD tier without io_uring is an error that says why.
+fn make_ring(index: usize, config: &RuntimeConfig, disk: &DiskBackend) -> Result<Ring, OpenError> {
+    let needs_io_uring = matches!(disk, DiskBackend::Files(_));
+    let refused = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOSYS | libc::EACCES));
+    if !config.io_uring {
+        if needs_io_uring {
+            return Err(OpenError::Config(
+                "[runtime] io_uring = false: the SSD tier needs io_uring (turn it on, or run DRAM only)".into(),
+            ));
+        }
+        return Ok(Ring::without_io_uring());
+    }
+    match Ring::new(config.ring_entries) {
+        Ok(ring) => Ok(ring),
+        Err(e) if refused(&e) && !needs_io_uring => {
+            if index == 0 {
+                tracing::warn!(
+                    error = %e,
+                    "io_uring is refused here (container seccomp profiles block it); the DRAM-only shards park with \
+                     poll(2) instead"
+                );
+            }
+            Ok(Ring::without_io_uring())
+        }
+        Err(e) if refused(&e) => Err(OpenError::Shard {
+            shard: index,
+            source: std::io::Error::new(
+                e.kind(),
+                format!(
+                    "io_uring is refused ({e}), and the SSD tier needs it. The default seccomp profiles of Docker 25+ \
+                     and containerd block io_uring_setup, io_uring_enter and io_uring_register: allow them (e.g. \
+                     `docker run --security-opt seccomp=unconfined`, or a profile that permits them), or run DRAM only"
+                ),
+            ),
+        }),
+        Err(source) => Err(OpenError::Shard { shard: index, source }),
+    }
 }
 
 /// A shard thread that is starting (recovering its SSD tier); shards start in parallel.
