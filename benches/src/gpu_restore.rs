@@ -12,7 +12,8 @@
 //! SSD, staging on) gets one batch of stamped objects; transfer-only runs; filler pushes the batch
 //! to the SSD and is removed; then each mode and load-only run `--iters` times after a warm-up.
 //! The device pool is checked byte for byte after each mode, and `stats().loads` shows that every
-//! key came from the SSD. Bound: pipelined at most 1.15 x max(load-only,
+//! key came from the SSD. The same batch is also read through an owner serving the same engine
+//! by a same-host `RemoteStore` (row `owner`, against the embedded pipelined restore). Bound: pipelined at most 1.15 x max(load-only,
 //! transfer-only) plus one sub-batch's transfer, where the barrier pays their sum.
 
 use std::path::PathBuf;
@@ -24,6 +25,8 @@ use kvtide::cuda::{BaselineMode, CudaTransport, DeviceBuffer};
 use kvtide::{
     EvictionPolicy, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, Transport,
 };
+
+use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
 use crate::gpu::{expected_pool, page_regions, shuffled_slots};
 use crate::restore::{push_to_ssd, NullTransfer, FILLER_BYTES};
@@ -109,8 +112,19 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
         table.push((object_bytes, run_size(args, &device, object_bytes)?));
     }
     println!(
-        "\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9} {:>8}",
-        "object", "raw", "xfer-only", "load-only", "barrier", "serialized", "pipelined", "pipe max", "bound", "target"
+        "\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9} {:>8} {:>10} {:>11}",
+        "object",
+        "raw",
+        "xfer-only",
+        "load-only",
+        "barrier",
+        "serialized",
+        "pipelined",
+        "pipe max",
+        "bound",
+        "target",
+        "owner",
+        "x pipelined"
     );
     for (object_bytes, rows) in &table {
         let get = |n: &str| rows.iter().find(|r| r.name == n).map_or(0.0, |r| r.median.as_secs_f64() * 1e3);
@@ -121,7 +135,8 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
         let one_sub_batch = (get("load-only") + get("transfer-only")) / sub_batches;
         let bound = 1.15 * get("load-only").max(get("transfer-only")) + one_sub_batch;
         println!(
-            "{:<10} {:>6.2} ms {:>7.2} ms {:>7.2} ms {:>7.2} ms {:>8.2} ms {:>7.2} ms {:>6.2} ms {:>6.2} ms {:>8}",
+            "{:<10} {:>6.2} ms {:>7.2} ms {:>7.2} ms {:>7.2} ms {:>8.2} ms {:>7.2} ms {:>6.2} ms {:>6.2} ms {:>8} \
+             {:>7.2} ms {:>11.2}",
             fmt_bytes(*object_bytes),
             get("raw"),
             get("transfer-only"),
@@ -132,9 +147,15 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
             max_of("pipelined"),
             bound,
             if get("pipelined") <= bound { "met" } else { "missed" },
+            get("owner"),
+            get("pipelined") / get("owner"),
         );
     }
     println!("(bound: 1.15 x max(load-only, transfer-only) + one sub-batch; target: the pipelined median within it)");
+    println!(
+        "(owner: the same SSD-resident batch read by a same-host RemoteStore through an owner on the same engine; \
+         x pipelined = embedded pipelined time / owner time, target >= 0.9)"
+    );
     if !args.simulated {
         let _ = std::fs::remove_dir_all(&args.dir);
     }
@@ -177,7 +198,19 @@ fn run_size(
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         builder = builder.ssd_dir(&dir);
     }
-    let store = builder.with_env().map_err(|e| e.to_string())?.open().map_err(|e| format!("open: {e}"))?;
+    let store = Arc::new(builder.with_env().map_err(|e| e.to_string())?.open().map_err(|e| format!("open: {e}"))?);
+    // The same engine served by an owner, read by a same-host client (GPU staging on, as the
+    // embedded engine's): the SSD-resident batch through the owner's restore pipeline.
+    let socket = std::env::temp_dir().join(format!("kvtide-gpu-restore-{}-{object_bytes}.sock", std::process::id()));
+    let owner = Owner::start(
+        Arc::clone(&store),
+        OwnerConfig { unix_socket: Some(socket.clone()), tcp: None, ..OwnerConfig::default() },
+    )
+    .map_err(|e| format!("owner: {e}"))?;
+    let mut client_options = ClientOptions::default();
+    client_options.gpu.staging = true;
+    let client = RemoteStore::connect_with(&format!("unix:{}", socket.display()), client_options)
+        .map_err(|e| format!("connect: {e}"))?;
 
     // The batch: object o's word w names (o, w), so any misplaced byte shows.
     let keys: Vec<Vec<u8>> = (0..objects).map(|o| format!("gpu-restore/{o}").into_bytes()).collect();
@@ -259,6 +292,18 @@ fn run_size(
         rows.push(timed(name, Box::new(|| restore(mode, &regions, None)))?);
         verify(name)?;
     }
+    pool.fill(0).map_err(|e| e.to_string())?;
+    let through_owner = || {
+        let started = Instant::now();
+        let results = client.batch_get_into_multi_buffers(&key_refs, &regions);
+        let elapsed = started.elapsed();
+        match results.iter().find(|r| r.is_err()) {
+            Some(Err(e)) => Err(format!("[{label}] through the owner: {e}")),
+            _ => Ok(elapsed),
+        }
+    };
+    rows.push(timed("owner", Box::new(through_owner))?);
+    verify("owner")?;
     let mut sink: Vec<Vec<u8>> = (0..objects).map(|_| vec![0u8; object_bytes as usize]).collect();
     let host_dsts: Vec<Vec<Region<'_>>> = sink.iter_mut().map(|b| vec![Region::host(b.as_mut_slice())]).collect();
     let null: Arc<dyn Transport> = Arc::new(NullTransfer);
@@ -266,7 +311,7 @@ fn run_size(
     // Releases are fire-and-forget: let the shards handle them before reading the gauges.
     store.sync_shards().map_err(|e| e.to_string())?;
     let after = store.stats();
-    let ssd_runs = 4 * (args.iters as u64 + 1);
+    let ssd_runs = 5 * (args.iters as u64 + 1);
     let loads = after.total.loads - before.loads;
     eprintln!(
         "[{label}] SSD loads per key per SSD run {:.2} (transfer-only runs loaded {}); staged GPU requests {}, \
@@ -289,6 +334,9 @@ fn run_size(
         );
     }
     drop(host_dsts);
+    drop(client);
+    drop(owner);
+    let _ = std::fs::remove_file(&socket);
     drop(store);
     if !args.simulated {
         let _ = std::fs::remove_dir_all(&dir);

@@ -57,6 +57,7 @@ def connect(
     max_idle_connections: Optional[int] = None,
     max_tickets_in_flight: Optional[int] = None,
     max_stream_handles: Optional[int] = None,
+    max_stream_host_bytes: Optional[int] = None,
     spin_us: Optional[int] = None,
     gpu_staging: Optional[bool] = None,
 ) -> Store: ...

@@ -825,7 +825,7 @@ fn nested(obj: &Bound<'_, PyAny>, usage: Use) -> PyResult<Vec<Vec<Buf>>> {
 #[pyfunction]
 #[pyo3(signature = (address, *, token=None, token_file=None, timeout_ms=None, connect_timeout_ms=None,
     shared_memory=None, max_idle_connections=None, max_tickets_in_flight=None, max_stream_handles=None,
-    spin_us=None, gpu_staging=None))]
+    max_stream_host_bytes=None, spin_us=None, gpu_staging=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn connect(
     py: Python<'_>,
@@ -838,6 +838,7 @@ pub fn connect(
     max_idle_connections: Option<usize>,
     max_tickets_in_flight: Option<usize>,
     max_stream_handles: Option<usize>,
+    max_stream_host_bytes: Option<u64>,
     spin_us: Option<u64>,
     gpu_staging: Option<bool>,
 ) -> PyResult<PyStore> {
@@ -867,6 +868,9 @@ pub fn connect(
     }
     if let Some(v) = max_stream_handles {
         o.max_stream_handles = v;
+    }
+    if let Some(v) = max_stream_host_bytes {
+        o.max_stream_host_bytes = v;
     }
     if let Some(v) = spin_us {
         o.spin_us = v;

@@ -24,7 +24,7 @@ use kvtide_transport::{Direction, Region, Transfer};
 use crate::auth::Token;
 use crate::protocol::{
     decode_error_frame, decode_exists, decode_key_page, decode_mac, decode_object, FrameHeader, GetItem, Grant,
-    GrantsPart, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED,
+    GrantsPart, Hello, HelloOk, LenCheck, Limits, NextPart, Op, ProtocolError, RangeItem, Request, HELLO_AUTH_REQUIRED,
     HELLO_SHM_ATTACHED, HELLO_WANT_SHM, NONCE_BYTES, WHOLE_REQUEST,
 };
 use crate::shm::{PutWindow, ShmMapping};
@@ -66,6 +66,10 @@ pub struct ClientOptions {
     /// Chunk handles (`progressive_get`, `streaming_batch_get_buffer_ranges`) running at once;
     /// more are refused with `Busy`. Default 64.
     pub max_stream_handles: usize,
+    /// Host bytes that stream-bound reads without the owner's shared arena (TCP) hold until
+    /// their stream passes the copies; a read that would go past it is refused with `Busy`.
+    /// Default 1 GiB.
+    pub max_stream_host_bytes: u64,
     /// How this client copies between the owner's memory and GPU memory (feature `cuda`):
     /// staged or direct, as the embedded engine's `[gpu]` settings.
     pub gpu: kvtide::GpuGroup,
@@ -84,6 +88,7 @@ impl Default for ClientOptions {
             max_idle_connections: 16,
             max_tickets_in_flight: 64,
             max_stream_handles: 64,
+            max_stream_host_bytes: 1 << 30,
             gpu: kvtide::GpuGroup::default(),
             spin_us: crate::wire::default_spin_us(),
         }
@@ -174,6 +179,8 @@ struct Inner {
     tickets_in_flight: Arc<AtomicU64>,
     /// Chunk handles whose threads still run.
     streams_open: Arc<AtomicU64>,
+    /// Host bytes held by stream-bound reads in flight (`max_stream_host_bytes`).
+    stream_host_bytes: Arc<AtomicU64>,
     last_limits: Mutex<Option<Limits>>,
     last_max_leases: AtomicU64,
     /// Lease releases sent and not yet known applied by the owner.
@@ -262,6 +269,17 @@ enum WindowState {
 /// One object read: its length, and its bytes when the target was `Owned`.
 type ReadResult = Result<(usize, Option<Vec<u8>>)>;
 
+/// A part of a `GetParts` answer whose leases this client holds: its GPU copies in flight (and
+/// the result slot of each), its result slots, its lease ids, and when its grants arrived.
+struct PartCopies {
+    inflight: Option<kvtide_transport::InFlight>,
+    slots: Vec<usize>,
+    in_part: Vec<usize>,
+    leases: Vec<u64>,
+    arrived: Instant,
+    ttl: Duration,
+}
+
 /// One result slot of a leased item (`Conn::get_in_parts`): its result, and the GPU copy that
 /// still has to deliver it.
 struct Placed<T> {
@@ -307,6 +325,7 @@ impl RemoteStore {
             next_request: AtomicU64::new(1),
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
             streams_open: Arc::new(AtomicU64::new(0)),
+            stream_host_bytes: Arc::new(AtomicU64::new(0)),
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
             releases: Arc::default(),
@@ -319,6 +338,12 @@ impl RemoteStore {
     /// The largest value the owner stores (its engine's `max_value_bytes`).
     pub fn max_value_bytes(&self) -> Result<u64> {
         Ok(self.inner.limits()?.max_value_bytes)
+    }
+
+    /// Host bytes that stream-bound reads in flight hold (TCP: the objects wait in host memory
+    /// until their stream passed the copies); zero when none is in flight.
+    pub fn stream_host_bytes(&self) -> u64 {
+        self.inner.stream_host_bytes.load(Ordering::Acquire)
     }
 
     /// True when gets copy straight from the owner's shared memory.
@@ -820,6 +845,9 @@ impl Conn {
         self.io.flush()?;
         let mut results: Vec<Option<Result<T>>> = (0..slots).map(|_| None).collect();
         let mut answered = vec![false; count];
+        // A part the owner let this client keep while it leases the next (`NextPart::WhileHeld`):
+        // its GPU copies run while the owner leases (or loads) the next part.
+        let mut kept: Option<PartCopies> = None;
         loop {
             let h = self.read_reply_header(rid)?;
             let payload = self.io.read_payload(h.payload_len)?;
@@ -829,6 +857,12 @@ impl Conn {
                 Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
                 other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
             };
+            // The owner leases the part after this one once every earlier part is back: the
+            // kept part's copies complete and it goes back first (one submission on the GPU at
+            // a time, so a staged copy never finds the staging buffer busy).
+            if let Some(k) = kept.take() {
+                self.finish_part(rid, k, &mut results)?;
+            }
             let mut leases = Vec::with_capacity(part.grants.len());
             let mut in_part = Vec::new();
             // GPU destinations: straight from the arena mapping, one submission per part.
@@ -849,37 +883,64 @@ impl Conn {
                     results[slot] = Some(result);
                 }
             }
+            let mut copies = PartCopies {
+                inflight: None,
+                slots: Vec::new(),
+                in_part,
+                leases,
+                arrived,
+                ttl: Duration::from_millis(u64::from(part.ttl_ms)),
+            };
             if !device.is_empty() {
                 gpu.pin(mapping.memory(), true);
                 let (indices, transfers): (Vec<usize>, Vec<Transfer>) = device.into_iter().unzip();
-                // SAFETY: the host bytes are leased to this connection until the release below,
-                // after the copies completed; the device pieces were checked by
-                // check_destinations.
-                let copied = unsafe { gpu.copy(Direction::HostToDevice, &transfers) };
-                for (slot, outcome) in indices.into_iter().zip(copied) {
-                    if let Err(e) = outcome {
-                        results[slot] = Some(Err(e));
+                // SAFETY: the host bytes are leased to this connection until `finish_part`
+                // releases them, after the copies completed (or the connection drops, which
+                // waits for them first); the device pieces were checked by check_destinations.
+                match unsafe { gpu.submit(Direction::HostToDevice, &transfers) } {
+                    Ok(inflight) => {
+                        copies.inflight = Some(inflight);
+                        copies.slots = indices;
                     }
+                    Err(e) => indices.into_iter().for_each(|slot| results[slot] = Some(Err(e.clone()))),
                 }
             }
-            // The owner keeps leased bytes in place until the TTL; a copy that finished later
-            // than that cannot be trusted.
-            if arrived.elapsed() + LEASE_MARGIN >= Duration::from_millis(u64::from(part.ttl_ms)) {
-                for &slot in &in_part {
-                    if let Some(r @ Ok(_)) = &mut results[slot] {
-                        *r = Err(StoreError::LeaseExpired.into());
-                    }
+            match part.next {
+                NextPart::WhileHeld => kept = Some(copies),
+                NextPart::AfterRelease => self.finish_part(rid, copies, &mut results)?,
+                NextPart::None => {
+                    self.finish_part(rid, copies, &mut results)?;
+                    break;
                 }
-            }
-            self.send_release(rid, leases)?;
-            if part.last {
-                break;
             }
         }
         if answered.contains(&false) || results.iter().any(Option::is_none) {
             return Err(ProtocolError::Invalid { what: "the owner did not answer for every key" }.into());
         }
         Ok(Ok(results.into_iter().map(|r| r.unwrap_or(Err(StoreError::Internal("unanswered").into()))).collect()))
+    }
+
+    /// Waits for a part's GPU copies, checks its results against the lease TTL and releases
+    /// its leases.
+    fn finish_part<T>(&mut self, rid: u64, part: PartCopies, results: &mut [Option<Result<T>>]) -> WResult<()> {
+        let PartCopies { inflight, slots, in_part, leases, arrived, ttl } = part;
+        if let Some(inflight) = inflight {
+            for (slot, outcome) in slots.into_iter().zip(inflight.wait()) {
+                if let Err(e) = outcome {
+                    results[slot] = Some(Err(StoreError::from(e).into()));
+                }
+            }
+        }
+        // The owner keeps leased bytes in place until the TTL; a copy that finished later
+        // than that cannot be trusted.
+        if arrived.elapsed() + LEASE_MARGIN >= ttl {
+            for &slot in &in_part {
+                if let Some(r @ Ok(_)) = &mut results[slot] {
+                    *r = Err(StoreError::LeaseExpired.into());
+                }
+            }
+        }
+        self.send_release(rid, leases)
     }
 
     /// Sends a one-way `Release` of `leases` (none: nothing).

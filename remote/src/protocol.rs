@@ -1176,16 +1176,33 @@ pub fn decode_window(payload: &[u8], min_bytes: u64, max_bytes: u64) -> PResult<
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GrantsPart {
     pub ttl_ms: u32,
-    /// The last part of the answer.
-    pub last: bool,
+    /// What comes after this part.
+    pub next: NextPart,
     pub grants: Vec<(u32, Result<Grant, Error>)>,
+}
+
+/// What follows a `GrantsPart`, and what the owner waits for before it leases it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NextPart {
+    /// This is the last part.
+    None,
+    /// More parts follow; the next is leased once the client released this one (and every
+    /// earlier one).
+    AfterRelease,
+    /// More parts follow; the next is leased once the client released every earlier part, while
+    /// it still holds this one (so it may copy this part while the next is leased).
+    WhileHeld,
 }
 
 impl GrantsPart {
     /// Appends a `GrantsPart` payload.
     pub fn encode(&self, buf: &mut Vec<u8>) {
         buf.put_u32(self.ttl_ms);
-        buf.put_u8(u8::from(self.last));
+        buf.put_u8(match self.next {
+            NextPart::AfterRelease => 0,
+            NextPart::None => 1,
+            NextPart::WhileHeld => 2,
+        });
         buf.put_u32(self.grants.len() as u32);
         for (index, g) in &self.grants {
             buf.put_u32(*index);
@@ -1198,10 +1215,11 @@ impl GrantsPart {
     pub fn decode(payload: &[u8], max_items: u32, items: usize, arena_bytes: u64) -> PResult<GrantsPart> {
         let mut r = Reader::new(payload);
         let ttl_ms = r.u32()?;
-        let last = match r.u8()? {
-            0 => false,
-            1 => true,
-            _ => return Err(ProtocolError::Invalid { what: "last-part flag" }),
+        let next = match r.u8()? {
+            0 => NextPart::AfterRelease,
+            1 => NextPart::None,
+            2 => NextPart::WhileHeld,
+            _ => return Err(ProtocolError::Invalid { what: "next-part flag" }),
         };
         let count = r.count(4 + 1 + 24, max_items, "grants")?;
         let mut grants = Vec::with_capacity(count);
@@ -1213,7 +1231,7 @@ impl GrantsPart {
             grants.push((index, decode_grant(&mut r, arena_bytes)?));
         }
         r.finish("grants part")?;
-        Ok(GrantsPart { ttl_ms, last, grants })
+        Ok(GrantsPart { ttl_ms, next, grants })
     }
 }
 
@@ -1566,9 +1584,16 @@ mod tests {
 
     #[test]
     fn grant_parts_round_trip_and_are_checked() {
+        for next in [NextPart::AfterRelease, NextPart::WhileHeld] {
+            let mut buf = Vec::new();
+            GrantsPart { ttl_ms: 5, next, grants: Vec::new() }.encode(&mut buf);
+            assert_eq!(GrantsPart::decode(&buf, 16, 3, 1 << 20).map(|p| p.next), Ok(next));
+            buf[4] = 3;
+            assert!(GrantsPart::decode(&buf, 16, 3, 1 << 20).is_err(), "an unknown next-part flag");
+        }
         let part = GrantsPart {
             ttl_ms: 1000,
-            last: true,
+            next: NextPart::None,
             grants: vec![
                 (2, Ok(Grant { lease: 7, offset: 4096, len: 100 })),
                 (0, Err(Error::from(StoreError::NotFound))),

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crate::auth::Token;
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_key_page, encode_object, encode_statuses,
-    end_frame, FrameHeader, GetItem, Grant, GrantsPart, Hello, HelloOk, LenCheck, Limits, Op, ProtocolError,
+    end_frame, FrameHeader, GetItem, Grant, GrantsPart, Hello, HelloOk, LenCheck, Limits, NextPart, Op, ProtocolError,
     PutChunkHead, PutHead, PutItem, RangeItem, Request, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
     MAC_BYTES, NONCE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES, WHOLE_REQUEST,
 };
@@ -1094,32 +1094,42 @@ impl Connection<'_> {
         self.count_batch(items.len());
         let engine = Arc::clone(&self.shared.engine);
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
-        let mut parts = engine.lease_parts(&keys);
+        let mut parts = shape_parts(engine.lease_parts(&keys), engine.shard_count());
         if parts.is_empty() {
             parts.push(kvtide::LeasePart { keys: Vec::new(), in_dram: true });
         }
         let window = engine.restore_options().window.max(1);
         let ttl_ms = self.config().lease_ttl_ms;
-        // Lease ids of the parts the client holds, oldest first. The DRAM-resident part may pin
-        // most of DRAM, so nothing more is leased while the client holds it.
-        let mut held: VecDeque<Vec<u64>> = VecDeque::new();
-        let mut dram_part_held = false;
+        // Lease ids of the parts the client holds, oldest first, and whether each is
+        // DRAM-resident: those may pin most of DRAM, so no SSD-resident part is leased (loaded)
+        // while the client holds one.
+        let mut held: VecDeque<(Vec<u64>, bool)> = VecDeque::new();
+        let must_wait = |held: &VecDeque<(Vec<u64>, bool)>, next: &kvtide::LeasePart| {
+            held.len() >= window || (!next.in_dram && held.iter().any(|(_, dram)| *dram))
+        };
         for (p, part) in parts.iter().enumerate() {
-            while held.len() >= window || (dram_part_held && !held.is_empty()) {
+            while must_wait(&held, part) {
                 if !self.await_release(rid, &mut held)? {
                     return Ok(Flow::Close);
                 }
             }
-            dram_part_held = false;
             let grants = self.lease_items(items, &part.keys);
             let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
+            // The client may keep this part while it waits for the next when this part alone
+            // would not hold the next one up.
+            let next = match parts.get(p + 1) {
+                None => NextPart::None,
+                Some(following) if must_wait(&VecDeque::from([(ids.clone(), part.in_dram)]), following) => {
+                    NextPart::AfterRelease
+                }
+                Some(_) => NextPart::WhileHeld,
+            };
             let start = self.io.begin(Op::GrantsPart, rid);
-            GrantsPart { ttl_ms, last: p + 1 == parts.len(), grants }.encode(self.io.out());
+            GrantsPart { ttl_ms, next, grants }.encode(self.io.out());
             self.io.end(start);
             self.io.flush()?;
             if !ids.is_empty() {
-                held.push_back(ids);
-                dram_part_held = part.in_dram;
+                held.push_back((ids, part.in_dram));
             }
         }
         Ok(Flow::Continue)
@@ -1128,7 +1138,7 @@ impl Connection<'_> {
     /// Reads the client's next frame, which must release leases of the parts it holds (the
     /// client sends nothing else before the last part), and forgets the parts it released.
     /// False after a protocol violation (answered; the connection closes).
-    fn await_release(&mut self, rid: u64, held: &mut VecDeque<Vec<u64>>) -> WResult<bool> {
+    fn await_release(&mut self, rid: u64, held: &mut VecDeque<(Vec<u64>, bool)>) -> WResult<bool> {
         // A client that neither copies nor goes away keeps its parts at most a lease TTL.
         self.io.set_read_deadline(Some(Instant::now() + self.ttl()));
         let h = match self.io.read_header(&self.shared.limits) {
@@ -1153,10 +1163,10 @@ impl Connection<'_> {
             }
         };
         self.release(leases);
-        for part in held.iter_mut() {
+        for (part, _) in held.iter_mut() {
             part.retain(|id| self.leases.contains_key(id));
         }
-        held.retain(|part| !part.is_empty());
+        held.retain(|(part, _)| !part.is_empty());
         Ok(true)
     }
 
@@ -1700,5 +1710,60 @@ impl Drop for Permit<'_> {
             self.budget.freed.notify_all();
         }
         self.gauge.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// DRAM-resident keys of a `GetParts` leased per part at most: the first grants reach the
+/// client (which starts copying) while the owner leases the rest.
+const DRAM_PART_KEYS: usize = 256;
+
+/// The parts a `GetParts` is answered in, from the engine's restore plan (`lease_parts`): each
+/// DRAM-resident part cut into parts of at most `DRAM_PART_KEYS` keys, and the SSD-resident
+/// sub-batches (one shard's each, shards interleaved) joined `shards` at a time, so one part's
+/// lease loads on every shard side by side while the client copies the part before.
+fn shape_parts(parts: Vec<kvtide::LeasePart>, shards: usize) -> Vec<kvtide::LeasePart> {
+    let mut out: Vec<kvtide::LeasePart> = Vec::with_capacity(parts.len());
+    let mut joined = 0usize;
+    for part in parts {
+        if part.in_dram {
+            out.extend(
+                part.keys.chunks(DRAM_PART_KEYS).map(|keys| kvtide::LeasePart { keys: keys.to_vec(), in_dram: true }),
+            );
+            joined = 0;
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if !last.in_dram && joined < shards.max(1) => {
+                last.keys.extend(part.keys);
+                joined += 1;
+            }
+            _ => {
+                out.push(part);
+                joined = 1;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(keys: std::ops::Range<usize>, in_dram: bool) -> kvtide::LeasePart {
+        kvtide::LeasePart { keys: keys.collect(), in_dram }
+    }
+
+    #[test]
+    fn parts_cut_dram_and_join_ssd_sub_batches_per_shard_count() {
+        let shaped = shape_parts(
+            vec![part(0..600, true), part(600..602, false), part(602..604, false), part(604..605, false)],
+            2,
+        );
+        let sizes: Vec<(usize, bool)> = shaped.iter().map(|p| (p.keys.len(), p.in_dram)).collect();
+        assert_eq!(sizes, vec![(256, true), (256, true), (88, true), (4, false), (1, false)]);
+        let all: Vec<usize> = shaped.iter().flat_map(|p| p.keys.iter().copied()).collect();
+        assert_eq!(all, (0..605).collect::<Vec<_>>(), "every key once, in order");
+        assert!(shape_parts(vec![part(0..0, true)], 4).is_empty());
     }
 }

@@ -70,6 +70,17 @@ fn device_regions_fail_alone_when_the_gpu_cannot_take_them() {
         assert!(matches!(put[0], Err(Error::Store(_))), "{:?}", put[0]);
         assert_eq!(put[1], Ok(()));
         assert_eq!(store.exists(b"from-gpu"), Ok(false), "a refused source stores nothing");
+        // Chunk handles: a refused device destination is the call's error, or its chunks'.
+        let progressive = store.progressive_get(b"k", bogus_device_region(), 1024);
+        assert!(matches!(progressive, Err(Error::Store(_))), "{progressive:?}");
+        let streamed = store
+            .streaming_batch_get_buffer_ranges(
+                &[bogus_device_region()],
+                &[vec![kvtide::Fragment::new(b"k".to_vec(), 0, 0, 2048)]],
+                1024,
+            )
+            .map(|h| h.wait_all());
+        assert!(matches!(streamed, Ok(Err(Error::Store(_))) | Err(Error::Store(_))), "{streamed:?}");
     }
     if !cfg!(feature = "cuda") {
         let got = unix.get_into(b"k", bogus_device_region());
@@ -227,6 +238,42 @@ mod cuda {
         assert!(back[8192..12_192] == values[0][96..4096], "{name}: range 1");
         assert!(back[20_000..20_020].iter().all(|&b| b == GUARD), "{name}: a failed range writes nothing");
 
+        // Chunk handles into GPU memory: a progressive get of the 12 MiB value in 1 MiB chunks
+        // (every chunk checked once it settles), and a streaming range read.
+        let big = device.alloc(13 << 20).expect("alloc");
+        big.fill(GUARD).expect("fill");
+        let h = store.progressive_get(&keys[3], dev(&big, 0, 13 << 20), 1 << 20).expect("progressive_get");
+        assert_eq!(h.num_chunks(), 12, "{name}");
+        for i in 0..h.num_chunks() {
+            h.wait_chunk(i).unwrap_or_else(|e| panic!("{name}: chunk {i}: {e}"));
+            let range = h.chunk_range(i).expect("range");
+            let mut got = vec![0u8; (range.end - range.start) as usize];
+            big.read(range.start as usize, &mut got).expect("read back");
+            assert!(got[..] == values[3][range.start as usize..range.end as usize], "{name}: chunk {i}");
+        }
+        let back = read_back(&big);
+        assert!(back[12 << 20..].iter().all(|&b| b == GUARD), "{name}: past the object");
+        let small = store.progressive_get(&keys[3], dev(&big, 0, 1 << 20), 1 << 20);
+        assert!(small.is_err(), "{name}: a destination smaller than the object");
+        big.fill(GUARD).expect("fill");
+        let frags = vec![vec![
+            Fragment::new(keys[3].clone(), 0, 0, 5 << 20),
+            Fragment::new(keys[4].clone(), 7, 6 << 20, 300_000),
+            Fragment::new(b"missing".to_vec(), 0, 7 << 20, 10),
+        ]];
+        let h = store
+            .streaming_batch_get_buffer_ranges(&[dev(&big, 0, 13 << 20)], &frags, 1 << 20)
+            .expect("streaming ranges");
+        assert!(h.wait_all().is_err(), "{name}: the missing key fails its chunk");
+        for i in 0..h.num_chunks() {
+            let missing = h.chunk_range(i).is_some_and(|r| r.start >= 7 << 20);
+            assert_eq!(h.wait_chunk(i).is_err(), missing, "{name}: chunk {i}");
+        }
+        let back = read_back(&big);
+        assert!(back[..5 << 20] == values[3][..5 << 20], "{name}: streamed range 0");
+        assert!(back[6 << 20..(6 << 20) + 300_000] == values[4][7..300_007], "{name}: streamed range 1");
+        assert!(back[7 << 20..(7 << 20) + 10].iter().all(|&b| b == GUARD), "{name}: the missing key");
+
         // Puts from GPU memory: the pool's copies go back under new keys.
         let new_keys: Vec<Vec<u8>> = keys.iter().map(|k| [k.as_slice(), b"/from-gpu"].concat()).collect();
         let new_refs: Vec<&[u8]> = new_keys.iter().map(Vec::as_slice).collect();
@@ -301,6 +348,9 @@ mod cuda {
             other.wait_event(&ready, false).expect("wait");
             // SAFETY: both live allocations of the same size.
             unsafe { other.copy_device(check.addr(), pages.addr(), keys.len() * len) }.expect("copy");
+            if name == "tcp" {
+                assert_eq!(store.stream_host_bytes(), (keys.len() * len) as u64, "held until the stream passes");
+            }
             if name == "unix" {
                 assert_eq!(ticket.status(), StreamStatus::Pending, "{name}");
                 assert_eq!(ticket.keys_pinned(), keys.len(), "{name}: leased until the stream passes");
@@ -341,6 +391,24 @@ mod cuda {
             assert!(matches!(refused, Err(Error::Store(StoreError::StreamCapturing(_)))), "{name}: {refused:?}");
             drop(captured.end_capture().expect("end capture"));
         }
+        assert_eq!(tcp.stream_host_bytes(), 0, "host buffers go back once the stream passed");
+        // A TCP client holds at most max_stream_host_bytes of objects waiting for its stream.
+        let options = ClientOptions { max_stream_host_bytes: len as u64, ..ClientOptions::default() };
+        let bounded = RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), options).expect("tcp");
+        let pages = device.alloc(2 * len).expect("alloc");
+        let stream = CudaStream::new(&device).expect("stream");
+        let two: Vec<Vec<Region<'_>>> = (0..2).map(|i| vec![dev(&pages, (i * len) as u64, len as u64)]).collect();
+        // SAFETY: refused before anything is enqueued.
+        let refused = unsafe { bounded.batch_get_into_multi_buffers_on_stream(&key_refs[..2], &two, stream.handle()) };
+        assert!(matches!(refused, Err(Error::Store(StoreError::Busy { .. }))), "{refused:?}");
+        // SAFETY: the pages outlive the stream's copies (synchronised below).
+        let ticket =
+            unsafe { bounded.batch_get_into_multi_buffers_on_stream(&key_refs[..1], &two[..1], stream.handle()) }
+                .expect("within the bound");
+        stream.synchronize().expect("sync");
+        assert_eq!(ticket.wait(Duration::from_secs(10)).expect("ended"), vec![Ok(len)]);
+        assert_eq!(bounded.stream_host_bytes(), 0);
+        drop(bounded);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst) != 0 {
             assert!(std::time::Instant::now() < deadline, "leases still held");

@@ -2127,3 +2127,68 @@ fn remove_right_after_a_read_never_sees_the_readers_own_lease() {
     wait_idle(&owner);
     owner.shutdown();
 }
+
+/// A DRAM-resident batch through the shared arena comes in parts of at most 256 keys; the
+/// client may keep a part (`WhileHeld`) while the owner leases the next, and must give back the
+/// earlier ones first. The whole batch reads byte for byte, and no lease is left.
+#[test]
+fn dram_batches_come_in_parts_a_client_may_hold_while_the_next_is_leased() {
+    use kvtide_remote::protocol::{GrantsPart, NextPart};
+    let e = engine(64 << 20);
+    let dir = temp_dir("dram-parts");
+    let owner = owner(&e, &dir, any_port());
+    let keys: Vec<Vec<u8>> = (0..600u64).map(|i| format!("dram-part/{i}").into_bytes()).collect();
+    for (i, k) in keys.iter().enumerate() {
+        e.put(k, &value_for(k, i as u64, 1000 + i), PutOptions::INSERT).expect("put");
+    }
+    let client = unix_client(&owner);
+    let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..600).map(|i| vec![0u8; 1000 + i]).collect();
+    let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+    let got = client.batch_get_into_multi_buffers(&key_refs, &dsts);
+    drop(dsts);
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(r, &Ok(1000 + i), "key {i}");
+        assert!(bufs[i] == value_for(&keys[i], i as u64, 1000 + i), "bytes of key {i}");
+    }
+    assert_eq!(owner.counters().leases_outstanding.load(Ordering::SeqCst), 0);
+
+    // The same batch by hand: hold each part until the next arrived.
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(true);
+    let items = keys.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
+    raw.request(&Request::GetParts { items }, 1);
+    let mut held: Option<Vec<u64>> = None;
+    let (mut granted, mut parts, mut kept) = (0, 0, 0);
+    loop {
+        let (h, payload) = raw.recv().expect("a part");
+        assert_eq!(h.op, Op::GrantsPart);
+        let part = GrantsPart::decode(&payload, 1 << 16, keys.len(), 1 << 40).expect("part");
+        assert!(part.grants.len() <= 256, "{} grants in one part", part.grants.len());
+        granted += part.grants.len();
+        parts += 1;
+        let leases: Vec<u64> = part.grants.iter().map(|(_, g)| g.as_ref().expect("granted").lease).collect();
+        // The earlier part goes back only now: the owner leased this one while it was held.
+        if let Some(earlier) = held.take() {
+            raw.request(&Request::Release { leases: earlier }, 1);
+        }
+        match part.next {
+            NextPart::WhileHeld => {
+                kept += 1;
+                held = Some(leases);
+            }
+            NextPart::AfterRelease => raw.request(&Request::Release { leases }, 1),
+            NextPart::None => {
+                raw.request(&Request::Release { leases }, 1);
+                break;
+            }
+        }
+    }
+    assert_eq!(granted, keys.len());
+    assert_eq!((parts, kept), (3, 2), "600 keys in parts of 256, each but the last kept");
+    drop(raw);
+    drop(client);
+    wait_idle(&owner);
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}

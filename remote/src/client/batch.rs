@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
 use kvtide::{Error as StoreError, PutOptions};
-use kvtide_transport::{Direction, Region, Transfer};
+use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
 use super::{gpu, source_slices, Conn, Inner, WindowState};
 use crate::error::Result;
@@ -21,7 +21,7 @@ use crate::protocol::{
     WHOLE_REQUEST,
 };
 use crate::shm::PutWindow;
-use crate::wire::WResult;
+use crate::wire::{WResult, WireError};
 
 /// Largest put window a client maps.
 const MAX_WINDOW_BYTES: u64 = 1 << 34;
@@ -143,43 +143,12 @@ impl Conn {
             WindowState::Mapped(w) => Some(w.len()),
             _ => None,
         };
+        // GPU values that do not go through the window are streamed through two bounce buffers
+        // of one frame each (`send_device_value`), never staged whole.
+        let groups = plan_groups(items, &self.limits, inner.max_batch(&self.limits), window);
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
-        // GPU values that will not go through the window take a host buffer first.
-        let windowed = |len: u64| window.is_some_and(|w| len <= w / LARGEST_WINDOWED_SHARE);
-        let mut bounce: Vec<Option<Vec<u8>>> = items.iter().map(|_| None).collect();
-        let mut staged = Vec::new();
-        for (i, item) in items.iter().enumerate() {
-            if gpu::names_device(item.sources) && !windowed(item.len) {
-                let buffer = vec![0u8; item.len as usize];
-                staged.push((i, Transfer::in_order(buffer.as_ptr() as u64, item.len, item.sources)));
-                bounce[i] = Some(buffer);
-            }
-        }
-        let transfers: Vec<Transfer> = staged.iter().map(|(_, t)| t.clone()).collect();
-        // SAFETY: the host bytes are this call's own buffers, untouched until this returns; the
-        // device sources were checked by check_sources.
-        let copied = unsafe { inner.gpu.copy(Direction::DeviceToHost, &transfers) };
-        for ((i, _), outcome) in staged.iter().zip(copied) {
-            if let Err(e) = outcome {
-                results[*i] = Some(Err(e));
-            }
-        }
-        let bounced: Vec<Option<[Region<'_>; 1]>> =
-            bounce.iter().map(|b| b.as_ref().map(|bytes| [Region::host_readonly(bytes)])).collect();
-        // The items still to send, with their index in `items`.
-        let (sending, todo): (Vec<usize>, Vec<PutSource<'_, '_>>) = items
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| results[*i].is_none())
-            .map(|(i, item)| {
-                let sources = bounced[i].as_ref().map_or(item.sources, |b| &b[..]);
-                (i, PutSource { key: item.key, sources, len: item.len })
-            })
-            .unzip();
-        let groups = plan_groups(&todo, &self.limits, inner.max_batch(&self.limits), window);
-        let mut sent_results: Vec<Option<Result<()>>> = (0..todo.len()).map(|_| None).collect();
         let mut answered = 0usize;
-        match self.put_groups(inner, &todo, opts, &groups, &mut sent_results, &mut answered) {
+        match self.put_groups(inner, items, opts, &groups, &mut results, &mut answered) {
             Ok(()) => {}
             // Nothing took effect that the caller was told of: the call may retry it.
             Err(e) if answered == 0 => return Err(e),
@@ -187,11 +156,8 @@ impl Conn {
             Err(e) => {
                 self.broken = true;
                 let why = e.into_error("put", inner.options.timeout_ms);
-                sent_results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
+                results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
             }
-        }
-        for (i, r) in sending.into_iter().zip(sent_results) {
-            results[i] = r;
         }
         Ok(Ok(results
             .into_iter()
@@ -329,6 +295,10 @@ impl Conn {
             let chunk = u64::from(self.hello.chunk_bytes);
             for &i in &members {
                 let item = &items[i];
+                if gpu::names_device(item.sources) {
+                    self.send_device_value(inner, rid, item, chunk)?;
+                    continue;
+                }
                 let mut pos = 0;
                 while pos < item.len {
                     let n = chunk.min(item.len - pos);
@@ -339,6 +309,72 @@ impl Conn {
         }
         self.io.flush()?;
         Ok(members)
+    }
+
+    /// Sends a value from GPU memory as `Data` frames of `chunk` bytes: each frame is copied
+    /// into one of two bounce buffers (pinned where CUDA can pin them) while the other one goes
+    /// out. A copy that fails midway leaves a value the owner cannot complete: the connection is
+    /// retired (the owner then publishes nothing of the request).
+    fn send_device_value(&mut self, inner: &Inner, rid: u64, item: &PutSource<'_, '_>, chunk: u64) -> WResult<()> {
+        let ordinal = item
+            .sources
+            .iter()
+            .find_map(|r| match r.kind() {
+                kvtide_transport::MemoryKind::Device { ordinal } => Some(ordinal),
+                _ => None,
+            })
+            .unwrap_or(0);
+        let gpu = &inner.gpu;
+        let bounces = [gpu.take_bounce(ordinal, chunk as usize), gpu.take_bounce(ordinal, chunk as usize)];
+        let outcome = (|| {
+            // Declared after the buffers, so dropped (waiting for the copies) before them.
+            let mut copies: [Option<InFlight>; 2] = [None, None];
+            let submit = |k: usize, pos: u64, copies: &mut [Option<InFlight>; 2]| -> WResult<()> {
+                let n = chunk.min(item.len - pos);
+                let transfer = Transfer {
+                    host: bounces[k].ptr() as u64,
+                    host_len: n,
+                    pieces: gpu::pieces_of(item.sources, pos, n),
+                };
+                // SAFETY: the bounce buffer is ours and untouched until this copy completed
+                // (waited for before the frame goes out); the device sources were checked by
+                // check_sources.
+                let copy = unsafe { gpu.submit(Direction::DeviceToHost, &[transfer]) }
+                    .map_err(|e| WireError::Closed(format!("a copy from GPU memory failed: {e}")))?;
+                copies[k] = Some(copy);
+                Ok(())
+            };
+            let mut pos = 0u64;
+            let mut frame = 0usize;
+            if item.len > 0 {
+                submit(0, 0, &mut copies)?;
+            }
+            while pos < item.len {
+                let k = frame % 2;
+                let n = chunk.min(item.len - pos);
+                let copy = copies[k].take().ok_or(ProtocolError::Invalid { what: "a frame never copied" })?;
+                if let Some(Err(e)) = copy.wait().into_iter().find(|r| r.is_err()) {
+                    return Err(WireError::Closed(format!("a copy from GPU memory failed: {e}")));
+                }
+                if pos + n < item.len {
+                    submit(1 - k, pos + n, &mut copies)?;
+                }
+                // SAFETY: the bounce buffer holds the frame's `n` bytes (its copy completed
+                // above) and nothing writes it until the frame went out.
+                let bytes = unsafe { std::slice::from_raw_parts(bounces[k].ptr(), n as usize) };
+                self.io.send_data(Op::Data, rid, &[std::io::IoSlice::new(bytes)])?;
+                pos += n;
+                frame += 1;
+            }
+            Ok(())
+        })();
+        if outcome.is_err() {
+            self.broken = true;
+        }
+        for bounce in bounces {
+            gpu.give_bounce(bounce);
+        }
+        outcome
     }
 
     /// Reads the `Statuses` reply of a request that carried `members` into `results`.

@@ -3,8 +3,8 @@
 //! Owns the client side of reads whose copies are enqueued on the caller's CUDA stream: the
 //! leases (over the Unix socket, the owner leases every key at once and the client keeps the
 //! connection that holds them, out of the pool, until the stream passed the copies), the copies
-//! from the arena mapping onto the stream (elsewhere, from host buffers the object was read into
-//! first, which the read keeps until then), and the watch thread that sees the stream pass the
+//! from the arena mapping onto the stream (elsewhere, from host buffers each piece was read into
+//! first, which the read keeps until then, within `max_stream_host_bytes`), and the watch thread that sees the stream pass the
 //! copies, releases the leases and ends the ticket. It never releases a lease before the stream
 //! passed the copies that read it, except once the owner's lease TTL is near: then the read is
 //! reported `StreamExpired`, as the embedded engine does.
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvtide::{checks, Error as StoreError, Fragment, Store, StreamCompleter, StreamHandle, StreamTicket};
 use kvtide_transport::{InFlight, Region, Transfer, Transport};
 
-use super::{Conn, Inner, RemoteStore, Target, LEASE_MARGIN};
+use super::{Conn, Inner, RemoteStore, LEASE_MARGIN};
 use crate::error::{Error, Result};
 use crate::protocol::{decode_error_frame, decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
 use crate::wire::WResult;
@@ -33,8 +33,8 @@ struct Bound {
     completer: Option<StreamCompleter>,
     /// The connection holding the leases, and their ids (None: the bytes are in `buffers`).
     held: Option<(Conn, u64, Vec<u64>)>,
-    /// Host copies of the objects the copies read from (TCP, or no shared arena).
-    _buffers: Vec<Vec<u8>>,
+    /// Host copies of the pieces the copies read from (TCP, or no shared arena).
+    buffers: Option<HostBytes>,
     /// When the owner may start reclaiming the leases.
     expires_at: Instant,
     lease_ttl_ms: u64,
@@ -111,9 +111,49 @@ fn finish(inner: &Inner, mut read: Bound) {
             inner.checkin(conn);
         }
     }
+    // The host copies go back before the ticket ends, so a caller that saw it end sees them
+    // uncounted.
+    drop(read.buffers.take());
     inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
     if let Some(completer) = read.completer.take() {
         completer.end(read.results);
+    }
+}
+
+/// Host buffers of a stream-bound read without the shared arena, one per piece, counted in
+/// `stream_host_bytes` until dropped (when the stream passed the copies that read them).
+pub(super) struct HostBytes {
+    buffers: Vec<Box<[u8]>>,
+    total: u64,
+    counter: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl HostBytes {
+    /// A buffer for every piece of `todo`, or `Busy` when they would take the client past
+    /// `max_stream_host_bytes`.
+    fn take(inner: &Inner, todo: &[Wanted<'_, '_>]) -> Result<HostBytes> {
+        let lens: Vec<u64> = todo
+            .iter()
+            .flat_map(|w| &w.pieces)
+            .map(|p| p.regions.iter().map(|r| r.len() as u64).sum::<u64>())
+            .collect();
+        let total: u64 = lens.iter().sum();
+        let limit = inner.options.max_stream_host_bytes;
+        let counter = Arc::clone(&inner.stream_host_bytes);
+        let before = counter.fetch_add(total, Ordering::AcqRel);
+        if before.saturating_add(total) > limit {
+            counter.fetch_sub(total, Ordering::AcqRel);
+            return Err(StoreError::Busy { limit: usize::try_from(limit).unwrap_or(usize::MAX) }.into());
+        }
+        let mut held = HostBytes { buffers: Vec::with_capacity(lens.len()), total, counter };
+        held.buffers.extend(lens.iter().map(|&n| vec![0u8; n as usize].into_boxed_slice()));
+        Ok(held)
+    }
+}
+
+impl Drop for HostBytes {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.total, Ordering::AcqRel);
     }
 }
 
@@ -147,7 +187,9 @@ impl RemoteStore {
     /// the copies of object i into `dsts[i]` are ordered on `stream`, and an event the caller
     /// records on it afterwards is a valid "KV ready" signal. Over the Unix socket the copies
     /// read the owner's arena, which stays leased until the client sees the stream pass them;
-    /// over TCP each object is read into a host buffer first. Stream 0 is the blocking read.
+    /// over TCP each object is read into a host buffer first, which the read holds until the
+    /// stream passed its copy (at most `ClientOptions::max_stream_host_bytes` in all, else
+    /// `Busy`). Stream 0 is the blocking read.
     /// Per-key failures are in the ticket. A batch is leased whole, so it must fit the owner's
     /// DRAM.
     ///
@@ -282,7 +324,7 @@ impl RemoteStore {
                     results,
                     completer: Some(completer),
                     held,
-                    _buffers: buffers,
+                    buffers,
                     expires_at: Instant::now() + Duration::from_millis(ttl_ms).saturating_sub(LEASE_MARGIN),
                     lease_ttl_ms: ttl_ms,
                 };
@@ -307,7 +349,7 @@ impl RemoteStore {
         results: &mut [std::result::Result<usize, StoreError>],
         transport: &dyn Transport,
         stream: StreamHandle,
-    ) -> Result<(InFlight, Vec<usize>, Option<(Conn, u64, Vec<u64>)>, Vec<Vec<u8>>, u64)> {
+    ) -> Result<(InFlight, Vec<usize>, Option<(Conn, u64, Vec<u64>)>, Option<HostBytes>, u64)> {
         let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable("no stream-bound transport"))?;
         let mut conn = match self.inner.checkout() {
             Some(c) => c,
@@ -316,7 +358,7 @@ impl RemoteStore {
         let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
         let mut transfers = Vec::new();
         let mut slot_of = Vec::new();
-        let mut buffers: Vec<Vec<u8>> = Vec::new();
+        let mut buffers: Option<HostBytes> = None;
         let mut held = None;
         let ttl_ms;
         if let Some(mapping) = conn.shm.clone() {
@@ -357,35 +399,53 @@ impl RemoteStore {
             self.inner.gpu.pin(mapping.memory(), true);
             held = Some((conn, rid, leases));
         } else {
-            // No shared arena: each object comes over the socket into a host buffer first.
+            // No shared arena: each piece comes over the socket into a host buffer of its own
+            // first, within `max_stream_host_bytes`.
             ttl_ms = u64::from(conn.hello.lease_ttl_ms);
             self.inner.checkin(conn);
-            let mut batch: Vec<(&[u8], LenCheck, Target<'_>)> =
-                todo.iter().map(|w| (w.key, w.check, Target::Owned(Vec::new()))).collect();
-            let read = self.inner.read_objects(std::mem::take(&mut batch));
-            for (w, r) in todo.iter().zip(read) {
-                let bytes = match r {
-                    Ok((_, Some(bytes))) => bytes,
-                    Ok((_, None)) => Vec::new(),
-                    Err(e) => {
-                        w.pieces.iter().for_each(|p| results[p.slot] = Err(into_store(e.clone())));
-                        continue;
-                    }
-                };
+            let mut held_bytes = HostBytes::take(&self.inner, todo)?;
+            let lens: Vec<u64> = held_bytes.buffers.iter().map(|b| b.len() as u64).collect();
+            let regions: Vec<Region<'_>> = held_bytes.buffers.iter_mut().map(|b| Region::host(&mut b[..])).collect();
+            // Whole objects (their length checked) and ranges of objects, one call each.
+            let (mut whole_keys, mut whole_dsts, mut whole_at) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut range_dsts, mut ranges, mut range_at) = (Vec::new(), Vec::new(), Vec::new());
+            let mut b = 0usize;
+            for w in todo {
                 for piece in &w.pieces {
-                    let len: u64 = piece.regions.iter().map(|r| r.len() as u64).sum();
-                    match kvtide_transport::region::check_range("object", piece.offset, len, bytes.len() as u64) {
-                        Ok(()) => {
-                            let host = bytes.as_ptr() as u64 + piece.offset;
-                            transfers.push(Transfer::in_order(host, len, &piece.regions));
-                            slot_of.push(piece.slot);
-                            results[piece.slot] = Ok(len as usize);
-                        }
-                        Err(e) => results[piece.slot] = Err(e.into()),
+                    if let LenCheck::Exactly(_) = w.check {
+                        whole_keys.push(w.key);
+                        whole_dsts.push(vec![regions[b]]);
+                        whole_at.push((b, piece));
+                    } else {
+                        range_dsts.push(regions[b]);
+                        ranges.push(vec![Fragment::new(w.key.to_vec(), piece.offset, 0, lens[b])]);
+                        range_at.push((b, piece));
                     }
+                    b += 1;
                 }
-                buffers.push(bytes);
             }
+            let whole = self.batch_get_into_multi_buffers(&whole_keys, &whole_dsts);
+            let ranged = self.get_into_ranges(&range_dsts, &ranges).into_iter().map(|mut r| {
+                if r.is_empty() {
+                    Err(StoreError::Internal("a range result was missing").into())
+                } else {
+                    r.remove(0)
+                }
+            });
+            let outcomes: Vec<_> = whole.into_iter().chain(ranged).collect();
+            drop((regions, whole_dsts, range_dsts));
+            for ((b, piece), outcome) in whole_at.into_iter().chain(range_at).zip(outcomes) {
+                match outcome {
+                    Ok(_) => {
+                        let host = held_bytes.buffers[b].as_ptr() as u64;
+                        transfers.push(Transfer::in_order(host, lens[b], &piece.regions));
+                        slot_of.push(piece.slot);
+                        results[piece.slot] = Ok(lens[b] as usize);
+                    }
+                    Err(e) => results[piece.slot] = Err(into_store(e)),
+                }
+            }
+            buffers = Some(held_bytes);
         }
         let gates = vec![None; transfers.len()];
         // SAFETY: the host bytes are leased to `held`'s connection (or are `buffers`), both kept

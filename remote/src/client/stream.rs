@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use kvtide::{check_chunk_count, chunk_count, chunk_pair, cut_chunks, ChunkHandle, ChunkPlace, ChunkSink};
 use kvtide::{Error as StoreError, Fragment, Store};
-use kvtide_transport::Region;
+use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
+use super::gpu::ClientGpu;
 use super::{check_destination, check_source, source_slices, Conn, Inner, RemoteStore, LEASE_MARGIN};
 use crate::error::{Error, Result};
 use crate::protocol::{
@@ -134,6 +135,7 @@ impl Conn {
         first: &First,
         dst: &Region<'static>,
         sink: &ChunkSink<Error>,
+        gpu: Option<&ClientGpu>,
     ) -> WResult<()> {
         let First::Grant { offset, lease, ttl, sent, mapping, .. } = first else {
             return Err(ProtocolError::Invalid { what: "a grant" }.into());
@@ -146,6 +148,25 @@ impl Conn {
             let n = range.end - range.start;
             let copied = if n == 0 {
                 Ok(())
+            } else if let Some(gpu) = gpu {
+                // Straight from the (registered, read-only) arena mapping to the GPU.
+                gpu.pin(mapping.memory(), true);
+                match mapping.addr_of(offset + range.start, n) {
+                    Ok(host) => {
+                        let transfer = Transfer {
+                            host,
+                            host_len: n,
+                            pieces: super::gpu::pieces_of(std::slice::from_ref(dst), range.start, n),
+                        };
+                        // SAFETY: the source lies in the arena leased to this connection until
+                        // the release below; the device destination was checked by the
+                        // transport and is lent writable while the handle runs.
+                        unsafe { gpu.copy(Direction::HostToDevice, &[transfer]) }
+                            .pop()
+                            .unwrap_or(Err(StoreError::Internal("a copy result was missing").into()))
+                    }
+                    Err(e) => Err(e),
+                }
             } else {
                 // SAFETY: the destination is caller memory lent writable for as long as the
                 // handle runs (a `'static` region, checked by check_destination); the range lies
@@ -223,6 +244,124 @@ impl Conn {
         }
         self.read_end(rid)
     }
+
+    /// `deliver_stream` into GPU memory: each frame lands in one of two bounce buffers (pinned
+    /// where CUDA can pin them) and is copied on to the GPU while the next frame arrives; a chunk
+    /// settles once the copies covering it completed. At most two frames are in host memory.
+    fn deliver_stream_to_gpu(
+        &mut self,
+        rid: u64,
+        len: u64,
+        dst: &Region<'static>,
+        sink: &ChunkSink<Error>,
+        timeout: Duration,
+        gpu: &ClientGpu,
+    ) -> WResult<()> {
+        let ordinal = match dst.kind() {
+            kvtide_transport::MemoryKind::Device { ordinal } => ordinal,
+            _ => 0,
+        };
+        let chunk = self.hello.chunk_bytes as usize;
+        let bounces = [gpu.take_bounce(ordinal, chunk), gpu.take_bounce(ordinal, chunk)];
+        let outcome = {
+            // Declared after the buffers, so dropped (waiting for the copies) before them.
+            // Each: the copy in flight and the object position its end reaches.
+            let mut copies: [Option<(InFlight, u64)>; 2] = [None, None];
+            let mut next = 0usize;
+            let settle = |copy: (InFlight, u64), next: &mut usize| -> Result<()> {
+                let (inflight, end) = copy;
+                if let Some(Err(e)) = inflight.wait().into_iter().find(|r| r.is_err()) {
+                    return Err(StoreError::from(e).into());
+                }
+                while *next < sink.len() && sink.place(*next).range.end <= end {
+                    sink.done(*next);
+                    *next += 1;
+                }
+                Ok(())
+            };
+            let mut deadline = Instant::now() + timeout;
+            let mut pos = 0u64;
+            let mut frame = 0usize;
+            let read: WResult<()> = (|| {
+                while next < sink.len() && sink.place(next).range.end == 0 {
+                    sink.done(next);
+                    next += 1;
+                }
+                while pos < len {
+                    if sink.cancelled() {
+                        return Err(WireError::Closed("the handle was dropped".into()));
+                    }
+                    if Instant::now() > deadline {
+                        return Err(WireError::Timeout);
+                    }
+                    let h = self.read_reply_header(rid)?;
+                    match h.op {
+                        Op::Data => {
+                            let n = u64::from(h.payload_len);
+                            let k = frame % 2;
+                            if n == 0 || n > len - pos || n as usize > bounces[k].len() {
+                                return Err(ProtocolError::Invalid { what: "data frame length" }.into());
+                            }
+                            if let Some(copy) = copies[k].take() {
+                                if let Err(e) = settle(copy, &mut next) {
+                                    fail_from(sink, next, e);
+                                    return Err(WireError::Closed("a copy to the GPU failed".into()));
+                                }
+                            }
+                            // SAFETY: the bounce buffer is ours, at least `n` bytes, and its last
+                            // copy completed just above.
+                            unsafe { self.io.read_raw(bounces[k].ptr(), n as usize)? };
+                            let transfer = Transfer {
+                                host: bounces[k].ptr() as u64,
+                                host_len: n,
+                                pieces: super::gpu::pieces_of(std::slice::from_ref(dst), pos, n),
+                            };
+                            // SAFETY: the bounce buffer stays untouched until this copy completed
+                            // (waited for before its reuse, or below); the device destination was
+                            // checked by the transport and is lent writable while the handle runs.
+                            match unsafe { gpu.submit(Direction::HostToDevice, &[transfer]) } {
+                                Ok(copy) => copies[k] = Some((copy, pos + n)),
+                                Err(e) => {
+                                    fail_from(sink, next, e);
+                                    return Err(WireError::Closed("a copy to the GPU failed".into()));
+                                }
+                            }
+                            pos += n;
+                            frame += 1;
+                            deadline = Instant::now() + timeout;
+                        }
+                        Op::Abort => {
+                            let payload = self.io.read_payload(h.payload_len)?;
+                            let (_, error) = decode_error_frame(&payload)?;
+                            // The chunks whose bytes arrived still settle.
+                            for copy in [frame % 2, (frame + 1) % 2].map(|k| copies[k].take()).into_iter().flatten() {
+                                if let Err(e) = settle(copy, &mut next) {
+                                    fail_from(sink, next, e);
+                                }
+                            }
+                            fail_from(sink, next, error);
+                            return self.read_end(rid);
+                        }
+                        other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
+                    }
+                }
+                self.read_end(rid)
+            })();
+            // Oldest copy first, so chunks settle in order.
+            for k in [frame % 2, (frame + 1) % 2] {
+                if let Some(copy) = copies[k].take() {
+                    if let Err(e) = settle(copy, &mut next) {
+                        fail_from(sink, next, e);
+                    }
+                }
+            }
+            read
+        };
+        for bounce in bounces {
+            gpu.give_bounce(bounce);
+        }
+        outcome
+    }
 }
 
 /// One of `ClientOptions::max_stream_handles`, held by a handle's thread until it ends.
@@ -285,8 +424,13 @@ impl RemoteStore {
         if chunk_bytes == 0 {
             return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
         }
-        check_destination(&dst)?;
-        dst.check_writable().map_err(StoreError::from)?;
+        let device = super::gpu::names_device(std::slice::from_ref(&dst));
+        if device {
+            self.inner.check_destinations(std::slice::from_ref(&dst))?;
+        } else {
+            check_destination(&dst)?;
+            dst.check_writable().map_err(StoreError::from)?;
+        }
         let limits = self.inner.limits()?;
         self.inner.validate_key(&limits, key)?;
         let slot = StreamSlot::take(&self.inner)?;
@@ -331,9 +475,11 @@ impl RemoteStore {
         let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
             let _slot = slot;
             let mut conn = conn;
-            let outcome = match &first {
-                First::Grant { .. } => conn.deliver_grant(rid, &first, &dst, &sink),
-                First::Object { len } => conn.deliver_stream(rid, *len, &dst, &sink, timeout),
+            let gpu = device.then_some(&inner.gpu);
+            let outcome = match (&first, gpu) {
+                (First::Grant { .. }, _) => conn.deliver_grant(rid, &first, &dst, &sink, gpu),
+                (First::Object { len }, None) => conn.deliver_stream(rid, *len, &dst, &sink, timeout),
+                (First::Object { len }, Some(gpu)) => conn.deliver_stream_to_gpu(rid, *len, &dst, &sink, timeout, gpu),
             };
             match outcome {
                 Ok(()) => inner.checkin(conn),
