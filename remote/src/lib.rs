@@ -12,6 +12,7 @@
 mod auth;
 mod client;
 mod error;
+mod metrics;
 pub mod protocol;
 mod server;
 mod settings;
@@ -22,5 +23,6 @@ mod wire;
 pub use auth::Token;
 pub use client::{ClientOptions, RemotePutStream, RemoteStore};
 pub use error::{Error, Result};
+pub use metrics::{MetricsServer, RequestLatency};
 pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
 pub use settings::{default_socket, Flags, OwnerGroup, OwnerSettings, ResolvedOwner, USAGE as OWNER_USAGE};

@@ -200,6 +200,8 @@ pub struct OwnerCounters {
     /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
     pub batch_requests: AtomicU64,
     pub batch_items: AtomicU64,
+    /// Time to serve each request (from its first byte to its reply flushed), by kind.
+    pub latency: crate::metrics::RequestLatency,
 }
 
 struct Shared {
@@ -216,7 +218,7 @@ struct Shared {
     arena_base: usize,
     arena_bytes: u64,
     shm_fd: Option<OwnedFd>,
-    counters: OwnerCounters,
+    counters: Arc<OwnerCounters>,
 }
 
 /// Every open connection (so shutdown can close them) and the slots they hold.
@@ -291,7 +293,7 @@ impl Owner {
             arena_base,
             arena_bytes,
             shm_fd,
-            counters: OwnerCounters::default(),
+            counters: Arc::default(),
             config,
         });
         let mut listeners = Vec::new();
@@ -346,6 +348,11 @@ impl Owner {
     /// Service counters.
     pub fn counters(&self) -> &OwnerCounters {
         &self.shared.counters
+    }
+
+    /// Serves this owner's and its engine's metrics in Prometheus text on `addr` (loopback).
+    pub fn serve_metrics(&self, addr: SocketAddr) -> std::io::Result<crate::metrics::MetricsServer> {
+        crate::metrics::MetricsServer::start(addr, Arc::clone(&self.shared.engine), Arc::clone(&self.shared.counters))
     }
 
     /// Stops accepting, lets in-flight requests finish (new ones get `ShuttingDown`), closes
@@ -898,10 +905,13 @@ impl Connection<'_> {
             };
             self.shared.counters.requests.fetch_add(1, Ordering::Relaxed);
             let shutting = self.shared.shutting_down.load(Ordering::SeqCst);
+            let started = Instant::now();
+            let op = header.op;
             let flow = self.handle(header, shutting)?;
             if self.io.pending_out() > 0 {
                 self.io.flush()?;
             }
+            self.shared.counters.latency.record(op, started.elapsed());
             if flow == Flow::Close || (shutting && self.io.buffered() == 0) {
                 return Ok(());
             }

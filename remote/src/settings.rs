@@ -48,6 +48,8 @@ kvtide::settings_group! {
         share_arena: bool = true, Bool, eg "off";
         /// An SSD tier in `<data_dir>/ssd` unless `[ssd] dir` names one (default true).
         ssd: bool = true, Bool, eg "false";
+        /// Prometheus endpoint (`GET /metrics`): a loopback address, or "off" (default).
+        metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
         /// Connections served at once (default 256).
         max_connections: usize = OwnerConfig::default().max_connections, Count, eg "64";
         /// TCP connections still in their handshake (default 32); they never take the slots above.
@@ -136,6 +138,8 @@ pub struct ResolvedOwner {
     pub data_dir: PathBuf,
     /// Token file in use (TCP with auth), and whether it was just created.
     pub token_file: Option<(PathBuf, bool)>,
+    /// Where to serve Prometheus metrics (a loopback address), if anywhere.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Usage text of `kvtide-owner`.
@@ -160,6 +164,7 @@ USAGE: kvtide-owner [OPTIONS]
   --ssd-bytes SIZE         SSD tier (default: 1/8 of free disk, 1GiB..64GiB)
   --shards N               shards (default: one per CPU)
   --max-connections N      connections served at once (default 256)
+  --metrics-addr ADDR|off  Prometheus endpoint, GET /metrics on a loopback address (default off)
   -V, --version            the version
   -h, --help               this text
 
@@ -198,6 +203,7 @@ impl OwnerSettings {
                 "--ssd-bytes" => ("ssd", "bytes", value(&flag)?),
                 "--shards" => ("runtime", "shards", value(&flag)?),
                 "--max-connections" => ("owner", "max_connections", value(&flag)?),
+                "--metrics-addr" => ("owner", "metrics_addr", value(&flag)?),
                 other => return Err(format!("unknown option {other:?} (try --help)")),
             };
             flags.sets.push((group, field, text));
@@ -342,7 +348,20 @@ impl OwnerSettings {
                 token_file = Some((path, created));
             }
         }
-        Ok(ResolvedOwner { store, owner, data_dir, token_file })
+        let metrics = if off(&o.metrics_addr) {
+            None
+        } else {
+            let addr: SocketAddr =
+                o.metrics_addr.parse().map_err(|e| format!("[owner] metrics_addr {:?}: {e}", o.metrics_addr))?;
+            if !addr.ip().is_loopback() {
+                return Err(format!(
+                    "[owner] metrics_addr {addr}: the metrics endpoint has no authentication, so it listens on loopback \
+                     only (127.0.0.1 or ::1)"
+                ));
+            }
+            Some(addr)
+        };
+        Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
     }
 }
 

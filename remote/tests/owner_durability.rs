@@ -271,3 +271,93 @@ fn the_deploy_command_lines_start_an_owner() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A child owner killed if the test fails before it stopped it.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn scrape(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: kvtide\r\n\r\n").expect("request");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("response");
+    let (head, body) = text.split_once("\r\n\r\n").expect("a head and a body");
+    (head.to_string(), body.to_string())
+}
+
+/// The value of the sample `name` (with its labels, as written) in Prometheus text.
+fn sample(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+}
+
+/// `--metrics-addr`: Prometheus text of the engine's and the owner's counters, which move with
+/// the traffic; loopback only; other paths are 404.
+#[test]
+fn the_metrics_endpoint_serves_prometheus_text_that_moves() {
+    let dir = tmp("metrics");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let metrics = format!("127.0.0.1:{port}");
+    let owner = Command::new(owner_binary())
+        .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--dram-bytes", "64MiB", "--no-ssd"])
+        .args(["--metrics-addr", &metrics])
+        .env("KVTIDE_LOG", "warn")
+        .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut owner = KillOnDrop(Some(owner));
+    let socket = format!("unix:{}", dir.join("owner.sock").display());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let store = loop {
+        match RemoteStore::connect(&socket) {
+            Ok(s) => break s,
+            Err(e) => assert!(Instant::now() < deadline, "never served: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (head, before) = scrape(&metrics, "/metrics");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Every sample line is `name{labels} value`; the text ends with # EOF.
+    for line in before.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        let (name, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("not a sample: {line}"));
+        assert!(name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_'), "{line}");
+        assert!(value.parse::<f64>().is_ok() || value == "+Inf" || value == "NaN", "{line}");
+    }
+    assert_eq!(before.lines().last(), Some("# EOF"));
+    for i in 0..20u32 {
+        store.put(format!("m/{i}").as_bytes(), &[1u8; 4096], PutOptions::INSERT).expect("put");
+        store.get(format!("m/{i}").as_bytes()).expect("get");
+    }
+    let _ = store.get(b"absent");
+    let (_, after) = scrape(&metrics, "/metrics");
+    assert_eq!(sample(&before, "kvtide_objects"), Some(0.0));
+    assert_eq!(sample(&after, "kvtide_objects"), Some(20.0));
+    assert!(sample(&after, "kvtide_puts_total") >= Some(20.0), "{after}");
+    assert!(sample(&after, "kvtide_misses_total") > sample(&before, "kvtide_misses_total"));
+    assert!(sample(&after, "kvtide_owner_request_seconds_count{kind=\"put\"}") >= Some(20.0), "{after}");
+    assert!(sample(&after, "kvtide_owner_request_seconds_bucket{le=\"+Inf\",kind=\"get\"}") >= Some(21.0), "{after}");
+    assert!(sample(&after, "kvtide_owner_rejected_total{reason=\"busy\"}").is_some());
+    let (head, _) = scrape(&metrics, "/other");
+    assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+    drop(store);
+    stop(owner.0.take().expect("running"));
+    let out = Command::new(owner_binary())
+        .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--no-ssd", "--metrics-addr", "0.0.0.0:9"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("loopback only"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

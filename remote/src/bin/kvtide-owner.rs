@@ -72,6 +72,14 @@ fn run() -> Result<(), String> {
     if let Some(addr) = owner.tcp_addr() {
         tracing::info!(%addr, "listening (TCP)");
     }
+    let metrics = match resolved.metrics {
+        Some(addr) => {
+            let server = owner.serve_metrics(addr).map_err(|e| format!("metrics endpoint on {addr}: {e}"))?;
+            tracing::info!(addr = %server.addr(), "serving Prometheus metrics at /metrics");
+            Some(server)
+        }
+        None => None,
+    };
     notify_supervisor("READY=1\nSTATUS=serving");
 
     let mut signal: libc::c_int = 0;
@@ -91,6 +99,7 @@ fn run() -> Result<(), String> {
             std::process::exit(130);
         }
     });
+    drop(metrics);
     owner.shutdown();
     drop(owner);
     engine.shutdown();

@@ -1,0 +1,324 @@
+//! The owner's Prometheus endpoint: `GET /metrics` on a loopback address.
+//!
+//! Owns the request latency histograms the connections record into, the mapping from the
+//! engine's `Stats` and the owner's `OwnerCounters` to metric names and types (read at each
+//! scrape, nothing copied in between), and the endpoint's listener and thread. It never answers
+//! anything but `GET /metrics` (other paths: 404), serves one scraper at a time with a short
+//! deadline per connection, and never takes a lock of the data path while it encodes. Loopback
+//! only is enforced where the address is configured (`[owner] metrics_addr`).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtide::{Engine, Store};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::protocol::Op;
+use crate::server::OwnerCounters;
+
+/// Request kinds the latency histograms are kept for (the `kind` label).
+const KINDS: [&str; 5] = ["get", "put", "remove", "exists", "other"];
+
+/// A scraper's request head larger than this is refused.
+const MAX_REQUEST_HEAD: usize = 8 << 10;
+/// A scraper has this long to send its request and take the reply.
+const SCRAPE_DEADLINE: Duration = Duration::from_secs(2);
+
+type KindLabels = Vec<(&'static str, &'static str)>;
+
+/// Time to serve each request, by kind: from its header read to its reply flushed. Histogram
+/// buckets from 1 µs to about 8 s, doubling.
+#[derive(Clone)]
+pub struct RequestLatency {
+    family: Family<KindLabels, Histogram, fn() -> Histogram>,
+    /// One histogram per `KINDS` entry, taken from `family` once, so recording looks nothing up.
+    by_kind: [Histogram; KINDS.len()],
+}
+
+impl std::fmt::Debug for RequestLatency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestLatency").finish_non_exhaustive()
+    }
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(1e-6, 2.0, 24))
+}
+
+impl Default for RequestLatency {
+    fn default() -> Self {
+        let family: Family<KindLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram as fn() -> Histogram);
+        let by_kind = KINDS.map(|kind| family.get_or_create(&vec![("kind", kind)]).clone());
+        RequestLatency { family, by_kind }
+    }
+}
+
+impl RequestLatency {
+    /// Records one request of operation `op` that took `took`.
+    pub fn record(&self, op: Op, took: Duration) {
+        self.by_kind[kind_of(op)].observe(took.as_secs_f64());
+    }
+}
+
+/// The index in `KINDS` of a request operation.
+fn kind_of(op: Op) -> usize {
+    match op {
+        Op::Get | Op::GetParts | Op::GetRanges | Op::GetFollow => 0,
+        Op::Put | Op::PutBatch | Op::PutOpen | Op::PutChunk | Op::PutSeal | Op::PutAbort | Op::PutWindow => 1,
+        Op::Remove | Op::RemoveBatch => 2,
+        Op::Exists => 3,
+        _ => 4,
+    }
+}
+
+/// Reads the engine's statistics and the owner's counters at each scrape.
+struct OwnerCollector {
+    engine: Arc<Engine>,
+    counters: Arc<OwnerCounters>,
+}
+
+impl std::fmt::Debug for OwnerCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnerCollector").finish_non_exhaustive()
+    }
+}
+
+/// Counter or gauge.
+#[derive(Clone, Copy)]
+enum Kind {
+    Counter,
+    Gauge,
+}
+
+fn emit(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, kind: Kind, value: u64) -> std::fmt::Result {
+    match kind {
+        Kind::Counter => {
+            let metric = ConstCounter::new(value);
+            metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+        }
+        Kind::Gauge => {
+            let metric = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+        }
+    }
+}
+
+impl Collector for OwnerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        use Kind::{Counter, Gauge};
+        let stats = self.engine.stats();
+        let t = &stats.total;
+        let engine: [(&str, &str, Kind, u64); 30] = [
+            ("kvtide_capacity_bytes", "DRAM arena bytes", Gauge, t.capacity_bytes),
+            ("kvtide_dram_used_bytes", "DRAM arena bytes in use", Gauge, t.bytes_used),
+            ("kvtide_objects", "objects stored (DRAM and SSD)", Gauge, t.objects),
+            ("kvtide_dram_objects", "objects resident in DRAM", Gauge, t.dram_objects),
+            ("kvtide_ssd_objects", "objects on the SSD tier", Gauge, t.ssd_objects),
+            ("kvtide_ssd_used_bytes", "SSD tier bytes in use", Gauge, t.ssd_bytes),
+            ("kvtide_pinned_objects", "pinned objects", Gauge, t.pinned_objects),
+            ("kvtide_leases_held", "object leases held by readers", Gauge, t.leases_held),
+            ("kvtide_writes_in_flight", "writes not yet published", Gauge, t.writes_in_flight),
+            ("kvtide_puts", "puts published", Counter, t.puts),
+            ("kvtide_removes", "removes", Counter, t.removes),
+            ("kvtide_hits", "reads that found their key", Counter, t.hits),
+            ("kvtide_misses", "reads that did not find their key", Counter, t.misses),
+            ("kvtide_bytes_written", "value bytes written", Counter, t.bytes_written),
+            ("kvtide_bytes_read", "value bytes read", Counter, t.bytes_read),
+            ("kvtide_evictions", "objects evicted from DRAM (dropped or demoted)", Counter, t.evictions),
+            ("kvtide_no_space", "writes refused for lack of space", Counter, t.no_space),
+            ("kvtide_leases_expired", "leases reclaimed after their TTL", Counter, t.leases_expired),
+            ("kvtide_demotions", "objects written from DRAM to SSD", Counter, t.demotions),
+            ("kvtide_loads", "objects loaded from SSD", Counter, t.loads),
+            ("kvtide_ssd_read_bytes", "bytes read from the SSD tier", Counter, t.ssd_read_bytes),
+            ("kvtide_ssd_write_bytes", "bytes written to the SSD tier", Counter, t.ssd_write_bytes),
+            ("kvtide_ssd_evictions", "objects dropped from the SSD tier", Counter, t.ssd_evictions),
+            ("kvtide_ssd_corrupted", "SSD records that failed their checksum", Counter, t.corrupted),
+            ("kvtide_ssd_io_errors", "SSD I/O errors", Counter, t.io_errors),
+            ("kvtide_restore_requests", "pipelined restores", Counter, stats.restore.requests),
+            ("kvtide_restore_sub_batches", "restore sub-batches", Counter, stats.restore.sub_batches),
+            (
+                "kvtide_restore_credits_held_bytes",
+                "restore staging credits held",
+                Gauge,
+                stats.restore.credits_held_bytes,
+            ),
+            ("kvtide_gpu_bytes_to_device", "bytes copied to GPUs", Counter, stats.gpu.bytes_to_device),
+            ("kvtide_gpu_bytes_to_host", "bytes copied from GPUs", Counter, stats.gpu.bytes_to_host),
+        ];
+        for (name, help, kind, value) in engine {
+            emit(&mut encoder, name, help, kind, value)?;
+        }
+        let g = &stats.gpu;
+        let gpu: [(&str, &str, u64); 3] = [
+            ("kvtide_gpu_staged_requests", "GPU requests on the staged path", g.staged_requests),
+            ("kvtide_gpu_direct_requests", "GPU requests on the direct path", g.direct_requests),
+            ("kvtide_gpu_failed_keys", "keys that failed in a GPU transfer", g.failed_keys),
+        ];
+        for (name, help, value) in gpu {
+            emit(&mut encoder, name, help, Counter, value)?;
+        }
+        let s = &stats.stream;
+        emit(&mut encoder, "kvtide_stream_handles_open", "chunk handles running", Gauge, s.handles_open)?;
+        emit(&mut encoder, "kvtide_stream_chunks_delivered", "chunks delivered", Counter, s.chunks_delivered)?;
+        emit(&mut encoder, "kvtide_stream_unsealed_bytes", "bytes of unsealed puts", Gauge, s.unsealed_bytes)?;
+
+        let c = &self.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let owner: [(&str, &str, Kind, u64); 10] = [
+            ("kvtide_owner_connections_accepted", "connections accepted", Counter, r(&c.connections_accepted)),
+            ("kvtide_owner_connections_open", "connections holding a slot", Gauge, r(&c.connections_open)),
+            ("kvtide_owner_handshakes_open", "TCP connections in their handshake", Gauge, r(&c.handshakes_open)),
+            ("kvtide_owner_requests", "requests served", Counter, r(&c.requests)),
+            ("kvtide_owner_leases_granted", "leases granted to clients", Counter, r(&c.leases_granted)),
+            ("kvtide_owner_leases_outstanding", "leases clients hold", Gauge, r(&c.leases_outstanding)),
+            ("kvtide_owner_buffered_bytes", "request bytes buffered", Gauge, r(&c.buffered_bytes)),
+            ("kvtide_owner_put_window_bytes", "bytes of put windows held", Gauge, r(&c.put_window_bytes)),
+            ("kvtide_owner_batch_requests", "batched requests", Counter, r(&c.batch_requests)),
+            ("kvtide_owner_batch_items", "items of batched requests", Counter, r(&c.batch_items)),
+        ];
+        for (name, help, kind, value) in owner {
+            emit(&mut encoder, name, help, kind, value)?;
+        }
+        let rejected = [
+            ("busy", r(&c.busy_replies)),
+            ("connection_limit", r(&c.connections_refused)),
+            ("auth", r(&c.auth_failures)),
+            ("protocol", r(&c.protocol_errors)),
+            ("handshake_timeout", r(&c.handshake_timeouts)),
+            ("payload_timeout", r(&c.payload_timeouts)),
+            ("idle", r(&c.idle_closed)),
+            ("put_window_limit", r(&c.put_windows_refused)),
+            ("unknown_release", r(&c.unknown_releases)),
+        ];
+        let probe = ConstCounter::new(0u64);
+        let mut family = encoder.encode_descriptor(
+            "kvtide_owner_rejected",
+            "requests and connections refused or closed, by reason",
+            None,
+            probe.metric_type(),
+        )?;
+        for (reason, value) in rejected {
+            ConstCounter::new(value).encode(family.encode_family(&[("reason", reason)])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The running `/metrics` endpoint; dropping it stops it.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer").field("addr", &self.addr).finish()
+    }
+}
+
+impl MetricsServer {
+    /// Listens on `addr` (the caller checked it is loopback) and serves the owner's metrics.
+    pub(crate) fn start(
+        addr: SocketAddr,
+        engine: Arc<Engine>,
+        counters: Arc<OwnerCounters>,
+    ) -> std::io::Result<MetricsServer> {
+        let listener = TcpListener::bind(addr)?;
+        let addr = listener.local_addr()?;
+        let mut registry = Registry::default();
+        registry.register(
+            "kvtide_owner_request_seconds",
+            "time to serve a request, from its header to its reply flushed, by kind",
+            counters.latency.family.clone(),
+        );
+        registry.register_collector(Box::new(OwnerCollector { engine, counters }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::Builder::new().name("kvtide-metrics".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if stopping.load(Ordering::Acquire) {
+                    return;
+                }
+                if let Ok(conn) = conn {
+                    if let Err(e) = serve_scrape(conn, &registry) {
+                        tracing::debug!(error = %e, "metrics scrape failed");
+                    }
+                }
+            }
+        })?;
+        Ok(MetricsServer { addr, stop, thread: Some(thread) })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wakes the accept loop, which sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Answers one scraper: the request head (within `MAX_REQUEST_HEAD` and `SCRAPE_DEADLINE`),
+/// then the metrics or a 404, and closes.
+fn serve_scrape(mut conn: TcpStream, registry: &Registry) -> std::io::Result<()> {
+    let deadline = Instant::now() + SCRAPE_DEADLINE;
+    conn.set_read_timeout(Some(SCRAPE_DEADLINE))?;
+    conn.set_write_timeout(Some(SCRAPE_DEADLINE))?;
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        if head.len() > MAX_REQUEST_HEAD || Instant::now() > deadline {
+            return respond(&mut conn, "431 Request Header Fields Too Large", "text/plain", b"request too large\n");
+        }
+        let n = conn.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+    if method != b"GET" {
+        return respond(&mut conn, "405 Method Not Allowed", "text/plain", b"GET only\n");
+    }
+    if path != b"/metrics" {
+        return respond(&mut conn, "404 Not Found", "text/plain", b"try /metrics\n");
+    }
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, registry) {
+        Ok(()) => {
+            respond(&mut conn, "200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", body.as_bytes())
+        }
+        Err(_) => respond(&mut conn, "500 Internal Server Error", "text/plain", b"encoding failed\n"),
+    }
+}
+
+fn respond(conn: &mut TcpStream, status: &str, content_type: &str, body: &[u8]) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes())?;
+    conn.write_all(body)?;
+    conn.flush()
+}
