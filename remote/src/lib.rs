@@ -25,4 +25,7 @@ pub use client::{ClientOptions, RemotePutStream, RemoteStore};
 pub use error::{Error, Result};
 pub use metrics::{MetricsServer, RequestLatency};
 pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
-pub use settings::{default_socket, Flags, OwnerGroup, OwnerSettings, ResolvedOwner, USAGE as OWNER_USAGE};
+pub use settings::{
+    configuration_reference, default_socket, flag_name, usage as owner_usage, Flags, Invocation, OwnerGroup,
+    OwnerSettings, ResolvedOwner, Source,
+};

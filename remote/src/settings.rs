@@ -96,7 +96,18 @@ kvtide::settings_group! {
 pub struct OwnerSettings {
     pub store: StoreBuilder,
     pub owner: OwnerGroup,
-    given: Vec<(&'static str, &'static str)>,
+    given: Vec<(&'static str, &'static str, Source)>,
+}
+
+/// Where a setting's value came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A `KVTIDE_*` variable.
+    Variable,
+    /// The TOML file (`--config`).
+    File,
+    /// A command-line flag.
+    Flag,
 }
 
 impl Settings for OwnerSettings {
@@ -123,11 +134,25 @@ impl Settings for OwnerSettings {
     }
 }
 
-/// The command line: settings it gives (group, field, value) and the TOML file to read under them.
+/// The command line: settings it gives (group, field, value), the TOML file to read under them,
+/// and what to do besides serving.
 #[derive(Clone, Debug, Default)]
 pub struct Flags {
     pub config: Option<PathBuf>,
     pub sets: Vec<(&'static str, &'static str, String)>,
+    /// `--print-config`: print the effective configuration and exit.
+    pub print_config: bool,
+    /// `--log-format json`: one JSON object per log line.
+    pub log_json: bool,
+}
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Invocation {
+    /// Serve (or, with `flags.print_config`, print the configuration) with these settings.
+    Serve { settings: Box<OwnerSettings>, flags: Flags },
+    /// Print this text (help, version) and exit successfully.
+    Print(String),
 }
 
 /// What `resolve` decided.
@@ -142,101 +167,179 @@ pub struct ResolvedOwner {
     pub metrics: Option<SocketAddr>,
 }
 
-/// Usage text of `kvtide-owner`.
-pub const USAGE: &str = "\
-kvtide-owner: serve a kvtide store to other processes (Unix socket + shared memory) and hosts (TCP)
+/// Flags that stand for a setting besides its own flag: (flag, group, field, the value it sets;
+/// None: it takes one).
+const SHORTHANDS: &[(&str, &str, &str, Option<&str>)] = &[
+    ("unix", "owner", "unix_socket", None),
+    ("shards", "runtime", "shards", None),
+    ("no-auth", "owner", "tcp_auth", Some("false")),
+    ("no-shared-arena", "owner", "share_arena", Some("false")),
+    ("no-shm", "owner", "share_arena", Some("false")),
+    ("no-ssd", "owner", "ssd", Some("false")),
+];
 
-USAGE: kvtide-owner [OPTIONS]
-       kvtide-owner status [unix:PATH | HOST:PORT]   health of a running owner (default: the
-                                                     default data directory's socket)
+/// The command-line flag of `[group] field`: `--<group>-<field>` with `-` for `_`, except the
+/// owner's own settings, which drop the group (`--data-dir`, `--max-connections`).
+pub fn flag_name(group: &str, field: &str) -> String {
+    let field = field.replace('_', "-");
+    if group == <OwnerGroup as settings::SettingGroup>::NAME {
+        field
+    } else {
+        format!("{group}-{field}")
+    }
+}
 
-  --config FILE            TOML settings: [owner] (the names below and the limits) and the
-                           engine's [dram], [ssd], [restore], [gpu], [runtime]
-  --data-dir DIR           data directory (SSD tier, socket, token)
-  --unix PATH|off          Unix socket (default <data-dir>/owner.sock)
-  --tcp ADDR|off           TCP address (default 127.0.0.1:7370)
-  --token-file FILE        token TCP clients must know (default <data-dir>/token, created)
-  --no-auth                TCP without a token (loopback addresses only)
-  --no-shared-arena        do not map the arena into Unix clients (they get socket copies;
-                           otherwise every Unix client can read every object in DRAM)
-  --no-ssd                 DRAM only
-  --dram-bytes SIZE        DRAM pool (default: 1/4 of available memory, 256MiB..16GiB)
-  --ssd-bytes SIZE         SSD tier (default: 1/8 of free disk, 1GiB..64GiB)
-  --shards N               shards (default: one per CPU)
-  --max-connections N      connections served at once (default 256)
-  --metrics-addr ADDR|off  Prometheus endpoint, GET /metrics on a loopback address (default off)
-  -V, --version            the version
-  -h, --help               this text
+fn value_name(kind: settings::Kind) -> &'static str {
+    match kind {
+        settings::Kind::Bytes => "SIZE",
+        settings::Kind::Count => "N",
+        settings::Kind::Bool => "BOOL",
+        settings::Kind::Fraction => "X",
+        settings::Kind::Text => "TEXT",
+        settings::Kind::Path => "PATH",
+    }
+}
 
-Every setting is also a variable KVTIDE_<SECTION>_<KEY> (KVTIDE_DRAM_BYTES=8GiB,
-KVTIDE_SSD_WRITE_THROUGH=true, KVTIDE_OWNER_TCP=off, ...); an unknown one is an error.
-KVTIDE_LOG sets the log filter.
-";
+/// A field's documentation on one line.
+fn one_line(doc: &str) -> String {
+    doc.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+const AFTER_HELP: &str = "\
+Every setting is also a TOML key ([section] key, in the file --config names) and a variable
+KVTIDE_<SECTION>_<KEY> (KVTIDE_DRAM_BYTES=8GiB, KVTIDE_OWNER_TCP=off, ...); an unknown one is an
+error. Precedence: flags > file > variables > derived defaults. KVTIDE_LOG (else RUST_LOG) sets the
+log filter. `kvtide-owner status [unix:PATH | HOST:PORT]` reports the health of a running owner.";
+
+/// The `kvtide-owner` command line: every setting as a flag, the shorthands, and the rest.
+fn command() -> clap::Command {
+    use clap::{Arg, ArgAction};
+    let mut cmd = clap::Command::new("kvtide-owner")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about("Serve a kvtide store to other processes (Unix socket + shared memory) and hosts (TCP)")
+        .after_help(AFTER_HELP)
+        .arg(Arg::new("config").long("config").value_name("FILE").help("TOML settings file"))
+        .arg(
+            Arg::new("print-config")
+                .long("print-config")
+                .action(ArgAction::SetTrue)
+                .help("Print the effective configuration (each value with where it came from) and exit"),
+        )
+        .arg(
+            Arg::new("log-format")
+                .long("log-format")
+                .value_name("FORMAT")
+                .value_parser(["text", "json"])
+                .help("Log lines as text (default) or JSON objects"),
+        );
+    for (flag, group, field, fixed) in SHORTHANDS {
+        let arg = Arg::new(*flag).long(*flag).help_heading("Shorthands");
+        cmd = cmd.arg(match fixed {
+            Some(value) => arg.action(ArgAction::SetTrue).help(format!("[{group}] {field} = {value}")),
+            None => arg.value_name("VALUE").help(format!("[{group}] {field}")),
+        });
+    }
+    for (group, fields) in OwnerSettings::default().groups() {
+        for f in fields {
+            let name = flag_name(group, f.name);
+            cmd = cmd.arg(
+                Arg::new(name.clone())
+                    .long(name)
+                    .value_name(value_name(f.kind))
+                    .help(one_line(f.doc))
+                    .help_heading(format!("[{group}]")),
+            );
+        }
+    }
+    cmd
+}
+
+/// The help text `kvtide-owner --help` prints.
+pub fn usage() -> String {
+    command().render_long_help().to_string()
+}
 
 impl OwnerSettings {
-    /// Parses command-line flags (without the program name). `Ok(None)` means help was asked for.
+    /// Parses command-line flags (without the program name). `Ok(None)`: help or the version
+    /// was asked for, and printed into the `Err`-free text of `parse_command_line`.
     pub fn parse_flags(args: impl IntoIterator<Item = String>) -> Result<Option<Flags>, String> {
-        let mut flags = Flags::default();
-        let mut args = args.into_iter();
-        while let Some(arg) = args.next() {
-            let (flag, inline) = match arg.split_once('=') {
-                Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-                _ => (arg.clone(), None),
-            };
-            let mut value = |name: &str| -> Result<String, String> {
-                inline.clone().or_else(|| args.next()).ok_or_else(|| format!("{name} needs a value"))
-            };
-            let (group, field, text) = match flag.as_str() {
-                "-h" | "--help" => return Ok(None),
-                "--config" => {
-                    flags.config = Some(PathBuf::from(value(&flag)?));
-                    continue;
-                }
-                "--data-dir" => ("owner", "data_dir", value(&flag)?),
-                "--unix" => ("owner", "unix_socket", value(&flag)?),
-                "--tcp" => ("owner", "tcp", value(&flag)?),
-                "--token-file" => ("owner", "token_file", value(&flag)?),
-                "--no-auth" => ("owner", "tcp_auth", "false".into()),
-                "--no-shared-arena" | "--no-shm" => ("owner", "share_arena", "false".into()),
-                "--no-ssd" => ("owner", "ssd", "false".into()),
-                "--dram-bytes" => ("dram", "bytes", value(&flag)?),
-                "--ssd-bytes" => ("ssd", "bytes", value(&flag)?),
-                "--shards" => ("runtime", "shards", value(&flag)?),
-                "--max-connections" => ("owner", "max_connections", value(&flag)?),
-                "--metrics-addr" => ("owner", "metrics_addr", value(&flag)?),
-                other => return Err(format!("unknown option {other:?} (try --help)")),
-            };
-            flags.sets.push((group, field, text));
+        match Self::parse_command_line(args)? {
+            Invocation::Serve { flags, .. } => Ok(Some(flags)),
+            Invocation::Print(_) => Ok(None),
         }
-        Ok(Some(flags))
+    }
+
+    /// Parses the command line into flags, or the text of `--help` / `--version`.
+    fn parse_command_line(args: impl IntoIterator<Item = String>) -> Result<Invocation, String> {
+        let argv = std::iter::once("kvtide-owner".to_string()).chain(args);
+        let matches = match command().try_get_matches_from(argv) {
+            Ok(m) => m,
+            Err(e) => {
+                return match e.kind() {
+                    clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                        Ok(Invocation::Print(e.render().to_string()))
+                    }
+                    _ => Err(e.render().to_string().trim_end().trim_start_matches("error: ").to_string()),
+                };
+            }
+        };
+        let given = |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        let mut flags = Flags {
+            config: matches.get_one::<String>("config").map(PathBuf::from),
+            print_config: matches.get_flag("print-config"),
+            log_json: matches.get_one::<String>("log-format").is_some_and(|f| f == "json"),
+            ..Flags::default()
+        };
+        for (flag, group, field, fixed) in SHORTHANDS {
+            if given(flag) {
+                let value = match fixed {
+                    Some(v) => v.to_string(),
+                    None => matches.get_one::<String>(flag).cloned().unwrap_or_default(),
+                };
+                flags.sets.push((group, field, value));
+            }
+        }
+        for (group, fields) in OwnerSettings::default().groups() {
+            for f in fields {
+                let id = flag_name(group, f.name);
+                if given(&id) {
+                    flags.sets.push((group, f.name, matches.get_one::<String>(&id).cloned().unwrap_or_default()));
+                }
+            }
+        }
+        Ok(Invocation::Serve { settings: Box::default(), flags })
     }
 
     /// Variables, then the TOML text, then the flags, each over the previous (the file named
     /// by `flags.config` is not read here: pass its text).
     pub fn layered(vars: &[(String, String)], toml: Option<&str>, flags: &Flags) -> Result<OwnerSettings, String> {
         let mut s = OwnerSettings::default();
-        let mut given = settings::apply_variables(&mut s, vars.iter().cloned())?;
+        let mut given: Vec<(&'static str, &'static str, Source)> =
+            settings::apply_variables(&mut s, vars.iter().cloned())?
+                .into_iter()
+                .map(|(g, f)| (g, f, Source::Variable))
+                .collect();
         if let Some(text) = toml {
-            given.extend(settings::apply_toml(&mut s, text)?);
+            given.extend(settings::apply_toml(&mut s, text)?.into_iter().map(|(g, f)| (g, f, Source::File)));
         }
         for (group, field, text) in &flags.sets {
-            let flag_name = format!("[{group}] {field}");
-            if !s.set(group, field, text).map_err(|why| format!("{flag_name} = {text:?}: {why}"))? {
-                return Err(format!("no setting {flag_name}"));
+            let setting = format!("--{} ([{group}] {field})", flag_name(group, field));
+            if !s.set(group, field, text).map_err(|why| format!("{setting} {text:?}: {why}"))? {
+                return Err(format!("no setting {setting}"));
             }
-            given.push((group, field));
+            given.push((group, field, Source::Flag));
         }
         s.given = given;
         Ok(s)
     }
 
-    /// Flags, the file they name and the process's variables: what `kvtide-owner` runs with.
-    /// `Ok(None)` means help was asked for.
-    pub fn load(
-        args: impl IntoIterator<Item = String>,
-        vars: &[(String, String)],
-    ) -> Result<Option<OwnerSettings>, String> {
-        let Some(flags) = OwnerSettings::parse_flags(args)? else { return Ok(None) };
+    /// Flags, the file they name and the process's variables: what `kvtide-owner` runs with,
+    /// or the help or version text to print.
+    pub fn load(args: impl IntoIterator<Item = String>, vars: &[(String, String)]) -> Result<Invocation, String> {
+        let flags = match OwnerSettings::parse_command_line(args)? {
+            Invocation::Serve { flags, .. } => flags,
+            print => return Ok(print),
+        };
         let text = match &flags.config {
             Some(path) => {
                 Some(std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?)
@@ -247,12 +350,51 @@ impl OwnerSettings {
             Some(path) => format!("{}: {e}", path.display()),
             None => e,
         })?;
-        Ok(Some(settings))
+        Ok(Invocation::Serve { settings: Box::new(settings), flags })
+    }
+
+    /// Where `[group] field` was given, if it was.
+    pub fn source_of(&self, group: &str, field: &str) -> Option<Source> {
+        self.given.iter().rev().find(|(g, f, _)| *g == group && *f == field).map(|(_, _, s)| *s)
+    }
+
+    /// The effective configuration after `resolve`, as TOML: every setting with its value and,
+    /// in a comment, where it came from (flag, file, variable, derived at start, or default).
+    pub fn effective_config(&self, resolved: &ResolvedOwner) -> String {
+        let defaults = OwnerSettings::default();
+        // What resolve derived for the owner's own settings.
+        let mut owner = self.owner.clone();
+        owner.data_dir = Some(resolved.data_dir.clone());
+        owner.unix_socket =
+            Some(resolved.owner.unix_socket.as_ref().map_or_else(|| "off".to_string(), |p| p.display().to_string()));
+        owner.token_file = resolved.token_file.as_ref().map(|(p, _)| p.clone());
+        owner.connection_buffered_bytes = Some(resolved.owner.connection_share_bytes());
+        let effective = OwnerSettings { store: resolved.store.clone(), owner, given: Vec::new() };
+        let mut out =
+            String::from("# kvtide-owner: effective configuration (flag > file > variable > derived > default)\n");
+        for (group, fields) in effective.groups() {
+            out.push_str(&format!("\n[{group}]\n"));
+            for f in fields {
+                let value = effective.show(group, f.name).unwrap_or_default();
+                let source = match self.source_of(group, f.name) {
+                    Some(Source::Flag) => format!("flag --{}", flag_name(group, f.name)),
+                    Some(Source::File) => "file".to_string(),
+                    Some(Source::Variable) => format!("variable {}", settings::variable_name(group, f.name)),
+                    None if defaults.show(group, f.name) != Some(value.clone()) => "derived".to_string(),
+                    None => "default".to_string(),
+                };
+                match toml_value(&value) {
+                    Some(v) => out.push_str(&format!("{} = {v}  # {source}\n", f.name)),
+                    None => out.push_str(&format!("# {} unset  # {source}\n", f.name)),
+                }
+            }
+        }
+        out
     }
 
     /// True when `[group] field` was given rather than left to its default.
     pub fn is_given(&self, group: &str, field: &str) -> bool {
-        self.given.iter().any(|(g, f)| *g == group && *f == field)
+        self.given.iter().any(|(g, f, _)| *g == group && *f == field)
     }
 
     /// Derives everything left out, creates the data directory (0700) and, for TCP with
@@ -363,6 +505,47 @@ impl OwnerSettings {
         };
         Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
     }
+}
+
+/// A setting's value as `show` writes it (`{:?}`), as a TOML value; None for an unset option.
+fn toml_value(debug: &str) -> Option<String> {
+    if debug == "None" {
+        return None;
+    }
+    let inner = debug.strip_prefix("Some(").and_then(|v| v.strip_suffix(')')).unwrap_or(debug);
+    Some(inner.to_string())
+}
+
+/// The configuration reference in docs/configuration.md: every setting of the engine and the
+/// owner, from the declarations themselves (name, TOML key, variable, flag, default, doc).
+pub fn configuration_reference() -> String {
+    let defaults = OwnerSettings::default();
+    let mut out = String::new();
+    for (group, fields) in defaults.groups() {
+        let scope = if group == <OwnerGroup as settings::SettingGroup>::NAME {
+            "kvtide-owner only"
+        } else {
+            "embedded engine and kvtide-owner"
+        };
+        out.push_str(&format!("### `[{group}]` ({scope})\n\n"));
+        out.push_str("| key | variable | flag | default | meaning |\n|---|---|---|---|---|\n");
+        for f in fields {
+            let default = defaults
+                .show(group, f.name)
+                .and_then(|v| toml_value(&v))
+                .map_or_else(|| "unset".to_string(), |v| format!("`{v}`"));
+            out.push_str(&format!(
+                "| `{}` | `{}` | `--{}` | {} | {} |\n",
+                f.name,
+                settings::variable_name(group, f.name),
+                flag_name(group, f.name),
+                default,
+                one_line(f.doc).replace('|', "\\|"),
+            ));
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// The Unix socket of an owner started with defaults (`kvtide-owner status`): the default data
@@ -566,6 +749,90 @@ mod tests {
         assert_eq!((r.owner.max_connections, r.owner.max_items, r.owner.shutdown_grace_ms), (64, 1024, 1000));
         assert_eq!((r.owner.max_payload_bytes, r.owner.chunk_bytes), (2 << 20, 512 << 10));
         let _ = std::fs::remove_dir_all("/tmp/kvtide-owner-settings-example");
+    }
+
+    #[test]
+    fn every_setting_is_a_flag_and_the_printed_configuration_reads_back() {
+        let defaults = OwnerSettings::default();
+        let mut args = Vec::new();
+        let mut env = Vec::new();
+        for (group, fields) in defaults.groups() {
+            for f in fields {
+                args.push(format!("--{}", flag_name(group, f.name)));
+                args.push(f.example.to_string());
+                env.push((settings::variable_name(group, f.name), f.example.to_string()));
+            }
+        }
+        let by_flags = OwnerSettings::layered(&[], None, &flags(&args.iter().map(String::as_str).collect::<Vec<_>>()))
+            .expect("every flag");
+        let by_env = OwnerSettings::layered(&env, None, &Flags::default()).expect("every variable");
+        for (group, fields) in defaults.groups() {
+            for f in fields {
+                assert_eq!(by_flags.show(group, f.name), by_env.show(group, f.name), "--{}", flag_name(group, f.name));
+                assert_eq!(by_flags.source_of(group, f.name), Some(Source::Flag));
+            }
+        }
+        // Flags beat variables, and the printed configuration says where each value came from.
+        let dir = temp_dir("print-config");
+        let env = vars(&[("KVTIDE_DRAM_EVICTION", "lru"), ("KVTIDE_RUNTIME_MAX_KEY_BYTES", "100")]);
+        let file = in_dir(&dir, "ssd = false\n");
+        let f = flags(&["--runtime-max-key-bytes", "300", "--tcp", "off", "--print-config", "--log-format", "json"]);
+        assert!(f.print_config && f.log_json);
+        let s = OwnerSettings::layered(&env, Some(&file), &f).expect("settings");
+        let r = s.resolve(&env).expect("resolve");
+        let printed = s.effective_config(&r);
+        assert!(printed.contains("max_key_bytes = 300  # flag --runtime-max-key-bytes"), "{printed}");
+        assert!(printed.contains("eviction = \"lru\"  # variable KVTIDE_DRAM_EVICTION"), "{printed}");
+        assert!(printed.contains("ssd = false  # file"), "{printed}");
+        assert!(
+            printed.contains(&format!("unix_socket = {:?}  # derived", dir.join("owner.sock").display().to_string()))
+        );
+        assert!(printed.contains("low_watermark = 0.85  # default"), "{printed}");
+        // It is a settings file: read back, it gives the same effective values.
+        let again = OwnerSettings::layered(&[], Some(&printed), &Flags::default()).expect("the printed file reads");
+        let r2 = again.resolve(&[]).expect("resolve");
+        assert_eq!(
+            again.effective_config(&r2).lines().filter(|l| !l.starts_with('#')).count(),
+            printed.lines().filter(|l| !l.starts_with('#')).count()
+        );
+        assert_eq!((r2.store.runtime.max_key_bytes, r2.owner.unix_socket), (300, r.owner.unix_socket));
+        // Bad flags are errors; help and the version are text to print.
+        assert!(OwnerSettings::parse_flags(["--dram-bytes".to_string()]).is_err(), "a value is needed");
+        assert!(OwnerSettings::layered(&[], None, &flags(&["--dram-bytes", "lots"])).is_err());
+        for ask in ["--help", "--version"] {
+            match OwnerSettings::load([ask.to_string()], &[]).expect(ask) {
+                Invocation::Print(text) => assert!(text.contains(if ask == "--help" { "--dram-bytes" } else { "0." })),
+                other => panic!("{ask}: {other:?}"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// docs/configuration.md carries the reference generated from the declarations; this fails
+    /// when a setting changed and the file did not (UPDATE_CONFIG_REFERENCE=1 rewrites it).
+    #[test]
+    fn the_configuration_reference_is_current() {
+        const BEGIN: &str = "<!-- BEGIN GENERATED SETTINGS REFERENCE -->\n";
+        const END: &str = "<!-- END GENERATED SETTINGS REFERENCE -->";
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+        let text = std::fs::read_to_string(&path).expect("docs/configuration.md");
+        let (head, rest) = text.split_once(BEGIN).expect("the BEGIN marker");
+        let (current, tail) = rest.split_once(END).expect("the END marker");
+        let generated = configuration_reference();
+        if std::env::var_os("UPDATE_CONFIG_REFERENCE").is_some() {
+            std::fs::write(&path, format!("{head}{BEGIN}{generated}{END}{tail}")).expect("write");
+            return;
+        }
+        assert!(
+            current == generated,
+            "docs/configuration.md is stale: run UPDATE_CONFIG_REFERENCE=1 cargo test -p kvtide-remote --lib \
+             the_configuration_reference_is_current"
+        );
+        for (group, fields) in OwnerSettings::default().groups() {
+            for f in fields {
+                assert!(current.contains(&settings::variable_name(group, f.name)), "[{group}] {}", f.name);
+            }
+        }
     }
 
     #[test]

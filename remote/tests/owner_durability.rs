@@ -361,3 +361,65 @@ fn the_metrics_endpoint_serves_prometheus_text_that_moves() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("loopback only"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The command line as an operator meets it: `--help` lists every setting's flag, `--version`,
+/// `--print-config` prints a TOML file of the effective values, `--log-format json` logs JSON
+/// objects, and a bad flag is one clear error.
+#[test]
+fn the_command_line_lists_every_setting_and_prints_its_configuration() {
+    use kvtide::settings::Settings;
+    let run = |args: &[&str]| Command::new(owner_binary()).args(args).env("KVTIDE_LOG", "info").output().expect("run");
+    let help = run(&["--help"]);
+    assert!(help.status.success());
+    let help = String::from_utf8_lossy(&help.stdout).to_string();
+    let all = kvtide_remote::OwnerSettings::default();
+    for (group, fields) in all.groups() {
+        for f in fields {
+            let flag = format!("--{}", kvtide_remote::flag_name(group, f.name));
+            assert!(help.contains(&flag), "--help lacks {flag} ([{group}] {})", f.name);
+        }
+    }
+    let version = run(&["--version"]);
+    assert_eq!(String::from_utf8_lossy(&version.stdout).trim(), format!("kvtide-owner {}", env!("CARGO_PKG_VERSION")));
+    let bad = run(&["--dram-bytez", "1GiB"]);
+    assert_eq!(bad.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.starts_with("kvtide-owner: ") && stderr.contains("--dram-bytez"), "{stderr}");
+
+    let dir = tmp("print-config");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let d = dir.display().to_string();
+    let printed = run(&["--data-dir", &d, "--no-ssd", "--tcp", "off", "--dram-bytes", "64MiB", "--print-config"]);
+    assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
+    let text = String::from_utf8_lossy(&printed.stdout).to_string();
+    assert!(text.contains("bytes = 67108864  # flag --dram-bytes"), "{text}");
+    let table: toml::Table = text.parse().expect("the printed configuration is TOML");
+    assert_eq!(table["owner"]["tcp"].as_str(), Some("off"));
+    assert!(!dir.join("owner.sock").exists(), "printing the configuration starts nothing");
+
+    // JSON logs: every line the owner writes to stderr is one JSON object.
+    let mut owner = Command::new(owner_binary())
+        .args(["--data-dir", &d, "--no-ssd", "--tcp", "off", "--dram-bytes", "64MiB", "--log-format", "json"])
+        .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
+        .env("KVTIDE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while RemoteStore::connect(&format!("unix:{}", dir.join("owner.sock").display())).is_err() {
+        assert!(Instant::now() < deadline, "never served");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: kill with a valid pid of our own child and a valid signal.
+    unsafe { libc::kill(owner.id() as libc::pid_t, libc::SIGTERM) };
+    let mut logs = String::new();
+    std::io::Read::read_to_string(owner.stderr.as_mut().expect("stderr"), &mut logs).expect("logs");
+    assert!(owner.wait().expect("reap").success());
+    let lines: Vec<&str> = logs.lines().collect();
+    assert!(lines.len() >= 2, "{logs}");
+    for line in lines {
+        assert!(line.starts_with('{') && line.ends_with('}') && line.contains("\"level\""), "not JSON: {line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

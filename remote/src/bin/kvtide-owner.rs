@@ -9,15 +9,9 @@
 use std::sync::Arc;
 
 use kvtide::Store;
-use kvtide_remote::{Owner, OwnerSettings, OWNER_USAGE};
+use kvtide_remote::{Invocation, Owner, OwnerSettings};
 
 fn main() {
-    let filter = std::env::var("KVTIDE_LOG").unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     if let Err(e) = run() {
         // Printed once, on stderr (the log goes there too, so it is not logged as well).
         eprintln!("kvtide-owner: {e}");
@@ -25,20 +19,37 @@ fn main() {
     }
 }
 
-fn run() -> Result<(), String> {
-    if std::env::args().skip(1).any(|a| a == "--version" || a == "-V") {
-        println!("kvtide-owner {}", env!("CARGO_PKG_VERSION"));
-        return Ok(());
+/// Logs to stderr, filtered by `KVTIDE_LOG`, else `RUST_LOG`, else "info"; JSON lines when asked.
+fn init_logging(json: bool) {
+    let filter = std::env::var("KVTIDE_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init();
     }
+}
+
+fn run() -> Result<(), String> {
     let vars: Vec<(String, String)> = std::env::vars().collect();
     if std::env::args().nth(1).as_deref() == Some("status") {
+        init_logging(false);
         return status(std::env::args().nth(2), &vars);
     }
-    let Some(settings) = OwnerSettings::load(std::env::args().skip(1), &vars)? else {
-        print!("{OWNER_USAGE}");
-        return Ok(());
+    let (settings, flags) = match OwnerSettings::load(std::env::args().skip(1), &vars)? {
+        Invocation::Serve { settings, flags } => (settings, flags),
+        Invocation::Print(text) => {
+            print!("{text}");
+            return Ok(());
+        }
     };
+    init_logging(flags.log_json);
     let resolved = settings.resolve(&vars)?;
+    if flags.print_config {
+        print!("{}", settings.effective_config(&resolved));
+        return Ok(());
+    }
 
     // Block the stop signals in every thread (shards and connections inherit the mask), and
     // take them synchronously on one thread below.
