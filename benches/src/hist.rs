@@ -61,13 +61,11 @@ impl Histogram {
     }
 
     /// Number of recorded values.
-    #[cfg(test)]
     pub fn count(&self) -> u64 {
         self.total
     }
 
     /// Largest recorded value.
-    #[cfg(test)]
     pub fn max(&self) -> u64 {
         self.max
     }

@@ -52,6 +52,7 @@ mod gpu_remote;
 #[cfg(feature = "cuda")]
 mod gpu_restore;
 mod hist;
+mod idle;
 #[cfg(feature = "cuda")]
 mod layerwise;
 mod pycall;
@@ -103,6 +104,8 @@ enum Command {
     Remote(remote::RemoteArgs),
     /// Chunk handles vs whole-object reads; progressive put + follow vs put-then-get.
     Stream(stream::StreamArgs),
+    /// Thousands of idle connections to one owner: threads, memory, a busy client's latency.
+    IdleConnections(idle::IdleArgs),
     /// One batch read through the Rust API: the baseline of python/bench/overhead.py.
     PyCall(pycall::PyCallArgs),
     /// The owner process `remote` starts (internal).
@@ -120,6 +123,7 @@ fn main() {
         Command::Restore(args) => restore::run(&args),
         Command::Remote(args) => remote::run(&args),
         Command::Stream(args) => stream::run(&args),
+        Command::IdleConnections(args) => idle::run(&args),
         Command::RemoteOwner(args) => remote::run_owner(&args),
         Command::PyCall(args) => pycall::run(&args),
         #[cfg(feature = "cuda")]

@@ -71,6 +71,9 @@ pub struct RemoteOwnerArgs {
     pub dram_bytes: u64,
     #[arg(long)]
     pub shards: Option<usize>,
+    /// Connections served at once (the owner's default when left out).
+    #[arg(long)]
+    pub max_connections: Option<usize>,
 }
 
 /// Runs the owner until its stdin closes; prints `READY <tcp addr>` once serving.
@@ -84,8 +87,12 @@ pub fn run_owner(args: &RemoteOwnerArgs) -> Result<(), String> {
         tcp: Some(args.tcp),
         // Loopback benchmark: the token handshake costs one round trip per connection only.
         allow_unauthenticated_loopback: true,
+        max_connections: args.max_connections.unwrap_or(OwnerConfig::default().max_connections),
         ..OwnerConfig::default()
     };
+    if args.max_connections.is_some() {
+        crate::idle::raise_fd_limit();
+    }
     let owner = Owner::start(Arc::clone(&engine), config).map_err(|e| e.to_string())?;
     let addr = owner.tcp_addr().ok_or("no tcp address")?;
     println!("READY {addr}");

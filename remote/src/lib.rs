@@ -13,6 +13,7 @@ mod auth;
 mod client;
 mod error;
 mod metrics;
+mod park;
 pub mod protocol;
 mod server;
 mod settings;

@@ -174,7 +174,14 @@ impl Collector for OwnerCollector {
 
         let c = &self.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let owner: [(&str, &str, Kind, u64); 10] = [
+        let owner: [(&str, &str, Kind, u64); 12] = [
+            ("kvtide_owner_connection_threads", "threads serving connections now", Gauge, r(&c.connection_threads)),
+            (
+                "kvtide_owner_connections_parked",
+                "idle connections parked without a thread",
+                Gauge,
+                r(&c.connections_parked),
+            ),
             ("kvtide_owner_connections_accepted", "connections accepted", Counter, r(&c.connections_accepted)),
             ("kvtide_owner_connections_open", "connections holding a slot", Gauge, r(&c.connections_open)),
             ("kvtide_owner_handshakes_open", "TCP connections in their handshake", Gauge, r(&c.handshakes_open)),

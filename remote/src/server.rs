@@ -24,6 +24,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::auth::Token;
+use crate::park::{Parkable, Parker, Workers};
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_key_page, encode_object, encode_statuses,
     end_frame, FrameHeader, GetItem, Grant, GrantsPart, Hello, HelloOk, LenCheck, Limits, NextPart, Op, ProtocolError,
@@ -202,6 +203,11 @@ pub struct OwnerCounters {
     pub batch_items: AtomicU64,
     /// Time to serve each request (from its first byte to its reply flushed), by kind.
     pub latency: crate::metrics::RequestLatency,
+    /// Threads serving connections now (gauge): connections in a request, their handshake, or
+    /// within `PARK_AFTER` of their last request.
+    pub connection_threads: Arc<AtomicU64>,
+    /// Connections parked without a thread between requests (gauge).
+    pub connections_parked: Arc<AtomicU64>,
 }
 
 struct Shared {
@@ -219,12 +225,101 @@ struct Shared {
     arena_bytes: u64,
     shm_fd: Option<OwnedFd>,
     counters: Arc<OwnerCounters>,
+    /// Threads that serve connections while they are active.
+    workers: Workers<Job>,
+    /// Idle connections, without a thread, until their next request.
+    parker: Parker<Parked>,
+}
+
+/// Work for a connection thread.
+enum Job {
+    /// A connection just accepted: handshake, then requests.
+    New { slot: Slot, stream: Stream, accepted_at: Instant },
+    /// A parked connection whose next request arrived.
+    Resume(Box<Parked>),
+}
+
+/// A connection parked between requests: everything it holds, without a thread.
+struct Parked {
+    // In drop order: leases and window back first, then the socket, then the slot.
+    leases: HeldLeases,
+    window: Option<OwnedWindow>,
+    io: FrameIo,
+    next_lease: u64,
+    unix: bool,
+    /// Closed if no request arrives by then.
+    deadline: Instant,
+    slot: Slot,
+}
+
+impl Parkable for Parked {
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.io.stream().fd()
+    }
+
+    fn deadline(&self) -> Instant {
+        self.deadline
+    }
+}
+
+/// A connection that waited this long for its next request gives its thread back (parks).
+const PARK_AFTER: Duration = Duration::from_millis(50);
+
+/// The leases a connection holds, by id; given back (and uncounted) when dropped.
+struct HeldLeases {
+    map: HashMap<u64, ObjectLease>,
+    counters: Arc<OwnerCounters>,
+}
+
+impl std::ops::Deref for HeldLeases {
+    type Target = HashMap<u64, ObjectLease>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for HeldLeases {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
+    }
+}
+
+impl Drop for HeldLeases {
+    fn drop(&mut self) {
+        let n = self.map.len() as u64;
+        if n > 0 {
+            self.counters.leases_outstanding.fetch_sub(n, Ordering::Relaxed);
+        }
+        ObjectLease::release_all(std::mem::take(&mut self.map).into_values());
+    }
+}
+
+/// A connection's put window, counted in `put_window_bytes` until dropped.
+struct OwnedWindow {
+    window: PutWindow,
+    counters: Arc<OwnerCounters>,
+}
+
+impl std::ops::Deref for OwnedWindow {
+    type Target = PutWindow;
+    fn deref(&self) -> &PutWindow {
+        &self.window
+    }
+}
+
+impl Drop for OwnedWindow {
+    fn drop(&mut self) {
+        self.counters.put_window_bytes.fetch_sub(self.window.len(), Ordering::Relaxed);
+    }
 }
 
 /// Every open connection (so shutdown can close them) and the slots they hold.
 #[derive(Default)]
 struct ConnTable {
-    streams: HashMap<u64, Stream>,
+    /// A duplicate of each connection's socket, to shut it when the grace runs out (None while
+    /// it is parked: the poller closes parked connections itself, and an idle connection then
+    /// costs one descriptor, not two).
+    streams: HashMap<u64, Option<Stream>>,
     authenticated: usize,
     unauthenticated: usize,
 }
@@ -233,6 +328,7 @@ struct ConnTable {
 pub struct Owner {
     shared: Arc<Shared>,
     acceptors: Mutex<Vec<JoinHandle<()>>>,
+    poller: Mutex<Option<JoinHandle<()>>>,
     unix_path: Option<PathBuf>,
     tcp_addr: Option<SocketAddr>,
 }
@@ -280,8 +376,15 @@ impl Owner {
             max_key_bytes: engine.max_key_bytes().min(crate::protocol::MAX_WIRE_KEY_BYTES) as u32,
             max_value_bytes: engine.max_value_bytes(),
         };
+        let wake = WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?;
+        let counters = Arc::new(OwnerCounters::default());
+        let parker = Parker::new(wake.fd(), Arc::clone(&counters.connections_parked))
+            .map_err(|e| OwnerError::Io(format!("epoll: {e}")))?;
+        let workers = Workers::new("kvtide-conn", 512 << 10, run_job, Arc::clone(&counters.connection_threads));
         let shared = Arc::new(Shared {
-            wake: WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?,
+            wake,
+            workers,
+            parker,
             budget: Budget::new(&config),
             engine,
             limits,
@@ -293,9 +396,27 @@ impl Owner {
             arena_base,
             arena_bytes,
             shm_fd,
-            counters: Arc::default(),
+            counters,
             config,
         });
+        let poller = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("kvtide-park".into())
+                .spawn(move || {
+                    shared.parker.run(
+                        |parked| {
+                            if let Err(e) = shared.workers.submit(Job::Resume(Box::new(parked))) {
+                                tracing::warn!(error = %e, "cannot start a connection thread; connection closed");
+                            }
+                        },
+                        |_| {
+                            shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                        },
+                    )
+                })
+                .map_err(|e| OwnerError::Io(format!("spawn poller: {e}")))?
+        };
         let mut listeners = Vec::new();
         let mut unix_path = None;
         if let Some(path) = &shared.config.unix_socket {
@@ -327,7 +448,7 @@ impl Owner {
             max_connections = shared.config.max_connections,
             "kvtide owner serving"
         );
-        Ok(Owner { shared, acceptors: Mutex::new(acceptors), unix_path, tcp_addr })
+        Ok(Owner { shared, acceptors: Mutex::new(acceptors), poller: Mutex::new(Some(poller)), unix_path, tcp_addr })
     }
 
     /// The Unix socket path, when serving one.
@@ -371,6 +492,19 @@ impl Owner {
                 let _ = std::fs::remove_file(path);
             }
         }
+        self.wait_for_connections();
+        self.shared.parker.stop();
+        if let Some(poller) = self.poller.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = poller.join();
+        }
+        if first {
+            tracing::info!("kvtide owner stopped serving");
+        }
+    }
+
+    /// Waits until every connection ended, closing what is left after `shutdown_grace_ms`.
+    fn wait_for_connections(&self) {
+        let shared = &self.shared;
         let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
         let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + grace;
@@ -381,7 +515,7 @@ impl Owner {
                     connections = conns.streams.len(),
                     "shutdown grace passed; closing remaining connections"
                 );
-                conns.streams.values().for_each(Stream::shutdown);
+                conns.streams.values().flatten().for_each(Stream::shutdown);
                 let _ = shared
                     .conns_changed
                     .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.streams.is_empty())
@@ -389,9 +523,6 @@ impl Owner {
                 break;
             }
             conns = shared.conns_changed.wait_timeout(conns, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-        if first {
-            tracing::info!("kvtide owner stopped serving");
         }
     }
 }
@@ -574,7 +705,7 @@ fn admit(shared: &Arc<Shared>, stream: Stream) -> Option<Stream> {
             return refuse(stream, &StoreError::Busy { limit }.into());
         }
         let Ok(clone) = stream.try_clone() else { return None };
-        conns.streams.insert(id, clone);
+        conns.streams.insert(id, Some(clone));
         if authenticated {
             conns.authenticated += 1;
             shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
@@ -585,12 +716,8 @@ fn admit(shared: &Arc<Shared>, stream: Stream) -> Option<Stream> {
     }
     shared.counters.connections_accepted.fetch_add(1, Ordering::Relaxed);
     let slot = Slot { shared: Arc::clone(shared), id, authenticated };
-    let spawned = std::thread::Builder::new()
-        .name(format!("kvtide-conn-{id}"))
-        .stack_size(512 << 10)
-        .spawn(move || serve(slot, stream, accepted_at));
-    if let Err(e) = spawned {
-        // The closure, and with it the slot, was dropped: the connection is unregistered.
+    if let Err(e) = shared.workers.submit(Job::New { slot, stream, accepted_at }) {
+        // The job, and with it the slot, was dropped: the connection is unregistered.
         tracing::warn!(error = %e, "cannot start a connection thread");
     }
     None
@@ -622,6 +749,25 @@ impl Slot {
         self.shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
         self.authenticated = true;
         true
+    }
+}
+
+impl Slot {
+    /// Closes the registry's duplicate of a connection's socket while it is parked.
+    fn park_handle(&self) {
+        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(handle) = conns.streams.get_mut(&self.id) {
+            *handle = None;
+        }
+    }
+
+    /// Gives the registry a duplicate of a resumed connection's socket again.
+    fn unpark_handle(&self, stream: &Stream) {
+        let clone = stream.try_clone().ok();
+        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(handle) = conns.streams.get_mut(&self.id) {
+            *handle = clone;
+        }
     }
 }
 
@@ -657,67 +803,106 @@ fn refuse(stream: Stream, error: &Error) -> Option<Stream> {
     (!sock::drain(stream.fd())).then_some(stream)
 }
 
-fn serve(slot: Slot, stream: Stream, accepted_at: Instant) {
-    let shared = Arc::clone(&slot.shared);
-    let unix = stream.is_unix();
-    let mut conn = Connection {
-        shared: &shared,
-        io: FrameIo::new(stream),
-        leases: HashMap::new(),
-        next_lease: 1,
-        puts: HashMap::new(),
-        window: None,
-        unix,
-        slot,
+/// Serves a connection on a worker thread until it ends or goes idle (then it is parked).
+fn run_job(job: Job) {
+    let shared = match &job {
+        Job::New { slot, .. } => Arc::clone(&slot.shared),
+        Job::Resume(parked) => Arc::clone(&parked.slot.shared),
     };
-    let result = match conn.handshake(accepted_at) {
-        Err(WireError::Deadline) => {
-            shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
-            Err(WireError::Deadline)
-        }
-        Err(e) => Err(e),
-        Ok(()) => match conn.run() {
-            Err(WireError::Deadline) => {
-                shared.counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
-                Err(WireError::Deadline)
+    let mut conn = match job {
+        Job::New { slot, stream, accepted_at } => {
+            let unix = stream.is_unix();
+            let mut conn = Connection {
+                leases: HeldLeases { map: HashMap::new(), counters: Arc::clone(&shared.counters) },
+                window: None,
+                shared: &shared,
+                io: FrameIo::new(stream),
+                next_lease: 1,
+                puts: HashMap::new(),
+                unix,
+                slot,
+            };
+            let handshake = match conn.handshake(accepted_at) {
+                Err(WireError::Deadline) => {
+                    shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+                    Err(WireError::Deadline)
+                }
+                other => other,
+            };
+            if let Err(e) = handshake {
+                end(conn, Err(e));
+                return;
             }
-            other => other,
-        },
+            conn
+        }
+        Job::Resume(p) => {
+            p.slot.unpark_handle(p.io.stream());
+            Connection {
+                leases: p.leases,
+                window: p.window,
+                shared: &shared,
+                io: p.io,
+                next_lease: p.next_lease,
+                puts: HashMap::new(),
+                unix: p.unix,
+                slot: p.slot,
+            }
+        }
     };
+    match conn.run() {
+        Ok(Outcome::Idle { since }) if conn.puts.is_empty() => {
+            let Connection { leases, window, io, next_lease, unix, slot, .. } = conn;
+            let idle = Duration::from_millis(shared.config.idle_timeout_ms);
+            // Closing releases the leases; the client trusts them until their TTL.
+            let idle = if leases.is_empty() {
+                idle
+            } else {
+                idle.max(Duration::from_millis(u64::from(shared.config.lease_ttl_ms)))
+            };
+            slot.park_handle();
+            let parked = Parked { leases, window, io, next_lease, unix, deadline: since + idle, slot };
+            shared.parker.park(parked);
+        }
+        Ok(_) => end(conn, Ok(())),
+        Err(WireError::Deadline) => {
+            shared.counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
+            end(conn, Err(WireError::Deadline));
+        }
+        Err(e) => end(conn, Err(e)),
+    }
+}
+
+/// Ends a connection: its socket is shut, then everything it holds is given back.
+fn end(conn: Connection<'_>, result: WResult<()>) {
     match result {
         Ok(()) | Err(WireError::Closed(_)) => {}
         Err(e) => tracing::debug!(error = ?e, "connection ended"),
     }
     conn.io.stream().shutdown();
-    // `conn` drops here: every lease it still holds is released, then its slot.
 }
 
 struct Connection<'s> {
+    // In drop order: leases and window back first, then the socket, open puts, the slot.
+    leases: HeldLeases,
+    /// The put window, once the client asked for one (its bytes count in the gauge).
+    window: Option<OwnedWindow>,
     shared: &'s Arc<Shared>,
     io: FrameIo,
-    leases: HashMap<u64, ObjectLease>,
     next_lease: u64,
     /// Open progressive puts by stream id (the `PutOpen` request id); dropped (aborted) with
-    /// the connection, so a client that disconnects makes their readers fail.
+    /// the connection, so a client that disconnects makes their readers fail. A connection
+    /// with open puts keeps its thread (it is never parked).
     puts: HashMap<u64, PutStream<'s>>,
-    /// The put window, once the client asked for one (its bytes count in the gauge).
-    window: Option<PutWindow>,
     unix: bool,
-    // Last, so it is given back after the leases and the socket.
     slot: Slot,
 }
 
-impl Drop for Connection<'_> {
-    fn drop(&mut self) {
-        let n = self.leases.len() as u64;
-        if n > 0 {
-            self.shared.counters.leases_outstanding.fetch_sub(n, Ordering::Relaxed);
-        }
-        ObjectLease::release_all(std::mem::take(&mut self.leases).into_values());
-        if let Some(window) = self.window.take() {
-            self.shared.counters.put_window_bytes.fetch_sub(window.len(), Ordering::Relaxed);
-        }
-    }
+/// How a connection's run ended without an error.
+enum Outcome {
+    /// Closed (by the peer, a `Close` flow, the idle timeout or shutdown).
+    Done,
+    /// No request for `PARK_AFTER`: it may be parked; `since` is when it went idle.
+    Idle { since: Instant },
 }
 
 /// Whether a connection goes on after a request.
@@ -878,19 +1063,29 @@ impl Connection<'_> {
         Ok(())
     }
 
-    fn run(&mut self) -> WResult<()> {
+    fn run(&mut self) -> WResult<Outcome> {
         loop {
             self.io.set_read_deadline(None);
             if !self.io.spin_for_input()? {
-                let idle = sock::poll_timeout_ms(Some(self.idle_timeout()));
-                let (readable, woken) = sock::wait_readable(self.io.stream().fd(), self.shared.wake.fd(), idle)?;
+                // Without open puts, a connection that stays idle gives its thread back.
+                let since = Instant::now();
+                let parkable = self.puts.is_empty();
+                let wait = if parkable { PARK_AFTER.min(self.idle_timeout()) } else { self.idle_timeout() };
+                let (readable, woken) = sock::wait_readable(
+                    self.io.stream().fd(),
+                    self.shared.wake.fd(),
+                    sock::poll_timeout_ms(Some(wait)),
+                )?;
                 if woken && !readable {
-                    return Ok(());
+                    return Ok(Outcome::Done);
+                }
+                if !readable && parkable && wait < self.idle_timeout() {
+                    return Ok(Outcome::Idle { since });
                 }
                 if !readable {
                     self.shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!("closing an idle connection");
-                    return Ok(());
+                    return Ok(Outcome::Done);
                 }
             }
             // From a frame's first byte, the whole frame must arrive in time.
@@ -913,7 +1108,7 @@ impl Connection<'_> {
             }
             self.shared.counters.latency.record(op, started.elapsed());
             if flow == Flow::Close || (shutting && self.io.buffered() == 0) {
-                return Ok(());
+                return Ok(Outcome::Done);
             }
         }
     }
@@ -1225,7 +1420,7 @@ impl Connection<'_> {
         match PutWindow::create(bytes) {
             Ok((window, fd)) => {
                 // Counted from here on; the connection's drop gives the bytes back.
-                self.window = Some(window);
+                self.window = Some(OwnedWindow { window, counters: Arc::clone(&self.shared.counters) });
                 self.io.push_frame(Op::Window, rid, &bytes.to_le_bytes());
                 self.io.flush_with_fd(Some(fd.as_fd()))?;
             }

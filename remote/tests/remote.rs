@@ -2192,3 +2192,72 @@ fn dram_batches_come_in_parts_a_client_may_hold_while_the_next_is_leased() {
     drop(owner);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Waits until `gauge` reads `want` (10 s at most).
+fn wait_gauge(gauge: &std::sync::atomic::AtomicU64, want: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge.load(Ordering::SeqCst) != want {
+        assert!(Instant::now() < deadline, "{what}: {} (want {want})", gauge.load(Ordering::SeqCst));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Idle connections cost no thread: they park between requests (with their leases), each wakes
+/// on its next request, a busy client is served meanwhile, and parked connections still close
+/// at their idle timeout and at shutdown.
+#[test]
+fn idle_connections_park_without_a_thread_and_wake_on_their_next_request() {
+    let e = engine(64 << 20);
+    let dir = temp_dir("parked");
+    let owner = guarded_owner(&e, &dir, |c| {
+        c.max_connections = 400;
+        c.idle_timeout_ms = 60_000;
+    });
+    e.put(b"k", &[7u8; 5000], PutOptions::UPSERT).expect("put");
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let idle: Vec<RemoteStore> = (0..200)
+        .map(|_| {
+            RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect")
+        })
+        .collect();
+    // And one with the shared arena mapped.
+    let mapped = unix_client(&owner);
+    let counters = owner.counters();
+    wait_gauge(&counters.connections_parked, 201, "parked connections");
+    wait_gauge(&counters.connection_threads, 0, "connection threads");
+    assert_eq!(counters.connections_open.load(Ordering::SeqCst), 201);
+    // A busy client is served (its connection gets a thread, then parks again).
+    let busy = unix_client(&owner);
+    for _ in 0..100 {
+        assert_eq!(busy.get(b"k").expect("get"), vec![7u8; 5000]);
+    }
+    // Every parked connection wakes on its next request.
+    for (i, client) in idle.iter().enumerate() {
+        assert_eq!(client.get(b"k").expect("get"), vec![7u8; 5000], "client {i}");
+    }
+    wait_gauge(&counters.connections_parked, 202, "parked again");
+    wait_gauge(&counters.connection_threads, 0, "threads given back");
+    drop(idle);
+    drop((mapped, busy));
+    wait_gauge(&counters.connections_open, 0, "closed with their clients");
+    wait_gauge(&counters.connections_parked, 0, "nothing parked");
+    wait_idle(&owner);
+
+    // A parked connection still closes at its idle timeout.
+    drop(owner);
+    let owner = guarded_owner(&e, &dir, |c| {
+        c.idle_timeout_ms = 300;
+        c.shutdown_grace_ms = 10_000;
+    });
+    let client = unix_client(&owner);
+    let closed = owner.counters().idle_closed.load(Ordering::SeqCst);
+    wait_gauge(&owner.counters().connections_open, 0, "idle timeout");
+    assert!(owner.counters().idle_closed.load(Ordering::SeqCst) > closed);
+    assert_eq!(client.get(b"k").expect("a new connection"), vec![7u8; 5000]);
+    // Shutdown closes parked connections at once, without waiting out its grace.
+    let started = Instant::now();
+    drop(owner);
+    assert!(started.elapsed() < Duration::from_secs(5), "shutdown waited {:?}", started.elapsed());
+    drop(client);
+    let _ = std::fs::remove_dir_all(dir);
+}
