@@ -59,6 +59,7 @@ mod pycall;
 mod remote;
 mod restore;
 mod ssd;
+mod start;
 mod stream;
 mod util;
 
@@ -106,6 +107,8 @@ enum Command {
     Stream(stream::StreamArgs),
     /// Thousands of idle connections to one owner: threads, memory, a busy client's latency.
     IdleConnections(idle::IdleArgs),
+    /// kvtide-owner's time from start to serving, per arena size, vs starting the binary at all.
+    StartToListen(start::StartArgs),
     /// One batch read through the Rust API: the baseline of python/bench/overhead.py.
     PyCall(pycall::PyCallArgs),
     /// The owner process `remote` starts (internal).
@@ -124,6 +127,7 @@ fn main() {
         Command::Remote(args) => remote::run(&args),
         Command::Stream(args) => stream::run(&args),
         Command::IdleConnections(args) => idle::run(&args),
+        Command::StartToListen(args) => start::run(&args),
         Command::RemoteOwner(args) => remote::run_owner(&args),
         Command::PyCall(args) => pycall::run(&args),
         #[cfg(feature = "cuda")]

@@ -423,3 +423,45 @@ fn the_command_line_lists_every_setting_and_prints_its_configuration() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What a new user does: `kvtide-owner` with no flags at all, under a fresh HOME (no data
+/// directory variables), stopped and started again: both starts serve, on the default socket,
+/// and the second one still has what the first stored.
+#[test]
+fn the_owner_with_no_flags_under_a_fresh_home_starts_twice() {
+    let home = tmp("fresh-home");
+    std::fs::create_dir_all(&home).expect("home");
+    let socket = format!("unix:{}", home.join(".local/share/kvtide/owner.sock").display());
+    let start = || {
+        let child = Command::new(owner_binary())
+            .env_clear()
+            .env("HOME", &home)
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("KVTIDE_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let mut child = KillOnDrop(Some(child));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let store = loop {
+            if let Ok(store) = RemoteStore::connect(&socket) {
+                break store;
+            }
+            let running = child.0.as_mut().map(|c| c.try_wait().expect("poll").is_none());
+            assert_eq!(running, Some(true), "the owner exited");
+            assert!(Instant::now() < deadline, "never served at {socket}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        (child, store)
+    };
+    let (mut first, store) = start();
+    store.put(b"fresh/kept", &[9u8; 10_000], PutOptions::INSERT).expect("put");
+    drop(store);
+    stop(first.0.take().expect("running"));
+    let (mut second, store) = start();
+    assert_eq!(store.get(b"fresh/kept").expect("kept across the restart"), vec![9u8; 10_000]);
+    drop(store);
+    stop(second.0.take().expect("running"));
+    assert!(home.join(".local/share/kvtide/ssd/FORMAT").exists(), "the SSD tier in the default data directory");
+    let _ = std::fs::remove_dir_all(&home);
+}
