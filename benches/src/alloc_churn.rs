@@ -96,9 +96,12 @@ pub fn run(args: &AllocChurnArgs) -> Result<(), String> {
     let workloads =
         [SizeDist::LogUniform { min: args.min_bytes, max: args.max_bytes }, SizeDist::Fixed(args.page_bytes)];
     let mut results = Vec::new();
+    let bar = crate::util::steps(workloads.len() as u64, "alloc-churn: workloads");
     for dist in workloads {
         results.push(churn(args, dist, timer_ns)?);
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     println!();
     println!(
         "| sizes | fill allocs | churn allocs | failed | frag failures (free >= request) | peak util | mean util \

@@ -64,6 +64,9 @@ pub struct DramArgs {
     /// Also print one JSON line per result.
     #[arg(long)]
     pub json: bool,
+    /// Draw the get latency CDF of each system into this SVG file.
+    #[arg(long)]
+    pub plot: Option<std::path::PathBuf>,
     /// RNG seed (each thread derives its own from it).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -302,6 +305,13 @@ pub fn run(args: &DramArgs) -> Result<(), String> {
     }
 
     print_table(args, &results);
+    if let Some(path) = &args.plot {
+        let series: Vec<(String, &Histogram)> =
+            results.iter().map(|r| (format!("{} get", r.system), &r.tally.get_hist)).collect();
+        let title = format!("get latency, {} values, {} threads", fmt_bytes(args.value_bytes), args.threads);
+        crate::plot::latency_cdfs(path, &title, &series)?;
+        println!("latency CDFs: {}", path.display());
+    }
     Ok(())
 }
 

@@ -86,12 +86,14 @@ pub fn run(args: &EvictionArgs) -> Result<(), String> {
     let (mut wins, mut cells) = ([0usize; 2], 0usize);
     let mut ties = 0usize;
     let started = Instant::now();
+    let bar = crate::util::steps((dists.len() * args.zipf.len()) as u64, "eviction: traces");
     for dist in dists {
         let mut size_rng = SmallRng::seed_from_u64(args.seed ^ 0x5153_4553);
         let sizes: Vec<u64> = (0..args.keys).map(|_| dist.sample(&mut size_rng)).collect();
         let total_bytes: u64 = sizes.iter().sum();
         let mut rows = Vec::new();
         for &s in &args.zipf {
+            bar.inc(1);
             let zipf = Zipf::new(args.keys as f64, s).map_err(|e| format!("zipf {s}: {e}"))?;
             let mut rng = SmallRng::seed_from_u64(args.seed);
             let trace: Vec<(u64, u64)> = (0..args.requests)

@@ -262,6 +262,7 @@ pub fn run(args: &GpuRemoteArgs) -> Result<(), String> {
     );
     println!("| layout | path | raw H2D GB/s | embedded GB/s | 1 reader GB/s | x embedded | 2 readers GB/s | 4 readers GB/s | max readers x raw |");
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let bar = crate::util::steps(2 * args.layouts.split(',').count() as u64, "gpu-remote: layouts x paths");
     for text in args.layouts.split(',') {
         let layout = Layout::parse(text)?;
         let total = layout.total_bytes();
@@ -284,6 +285,7 @@ pub fn run(args: &GpuRemoteArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
         let raw = raw_run(&layout, args.iters)?;
         for staged in [false, true] {
+            bar.inc(1);
             eprintln!("  {text} {} ...", if staged { "staged" } else { "direct" });
             let embedded = embedded_run(&layout, staged, args)?;
             let mut by_readers = Vec::new();

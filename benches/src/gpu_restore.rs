@@ -71,6 +71,9 @@ pub struct GpuRestoreArgs {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     pub gpu: u32,
+    /// Draw one pipelined restore's sub-batch timeline (the first object size) into this SVG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// One measured way of restoring.
@@ -108,9 +111,12 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
         }
     );
     let mut table = Vec::new();
+    let bar = crate::util::steps(args.object_bytes.len() as u64, "gpu-restore: object sizes");
     for &object_bytes in &args.object_bytes {
         table.push((object_bytes, run_size(args, &device, object_bytes)?));
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     println!(
         "\n{:<10} {:>9} {:>10} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9} {:>8} {:>10} {:>11}",
         "object",
@@ -292,6 +298,19 @@ fn run_size(
         rows.push(timed(name, Box::new(|| restore(mode, &regions, None)))?);
         verify(name)?;
     }
+    let plotted = args.plot.is_some() && object_bytes == args.object_bytes[0];
+    if let (Some(path), true) = (&args.plot, plotted) {
+        let opts = RestoreOptions { mode: RestoreMode::Pipelined, trace: true, ..base.clone() };
+        let report = store.restore_batch(&key_refs, &regions, &opts);
+        let title = format!(
+            "pipelined restore of {} SSD-resident {} objects into {} GPU pages: sub-batches",
+            fmt_bytes(total),
+            label,
+            fmt_bytes(page)
+        );
+        crate::plot::sub_batch_timeline(path, &title, &report.sub_batches)?;
+        eprintln!("[{label}] sub-batch timeline: {}", path.display());
+    }
     pool.fill(0).map_err(|e| e.to_string())?;
     let through_owner = || {
         let started = Instant::now();
@@ -311,7 +330,7 @@ fn run_size(
     // Releases are fire-and-forget: let the shards handle them before reading the gauges.
     store.sync_shards().map_err(|e| e.to_string())?;
     let after = store.stats();
-    let ssd_runs = 5 * (args.iters as u64 + 1);
+    let ssd_runs = 5 * (args.iters as u64 + 1) + u64::from(plotted);
     let loads = after.total.loads - before.loads;
     eprintln!(
         "[{label}] SSD loads per key per SSD run {:.2} (transfer-only runs loaded {}); staged GPU requests {}, \

@@ -51,6 +51,21 @@ impl Histogram {
         self.max = self.max.max(nanos);
     }
 
+    /// The cumulative distribution: (value in µs, fraction of values at or below it), one point
+    /// per non-empty bucket.
+    pub fn cdf_us(&self) -> Vec<(f64, f64)> {
+        let mut seen = 0u64;
+        let mut out = Vec::new();
+        for (i, &n) in self.counts.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            seen += n;
+            out.push((value_of(i) as f64 / 1e3, seen as f64 / self.total.max(1) as f64));
+        }
+        out
+    }
+
     /// Adds `other`'s counts to this one.
     pub fn merge(&mut self, other: &Histogram) {
         for (a, b) in self.counts.iter_mut().zip(other.counts.iter()) {

@@ -111,12 +111,12 @@ pub fn run(args: &IdleArgs) -> Result<(), String> {
     let opening = Instant::now();
     let options = ClientOptions { shared_memory: false, ..ClientOptions::default() };
     let mut idle = Vec::with_capacity(args.idle);
+    let bar = crate::util::steps(args.idle as u64, "idle connections");
     for i in 0..args.idle {
+        bar.inc(1);
         idle.push(RemoteStore::connect_with(&path, options.clone()).map_err(|e| format!("idle client {i}: {e}"))?);
-        if i % 1000 == 999 {
-            eprintln!("  {} idle connections open", i + 1);
-        }
     }
+    bar.finish_and_clear();
     let opened_in = opening.elapsed();
     // Idle connections park after 50 ms; their threads retire a second later.
     std::thread::sleep(Duration::from_millis(2000));

@@ -55,6 +55,7 @@ mod hist;
 mod idle;
 #[cfg(feature = "cuda")]
 mod layerwise;
+mod plot;
 mod pycall;
 mod remote;
 mod restore;

@@ -58,6 +58,10 @@ pub struct RemoteArgs {
     /// Also print one JSON line per result.
     #[arg(long)]
     pub json: bool,
+    /// Draw the get latency CDF of every system at the first size and client count into this
+    /// SVG file.
+    #[arg(long)]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 /// Arguments of the hidden `remote-owner` subcommand (the owner process of `remote`).
@@ -531,8 +535,10 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
         systems.push(System::RedisTcp(r.tcp));
     }
     let mut rows = Vec::new();
+    let bar = crate::util::steps((args.sizes.len() * args.clients.len()) as u64, "remote: cells");
     for &size in &args.sizes {
         for &clients in &args.clients {
+            bar.set_message(format!("{} x{clients}", fmt_bytes(size)));
             let keys = ((args.working_set / size) as usize).max(2 * clients * args.batch);
             // The limit is measured before and after the systems; the better run counts, so a
             // burst of other load on the machine cannot make the limit look low.
@@ -544,6 +550,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
             let after = memcpy_row(size, clients, args.working_set, duration)?;
             rows.push(if after.get.ops_per_sec() > before.get.ops_per_sec() { after } else { before });
             rows.push(memcpy_put_row(size, clients, args.working_set, duration)?);
+            bar.inc(1);
             if let Some(r) = &redis {
                 // Free redis memory between cells.
                 if let Ok(s) = TcpStream::connect(r.tcp) {
@@ -553,10 +560,22 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
             }
         }
     }
+    bar.finish_and_clear();
     drop(owner);
     drop(redis);
     let _ = std::fs::remove_dir_all(&dir);
     print_table(&rows, args.json);
+    if let Some(path) = &args.plot {
+        let (size, clients) = (args.sizes[0], args.clients[0]);
+        let series: Vec<(String, &Histogram)> = rows
+            .iter()
+            .filter(|r| r.size == size && r.clients == clients && r.get.hist.count() > 0)
+            .map(|r| (r.system.to_string(), &r.get.hist))
+            .collect();
+        let title = format!("get latency, {} values, {clients} client(s), {} per call", fmt_bytes(size), args.batch);
+        crate::plot::latency_cdfs(path, &title, &series)?;
+        println!("latency CDFs: {}", path.display());
+    }
     Ok(())
 }
 

@@ -119,6 +119,10 @@ pub struct RestoreArgs {
     /// Also print one JSON line per result.
     #[arg(long)]
     pub json: bool,
+    /// Draw one pipelined restore's sub-batch timeline (the first object size, the lowest
+    /// concurrency, requester 0's median request) into this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Seed (the simulated disk).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -285,6 +289,8 @@ struct RunResult {
     keys_restored: u64,
     failures: u64,
     wrong: u64,
+    /// Requester 0's median request's sub-batches (for `--plot`).
+    example: Vec<SubBatchTrace>,
 }
 
 impl RunResult {
@@ -446,9 +452,13 @@ pub fn run(args: &RestoreArgs) -> Result<(), String> {
 
     let mut all = Vec::new();
     let outcome = (|| {
+        let bar = crate::util::steps(args.object_bytes.len() as u64, "restore: object sizes");
         for &object_bytes in &args.object_bytes {
+            bar.set_message(fmt_bytes(object_bytes));
             all.push(run_size(args, object_bytes, max_c, rate, trace_out.as_mut())?);
+            bar.inc(1);
         }
+        bar.finish_and_clear();
         Ok::<(), String>(())
     })();
     if let Some(out) = trace_out.as_mut() {
@@ -459,6 +469,20 @@ pub fn run(args: &RestoreArgs) -> Result<(), String> {
     }
     outcome?;
     print_tables(args, &all, rate);
+    if let Some(path) = &args.plot {
+        let example = all.first().and_then(|size| {
+            let c = args.concurrency.iter().copied().min().unwrap_or(1);
+            size.find(c, Kind::Restore, RestoreMode::Pipelined, None).map(|r| (size.object_bytes, c, r))
+        });
+        let Some((object_bytes, c, run)) = example else { return Err("--plot: no pipelined run".into()) };
+        let title = format!(
+            "pipelined restore of {} objects ({} per request, concurrency {c}): sub-batches of requester 0's median request",
+            fmt_bytes(object_bytes),
+            fmt_bytes(args.batch_bytes)
+        );
+        crate::plot::sub_batch_timeline(path, &title, &run.example)?;
+        println!("sub-batch timeline: {}", path.display());
+    }
     Ok(())
 }
 
@@ -814,7 +838,15 @@ impl Ctx<'_> {
             keys_restored: ((per_thread + 1) * c * keys_per_batch) as u64,
             failures: 0,
             wrong: 0,
+            example: Vec::new(),
         };
+        if let Some((samples, _, _)) = per_thread_samples.first() {
+            let mut by_latency: Vec<&Sample> = samples.iter().collect();
+            by_latency.sort_by_key(|s| s.latency_ns);
+            if let Some(median) = by_latency.get(by_latency.len() / 2) {
+                result.example = median.report.sub_batches.clone();
+            }
+        }
         // (time µs, +bytes / -bytes) of every sub-batch's staging, across requesters.
         let mut events: Vec<(u64, i64)> = Vec::new();
         let mut transfer_us_sum = 0u64;

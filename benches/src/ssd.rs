@@ -652,11 +652,15 @@ pub fn run(args: &SsdArgs) -> Result<(), String> {
 
     let mut demotions = Vec::new();
     let mut restores = Vec::new();
+    let bar = crate::util::steps(configs.len() as u64, "ssd: configurations");
     for config in &configs {
+        bar.set_message(config.label());
         let (demotion, runs) = run_config(args, config)?;
         demotions.push(demotion);
         restores.extend(runs);
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     print_tables(args, &demotions, &restores);
     Ok(())
 }

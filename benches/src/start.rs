@@ -109,6 +109,7 @@ pub fn run(args: &StartArgs) -> Result<(), String> {
     );
     println!("baseline: starting the binary with --version until it exits: {:.1} ms\n", spawn.as_secs_f64() * 1e3);
     println!("| arena | first start | restart (same directory) |\n|---|---:|---:|");
+    let bar = crate::util::steps((args.arenas.len() * args.runs) as u64, "start-to-listen: starts");
     for &arena in &args.arenas {
         let mut first = Vec::new();
         let mut again = Vec::new();
@@ -118,6 +119,7 @@ pub fn run(args: &StartArgs) -> Result<(), String> {
             std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             first.push(start_once(&bin, &dir, arena, args.ssd_bytes)?);
             again.push(start_once(&bin, &dir, arena, args.ssd_bytes)?);
+            bar.inc(1);
             let _ = std::fs::remove_dir_all(&dir);
         }
         println!(

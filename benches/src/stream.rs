@@ -256,6 +256,7 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
     println!();
     println!("| source | object | whole get_into ms | first chunk ms | last chunk ms | one chunk's transfer ms | fixed cost ms | first / (chunk + fixed) | last / whole | peak chunks in flight | peak leased |");
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let bar = crate::util::steps((args.sources.len() * args.sizes.len()) as u64, "stream: sources x sizes");
     for source in &args.sources {
         let (ssd, owner_tcp) = match source.as_str() {
             "dram" => (false, false),
@@ -264,6 +265,8 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
             other => return Err(format!("unknown source {other:?} (dram, ssd, owner-tcp)")),
         };
         for &len in &args.sizes {
+            bar.inc(1);
+            bar.set_message(format!("{source} {}", fmt_bytes(len)));
             // Every shard can hold the object twice over.
             let dram_bytes = (2 * len * args.shards as u64).max(512 << 20);
             let mut store = open(args, dram_bytes, ssd)?;

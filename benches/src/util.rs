@@ -94,6 +94,17 @@ pub fn stamped(len: u64, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// A progress bar on stderr for a workload of `steps` steps (hidden when stderr is not a
+/// terminal, so logs and CI output stay clean).
+pub fn steps(steps: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::with_draw_target(Some(steps), indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed})") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(what.to_string());
+    bar
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
