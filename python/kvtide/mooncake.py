@@ -22,6 +22,9 @@ import struct
 
 import kvtide
 
+# Keys per scan page when removing by pattern.
+_SCAN_PAGE = 4096
+
 # Mooncake's ErrorCode values (mooncake-store/include/types.h).
 OK = 0
 INTERNAL_ERROR = -1
@@ -481,14 +484,19 @@ class MooncakeDistributedStore:
         return self._remove_where(lambda k: True, force)
 
     def _remove_where(self, wanted, force):
-        try:
-            keys = [k for k in self._store.keys() if wanted(k.decode("utf-8", "surrogateescape"))]
-        except kvtide.KvtideError as e:
-            return error_code(e)
+        # A page of keys at a time, so memory stays bounded however many keys there are (a
+        # removal does not move the cursor past keys not yet scanned).
         removed = 0
-        for r in self._store.batch_remove(keys, force=force):
-            if not isinstance(r, BaseException):
-                removed += 1
+        cursor = 0
+        try:
+            while cursor is not None:
+                page, cursor = self._store.scan_keys(None, cursor, _SCAN_PAGE)
+                keys = [k for k in page if wanted(k.decode("utf-8", "surrogateescape"))]
+                for r in self._store.batch_remove(keys, force=force) if keys else []:
+                    if not isinstance(r, BaseException):
+                        removed += 1
+        except kvtide.KvtideError as e:
+            return removed if removed else error_code(e)
         return removed
 
     # ---- buffer registration ----------------------------------------------------------------

@@ -165,6 +165,16 @@ def test_remove_all_and_by_regex(mc, k):
     assert mc.is_exist(k("pinned")) == 0
 
 
+def test_removes_by_pattern_page_through_the_keys(mc, k, monkeypatch):
+    import kvtide.mooncake as mooncake
+
+    monkeypatch.setattr(mooncake, "_SCAN_PAGE", 2)
+    for i in range(7):
+        assert mc.put(k(f"paged/{i}"), b"v") == 0
+    assert mc.remove_by_regex("^" + re.escape(k("paged/")) + "[0-4]$") == 5
+    assert [mc.is_exist(k(f"paged/{i}")) for i in range(7)] == [0, 0, 0, 0, 0, 1, 1]
+
+
 def test_lifecycle_and_not_set_up():
     s = MooncakeDistributedStore()
     assert s.health_check() == 1
