@@ -377,7 +377,7 @@ pub struct GpuStats {
 }
 
 /// Held-resource gauges; all zero when idle. Tests assert on this.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct HeldResources {
     pub leases: u64,
     pub writes_in_flight: u64,

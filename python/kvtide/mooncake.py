@@ -645,42 +645,53 @@ def _tensor_parts(tensor):
     return header, data
 
 
-def _parse_header(raw):
-    if len(raw) < 8 or bytes(raw[:4]) != _MAGIC:
+def _parse_header(raw, n):
+    """(torch dtype, shape, header length) of a value of ``n`` bytes written by ``put_tensor``,
+    or None when it is not one (wrong magic, truncated, unknown dtype, or a body whose size does
+    not match the shape): a stored value is outside input, never trusted."""
+    import torch
+
+    try:
+        if n < 8 or bytes(raw[:4]) != _MAGIC:
+            return None
+        dlen, ndim = struct.unpack_from("<HH", raw, 4)
+        at = 8 + dlen
+        dtype = bytes(raw[8:at]).decode()
+        shape = list(struct.unpack_from(f"<{ndim}q", raw, at))
+    except (struct.error, UnicodeDecodeError):
         return None
-    dlen, ndim = struct.unpack_from("<HH", raw, 4)
-    at = 8 + dlen
-    dtype = bytes(raw[8:at]).decode()
-    shape = struct.unpack_from(f"<{ndim}q", raw, at)
-    return dtype, list(shape), at + 8 * ndim
+    at += 8 * ndim
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or any(d < 0 for d in shape):
+        return None
+    count = 1
+    for d in shape:
+        count *= d
+    if at > n or (n - at) != count * dt.itemsize:
+        return None
+    return dt, shape, at
 
 
 def _tensor_from(raw):
     import torch
 
-    parsed = _parse_header(raw)
+    parsed = _parse_header(raw, len(raw))
     if parsed is None:
         return None
-    dtype, shape, at = parsed
-    dt = getattr(torch, dtype, None)
-    if dt is None:
-        return None
-    data = bytearray(raw[at:])
-    if not data:
+    dt, shape, at = parsed
+    if len(raw) == at:
         return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(data, dtype=dt).reshape(shape)
+    return torch.frombuffer(bytearray(raw[at:]), dtype=dt).reshape(shape)
 
 
 def _tensor_view(ptr, n):
     import torch
 
-    raw = (ctypes.c_char * n).from_address(ptr)
-    parsed = _parse_header(memoryview(raw))
+    parsed = _parse_header(memoryview((ctypes.c_char * n).from_address(ptr)), n)
     if parsed is None:
         return None
-    dtype, shape, at = parsed
-    dt = getattr(torch, dtype, None)
-    if dt is None:
-        return None
+    dt, shape, at = parsed
+    if n == at:
+        return torch.empty(shape, dtype=dt)
     body = (ctypes.c_char * (n - at)).from_address(ptr + at)
-    return torch.frombuffer(body, dtype=dt).reshape(shape) if n > at else torch.empty(shape, dtype=dt)
+    return torch.frombuffer(body, dtype=dt).reshape(shape)

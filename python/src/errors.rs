@@ -146,11 +146,5 @@ pub fn per_key<T>(
     results: Vec<Result<T, R>>,
     ok: impl Fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
 ) -> PyResult<Vec<Py<PyAny>>> {
-    results
-        .into_iter()
-        .map(|r| match r {
-            Ok(v) => ok(py, v),
-            Err(e) => Ok(to_py(&e).into_value(py).into_any()),
-        })
-        .collect()
+    per_key_py(py, results.into_iter().map(|r| r.map_err(|e| to_py(&e))).collect(), ok)
 }

@@ -503,23 +503,12 @@ impl PyStore {
 
     /// The resources that must be back at zero when nothing runs (leases, writes, tickets,
     /// credits, chunk handles, stream-bound reads), as a dict.
-    fn held_resources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn held_resources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let b = self.backend()?;
         let held = py.detach(move || with_store!(b, |s| s.stats())).held_resources();
-        let d = PyDict::new(py);
-        d.set_item("leases", held.leases)?;
-        d.set_item("writes_in_flight", held.writes_in_flight)?;
-        d.set_item("tasks_in_flight", held.tasks_in_flight)?;
-        d.set_item("retired_objects", held.retired_objects)?;
-        d.set_item("tickets_in_flight", held.tickets_in_flight)?;
-        d.set_item("restore_credits_bytes", held.restore_credits_bytes)?;
-        d.set_item("stream_handles", held.stream_handles)?;
-        d.set_item("stream_chunks_in_flight", held.stream_chunks_in_flight)?;
-        d.set_item("stream_leased_bytes", held.stream_leased_bytes)?;
-        d.set_item("unsealed_bytes", held.unsealed_bytes)?;
-        d.set_item("stream_bound_in_flight", held.stream_bound_in_flight)?;
-        d.set_item("stream_bound_keys_pinned", held.stream_bound_keys_pinned)?;
-        Ok(d)
+        // Every gauge of `HeldResources`, by its field name.
+        let json = serde_json::to_string(&held).map_err(|e| invalid(format!("held resources: {e}")))?;
+        py.import("json")?.call_method1("loads", (json,))
     }
 
     /// Non-blocking `batch_get_into_multi_buffers`: returns a `Ticket` at once. The

@@ -213,3 +213,25 @@ def test_error_codes_map_every_exception():
     assert mooncake.error_code(kvtide.SizeMismatch("x")) == INVALID_PARAMS
     assert mooncake.error_code(kvtide.Timeout("x")) == mooncake.RPC_TIMEOUT
     assert mooncake.error_code(kvtide.InternalError("x")) == mooncake.INTERNAL_ERROR
+
+
+def test_a_value_that_is_not_a_stored_tensor_reads_as_none(mc, k):
+    """Stored bytes are outside input: a wrong magic, a truncated header, an unknown dtype or a
+    body that does not match the shape gives None, never an exception or a wrong tensor."""
+    import struct
+
+    torch = pytest.importorskip("torch")
+    good = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert mc.put_tensor(k("t/good"), good) == 0
+    assert torch.equal(mc.get_tensor(k("t/good")), good)
+    head = b"KVTT" + struct.pack("<HH", 7, 2) + b"float32" + struct.pack("<2q", 2, 3)
+    bad = {
+        "magic": b"XXXX" + head[4:] + bytes(24),
+        "truncated": head[:12],
+        "dtype": b"KVTT" + struct.pack("<HH", 7, 1) + b"nothing" + struct.pack("<q", 4) + bytes(16),
+        "short body": head + bytes(23),
+        "negative": b"KVTT" + struct.pack("<HH", 7, 1) + b"float32" + struct.pack("<q", -1),
+    }
+    for name, raw in bad.items():
+        assert mc.put(k("t/" + name), raw) == 0
+        assert mc.get_tensor(k("t/" + name)) is None, name
