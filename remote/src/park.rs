@@ -291,3 +291,111 @@ impl<P: Parkable> Parker<P> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+    use std::sync::mpsc;
+
+    /// Blocks until the test releases it.
+    fn blocking_job(job: (mpsc::Sender<()>, Arc<(Mutex<bool>, Condvar)>)) {
+        let (started, gate) = job;
+        let _ = started.send(());
+        let (lock, cv) = &*gate;
+        let mut open = lock.lock().unwrap_or_else(|p| p.into_inner());
+        while !*open {
+            open = cv.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    #[test]
+    fn a_job_never_waits_for_a_busy_worker_and_idle_workers_retire() {
+        let gauge = Arc::new(AtomicU64::new(0));
+        let workers = Workers::new("park-test", 256 << 10, blocking_job, Arc::clone(&gauge));
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let (tx, rx) = mpsc::channel();
+        for _ in 0..4 {
+            workers.submit((tx.clone(), Arc::clone(&gate))).expect("submit");
+        }
+        // All four run at once although each blocks: none waited for another.
+        for _ in 0..4 {
+            rx.recv_timeout(Duration::from_secs(10)).expect("every job started");
+        }
+        assert_eq!(gauge.load(Ordering::SeqCst), 4);
+        *gate.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        gate.1.notify_all();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while gauge.load(Ordering::SeqCst) != 0 {
+            assert!(Instant::now() < deadline, "workers never retired");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    struct Item {
+        stream: UnixStream,
+        deadline: Instant,
+        name: &'static str,
+    }
+
+    impl Parkable for Item {
+        fn fd(&self) -> RawFd {
+            self.stream.as_raw_fd()
+        }
+        fn deadline(&self) -> Instant {
+            self.deadline
+        }
+    }
+
+    #[test]
+    fn parked_items_come_back_when_readable_expire_at_their_deadline_and_go_when_closing() {
+        // SAFETY: plain syscall; checked before use.
+        let closing = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(closing >= 0);
+        // SAFETY: a fresh descriptor nothing else owns.
+        let closing = unsafe { OwnedFd::from_raw_fd(closing) };
+        let gauge = Arc::new(AtomicU64::new(0));
+        let parker = Arc::new(Parker::<Item>::new(closing.as_raw_fd(), Arc::clone(&gauge)).expect("parker"));
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let (expired_tx, expired_rx) = mpsc::channel();
+        let poller = {
+            let parker = Arc::clone(&parker);
+            std::thread::spawn(move || {
+                parker.run(
+                    |item| {
+                        let _ = ready_tx.send(item.name);
+                    },
+                    |item| {
+                        let _ = expired_tx.send(item.name);
+                    },
+                )
+            })
+        };
+        let far = Instant::now() + Duration::from_secs(60);
+        let (woken, mut woken_peer) = UnixStream::pair().expect("pair");
+        let (soon, _soon_peer) = UnixStream::pair().expect("pair");
+        let (kept, kept_peer) = UnixStream::pair().expect("pair");
+        parker.park(Item { stream: woken, deadline: far, name: "woken" });
+        parker.park(Item { stream: soon, deadline: Instant::now() + Duration::from_millis(100), name: "soon" });
+        parker.park(Item { stream: kept, deadline: far, name: "kept" });
+        std::io::Write::write_all(&mut woken_peer, b"x").expect("write");
+        assert_eq!(ready_rx.recv_timeout(Duration::from_secs(10)), Ok("woken"));
+        assert_eq!(expired_rx.recv_timeout(Duration::from_secs(10)), Ok("soon"));
+        assert_eq!(gauge.load(Ordering::SeqCst), 1, "only the kept one is parked");
+        // Closing drops what is parked (its socket closes) and whatever is parked later.
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
+        unsafe { libc::write(closing.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        let mut buf = [0u8; 1];
+        kept_peer.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        assert_eq!(std::io::Read::read(&mut &kept_peer, &mut buf).expect("EOF"), 0, "the parked socket closed");
+        let (late, late_peer) = UnixStream::pair().expect("pair");
+        parker.park(Item { stream: late, deadline: far, name: "late" });
+        late_peer.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        assert_eq!(std::io::Read::read(&mut &late_peer, &mut buf).expect("EOF"), 0, "parked after closing: dropped");
+        assert_eq!(gauge.load(Ordering::SeqCst), 0);
+        parker.stop();
+        poller.join().expect("poller");
+        assert!(ready_rx.try_recv().is_err() && expired_rx.try_recv().is_err(), "closing is neither ready nor expired");
+    }
+}
