@@ -857,12 +857,6 @@ impl Conn {
                 Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
                 other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
             };
-            // The owner leases the part after this one once every earlier part is back: the
-            // kept part's copies complete and it goes back first (one submission on the GPU at
-            // a time, so a staged copy never finds the staging buffer busy).
-            if let Some(k) = kept.take() {
-                self.finish_part(rid, k, &mut results)?;
-            }
             let mut leases = Vec::with_capacity(part.grants.len());
             let mut in_part = Vec::new();
             // GPU destinations: straight from the arena mapping, one submission per part.
@@ -891,6 +885,16 @@ impl Conn {
                 arrived,
                 ttl: Duration::from_millis(u64::from(part.ttl_ms)),
             };
+            // The kept part goes back now: the owner leases the part after this one once every
+            // earlier part is back. With staging, its copies complete before this part's are
+            // submitted (a second staged submission would find the staging buffer busy and copy
+            // directly); this part was placed meanwhile. Direct copies may overlap.
+            let staged = gpu.stages();
+            if staged || device.is_empty() {
+                if let Some(k) = kept.take() {
+                    self.finish_part(rid, k, &mut results)?;
+                }
+            }
             if !device.is_empty() {
                 gpu.pin(mapping.memory(), true);
                 let (indices, transfers): (Vec<usize>, Vec<Transfer>) = device.into_iter().unzip();
@@ -904,6 +908,9 @@ impl Conn {
                     }
                     Err(e) => indices.into_iter().for_each(|slot| results[slot] = Some(Err(e.clone()))),
                 }
+            }
+            if let Some(k) = kept.take() {
+                self.finish_part(rid, k, &mut results)?;
             }
             match part.next {
                 NextPart::WhileHeld => kept = Some(copies),

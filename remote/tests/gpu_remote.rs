@@ -274,6 +274,34 @@ mod cuda {
         assert!(back[6 << 20..(6 << 20) + 300_000] == values[4][7..300_007], "{name}: streamed range 1");
         assert!(back[7 << 20..(7 << 20) + 10].iter().all(|&b| b == GUARD), "{name}: the missing key");
 
+        // A batch the owner answers in several parts (more than 256 DRAM-resident keys): each
+        // part's copies are placed while the part before is on the GPU.
+        let many: Vec<Vec<u8>> = (0..600).map(|i| format!("{name}/many/{i}").into_bytes()).collect();
+        let many_lens: Vec<u64> = (0..600u64).map(|i| 4096 + 17 * i).collect();
+        for (k, &len) in many.iter().zip(&many_lens) {
+            store.put(k, &value_for(k, 11, len as usize), PutOptions::UPSERT).expect("put");
+        }
+        let many_total: u64 = many_lens.iter().sum();
+        let many_pool = device.alloc(many_total as usize).expect("alloc");
+        let mut at = 0u64;
+        let many_dsts: Vec<Vec<Region<'_>>> = many_lens
+            .iter()
+            .map(|&len| {
+                let r = vec![dev(&many_pool, at, len)];
+                at += len;
+                r
+            })
+            .collect();
+        let many_refs: Vec<&[u8]> = many.iter().map(Vec::as_slice).collect();
+        let got = store.batch_get_into_multi_buffers(&many_refs, &many_dsts);
+        assert!(got.iter().zip(&many_lens).all(|(r, &len)| *r == Ok(len as usize)), "{name}: {got:?}");
+        let back = read_back(&many_pool);
+        let mut at = 0usize;
+        for (k, &len) in many.iter().zip(&many_lens) {
+            assert!(back[at..at + len as usize] == value_for(k, 11, len as usize)[..], "{name}: {k:?}");
+            at += len as usize;
+        }
+
         // Puts from GPU memory: the pool's copies go back under new keys.
         let new_keys: Vec<Vec<u8>> = keys.iter().map(|k| [k.as_slice(), b"/from-gpu"].concat()).collect();
         let new_refs: Vec<&[u8]> = new_keys.iter().map(Vec::as_slice).collect();

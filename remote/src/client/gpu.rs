@@ -101,6 +101,11 @@ impl ClientGpu {
         ClientGpu { policy, transport: Mutex::new(None), bounces: Mutex::new(Vec::new()) }
     }
 
+    /// True when GPU copies go through the staging buffer (the `[gpu] staging` policy).
+    pub(super) fn stages(&self) -> bool {
+        self.policy.staging
+    }
+
     pub(super) fn transport(&self) -> Arc<dyn Transport> {
         let mut slot = self.transport.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = slot.as_ref() {
