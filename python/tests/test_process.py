@@ -80,3 +80,22 @@ def test_settings_from_keywords_files_and_variables(tmp_path, monkeypatch):
     s.close()
     with pytest.raises(kvtide.ShuttingDown):
         s.get("durable")
+
+
+def test_connect_takes_every_client_option(owner, k):
+    """Each ``kvtide.connect`` keyword reaches the client; held_resources lists every gauge."""
+    store = owner.connect(
+        "unix", timeout_ms=5_000, connect_timeout_ms=2_000, shared_memory=False, max_idle_connections=2,
+        max_tickets_in_flight=8, max_stream_handles=4, max_stream_host_bytes=1 << 20, spin_us=0,
+        gpu_staging=True)
+    try:
+        assert not store.uses_shared_memory
+        store.put(k("opt"), b"v")
+        assert store.get(k("opt")) == b"v"
+        held = store.held_resources()
+        assert set(held) >= {"leases", "tickets_in_flight", "stream_handles", "stream_bound_keys_pinned"}
+        assert all(v == 0 for v in held.values()), held
+    finally:
+        store.close()
+    with pytest.raises(TypeError):
+        owner.connect("unix", max_stream_host_bytez=1)
