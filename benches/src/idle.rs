@@ -45,20 +45,6 @@ fn status_field(pid: u32, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Raises this process's descriptor limit to its hard limit (two per connection are needed).
-pub(crate) fn raise_fd_limit() -> u64 {
-    // SAFETY: getrlimit/setrlimit with a live struct.
-    unsafe {
-        let mut limit: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-            return limit.rlim_cur;
-        }
-    }
-    0
-}
-
 fn busy_reads(client: &RemoteStore, key: &[u8], len: usize, requests: usize) -> Result<Histogram, String> {
     let mut buf = vec![0u8; len];
     let mut hist = Histogram::default();
@@ -74,7 +60,7 @@ fn busy_reads(client: &RemoteStore, key: &[u8], len: usize, requests: usize) -> 
 }
 
 pub fn run(args: &IdleArgs) -> Result<(), String> {
-    let fds = raise_fd_limit();
+    let fds = kvtide_remote::raise_descriptor_limit().map_err(|e| format!("descriptor limit: {e}"))?;
     if (fds as usize) < args.idle + 256 {
         return Err(format!("{} idle connections need {} descriptors; the limit is {fds}", args.idle, args.idle + 256));
     }

@@ -24,6 +24,21 @@ fn err(e: impl std::fmt::Display) -> String {
     format!("plot: {e}")
 }
 
+/// Draws the series' legend in the lower right corner and writes the file.
+fn legend_and_save<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    root: &DrawingArea<SVGBackend<'a>, plotters::coord::Shift>,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
 /// Latency CDFs of `series` (label, histogram of nanoseconds) into `path`.
 pub fn latency_cdfs(path: &Path, title: &str, series: &[(String, &Histogram)]) -> Result<(), String> {
     let curves: Vec<(String, Vec<(f64, f64)>)> =
@@ -62,14 +77,7 @@ pub fn latency_cdfs(path: &Path, title: &str, series: &[(String, &Histogram)]) -
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    legend_and_save(&mut chart, &root)
 }
 
 /// One restore's sub-batches on a time line into `path`.
@@ -124,14 +132,7 @@ pub fn sub_batch_timeline(path: &Path, title: &str, traces: &[SubBatchTrace]) ->
             .label(*label)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 16, y + 5)], color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
+    legend_and_save(&mut chart, &root)
 }
 
 #[cfg(test)]

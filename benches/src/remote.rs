@@ -95,7 +95,7 @@ pub fn run_owner(args: &RemoteOwnerArgs) -> Result<(), String> {
         ..OwnerConfig::default()
     };
     if args.max_connections.is_some() {
-        crate::idle::raise_fd_limit();
+        kvtide_remote::raise_descriptor_limit().map_err(|e| format!("descriptor limit: {e}"))?;
     }
     let owner = Owner::start(Arc::clone(&engine), config).map_err(|e| e.to_string())?;
     let addr = owner.tcp_addr().ok_or("no tcp address")?;

@@ -30,3 +30,4 @@ pub use settings::{
     configuration_reference, default_socket, flag_name, usage as owner_usage, Flags, Invocation, OwnerGroup,
     OwnerSettings, ResolvedOwner, Source,
 };
+pub use sock::raise_descriptor_limit;

@@ -118,7 +118,8 @@ impl Collector for OwnerCollector {
         use Kind::{Counter, Gauge};
         let stats = self.engine.stats();
         let t = &stats.total;
-        let engine: [(&str, &str, Kind, u64); 30] = [
+        let (g, st) = (&stats.gpu, &stats.stream);
+        let engine: [(&str, &str, Kind, u64); 36] = [
             ("kvtide_capacity_bytes", "DRAM arena bytes", Gauge, t.capacity_bytes),
             ("kvtide_dram_used_bytes", "DRAM arena bytes in use", Gauge, t.bytes_used),
             ("kvtide_objects", "objects stored (DRAM and SSD)", Gauge, t.objects),
@@ -152,26 +153,18 @@ impl Collector for OwnerCollector {
                 Gauge,
                 stats.restore.credits_held_bytes,
             ),
-            ("kvtide_gpu_bytes_to_device", "bytes copied to GPUs", Counter, stats.gpu.bytes_to_device),
-            ("kvtide_gpu_bytes_to_host", "bytes copied from GPUs", Counter, stats.gpu.bytes_to_host),
+            ("kvtide_gpu_bytes_to_device", "bytes copied to GPUs", Counter, g.bytes_to_device),
+            ("kvtide_gpu_bytes_to_host", "bytes copied from GPUs", Counter, g.bytes_to_host),
+            ("kvtide_gpu_staged_requests", "GPU requests on the staged path", Counter, g.staged_requests),
+            ("kvtide_gpu_direct_requests", "GPU requests on the direct path", Counter, g.direct_requests),
+            ("kvtide_gpu_failed_keys", "keys that failed in a GPU transfer", Counter, g.failed_keys),
+            ("kvtide_stream_handles_open", "chunk handles running", Gauge, st.handles_open),
+            ("kvtide_stream_chunks_delivered", "chunks delivered", Counter, st.chunks_delivered),
+            ("kvtide_stream_unsealed_bytes", "bytes of unsealed puts", Gauge, st.unsealed_bytes),
         ];
         for (name, help, kind, value) in engine {
             emit(&mut encoder, name, help, kind, value)?;
         }
-        let g = &stats.gpu;
-        let gpu: [(&str, &str, u64); 3] = [
-            ("kvtide_gpu_staged_requests", "GPU requests on the staged path", g.staged_requests),
-            ("kvtide_gpu_direct_requests", "GPU requests on the direct path", g.direct_requests),
-            ("kvtide_gpu_failed_keys", "keys that failed in a GPU transfer", g.failed_keys),
-        ];
-        for (name, help, value) in gpu {
-            emit(&mut encoder, name, help, Counter, value)?;
-        }
-        let s = &stats.stream;
-        emit(&mut encoder, "kvtide_stream_handles_open", "chunk handles running", Gauge, s.handles_open)?;
-        emit(&mut encoder, "kvtide_stream_chunks_delivered", "chunks delivered", Counter, s.chunks_delivered)?;
-        emit(&mut encoder, "kvtide_stream_unsealed_bytes", "bytes of unsealed puts", Gauge, s.unsealed_bytes)?;
-
         let c = &self.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let owner: [(&str, &str, Kind, u64); 12] = [

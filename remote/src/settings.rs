@@ -263,21 +263,18 @@ impl OwnerSettings {
     /// Parses command-line flags (without the program name). `Ok(None)`: help or the version
     /// was asked for, and printed into the `Err`-free text of `parse_command_line`.
     pub fn parse_flags(args: impl IntoIterator<Item = String>) -> Result<Option<Flags>, String> {
-        match Self::parse_command_line(args)? {
-            Invocation::Serve { flags, .. } => Ok(Some(flags)),
-            Invocation::Print(_) => Ok(None),
-        }
+        Ok(Self::parse_command_line(args)?.ok())
     }
 
-    /// Parses the command line into flags, or the text of `--help` / `--version`.
-    fn parse_command_line(args: impl IntoIterator<Item = String>) -> Result<Invocation, String> {
+    /// Parses the command line into flags, or (`Err` inside) the text of `--help` / `--version`.
+    fn parse_command_line(args: impl IntoIterator<Item = String>) -> Result<Result<Flags, String>, String> {
         let argv = std::iter::once("kvtide-owner".to_string()).chain(args);
         let matches = match command().try_get_matches_from(argv) {
             Ok(m) => m,
             Err(e) => {
                 return match e.kind() {
                     clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
-                        Ok(Invocation::Print(e.render().to_string()))
+                        Ok(Err(e.render().to_string()))
                     }
                     _ => Err(e.render().to_string().trim_end().trim_start_matches("error: ").to_string()),
                 };
@@ -307,7 +304,7 @@ impl OwnerSettings {
                 }
             }
         }
-        Ok(Invocation::Serve { settings: Box::default(), flags })
+        Ok(Ok(flags))
     }
 
     /// Variables, then the TOML text, then the flags, each over the previous (the file named
@@ -337,8 +334,8 @@ impl OwnerSettings {
     /// or the help or version text to print.
     pub fn load(args: impl IntoIterator<Item = String>, vars: &[(String, String)]) -> Result<Invocation, String> {
         let flags = match OwnerSettings::parse_command_line(args)? {
-            Invocation::Serve { flags, .. } => flags,
-            print => return Ok(print),
+            Ok(flags) => flags,
+            Err(text) => return Ok(Invocation::Print(text)),
         };
         let text = match &flags.config {
             Some(path) => {

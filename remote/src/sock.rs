@@ -316,3 +316,21 @@ pub(crate) fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Raises this process's soft limit on open descriptors to its hard limit; returns the limit.
+pub fn raise_descriptor_limit() -> io::Result<u64> {
+    // SAFETY: an all-zero rlimit is a valid value; getrlimit fills it.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: getrlimit writes into the live struct above.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: setrlimit reads the live struct above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(limit.rlim_cur)
+}

@@ -45,7 +45,11 @@ fn run() -> Result<(), String> {
         }
     };
     init_logging(flags.log_json);
-    raise_descriptor_limit();
+    // Each connection holds a descriptor: the usual soft limit of 1024 would cap connections far
+    // below the `max_connections` a busy host needs.
+    if let Err(e) = kvtide_remote::raise_descriptor_limit() {
+        tracing::warn!(error = %e, "could not raise the open-descriptor limit");
+    }
     let resolved = settings.resolve(&vars)?;
     if flags.print_config {
         print!("{}", settings.effective_config(&resolved));
@@ -139,23 +143,6 @@ fn status(address: Option<String>, vars: &[(String, String)]) -> Result<(), Stri
         println!("SSD tier: writes stopped after an I/O error (ssd_write_failed)");
     }
     Ok(())
-}
-
-/// Raises the soft limit on open descriptors to the hard one: each connection holds one (two
-/// while it is served), and the usual soft limit of 1024 would cap connections far below
-/// `max_connections` values a busy host needs.
-fn raise_descriptor_limit() {
-    // SAFETY: getrlimit and setrlimit read and write a live struct.
-    unsafe {
-        let mut limit: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            let wanted = limit.rlim_max;
-            limit.rlim_cur = wanted;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                tracing::warn!("could not raise the open-descriptor limit");
-            }
-        }
-    }
 }
 
 /// Tells a supervisor (systemd `Type=notify`) about a state change, when `NOTIFY_SOCKET` names
