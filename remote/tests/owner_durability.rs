@@ -41,17 +41,9 @@ fn start_owner(dir: &Path) -> (std::process::Child, RemoteStore) {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn kvtide-owner");
-    let socket = format!("unix:{}", dir.join("owner.sock").display());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match RemoteStore::connect(&socket) {
-            Ok(store) => return (child, store),
-            Err(e) => {
-                assert!(Instant::now() < deadline, "owner never served: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
+    let mut child = child;
+    let store = wait_served(&mut child, &format!("unix:{}", dir.join("owner.sock").display()), 60);
+    (child, store)
 }
 
 #[test]
@@ -104,6 +96,24 @@ fn owner_binary() -> std::path::PathBuf {
     }
 }
 
+/// Waits (`timeout_s` at most) until a client connects to the owner `child` started at
+/// `socket`; fails if the owner exits first.
+fn wait_served(child: &mut std::process::Child, socket: &str, timeout_s: u64) -> RemoteStore {
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    loop {
+        match RemoteStore::connect(socket) {
+            Ok(store) => return store,
+            Err(e) => {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("kvtide-owner exited with {status} before serving at {socket}");
+                }
+                assert!(Instant::now() < deadline, "the owner never served at {socket}: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
 /// Starts `kvtide-owner` on `dir` with the SSD tier sized by default (from free disk space) and
 /// the shard count by default, and waits until a client can connect.
 fn start_with_default_sizes(dir: &Path) -> (std::process::Child, RemoteStore) {
@@ -115,21 +125,9 @@ fn start_with_default_sizes(dir: &Path) -> (std::process::Child, RemoteStore) {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn kvtide-owner");
-    let socket = format!("unix:{}", dir.join("owner.sock").display());
-    let deadline = Instant::now() + Duration::from_secs(120);
     let mut child = child;
-    loop {
-        match RemoteStore::connect(&socket) {
-            Ok(store) => return (child, store),
-            Err(e) => {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("kvtide-owner exited with {status} before serving (its stderr is above)");
-                }
-                assert!(Instant::now() < deadline, "owner never served: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
+    let store = wait_served(&mut child, &format!("unix:{}", dir.join("owner.sock").display()), 120);
+    (child, store)
 }
 
 fn stop(mut owner: std::process::Child) {
@@ -259,12 +257,7 @@ fn the_deploy_command_lines_start_an_owner() {
             .spawn()
             .expect("spawn");
         let socket = format!("unix:{}", dir.join("owner.sock").display());
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while RemoteStore::connect(&socket).is_err() {
-            assert!(owner.try_wait().expect("poll").is_none(), "{what}: the owner exited");
-            assert!(Instant::now() < deadline, "{what}: never served");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        drop(wait_served(&mut owner, &socket, 60));
         let out = Command::new(owner_binary()).args(["status", &socket]).output().expect("status");
         assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
         stop(owner);
@@ -320,14 +313,7 @@ fn the_metrics_endpoint_serves_prometheus_text_that_moves() {
         .expect("spawn");
     let mut owner = KillOnDrop(Some(owner));
     let socket = format!("unix:{}", dir.join("owner.sock").display());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let store = loop {
-        match RemoteStore::connect(&socket) {
-            Ok(s) => break s,
-            Err(e) => assert!(Instant::now() < deadline, "never served: {e}"),
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let store = wait_served(owner.0.as_mut().expect("running"), &socket, 60);
     let (head, before) = scrape(&metrics, "/metrics");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     // Every sample line is `name{labels} value`; the text ends with # EOF.
@@ -342,13 +328,23 @@ fn the_metrics_endpoint_serves_prometheus_text_that_moves() {
         store.get(format!("m/{i}").as_bytes()).expect("get");
     }
     let _ = store.get(b"absent");
-    let (_, after) = scrape(&metrics, "/metrics");
+    // A request's latency is recorded once its reply went out, so the last one may land just
+    // after the client saw the reply: scrape until it is in.
+    let get_count = "kvtide_owner_request_seconds_bucket{le=\"+Inf\",kind=\"get\"}";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        let (_, after) = scrape(&metrics, "/metrics");
+        if sample(&after, get_count) >= Some(21.0) || Instant::now() > deadline {
+            break after;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!(sample(&before, "kvtide_objects"), Some(0.0));
     assert_eq!(sample(&after, "kvtide_objects"), Some(20.0));
     assert!(sample(&after, "kvtide_puts_total") >= Some(20.0), "{after}");
     assert!(sample(&after, "kvtide_misses_total") > sample(&before, "kvtide_misses_total"));
     assert!(sample(&after, "kvtide_owner_request_seconds_count{kind=\"put\"}") >= Some(20.0), "{after}");
-    assert!(sample(&after, "kvtide_owner_request_seconds_bucket{le=\"+Inf\",kind=\"get\"}") >= Some(21.0), "{after}");
+    assert!(sample(&after, get_count) >= Some(21.0), "{after}");
     assert!(sample(&after, "kvtide_owner_rejected_total{reason=\"busy\"}").is_some());
     let (head, _) = scrape(&metrics, "/other");
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
@@ -406,11 +402,7 @@ fn the_command_line_lists_every_setting_and_prints_its_configuration() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while RemoteStore::connect(&format!("unix:{}", dir.join("owner.sock").display())).is_err() {
-        assert!(Instant::now() < deadline, "never served");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    drop(wait_served(&mut owner, &format!("unix:{}", dir.join("owner.sock").display()), 60));
     // SAFETY: kill with a valid pid of our own child and a valid signal.
     unsafe { libc::kill(owner.id() as libc::pid_t, libc::SIGTERM) };
     let mut logs = String::new();
@@ -442,16 +434,7 @@ fn the_owner_with_no_flags_under_a_fresh_home_starts_twice() {
             .spawn()
             .expect("spawn");
         let mut child = KillOnDrop(Some(child));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let store = loop {
-            if let Ok(store) = RemoteStore::connect(&socket) {
-                break store;
-            }
-            let running = child.0.as_mut().map(|c| c.try_wait().expect("poll").is_none());
-            assert_eq!(running, Some(true), "the owner exited");
-            assert!(Instant::now() < deadline, "never served at {socket}");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let store = wait_served(child.0.as_mut().expect("running"), &socket, 60);
         (child, store)
     };
     let (mut first, store) = start();
