@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 
 use kvtide::{Engine, Store};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::protocol::Op;
@@ -33,15 +31,21 @@ const MAX_REQUEST_HEAD: usize = 8 << 10;
 /// A scraper has this long to send its request and take the reply.
 const SCRAPE_DEADLINE: Duration = Duration::from_secs(2);
 
-type KindLabels = Vec<(&'static str, &'static str)>;
+/// Latency buckets: upper bounds of 1 µs doubling up to about 8 s, then +Inf.
+const LATENCY_BUCKETS: usize = 24;
 
-/// Time to serve each request, by kind: from its header read to its reply flushed. Histogram
-/// buckets from 1 µs to about 8 s, doubling.
-#[derive(Clone)]
+/// Time to serve each request, by kind: from its header read to its reply flushed. Counted in
+/// atomics (no lock on the request path), read at each scrape.
+#[derive(Default)]
 pub struct RequestLatency {
-    family: Family<KindLabels, Histogram, fn() -> Histogram>,
-    /// One histogram per `KINDS` entry, taken from `family` once, so recording looks nothing up.
-    by_kind: [Histogram; KINDS.len()],
+    kinds: [KindLatency; KINDS.len()],
+}
+
+#[derive(Default)]
+struct KindLatency {
+    /// Requests per bucket (not cumulative); the last one is +Inf.
+    buckets: [AtomicU64; LATENCY_BUCKETS + 1],
+    sum_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for RequestLatency {
@@ -50,24 +54,44 @@ impl std::fmt::Debug for RequestLatency {
     }
 }
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(1e-6, 2.0, 24))
-}
-
-impl Default for RequestLatency {
-    fn default() -> Self {
-        let family: Family<KindLabels, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(latency_histogram as fn() -> Histogram);
-        let by_kind = KINDS.map(|kind| family.get_or_create(&vec![("kind", kind)]).clone());
-        RequestLatency { family, by_kind }
-    }
-}
-
 impl RequestLatency {
     /// Records one request of operation `op` that took `took`.
     pub fn record(&self, op: Op, took: Duration) {
-        self.by_kind[kind_of(op)].observe(took.as_secs_f64());
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        let k = &self.kinds[kind_of(op)];
+        k.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
+        k.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        let mut family = encoder.encode_descriptor(
+            "kvtide_owner_request_seconds",
+            "time to serve a request, from its header to its reply flushed, by kind",
+            None,
+            prometheus_client::metrics::MetricType::Histogram,
+        )?;
+        for (kind, k) in KINDS.iter().zip(&self.kinds) {
+            let buckets: Vec<(f64, u64)> = (0..=LATENCY_BUCKETS)
+                .map(|i| {
+                    let bound = if i == LATENCY_BUCKETS { f64::INFINITY } else { 1e-6 * (1u64 << i) as f64 };
+                    (bound, k.buckets[i].load(Ordering::Relaxed))
+                })
+                .collect();
+            let count = buckets.iter().map(|b| b.1).sum();
+            let sum = k.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+            family.encode_family(&[("kind", *kind)])?.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        }
+        Ok(())
+    }
+}
+
+/// The bucket of a latency of `ns`: the first whose bound (1 µs << i) it does not exceed.
+fn bucket_of(ns: u64) -> usize {
+    let us = ns.div_ceil(1000);
+    if us <= 1 {
+        return 0;
+    }
+    ((64 - (us - 1).leading_zeros()) as usize).min(LATENCY_BUCKETS)
 }
 
 /// The index in `KINDS` of a request operation.
@@ -210,7 +234,7 @@ impl Collector for OwnerCollector {
         for (reason, value) in rejected {
             ConstCounter::new(value).encode(family.encode_family(&[("reason", reason)])?)?;
         }
-        Ok(())
+        c.latency.encode(&mut encoder)
     }
 }
 
@@ -237,11 +261,6 @@ impl MetricsServer {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let mut registry = Registry::default();
-        registry.register(
-            "kvtide_owner_request_seconds",
-            "time to serve a request, from its header to its reply flushed, by kind",
-            counters.latency.family.clone(),
-        );
         registry.register_collector(Box::new(OwnerCollector { engine, counters }));
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = Arc::clone(&stop);
@@ -321,4 +340,24 @@ fn respond(conn: &mut TcpStream, status: &str, content_type: &str, body: &[u8]) 
     conn.write_all(head.as_bytes())?;
     conn.write_all(body)?;
     conn.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latencies_land_in_the_first_bucket_whose_bound_they_do_not_exceed() {
+        for (ns, bucket) in [(0, 0), (1000, 0), (1001, 1), (2000, 1), (2001, 2), (4000, 2), (1_000_000, 10)] {
+            assert_eq!(bucket_of(ns), bucket, "{ns} ns");
+        }
+        assert_eq!(bucket_of(u64::MAX), LATENCY_BUCKETS, "past the last bound: +Inf");
+        let latency = RequestLatency::default();
+        latency.record(Op::Get, Duration::from_micros(3));
+        latency.record(Op::GetParts, Duration::from_secs(100));
+        let get = &latency.kinds[0];
+        assert_eq!(get.buckets[2].load(Ordering::Relaxed), 1);
+        assert_eq!(get.buckets[LATENCY_BUCKETS].load(Ordering::Relaxed), 1);
+        assert_eq!(get.sum_ns.load(Ordering::Relaxed), 100_000_003_000);
+    }
 }
