@@ -84,8 +84,8 @@ impl<J: Send + 'static> Workers<J> {
             self.inner.gauge.fetch_sub(1, Ordering::Relaxed);
             let mut q = self.inner.queue.lock().unwrap_or_else(|p| p.into_inner());
             q.threads -= 1;
-            // Another worker may still take it; if none is idle, nobody will.
-            if q.idle == 0 {
+            // A running worker takes it once it is done with its job; with none, nobody will.
+            if q.threads == 0 {
                 let stranded = q.jobs.pop_back();
                 drop(q);
                 drop(stranded);
