@@ -889,8 +889,8 @@ impl Conn {
             // earlier part is back. With staging, its copies complete before this part's are
             // submitted (a second staged submission would find the staging buffer busy and copy
             // directly); this part was placed meanwhile. Direct copies may overlap.
-            let staged = gpu.stages();
-            if staged || device.is_empty() {
+            let overlap = !device.is_empty() && !gpu.stages();
+            if !overlap {
                 if let Some(k) = kept.take() {
                     self.finish_part(rid, k, &mut results)?;
                 }
@@ -1038,10 +1038,9 @@ impl Conn {
             .collect()))
     }
 
-    /// Reads one object's `Data` frames (or its `Abort`) into GPU `regions`: each frame lands
-    /// in one of two bounce buffers (pinned where CUDA can pin them) and is copied on to the GPU
-    /// while the next frame arrives into the other; a buffer is refilled only once its copy
-    /// completed. At most two frames of the object are in host memory at a time.
+    /// Reads one object's `Data` frames (or its `Abort`) into GPU `regions` through a
+    /// `BouncePair`: each frame is copied on to the GPU while the next one arrives. A failed copy
+    /// fails the object; its remaining frames are still read, so the connection stays usable.
     fn read_object_to_gpu(
         &mut self,
         rid: u64,
@@ -1054,83 +1053,53 @@ impl Conn {
         if len > room {
             return Err(ProtocolError::Invalid { what: "object longer than its destination" }.into());
         }
-        let ordinal = regions
-            .iter()
-            .find_map(|r| match r.kind() {
-                kvtide_transport::MemoryKind::Device { ordinal } => Some(ordinal),
-                _ => None,
-            })
-            .unwrap_or(0);
-        let chunk = self.hello.chunk_bytes as usize;
-        let bounces = [gpu.take_bounce(ordinal, chunk), gpu.take_bounce(ordinal, chunk)];
-        let outcome = {
-            // Declared after the buffers, so dropped (waiting for the copies) before them.
-            let mut copies: [Option<kvtide_transport::InFlight>; 2] = [None, None];
-            let mut failed: Option<Error> = None;
-            let mut pos = 0u64;
-            let mut frame = 0usize;
-            let read: WResult<()> = (|| {
-                while pos < len {
-                    if Instant::now() > deadline {
-                        return Err(WireError::Timeout);
-                    }
-                    let h = self.read_reply_header(rid)?;
-                    match h.op {
-                        Op::Data => {
-                            let n = u64::from(h.payload_len);
-                            if n == 0 || n > len - pos || n as usize > bounces[frame % 2].len() {
-                                return Err(ProtocolError::Invalid { what: "data frame length" }.into());
-                            }
-                            let k = frame % 2;
-                            if let Some(copy) = copies[k].take() {
-                                if let Some(Err(e)) = copy.wait().into_iter().find(|r| r.is_err()) {
-                                    failed.get_or_insert(StoreError::from(e).into());
-                                }
-                            }
-                            // SAFETY: the bounce buffer is ours, at least `n` bytes, and its last
-                            // copy completed just above.
-                            unsafe { self.io.read_raw(bounces[k].ptr(), n as usize)? };
-                            if failed.is_none() {
-                                let transfer = Transfer {
-                                    host: bounces[k].ptr() as u64,
-                                    host_len: n,
-                                    pieces: gpu::pieces_of(regions, pos, n),
-                                };
-                                // SAFETY: the bounce buffer stays untouched until this copy
-                                // completed (waited for before its reuse, or when `copies`
-                                // drops); the device regions were checked by check_destinations.
-                                match unsafe { gpu.submit(Direction::HostToDevice, &[transfer]) } {
-                                    Ok(copy) => copies[k] = Some(copy),
-                                    Err(e) => failed = Some(e),
-                                }
-                            }
-                            pos += n;
-                            frame += 1;
-                        }
-                        Op::Abort => {
-                            let payload = self.io.read_payload(h.payload_len)?;
-                            failed.get_or_insert(decode_error_frame(&payload)?.1);
-                            return Ok(());
-                        }
-                        other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
-                    }
-                }
-                Ok(())
-            })();
-            for copy in copies.iter_mut().filter_map(Option::take) {
-                if let Some(Err(e)) = copy.wait().into_iter().find(|r| r.is_err()) {
-                    failed.get_or_insert(StoreError::from(e).into());
-                }
+        let mut pair = gpu::BouncePair::new(gpu, gpu::ordinal_of(regions), self.hello.chunk_bytes as usize);
+        let mut failed: Option<Error> = None;
+        let mut pos = 0u64;
+        while pos < len {
+            if Instant::now() > deadline {
+                return Err(WireError::Timeout);
             }
-            read.map(|()| match failed {
-                Some(e) => Err(e),
-                None => Ok(len as usize),
-            })
-        };
-        for bounce in bounces {
-            gpu.give_bounce(bounce);
+            let h = self.read_reply_header(rid)?;
+            match h.op {
+                Op::Data => {
+                    let n = u64::from(h.payload_len);
+                    let (buffer, room, done) = pair.next_buffer();
+                    if n == 0 || n > len - pos || n as usize > room {
+                        return Err(ProtocolError::Invalid { what: "data frame length" }.into());
+                    }
+                    if let Some((Err(e), _)) = done {
+                        failed.get_or_insert(e);
+                    }
+                    // SAFETY: the buffer is the pair's, at least `n` bytes, and its last copy
+                    // completed in `next_buffer`.
+                    unsafe { self.io.read_raw(buffer, n as usize)? };
+                    if failed.is_none() {
+                        // SAFETY: the buffer holds the frame; the device regions were checked by
+                        // check_destinations and are the caller's for the call.
+                        if let Err(e) = unsafe { pair.submit(n, gpu::pieces_of(regions, pos, n), pos + n) } {
+                            failed = Some(e);
+                        }
+                    }
+                    pos += n;
+                }
+                Op::Abort => {
+                    let payload = self.io.read_payload(h.payload_len)?;
+                    failed.get_or_insert(decode_error_frame(&payload)?.1);
+                    break;
+                }
+                other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
+            }
         }
-        outcome
+        for (outcome, _) in pair.drain() {
+            if let Err(e) = outcome {
+                failed.get_or_insert(e);
+            }
+        }
+        Ok(match failed {
+            Some(e) => Err(e),
+            None => Ok(len as usize),
+        })
     }
 
     /// Reads one object's `Data` frames (or its `Abort`) into `target`.

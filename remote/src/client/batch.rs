@@ -316,14 +316,7 @@ impl Conn {
     /// out. A copy that fails midway leaves a value the owner cannot complete: the connection is
     /// retired (the owner then publishes nothing of the request).
     fn send_device_value(&mut self, inner: &Inner, rid: u64, item: &PutSource<'_, '_>, chunk: u64) -> WResult<()> {
-        let ordinal = item
-            .sources
-            .iter()
-            .find_map(|r| match r.kind() {
-                kvtide_transport::MemoryKind::Device { ordinal } => Some(ordinal),
-                _ => None,
-            })
-            .unwrap_or(0);
+        let ordinal = gpu::ordinal_of(item.sources);
         let gpu = &inner.gpu;
         let bounces = [gpu.take_bounce(ordinal, chunk as usize), gpu.take_bounce(ordinal, chunk as usize)];
         let outcome = (|| {

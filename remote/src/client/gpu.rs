@@ -26,6 +26,17 @@ pub(super) fn names_device(regions: &[Region<'_>]) -> bool {
     regions.iter().any(|r| matches!(r.kind(), MemoryKind::Device { .. }))
 }
 
+/// The GPU the first device region of `regions` is on (0 when none is).
+pub(super) fn ordinal_of(regions: &[Region<'_>]) -> u32 {
+    regions
+        .iter()
+        .find_map(|r| match r.kind() {
+            MemoryKind::Device { ordinal } => Some(ordinal),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
 /// `regions` cut to their first `len` bytes (a destination larger than the object).
 pub(super) fn covering<'a>(regions: &[Region<'a>], len: u64) -> Result<Vec<Region<'a>>> {
     let mut out = Vec::with_capacity(regions.len());
@@ -86,6 +97,79 @@ impl Bounce {
 
     pub(super) fn len(&self) -> usize {
         self.len
+    }
+}
+
+/// Two bounce buffers of one frame each between the socket and a GPU: a frame is read into one
+/// while the copy of the frame before runs from the other, and a buffer is refilled only once
+/// the copy that read it completed. At most two frames of an object are in host memory.
+pub(super) struct BouncePair<'g> {
+    gpu: &'g ClientGpu,
+    /// The copy running from each buffer, and the object position its frame ends at.
+    copies: [Option<(InFlight, u64)>; 2],
+    bounces: Vec<Bounce>,
+    /// The buffer the next frame goes into.
+    next: usize,
+}
+
+impl<'g> BouncePair<'g> {
+    /// Two buffers of `frame_bytes` for GPU `ordinal` (kept ones where the pool has them).
+    pub(super) fn new(gpu: &'g ClientGpu, ordinal: u32, frame_bytes: usize) -> BouncePair<'g> {
+        let bounces = vec![gpu.take_bounce(ordinal, frame_bytes), gpu.take_bounce(ordinal, frame_bytes)];
+        BouncePair { gpu, copies: [None, None], bounces, next: 0 }
+    }
+
+    /// The buffer the next frame is read into and its length, once the copy that last read
+    /// it completed; that copy's outcome and end position, if there was one.
+    pub(super) fn next_buffer(&mut self) -> (*mut u8, usize, Option<(Result<()>, u64)>) {
+        let k = self.next;
+        let done = self.copies[k].take().map(|(copy, end)| (first_failure(copy), end));
+        (self.bounces[k].ptr(), self.bounces[k].len(), done)
+    }
+
+    /// Starts the copy of the frame just read into the buffer `next_buffer` gave (`n` bytes)
+    /// to `pieces`; `end` is the object position the frame ends at.
+    ///
+    /// # Safety
+    /// The buffer must hold the frame's `n` bytes; the device pieces must have been checked by
+    /// the transport and stay valid until the copy completed.
+    pub(super) unsafe fn submit(&mut self, n: u64, pieces: Vec<Piece>, end: u64) -> Result<()> {
+        let k = self.next;
+        let transfer = Transfer { host: self.bounces[k].ptr() as u64, host_len: n, pieces };
+        // SAFETY: the buffer stays untouched until this copy completed (waited for in
+        // `next_buffer` before its reuse, or in `drain` / the drop); the rest is the caller's.
+        let copy = unsafe { self.gpu.submit(Direction::HostToDevice, &[transfer]) }?;
+        self.copies[k] = Some((copy, end));
+        self.next = 1 - k;
+        Ok(())
+    }
+
+    /// Waits for the copies still running, oldest first: each one's outcome and end position.
+    pub(super) fn drain(&mut self) -> Vec<(Result<()>, u64)> {
+        let oldest = self.next;
+        [oldest, 1 - oldest]
+            .into_iter()
+            .filter_map(|k| self.copies[k].take())
+            .map(|(copy, end)| (first_failure(copy), end))
+            .collect()
+    }
+}
+
+impl Drop for BouncePair<'_> {
+    fn drop(&mut self) {
+        // The copies first (an `InFlight` dropped early waits for its streams), then the buffers.
+        self.copies = [None, None];
+        for bounce in self.bounces.drain(..) {
+            self.gpu.give_bounce(bounce);
+        }
+    }
+}
+
+/// Waits for `copy`: Ok, or the first transfer's error.
+fn first_failure(copy: InFlight) -> Result<()> {
+    match copy.wait().into_iter().find(|r| r.is_err()) {
+        Some(Err(e)) => Err(StoreError::from(e).into()),
+        _ => Ok(()),
     }
 }
 

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use kvtide::{check_chunk_count, chunk_count, chunk_pair, cut_chunks, ChunkHandle, ChunkPlace, ChunkSink};
 use kvtide::{Error as StoreError, Fragment, Store};
-use kvtide_transport::{Direction, InFlight, Region, Transfer};
+use kvtide_transport::{Direction, Region, Transfer};
 
-use super::gpu::ClientGpu;
+use super::gpu::{BouncePair, ClientGpu};
 use super::{check_destination, check_source, source_slices, Conn, Inner, RemoteStore, LEASE_MARGIN};
 use crate::error::{Error, Result};
 use crate::protocol::{
@@ -140,6 +140,9 @@ impl Conn {
         let First::Grant { offset, lease, ttl, sent, mapping, .. } = first else {
             return Err(ProtocolError::Invalid { what: "a grant" }.into());
         };
+        if let Some(gpu) = gpu {
+            gpu.pin(mapping.memory(), true);
+        }
         for i in 0..sink.len() {
             if sink.cancelled() {
                 break;
@@ -150,7 +153,6 @@ impl Conn {
                 Ok(())
             } else if let Some(gpu) = gpu {
                 // Straight from the (registered, read-only) arena mapping to the GPU.
-                gpu.pin(mapping.memory(), true);
                 match mapping.addr_of(offset + range.start, n) {
                     Ok(host) => {
                         let transfer = Transfer {
@@ -245,9 +247,9 @@ impl Conn {
         self.read_end(rid)
     }
 
-    /// `deliver_stream` into GPU memory: each frame lands in one of two bounce buffers (pinned
-    /// where CUDA can pin them) and is copied on to the GPU while the next frame arrives; a chunk
-    /// settles once the copies covering it completed. At most two frames are in host memory.
+    /// `deliver_stream` into GPU memory through a `BouncePair`: each frame is copied on to the
+    /// GPU while the next one arrives, and a chunk settles once the copies covering it
+    /// completed. A failed copy fails the chunks from there on and drops the connection.
     fn deliver_stream_to_gpu(
         &mut self,
         rid: u64,
@@ -257,110 +259,77 @@ impl Conn {
         timeout: Duration,
         gpu: &ClientGpu,
     ) -> WResult<()> {
-        let ordinal = match dst.kind() {
-            kvtide_transport::MemoryKind::Device { ordinal } => ordinal,
-            _ => 0,
-        };
-        let chunk = self.hello.chunk_bytes as usize;
-        let bounces = [gpu.take_bounce(ordinal, chunk), gpu.take_bounce(ordinal, chunk)];
-        let outcome = {
-            // Declared after the buffers, so dropped (waiting for the copies) before them.
-            // Each: the copy in flight and the object position its end reaches.
-            let mut copies: [Option<(InFlight, u64)>; 2] = [None, None];
-            let mut next = 0usize;
-            let settle = |copy: (InFlight, u64), next: &mut usize| -> Result<()> {
-                let (inflight, end) = copy;
-                if let Some(Err(e)) = inflight.wait().into_iter().find(|r| r.is_err()) {
-                    return Err(StoreError::from(e).into());
-                }
-                while *next < sink.len() && sink.place(*next).range.end <= end {
-                    sink.done(*next);
-                    *next += 1;
-                }
-                Ok(())
-            };
-            let mut deadline = Instant::now() + timeout;
-            let mut pos = 0u64;
-            let mut frame = 0usize;
-            let read: WResult<()> = (|| {
-                while next < sink.len() && sink.place(next).range.end == 0 {
+        let mut pair =
+            BouncePair::new(gpu, super::gpu::ordinal_of(std::slice::from_ref(dst)), self.hello.chunk_bytes as usize);
+        let mut next = 0usize;
+        // Settles the chunks up to `end` once the copy reaching it completed; false after a
+        // failed copy (its chunk and the later ones failed).
+        let mut settle = |done: Option<(Result<()>, u64)>| match done {
+            None => true,
+            Some((Ok(()), end)) => {
+                while next < sink.len() && sink.place(next).range.end <= end {
                     sink.done(next);
                     next += 1;
                 }
-                while pos < len {
-                    if sink.cancelled() {
-                        return Err(WireError::Closed("the handle was dropped".into()));
-                    }
-                    if Instant::now() > deadline {
-                        return Err(WireError::Timeout);
-                    }
-                    let h = self.read_reply_header(rid)?;
-                    match h.op {
-                        Op::Data => {
-                            let n = u64::from(h.payload_len);
-                            let k = frame % 2;
-                            if n == 0 || n > len - pos || n as usize > bounces[k].len() {
-                                return Err(ProtocolError::Invalid { what: "data frame length" }.into());
-                            }
-                            if let Some(copy) = copies[k].take() {
-                                if let Err(e) = settle(copy, &mut next) {
-                                    fail_from(sink, next, e);
-                                    return Err(WireError::Closed("a copy to the GPU failed".into()));
-                                }
-                            }
-                            // SAFETY: the bounce buffer is ours, at least `n` bytes, and its last
-                            // copy completed just above.
-                            unsafe { self.io.read_raw(bounces[k].ptr(), n as usize)? };
-                            let transfer = Transfer {
-                                host: bounces[k].ptr() as u64,
-                                host_len: n,
-                                pieces: super::gpu::pieces_of(std::slice::from_ref(dst), pos, n),
-                            };
-                            // SAFETY: the bounce buffer stays untouched until this copy completed
-                            // (waited for before its reuse, or below); the device destination was
-                            // checked by the transport and is lent writable while the handle runs.
-                            match unsafe { gpu.submit(Direction::HostToDevice, &[transfer]) } {
-                                Ok(copy) => copies[k] = Some((copy, pos + n)),
-                                Err(e) => {
-                                    fail_from(sink, next, e);
-                                    return Err(WireError::Closed("a copy to the GPU failed".into()));
-                                }
-                            }
-                            pos += n;
-                            frame += 1;
-                            deadline = Instant::now() + timeout;
-                        }
-                        Op::Abort => {
-                            let payload = self.io.read_payload(h.payload_len)?;
-                            let (_, error) = decode_error_frame(&payload)?;
-                            // The chunks whose bytes arrived still settle.
-                            for copy in [frame % 2, (frame + 1) % 2].map(|k| copies[k].take()).into_iter().flatten() {
-                                if let Err(e) = settle(copy, &mut next) {
-                                    fail_from(sink, next, e);
-                                }
-                            }
-                            fail_from(sink, next, error);
-                            return self.read_end(rid);
-                        }
-                        other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
-                    }
-                }
-                self.read_end(rid)
-            })();
-            // Oldest copy first, so chunks settle in order.
-            for k in [frame % 2, (frame + 1) % 2] {
-                if let Some(copy) = copies[k].take() {
-                    if let Err(e) = settle(copy, &mut next) {
-                        fail_from(sink, next, e);
-                    }
-                }
+                true
             }
-            read
+            Some((Err(e), _)) => {
+                fail_from(sink, next, e);
+                false
+            }
         };
-        for bounce in bounces {
-            gpu.give_bounce(bounce);
+        settle(Some((Ok(()), 0)));
+        let copy_failed = || WireError::Closed("a copy to the GPU failed".into());
+        let mut deadline = Instant::now() + timeout;
+        let mut pos = 0u64;
+        while pos < len {
+            if sink.cancelled() {
+                return Err(WireError::Closed("the handle was dropped".into()));
+            }
+            if Instant::now() > deadline {
+                return Err(WireError::Timeout);
+            }
+            let h = self.read_reply_header(rid)?;
+            match h.op {
+                Op::Data => {
+                    let n = u64::from(h.payload_len);
+                    let (buffer, room, done) = pair.next_buffer();
+                    if n == 0 || n > len - pos || n as usize > room {
+                        return Err(ProtocolError::Invalid { what: "data frame length" }.into());
+                    }
+                    if !settle(done) {
+                        return Err(copy_failed());
+                    }
+                    // SAFETY: the buffer is the pair's, at least `n` bytes, and its last copy
+                    // completed in `next_buffer`.
+                    unsafe { self.io.read_raw(buffer, n as usize)? };
+                    let pieces = super::gpu::pieces_of(std::slice::from_ref(dst), pos, n);
+                    // SAFETY: the buffer holds the frame; the device destination was checked by
+                    // the transport and is lent writable while the handle runs.
+                    if let Err(e) = unsafe { pair.submit(n, pieces, pos + n) } {
+                        fail_from(sink, next, e);
+                        return Err(copy_failed());
+                    }
+                    pos += n;
+                    deadline = Instant::now() + timeout;
+                }
+                Op::Abort => {
+                    let payload = self.io.read_payload(h.payload_len)?;
+                    let (_, error) = decode_error_frame(&payload)?;
+                    // The chunks whose bytes arrived still settle.
+                    for done in pair.drain() {
+                        settle(Some(done));
+                    }
+                    fail_from(sink, next, error);
+                    return self.read_end(rid);
+                }
+                other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
+            }
         }
-        outcome
+        for done in pair.drain() {
+            settle(Some(done));
+        }
+        self.read_end(rid)
     }
 }
 
