@@ -46,6 +46,7 @@ from kvtide._kvtide import (  # noqa: F401
     Unauthorized,
     __version__,
     connect,
+    connect_cluster,
     cuda_built,
 )
 

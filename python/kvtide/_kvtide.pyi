@@ -61,6 +61,24 @@ def connect(
     spin_us: Optional[int] = None,
     gpu_staging: Optional[bool] = None,
 ) -> Store: ...
+def connect_cluster(
+    etcd: str,
+    cluster_name: str,
+    *,
+    replication: int = 1,
+    token: Optional[Union[str, bytes]] = None,
+    token_file: Optional[str] = None,
+    timeout_ms: Optional[int] = None,
+    connect_timeout_ms: Optional[int] = None,
+    shared_memory: Optional[bool] = None,
+    refresh_ms: Optional[int] = None,
+    retry_ms: Optional[int] = None,
+    wait_for_members_ms: Optional[int] = None,
+    etcd_user: Optional[str] = None,
+    etcd_password: Optional[str] = None,
+    etcd_ca_file: Optional[str] = None,
+    etcd_timeout_ms: Optional[int] = None,
+) -> Store: ...
 
 class Ticket:
     def is_ready(self) -> bool: ...
@@ -102,6 +120,7 @@ class Store:
     @property
     def uses_shared_memory(self) -> bool: ...
     def max_value_bytes(self) -> int: ...
+    def cluster_info(self) -> dict: ...
     def put(self, key: Key, value: Buffer, *, upsert: bool = False, pin: bool = False) -> None: ...
     def put_from(self, key: Key, sources: Union[Buffer, Sequence[Buffer]], *, upsert: bool = False, pin: bool = False) -> None: ...
     def batch_put_from(self, keys: Sequence[Key], sources: Sequence[Buffer], *, upsert: bool = False, pin: bool = False) -> list[Result]: ...

@@ -13,7 +13,8 @@ the old value (use ``upsert``). Code written against Mooncake switches by changi
 embedded in this process with ``global_segment_size`` bytes of DRAM (and an SSD tier in
 ``ssd_offload_path`` when ``enable_ssd_offload``); anything else is a ``kvtide-owner`` address
 (``"unix:/run/kvtide/owner.sock"``, a socket path, or ``"host:port"``; ``KVTIDE_TOKEN_FILE``
-gives a TCP owner's token). Every difference from Mooncake is listed in docs/python.md.
+gives a TCP owner's token), or a kvtide cluster, ``"etcd://HOST:PORT[,HOST:PORT...]/NAME"``
+(``kvtide.connect_cluster``; NAME defaults to ``kvtide``). Every difference from Mooncake is listed in docs/python.md.
 """
 
 import ctypes
@@ -21,6 +22,13 @@ import re
 import struct
 
 import kvtide
+
+def _cluster_address(address):
+    """``etcd://HOST:PORT[,...]/NAME`` as (etcd endpoints, cluster name)."""
+    scheme, rest = address.split("://", 1)
+    endpoints, _, name = rest.partition("/")
+    return f"{scheme}://{endpoints}", name or "kvtide"
+
 
 # Keys per scan page when removing by pattern.
 _SCAN_PAGE = 4096
@@ -182,6 +190,8 @@ class MooncakeDistributedStore:
                 if ssd and ssd_path:
                     settings["ssd_dir"] = ssd_path
                 store = kvtide.Store(env=True, **settings)
+            elif address.startswith(("etcd://", "etcds://")):
+                store = kvtide.connect_cluster(*_cluster_address(address))
             else:
                 store = kvtide.connect(address)
         except kvtide.KvtideError as e:

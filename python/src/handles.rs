@@ -309,6 +309,13 @@ impl PutStreamInner {
             Backend::Remote(r) => {
                 r.progressive_put(key, total, chunk, opts).map(|p| PutStreamInner::Remote(Box::new(p)))
             }
+            // One member holds a progressive put, so only without replication.
+            Backend::Cluster(c) if c.replication() == 1 => {
+                c.owner_of(key)?.progressive_put(key, total, chunk, opts).map(|p| PutStreamInner::Remote(Box::new(p)))
+            }
+            Backend::Cluster(_) => Err(R::Store(kvtide::Error::InvalidArgument(
+                "progressive_put through a cluster store with replication > 1 would store one copy; use put".into(),
+            ))),
         }
     }
 }

@@ -27,6 +27,7 @@ fn _kvtide(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handles::PutStream>()?;
     m.add_class::<handles::StreamTicket>()?;
     m.add_function(wrap_pyfunction!(store::connect, m)?)?;
+    m.add_function(wrap_pyfunction!(store::connect_cluster, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;

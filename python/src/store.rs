@@ -7,7 +7,7 @@
 use std::sync::{Arc, RwLock};
 
 use kvtide::{Engine, Fragment, PutOptions, Store as _, StoreBuilder};
-use kvtide_remote::{ClientOptions, Error as R, RemoteStore, Token};
+use kvtide_remote::{ClientOptions, ClusterOptions, ClusterStore, Error as R, RemoteStore, Token};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -19,6 +19,15 @@ use crate::handles::{ChunkHandle, Handle, PutStream, PutStreamInner, StreamTicke
 pub enum Backend {
     Embedded(Box<Engine>),
     Remote(RemoteStore),
+    Cluster(Box<ClusterStore>),
+}
+
+/// The error of an operation a cluster store does not route (it spans owners).
+fn not_on_cluster(what: &str) -> R {
+    R::Store(kvtide::Error::InvalidArgument(format!(
+        "{what} is not available through a cluster store (kvtide.connect_cluster); connect to one owner with \
+         kvtide.connect for it"
+    )))
 }
 
 /// Runs `$body` with `$s` bound to the store, whichever it is (the body's errors convert into
@@ -31,6 +40,10 @@ macro_rules! with_store {
                 $body
             }
             Backend::Remote($s) => $body,
+            Backend::Cluster(cluster) => {
+                let $s: &ClusterStore = cluster;
+                $body
+            }
         }
     };
 }
@@ -202,7 +215,23 @@ impl PyStore {
         Ok(match &*self.backend()? {
             Backend::Embedded(_) => false,
             Backend::Remote(r) => r.uses_shared_memory(),
+            Backend::Cluster(_) => false,
         })
+    }
+
+    /// A cluster store's view: `{"members": [...], "invalid": [[key, why], ...], "routing":
+    /// {...}}` (members with their address, capacity and use; routing counters). Raises
+    /// `InvalidArgument` on other stores.
+    fn cluster_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let Backend::Cluster(c) = &*self.backend()? else {
+            return Err(invalid("cluster_info: not a cluster store (kvtide.connect_cluster)"));
+        };
+        let info = serde_json::json!({
+            "members": c.members(),
+            "invalid": c.invalid_members(),
+            "routing": c.routing(),
+        });
+        py.import("json")?.call_method1("loads", (info.to_string(),))
     }
 
     /// Largest value this store accepts, in bytes.
@@ -211,6 +240,7 @@ impl PyStore {
         py.detach(move || match &*b {
             Backend::Embedded(e) => Ok(e.max_value_bytes()),
             Backend::Remote(r) => r.max_value_bytes(),
+            Backend::Cluster(c) => c.max_value_bytes(),
         })
         .map_err(|e| to_py(&e))
     }
@@ -526,6 +556,7 @@ impl PyStore {
                         lift(e.submit_batch_get(&keys, regions)).map(crate::handles::TicketInner::Embedded)
                     }
                     Backend::Remote(r) => r.submit_batch_get(&keys, regions).map(crate::handles::TicketInner::Remote),
+                    Backend::Cluster(c) => c.submit_batch_get(&keys, regions).map(crate::handles::TicketInner::Remote),
                 }
             })
             .map_err(|e| to_py(&e))?;
@@ -578,6 +609,7 @@ impl PyStore {
                 Backend::Remote(r) => {
                     r.streaming_batch_get_buffer_ranges(&regions, &frags, chunk_bytes).map(Handle::Remote)
                 }
+                Backend::Cluster(_) => Err(not_on_cluster("streaming_batch_get_buffer_ranges")),
             })
             .map_err(|e| to_py(&e))?;
         Ok(ChunkHandle::new(handle, bufs))
@@ -610,6 +642,7 @@ impl PyStore {
         py.detach(move || match &*b {
             Backend::Embedded(e) => lift(e.prepare_gpu(ordinal)),
             Backend::Remote(r) => r.prepare_gpu(ordinal),
+            Backend::Cluster(_) => Err(not_on_cluster("prepare_gpu")),
         })
         .map_err(|e| to_py(&e))
     }
@@ -642,6 +675,7 @@ impl PyStore {
                     }
                     // SAFETY: as above.
                     Backend::Remote(r) => unsafe { r.batch_get_into_multi_buffers_on_stream(&keys, &regions, stream) },
+                    Backend::Cluster(_) => Err(not_on_cluster("batch_get_into_multi_buffers_on_stream")),
                 }
             })
             .map_err(|e| to_py(&e))?;
@@ -667,6 +701,7 @@ impl PyStore {
                 Backend::Embedded(e) => lift(unsafe { e.get_into_ranges_on_stream(&regions, &frags, stream) }),
                 // SAFETY: as above.
                 Backend::Remote(r) => unsafe { r.get_into_ranges_on_stream(&regions, &frags, stream) },
+                Backend::Cluster(_) => Err(not_on_cluster("get_into_ranges_on_stream")),
             })
             .map_err(|e| to_py(&e))?;
         Ok(StreamTicket::new(ticket, bufs))
@@ -726,6 +761,13 @@ impl PyStore {
                 }
                 (Backend::Remote(r), false) => r.progressive_get(&key, region, chunk_bytes).map(Handle::Remote),
                 (Backend::Remote(r), true) => r.progressive_get_unsealed(&key, region, chunk_bytes).map(Handle::Remote),
+                // One key: the first reachable member it is placed on serves it.
+                (Backend::Cluster(c), false) => {
+                    c.owner_of(&key)?.progressive_get(&key, region, chunk_bytes).map(Handle::Remote)
+                }
+                (Backend::Cluster(c), true) => {
+                    c.owner_of(&key)?.progressive_get_unsealed(&key, region, chunk_bytes).map(Handle::Remote)
+                }
             })
             .map_err(|e| to_py(&e))?;
         Ok(ChunkHandle::new(handle, vec![buf]))
@@ -806,6 +848,81 @@ fn nested(obj: &Bound<'_, PyAny>, usage: Use) -> PyResult<Vec<Vec<Buf>>> {
         out.push(buffers::buffers(&list?, usage)?);
     }
     Ok(out)
+}
+
+/// `connect_cluster(etcd, cluster_name, *, replication=1, token=None, token_file=None, ...)`: a
+/// store over every owner registered in the kvtide cluster `cluster_name` on the etcd endpoints
+/// `etcd` ("etcd://HOST:PORT[,HOST:PORT...]"). Owners on this host are reached by their Unix
+/// socket (shared memory) unless `shared_memory=False`, others by TCP with the token.
+#[pyfunction]
+#[pyo3(signature = (etcd, cluster_name, *, replication=1, token=None, token_file=None, timeout_ms=None,
+    connect_timeout_ms=None, shared_memory=None, refresh_ms=None, retry_ms=None, wait_for_members_ms=None,
+    etcd_user=None, etcd_password=None, etcd_ca_file=None, etcd_timeout_ms=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn connect_cluster(
+    py: Python<'_>,
+    etcd: String,
+    cluster_name: String,
+    replication: usize,
+    token: Option<&Bound<'_, PyAny>>,
+    token_file: Option<String>,
+    timeout_ms: Option<u64>,
+    connect_timeout_ms: Option<u64>,
+    shared_memory: Option<bool>,
+    refresh_ms: Option<u64>,
+    retry_ms: Option<u64>,
+    wait_for_members_ms: Option<u64>,
+    etcd_user: Option<String>,
+    etcd_password: Option<String>,
+    etcd_ca_file: Option<String>,
+    etcd_timeout_ms: Option<u64>,
+) -> PyResult<PyStore> {
+    let cluster_error = |e: kvtide_remote::cluster::ClusterError| match e {
+        kvtide_remote::cluster::ClusterError::Etcd(kvtide_remote::cluster::EtcdError::Unreachable { .. }) => {
+            to_py(&R::Disconnected(e.to_string()))
+        }
+        other => invalid(other.to_string()),
+    };
+    let mut o = ClusterOptions::new(&etcd, &cluster_name).map_err(cluster_error)?;
+    o.replication = replication;
+    o.client = ClientOptions::from_env().map_err(|e| to_py(&e))?;
+    if let Some(token) = token {
+        let bytes = if let Ok(s) = token.extract::<String>() { s.into_bytes() } else { buffers::key(token)? };
+        o.client.token = Some(Token::new(&bytes).map_err(|e| invalid(format!("token: {e}")))?);
+    }
+    if let Some(path) = token_file {
+        o.client = o.client.token_file(path).map_err(|e| to_py(&e))?;
+    }
+    if let Some(v) = timeout_ms {
+        o.client.timeout_ms = v;
+    }
+    if let Some(v) = connect_timeout_ms {
+        o.client.connect_timeout_ms = v;
+    }
+    if let Some(v) = shared_memory {
+        o.unix_on_same_host = v;
+        o.client.shared_memory = v;
+    }
+    if let Some(v) = refresh_ms {
+        o.refresh_ms = v;
+    }
+    if let Some(v) = retry_ms {
+        o.retry_ms = v;
+    }
+    if let Some(v) = wait_for_members_ms {
+        o.wait_for_members_ms = v;
+    }
+    match (etcd_user, etcd_password) {
+        (Some(user), Some(password)) => o.etcd.user = Some((user, password)),
+        (None, None) => {}
+        _ => return Err(invalid("etcd_user and etcd_password go together")),
+    }
+    o.etcd.ca_file = etcd_ca_file.map(Into::into);
+    if let Some(v) = etcd_timeout_ms {
+        o.etcd.timeout_ms = v;
+    }
+    let store = py.detach(move || ClusterStore::connect(o)).map_err(cluster_error)?;
+    Ok(PyStore { backend: RwLock::new(Some(Arc::new(Backend::Cluster(Box::new(store))))), remote: true })
 }
 
 /// `connect(address, *, token=None, token_file=None, timeout_ms=30000, ...)`: a store served by

@@ -11,6 +11,7 @@
 
 mod auth;
 mod client;
+pub mod cluster;
 mod error;
 mod metrics;
 mod park;
@@ -23,11 +24,12 @@ mod wire;
 
 pub use auth::Token;
 pub use client::{ClientOptions, RemotePutStream, RemoteStore};
+pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
 pub use metrics::{MetricsServer, RequestLatency};
 pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
 pub use settings::{
-    configuration_reference, default_socket, flag_name, usage as owner_usage, Flags, Invocation, OwnerGroup,
-    OwnerSettings, ResolvedOwner, Source,
+    configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, Invocation,
+    OwnerGroup, OwnerSettings, ResolvedOwner, Source,
 };
 pub use sock::raise_descriptor_limit;

@@ -213,6 +213,27 @@ impl Collector for OwnerCollector {
         for (name, help, kind, value) in owner {
             emit(&mut encoder, name, help, kind, value)?;
         }
+        let k = &c.cluster;
+        let cluster: [(&str, &str, Kind, u64); 5] = [
+            ("kvtide_cluster_registered", "1 while this owner's cluster record is kept alive", Gauge, r(&k.registered)),
+            ("kvtide_cluster_keepalives", "lease keep-alives etcd accepted", Counter, r(&k.keepalives)),
+            (
+                "kvtide_cluster_keepalive_failures",
+                "keep-alives or record updates that failed",
+                Counter,
+                r(&k.keepalive_failures),
+            ),
+            (
+                "kvtide_cluster_registrations",
+                "registrations (more than 1: the lease was lost and taken again)",
+                Counter,
+                r(&k.registrations),
+            ),
+            ("kvtide_cluster_lease_ttl_seconds", "the lease TTL etcd granted", Gauge, r(&k.lease_ttl_s)),
+        ];
+        for (name, help, kind, value) in cluster {
+            emit(&mut encoder, name, help, kind, value)?;
+        }
         let rejected = [
             ("busy", r(&c.busy_replies)),
             ("connection_limit", r(&c.connections_refused)),

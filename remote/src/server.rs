@@ -208,6 +208,8 @@ pub struct OwnerCounters {
     pub connection_threads: Arc<AtomicU64>,
     /// Connections parked without a thread between requests (gauge).
     pub connections_parked: Arc<AtomicU64>,
+    /// Cluster membership (all zero unless the owner registered in a cluster).
+    pub cluster: Arc<crate::cluster::RegistrationCounters>,
 }
 
 struct Shared {

@@ -18,6 +18,7 @@ use kvtide::StoreBuilder;
 use kvtide_tiers::ssd::RecordedLayout;
 
 use crate::auth::Token;
+use crate::cluster::EtcdConfig;
 use crate::server::OwnerConfig;
 
 /// Default TCP address: loopback only.
@@ -90,12 +91,88 @@ kvtide::settings_group! {
     }
 }
 
+kvtide::settings_group! {
+    /// `[cluster]`: membership in a kvtide cluster on etcd (`KVTIDE_CLUSTER_*`).
+    pub struct ClusterGroup = "cluster" {
+        /// etcd endpoints, `etcd://HOST:PORT[,HOST:PORT...]` (`etcds://` for TLS), or "off"
+        /// (default: no cluster). Shorthand `--cluster`.
+        etcd: String = "off".into(), Text, eg "etcd://127.0.0.1:2379";
+        /// Cluster name: the owner registers under `/kvtide/<name>/owners/<id>`.
+        name: String = "kvtide".into(), Text, eg "prod-kv";
+        /// This owner's id; keep it across restarts so its keys map to it again (default: the
+        /// advertised address).
+        id: Option<String> = None, Text, eg "owner-a";
+        /// Address clients on other hosts reach this owner's TCP listener at (default: the TCP
+        /// address, when it is not a wildcard). Shorthand `--advertise`.
+        advertise: Option<String> = None, Text, eg "10.0.0.5:7370";
+        /// Lease TTL: a stopped or partitioned owner leaves the membership this long after its
+        /// last keep-alive (default 5 s).
+        lease_ttl_s: u64 = crate::cluster::DEFAULT_LEASE_TTL_S, Count, eg "10";
+        /// etcd user, when etcd has authentication on (the password is read from
+        /// `etcd_password_file`).
+        etcd_user: Option<String> = None, Text, eg "kvtide";
+        etcd_password_file: Option<PathBuf> = None, Path, eg "/etc/kvtide/etcd-password";
+        /// CA certificate (PEM) of etcd's server certificate, for `etcds://` endpoints.
+        etcd_ca_file: Option<PathBuf> = None, Path, eg "/etc/kvtide/etcd-ca.pem";
+        /// Client certificate and key (PEM), when etcd requires client certificates.
+        etcd_cert_file: Option<PathBuf> = None, Path, eg "/etc/kvtide/etcd-client.pem";
+        etcd_key_file: Option<PathBuf> = None, Path, eg "/etc/kvtide/etcd-client-key.pem";
+        /// Deadline of one etcd call (default 2 s).
+        etcd_timeout_ms: u64 = crate::cluster::etcd::DEFAULT_ETCD_TIMEOUT_MS, Count, eg "5000";
+    }
+}
+
+impl ClusterGroup {
+    /// Checks the settings (files are read later, by `etcd_config`).
+    pub fn check(&self) -> Result<(), String> {
+        if self.etcd.eq_ignore_ascii_case("off") {
+            return Ok(());
+        }
+        EtcdConfig::parse(&self.etcd).map_err(|e| format!("[cluster] etcd: {e}"))?;
+        crate::cluster::member::check_name("[cluster] name", &self.name)?;
+        if let Some(id) = &self.id {
+            crate::cluster::member::check_name("[cluster] id", id)?;
+        }
+        if let Some(a) = &self.advertise {
+            crate::cluster::member::check_address(a).map_err(|e| format!("[cluster] advertise: {e}"))?;
+        }
+        if self.etcd_user.is_some() != self.etcd_password_file.is_some() {
+            return Err("[cluster] etcd_user and etcd_password_file go together".into());
+        }
+        Ok(())
+    }
+
+    /// The etcd client settings (the password read from its file), or None when the cluster is
+    /// off.
+    pub fn etcd_config(&self) -> Result<Option<EtcdConfig>, String> {
+        self.check()?;
+        if self.etcd.eq_ignore_ascii_case("off") {
+            return Ok(None);
+        }
+        let mut etcd = EtcdConfig::parse(&self.etcd).map_err(|e| format!("[cluster] etcd: {e}"))?;
+        etcd.timeout_ms = self.etcd_timeout_ms;
+        etcd.ca_file = self.etcd_ca_file.clone();
+        etcd.cert_file = self.etcd_cert_file.clone();
+        etcd.key_file = self.etcd_key_file.clone();
+        etcd.user = match (&self.etcd_user, &self.etcd_password_file) {
+            (Some(user), Some(file)) => {
+                let password = std::fs::read_to_string(file)
+                    .map_err(|e| format!("[cluster] etcd_password_file {}: {e}", file.display()))?;
+                Some((user.clone(), password.trim_end_matches(['\n', '\r']).to_string()))
+            }
+            _ => None,
+        };
+        Ok(Some(etcd))
+    }
+}
+
 /// Everything `kvtide-owner` reads: the engine's groups and `[owner]`, and which settings were
 /// given (by a variable, the file or a flag) rather than left to their defaults.
 #[derive(Clone, Debug, Default)]
 pub struct OwnerSettings {
     pub store: StoreBuilder,
     pub owner: OwnerGroup,
+    pub cluster: ClusterGroup,
     given: Vec<(&'static str, &'static str, Source)>,
 }
 
@@ -114,12 +191,15 @@ impl Settings for OwnerSettings {
     fn groups(&self) -> Vec<(&'static str, &'static [Field])> {
         let mut groups = self.store.groups();
         groups.push((<OwnerGroup as settings::SettingGroup>::NAME, <OwnerGroup as settings::SettingGroup>::FIELDS));
+        groups.push((<ClusterGroup as settings::SettingGroup>::NAME, <ClusterGroup as settings::SettingGroup>::FIELDS));
         groups
     }
 
     fn set(&mut self, group: &str, field: &str, text: &str) -> Result<bool, String> {
         if group == <OwnerGroup as settings::SettingGroup>::NAME {
             settings::SettingGroup::set(&mut self.owner, field, text)
+        } else if group == <ClusterGroup as settings::SettingGroup>::NAME {
+            settings::SettingGroup::set(&mut self.cluster, field, text)
         } else {
             self.store.set(group, field, text)
         }
@@ -128,6 +208,8 @@ impl Settings for OwnerSettings {
     fn show(&self, group: &str, field: &str) -> Option<String> {
         if group == <OwnerGroup as settings::SettingGroup>::NAME {
             settings::SettingGroup::show(&self.owner, field)
+        } else if group == <ClusterGroup as settings::SettingGroup>::NAME {
+            settings::SettingGroup::show(&self.cluster, field)
         } else {
             self.store.show(group, field)
         }
@@ -176,6 +258,8 @@ const SHORTHANDS: &[(&str, &str, &str, Option<&str>)] = &[
     ("no-shared-arena", "owner", "share_arena", Some("false")),
     ("no-shm", "owner", "share_arena", Some("false")),
     ("no-ssd", "owner", "ssd", Some("false")),
+    ("cluster", "cluster", "etcd", None),
+    ("advertise", "cluster", "advertise", None),
 ];
 
 /// The command-line flag of `[group] field`: `--<group>-<field>` with `-` for `_`, except the
@@ -366,7 +450,8 @@ impl OwnerSettings {
             Some(resolved.owner.unix_socket.as_ref().map_or_else(|| "off".to_string(), |p| p.display().to_string()));
         owner.token_file = resolved.token_file.as_ref().map(|(p, _)| p.clone());
         owner.connection_buffered_bytes = Some(resolved.owner.connection_share_bytes());
-        let effective = OwnerSettings { store: resolved.store.clone(), owner, given: Vec::new() };
+        let effective =
+            OwnerSettings { store: resolved.store.clone(), owner, cluster: self.cluster.clone(), given: Vec::new() };
         let mut out =
             String::from("# kvtide-owner: effective configuration (flag > file > variable > derived > default)\n");
         for (group, fields) in effective.groups() {
@@ -500,6 +585,7 @@ impl OwnerSettings {
             }
             Some(addr)
         };
+        self.cluster.check()?;
         Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
     }
 }
@@ -736,7 +822,12 @@ mod tests {
                 count += 1;
             }
         }
-        assert_eq!(count, StoreBuilder::fields().len() + <OwnerGroup as settings::SettingGroup>::FIELDS.len());
+        assert_eq!(
+            count,
+            StoreBuilder::fields().len()
+                + <OwnerGroup as settings::SettingGroup>::FIELDS.len()
+                + <ClusterGroup as settings::SettingGroup>::FIELDS.len()
+        );
         // What the owner resolves carries them (its data directory is the example's).
         let r = by_env.resolve(&env).expect("resolve");
         assert_eq!(r.store.dram.bytes, 64 << 20, "given, so not derived");

@@ -9,7 +9,8 @@
 use std::sync::Arc;
 
 use kvtide::Store;
-use kvtide_remote::{Invocation, Owner, OwnerSettings};
+use kvtide_remote::cluster::{ClusterConfig, EtcdConfig, Member, Registration};
+use kvtide_remote::{ClusterGroup, Invocation, Owner, OwnerSettings};
 
 fn main() {
     if let Err(e) = run() {
@@ -36,6 +37,16 @@ fn run() -> Result<(), String> {
     if std::env::args().nth(1).as_deref() == Some("status") {
         init_logging(false);
         return status(std::env::args().nth(2), &vars);
+    }
+    if std::env::args().nth(1).as_deref() == Some("cluster") {
+        init_logging(false);
+        return match std::env::args().nth(2).as_deref() {
+            Some("status") => cluster_status(std::env::args().skip(3), &vars),
+            _ => {
+                Err("usage: kvtide-owner cluster status [--cluster etcd://HOST:PORT] [--cluster-name NAME] [--json]"
+                    .into())
+            }
+        };
     }
     let (settings, flags) = match OwnerSettings::load(std::env::args().skip(1), &vars)? {
         Invocation::Serve { settings, flags } => (settings, flags),
@@ -96,6 +107,15 @@ fn run() -> Result<(), String> {
         }
         None => None,
     };
+    let registration = match settings.cluster.etcd_config()? {
+        Some(etcd) => {
+            let registration = join_cluster(&settings.cluster, etcd, &owner, &engine)?;
+            let m = registration.member();
+            tracing::info!(cluster = %settings.cluster.name, id = %m.id, advertise = %m.tcp, "registered in the cluster");
+            Some(registration)
+        }
+        None => None,
+    };
     notify_supervisor("READY=1\nSTATUS=serving");
 
     let mut signal: libc::c_int = 0;
@@ -115,6 +135,10 @@ fn run() -> Result<(), String> {
             std::process::exit(130);
         }
     });
+    // Leave the cluster first: clients stop routing here before requests are refused.
+    if let Some(registration) = registration {
+        registration.shutdown();
+    }
     drop(metrics);
     owner.shutdown();
     drop(owner);
@@ -141,6 +165,109 @@ fn status(address: Option<String>, vars: &[(String, String)]) -> Result<(), Stri
     println!("hits {}  misses {}  evictions {}  leases held {}", t.hits, t.misses, t.evictions, t.leases_held);
     if t.ssd_write_failed > 0 {
         println!("SSD tier: writes stopped after an I/O error (ssd_write_failed)");
+    }
+    Ok(())
+}
+
+/// Registers this owner in its cluster (`[cluster]`), advertising its TCP address.
+fn join_cluster(
+    group: &ClusterGroup,
+    etcd: EtcdConfig,
+    owner: &Owner,
+    engine: &Arc<kvtide::Engine>,
+) -> Result<Registration, String> {
+    let advertise = match (&group.advertise, owner.tcp_addr()) {
+        (_, None) => return Err("a cluster owner serves TCP (other hosts connect to it): set --tcp".into()),
+        (Some(a), Some(_)) => a.clone(),
+        (None, Some(addr)) if addr.ip().is_unspecified() => {
+            return Err(format!("the owner listens on {addr} (every interface): give --advertise HOST:PORT"))
+        }
+        (None, Some(addr)) => addr.to_string(),
+    };
+    let config = ClusterConfig {
+        etcd,
+        name: group.name.clone(),
+        id: group.id.clone().unwrap_or_else(|| advertise.clone()),
+        advertise,
+        lease_ttl_s: group.lease_ttl_s,
+    };
+    let stats = engine.stats();
+    let member = Member {
+        id: config.id.clone(),
+        tcp: config.advertise.clone(),
+        unix_socket: owner.unix_path().map(|p| p.display().to_string()),
+        host: kvtide_remote::cluster::member::host_identity(),
+        generation: 0,
+        capacity_bytes: stats.total.capacity_bytes,
+        used_bytes: 0,
+        objects: 0,
+        ssd_bytes: 0,
+    };
+    let engine = Arc::clone(engine);
+    let usage = Box::new(move || {
+        let t = engine.stats().total;
+        (t.bytes_used, t.objects, t.ssd_bytes)
+    });
+    Registration::start(&config, member, usage, Arc::clone(&owner.counters().cluster))
+        .map_err(|e| format!("cannot join cluster {:?}: {e}", config.name))
+}
+
+/// `kvtide-owner cluster status`: the members of a cluster as etcd lists them, with their
+/// capacity and use, and entries that are not valid members. Exit status 1 when etcd cannot be
+/// read.
+fn cluster_status(args: impl Iterator<Item = String>, vars: &[(String, String)]) -> Result<(), String> {
+    let args: Vec<String> = args.collect();
+    let json = args.iter().any(|a| a == "--json");
+    let rest = args.into_iter().filter(|a| a != "--json");
+    let settings = match OwnerSettings::load(rest, vars)? {
+        Invocation::Serve { settings, .. } => settings,
+        Invocation::Print(text) => {
+            print!("{text}");
+            return Ok(());
+        }
+    };
+    let Some(etcd) = settings.cluster.etcd_config()? else {
+        return Err("give the cluster's etcd: --cluster etcd://HOST:PORT (or KVTIDE_CLUSTER_ETCD)".into());
+    };
+    let name = &settings.cluster.name;
+    let client = kvtide_remote::cluster::Etcd::new(etcd).map_err(|e| e.to_string())?;
+    let prefix = kvtide_remote::cluster::member::members_prefix(name);
+    let entries = client.get_prefix(prefix.as_bytes()).map_err(|e| e.to_string())?;
+    let mut members = Vec::new();
+    let mut invalid = Vec::new();
+    for kv in entries {
+        match kvtide_remote::cluster::member::parse_member(&prefix, &kv.key, &kv.value) {
+            Ok(m) => members.push(m),
+            Err(why) => invalid.push((String::from_utf8_lossy(&kv.key).into_owned(), why)),
+        }
+    }
+    if json {
+        let invalid: Vec<_> = invalid.iter().map(|(k, why)| serde_json::json!({ "key": k, "error": why })).collect();
+        let out = serde_json::json!({ "cluster": name, "members": members, "invalid": invalid });
+        println!("{out}");
+        return Ok(());
+    }
+    println!("cluster {name:?}: {} member(s)", members.len());
+    if !members.is_empty() {
+        println!(
+            "{:<24} {:<22} {:>14} {:>14} {:>10} {:>14}  unix socket",
+            "id", "address", "capacity", "DRAM used", "objects", "SSD used"
+        );
+    }
+    for m in &members {
+        println!(
+            "{:<24} {:<22} {:>14} {:>14} {:>10} {:>14}  {}",
+            m.id,
+            m.tcp,
+            m.capacity_bytes,
+            m.used_bytes,
+            m.objects,
+            m.ssd_bytes,
+            m.unix_socket.as_deref().unwrap_or("-")
+        );
+    }
+    for (key, why) in &invalid {
+        println!("invalid entry {key}: {why}");
     }
     Ok(())
 }
