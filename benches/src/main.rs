@@ -31,6 +31,12 @@
 //!   8 clients. Baselines in the same run: Redis (SET/GET over TCP and its Unix socket) and a
 //!   plain memcpy of the same bytes (the limit of the shared-memory path).
 //!
+//! - `cluster`: 1, 2 and 3 `kvtide-owner` processes registered in an etcd on this host, 8 client
+//!   threads through `ClusterStore`: put/get throughput and p50/p99 of 64 KiB and 1 MiB values;
+//!   the time from an owner's SIGKILL to puts routed around it and to the membership dropping it;
+//!   the miss rate right after a join. Baseline in the same run: a direct `RemoteStore` to one
+//!   owner.
+//!
 //! - `stream`: time to the first and last chunk of `progressive_get` (DRAM- and SSD-resident
 //!   objects of 64 MiB to 1 GiB) against a whole-object `get_into`, and a producer -> consumer
 //!   pipeline (progressive put + a reader that follows it) against put-then-get, in the same run.
@@ -43,6 +49,7 @@
 //! Every subcommand uses a fixed RNG seed (`--seed`) so runs are repeatable.
 
 mod alloc_churn;
+mod cluster;
 mod dram;
 mod eviction;
 #[cfg(feature = "cuda")]
@@ -104,6 +111,9 @@ enum Command {
     Layerwise(layerwise::LayerwiseArgs),
     /// kvtide-owner over Unix+shm and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
     Remote(remote::RemoteArgs),
+    /// 1, 2 and 3 owners in an etcd cluster vs one owner direct: throughput, p50/p99, failover
+    /// time after SIGKILL, misses after a join.
+    Cluster(cluster::ClusterArgs),
     /// Chunk handles vs whole-object reads; progressive put + follow vs put-then-get.
     Stream(stream::StreamArgs),
     /// Thousands of idle connections to one owner: threads, memory, a busy client's latency.
@@ -126,6 +136,7 @@ fn main() {
         Command::Ssd(args) => ssd::run(&args),
         Command::Restore(args) => restore::run(&args),
         Command::Remote(args) => remote::run(&args),
+        Command::Cluster(args) => cluster::run(&args),
         Command::Stream(args) => stream::run(&args),
         Command::IdleConnections(args) => idle::run(&args),
         Command::StartToListen(args) => start::run(&args),
