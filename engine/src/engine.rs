@@ -109,6 +109,12 @@ impl Engine {
         (xxhash_rust::xxh3::xxh3_64_with_seed(key, ROUTING_SEED) % self.shards.len() as u64) as usize
     }
 
+    /// Heap bytes the shards' published indexes hold (key tables and object slots; the objects'
+    /// own metadata and keys are not counted here).
+    pub fn published_index_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.published.heap_bytes()).sum()
+    }
+
     /// Waits until every shard has handled everything this thread sent it before (releases are
     /// fire-and-forget, so tests call this before asserting counters).
     pub fn sync_shards(&self) -> Result<()> {

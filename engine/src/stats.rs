@@ -13,6 +13,10 @@ pub struct ShardCounters {
     pub pinned_objects: AtomicU64,
     pub retired_objects: AtomicU64,
     pub leases_held: AtomicU64,
+    /// Leases taken through the published index, without a message to the shard (a gauge).
+    pub published_leases_held: AtomicU64,
+    /// Reads leased through the published index.
+    pub published_reads: AtomicU64,
     pub writes_in_flight: AtomicU64,
     pub tasks_in_flight: AtomicU64,
     pub puts: AtomicU64,
@@ -76,6 +80,8 @@ pub struct ShardStats {
     pub pinned_objects: u64,
     pub retired_objects: u64,
     pub leases_held: u64,
+    pub published_leases_held: u64,
+    pub published_reads: u64,
     pub writes_in_flight: u64,
     pub tasks_in_flight: u64,
     pub puts: u64,
@@ -141,6 +147,8 @@ impl ShardCounters {
             pinned_objects: r(&self.pinned_objects),
             retired_objects: r(&self.retired_objects),
             leases_held: r(&self.leases_held),
+            published_leases_held: r(&self.published_leases_held),
+            published_reads: r(&self.published_reads),
             writes_in_flight: r(&self.writes_in_flight),
             tasks_in_flight: r(&self.tasks_in_flight),
             puts: r(&self.puts),
@@ -260,6 +268,8 @@ impl Stats {
             t.pinned_objects += s.pinned_objects;
             t.retired_objects += s.retired_objects;
             t.leases_held += s.leases_held;
+            t.published_leases_held += s.published_leases_held;
+            t.published_reads += s.published_reads;
             t.writes_in_flight += s.writes_in_flight;
             t.tasks_in_flight += s.tasks_in_flight;
             t.puts += s.puts;
@@ -311,6 +321,7 @@ impl Stats {
     pub fn held_resources(&self) -> HeldResources {
         HeldResources {
             leases: self.total.leases_held,
+            published_leases: self.total.published_leases_held,
             writes_in_flight: self.total.writes_in_flight,
             tasks_in_flight: self.total.tasks_in_flight,
             retired_objects: self.total.retired_objects,
@@ -380,6 +391,7 @@ pub struct GpuStats {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct HeldResources {
     pub leases: u64,
+    pub published_leases: u64,
     pub writes_in_flight: u64,
     pub tasks_in_flight: u64,
     pub retired_objects: u64,

@@ -15,6 +15,7 @@ use super::{gpu, progressive, restore, Engine, OBJECT_ALIGN_BYTES};
 use crate::config::EngineConfig;
 use crate::error::OpenError;
 use crate::shard::core::SsdConfig;
+use crate::shard::published::IndexWriter;
 use crate::shard::{spawn_shard, DiskBackend, RuntimeConfig, ShardConfig, ShardCore, ShardThread};
 use crate::stats::ShardCounters;
 
@@ -95,7 +96,9 @@ impl Engine {
             };
             let core_slice = slice.clone();
             let core_counters = Arc::clone(&counters);
-            let make_core = move || ShardCore::with_ssd(shard_config, core_slice, core_counters, ssd_config);
+            let writer = IndexWriter::new(Arc::clone(&counters));
+            let published = Arc::clone(writer.shared());
+            let make_core = move || ShardCore::with_ssd(shard_config, core_slice, core_counters, ssd_config, writer);
             let runtime = RuntimeConfig {
                 ring_entries: config.ring_entries,
                 idle_spin: config.idle_spin,
@@ -106,7 +109,7 @@ impl Engine {
                 register_fixed_buffers: config.register_fixed_buffers,
                 io_uring: config.io_uring,
             };
-            match spawn_shard(index, make_core, counters, slice, disk, runtime) {
+            match spawn_shard(index, make_core, counters, published, slice, disk, runtime) {
                 Ok(started) => starting.push(started),
                 Err(e) => {
                     stop_all(starting.into_iter().filter_map(|s| s.wait().ok()).map(|(t, _)| t));

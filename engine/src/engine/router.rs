@@ -16,6 +16,7 @@ use super::Engine;
 use crate::api::PutOptions;
 use crate::error::{Error, Result};
 use crate::shard::inbox::Inbox;
+use crate::shard::published::{FastLease, FastRead, PublishedIndex};
 use crate::shard::{LeaseId, ObjectRef, ReadGrant, Request, WriteGrant};
 
 /// Requests sent to the shards and not yet answered.
@@ -155,13 +156,36 @@ impl Engine {
         keys: impl IntoIterator<Item = (usize, &'k [u8])>,
         early: bool,
     ) -> PendingLeases<'_> {
-        let fanout = self.fan_out(keys.into_iter().map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
+        // DRAM-resident objects are leased through the shards' published indexes; the rest
+        // (on SSD, loading, being written, or a lookup that raced with the shard) by message.
+        let mut fast = Vec::new();
+        let mut answered = HashMap::new();
+        let shutting_down = self.shutting_down.load(Ordering::Relaxed);
+        let by_message = keys.into_iter().filter(|&(index, key)| {
+            if shutting_down {
+                return true;
+            }
+            let shard = self.shard_of(key);
+            match self.shards[shard].published.lease(key, xxhash_rust::xxh3::xxh3_64(key)) {
+                FastRead::Hit { lease, ptr, len } => {
+                    fast.push((shard, lease));
+                    answered.insert(index, Ok(ReadGrant { lease: LeaseId::PUBLISHED, ptr, len, landing: None }));
+                    false
+                }
+                FastRead::Miss => {
+                    answered.insert(index, Err(Error::NotFound));
+                    false
+                }
+                FastRead::Fallback => true,
+            }
+        });
+        let fanout = self.fan_out(by_message.map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             ttl: None,
             early,
             reply,
         });
-        PendingLeases { engine: self, fanout }
+        PendingLeases { engine: self, fanout, fast, answered }
     }
 
     /// Leases `keys` and waits for the grants.
@@ -195,14 +219,20 @@ impl Engine {
     }
 }
 
-/// Read leases taken by one call; released (one message per shard) when dropped, on every path.
+/// Read leases taken by one call; released (one message per shard, and one atomic decrement per
+/// published lease) when dropped, on every path.
 pub(crate) struct LeaseSet<'e> {
     engine: &'e Engine,
     by_shard: Vec<Vec<LeaseId>>,
+    /// Leases taken through the published indexes: (shard, lease).
+    fast: Vec<(usize, FastLease)>,
 }
 
 impl Drop for LeaseSet<'_> {
     fn drop(&mut self) {
+        for (shard, lease) in self.fast.drain(..) {
+            self.engine.shards[shard].published.release(lease);
+        }
         for (shard, leases) in self.by_shard.iter_mut().enumerate() {
             if !leases.is_empty() {
                 // A shard that is gone has dropped its leases with it.
@@ -222,22 +252,30 @@ impl LeaseSet<'_> {
             .filter(|(_, leases)| !leases.is_empty())
             .map(|(shard, leases)| (Arc::clone(&self.engine.shards[shard].inbox), leases))
             .collect();
-        HeldLeases { by_shard }
+        let fast = std::mem::take(&mut self.fast)
+            .into_iter()
+            .map(|(shard, lease)| (Arc::clone(&self.engine.shards[shard].published), lease))
+            .collect();
+        HeldLeases { by_shard, fast }
     }
 
     /// Leases held.
     pub(crate) fn len(&self) -> usize {
-        self.by_shard.iter().map(Vec::len).sum()
+        self.by_shard.iter().map(Vec::len).sum::<usize>() + self.fast.len()
     }
 }
 
 /// Read leases that outlive the call that took them; released when dropped.
 pub(crate) struct HeldLeases {
     by_shard: Vec<(Arc<Inbox>, Vec<LeaseId>)>,
+    fast: Vec<(Arc<PublishedIndex>, FastLease)>,
 }
 
 impl Drop for HeldLeases {
     fn drop(&mut self) {
+        for (index, lease) in self.fast.drain(..) {
+            index.release(lease);
+        }
         for (inbox, leases) in self.by_shard.drain(..) {
             // A shard that is gone has dropped its leases with it.
             let _ = inbox.send(Request::Release { leases });
@@ -249,13 +287,18 @@ impl Drop for HeldLeases {
 pub(crate) struct PendingLeases<'e> {
     engine: &'e Engine,
     fanout: Fanout<Result<ReadGrant>>,
+    /// Published leases taken already, and the results they gave.
+    fast: Vec<(usize, FastLease)>,
+    answered: HashMap<usize, Result<ReadGrant>>,
 }
 
 impl<'e> PendingLeases<'e> {
     /// Waits for every shard's grants. The returned set releases them when dropped.
     pub(crate) fn wait(self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
-        let mut leases = LeaseSet { engine: self.engine, by_shard: vec![Vec::new(); self.engine.shards.len()] };
-        let mut out = HashMap::new();
+        let by_shard =
+            if self.fanout.parts.is_empty() { Vec::new() } else { vec![Vec::new(); self.engine.shards.len()] };
+        let mut leases = LeaseSet { engine: self.engine, by_shard, fast: self.fast };
+        let mut out = self.answered;
         self.fanout.gather(self.engine, |index, shard, grant| {
             let grant = grant.and_then(|g| g);
             if let Ok(g) = &grant {

@@ -16,7 +16,7 @@ mod ssd;
 mod tests;
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,9 +26,9 @@ use kvtide_tiers::eviction::{EntryId, Eviction, EvictionPolicy};
 use kvtide_tiers::ssd::record::{self, HEADER_BYTES};
 
 use super::landing::Landing;
+use super::published::{IndexWriter, KeyBytes};
 use kvtide_tiers::ssd::SsdLocation;
 use slab::Slab;
-use xxhash_rust::xxh3::Xxh3Builder;
 
 use crate::error::{Error, OpenError, Result};
 use crate::stats::ShardCounters;
@@ -61,6 +61,12 @@ pub struct ObjectRef {
 pub struct LeaseId {
     pub slot: u32,
     pub generation: u32,
+}
+
+impl LeaseId {
+    /// Stands in the grant of a lease taken through the published index: given back there,
+    /// never to the shard (generation 0 is never issued, so the shard would ignore it).
+    pub const PUBLISHED: LeaseId = LeaseId { slot: u32::MAX, generation: 0 };
 }
 
 /// Where a leased object's bytes are, for as long as the lease is held.
@@ -106,7 +112,7 @@ enum ObjectState {
 }
 
 struct Object {
-    key: Box<[u8]>,
+    key: KeyBytes,
     key_hash: u64,
     generation: u32,
     /// Order of versions on disk: recovery keeps the highest.
@@ -217,11 +223,15 @@ pub const SCAN_SLOTS: usize = 1 << 16;
 
 /// The shard's state. See the module comment.
 pub struct ShardCore {
+    /// Keys to object slots, published for reads without a message (see `published`).
+    index: IndexWriter,
+    /// Objects whose last use waits for published readers to give their leases back (slot,
+    /// generation); looked at every turn.
+    draining: Vec<(u32, u32)>,
     config: ShardConfig,
     slice: ArenaSlice,
     allocator: OffsetAllocator,
     objects: Slab<Object>,
-    index: HashMap<Box<[u8]>, u32, Xxh3Builder>,
     policy: Box<dyn Eviction>,
     leases: Slab<Lease>,
     lease_deadlines: BinaryHeap<Reverse<(Instant, LeaseId)>>,
@@ -247,7 +257,8 @@ impl ShardCore {
     /// A DRAM-only shard over `slice`, publishing counters to `counters`.
     #[cfg(test)]
     pub fn new(config: ShardConfig, slice: ArenaSlice, counters: Arc<ShardCounters>) -> Result<Self, OpenError> {
-        Self::with_ssd(config, slice, counters, None)
+        let index = IndexWriter::new(Arc::clone(&counters));
+        Self::with_ssd(config, slice, counters, None, index)
     }
 
     /// A shard with an SSD tier when `ssd` is given (call `recover` before serving).
@@ -256,6 +267,7 @@ impl ShardCore {
         slice: ArenaSlice,
         counters: Arc<ShardCounters>,
         ssd: Option<SsdConfig>,
+        index: IndexWriter,
     ) -> Result<Self, OpenError> {
         let capacity = slice.len_bytes() as u64;
         if ssd.is_some() {
@@ -274,12 +286,13 @@ impl ShardCore {
         counters.capacity_bytes.store(allocator.capacity_bytes(), RELAXED);
         counters.bytes_used.store(allocator.used_bytes(), RELAXED);
         Ok(ShardCore {
+            index,
+            draining: Vec::new(),
             policy: config.policy.build(capacity),
             config,
             slice,
             allocator,
             objects: Slab::new(),
-            index: HashMap::with_hasher(Xxh3Builder::new()),
             leases: Slab::new(),
             lease_deadlines: BinaryHeap::new(),
             next_generation: 1,
@@ -336,7 +349,7 @@ impl ShardCore {
         let Some(p) = self.pending_reads.get(pending) else { return true };
         let deadline = p.deadline;
         // Looked up in place (disjoint fields): no copy of the key per read.
-        let Some(&id) = self.index.get(&p.keys[slot]) else {
+        let Some(id) = self.find(&p.keys[slot]) else {
             self.counters.misses.fetch_add(1, RELAXED);
             self.resolve_read(pending, slot, Err(Error::NotFound));
             return true;
@@ -399,8 +412,16 @@ impl ShardCore {
     /// An object nobody reads or writes any more: free it if retired, drop its DRAM copy if it
     /// was only loaded for this read.
     fn after_last_use(&mut self, id: u32) {
+        self.publish(id);
         let object = &self.objects[id as usize];
         if object.leases > 0 || object.io_refs > 0 {
+            return;
+        }
+        let done_with = matches!(object.state, ObjectState::Retired | ObjectState::Abandoned)
+            || (object.transient && object.ssd.is_some());
+        if done_with && self.index.readers(id) > 0 {
+            // Published readers give their leases back without a message: look again next turn.
+            self.draining.push((id, object.generation));
             return;
         }
         if matches!(object.state, ObjectState::Retired | ObjectState::Abandoned) {
@@ -434,7 +455,7 @@ impl ShardCore {
 
     /// Where `key` lives, for restore planning.
     pub fn locate(&self, key: &[u8]) -> Option<Location> {
-        let &id = self.index.get(key)?;
+        let id = self.find(key)?;
         let o = &self.objects[id as usize];
         let staging_bytes = o.ssd.map_or_else(|| self.layout(o.key.len(), o.len).0, |l| l.record_bytes);
         Some(Location { in_dram: o.dram.is_some(), len: o.len, staging_bytes })
@@ -452,7 +473,7 @@ impl ShardCore {
         while slot < stop && keys.len() < limit {
             if let Some(o) = self.objects.get(slot) {
                 if o.state == ObjectState::Live && o.key.starts_with(prefix) {
-                    keys.push(o.key.clone());
+                    keys.push(o.key.to_boxed());
                 }
             }
             slot += 1;
@@ -463,7 +484,7 @@ impl ShardCore {
 
     /// True if `key` is present in any tier (and counts a hit or miss).
     pub fn exists(&mut self, key: &[u8]) -> bool {
-        let found = self.index.contains_key(key);
+        let found = self.find(key).is_some();
         let counter = if found { &self.counters.hits } else { &self.counters.misses };
         counter.fetch_add(1, RELAXED);
         found
@@ -499,7 +520,7 @@ impl ShardCore {
 
     /// Reserves now (`Some`), must wait for demotions (`None`), or fails.
     fn try_reserve(&mut self, key: &[u8], len: u64, upsert: bool) -> Result<Option<WriteGrant>> {
-        if !upsert && self.index.contains_key(key) {
+        if !upsert && self.find(key).is_some() {
             return Err(Error::AlreadyExists);
         }
         let (bytes, value_offset) = self.layout(key.len(), len);
@@ -515,7 +536,7 @@ impl ShardCore {
         let offset = allocation.offset();
         let reserved = allocation.len();
         let id = self.objects.insert(Object {
-            key: key.into(),
+            key: KeyBytes::new(key),
             key_hash: xxhash_rust::xxh3::xxh3_64(key),
             generation,
             seq: 0,
@@ -566,7 +587,10 @@ impl ShardCore {
         for (slot, object) in objects.into_iter().enumerate() {
             match self.commit_now(object, upsert, pin) {
                 Ok(id) if self.write_through() => self.write_through_record(id, pending, slot),
-                Ok(_) => self.resolve_commit(pending, slot, Ok(())),
+                Ok(id) => {
+                    self.publish(id);
+                    self.resolve_commit(pending, slot, Ok(()))
+                }
                 Err(e) => self.resolve_commit(pending, slot, Err(e)),
             }
         }
@@ -593,7 +617,7 @@ impl ShardCore {
         let id = object.id;
         let key = self.objects[id as usize].key.clone();
         let mut inherited_pins = 0;
-        if let Some(&old) = self.index.get(&key) {
+        if let Some(old) = self.find(&key) {
             if !upsert {
                 self.drop_reservation(id);
                 return Err(Error::AlreadyExists);
@@ -621,7 +645,7 @@ impl ShardCore {
         entry.seq = seq;
         entry.committed_turn = self.turn;
         let (hash, len) = (entry.key_hash, entry.len);
-        self.index.insert(key, id);
+        self.index_insert(id);
         if inherited_pins == 0 && !pin {
             self.policy.insert(id as EntryId, hash, len.max(1));
         } else {
@@ -678,11 +702,11 @@ impl ShardCore {
     /// keep their bytes until they release them. With an SSD tier, a tombstone keeps it removed
     /// across restarts.
     pub fn remove(&mut self, key: &[u8], force: bool) -> Result<()> {
-        let Some(&id) = self.index.get(key) else {
+        let Some(id) = self.find(key) else {
             return Err(Error::NotFound);
         };
         let object = &self.objects[id as usize];
-        if !force && object.leases > 0 {
+        if !force && (object.leases > 0 || self.index.readers(id) > 0) {
             return Err(Error::Leased);
         }
         if !force && object.pins > 0 {
@@ -703,7 +727,7 @@ impl ShardCore {
 
     /// Pins `key`: it is not evicted until unpinned as often as pinned.
     pub fn pin(&mut self, key: &[u8]) -> Result<()> {
-        let &id = self.index.get(key).ok_or(Error::NotFound)?;
+        let id = self.find(key).ok_or(Error::NotFound)?;
         let object = &mut self.objects[id as usize];
         object.pins = object.pins.checked_add(1).ok_or(Error::TooLarge {
             what: "pin count",
@@ -719,7 +743,7 @@ impl ShardCore {
 
     /// Undoes one `pin`.
     pub fn unpin(&mut self, key: &[u8]) -> Result<()> {
-        let &id = self.index.get(key).ok_or(Error::NotFound)?;
+        let id = self.find(key).ok_or(Error::NotFound)?;
         let object = &mut self.objects[id as usize];
         if object.pins == 0 {
             return Err(Error::NotPinned);
@@ -757,6 +781,37 @@ impl ShardCore {
     /// Starts the shard loop's next turn (see `turn`).
     pub fn next_turn(&mut self) {
         self.turn += 1;
+        self.take_published_news();
+    }
+
+    /// Feeds reads served through the published index to the eviction policy, and finishes the
+    /// objects whose published readers have all gone.
+    fn take_published_news(&mut self) {
+        let (objects, policy) = (&self.objects, &mut self.policy);
+        self.index.drain_accesses(|id, generation| {
+            let tracked = objects.get(id as usize).is_some_and(|o| {
+                o.generation == generation && o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some()
+            });
+            if tracked {
+                policy.access(id as EntryId);
+            }
+        });
+        if self.draining.is_empty() {
+            return;
+        }
+        let draining = std::mem::take(&mut self.draining);
+        for (id, generation) in draining {
+            let same = self.objects.get(id as usize).is_some_and(|o| o.generation == generation);
+            if same {
+                // Back on the list if readers are still there.
+                self.after_last_use(id);
+            }
+        }
+    }
+
+    /// Objects waiting for published readers to leave: the shard should look again soon.
+    pub fn has_draining(&self) -> bool {
+        !self.draining.is_empty()
     }
 
     /// Allocates `bytes`, evicting clean victims and starting demotions of dirty ones. `None`
@@ -782,8 +837,11 @@ impl ShardCore {
 
     /// Evicts one victim now, without starting I/O. False when none can go now.
     fn evict_one_now(&mut self) -> bool {
-        let objects = &self.objects;
-        let victim = self.policy.pop_victim(&mut |id| objects.get(id as usize).is_some_and(Object::evictable));
+        let (objects, index) = (&self.objects, &self.index);
+        // A victim's published slot is closed as it is chosen, atomically with seeing no readers.
+        let victim = self
+            .policy
+            .pop_victim(&mut |id| objects.get(id as usize).is_some_and(Object::evictable) && index.close_if_unused(id));
         let Some(id) = victim else { return false };
         self.drop_or_evict(id);
         true
@@ -798,10 +856,11 @@ impl ShardCore {
 
     /// `evict_one`; with `spare_this_turn`, objects committed in this turn are skipped.
     fn evict_one_of(&mut self, spare_this_turn: bool) -> bool {
-        let objects = &self.objects;
+        let (objects, index) = (&self.objects, &self.index);
         let turn = self.turn;
         let victim = self.policy.pop_victim(&mut |id| {
             objects.get(id as usize).is_some_and(|o| o.evictable() && !(spare_this_turn && o.committed_turn == turn))
+                && index.close_if_unused(id)
         });
         let Some(id) = victim else { return false };
         debug_assert_eq!(self.objects[id as usize].state, ObjectState::Live);
@@ -830,8 +889,7 @@ impl ShardCore {
             self.drop_dram(id);
             return;
         }
-        let key = self.objects[id as usize].key.clone();
-        self.index.remove(&key);
+        self.index_remove(id);
         self.counters.objects.fetch_sub(1, RELAXED);
         self.counters.evictions.fetch_add(1, RELAXED);
         self.free_object(id);
@@ -841,6 +899,7 @@ impl ShardCore {
     fn drop_dram(&mut self, id: u32) {
         let object = &mut self.objects[id as usize];
         debug_assert!(object.ssd.is_some() && object.leases == 0 && object.io_refs == 0);
+        debug_assert_eq!(self.index.readers(id), 0, "dropping DRAM under published readers");
         let Some(allocation) = object.dram.take() else { return };
         object.transient = false;
         self.policy.remove(id as EntryId);
@@ -853,6 +912,7 @@ impl ShardCore {
 
     /// Starts tracking an object in the eviction policy if it is live, unpinned and in DRAM.
     fn track_if_resident(&mut self, id: u32) {
+        self.publish(id);
         let o = &self.objects[id as usize];
         if o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some() && o.io_refs == 0 && !o.transient {
             let (hash, len) = (o.key_hash, o.len);
@@ -948,28 +1008,35 @@ impl ShardCore {
     /// Takes a live object out of the index and the policy; frees it now or when its last lease
     /// and I/O are gone.
     fn unlink(&mut self, id: u32) {
+        // Readers still in keep their bytes; no new one gets in.
+        let readers = self.index.close(id);
+        self.index_remove(id);
         let object = &mut self.objects[id as usize];
         debug_assert_eq!(object.state, ObjectState::Live);
-        let key = object.key.clone();
         if object.pins > 0 {
             self.counters.pinned_objects.fetch_sub(1, RELAXED);
         }
         object.pins = 0;
-        let busy = object.leases > 0 || object.io_refs > 0;
+        let busy = object.leases > 0 || object.io_refs > 0 || readers > 0;
+        // Only published readers hold it: nothing will call back when they are gone.
+        let drain = busy && object.leases == 0 && object.io_refs == 0;
         if busy {
             object.state = ObjectState::Retired;
             self.counters.retired_objects.fetch_add(1, RELAXED);
         }
-        self.index.remove(&key);
+        let generation = object.generation;
         self.policy.remove(id as EntryId);
         self.counters.objects.fetch_sub(1, RELAXED);
         if !busy {
             self.free_object(id);
+        } else if drain {
+            self.draining.push((id, generation));
         }
     }
 
     /// Returns an object's memory and SSD space. Only for objects nothing can reach any more.
     fn free_object(&mut self, id: u32) {
+        debug_assert_eq!(self.index.readers(id), 0, "freeing an object under published readers");
         let object = self.objects.remove(id as usize);
         debug_assert_eq!(object.leases, 0, "freeing a leased object");
         debug_assert_eq!(object.io_refs, 0, "freeing an object under I/O");
@@ -1006,6 +1073,45 @@ impl ShardCore {
             .ok_or(Error::Internal("object outside slice"))
     }
 
+    /// The object slot `key` is indexed at.
+    fn find(&self, key: &[u8]) -> Option<u32> {
+        let objects = &self.objects;
+        self.index.find(xxhash_rust::xxh3::xxh3_64(key), |id| objects.get(id as usize).is_some_and(|o| *o.key == *key))
+    }
+
+    fn index_insert(&mut self, id: u32) {
+        let objects = &self.objects;
+        let hash = objects[id as usize].key_hash;
+        self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, |o| o.key_hash));
+    }
+
+    fn index_remove(&mut self, id: u32) {
+        let objects = &self.objects;
+        let hash = objects[id as usize].key_hash;
+        let removed = self.index.remove(hash, id, |other| objects.get(other as usize).map_or(0, |o| o.key_hash));
+        debug_assert!(removed, "object {id} was not indexed");
+    }
+
+    /// Lets published readers lease the object if it is live, whole in DRAM and not being
+    /// written (its bytes stay put until the shard closes it again).
+    fn publish(&mut self, id: u32) {
+        let Some(o) = self.objects.get(id as usize) else { return };
+        let readable =
+            o.state == ObjectState::Live && o.dram.is_some() && o.loading.is_none() && !o.transient && o.io_refs == 0;
+        if !readable || self.index.is_open(id, o.generation) {
+            return;
+        }
+        let Ok(ptr) = self.value_ptr(id) else { return };
+        let o = &self.objects[id as usize];
+        self.index.open(id, o.generation, ptr, o.len, &o.key);
+    }
+
+    /// Keeps published readers out of an object about to be written to SSD (readers in keep
+    /// their bytes: the object's DRAM stays until they left).
+    pub(super) fn unpublish(&mut self, id: u32) {
+        self.index.close(id);
+    }
+
     fn bump_generation(&mut self) -> u32 {
         let generation = self.next_generation;
         self.next_generation = self.next_generation.wrapping_add(1).max(1);
@@ -1031,7 +1137,7 @@ impl ShardCore {
             match object.state {
                 ObjectState::Live => {
                     live += 1;
-                    if self.index.get(&object.key) != Some(&(id as u32)) {
+                    if self.find(&object.key) != Some(id as u32) {
                         return Err(format!("live object {id} not indexed"));
                     }
                     if object.dram.is_none() && object.ssd.is_none() && object.io_refs == 0 {
@@ -1109,5 +1215,19 @@ impl ShardCore {
             && self.ssd.as_ref().is_none_or(SsdState::is_quiet)
     }
 }
+
+impl Drop for ShardCore {
+    fn drop(&mut self) {
+        // Readers on other threads may still be comparing keys under published leases: the
+        // objects (their keys) must outlive those leases. Past the wait they are leaked instead.
+        if !self.index.shut(SHUT_WAIT) {
+            tracing::warn!("published readers still hold leases as the shard stops; keeping its objects' memory");
+            std::mem::forget(std::mem::take(&mut self.objects));
+        }
+    }
+}
+
+/// How long a stopping shard waits for published readers to give their leases back.
+const SHUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 const RELAXED: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;

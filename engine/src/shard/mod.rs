@@ -5,6 +5,7 @@
 pub mod core;
 pub(crate) mod inbox;
 pub mod landing;
+pub(crate) mod published;
 mod ring;
 mod runtime;
 pub(crate) mod task;

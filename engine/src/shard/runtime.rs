@@ -12,6 +12,7 @@ use kvtide_tiers::ssd::{DiskCompletion, DiskIo, DiskOp, ShardFiles, SimDisk};
 
 use super::core::{RecoveryReport, ShardCore};
 use super::inbox::Inbox;
+use super::published::PublishedIndex;
 use super::ring::{Completion, Ring};
 use super::task::TaskPoll;
 use super::{Request, ShardTask};
@@ -56,8 +57,13 @@ pub(crate) enum DiskBackend {
 }
 
 /// The engine's handle on a running shard.
+/// How often a parked shard looks at objects waiting for published readers to leave.
+const DRAIN_POLL: Duration = Duration::from_millis(1);
+
 pub(crate) struct ShardThread {
     pub(crate) inbox: Arc<Inbox>,
+    /// The shard's index as readers on any thread see it.
+    pub(crate) published: Arc<PublishedIndex>,
     pub(crate) counters: Arc<ShardCounters>,
     pub(crate) join: Option<JoinHandle<()>>,
 }
@@ -85,6 +91,7 @@ pub(crate) fn spawn_shard(
     index: usize,
     make_core: impl FnOnce() -> Result<ShardCore, OpenError> + Send + 'static,
     counters: Arc<ShardCounters>,
+    published: Arc<PublishedIndex>,
     slice: ArenaSlice,
     disk: DiskBackend,
     config: RuntimeConfig,
@@ -183,7 +190,7 @@ pub(crate) fn spawn_shard(
             shard.run();
         })
         .map_err(shard_error)?;
-    Ok(StartingShard { index, thread: ShardThread { inbox, counters, join: Some(join) }, ready: ready_rx })
+    Ok(StartingShard { index, thread: ShardThread { inbox, published, counters, join: Some(join) }, ready: ready_rx })
 }
 
 /// The shard's ring: io_uring, or for a DRAM-only shard where io_uring is off or refused, a
@@ -413,7 +420,9 @@ impl ShardLoop {
             tracing::error!(error = %e, "could not arm the wake-up read; spinning instead");
             return;
         }
-        if let Some(deadline) = self.core.next_lease_deadline() {
+        // Objects waiting for published readers: their leases come back without a wake-up.
+        let draining = self.core.has_draining().then(|| now + DRAIN_POLL);
+        if let Some(deadline) = self.core.next_lease_deadline().into_iter().chain(draining).min() {
             let after = deadline.saturating_duration_since(now).max(Duration::from_micros(100));
             if let Err(e) = self.ring.arm_timer(after) {
                 tracing::error!(error = %e, "could not arm the timer; spinning instead");

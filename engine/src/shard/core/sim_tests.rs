@@ -61,7 +61,9 @@ fn core_with(arena: &Arc<Arena>, ssd: SsdConfig) -> ShardCore {
         max_objects: 4096,
         max_leases: 4096,
     };
-    ShardCore::with_ssd(config, slice, Arc::new(ShardCounters::default()), Some(ssd)).expect("core")
+    let counters = Arc::new(ShardCounters::default());
+    let index = crate::shard::published::IndexWriter::new(Arc::clone(&counters));
+    ShardCore::with_ssd(config, slice, counters, Some(ssd), index).expect("core")
 }
 
 /// Moves disk work until nothing is queued or in flight.
@@ -366,11 +368,11 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                     disk.set_faults(SimFaults::default());
                 }
                 let present: HashMap<u32, bool> =
-                    model.keys().map(|&k| (k, core.index.contains_key(format!("k{k}").as_bytes()))).collect();
+                    model.keys().map(|&k| (k, core.find(format!("k{k}").as_bytes()).is_some())).collect();
                 let before: HashMap<u32, String> = model
                     .keys()
                     .map(|&k| {
-                        let state = core.index.get(format!("k{k}").as_bytes()).map(|&id| {
+                        let state = core.find(format!("k{k}").as_bytes()).map(|id| {
                             let o = &core.objects[id as usize];
                             (o.ssd, o.dram.is_some(), o.seq, o.io_refs, o.state)
                         });
@@ -491,7 +493,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
                     let c = core.counters.snapshot();
                     let tkey = format!("k{tk}").into_bytes();
-                    let loc = core.index.get(&tkey[..]).map(|&id| {
+                    let loc = core.find(&tkey[..]).map(|id| {
                         let o = &core.objects[id as usize];
                         (o.ssd, o.dram.is_some(), o.seq)
                     });
@@ -513,7 +515,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                 let report = core.recover(&mut disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(seed, step)));
                 if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
                     let tkey = format!("k{tk}").into_bytes();
-                    eprintln!("  recovered {report:?}; traced key indexed: {}", core.index.contains_key(&tkey[..]));
+                    eprintln!("  recovered {report:?}; traced key indexed: {}", core.find(&tkey[..]).is_some());
                 }
                 for (&k, m) in model.iter_mut() {
                     let key = format!("k{k}").into_bytes();

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use super::{LeaseId, Object, ObjectState, ReadGrant, ShardCore, RELAXED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
+use crate::shard::published::KeyBytes;
 
 /// Tombstones queued and not yet written, by default; a remove past this gets `Busy` (nothing
 /// is dropped).
@@ -477,7 +478,8 @@ impl ShardCore {
                 }
             } else if copy_cold || pinned {
                 if let Some(src) = object.ssd {
-                    let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.clone() };
+                    let identity =
+                        RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.to_boxed() };
                     queue.push(CopyRequest { owner: owner_token(id, generation), src, identity });
                 }
             } else {
@@ -640,6 +642,7 @@ impl ShardCore {
                 self.counters.ssd_space_waits.fetch_add(1, RELAXED);
                 let generation = self.objects[id as usize].generation;
                 self.objects[id as usize].io_refs += 1;
+                self.unpublish(id);
                 if let Some(ssd) = self.ssd.as_mut() {
                     ssd.space_waiters.push_back(SpaceWaiter { object: id, generation, pending, slot });
                 }
@@ -671,6 +674,7 @@ impl ShardCore {
                 Placement::At(_) => {}
                 Placement::Full if self.ssd_space_coming() => {
                     self.objects[w.object as usize].io_refs += 1;
+                    self.unpublish(w.object);
                     if let Some(ssd) = self.ssd.as_mut() {
                         ssd.space_waiters.push_front(w);
                     }
@@ -740,6 +744,8 @@ impl ShardCore {
         }
         let Some(ssd) = self.ssd.as_mut() else { return Placement::TooLarge };
         self.objects[id as usize].io_refs += 1;
+        // Published readers stay out while the record is written (those in keep the object's DRAM).
+        self.index.close(id);
         let tag = ssd.ops.insert(CoreOp::Write { id, location, purpose }) as u64;
         // SAFETY: the image is the object's own DRAM allocation, sealed above and unchanged until
         // the write completes (its value is immutable once committed, and no other write of it
@@ -842,7 +848,7 @@ impl ShardCore {
         self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
         ssd.loading_bytes += location.record_bytes;
         let object = &self.objects[id as usize];
-        let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.clone() };
+        let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.to_boxed() };
         let landing = progressive.then(|| Arc::new(Landing::default()));
         let op = CoreOp::Load { id, location, allocation: Some(allocation), waiters, landing, early: Vec::new() };
         let token = ssd.ops.insert(op);
@@ -1147,7 +1153,12 @@ impl ShardCore {
         };
         if object.state == ObjectState::Retired {
             self.after_last_use(id);
-        } else if purpose == WritePurpose::Demotion && object.ssd.is_some() && object.leases == 0 && object.pins == 0 {
+        } else if purpose == WritePurpose::Demotion
+            && object.ssd.is_some()
+            && object.leases == 0
+            && object.pins == 0
+            && self.index.readers(id) == 0
+        {
             // A finished demotion: the DRAM copy goes (the policy no longer tracks it).
             let object = &mut self.objects[id as usize];
             object.transient = false;
@@ -1157,10 +1168,14 @@ impl ShardCore {
                 self.counters.evictions.fetch_add(1, RELAXED);
                 self.allocator.free(allocation);
             }
-        } else if purpose == WritePurpose::Demotion && object.ssd.is_none() && object.leases == 0 && object.pins == 0 {
+        } else if purpose == WritePurpose::Demotion
+            && object.ssd.is_none()
+            && object.leases == 0
+            && object.pins == 0
+            && self.index.readers(id) == 0
+        {
             // The demotion failed: drop the object rather than keep memory others wait for.
-            let key = object.key.clone();
-            self.index.remove(&key);
+            self.index_remove(id);
             self.counters.objects.fetch_sub(1, RELAXED);
             self.counters.evictions.fetch_add(1, RELAXED);
             self.free_object(id);
@@ -1430,7 +1445,7 @@ impl ShardCore {
             let location = found.location;
             let id = self.objects.insert(Object {
                 key_hash: xxhash_rust::xxh3::xxh3_64(&key),
-                key: key.clone().into_boxed_slice(),
+                key: KeyBytes::new(&key),
                 generation,
                 seq: found.seq,
                 dram: None,
@@ -1446,7 +1461,7 @@ impl ShardCore {
                 shadowed: false,
                 state: ObjectState::Live,
             }) as u32;
-            self.index.insert(key.into_boxed_slice(), id);
+            self.index_insert(id);
             if let Some(ssd) = self.ssd.as_mut() {
                 // The tier counted its bytes live already.
                 ssd.tier.add_resident(location.segment, owner_token(id, generation));

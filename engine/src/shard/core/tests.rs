@@ -103,7 +103,7 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
                         let bytes = fill(key, version, len);
                         // SAFETY: the reservation gives us `len` exclusive bytes at grant.ptr.
                         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), grant.ptr.as_ptr(), len) };
-                        let had = model.contains_key(&key) && shard.index.contains_key(&[key][..]);
+                        let had = model.contains_key(&key) && shard.find(&[key][..]).is_some();
                         match shard.commit(grant.object, upsert) {
                             Ok(()) => {
                                 prop_assert!(upsert || !had);
@@ -114,7 +114,7 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
                             Err(e) => return Err(TestCaseError::fail(format!("commit: {e}"))),
                         }
                     }
-                    Err(Error::AlreadyExists) => prop_assert!(!upsert && shard.index.contains_key(&[key][..])),
+                    Err(Error::AlreadyExists) => prop_assert!(!upsert && shard.find(&[key][..]).is_some()),
                     Err(Error::NoSpace) => {
                         // Only when pinned + leased + reserved bytes leave no room.
                         prop_assert!(shard.policy.len() <= shard.len());

@@ -1,0 +1,712 @@
+//! A shard's index, published so that any thread can lease a DRAM-resident object without a
+//! message to the shard.
+//!
+//! Owns the key table (open addressing over the key hashes: one 8-byte entry per key, a 32-bit
+//! tag of the hash beside the object slot), one lease word per object slot (the object's
+//! generation, an open bit and a reader count), what a reader needs of an open object (where its
+//! value and key are), and the queue of reads the shard's eviction policy has not seen yet.
+//! The owning shard thread is its only writer. Readers look a key up, take a lease with one
+//! compare-and-swap on an open object, check the key, copy, and give the lease back with one
+//! atomic decrement. Never lets a reader lease an object the shard has closed, and the shard
+//! never frees or moves an object's bytes while its reader count is not zero: it closes the slot
+//! first (atomically with seeing no readers, for eviction) and waits for the count to drain.
+//!
+//! A key found in the table but not leasable (on SSD only, loading, being written or replaced)
+//! and a miss that raced with an entry moving are answered `Fallback`: the caller asks the shard.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_queue::ArrayQueue;
+
+use crate::stats::ShardCounters;
+
+/// The lease word's open bit: readers may take leases.
+const OPEN: u64 = 1 << 31;
+/// The lease word's reader count (below the open bit).
+const COUNT: u64 = OPEN - 1;
+
+/// What the lease protocol needs of an atomic word (the std atomic, and loom's in the model test).
+pub(crate) trait Word {
+    fn load(&self, order: Ordering) -> u64;
+    fn store(&self, value: u64, order: Ordering);
+    fn compare_exchange_weak(&self, current: u64, new: u64, ok: Ordering, err: Ordering) -> Result<u64, u64>;
+    fn fetch_sub(&self, value: u64, order: Ordering) -> u64;
+    fn fetch_and(&self, value: u64, order: Ordering) -> u64;
+    fn fetch_or(&self, value: u64, order: Ordering) -> u64;
+}
+
+impl Word for AtomicU64 {
+    fn load(&self, order: Ordering) -> u64 {
+        AtomicU64::load(self, order)
+    }
+    fn store(&self, value: u64, order: Ordering) {
+        AtomicU64::store(self, value, order)
+    }
+    fn compare_exchange_weak(&self, current: u64, new: u64, ok: Ordering, err: Ordering) -> Result<u64, u64> {
+        AtomicU64::compare_exchange_weak(self, current, new, ok, err)
+    }
+    fn fetch_sub(&self, value: u64, order: Ordering) -> u64 {
+        AtomicU64::fetch_sub(self, value, order)
+    }
+    fn fetch_and(&self, value: u64, order: Ordering) -> u64 {
+        AtomicU64::fetch_and(self, value, order)
+    }
+    fn fetch_or(&self, value: u64, order: Ordering) -> u64 {
+        AtomicU64::fetch_or(self, value, order)
+    }
+}
+
+/// One object slot's lease word: `generation << 32 | OPEN? | readers`.
+///
+/// Readers: `acquire` succeeds only while the slot is open, and pins the generation it saw
+/// (a slot reused for another object has another generation, so a stale compare fails);
+/// `release` gives it back. The shard: `reset` gives a slot with no readers to a new object
+/// (closed), `open` lets readers in after the fields they read were written, `close` and
+/// `close_if_unused` keep new readers out; the count then only goes down.
+pub(crate) struct LeaseWord<W: Word>(pub(crate) W);
+
+impl<W: Word> LeaseWord<W> {
+    /// Takes a lease: the generation leased, or None when the slot is closed (or its count is
+    /// full). What the shard wrote before opening the slot is visible after this returns.
+    pub(crate) fn acquire(&self) -> Option<u32> {
+        let mut current = self.0.load(Ordering::Relaxed);
+        loop {
+            if current & OPEN == 0 || current & COUNT == COUNT {
+                return None;
+            }
+            match self.0.compare_exchange_weak(current, current + 1, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Some((current >> 32) as u32),
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    /// Gives a lease back. Everything the reader did under it happens before the shard sees the
+    /// count drop.
+    pub(crate) fn release(&self) {
+        let before = self.0.fetch_sub(1, Ordering::Release);
+        debug_assert!(before & COUNT > 0, "lease word released below zero");
+    }
+
+    /// Readers holding leases now.
+    pub(crate) fn readers(&self) -> u32 {
+        (self.0.load(Ordering::Acquire) & COUNT) as u32
+    }
+
+    /// The generation the slot belongs to and whether it is open.
+    pub(crate) fn state(&self) -> (u32, bool) {
+        let v = self.0.load(Ordering::Acquire);
+        ((v >> 32) as u32, v & OPEN != 0)
+    }
+
+    /// Gives a slot without readers to a new object, closed (shard only).
+    pub(crate) fn reset(&self, generation: u32) {
+        debug_assert_eq!(self.readers(), 0, "slot reused under readers");
+        self.0.store(u64::from(generation) << 32, Ordering::Relaxed);
+    }
+
+    /// Lets readers in; what the shard wrote before is visible to them (shard only).
+    pub(crate) fn open(&self) {
+        self.0.fetch_or(OPEN, Ordering::Release);
+    }
+
+    /// Keeps new readers out; returns the readers still holding leases (shard only).
+    pub(crate) fn close(&self) -> u32 {
+        (self.0.fetch_and(!OPEN, Ordering::AcqRel) & COUNT) as u32
+    }
+
+    /// Closes the slot if nobody holds a lease, atomically with seeing that (shard only).
+    pub(crate) fn close_if_unused(&self) -> bool {
+        let mut current = self.0.load(Ordering::Acquire);
+        loop {
+            if current & COUNT != 0 {
+                return false;
+            }
+            if current & OPEN == 0 {
+                return true;
+            }
+            match self.0.compare_exchange_weak(current, current & !OPEN, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(seen) => current = seen,
+            }
+        }
+    }
+}
+
+/// An object's key bytes, at an address that stays put while the object exists: readers on
+/// other threads compare keys through it under a lease (a `Box` would assert unique access each
+/// time the shard touched its object).
+pub(crate) struct KeyBytes {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: KeyBytes owns its allocation like a Box<[u8]> and is never written after creation.
+unsafe impl Send for KeyBytes {}
+// SAFETY: shared access only reads the bytes.
+unsafe impl Sync for KeyBytes {}
+
+impl KeyBytes {
+    pub(crate) fn new(key: &[u8]) -> KeyBytes {
+        let boxed: Box<[u8]> = key.into();
+        let len = boxed.len();
+        // SAFETY: Box::into_raw never returns null; the allocation is owned by this KeyBytes
+        // until Drop rebuilds the Box from the same pointer and length.
+        let ptr = unsafe { NonNull::new_unchecked(Box::into_raw(boxed).cast::<u8>()) };
+        KeyBytes { ptr, len }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn to_boxed(&self) -> Box<[u8]> {
+        Box::from(&**self)
+    }
+}
+
+impl std::ops::Deref for KeyBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr/len came from a Box<[u8]> this value owns and never writes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Clone for KeyBytes {
+    fn clone(&self) -> KeyBytes {
+        KeyBytes::new(self)
+    }
+}
+
+impl Drop for KeyBytes {
+    fn drop(&mut self) {
+        // SAFETY: the pointer and length are those of the Box this value was made from, and
+        // nothing reads the key once its object is freed (the shard frees objects only after
+        // their published readers are gone).
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len)) });
+    }
+}
+
+impl std::fmt::Debug for KeyBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", &**self)
+    }
+}
+
+/// What a reader needs of one object slot.
+#[derive(Default)]
+struct ObjectSlot {
+    word: LeaseWord<AtomicU64>,
+    value: AtomicUsize,
+    len: AtomicU64,
+    key: AtomicUsize,
+    key_len: AtomicUsize,
+}
+
+impl Default for LeaseWord<AtomicU64> {
+    fn default() -> Self {
+        LeaseWord(AtomicU64::new(0))
+    }
+}
+
+/// Object slots per chunk (chunks are allocated as slot ids reach them).
+const CHUNK_SLOTS_LOG2: u32 = 14;
+const CHUNK_SLOTS: usize = 1 << CHUNK_SLOTS_LOG2;
+/// Chunks at most: 2^32 slot ids.
+const CHUNKS: usize = 1 << (32 - CHUNK_SLOTS_LOG2);
+/// Smallest key table.
+const MIN_TABLE: usize = 1 << 10;
+/// Reads queued for the eviction policy at most; more are not recorded (the policy's view of
+/// recency is approximate under read storms, like a sampled LRU).
+const ACCESS_QUEUE: usize = 1 << 12;
+/// An entry's object slot is stored plus one, so an empty entry is zero.
+const EMPTY: u64 = 0;
+
+/// One key table: `mask + 1` entries, a power of two.
+struct Table {
+    entries: ZeroedSlice<AtomicU64>,
+    mask: usize,
+    shift: u32,
+}
+
+impl Table {
+    fn new(capacity: usize) -> Table {
+        let capacity = capacity.next_power_of_two().max(MIN_TABLE);
+        Table { entries: ZeroedSlice::new(capacity), mask: capacity - 1, shift: 64 - capacity.trailing_zeros() }
+    }
+
+    /// Where a hash's probe starts (Fibonacci hashing: every bit of the hash counts).
+    fn home(&self, hash: u64) -> usize {
+        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize & self.mask
+    }
+
+    fn capacity(&self) -> usize {
+        self.mask + 1
+    }
+}
+
+fn tag(hash: u64) -> u64 {
+    hash >> 32
+}
+
+fn entry(hash: u64, slot: u32) -> u64 {
+    tag(hash) << 32 | (u64::from(slot) + 1)
+}
+
+fn entry_slot(entry: u64) -> u32 {
+    ((entry & 0xFFFF_FFFF) - 1) as u32
+}
+
+/// A lease taken without the shard: give it back with `PublishedIndex::release`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FastLease {
+    pub(crate) slot: u32,
+}
+
+/// What a lock-free lookup found.
+pub(crate) enum FastRead {
+    /// Leased: the value's bytes stay in place and unchanged until the lease is given back.
+    Hit { lease: FastLease, ptr: NonNull<u8>, len: u64 },
+    /// Not in the shard.
+    Miss,
+    /// Ask the shard (see the module comment).
+    Fallback,
+}
+
+/// The published index of one shard, as readers see it. See the module comment.
+pub(crate) struct PublishedIndex {
+    table: AtomicPtr<Table>,
+    /// Tables replaced by larger ones, kept until the index goes (readers may still probe them):
+    /// together smaller than the current one. Locked only to add one, and for `heap_bytes`.
+    // Boxed: readers hold the address of the table they probe.
+    #[allow(clippy::vec_box)]
+    old_tables: Mutex<Vec<Box<Table>>>,
+    /// False once the shard is gone: lookups fall back (and the shard path says why).
+    alive: AtomicBool,
+    /// Odd while entries move (a removal shifting its neighbours back, or a resize): a miss seen
+    /// across a change is not trusted.
+    seq: AtomicU64,
+    chunks: ZeroedSlice<AtomicPtr<ObjectSlot>>,
+    accesses: ArrayQueue<u64>,
+    /// The shard's counters: readers count their hits, misses, bytes and leases there.
+    counters: Arc<ShardCounters>,
+}
+
+// SAFETY: the shard's `IndexWriter` is the only writer of the table and the chunk pointers,
+// through atomics; readers only load atomics and read memory those atomics publish (see the
+// module comment). The raw table and chunk pointers are owned by this value.
+unsafe impl Sync for PublishedIndex {}
+// SAFETY: as above.
+unsafe impl Send for PublishedIndex {}
+
+/// The shard's handle on its published index: the only writer. Not `Clone`.
+pub(crate) struct IndexWriter {
+    index: Arc<PublishedIndex>,
+    /// Entries in the table.
+    len: usize,
+}
+
+impl IndexWriter {
+    /// A new index and its writer.
+    pub(crate) fn new(counters: Arc<ShardCounters>) -> IndexWriter {
+        let index = PublishedIndex {
+            table: AtomicPtr::new(Box::into_raw(Box::new(Table::new(MIN_TABLE)))),
+            old_tables: Mutex::new(Vec::new()),
+            alive: AtomicBool::new(true),
+            seq: AtomicU64::new(0),
+            chunks: ZeroedSlice::new(CHUNKS),
+            accesses: ArrayQueue::new(ACCESS_QUEUE),
+            counters,
+        };
+        IndexWriter { index: Arc::new(index), len: 0 }
+    }
+}
+
+impl PublishedIndex {
+    fn table(&self) -> &Table {
+        // SAFETY: the pointer always holds a live table: replaced tables are kept in
+        // `old_tables` and the current one is freed only with the index.
+        unsafe { &*self.table.load(Ordering::Acquire) }
+    }
+
+    fn slot(&self, slot: u32) -> Option<&ObjectSlot> {
+        let chunk = self.chunks.get(slot as usize >> CHUNK_SLOTS_LOG2)?.load(Ordering::Acquire);
+        if chunk.is_null() {
+            return None;
+        }
+        // SAFETY: a non-null chunk pointer is a zero-initialised array of CHUNK_SLOTS slots that
+        // lives as long as the index; the index is masked into it.
+        Some(unsafe { &*chunk.add(slot as usize & (CHUNK_SLOTS - 1)) })
+    }
+
+    // ---- readers ------------------------------------------------------------------------------
+
+    /// Looks `key` (whose `hash` is xxh3-64) up and leases its object if it is open.
+    pub(crate) fn lease(&self, key: &[u8], hash: u64) -> FastRead {
+        if !self.alive.load(Ordering::Acquire) {
+            return FastRead::Fallback;
+        }
+        let before = self.seq.load(Ordering::Acquire);
+        if before & 1 == 1 {
+            return FastRead::Fallback;
+        }
+        let table = self.table();
+        let want = tag(hash);
+        let mut at = table.home(hash);
+        for _ in 0..table.capacity() {
+            let e = table.entries[at].load(Ordering::Acquire);
+            if e == EMPTY {
+                break;
+            }
+            if e >> 32 == want {
+                let slot = entry_slot(e);
+                let Some(object) = self.slot(slot) else { return FastRead::Fallback };
+                let Some(generation) = object.word.acquire() else { return FastRead::Fallback };
+                let key_ptr = object.key.load(Ordering::Relaxed) as *const u8;
+                let key_len = object.key_len.load(Ordering::Relaxed);
+                // SAFETY: the lease keeps the object, and so its key, alive and unchanged; the
+                // acquire made the shard's writes of these fields visible.
+                let same = key_len == key.len() && unsafe { std::slice::from_raw_parts(key_ptr, key_len) } == key;
+                if same {
+                    let ptr = object.value.load(Ordering::Relaxed) as *mut u8;
+                    let len = object.len.load(Ordering::Relaxed);
+                    let Some(ptr) = NonNull::new(ptr) else {
+                        object.word.release();
+                        return FastRead::Fallback;
+                    };
+                    let counters = &self.counters;
+                    counters.published_leases_held.fetch_add(1, Ordering::Relaxed);
+                    counters.published_reads.fetch_add(1, Ordering::Relaxed);
+                    counters.hits.fetch_add(1, Ordering::Relaxed);
+                    counters.bytes_read.fetch_add(len, Ordering::Relaxed);
+                    // A full queue drops the record: recency is approximate under read storms.
+                    let _ = self.accesses.push(u64::from(slot) << 32 | u64::from(generation));
+                    return FastRead::Hit { lease: FastLease { slot }, ptr, len };
+                }
+                object.word.release();
+            }
+            at = (at + 1) & table.mask;
+        }
+        // A miss counts only if no entry moved meanwhile.
+        fence(Ordering::Acquire);
+        if self.seq.load(Ordering::Relaxed) != before {
+            return FastRead::Fallback;
+        }
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        FastRead::Miss
+    }
+
+    /// Gives back a lease `lease` returned.
+    pub(crate) fn release(&self, lease: FastLease) {
+        if let Some(object) = self.slot(lease.slot) {
+            self.counters.published_leases_held.fetch_sub(1, Ordering::Relaxed);
+            object.word.release();
+        }
+    }
+
+    /// Heap bytes the index holds (tables, slot chunks, the access queue).
+    pub(crate) fn heap_bytes(&self) -> u64 {
+        let old: usize = self.old_tables.lock().map_or(0, |t| t.iter().map(|t| t.capacity()).sum());
+        let tables = old + self.table().capacity();
+        let chunks = self.chunks.iter().filter(|c| !c.load(Ordering::Relaxed).is_null()).count();
+        let bytes = tables * 8
+            + chunks * CHUNK_SLOTS * std::mem::size_of::<ObjectSlot>()
+            + self.chunks.len() * 8
+            + ACCESS_QUEUE * 8;
+        bytes as u64
+    }
+}
+
+impl IndexWriter {
+    /// The index readers use.
+    pub(crate) fn shared(&self) -> &Arc<PublishedIndex> {
+        &self.index
+    }
+
+    /// Keys in the table.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The slot holding the key whose hash is `hash`, `is_key(slot)` telling whether a
+    /// candidate's key is the one wanted.
+    pub(crate) fn find(&self, hash: u64, mut is_key: impl FnMut(u32) -> bool) -> Option<u32> {
+        let table = self.index.table();
+        let want = tag(hash);
+        let mut at = table.home(hash);
+        loop {
+            let e = table.entries[at].load(Ordering::Relaxed);
+            if e == EMPTY {
+                return None;
+            }
+            if e >> 32 == want && is_key(entry_slot(e)) {
+                return Some(entry_slot(e));
+            }
+            at = (at + 1) & table.mask;
+        }
+    }
+
+    /// Adds a key that is not in the table; `hash_of(slot)` gives the hash of a key already in
+    /// (to move it when the table grows).
+    pub(crate) fn insert(&mut self, hash: u64, slot: u32, mut hash_of: impl FnMut(u32) -> u64) {
+        debug_assert!(slot < u32::MAX);
+        if (self.len + 1) * 2 > self.index.table().capacity() {
+            self.grow(&mut hash_of);
+        }
+        let table = self.index.table();
+        let mut at = table.home(hash);
+        while table.entries[at].load(Ordering::Relaxed) != EMPTY {
+            at = (at + 1) & table.mask;
+        }
+        table.entries[at].store(entry(hash, slot), Ordering::Release);
+        self.len += 1;
+    }
+
+    /// Removes a key's entry, shifting the entries after it back so probes stay short. False
+    /// when it was not found.
+    pub(crate) fn remove(&mut self, hash: u64, slot: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
+        let index = Arc::clone(&self.index);
+        let table = index.table();
+        let mut hole = table.home(hash);
+        let wanted = entry(hash, slot);
+        loop {
+            let e = table.entries[hole].load(Ordering::Relaxed);
+            if e == EMPTY {
+                return false;
+            }
+            if e == wanted {
+                break;
+            }
+            hole = (hole + 1) & table.mask;
+        }
+        index.seq.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        let mut at = hole;
+        loop {
+            at = (at + 1) & table.mask;
+            let e = table.entries[at].load(Ordering::Relaxed);
+            if e == EMPTY {
+                break;
+            }
+            let home = table.home(hash_of(entry_slot(e)));
+            // The entry may move into the hole if its home is not between the hole and it.
+            if (at.wrapping_sub(home) & table.mask) >= (at.wrapping_sub(hole) & table.mask) {
+                table.entries[hole].store(e, Ordering::Relaxed);
+                hole = at;
+            }
+        }
+        table.entries[hole].store(EMPTY, Ordering::Relaxed);
+        index.seq.fetch_add(1, Ordering::Release);
+        self.len -= 1;
+        true
+    }
+
+    /// Doubles the table. Readers still probing the old one find what it held, and a miss they
+    /// see there is not trusted (the sequence changed).
+    fn grow(&mut self, hash_of: &mut impl FnMut(u32) -> u64) {
+        let index = &self.index;
+        let old = index.table();
+        let bigger = Table::new(old.capacity() * 2);
+        for e in old.entries.iter() {
+            let e = e.load(Ordering::Relaxed);
+            if e == EMPTY {
+                continue;
+            }
+            let mut at = bigger.home(hash_of(entry_slot(e)));
+            while bigger.entries[at].load(Ordering::Relaxed) != EMPTY {
+                at = (at + 1) & bigger.mask;
+            }
+            bigger.entries[at].store(e, Ordering::Relaxed);
+        }
+        index.seq.fetch_add(1, Ordering::Relaxed);
+        let old = index.table.swap(Box::into_raw(Box::new(bigger)), Ordering::AcqRel);
+        index.seq.fetch_add(1, Ordering::Release);
+        // SAFETY: `old` came from Box::into_raw and is no longer the current table; it is kept
+        // (not freed) because readers may still be probing it.
+        let old = unsafe { Box::from_raw(old) };
+        match index.old_tables.lock() {
+            Ok(mut tables) => tables.push(old),
+            // Leaked rather than freed under readers.
+            Err(_) => std::mem::forget(old),
+        }
+    }
+
+    /// Publishes an object readers may lease: `value`/`len` its bytes, `key` its key. A slot
+    /// given to a new generation must have no readers. False when the slot id is
+    /// beyond what the index can publish (the object is then read through the shard).
+    pub(crate) fn open(&mut self, slot: u32, generation: u32, value: NonNull<u8>, len: u64, key: &KeyBytes) -> bool {
+        let Some(object) = self.slot_or_alloc(slot) else { return false };
+        let (current, open) = object.word.state();
+        if current == generation && open {
+            return true;
+        }
+        if current != generation {
+            if object.word.readers() != 0 {
+                debug_assert!(false, "slot {slot} reused under readers");
+                return false;
+            }
+            object.word.reset(generation);
+        }
+        object.value.store(value.as_ptr() as usize, Ordering::Relaxed);
+        object.len.store(len, Ordering::Relaxed);
+        object.key.store(key.as_ptr() as usize, Ordering::Relaxed);
+        object.key_len.store(key.len(), Ordering::Relaxed);
+        object.word.open();
+        true
+    }
+
+    /// Keeps new readers out of a slot; the readers still holding leases.
+    pub(crate) fn close(&self, slot: u32) -> u32 {
+        self.index.slot(slot).map_or(0, |o| o.word.close())
+    }
+
+    /// Closes a slot if nobody holds a lease on it (eviction).
+    pub(crate) fn close_if_unused(&self, slot: u32) -> bool {
+        self.index.slot(slot).is_none_or(|o| o.word.close_if_unused())
+    }
+
+    /// Readers holding leases on a slot now.
+    pub(crate) fn readers(&self, slot: u32) -> u32 {
+        self.index.slot(slot).map_or(0, |o| o.word.readers())
+    }
+
+    /// Whether a slot is open for `generation`.
+    pub(crate) fn is_open(&self, slot: u32, generation: u32) -> bool {
+        self.index.slot(slot).is_some_and(|o| o.word.state() == (generation, true))
+    }
+
+    /// Hands the reads recorded since the last call to `each(slot, generation)`.
+    pub(crate) fn drain_accesses(&self, mut each: impl FnMut(u32, u32)) {
+        for _ in 0..ACCESS_QUEUE {
+            let Some(access) = self.index.accesses.pop() else { break };
+            each((access >> 32) as u32, access as u32);
+        }
+    }
+
+    fn slot_or_alloc(&mut self, slot: u32) -> Option<&ObjectSlot> {
+        let chunk = self.index.chunks.get(slot as usize >> CHUNK_SLOTS_LOG2)?;
+        if chunk.load(Ordering::Acquire).is_null() {
+            let slots: ZeroedSlice<ObjectSlot> = ZeroedSlice::new(CHUNK_SLOTS);
+            chunk.store(slots.into_raw(), Ordering::Release);
+        }
+        self.index.slot(slot)
+    }
+}
+
+impl IndexWriter {
+    /// The shard is stopping: no new lease is granted, and this waits up to `timeout` for the
+    /// readers holding leases to give them back. False when some still hold one (the caller
+    /// must then keep the objects' memory).
+    pub(crate) fn shut(&mut self, timeout: std::time::Duration) -> bool {
+        self.index.alive.store(false, Ordering::Release);
+        let chunks: Vec<&ObjectSlot> = self
+            .index
+            .chunks
+            .iter()
+            .map(|c| c.load(Ordering::Acquire))
+            .filter(|c| !c.is_null())
+            // SAFETY: non-null chunk pointers are live arrays of CHUNK_SLOTS slots (see `slot`).
+            .flat_map(|c| (0..CHUNK_SLOTS).map(move |i| unsafe { &*c.add(i) }))
+            .collect();
+        chunks.iter().for_each(|o| {
+            o.word.close();
+        });
+        let started = std::time::Instant::now();
+        loop {
+            if chunks.iter().all(|o| o.word.readers() == 0) {
+                return true;
+            }
+            if started.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for IndexWriter {
+    fn drop(&mut self) {
+        // The shard is gone: nothing may lease its objects any more.
+        self.index.alive.store(false, Ordering::Release);
+    }
+}
+
+impl Drop for PublishedIndex {
+    fn drop(&mut self) {
+        // SAFETY: the current table came from Box::into_raw and nothing can read it any more
+        // (dropping needs the last reference).
+        drop(unsafe { Box::from_raw(*self.table.get_mut()) });
+        for chunk in self.chunks.iter() {
+            let ptr = chunk.load(Ordering::Relaxed);
+            if !ptr.is_null() {
+                // SAFETY: made by ZeroedSlice::into_raw with CHUNK_SLOTS elements, freed once.
+                drop(unsafe { ZeroedSlice::<ObjectSlot>::from_raw(ptr, CHUNK_SLOTS) });
+            }
+        }
+    }
+}
+
+/// A heap array of a type whose all-zero bytes are a valid value (atomics), allocated zeroed so
+/// the pages it never touches cost no memory.
+struct ZeroedSlice<T> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+impl<T> ZeroedSlice<T> {
+    fn new(len: usize) -> ZeroedSlice<T> {
+        let Ok(layout) = Layout::array::<T>(len) else { panic!("zeroed slice of {len} elements overflows") };
+        if layout.size() == 0 {
+            return ZeroedSlice { ptr: NonNull::dangling(), len };
+        }
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
+        ZeroedSlice { ptr, len }
+    }
+
+    fn into_raw(self) -> *mut T {
+        let ptr = self.ptr.as_ptr();
+        std::mem::forget(self);
+        ptr
+    }
+
+    /// # Safety
+    /// `ptr` must come from `into_raw` of a slice of `len` elements, and be used once.
+    unsafe fn from_raw(ptr: *mut T, len: usize) -> ZeroedSlice<T> {
+        // SAFETY: the caller passes a pointer from into_raw, which is never null.
+        ZeroedSlice { ptr: unsafe { NonNull::new_unchecked(ptr) }, len }
+    }
+}
+
+impl<T> std::ops::Deref for ZeroedSlice<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `len` zeroed elements were allocated, and zero is a valid T for the types used
+        // here (atomics and structs of atomics).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> Drop for ZeroedSlice<T> {
+    fn drop(&mut self) {
+        let Ok(layout) = Layout::array::<T>(self.len) else { return };
+        if layout.size() != 0 {
+            // SAFETY: allocated in `new` with this layout; atomics need no drop.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
+        }
+    }
+}
+
+// SAFETY: the elements are atomics, shared between threads by design.
+unsafe impl<T: Sync> Sync for ZeroedSlice<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Send for ZeroedSlice<T> {}
+
+#[cfg(test)]
+mod tests;

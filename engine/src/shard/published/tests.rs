@@ -1,0 +1,194 @@
+//! The lease protocol under loom (every interleaving of a few threads, with data races on the
+//! object's bytes detected), and the key table against a model.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use loom::cell::UnsafeCell;
+
+use super::{FastRead, IndexWriter, LeaseWord, Word};
+use crate::stats::ShardCounters;
+
+impl Word for loom::sync::atomic::AtomicU64 {
+    fn load(&self, order: Ordering) -> u64 {
+        loom::sync::atomic::AtomicU64::load(self, order)
+    }
+    fn store(&self, value: u64, order: Ordering) {
+        loom::sync::atomic::AtomicU64::store(self, value, order)
+    }
+    fn compare_exchange_weak(&self, current: u64, new: u64, ok: Ordering, err: Ordering) -> Result<u64, u64> {
+        loom::sync::atomic::AtomicU64::compare_exchange_weak(self, current, new, ok, err)
+    }
+    fn fetch_sub(&self, value: u64, order: Ordering) -> u64 {
+        loom::sync::atomic::AtomicU64::fetch_sub(self, value, order)
+    }
+    fn fetch_and(&self, value: u64, order: Ordering) -> u64 {
+        loom::sync::atomic::AtomicU64::fetch_and(self, value, order)
+    }
+    fn fetch_or(&self, value: u64, order: Ordering) -> u64 {
+        loom::sync::atomic::AtomicU64::fetch_or(self, value, order)
+    }
+}
+
+/// One object slot as the protocol sees it: the lease word, and the bytes it guards (the
+/// object's value, holding its generation so a reader can tell whose bytes it read).
+struct Slot {
+    word: LeaseWord<loom::sync::atomic::AtomicU64>,
+    bytes: UnsafeCell<u64>,
+}
+
+// SAFETY: the UnsafeCell is only touched under the protocol being checked; loom reports any
+// access that the protocol fails to order.
+unsafe impl Sync for Slot {}
+
+fn open_slot(generation: u32) -> Arc<Slot> {
+    let slot =
+        Slot { word: LeaseWord(loom::sync::atomic::AtomicU64::new(0)), bytes: UnsafeCell::new(u64::from(generation)) };
+    slot.word.reset(generation);
+    slot.word.open();
+    Arc::new(slot)
+}
+
+/// A reader: lease, read the bytes, check they are the leased generation's, give back.
+fn read(slot: &Slot) -> Option<u32> {
+    let generation = slot.word.acquire()?;
+    // SAFETY: read under a lease; loom checks that no write can race with it.
+    let seen = slot.bytes.with(|p| unsafe { *p });
+    assert_eq!(seen, u64::from(generation), "a reader saw another generation's bytes");
+    slot.word.release();
+    Some(generation)
+}
+
+/// Eviction: the shard closes the slot only if it sees no reader, atomically, then reuses the
+/// bytes for another object and opens the slot for it. Readers never see a torn or foreign value.
+#[test]
+fn eviction_never_reuses_bytes_under_a_reader() {
+    loom::model(|| {
+        let slot = open_slot(1);
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || read(&slot))
+            })
+            .collect();
+        if slot.word.close_if_unused() {
+            // SAFETY: closed with no reader: nobody can read these bytes until the slot opens.
+            slot.bytes.with_mut(|p| unsafe { *p = 2 });
+            slot.word.reset(2);
+            slot.word.open();
+        }
+        for r in readers {
+            let got = r.join().expect("reader");
+            assert!(matches!(got, None | Some(1) | Some(2)));
+        }
+        assert_eq!(slot.word.readers(), 0, "every lease came back");
+    });
+}
+
+/// Remove and upsert: the shard closes the slot whatever the readers, waits for the count to
+/// drain, then frees (here: rewrites) the bytes. A reader either got in before the close and
+/// read the old bytes, or was refused.
+#[test]
+fn retire_waits_for_readers_to_drain() {
+    loom::model(|| {
+        let slot = open_slot(1);
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let slot = Arc::clone(&slot);
+                loom::thread::spawn(move || read(&slot))
+            })
+            .collect();
+        slot.word.close();
+        while slot.word.readers() > 0 {
+            loom::thread::yield_now();
+        }
+        // SAFETY: closed and drained: no reader holds or can take a lease.
+        slot.bytes.with_mut(|p| unsafe { *p = 7 });
+        for r in readers {
+            assert!(matches!(r.join().expect("reader"), None | Some(1)));
+        }
+        assert_eq!(slot.word.acquire(), None, "a closed slot stays closed");
+    });
+}
+
+/// A slot closed while a reader holds it (a record write starting) and opened again for the same
+/// generation: the reader's lease stays counted, and the shard does not see the slot unused.
+#[test]
+fn close_and_reopen_keeps_a_held_lease_counted() {
+    loom::model(|| {
+        let slot = open_slot(3);
+        let reader = {
+            let slot = Arc::clone(&slot);
+            loom::thread::spawn(move || {
+                let got = slot.word.acquire();
+                if got.is_some() {
+                    slot.word.release();
+                }
+                got
+            })
+        };
+        let held = slot.word.close();
+        let unused = slot.word.close_if_unused();
+        assert!(!(held > 0 && unused && slot.word.readers() > 0));
+        slot.word.open();
+        let got = reader.join().expect("reader");
+        assert!(matches!(got, None | Some(3)));
+        assert_eq!(slot.word.readers(), 0);
+    });
+}
+
+fn hash(key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key)
+}
+
+/// The key table and the slots against a model: inserts, removes (with their backward shifts),
+/// growth, and lookups of present and absent keys; every lease comes back.
+#[test]
+fn table_matches_a_model_through_growth_and_removal() {
+    let counters = Arc::new(ShardCounters::default());
+    let mut writer = IndexWriter::new(Arc::clone(&counters));
+    let keys: Vec<super::KeyBytes> =
+        (0..5000u32).map(|i| super::KeyBytes::new(format!("key-{i}").as_bytes())).collect();
+    let values: Vec<u64> = (0..5000u64).collect();
+    let hashes: Vec<u64> = keys.iter().map(|k| hash(k)).collect();
+    let mut present = vec![false; keys.len()];
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    for step in 0..40_000u32 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let i = (rng % keys.len() as u64) as usize;
+        let slot = i as u32;
+        if present[i] {
+            writer.close(slot);
+            assert!(writer.remove(hashes[i], slot, |s| hashes[s as usize]), "step {step}: removes key {i}");
+            present[i] = false;
+        } else {
+            let value = std::ptr::NonNull::from(&values[i]).cast::<u8>();
+            assert!(writer.open(slot, step + 1, value, 8, &keys[i]));
+            writer.insert(hashes[i], slot, |s| hashes[s as usize]);
+            present[i] = true;
+        }
+        if step % 97 == 0 {
+            for (j, key) in keys.iter().enumerate() {
+                let found = writer.find(hashes[j], |s| *keys[s as usize] == **key);
+                assert_eq!(found.is_some(), present[j], "step {step}: key {j}");
+                match writer.shared().lease(key, hashes[j]) {
+                    FastRead::Hit { lease, ptr, len } => {
+                        assert!(present[j]);
+                        assert_eq!(len, 8);
+                        // SAFETY: the lease keeps values[j] (which outlives the index) in place.
+                        assert_eq!(unsafe { ptr.cast::<u64>().as_ptr().read() }, values[j]);
+                        writer.shared().release(lease);
+                    }
+                    FastRead::Miss => assert!(!present[j], "step {step}: key {j} missed"),
+                    FastRead::Fallback => panic!("step {step}: no writer ran meanwhile, yet a fallback"),
+                }
+            }
+        }
+    }
+    assert_eq!(writer.len(), present.iter().filter(|&&p| p).count());
+    assert_eq!(counters.published_leases_held.load(Ordering::Relaxed), 0);
+    assert!(writer.shut(std::time::Duration::from_millis(10)));
+    assert!(matches!(writer.shared().lease(&keys[0], hashes[0]), FastRead::Fallback), "a shut index leases nothing");
+}
