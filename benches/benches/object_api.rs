@@ -1,8 +1,11 @@
 //! Criterion micro-benchmarks of the object API on a small embedded store (256 MiB, 2 shards):
 //! `put` (upsert over a fixed key set, so every write replaces a version and frees the old one)
 //! and `get_into` (hits into a reused host buffer), for 4 KiB, 64 KiB and 1 MiB values, with
-//! `Throughput::Bytes`. Baseline: a plain `memcpy` of the same size into the same buffer, the
-//! floor any copy-based store pays per operation.
+//! `Throughput::Bytes`. Baselines: a plain `memcpy` of the same size into the same buffer, the
+//! floor any copy-based store pays per operation (`memcpy`: one hot source; `memcpy_working_set`:
+//! the sources rotate over as many bytes as the store's keys hold, as the gets' do). Batches:
+//! `batch_get_into` of 128 x 64 KiB against `memcpy_batch`, the same 128 copies from the same
+//! thread.
 //!
 //! Run: `cargo bench -p kvtide-benches --bench object_api` (2 s, 10 samples per benchmark).
 
@@ -47,6 +50,17 @@ fn object_api(c: &mut Criterion) {
             })
         });
 
+        let sources: Vec<Vec<u8>> = keys.iter().map(|_| vec![0x5Au8; size]).collect();
+        let mut i = 0usize;
+        group.bench_with_input(BenchmarkId::new("memcpy_working_set", size), &size, |b, _| {
+            b.iter(|| {
+                i = (i + 1) % sources.len();
+                buf.copy_from_slice(black_box(&sources[i]));
+                black_box(&mut buf);
+            })
+        });
+        drop(sources);
+
         let mut i = 0usize;
         group.bench_with_input(BenchmarkId::new("put_upsert", size), &size, |b, _| {
             b.iter(|| {
@@ -64,12 +78,43 @@ fn object_api(c: &mut Criterion) {
             })
         });
     }
+    batch(&store, &mut group);
     group.finish();
     let stats = store.stats();
     eprintln!(
         "store after the benchmarks: {} objects, {} evictions, {} no_space, arena {}",
         stats.total.objects, stats.total.evictions, stats.total.no_space, stats.arena_backing
     );
+}
+
+/// 128 values of 64 KiB read in one call, against the same 128 copies done by hand.
+fn batch(store: &Engine, group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    const BATCH: usize = 128;
+    const SIZE: usize = 64 << 10;
+    let keys: Vec<Vec<u8>> = (0..BATCH).map(|i| format!("bench/batch/{i:05}").into_bytes()).collect();
+    let value = vec![0xA5u8; SIZE];
+    for key in &keys {
+        store.put(key, &value, PutOptions::UPSERT).expect("prefill put");
+    }
+    let sources: Vec<Vec<u8>> = keys.iter().map(|_| value.clone()).collect();
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SIZE]).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    group.throughput(Throughput::Bytes((BATCH * SIZE) as u64));
+    group.bench_function(BenchmarkId::new("memcpy_batch", "128x65536"), |b| {
+        b.iter(|| {
+            for (dst, src) in out.iter_mut().zip(&sources) {
+                dst.copy_from_slice(black_box(src));
+            }
+            black_box(&mut out);
+        })
+    });
+    group.bench_function(BenchmarkId::new("batch_get_into", "128x65536"), |b| {
+        b.iter(|| {
+            let dsts: Vec<Vec<Region<'_>>> = out.iter_mut().map(|o| vec![Region::host(o)]).collect();
+            let results = store.batch_get_into_multi_buffers(black_box(&key_refs), &dsts);
+            assert!(results.iter().all(|r| *r == Ok(SIZE)), "batch hit");
+        })
+    });
 }
 
 criterion_group!(benches, object_api);

@@ -125,6 +125,11 @@ impl Engine {
         items: impl IntoIterator<Item = (usize, &'k [u8], P)>,
         make: impl Fn(Vec<(Box<[u8]>, P)>, Sender<Vec<R>>) -> Request,
     ) -> Fanout<R> {
+        let mut items = items.into_iter().peekable();
+        if items.peek().is_none() {
+            // Everything was answered without a message (reads through the published indexes).
+            return Fanout { parts: Vec::new() };
+        }
         let mut buckets: Vec<Bucket<P>> = (0..self.shards.len()).map(|_| (Vec::new(), Vec::new())).collect();
         for (index, key, payload) in items {
             let bucket = &mut buckets[self.shard_of(key)];
