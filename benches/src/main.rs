@@ -60,6 +60,7 @@ mod gpu_remote;
 mod gpu_restore;
 mod hist;
 mod idle;
+mod index;
 #[cfg(feature = "cuda")]
 mod layerwise;
 mod plot;
@@ -84,6 +85,8 @@ struct Cli {
 enum Command {
     /// Zipf get/put mix on the DRAM engine vs foyer's in-memory cache.
     Dram(dram::DramArgs),
+    /// Index bytes per object and lookups per second at 1 M / 10 M objects vs std's HashMap.
+    Index(index::IndexArgs),
     /// LRU vs S3-FIFO hit ratios on zipf traces (offline simulator).
     Eviction(eviction::EvictionArgs),
     /// Allocator fragmentation and speed under churn.
@@ -131,6 +134,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Dram(args) => dram::run(&args),
+        Command::Index(args) => index::run(&args),
         Command::Eviction(args) => eviction::run(&args),
         Command::AllocChurn(args) => alloc_churn::run(&args),
         Command::Ssd(args) => ssd::run(&args),

@@ -165,6 +165,67 @@ fn eight_threads_mixing_every_operation() {
     assert!(total_ops > 1000, "only {total_ops} operations ran");
     assert_idle(&store);
     let stats = store.stats();
+    assert!(stats.total.published_reads > 0, "reads went through the published index");
     assert!(stats.total.bytes_used <= stats.total.capacity_bytes);
     assert_eq!(stats.total.pinned_objects, 0, "every pin was undone or dropped by a forced remove");
+}
+
+/// Readers on other threads hammer one key through the published index while it is upserted and
+/// removed: once a put returns, no read sees an older version; once a remove returns, no read
+/// finds the key; the versions readers see never go back; nothing stays held.
+#[test]
+fn no_read_sees_a_version_older_than_the_last_acknowledged_call() {
+    let store = Arc::new(
+        StoreBuilder::new().dram_bytes(8 << 20).shards(2).pin_threads(false).idle_spin_us(10).open().expect("open"),
+    );
+    let key = b"race/0".to_vec();
+    // The newest acknowledged state: version (0 = removed).
+    let acknowledged = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..3)
+        .map(|_| {
+            let (store, key, acknowledged, stop) =
+                (Arc::clone(&store), key.clone(), Arc::clone(&acknowledged), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 << 10];
+                let mut reads = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let floor = acknowledged.load(Ordering::SeqCst);
+                    match store.get_into(&key, Region::host(&mut buf)) {
+                        Ok(n) => {
+                            check(&key, &buf[..n]);
+                            let version = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+                            // Removes publish 0, so only a floor from a put binds.
+                            assert!(
+                                floor == 0 || version >= floor,
+                                "read version {version} after {floor} was acknowledged"
+                            );
+                        }
+                        Err(Error::NotFound) => {}
+                        Err(e) => panic!("get_into: {e}"),
+                    }
+                    reads += 1;
+                }
+                reads
+            })
+        })
+        .collect();
+    for version in 1..=1000u64 {
+        let value = versioned(&key, version, len_for(0, version));
+        store.put(&key, &value, PutOptions::UPSERT).expect("upsert");
+        acknowledged.store(version, Ordering::SeqCst);
+        let mut buf = vec![0u8; 64 << 10];
+        let n = store.get_into(&key, Region::host(&mut buf)).expect("read my write");
+        assert_eq!(&buf[..n], &value[..], "version {version}");
+        if version % 7 == 0 {
+            store.remove(&key, true).expect("remove");
+            acknowledged.store(0, Ordering::SeqCst);
+            assert_eq!(store.get_into(&key, Region::host(&mut buf)), Err(Error::NotFound), "removed at {version}");
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads: u64 = readers.into_iter().map(|r| r.join().expect("reader")).sum();
+    assert!(reads > 0);
+    assert!(store.stats().total.published_reads > 0);
+    assert_idle(&store);
 }

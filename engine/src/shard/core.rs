@@ -786,7 +786,7 @@ impl ShardCore {
 
     /// Feeds reads served through the published index to the eviction policy, and finishes the
     /// objects whose published readers have all gone.
-    fn take_published_news(&mut self) {
+    pub fn take_published_news(&mut self) {
         let (objects, policy) = (&self.objects, &mut self.policy);
         self.index.drain_accesses(|id, generation| {
             let tracked = objects.get(id as usize).is_some_and(|o| {

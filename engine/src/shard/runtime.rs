@@ -553,6 +553,8 @@ impl ShardLoop {
                 let _ = reply.send(core.scan_keys(&prefix, from, limit));
             }
             Request::Barrier { reply } => {
+                // Leases given back through the published index before the barrier count too.
+                self.core.take_published_news();
                 let _ = reply.send(());
             }
         }
