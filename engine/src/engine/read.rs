@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use kvtide_transport::{Direction, EarlyStart, MemoryKind, Piece, Region, Transfer};
+use kvtide_transport::{Direction, EarlyStart, MemcpyTransport, MemoryKind, Piece, Region, Transfer, Transport};
 use xxhash_rust::xxh3::Xxh3Builder;
 
 use super::gpu::Timing;
@@ -111,6 +111,40 @@ struct Planned {
 }
 
 impl Engine {
+    /// Reads one key into one host region when its object is readable through the shard's
+    /// published index: the checks, plan and copy of `read` (same order of errors: key,
+    /// destination, object), without a batch's bookkeeping. None: go through `read`.
+    pub(crate) fn read_one_published(&self, key: &[u8], dst: &Region<'_>, want: Want) -> Option<Result<usize>> {
+        let regions = std::slice::from_ref(dst);
+        if Route::of(regions) != Route::Host {
+            return None;
+        }
+        if let Err(e) = self.validate_key(key) {
+            return Some(Err(e));
+        }
+        if let Some(e) = kvtide_transport::memcpy::check_host_list(regions, true) {
+            return Some(Err(e.into()));
+        }
+        let (grant, _lease) = match self.lease_published(key)? {
+            Ok(leased) => leased,
+            Err(e) => return Some(Err(e)),
+        };
+        let (pieces, reported) = match plan_pieces(grant.len, regions, want) {
+            Ok(planned) => planned,
+            Err(e) => return Some(Err(e)),
+        };
+        let transfer = Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces };
+        // SAFETY: the lease keeps the object's bytes in place until `_lease` drops, after the copy
+        // (the memcpy transport completes inline); the destination passed the host check and
+        // stays valid for the call (`Region::from_raw`'s contract for raw ones).
+        let copied = unsafe { MemcpyTransport.submit(Direction::HostToDevice, std::slice::from_ref(&transfer), None) };
+        let outcome = match copied {
+            Ok(inflight) => inflight.wait().pop().map(|r| r.map_err(Error::from)),
+            Err(e) => Some(Err(Error::from(e))),
+        };
+        Some(outcome.unwrap_or(Err(Error::Internal("no copy result"))).map(|()| reported))
+    }
+
     /// Reads `slots` into `targets` (lease, plan, deliver, release), in rounds while a batch
     /// does not fit in DRAM at once. One result per slot.
     pub(crate) fn read(&self, targets: &mut ReadTargets<'_, '_>, slots: &[Slot<'_>]) -> Vec<Result<usize>> {

@@ -193,6 +193,23 @@ impl Engine {
         PendingLeases { engine: self, fanout, fast, answered }
     }
 
+    /// Leases one key through its shard's published index: the grant and its guard, the key's
+    /// absence, or None when the shard must be asked (see `send_leases_with`).
+    pub(super) fn lease_published(&self, key: &[u8]) -> Option<Result<(ReadGrant, PublishedLease<'_>)>> {
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return None;
+        }
+        let shard = self.shard_of(key);
+        match self.shards[shard].published.lease(key, xxhash_rust::xxh3::xxh3_64(key)) {
+            FastRead::Hit { lease, ptr, len } => Some(Ok((
+                ReadGrant { lease: LeaseId::PUBLISHED, ptr, len, landing: None },
+                PublishedLease { engine: self, shard, lease },
+            ))),
+            FastRead::Miss => Some(Err(Error::NotFound)),
+            FastRead::Fallback => None,
+        }
+    }
+
     /// Leases `keys` and waits for the grants.
     pub(super) fn lease_many<'k>(
         &self,
@@ -267,6 +284,19 @@ impl LeaseSet<'_> {
     /// Leases held.
     pub(crate) fn len(&self) -> usize {
         self.by_shard.iter().map(Vec::len).sum::<usize>() + self.fast.len()
+    }
+}
+
+/// One lease taken through a published index; given back when dropped.
+pub(crate) struct PublishedLease<'e> {
+    engine: &'e Engine,
+    shard: usize,
+    lease: FastLease,
+}
+
+impl Drop for PublishedLease<'_> {
+    fn drop(&mut self) {
+        self.engine.shards[self.shard].published.release(self.lease);
     }
 }
 

@@ -56,6 +56,9 @@ impl Store for Engine {
 
     fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
         let _span = tracing::trace_span!("get_into").entered();
+        if let Some(done) = self.read_one_published(key, &dst, Want::Prefix) {
+            return done;
+        }
         let lists = [std::slice::from_ref(&dst)];
         let mut targets = ReadTargets::new(self, &lists, None);
         let slots = [Slot { key, list: 0, want: Want::Prefix }];
