@@ -327,14 +327,23 @@ pub(crate) struct PendingLeases<'e> {
     answered: HashMap<usize, Result<ReadGrant>>,
 }
 
+impl Drop for PendingLeases<'_> {
+    fn drop(&mut self) {
+        // Not waited for (a panic on the way): the published leases go back all the same.
+        for (shard, lease) in self.fast.drain(..) {
+            self.engine.shards[shard].published.release(lease);
+        }
+    }
+}
+
 impl<'e> PendingLeases<'e> {
     /// Waits for every shard's grants. The returned set releases them when dropped.
-    pub(crate) fn wait(self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
-        let by_shard =
-            if self.fanout.parts.is_empty() { Vec::new() } else { vec![Vec::new(); self.engine.shards.len()] };
-        let mut leases = LeaseSet { engine: self.engine, by_shard, fast: self.fast };
-        let mut out = self.answered;
-        self.fanout.gather(self.engine, |index, shard, grant| {
+    pub(crate) fn wait(mut self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
+        let fanout = std::mem::replace(&mut self.fanout, Fanout { parts: Vec::new() });
+        let by_shard = if fanout.parts.is_empty() { Vec::new() } else { vec![Vec::new(); self.engine.shards.len()] };
+        let mut leases = LeaseSet { engine: self.engine, by_shard, fast: std::mem::take(&mut self.fast) };
+        let mut out = std::mem::take(&mut self.answered);
+        fanout.gather(self.engine, |index, shard, grant| {
             let grant = grant.and_then(|g| g);
             if let Ok(g) = &grant {
                 leases.by_shard[shard].push(g.lease);

@@ -617,6 +617,7 @@ impl ShardCore {
         let id = object.id;
         let key = self.objects[id as usize].key.clone();
         let mut inherited_pins = 0;
+        let mut indexed = false;
         if let Some(old) = self.find(&key) {
             if !upsert {
                 self.drop_reservation(id);
@@ -633,6 +634,10 @@ impl ShardCore {
                 }
             }
             inherited_pins = previous.pins;
+            // The new entry goes in before the old one leaves, so a published lookup meanwhile
+            // finds one of them (both closed: it asks the shard) and never misses the key.
+            self.index_insert(id);
+            indexed = true;
             self.unlink(old);
             if supersedes_ssd {
                 self.queue_tombstone(&key);
@@ -645,7 +650,9 @@ impl ShardCore {
         entry.seq = seq;
         entry.committed_turn = self.turn;
         let (hash, len) = (entry.key_hash, entry.len);
-        self.index_insert(id);
+        if !indexed {
+            self.index_insert(id);
+        }
         if inherited_pins == 0 && !pin {
             self.policy.insert(id as EntryId, hash, len.max(1));
         } else {
@@ -1147,7 +1154,9 @@ impl ShardCore {
                         tracked += 1;
                     }
                 }
-                ObjectState::Retired if object.leases == 0 && object.io_refs == 0 => {
+                ObjectState::Retired
+                    if object.leases == 0 && object.io_refs == 0 && self.index.readers(id as u32) == 0 =>
+                {
                     return Err(format!("retired object {id} without users still allocated"));
                 }
                 ObjectState::Abandoned if object.leases == 0 => {
