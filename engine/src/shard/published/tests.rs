@@ -59,18 +59,23 @@ fn read(slot: &Slot) -> Option<u32> {
     Some(generation)
 }
 
+/// `n` reader threads, each taking one lease (see `read`).
+fn spawn_readers(slot: &Arc<Slot>, n: usize) -> Vec<loom::thread::JoinHandle<Option<u32>>> {
+    (0..n)
+        .map(|_| {
+            let slot = Arc::clone(slot);
+            loom::thread::spawn(move || read(&slot))
+        })
+        .collect()
+}
+
 /// Eviction: the shard closes the slot only if it sees no reader, atomically, then reuses the
 /// bytes for another object and opens the slot for it. Readers never see a torn or foreign value.
 #[test]
 fn eviction_never_reuses_bytes_under_a_reader() {
     loom::model(|| {
         let slot = open_slot(1);
-        let readers: Vec<_> = (0..2)
-            .map(|_| {
-                let slot = Arc::clone(&slot);
-                loom::thread::spawn(move || read(&slot))
-            })
-            .collect();
+        let readers = spawn_readers(&slot, 2);
         if slot.word.close_if_unused() {
             // SAFETY: closed with no reader: nobody can read these bytes until the slot opens.
             slot.bytes.with_mut(|p| unsafe { *p = 2 });
@@ -92,12 +97,7 @@ fn eviction_never_reuses_bytes_under_a_reader() {
 fn retire_waits_for_readers_to_drain() {
     loom::model(|| {
         let slot = open_slot(1);
-        let readers: Vec<_> = (0..2)
-            .map(|_| {
-                let slot = Arc::clone(&slot);
-                loom::thread::spawn(move || read(&slot))
-            })
-            .collect();
+        let readers = spawn_readers(&slot, 2);
         slot.word.close();
         while slot.word.readers() > 0 {
             loom::thread::yield_now();
