@@ -112,9 +112,9 @@ pub struct SsdArgs {
     /// Restore pipeline: keys per sub-batch at most (default: the engine's).
     #[arg(long)]
     pub sub_batch_keys: Option<usize>,
-    /// Restore pipeline: sub-batches in flight per request, 1..=8 (default: the engine's).
-    #[arg(long)]
-    pub window: Option<usize>,
+    /// Restore pipeline: bytes per shard one request keeps loading ahead (default: the engine's).
+    #[arg(long, value_parser = parse_size)]
+    pub ahead_bytes: Option<u64>,
     /// Restore pipeline: staging bytes all restores may hold (default: the engine's).
     #[arg(long, value_parser = parse_size)]
     pub staging_bytes: Option<u64>,
@@ -640,13 +640,13 @@ pub fn run(args: &SsdArgs) -> Result<(), String> {
     );
     println!(
         "kvtide: io_uring O_DIRECT ReadFixed/WriteFixed, restore budget = qd records per shard, promote_on_hit=false, \
-         write-back demotion, eviction lru, {}; restore pipeline {} (sub-batch {} / {} keys, window {}, staging {}); \
+         write-back demotion, eviction lru, {}; restore pipeline {} (sub-batch {} / {} keys, ahead {}, staging {}); \
          fio: io_uring, direct=1, fixedbufs, bs = record size, iodepth = qd, numjobs = shards",
         if args.no_pin { "unpinned" } else { "pinned shards" },
         if example.restore.pipeline { "on" } else { "off" },
         fmt_bytes(example.restore.sub_batch_bytes),
         example.restore.sub_batch_keys,
-        example.restore.window,
+        example.restore.ahead_bytes.map_or_else(|| "budget".to_string(), fmt_bytes),
         example.restore.staging_bytes.map_or_else(|| format!("{} (dram/4)", fmt_bytes(args.dram_bytes / 4)), fmt_bytes),
     );
 
@@ -689,8 +689,8 @@ fn builder(args: &SsdArgs, config: &Config, dir: &Path, ssd_bytes: u64) -> Resul
     if let Some(keys) = args.sub_batch_keys {
         b = b.restore_sub_batch_keys(keys);
     }
-    if let Some(window) = args.window {
-        b = b.restore_window(window);
+    if let Some(bytes) = args.ahead_bytes {
+        b = b.restore_ahead_bytes(bytes);
     }
     if let Some(bytes) = args.staging_bytes {
         b = b.restore_staging_bytes(bytes);

@@ -68,8 +68,11 @@ crate::settings_group! {
         sub_batch_bytes: u64 = 2 << 20, Bytes, eg "1MiB";
         /// Keys per restore sub-batch at most. Default 64.
         sub_batch_keys: usize = 64, Count, eg "32";
-        /// Restore sub-batches in flight per request, 1..=8. Default 2.
-        window: usize = 2, Count, eg "4";
+        /// Bytes of restore sub-batches one request may keep requested per shard ahead of its
+        /// transfers (loading or loaded, not yet transferred; at least one sub-batch). A request
+        /// starts two sub-batches deep and deepens while its loads lag its transfers.
+        /// Default: `budget_bytes`, the disk queue a whole-batch request gets.
+        ahead_bytes: Option<u64> = None, Bytes, eg "32MiB";
         /// Staging bytes all restores may hold at once (per shard: at most half a slice).
         /// Default: a quarter of `[dram] bytes`.
         staging_bytes: Option<u64> = None, Bytes, eg "8MiB";
@@ -235,7 +238,7 @@ pub(crate) struct EngineConfig {
     pub(crate) restore_pipeline: bool,
     pub(crate) restore_sub_batch_bytes: u64,
     pub(crate) restore_sub_batch_keys: usize,
-    pub(crate) restore_window: usize,
+    pub(crate) restore_ahead_bytes: u64,
     pub(crate) restore_staging_bytes: u64,
     pub(crate) stream_window_chunks: usize,
     pub(crate) stream_max_handles: usize,
@@ -326,8 +329,8 @@ impl StoreBuilder {
         restore_sub_batch_bytes: u64 => restore.sub_batch_bytes);
     setter!(/// Keys per restore sub-batch (`[restore] sub_batch_keys`).
         restore_sub_batch_keys: usize => restore.sub_batch_keys);
-    setter!(/// Restore sub-batches in flight per request (`[restore] window`).
-        restore_window: usize => restore.window);
+    setter!(/// Restore bytes one request keeps loading ahead per shard (`[restore] ahead_bytes`).
+        restore_ahead_bytes: u64 => restore.ahead_bytes);
     setter!(/// Staging bytes all restores may hold at once (`[restore] staging_bytes`).
         restore_staging_bytes: u64 => restore.staging_bytes);
     setter!(/// Chunks of one chunk handle in flight at once (`[stream] window_chunks`).
@@ -504,11 +507,9 @@ impl StoreBuilder {
                 })
             }
         };
-        if !(1..=8).contains(&self.restore.window)
-            || self.restore.sub_batch_bytes == 0
-            || self.restore.sub_batch_keys == 0
+        if self.restore.ahead_bytes == Some(0) || self.restore.sub_batch_bytes == 0 || self.restore.sub_batch_keys == 0
         {
-            return err("[restore] window must be 1..=8 and the sub-batch limits positive".into());
+            return err("[restore] ahead_bytes and the sub-batch limits must be positive".into());
         }
         if !(1..=1024).contains(&self.stream.window_chunks) || self.stream.max_handles == 0 {
             return err("[stream] window_chunks must be 1..=1024 and max_handles positive".into());
@@ -528,7 +529,7 @@ impl StoreBuilder {
             restore_pipeline: self.restore.pipeline,
             restore_sub_batch_bytes: self.restore.sub_batch_bytes,
             restore_sub_batch_keys: self.restore.sub_batch_keys,
-            restore_window: self.restore.window,
+            restore_ahead_bytes: self.restore.ahead_bytes.unwrap_or(self.restore.budget_bytes).max(1),
             restore_staging_bytes: self.restore.staging_bytes.unwrap_or(self.dram.bytes / 4).max(1),
             ssd,
             gpu_staging: self.gpu.staging,
@@ -622,7 +623,10 @@ mod tests {
         assert_eq!((c.gpu_stream_units, c.gpu_stream_unit_bytes), (8, 64 << 20));
         assert_eq!(c.gpu_stream_ttl, Duration::from_millis(10_000));
         assert!(!c.restore_pipeline);
-        assert_eq!((c.restore_sub_batch_bytes, c.restore_sub_batch_keys, c.restore_window), (1 << 20, 32, 4));
+        assert_eq!(
+            (c.restore_sub_batch_bytes, c.restore_sub_batch_keys, c.restore_ahead_bytes),
+            (1 << 20, 32, 32 << 20)
+        );
         assert_eq!(c.restore_staging_bytes, 8 << 20);
         let ssd = c.ssd.expect("[ssd] dir enables the tier");
         assert_eq!(ssd.dir, std::path::PathBuf::from("/tmp/kvtide-settings-example"));

@@ -79,7 +79,7 @@ impl Engine {
         RestoreOptions {
             target_bytes: self.config.restore_sub_batch_bytes,
             max_keys: self.config.restore_sub_batch_keys,
-            window: self.config.restore_window,
+            ahead_bytes: self.config.restore_ahead_bytes,
             ..RestoreOptions::default()
         }
     }

@@ -112,6 +112,50 @@ fn loads_overlap_transfers_and_every_mode_agrees() {
     );
 }
 
+#[test]
+fn a_disk_bound_restore_deepens_its_loads_up_to_ahead_bytes() {
+    // Loads (4 ms per MiB) far slower than transfers (CPU copies): the transfer stage keeps
+    // finding its next sub-batch still loading, so the request deepens its queue, up to the
+    // bytes it may keep ahead per shard.
+    let store = store(SimFaults { latency_us: 200, us_per_mib: 4000, ..SimFaults::default() }, 16 << 20);
+    let n = 24;
+    fill(&store, n, MIB);
+    let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
+    // 1 MiB sub-batches (one object and its record header each): four fit in 5 MiB ahead.
+    let opts =
+        RestoreOptions { target_bytes: MIB as u64, ahead_bytes: 5 << 20, trace: true, ..store.restore_options() };
+    let mut bufs = buffers(n, MIB);
+    let report = restore(&store, &keys, &mut bufs, &opts);
+    for i in 0..n {
+        assert_eq!(report.results[i], Ok(MIB), "key {i}");
+        assert_eq!(bufs[i], value_for(&keys[i], 0, MIB), "key {i} bytes");
+    }
+    let trace = &report.sub_batches;
+    assert_eq!(trace.len(), n, "one object per sub-batch: {}", lines(trace));
+    // It starts two deep (the first transfer starts as early as it can) ...
+    assert!(trace.iter().take(4).all(|t| depth_at(trace, t) <= 2), "{}", lines(trace));
+    // ... and ends four deep: as deep as 5 MiB allows, never deeper.
+    let deepest = trace.iter().map(|t| depth_at(trace, t)).max().unwrap_or(0);
+    assert_eq!(deepest, 4, "four 1 MiB loads ahead per shard at most: {}", lines(trace));
+    assert_idle(&store);
+    // The next restore starts as deep as this one ended.
+    let mut bufs = buffers(n, MIB);
+    let again = restore(&store, &keys, &mut bufs, &opts);
+    assert!(again.results.iter().all(|r| r == &Ok(MIB)));
+    let trace = &again.sub_batches;
+    assert!(trace.iter().take(8).any(|t| depth_at(trace, t) > 2), "{}", lines(trace));
+    assert!(trace.iter().map(|t| depth_at(trace, t)).max().unwrap_or(0) <= 4, "{}", lines(trace));
+    assert_idle(&store);
+}
+
+/// Sub-batches of `t`'s shard requested and not yet transferred when `t` was requested.
+fn depth_at(trace: &[kvtide::SubBatchTrace], t: &kvtide::SubBatchTrace) -> usize {
+    trace
+        .iter()
+        .filter(|o| o.shard == t.shard && o.load_start_us <= t.load_start_us && t.load_start_us < o.release_us)
+        .count()
+}
+
 fn lines(trace: &[kvtide::SubBatchTrace]) -> String {
     trace.iter().map(|t| t.to_json_line()).collect::<Vec<_>>().join("\n")
 }

@@ -193,7 +193,7 @@ impl PyStore {
     /// `Store(config=None, *, env=False, **settings)`: an embedded store. `config` is a TOML
     /// file of `[dram]`, `[ssd]`, ... sections; `env` applies `KVTIDE_<GROUP>_<FIELD>`
     /// variables; every keyword is one setting, `<group>_<field>` (`dram_bytes=1 << 30`,
-    /// `ssd_dir="/nvme/kvtide"`, `restore_window=4`) or a field only one group has
+    /// `ssd_dir="/nvme/kvtide"`, `restore_ahead_bytes="32MiB"`) or a field only one group has
     /// (`shards=4`, `write_through=True`). Sizes may be ints or strings ("8GiB").
     #[new]
     #[pyo3(signature = (config=None, *, env=false, **settings))]

@@ -50,6 +50,9 @@ const FLUSH_BYTES: usize = 64 << 10;
 /// that closing it does not reset it before the client read why.
 const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 const MAX_LINGERING: usize = 64;
+/// Parts of a `GetParts` answer a client may hold at once: one it copies while the owner
+/// leases (loads) the next, since the owner leases one part at a time.
+const PARTS_HELD: usize = 2;
 
 /// What the owner serves and its limits.
 #[derive(Clone, Debug)]
@@ -1291,8 +1294,8 @@ impl Connection<'_> {
     /// `GetParts`: the items leased part by part as the engine's restore pipeline splits them
     /// (DRAM-resident first, then SSD-resident sub-batches, shards interleaved), one
     /// `GrantsPart` each. Before leasing a part the owner waits until the client released all
-    /// but `window - 1` of the parts it holds, so a batch larger than DRAM streams through it
-    /// while the next part loads as the client copies the last one.
+    /// but `PARTS_HELD - 1` of the parts it holds, so a batch larger than DRAM streams through
+    /// it while the next part loads as the client copies the last one.
     fn grant_parts(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<Flow> {
         if let Err(e) = self.check_shared() {
             self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
@@ -1305,14 +1308,13 @@ impl Connection<'_> {
         if parts.is_empty() {
             parts.push(kvtide::LeasePart { keys: Vec::new(), in_dram: true });
         }
-        let window = engine.restore_options().window.max(1);
         let ttl_ms = self.config().lease_ttl_ms;
         // Lease ids of the parts the client holds, oldest first, and whether each is
         // DRAM-resident: those may pin most of DRAM, so no SSD-resident part is leased (loaded)
         // while the client holds one.
         let mut held: VecDeque<(Vec<u64>, bool)> = VecDeque::new();
         let must_wait = |held: &VecDeque<(Vec<u64>, bool)>, next: &kvtide::LeasePart| {
-            held.len() >= window || (!next.in_dram && held.iter().any(|(_, dram)| *dram))
+            held.len() >= PARTS_HELD || (!next.in_dram && held.iter().any(|(_, dram)| *dram))
         };
         for (p, part) in parts.iter().enumerate() {
             while must_wait(&held, part) {

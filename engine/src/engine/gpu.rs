@@ -49,6 +49,7 @@ pub(crate) struct GpuCounters {
     plan_us: AtomicU64,
     submit_us: AtomicU64,
     wait_us: AtomicU64,
+    write_us: [AtomicU64; 5],
     registered: AtomicU64,
     registration_us: AtomicU64,
     staged_requests: AtomicU64,
@@ -104,6 +105,15 @@ impl GpuCounters {
         for (phase, w) in at.windows(2).enumerate() {
             let us = w[1].saturating_duration_since(w[0]).as_micros() as u64;
             self.bound_call_us[phase].fetch_add(us, Relaxed);
+        }
+    }
+
+    /// A gathered write's phase boundaries: start, reserved (sources checked meanwhile),
+    /// transfers built, submitted, copied, committed.
+    pub(crate) fn record_write(&self, at: [Instant; 6]) {
+        for (phase, w) in at.windows(2).enumerate() {
+            let us = w[1].saturating_duration_since(w[0]).as_micros() as u64;
+            self.write_us[phase].fetch_add(us, Relaxed);
         }
     }
 
@@ -163,6 +173,7 @@ impl GpuState {
                 c.submit_us.load(Relaxed),
                 c.wait_us.load(Relaxed),
             ],
+            write_phase_us: std::array::from_fn(|i| c.write_us[i].load(Relaxed)),
             stream_bound_reads: c.bound_reads.load(Relaxed),
             stream_bound_in_flight: c.bound_in_flight.load(Relaxed),
             stream_bound_keys_pinned: c.bound_keys_pinned.load(Relaxed),

@@ -1,9 +1,11 @@
 //! Pipelined restore of SSD-resident batches.
 //!
 //! Owns planning (whole-object sub-batches per shard, by bytes and count), the two stages (the
-//! shard loads sub-batch i+1 from SSD into DRAM while the calling thread transfers sub-batch i to
-//! its destinations), the credit broker that bounds staging per request (the window), per shard
-//! and process-wide, and the per-sub-batch lifecycle trace. It never reports a key whose bytes
+//! shards load the next sub-batches from SSD into DRAM while the calling thread transfers the
+//! oldest loaded one to its destinations), admission (two sub-batches per shard ahead of the
+//! transfers, doubled whenever the transfers wait for the loads, up to `ahead_bytes` per shard: the disk queue one
+//! whole-batch request gets), the credit broker that bounds staging per shard and process-wide,
+//! and the per-sub-batch lifecycle trace. It never reports a key whose bytes
 //! were not all delivered, and never returns credits or leases before nothing can touch them.
 //!
 //! Every destination is checked up front by the transport of its route; a sub-batch is then
@@ -12,7 +14,7 @@
 //! while the SSD sub-batches load.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,7 +41,8 @@ pub struct LeasePart {
 /// How a batch that touches the SSD is restored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RestoreMode {
-    /// Load sub-batch i+1 while transferring sub-batch i (window of `RestoreOptions::window`).
+    /// Load the next sub-batches (up to `RestoreOptions::ahead_bytes` per shard) while
+    /// transferring the oldest loaded one.
     Pipelined,
     /// Sub-batches one after another: load, transfer, load, transfer.
     Serialized,
@@ -51,12 +54,16 @@ pub enum RestoreMode {
 #[derive(Clone)]
 pub struct RestoreOptions {
     pub mode: RestoreMode,
-    /// Target bytes per sub-batch (whole objects; a larger object is a sub-batch of its own).
+    /// Smallest target bytes per sub-batch (whole objects; a larger object is a sub-batch of its
+    /// own). A shard with more than `MAX_SUB_BATCHES_PER_SHARD` of these gets larger ones.
     pub target_bytes: u64,
-    /// Keys per sub-batch at most.
+    /// Smallest keys-per-sub-batch limit (grown like the bytes, see `target_bytes`).
     pub max_keys: usize,
-    /// Sub-batches in flight per request (1..=8; 2 = one loading, one transferring).
-    pub window: usize,
+    /// Pipelined: bytes of sub-batches per shard this request may keep requested ahead of its
+    /// transfers (loading or loaded, not yet transferred); at least one sub-batch. The request
+    /// starts two sub-batches deep and deepens while its loads lag its transfers. Staging
+    /// credits bound it further.
+    pub ahead_bytes: u64,
     /// Set to stop: no new loads; in-flight ones drain; undelivered keys report `Cancelled`.
     pub cancel: Option<Arc<AtomicBool>>,
     /// Record per-sub-batch timestamps in the report.
@@ -72,7 +79,7 @@ impl std::fmt::Debug for RestoreOptions {
             .field("mode", &self.mode)
             .field("target_bytes", &self.target_bytes)
             .field("max_keys", &self.max_keys)
-            .field("window", &self.window)
+            .field("ahead_bytes", &self.ahead_bytes)
             .finish()
     }
 }
@@ -83,7 +90,7 @@ impl Default for RestoreOptions {
             mode: RestoreMode::Pipelined,
             target_bytes: 2 << 20,
             max_keys: 64,
-            window: 2,
+            ahead_bytes: 64 << 20,
             cancel: None,
             trace: false,
             host_transport: None,
@@ -157,6 +164,9 @@ pub(crate) struct RestoreCounters {
     pub(crate) sub_batches: AtomicU64,
     pub(crate) credit_waits: AtomicU64,
     pub(crate) peak_staging_bytes: AtomicU64,
+    /// Sub-batches per shard the last pipelined restore kept ahead at its end (the next one's
+    /// starting depth).
+    pub(crate) depth: AtomicUsize,
 }
 
 /// Staging credits: process-wide and per shard, granted in arrival order (FIFO tickets), so a
@@ -347,24 +357,39 @@ impl Engine {
             }
             plan.retain(|p| !p.keys.is_empty());
         }
-        // The window is per shard: each shard involved keeps `window` sub-batches of this
-        // request in flight, so shards load in parallel.
-        let shards_involved = plan.iter().map(|p| p.shard).collect::<HashSet<_>>().len().max(1);
-        let window = match opts.mode {
-            RestoreMode::Pipelined => opts.window.clamp(1, 8) * shards_involved,
-            RestoreMode::Serialized | RestoreMode::Barrier => 1,
-        };
         let cancelled = || opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire));
         let mut queue: VecDeque<Planned> = plan.into();
         let mut inflight: VecDeque<InFlight<'_>> = VecDeque::new();
         let mut retry_alone: Vec<usize> = Vec::new();
         let mut staging_now = 0u64;
+        // This request's sub-batches requested and not yet transferred, per shard: bytes and
+        // count. The count may reach `depth`: two at first (one loading, one being transferred:
+        // the first transfer starts as early as it can), or where the last restore left it (the
+        // disk and the link rarely change between requests). It doubles whenever the transfer
+        // stage waits for its next sub-batch longer than half its last transfer took, so a
+        // disk-bound restore soon keeps `ahead_bytes` requested while a transfer-bound one stays
+        // shallow.
+        let mut ahead = vec![(0u64, 0usize); self.shards.len()];
+        let mut depth = self.restore.depth.load(Ordering::Relaxed).clamp(2, MAX_DEPTH);
+        let mut deepened = false;
+        let mut last_transfer: Option<Duration> = None;
         let mut next_index = 0;
         loop {
-            // Load stage: keep up to `window` sub-batches requested, without blocking while a
-            // loaded one waits to be transferred.
-            while inflight.len() < window && !cancelled() {
+            // Load stage: request sub-batches in plan order while admission allows, without
+            // blocking while a loaded one waits to be transferred.
+            while !cancelled() {
                 let Some(planned) = queue.front() else { break };
+                let admitted = match opts.mode {
+                    // Always one sub-batch ahead; then the depth and the bytes decide.
+                    RestoreMode::Pipelined => {
+                        let (bytes, count) = ahead.get(planned.shard).copied().unwrap_or((0, 0));
+                        count == 0 || (count < depth && bytes + planned.staging_bytes <= opts.ahead_bytes)
+                    }
+                    RestoreMode::Serialized | RestoreMode::Barrier => inflight.is_empty(),
+                };
+                if !admitted {
+                    break;
+                }
                 let credits = if planned.staging_bytes == 0 {
                     None
                 } else if let Some(c) = self.credits.try_acquire(planned.shard, planned.staging_bytes) {
@@ -384,6 +409,10 @@ impl Engine {
                 let Some(planned) = queue.pop_front() else { break };
                 let pending = self.send_leases(planned.keys.iter().map(|&i| (i, keys[i])));
                 staging_now += planned.staging_bytes;
+                if let Some((bytes, count)) = ahead.get_mut(planned.shard) {
+                    *bytes += planned.staging_bytes;
+                    *count += 1;
+                }
                 report.peak_staging_bytes = report.peak_staging_bytes.max(staging_now);
                 self.restore.sub_batches.fetch_add(1, Ordering::Relaxed);
                 inflight.push_back(InFlight {
@@ -414,11 +443,22 @@ impl Engine {
             }
             // Transfer stage: the oldest sub-batch, once its loads are done.
             let Some(mut sub) = inflight.pop_front() else { break };
+            let waiting_since = (!sub.pending.answered()).then(Instant::now);
             let (grants, leases) = sub.pending.wait();
+            // Loads behind transfers: the transfer stage waited for this sub-batch longer than
+            // half its last transfer took (jitter of a transfer-bound restore stays below), so
+            // the disk is the bottleneck: deepen its queue. The first sub-batch always waits.
+            if let (Some(since), Some(last)) = (waiting_since, last_transfer) {
+                if since.elapsed() * 2 > last && sub.trace.staging_bytes > 0 {
+                    depth = depth.saturating_mul(2).min(MAX_DEPTH);
+                    deepened = true;
+                }
+            }
             sub.trace.ready_us = us(Instant::now());
             sub.trace.state = SubBatchState::Ready;
             let stop = cancelled();
-            sub.trace.transfer_start_us = us(Instant::now());
+            let transfer_started = Instant::now();
+            sub.trace.transfer_start_us = us(transfer_started);
             if !stop {
                 sub.trace.state = SubBatchState::Transferring;
             }
@@ -433,12 +473,18 @@ impl Engine {
             }
             // One submission per route, waited for before the release.
             self.deliver(&mut targets, &slots, &grant_of, None, &mut report.results, None);
-            sub.trace.transfer_end_us = us(Instant::now());
+            let transfer_ended = Instant::now();
+            sub.trace.transfer_end_us = us(transfer_ended);
+            last_transfer = Some(transfer_ended - transfer_started);
             // Copies are synchronous here (GPU ones waited for their events), so every byte of a
             // key reported Ok has landed.
             sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
             release(leases);
             staging_now -= sub.trace.staging_bytes;
+            if let Some((bytes, count)) = ahead.get_mut(sub.trace.shard) {
+                *bytes -= sub.trace.staging_bytes;
+                *count -= 1;
+            }
             sub.trace.release_us = us(Instant::now());
             if sub.trace.state == SubBatchState::Verifying {
                 sub.trace.state = SubBatchState::Released;
@@ -453,6 +499,11 @@ impl Engine {
             for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
                 report.results[slot.list] = result;
             }
+        }
+        // What the next restore starts at: this depth if the loads lagged, else half of it (a
+        // restore that no longer waits for its loads gives the shallow start back).
+        if opts.mode == RestoreMode::Pipelined && next_index > 1 {
+            self.restore.depth.store(if deepened { depth } else { depth / 2 }, Ordering::Relaxed);
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
         report.elapsed_us = us(Instant::now());
@@ -541,12 +592,13 @@ impl Engine {
             .into_iter()
             .enumerate()
             .map(|(shard, objects)| {
+                let (target_bytes, max_keys) = sub_batch_size(&objects, opts);
                 let mut out = VecDeque::new();
                 let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
                 for (i, bytes) in objects {
                     // Close a sub-batch once it reaches the target (so 4 MiB of 1 MiB values is 4
                     // objects despite their 4 KiB record headers).
-                    let full = current.staging_bytes >= opts.target_bytes || current.keys.len() >= opts.max_keys;
+                    let full = current.staging_bytes >= target_bytes || current.keys.len() >= max_keys;
                     if full {
                         out.push_back(std::mem::replace(
                             &mut current,
@@ -598,6 +650,56 @@ impl Engine {
     }
 }
 
+/// Sub-batches of one shard a pipelined request may keep requested ahead of its transfers
+/// (`ahead_bytes` bounds them first for all but tiny objects).
+const MAX_DEPTH: usize = 64;
+
+/// Sub-batches one shard's part of a request is cut into at most, unless `ahead_bytes` caps
+/// their size: enough to overlap loads with transfers at a fine grain, few enough that the
+/// per-sub-batch costs (a lease message, a reply, a transport submission) stay small.
+pub const MAX_SUB_BATCHES_PER_SHARD: u64 = 16;
+
+/// Sub-batch target bytes and keys for one shard's SSD-resident `objects` (key, staging bytes):
+/// the configured minimums, grown so the shard's part is at most `MAX_SUB_BATCHES_PER_SHARD`
+/// sub-batches, the bytes never past a quarter of `ahead_bytes`, so at least four sub-batches of
+/// a shard load at once. Many small objects get more keys per sub-batch (fewer messages); a few
+/// large ones stay one object each.
+fn sub_batch_size(objects: &[(usize, u64)], opts: &RestoreOptions) -> (u64, usize) {
+    let min_bytes = opts.target_bytes.max(1);
+    let min_keys = opts.max_keys.max(1);
+    let total: u64 = objects.iter().map(|&(_, b)| b).sum();
+    let cap = (opts.ahead_bytes / 4).max(min_bytes);
+    let bytes = total.div_ceil(MAX_SUB_BATCHES_PER_SHARD).clamp(min_bytes, cap);
+    let keys = objects.len().div_ceil(MAX_SUB_BATCHES_PER_SHARD as usize).max(min_keys);
+    (bytes, keys)
+}
+
 fn release(leases: LeaseSet<'_>) {
     drop(leases);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn objects(n: usize, bytes: u64) -> Vec<(usize, u64)> {
+        (0..n).map(|i| (i, bytes)).collect()
+    }
+
+    #[test]
+    fn sub_batches_grow_with_the_shards_part_up_to_a_quarter_of_ahead() {
+        let opts = RestoreOptions { target_bytes: 2 << 20, max_keys: 64, ahead_bytes: 64 << 20, ..Default::default() };
+        // A small part keeps the configured minimums.
+        assert_eq!(sub_batch_size(&objects(8, 1 << 20), &opts), (2 << 20, 64));
+        // 64 MiB on one shard: 16 sub-batches of 4 MiB.
+        assert_eq!(sub_batch_size(&objects(64, 1 << 20), &opts), (4 << 20, 64));
+        // 576 MiB of 384 KiB objects: capped at a quarter of ahead_bytes, so four load at once.
+        assert_eq!(sub_batch_size(&objects(1536, 384 << 10), &opts), (16 << 20, 96));
+        // Many tiny objects: more keys per sub-batch, not more sub-batches.
+        assert_eq!(sub_batch_size(&objects(16_000, 4 << 10), &opts).1, 1000);
+        // ahead_bytes below the target never shrinks a sub-batch under the target.
+        let tight = RestoreOptions { ahead_bytes: 1 << 20, ..opts.clone() };
+        assert_eq!(sub_batch_size(&objects(64, 1 << 20), &tight), (2 << 20, 64));
+        assert_eq!(sub_batch_size(&[], &opts), (2 << 20, 64));
+    }
 }

@@ -36,6 +36,11 @@ struct FanoutPart<R> {
 type Bucket<P> = (Vec<usize>, Vec<(Box<[u8]>, P)>);
 
 impl<R> Fanout<R> {
+    /// True when every shard has answered (or can no longer): `gather` would not block.
+    pub(crate) fn answered(&self) -> bool {
+        self.parts.iter().all(|p| p.reply.as_ref().map_or(true, |rx| !rx.is_empty()))
+    }
+
     /// Waits for every shard; calls `each(caller index, shard, result)` once per item. A shard
     /// that is gone gives its items the error.
     pub(crate) fn gather(self, engine: &Engine, each: impl FnMut(usize, usize, Result<R>)) {
@@ -337,6 +342,11 @@ impl Drop for PendingLeases<'_> {
 }
 
 impl<'e> PendingLeases<'e> {
+    /// True when every grant is in: `wait` would not block.
+    pub(crate) fn answered(&self) -> bool {
+        self.fanout.answered()
+    }
+
     /// Waits for every shard's grants. The returned set releases them when dropped.
     pub(crate) fn wait(mut self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
         let fanout = std::mem::replace(&mut self.fanout, Fanout { parts: Vec::new() });

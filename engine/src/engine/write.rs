@@ -6,6 +6,8 @@
 //! aborted once no transfer can touch them any more. It never publishes a partly written
 //! object.
 
+use std::time::Instant;
+
 use kvtide_transport::{Direction, Region, Transfer};
 
 use super::transports::{KeepAwake, Route};
@@ -17,6 +19,7 @@ use crate::error::{Error, Result};
 impl Engine {
     /// Writes each key's value from its sources (`sources[i]` for `keys[i]`); one result per key.
     pub(crate) fn write(&self, keys: &[&[u8]], sources: &[Vec<Region<'_>>], opts: PutOptions) -> Vec<Result<()>> {
+        let started = Instant::now();
         let lists: Vec<&[Region<'_>]> = sources.iter().map(Vec::as_slice).collect();
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
         let transports = self.transports(&routes, None);
@@ -39,6 +42,7 @@ impl Engine {
         let (grants, reservations) = self.reserve_many(items, opts.upsert, || {
             checks = self.check_lists(&transports, &lists, &routes, false);
         });
+        let reserved_at = Instant::now();
         for (i, check) in checks.into_iter().enumerate() {
             if let (Some(e), Ok(())) = (check, &results[i]) {
                 results[i] = Err(e);
@@ -57,6 +61,7 @@ impl Engine {
                 Err(e) => results[i] = Err(e),
             }
         }
+        let routed_at = Instant::now();
         let mut inflight = Vec::new();
         for route in Route::ALL {
             let mut batch = std::mem::take(&mut by_route[route as usize]);
@@ -72,6 +77,8 @@ impl Engine {
             let submitted = unsafe { transports.get(route).submit(Direction::DeviceToHost, &transfers, None) };
             inflight.push((route, owners, submitted));
         }
+        let submitted_at = Instant::now();
+        let to_gpu = inflight.iter().any(|(route, _, _)| *route == Route::Gpu);
         let mut copied = vec![false; keys.len()];
         for (route, owners, submitted) in inflight {
             let (outcomes, summary) = match submitted {
@@ -92,10 +99,21 @@ impl Engine {
                 }
             }
         }
+        let copied_at = Instant::now();
         // Only keys whose bytes all arrived are published; the rest are aborted when the
         // reservations drop.
         for (i, result) in reservations.commit(opts, |i| copied[i]) {
             results[i] = result;
+        }
+        if to_gpu {
+            self.gpu.counters().record_write([
+                started,
+                reserved_at,
+                routed_at,
+                submitted_at,
+                copied_at,
+                Instant::now(),
+            ]);
         }
         results
     }
