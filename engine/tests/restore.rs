@@ -138,14 +138,6 @@ fn a_disk_bound_restore_deepens_its_loads_up_to_ahead_bytes() {
     let deepest = trace.iter().map(|t| depth_at(trace, t)).max().unwrap_or(0);
     assert_eq!(deepest, 4, "four 1 MiB loads ahead per shard at most: {}", lines(trace));
     assert_idle(&store);
-    // The next restore starts as deep as this one ended.
-    let mut bufs = buffers(n, MIB);
-    let again = restore(&store, &keys, &mut bufs, &opts);
-    assert!(again.results.iter().all(|r| r == &Ok(MIB)));
-    let trace = &again.sub_batches;
-    assert!(trace.iter().take(8).any(|t| depth_at(trace, t) > 2), "{}", lines(trace));
-    assert!(trace.iter().map(|t| depth_at(trace, t)).max().unwrap_or(0) <= 4, "{}", lines(trace));
-    assert_idle(&store);
 }
 
 /// Sub-batches of `t`'s shard requested and not yet transferred when `t` was requested.

@@ -14,7 +14,7 @@
 //! while the SSD sub-batches load.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -164,9 +164,6 @@ pub(crate) struct RestoreCounters {
     pub(crate) sub_batches: AtomicU64,
     pub(crate) credit_waits: AtomicU64,
     pub(crate) peak_staging_bytes: AtomicU64,
-    /// Sub-batches per shard the last pipelined restore kept ahead at its end (the next one's
-    /// starting depth).
-    pub(crate) depth: AtomicUsize,
 }
 
 /// Staging credits: process-wide and per shard, granted in arrival order (FIFO tickets), so a
@@ -364,14 +361,11 @@ impl Engine {
         let mut staging_now = 0u64;
         // This request's sub-batches requested and not yet transferred, per shard: bytes and
         // count. The count may reach `depth`: two at first (one loading, one being transferred:
-        // the first transfer starts as early as it can), or where the last restore left it (the
-        // disk and the link rarely change between requests). It doubles whenever the transfer
-        // stage waits for its next sub-batch longer than half its last transfer took, so a
-        // disk-bound restore soon keeps `ahead_bytes` requested while a transfer-bound one stays
-        // shallow.
+        // the first transfer starts as early as it can), doubled whenever the transfer stage
+        // waits for its next sub-batch longer than its last transfer took, so a disk-bound
+        // restore soon keeps `ahead_bytes` requested while a transfer-bound one stays shallow.
         let mut ahead = vec![(0u64, 0usize); self.shards.len()];
-        let mut depth = self.restore.depth.load(Ordering::Relaxed).clamp(2, MAX_DEPTH);
-        let mut deepened = false;
+        let mut depth = 2usize;
         let mut last_transfer: Option<Duration> = None;
         let mut next_index = 0;
         loop {
@@ -445,13 +439,15 @@ impl Engine {
             let Some(mut sub) = inflight.pop_front() else { break };
             let waiting_since = (!sub.pending.answered()).then(Instant::now);
             let (grants, leases) = sub.pending.wait();
-            // Loads behind transfers: the transfer stage waited for this sub-batch longer than
-            // half its last transfer took (jitter of a transfer-bound restore stays below), so
-            // the disk is the bottleneck: deepen its queue. The first sub-batch always waits.
+            // Loads far behind transfers: the transfer stage idled for this sub-batch longer than
+            // its last transfer took, so the disk is the bottleneck: deepen its queue. Shorter
+            // waits are left alone: a deeper queue serves the sub-batches side by side, so the
+            // oldest one, which the transfer stage needs next, lands later, and a restore
+            // limited by its transfers would then wait more, not less. The first sub-batch
+            // always waits.
             if let (Some(since), Some(last)) = (waiting_since, last_transfer) {
-                if since.elapsed() * 2 > last && sub.trace.staging_bytes > 0 {
+                if since.elapsed() > last && sub.trace.staging_bytes > 0 {
                     depth = depth.saturating_mul(2).min(MAX_DEPTH);
-                    deepened = true;
                 }
             }
             sub.trace.ready_us = us(Instant::now());
@@ -499,11 +495,6 @@ impl Engine {
             for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
                 report.results[slot.list] = result;
             }
-        }
-        // What the next restore starts at: this depth if the loads lagged, else half of it (a
-        // restore that no longer waits for its loads gives the shallow start back).
-        if opts.mode == RestoreMode::Pipelined && next_index > 1 {
-            self.restore.depth.store(if deepened { depth } else { depth / 2 }, Ordering::Relaxed);
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
         report.elapsed_us = us(Instant::now());
