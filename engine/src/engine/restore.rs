@@ -3,10 +3,11 @@
 //! Owns planning (whole-object sub-batches per shard, by bytes and count), the two stages (the
 //! shards load the next sub-batches from SSD into DRAM while the calling thread transfers the
 //! oldest loaded one to its destinations), admission (two sub-batches per shard ahead of the
-//! transfers, doubled whenever the transfers wait for the loads, up to `ahead_bytes` per shard: the disk queue one
-//! whole-batch request gets), the credit broker that bounds staging per shard and process-wide,
-//! and the per-sub-batch lifecycle trace. It never reports a key whose bytes
-//! were not all delivered, and never returns credits or leases before nothing can touch them.
+//! transfers, doubled whenever the transfer stage waits for a load longer than a transfer takes,
+//! up to `ahead_bytes` per shard: the disk queue one whole-batch request gets), the credit broker
+//! that bounds staging per shard and process-wide, and the per-sub-batch lifecycle trace. It
+//! never reports a key whose bytes were not all delivered, and never returns credits or leases
+//! before nothing can touch them.
 //!
 //! Every destination is checked up front by the transport of its route; a sub-batch is then
 //! delivered by the read path (one submission per route, waited for before its leases go).
