@@ -170,24 +170,17 @@ impl Engine {
         // (on SSD, loading, being written, or a lookup that raced with the shard) by message.
         let mut fast = Vec::new();
         let mut answered = HashMap::new();
-        let shutting_down = self.shutting_down.load(Ordering::Relaxed);
-        let by_message = keys.into_iter().filter(|&(index, key)| {
-            if shutting_down {
-                return true;
+        let by_message = keys.into_iter().filter(|&(index, key)| match self.lease_published(key) {
+            Some(Ok((grant, lease))) => {
+                fast.push(lease.into_raw());
+                answered.insert(index, Ok(grant));
+                false
             }
-            let shard = self.shard_of(key);
-            match self.shards[shard].published.lease(key, xxhash_rust::xxh3::xxh3_64(key)) {
-                FastRead::Hit { lease, ptr, len } => {
-                    fast.push((shard, lease));
-                    answered.insert(index, Ok(ReadGrant { lease: LeaseId::PUBLISHED, ptr, len, landing: None }));
-                    false
-                }
-                FastRead::Miss => {
-                    answered.insert(index, Err(Error::NotFound));
-                    false
-                }
-                FastRead::Fallback => true,
+            Some(Err(e)) => {
+                answered.insert(index, Err(e));
+                false
             }
+            None => true,
         });
         let fanout = self.fan_out(by_message.map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
@@ -297,6 +290,14 @@ pub(crate) struct PublishedLease<'e> {
     engine: &'e Engine,
     shard: usize,
     lease: FastLease,
+}
+
+impl PublishedLease<'_> {
+    /// The shard and lease, for a set that gives them back itself (`LeaseSet`, `HeldLeases`).
+    fn into_raw(self) -> (usize, FastLease) {
+        let this = std::mem::ManuallyDrop::new(self);
+        (this.shard, this.lease)
+    }
 }
 
 impl Drop for PublishedLease<'_> {
