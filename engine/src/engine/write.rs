@@ -19,9 +19,12 @@ use crate::error::{Error, Result};
 impl Engine {
     /// Writes each key's value from its sources (`sources[i]` for `keys[i]`); one result per key.
     pub(crate) fn write(&self, keys: &[&[u8]], sources: &[Vec<Region<'_>>], opts: PutOptions) -> Vec<Result<()>> {
-        let started = Instant::now();
         let lists: Vec<&[Region<'_>]> = sources.iter().map(Vec::as_slice).collect();
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
+        // Phase clocks for writes from GPU memory only (`stats().gpu.write_phase_us`).
+        let timed = routes.contains(&Route::Gpu);
+        let clock = || timed.then(Instant::now);
+        let started = clock();
         let transports = self.transports(&routes, None);
         let _awake = KeepAwake::new(self, &routes);
         let mut results: Vec<Result<()>> = vec![Ok(()); keys.len()];
@@ -42,7 +45,7 @@ impl Engine {
         let (grants, reservations) = self.reserve_many(items, opts.upsert, || {
             checks = self.check_lists(&transports, &lists, &routes, false);
         });
-        let reserved_at = Instant::now();
+        let reserved_at = clock();
         for (i, check) in checks.into_iter().enumerate() {
             if let (Some(e), Ok(())) = (check, &results[i]) {
                 results[i] = Err(e);
@@ -61,7 +64,7 @@ impl Engine {
                 Err(e) => results[i] = Err(e),
             }
         }
-        let routed_at = Instant::now();
+        let routed_at = clock();
         let mut inflight = Vec::new();
         for route in Route::ALL {
             let mut batch = std::mem::take(&mut by_route[route as usize]);
@@ -77,8 +80,7 @@ impl Engine {
             let submitted = unsafe { transports.get(route).submit(Direction::DeviceToHost, &transfers, None) };
             inflight.push((route, owners, submitted));
         }
-        let submitted_at = Instant::now();
-        let to_gpu = inflight.iter().any(|(route, _, _)| *route == Route::Gpu);
+        let submitted_at = clock();
         let mut copied = vec![false; keys.len()];
         for (route, owners, submitted) in inflight {
             let (outcomes, summary) = match submitted {
@@ -99,21 +101,16 @@ impl Engine {
                 }
             }
         }
-        let copied_at = Instant::now();
+        let copied_at = clock();
         // Only keys whose bytes all arrived are published; the rest are aborted when the
         // reservations drop.
         for (i, result) in reservations.commit(opts, |i| copied[i]) {
             results[i] = result;
         }
-        if to_gpu {
-            self.gpu.counters().record_write([
-                started,
-                reserved_at,
-                routed_at,
-                submitted_at,
-                copied_at,
-                Instant::now(),
-            ]);
+        if let (Some(a), Some(b), Some(c), Some(d), Some(e)) =
+            (started, reserved_at, routed_at, submitted_at, copied_at)
+        {
+            self.gpu.counters().record_write([a, b, c, d, e, Instant::now()]);
         }
         results
     }
