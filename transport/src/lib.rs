@@ -17,7 +17,7 @@ pub use memcpy::{copy_regions, MemcpyTransport};
 pub use region::{MemoryKind, Region, RegionError};
 pub use stream::{Gate, StreamHandle, StreamSubmit};
 pub use transfer::{Direction, Piece, Summary, Transfer};
-pub use transport::{EarlyStart, InFlight, Progress, Throttled, Transport, Unreachable};
+pub use transport::{EarlyStart, InFlight, Parts, PartsHint, Progress, Throttled, Transport, Unreachable};
 
 /// Errors a transport reports for one descriptor.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

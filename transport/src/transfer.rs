@@ -138,6 +138,20 @@ pub struct Summary {
     pub bytes: u64,
 }
 
+impl Summary {
+    /// Adds a part's summary to the request's: counts add up, the request is staged when any
+    /// part was, and the last direct part's reason stays.
+    pub fn absorb(&mut self, part: &Summary) {
+        self.fallback = part.fallback.or(self.fallback);
+        self.staged |= part.staged;
+        self.fills += part.fills;
+        self.kernel_launches += part.kernel_launches;
+        self.copy_calls += part.copy_calls;
+        self.batch_calls += part.batch_calls;
+        self.bytes += part.bytes;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -71,6 +71,114 @@ pub trait Transport: Send + Sync {
     fn on_stream(&self) -> Option<&dyn crate::stream::StreamSubmit> {
         None
     }
+
+    /// Starts a request whose transfers are handed over in parts: each part starts moving when
+    /// it is pushed, so the caller prepares the next part while the last one moves. `hint`
+    /// bounds the whole request, so a transport can take what the request needs once. The
+    /// default submits each part on its own.
+    fn submit_parts<'t>(&'t self, direction: Direction, hint: PartsHint) -> Box<dyn Parts + 't> {
+        let _ = hint;
+        Box::new(EachPart { transport: self, direction, parts: Vec::new() })
+    }
+}
+
+/// Bounds of a request submitted in parts (`Transport::submit_parts`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PartsHint {
+    /// Bytes of every part together.
+    pub bytes: u64,
+    /// Pieces of every part together.
+    pub pieces: usize,
+}
+
+/// A request submitted in parts. Dropping it unfinished waits for (or stops) everything
+/// pushed, as dropping an `InFlight` does.
+pub trait Parts {
+    /// Queues `transfers` behind the parts pushed before. A part that cannot be submitted
+    /// fails its own transfers only; `finish` reports them.
+    ///
+    /// # Safety
+    /// As `Transport::submit`, until the `InFlight` that `finish` returns has completed (or
+    /// this was dropped).
+    unsafe fn push(&mut self, transfers: &[Transfer]);
+
+    /// One result per pushed transfer, in push order, once the returned `InFlight` completes.
+    fn finish(self: Box<Self>) -> InFlight;
+}
+
+/// `Transport::submit_parts` through `submit`, one submission per part.
+struct EachPart<'t, T: ?Sized> {
+    transport: &'t T,
+    direction: Direction,
+    parts: Vec<Part>,
+}
+
+/// One part of `EachPart`: submitted, or failed with its transfer count.
+enum Part {
+    Submitted(InFlight),
+    Failed(TransportError, usize),
+}
+
+impl<T: Transport + ?Sized> Parts for EachPart<'_, T> {
+    unsafe fn push(&mut self, transfers: &[Transfer]) {
+        // SAFETY: forwarded contract: the transfers stay valid until the joined submission
+        // completed, which includes this one.
+        let part = match unsafe { self.transport.submit(self.direction, transfers, None) } {
+            Ok(inflight) => Part::Submitted(inflight),
+            Err(e) => Part::Failed(e, transfers.len()),
+        };
+        self.parts.push(part);
+    }
+
+    fn finish(self: Box<Self>) -> InFlight {
+        InFlight::new(Box::new(Joined { parts: self.parts }))
+    }
+}
+
+/// The parts of `EachPart` as one submission.
+struct Joined {
+    parts: Vec<Part>,
+}
+
+impl Progress for Joined {
+    fn poll(&mut self) -> bool {
+        let mut done = true;
+        for part in &mut self.parts {
+            if let Part::Submitted(inflight) = part {
+                done &= inflight.poll();
+            }
+        }
+        done
+    }
+
+    fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+        let mut out = Vec::new();
+        for part in &mut self.parts {
+            match part {
+                Part::Submitted(inflight) => out.extend(inflight.take_results()),
+                Part::Failed(e, n) => out.extend(std::iter::repeat_n(Err(e.clone()), *n)),
+            }
+        }
+        out
+    }
+
+    fn summary(&self) -> Summary {
+        let mut summary = Summary::default();
+        for part in &self.parts {
+            if let Part::Submitted(inflight) = part {
+                summary.absorb(&inflight.summary());
+            }
+        }
+        summary
+    }
+
+    fn block(&mut self) {
+        for part in &mut self.parts {
+            if let Part::Submitted(inflight) = part {
+                inflight.block();
+            }
+        }
+    }
 }
 
 /// Work a transport started ahead of its submission (`Transport::start_early`). Dropping it
@@ -342,6 +450,37 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(60));
         assert_eq!(results, vec![Ok(())]);
         assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn parts_through_submit_report_every_transfer_in_push_order() {
+        let src: Vec<u8> = (0..=255u8).cycle().take(3 * 4096).collect();
+        let mut dst = vec![0u8; 3 * 4096];
+        let to = dst.as_mut_ptr() as u64;
+        let transfer = |i: u64| Transfer {
+            host: src.as_ptr() as u64 + i * 4096,
+            host_len: 4096,
+            pieces: vec![Piece { host_offset: 0, addr: to + i * 4096, len: 4096, kind: MemoryKind::Host }],
+        };
+        let throttled = Throttled { inner: MemcpyTransport, bytes_per_sec: 1 << 30 };
+        let unreachable = Unreachable { error: TransportError::CudaUnavailable("none") };
+        for transport in [&unreachable as &dyn Transport, &throttled] {
+            let mut parts = transport.submit_parts(Direction::HostToDevice, PartsHint { bytes: 3 * 4096, pieces: 3 });
+            // SAFETY: both buffers are live locals untouched until `wait` returned.
+            unsafe {
+                parts.push(&[transfer(0), transfer(1)]);
+                parts.push(&[transfer(2)]);
+            }
+            let results = parts.finish().wait();
+            assert_eq!(results.len(), 3);
+            if transport.name() == "throttled" {
+                assert!(results.iter().all(Result::is_ok));
+                assert_eq!(dst, src, "both parts' bytes arrived");
+            } else {
+                assert!(results.iter().all(|r| matches!(r, Err(TransportError::CudaUnavailable(_)))));
+                assert!(dst.iter().all(|&b| b == 0));
+            }
+        }
     }
 
     #[test]

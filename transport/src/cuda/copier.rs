@@ -15,7 +15,7 @@ use super::plan::StagingPolicy;
 use crate::region::{MemoryKind, Region};
 use crate::stream::{Gate, StreamHandle, StreamSubmit};
 use crate::transfer::{Direction, Summary, Transfer};
-use crate::transport::{EarlyStart, InFlight, Progress, Transport};
+use crate::transport::{EarlyStart, InFlight, Parts, PartsHint, Progress, Transport};
 use crate::TransportError;
 
 /// GPU memory through the CUDA driver, with one store's staging policy.
@@ -110,6 +110,27 @@ impl Transport for CudaCopier {
 
     fn on_stream(&self) -> Option<&dyn StreamSubmit> {
         Some(self)
+    }
+
+    fn submit_parts<'t>(&'t self, direction: Direction, hint: PartsHint) -> Box<dyn Parts + 't> {
+        Box::new(device::PartsSubmission::new(
+            Arc::clone(&self.transport),
+            direction,
+            self.policy,
+            hint.bytes,
+            hint.pieces,
+        ))
+    }
+}
+
+impl Parts for device::PartsSubmission {
+    unsafe fn push(&mut self, transfers: &[Transfer]) {
+        // SAFETY: forwarded contract.
+        unsafe { device::PartsSubmission::push(self, transfers) }
+    }
+
+    fn finish(self: Box<Self>) -> InFlight {
+        InFlight::new(Box::new((*self).finish()))
     }
 }
 

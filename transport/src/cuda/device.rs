@@ -236,6 +236,32 @@ impl InFlight {
         std::mem::take(&mut self.errors).into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
     }
 
+    /// Takes over `part`, a submission of the transfers from `base` on: its stages, results
+    /// and resources become this one's.
+    fn absorb(&mut self, mut part: InFlight, base: usize) {
+        for mut stage in part.stages.drain(..) {
+            stage.transfers.iter_mut().for_each(|t| *t += base);
+            self.stages.push(stage);
+        }
+        for (i, error) in part.errors.drain(..).enumerate() {
+            if let (Some(slot), Some(e)) = (self.errors.get_mut(base + i), error) {
+                slot.get_or_insert(e);
+            }
+        }
+        self.unit_shares.append(&mut part.unit_shares);
+        self.pooled_streams.append(&mut part.pooled_streams);
+        if let Some(device) = part.staging_of.take() {
+            if self.staging_of.is_none() {
+                self.staging_of = Some(device);
+            } else {
+                device.exec.staging_busy.store(false, Ordering::Release);
+            }
+        }
+        self.summary.absorb(&part.summary);
+        // Everything it held is ours now: its drop has nothing left to wait for or give back.
+        part.finished = true;
+    }
+
     pub(crate) fn fail(&mut self, transfers: impl IntoIterator<Item = usize>, error: &TransportError) {
         for t in transfers {
             if let Some(slot) = self.errors.get_mut(t) {
@@ -339,6 +365,21 @@ pub unsafe fn submit_with(
         }
         PathChoice::Direct(reason) => reason,
     };
+    // SAFETY: forwarded contract.
+    Ok(unsafe { submit_direct_all(transport, direction, transfers, fallback) })
+}
+
+/// The direct path for every GPU `transfers` name, taken for `fallback`; host pieces are copied
+/// by the calling thread while the DMA engines run.
+///
+/// # Safety
+/// As `submit`.
+unsafe fn submit_direct_all(
+    transport: &CudaTransport,
+    direction: Direction,
+    transfers: &[Transfer],
+    fallback: Fallback,
+) -> InFlight {
     let mut inflight = InFlight::new(transfers.len());
     inflight.summary.fallback = Some(fallback);
     for ordinal in plan::ordinals(transfers) {
@@ -353,12 +394,11 @@ pub unsafe fn submit_with(
         // SAFETY: forwarded contract.
         unsafe { submit_direct(&device, direction, transfers, &mut inflight) };
     }
-    // Host pieces of mixed requests: the CPU copies them while the DMA engines run.
     for transfer in transfers {
         // SAFETY: forwarded contract.
         unsafe { copy_host_pieces(transfer, direction) };
     }
-    Ok(inflight)
+    inflight
 }
 
 /// Copies the host-memory pieces of `transfer` on the CPU; device pieces are left alone.
@@ -801,49 +841,13 @@ unsafe fn submit_staged(
     policy: StagingPolicy,
     mut prestaged: Option<Prestaged>,
 ) -> Result<InFlight, Fallback> {
-    if device.bind().is_err() {
-        return Err(Fallback::KernelUnavailable);
-    }
-    let kernels = match device.kernels() {
-        Ok(kernels) => kernels,
-        Err(e) => {
-            tracing::debug!(error = %e, "staged kernels unavailable; direct path");
-            return Err(Fallback::KernelUnavailable);
-        }
-    };
-    // A prestage already holds the busy flag (and hands it to this request below).
-    if prestaged.is_none()
-        && device.exec.staging_busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err()
-    {
-        return Err(Fallback::Busy);
-    }
+    // A prestage already holds the busy flag; on failure, dropping it waits for its copies and
+    // frees the flag.
+    let mut run = StagedRun::start(device, policy, plan::max_rows(transfers), prestaged.is_some())?;
     let fills = match prestaged.as_mut() {
         Some(p) => std::mem::take(&mut p.fills),
         None => plan::split_fills(&policy, direction, transfers),
     };
-    // Row tables are built per fill while the DMA engines already copy (reads); size for the
-    // unmerged upper bound.
-    let rows_total = plan::max_rows(transfers);
-    let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
-    if let Err(e) = ensure_unit(&mut guard, policy.buffer_bytes, rows_total) {
-        drop(guard);
-        // Dropping a prestage waits for its copies and frees the flag; else free it here.
-        if prestaged.take().is_none() {
-            device.exec.staging_busy.store(false, Ordering::Release);
-        }
-        tracing::warn!(error = %e, "staging buffer unavailable; direct path");
-        return Err(Fallback::NoBuffer);
-    }
-    let Some(unit) = guard.as_ref() else {
-        if prestaged.take().is_none() {
-            device.exec.staging_busy.store(false, Ordering::Release);
-        }
-        return Err(Fallback::NoBuffer);
-    };
-    let (buffer, rows_device, rows_host) = (unit.buffer, unit.rows_device, unit.rows_host);
-    let (copy_stream, kernel_stream) = (unit.copy_stream, unit.kernel_stream);
-    drop(guard);
-
     let mut inflight = InFlight::new(transfers.len());
     inflight.staging_of = Some(Arc::clone(device));
     inflight.summary.staged = true;
@@ -858,83 +862,302 @@ unsafe fn submit_staged(
         probe = p.probe.take();
         p.consumed = true;
     } else if let Some(mut p) = Probe::new() {
-        p.record_start(copy_stream);
+        p.record_start(run.copy_stream);
         probe = Some(p);
     }
-    let streams = vec![copy_stream, kernel_stream];
-    let grid_cap = device.multiprocessors * BLOCKS_PER_SM;
-    let to_device = direction == Direction::HostToDevice;
-    // Per fill: the event after which its buffer region may be reused, and that region.
-    let mut reusable: Vec<(std::ops::Range<u64>, sys::CUevent)> = Vec::new();
-    let mut row_base = 0usize;
-    let mut failure: Option<(usize, TransportError)> = None;
-    for (f, fill) in fills.iter().enumerate() {
-        let fill_transfers: Vec<usize> = fill.transfers.clone().collect();
-        let already = copied.get_mut(f).and_then(Option::take);
-        // A prestaged fill's copies are queued already.
-        let copies = if already.is_some() { Vec::new() } else { plan::staging_copies(fill, transfers) };
-        let rows_ptr = rows_device + (row_base * std::mem::size_of::<Descriptor>()) as u64;
-        let waits: Vec<sys::CUevent> = reusable
-            .iter()
-            .filter(|(region, _)| plan::regions_overlap(region, &fill.region))
-            .map(|(_, e)| *e)
-            .collect();
-        // SAFETY: forwarded contract for host bytes and pages; the buffer and row tables belong
-        // to the staging unit this request holds.
-        let result = unsafe {
-            enqueue_fill(
-                device,
-                kernels,
-                to_device,
-                (buffer, rows_ptr, rows_host.add(row_base), rows_total - row_base),
-                &|| plan::descriptors(fill, transfers),
-                &copies,
-                &waits,
-                (copy_stream, kernel_stream),
-                grid_cap,
-                &mut inflight.summary,
-                already,
-            )
-        };
-        match result {
-            Ok((done, rows)) => {
-                row_base += rows;
-                // The fill's completion event is also the moment its region may be reused.
-                reusable.push((fill.region.clone(), done.0));
-                inflight.stages.push(Stage {
-                    device: Arc::clone(device),
-                    event: Some(done),
-                    transfers: fill_transfers,
-                    streams: streams.clone(),
-                    done: false,
-                });
-                inflight.summary.fills += 1;
-            }
-            Err(e) => {
-                failure = Some((f, e));
-                break;
-            }
-        }
-    }
+    // SAFETY: forwarded contract.
+    unsafe { run.enqueue(&mut inflight, 0, direction, transfers, &fills, copied) };
     if let Some(mut p) = probe {
         p.fills = inflight.summary.fills;
-        p.record_ends(copy_stream, kernel_stream);
+        p.record_ends(run.copy_stream, run.kernel_stream);
         inflight.probe = Some(p);
     }
-    if let Some((f, error)) = failure {
-        // This fill and every later one fail (never replayed through the direct path); what was
-        // queued before it still completes and is reported by its own stage. The streams are
-        // drained so nothing of the failed fill can still run once the caller reports.
-        let failed: Vec<usize> = fills[f..].iter().flat_map(|fill| fill.transfers.clone()).collect();
-        inflight.fail(failed.iter().copied(), &error);
-        drain(device, &streams);
-        // Prestaged fills never reached: their copies are drained with the copy stream.
-        for event in copied.into_iter().flatten() {
-            device.give_event(event);
-        }
-        inflight.stages.push(Stage { device: Arc::clone(device), event: None, transfers: failed, streams, done: true });
-    }
     Ok(inflight)
+}
+
+/// One GPU's staging unit taken by a request, and where that request's fills stand in it. The
+/// request's `InFlight` holds the busy flag (`staging_of`) and the events `reusable` names
+/// (its stages'), so they outlive every fill queued here.
+struct StagedRun {
+    device: Arc<CudaDevice>,
+    buffer: sys::CUdeviceptr,
+    rows_device: sys::CUdeviceptr,
+    rows_host: *mut Descriptor,
+    rows_total: usize,
+    row_base: usize,
+    copy_stream: sys::CUstream,
+    kernel_stream: sys::CUstream,
+    /// Per fill queued so far: its buffer region and the event after which it may be reused.
+    reusable: Vec<(std::ops::Range<u64>, sys::CUevent)>,
+    cursor: plan::FillCursor,
+}
+
+// SAFETY: driver handles and the pinned row table of the staging unit the request holds through
+// the busy flag; one request (one thread at a time) uses them.
+unsafe impl Send for StagedRun {}
+
+impl StagedRun {
+    /// Takes `device`'s staging unit for a request of at most `rows` table rows. `held`: the
+    /// caller holds the busy flag already (a prestage, which frees it when dropped). Otherwise
+    /// the flag is taken here and, on failure, given back.
+    fn start(device: &Arc<CudaDevice>, policy: StagingPolicy, rows: usize, held: bool) -> Result<StagedRun, Fallback> {
+        if device.bind().is_err() {
+            return Err(Fallback::KernelUnavailable);
+        }
+        if let Err(e) = device.kernels() {
+            tracing::debug!(error = %e, "staged kernels unavailable; direct path");
+            return Err(Fallback::KernelUnavailable);
+        }
+        if !held && device.exec.staging_busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err()
+        {
+            return Err(Fallback::Busy);
+        }
+        let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = ensure_unit(&mut guard, policy.buffer_bytes, rows) {
+            drop(guard);
+            if !held {
+                device.exec.staging_busy.store(false, Ordering::Release);
+            }
+            tracing::warn!(error = %e, "staging buffer unavailable; direct path");
+            return Err(Fallback::NoBuffer);
+        }
+        let Some(unit) = guard.as_ref() else {
+            if !held {
+                device.exec.staging_busy.store(false, Ordering::Release);
+            }
+            return Err(Fallback::NoBuffer);
+        };
+        Ok(StagedRun {
+            device: Arc::clone(device),
+            buffer: unit.buffer,
+            rows_device: unit.rows_device,
+            rows_host: unit.rows_host,
+            rows_total: unit.rows_capacity,
+            row_base: 0,
+            copy_stream: unit.copy_stream,
+            kernel_stream: unit.kernel_stream,
+            reusable: Vec::new(),
+            cursor: plan::FillCursor::default(),
+        })
+    }
+
+    /// Table rows left for later fills.
+    fn rows_left(&self) -> usize {
+        self.rows_total - self.row_base
+    }
+
+    /// Queues `fills` of `transfers`, whose first transfer is `base` in `inflight`; `copied[f]`
+    /// is the event after fill `f`'s prestaged copies. A fill that fails to queue fails with
+    /// every later one (never replayed through the direct path); what was queued before it
+    /// still completes and is reported by its own stage, and the streams are drained so nothing
+    /// of the failed fill can still run once the caller reports.
+    ///
+    /// # Safety
+    /// As `submit`, for `transfers`.
+    unsafe fn enqueue(
+        &mut self,
+        inflight: &mut InFlight,
+        base: usize,
+        direction: Direction,
+        transfers: &[Transfer],
+        fills: &[plan::Fill],
+        mut copied: Vec<Option<Event>>,
+    ) {
+        let device = Arc::clone(&self.device);
+        let streams = vec![self.copy_stream, self.kernel_stream];
+        let grid_cap = device.multiprocessors * BLOCKS_PER_SM;
+        let to_device = direction == Direction::HostToDevice;
+        let mut failure: Option<(usize, TransportError)> = None;
+        let kernels = match device.kernels() {
+            Ok(kernels) => Some(kernels),
+            Err(e) => {
+                failure = Some((0, e.clone()));
+                None
+            }
+        };
+        for (f, fill) in fills.iter().enumerate() {
+            let (Some(kernels), None) = (kernels, &failure) else { break };
+            let fill_transfers: Vec<usize> = fill.transfers.clone().map(|t| base + t).collect();
+            let already = copied.get_mut(f).and_then(Option::take);
+            // A prestaged fill's copies are queued already.
+            let copies = if already.is_some() { Vec::new() } else { plan::staging_copies(fill, transfers) };
+            let rows_ptr = self.rows_device + (self.row_base * std::mem::size_of::<Descriptor>()) as u64;
+            let waits: Vec<sys::CUevent> = self
+                .reusable
+                .iter()
+                .filter(|(region, _)| plan::regions_overlap(region, &fill.region))
+                .map(|(_, e)| *e)
+                .collect();
+            // SAFETY: forwarded contract for host bytes and pages; the buffer and row tables belong
+            // to the staging unit this request holds, and rows from `row_base` on are unused.
+            let result = unsafe {
+                enqueue_fill(
+                    &device,
+                    kernels,
+                    to_device,
+                    (self.buffer, rows_ptr, self.rows_host.add(self.row_base), self.rows_left()),
+                    &|| plan::descriptors(fill, transfers),
+                    &copies,
+                    &waits,
+                    (self.copy_stream, self.kernel_stream),
+                    grid_cap,
+                    &mut inflight.summary,
+                    already,
+                )
+            };
+            match result {
+                Ok((done, rows)) => {
+                    self.row_base += rows;
+                    // The fill's completion event is also the moment its region may be reused.
+                    self.reusable.push((fill.region.clone(), done.0));
+                    inflight.stages.push(Stage {
+                        device: Arc::clone(&device),
+                        event: Some(done),
+                        transfers: fill_transfers,
+                        streams: streams.clone(),
+                        done: false,
+                    });
+                    inflight.summary.fills += 1;
+                }
+                Err(e) => failure = Some((f, e)),
+            }
+        }
+        if let Some((f, error)) = failure {
+            let failed: Vec<usize> =
+                fills[f..].iter().flat_map(|fill| fill.transfers.clone()).map(|t| base + t).collect();
+            inflight.fail(failed.iter().copied(), &error);
+            drain(&device, &streams);
+            // Prestaged fills never reached: their copies are drained with the copy stream.
+            for event in copied.into_iter().flatten() {
+                device.give_event(event);
+            }
+            inflight.stages.push(Stage { device, event: None, transfers: failed, streams, done: true });
+        }
+    }
+}
+
+/// A request submitted in parts (`Transport::submit_parts` of the CUDA transport). Each part
+/// is queued as it is pushed: staged through one GPU's staging unit, taken at the first part
+/// that qualifies and held until the request completed, each part's fills continuing the ring
+/// where the last part's ended; a part that does not qualify (or finds the unit taken) goes
+/// direct. One `InFlight` reports every part's transfers in push order.
+pub struct PartsSubmission {
+    transport: Arc<CudaTransport>,
+    direction: Direction,
+    policy: StagingPolicy,
+    /// The whole request's bounds (bytes, table rows).
+    hint: (u64, usize),
+    inflight: InFlight,
+    run: Option<StagedRun>,
+    /// Why staging could not be had; later parts go direct.
+    no_staging: Option<Fallback>,
+    probe: Option<Probe>,
+}
+
+impl std::fmt::Debug for PartsSubmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartsSubmission").field("inflight", &self.inflight).finish()
+    }
+}
+
+impl PartsSubmission {
+    /// A request of at most `bytes` in `pieces` pieces, in `direction`.
+    pub fn new(
+        transport: Arc<CudaTransport>,
+        direction: Direction,
+        policy: StagingPolicy,
+        bytes: u64,
+        pieces: usize,
+    ) -> PartsSubmission {
+        // Each piece is one row per started descriptor chunk.
+        let rows = pieces.saturating_add((bytes / plan::DESCRIPTOR_CHUNK_BYTES) as usize);
+        PartsSubmission {
+            transport,
+            direction,
+            policy,
+            hint: (bytes, rows),
+            inflight: InFlight::new(0),
+            run: None,
+            no_staging: None,
+            probe: None,
+        }
+    }
+
+    /// Queues `transfers` behind the parts pushed before.
+    ///
+    /// # Safety
+    /// As `submit`, until the `InFlight` that `finish` returns has completed (or this was
+    /// dropped).
+    pub unsafe fn push(&mut self, transfers: &[Transfer]) {
+        let base = self.inflight.errors.len();
+        self.inflight.errors.resize(base + transfers.len(), None);
+        let fallback = match plan::qualify(self.policy, self.direction, transfers) {
+            PathChoice::Staged { ordinal } => match self.take_staging(ordinal, transfers) {
+                Ok(()) => {
+                    if let Some(run) = self.run.as_mut() {
+                        let fills = plan::split_fills_from(&self.policy, self.direction, transfers, &mut run.cursor);
+                        // SAFETY: forwarded contract.
+                        unsafe { run.enqueue(&mut self.inflight, base, self.direction, transfers, &fills, Vec::new()) };
+                        return;
+                    }
+                    Fallback::NoBuffer
+                }
+                Err(reason) => reason,
+            },
+            PathChoice::Direct(reason) => reason,
+        };
+        // SAFETY: forwarded contract.
+        let part = unsafe { submit_direct_all(&self.transport, self.direction, transfers, fallback) };
+        self.inflight.absorb(part, base);
+    }
+
+    /// Makes sure `run` can stage a part on GPU `ordinal`: the unit is taken at the first such
+    /// part.
+    fn take_staging(&mut self, ordinal: u32, transfers: &[Transfer]) -> Result<(), Fallback> {
+        if let Some(reason) = self.no_staging {
+            return Err(reason);
+        }
+        if self.run.is_none() {
+            let device = self.transport.device(ordinal).map_err(|_| Fallback::NoBuffer)?;
+            let rows = self.hint.1.max(plan::max_rows(transfers));
+            let mut run = match StagedRun::start(&device, self.policy, rows, false) {
+                Ok(run) => run,
+                Err(reason) => {
+                    self.no_staging = Some(reason);
+                    return Err(reason);
+                }
+            };
+            run.cursor.total = self.hint.0;
+            self.inflight.staging_of = Some(device);
+            self.inflight.summary.staged = true;
+            if let Some(mut p) = Probe::new() {
+                p.record_start(run.copy_stream);
+                self.probe = Some(p);
+            }
+            self.run = Some(run);
+        }
+        let Some(run) = self.run.as_mut() else { return Err(Fallback::NoBuffer) };
+        // The unit is this request's already: a part on another GPU, or with more rows than
+        // the request said it would have, goes direct.
+        if run.device.ordinal != ordinal {
+            return Err(Fallback::Busy);
+        }
+        if plan::max_rows(transfers) > run.rows_left() {
+            return Err(Fallback::NoBuffer);
+        }
+        Ok(())
+    }
+
+    /// Every pushed transfer's result, in push order, once the returned `InFlight` completed.
+    pub fn finish(mut self) -> InFlight {
+        let mut inflight = std::mem::replace(&mut self.inflight, InFlight::new(0));
+        if let (Some(mut p), Some(run)) = (self.probe.take(), self.run.as_ref()) {
+            p.fills = inflight.summary.fills;
+            p.record_ends(run.copy_stream, run.kernel_stream);
+            inflight.probe = Some(p);
+        }
+        inflight
+    }
 }
 
 /// Enqueues one fill and returns the event after which its buffer region is free again, and the

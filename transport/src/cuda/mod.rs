@@ -36,8 +36,8 @@ pub use bound::StreamStaging;
 pub use copier::CudaCopier;
 #[cfg(feature = "cuda")]
 pub use device::{
-    copy_host_pieces, inject_fault, prestage, submit, submit_with, BaselineMode, InFlight, InjectedFault, Prestaged,
-    StagingHold,
+    copy_host_pieces, inject_fault, prestage, submit, submit_with, BaselineMode, InFlight, InjectedFault,
+    PartsSubmission, Prestaged, StagingHold,
 };
 #[cfg(feature = "cuda")]
 pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, HostRegistration, PinnedBuffer, RangeChecker};

@@ -244,14 +244,41 @@ fn next_fill_capacity(policy: &StagingPolicy, direction: Direction, total: u64, 
 /// for the earlier fills whose regions it reuses. Objects larger than the buffer must have been
 /// sent down the direct path by `qualify`; here they get a fill of their own and are clamped.
 pub fn split_fills(policy: &StagingPolicy, direction: Direction, transfers: &[Transfer]) -> Vec<Fill> {
+    split_fills_from(policy, direction, transfers, &mut FillCursor::default())
+}
+
+/// Where the fills of a request submitted in parts stand between its parts: the next fill
+/// continues the ring where the last one ended, and fills keep the size the whole request's
+/// shape gives them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FillCursor {
+    /// Buffer offset where the last fill ended.
+    pub ring: u64,
+    /// Bytes placed by earlier parts.
+    pub placed: u64,
+    /// Bytes of the whole request (0: only what is being split is known).
+    pub total: u64,
+    /// Largest object seen so far.
+    pub largest: u64,
+}
+
+/// `split_fills` for one part of a request: fills start where `cursor` says and size themselves
+/// for the whole request; `cursor` moves past them. Transfer indices are the part's own.
+pub fn split_fills_from(
+    policy: &StagingPolicy,
+    direction: Direction,
+    transfers: &[Transfer],
+    cursor: &mut FillCursor,
+) -> Vec<Fill> {
     let buffer_bytes = policy.buffer_bytes;
     let spans: Vec<u64> = transfers.iter().map(|t| t.span().end - t.span().start).collect();
-    let total: u64 = spans.iter().sum();
-    let largest = spans.iter().copied().max().unwrap_or(0);
+    let part: u64 = spans.iter().sum();
+    let total = cursor.total.max(cursor.placed + part);
+    let largest = spans.iter().copied().max().unwrap_or(0).max(cursor.largest);
     let capacity_at = |placed: u64| next_fill_capacity(policy, direction, total, largest, placed).max(1);
     let mut fills: Vec<Fill> = Vec::new();
-    let mut ring_cursor = 0u64;
-    let mut placed = 0u64;
+    let mut ring_cursor = cursor.ring;
+    let mut placed = cursor.placed;
     // The open fill and its capacity.
     let mut current: Option<(Fill, u64)> = None;
     for (index, transfer) in transfers.iter().enumerate() {
@@ -296,8 +323,10 @@ pub fn split_fills(policy: &StagingPolicy, direction: Direction, transfers: &[Tr
     }
     if let Some((mut closed, capacity)) = current {
         place_by_address(&mut closed, capacity, buffer_bytes, transfers);
+        ring_cursor = closed.region.end;
         fills.push(closed);
     }
+    *cursor = FillCursor { ring: ring_cursor, placed, total, largest };
     fills
 }
 
@@ -534,6 +563,42 @@ mod tests {
         // Tail shaping off: fixed quarter fills.
         let fixed = split_fills(&StagingPolicy { tail_fill_bytes: 0, ..policy }, Direction::HostToDevice, &transfers);
         assert_eq!(fixed.len(), 4);
+    }
+
+    #[test]
+    fn a_request_in_parts_continues_the_ring_and_keeps_the_whole_requests_shape() {
+        // The 256 MiB gathered write above, handed over in parts of 4, 4, 8, 16, 32 and 4 x 48
+        // objects of 2 MiB: its fills still grow from 4 MiB, every fill starts where the last
+        // one ended (or at the start of the buffer), and no fill overlaps the one before it.
+        let policy = StagingPolicy { enabled: true, buffer_bytes: 256 << 20, tail_fill_bytes: 4 << 20 };
+        let transfers: Vec<Transfer> =
+            (0..128u64).map(|k| object(k << 21, 8192, 256, move |i| 0x7_0000_0000 + (k * 256 + i) * 8192)).collect();
+        let mut cursor = FillCursor { total: 256 << 20, ..FillCursor::default() };
+        let mut fills: Vec<(usize, Fill)> = Vec::new();
+        let mut start = 0;
+        for len in [2usize, 2, 4, 8, 16, 24, 24, 24, 24] {
+            let part = &transfers[start..start + len];
+            for fill in split_fills_from(&policy, Direction::DeviceToHost, part, &mut cursor) {
+                assert!(fill.transfers.end <= len, "indices are the part's own");
+                fills.push((start, fill));
+            }
+            start += len;
+        }
+        assert_eq!(start, 128);
+        assert_eq!(cursor.placed, 256 << 20);
+        let sizes: Vec<u64> = fills.iter().map(|(_, f)| (f.region.end - f.region.start) >> 20).collect();
+        assert_eq!(&sizes[..4], &[4, 4, 8, 16], "{sizes:?}");
+        let mut covered = 0;
+        for (i, (base, fill)) in fills.iter().enumerate() {
+            assert_eq!(base + fill.transfers.start, covered, "every object once, in order");
+            covered = base + fill.transfers.end;
+            assert!(fill.region.end <= 256 << 20);
+            if let Some((_, before)) = i.checked_sub(1).map(|j| &fills[j]) {
+                assert!(fill.region.start == before.region.end || fill.region.start == 0, "{:?}", fill.region);
+                assert!(!regions_overlap(&before.region, &fill.region));
+            }
+        }
+        assert_eq!(covered, 128);
     }
 
     #[test]
