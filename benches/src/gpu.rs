@@ -363,14 +363,19 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
             write()?;
         }
         drop(kvtide::cuda::profile::take_timelines());
-        let warm = store.stats().gpu.write_phase_us;
+        let (warm, warm_first) = (store.stats().gpu.write_phase_us, store.stats().gpu.write_first_part_us);
         writes.push(measure(method_write, 0, iters, write)?);
-        let after = store.stats().gpu.write_phase_us;
+        let (after, after_first) = (store.stats().gpu.write_phase_us, store.stats().gpu.write_first_part_us);
         print_timelines(&format!("{method_write} write"), kvtide::cuda::profile::take_timelines());
         let phases: Vec<u64> = after.iter().zip(warm).map(|(a, w)| (a - w) / iters.max(1) as u64).collect();
         eprintln!(
-            "  {method_write} write phases per call (us): reserve+checks {}, route {}, plan+submit {}, wait {}, commit {}",
-            phases[0], phases[1], phases[2], phases[3], phases[4]
+            "  {method_write} write phases per call (us): reserve+checks {}, route {}, plan+submit {}, wait {}, commit {}; until the first part was submitted {}",
+            phases[0],
+            phases[1],
+            phases[2],
+            phases[3],
+            phases[4],
+            (after_first - warm_first) / iters.max(1) as u64
         );
         for (o, key) in keys.iter().enumerate().step_by((layout.objects / 8).max(1)) {
             let got = store.get(key).map_err(|e| format!("read back: {e}"))?;

@@ -367,10 +367,13 @@ pub struct GpuStats {
     /// staging copies (prestage), checking regions and building transfers, planning and
     /// submission, waiting on events].
     pub read_phase_us: [u64; 6],
-    /// Time gathered writes from GPU memory spent, summed over calls, in microseconds:
-    /// [validating keys and reserving (sources checked meanwhile), building the transfers,
-    /// planning and submission, waiting on events, committing].
+    /// Time gathered writes from GPU memory spent, summed over calls (and over each call's
+    /// parts), in microseconds: [validating keys and reserving (sources checked meanwhile),
+    /// building the transfers, planning and submission, waiting on events, committing].
     pub write_phase_us: [u64; 5],
+    /// Of that, the time until each call's first part was submitted: host work no copy
+    /// overlaps, in microseconds, summed over calls.
+    pub write_first_part_us: u64,
     /// Stream-bound reads (`*_on_stream`) made, and those whose stream has not yet passed their
     /// copies (or that still hold leases).
     pub stream_bound_reads: u64,

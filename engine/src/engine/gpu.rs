@@ -50,6 +50,7 @@ pub(crate) struct GpuCounters {
     submit_us: AtomicU64,
     wait_us: AtomicU64,
     write_us: [AtomicU64; 5],
+    write_first_part_us: AtomicU64,
     registered: AtomicU64,
     registration_us: AtomicU64,
     staged_requests: AtomicU64,
@@ -110,11 +111,11 @@ impl GpuCounters {
 
     /// A gathered write's phase boundaries: start, reserved (sources checked meanwhile),
     /// transfers built, submitted, copied, committed.
-    pub(crate) fn record_write(&self, at: [Instant; 6]) {
-        for (phase, w) in at.windows(2).enumerate() {
-            let us = w[1].saturating_duration_since(w[0]).as_micros() as u64;
-            self.write_us[phase].fetch_add(us, Relaxed);
+    pub(crate) fn record_write(&self, spent: [std::time::Duration; 5], first_part: std::time::Duration) {
+        for (phase, d) in spent.iter().enumerate() {
+            self.write_us[phase].fetch_add(d.as_micros() as u64, Relaxed);
         }
+        self.write_first_part_us.fetch_add(first_part.as_micros() as u64, Relaxed);
     }
 
     /// A blocking read's phases, ending now.
@@ -174,6 +175,7 @@ impl GpuState {
                 c.wait_us.load(Relaxed),
             ],
             write_phase_us: std::array::from_fn(|i| c.write_us[i].load(Relaxed)),
+            write_first_part_us: c.write_first_part_us.load(Relaxed),
             stream_bound_reads: c.bound_reads.load(Relaxed),
             stream_bound_in_flight: c.bound_in_flight.load(Relaxed),
             stream_bound_keys_pinned: c.bound_keys_pinned.load(Relaxed),

@@ -377,6 +377,13 @@ impl Reservations<'_> {
         self.by_shard.iter_mut().for_each(Vec::clear);
     }
 
+    /// Takes over `other`'s reservations (taken by the same call for more of its keys).
+    pub(crate) fn absorb(&mut self, mut other: Reservations<'_>) {
+        for (mine, theirs) in self.by_shard.iter_mut().zip(other.by_shard.iter_mut()) {
+            mine.append(theirs);
+        }
+    }
+
     /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
     pub(crate) fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
         let (upsert, pin) = (opts.upsert, opts.pin);

@@ -47,9 +47,19 @@ impl Engine {
     /// The transports for region lists of these routes (the GPU transport is only set up when
     /// some list needs it). `host` replaces CPU copies (a paced transport in benchmarks).
     pub(crate) fn transports(&self, routes: &[Route], host: Option<Arc<dyn Transport>>) -> Transports {
+        self.transports_via(routes, host, None)
+    }
+
+    /// `transports`, with `gpu` in place of the store's GPU transport when given.
+    pub(crate) fn transports_via(
+        &self,
+        routes: &[Route],
+        host: Option<Arc<dyn Transport>>,
+        gpu: Option<Arc<dyn Transport>>,
+    ) -> Transports {
         Transports {
             host: host.unwrap_or_else(|| Arc::new(MemcpyTransport)),
-            gpu: routes.contains(&Route::Gpu).then(|| self.gpu.transport(&self.arena)),
+            gpu: routes.contains(&Route::Gpu).then(|| gpu.unwrap_or_else(|| self.gpu.transport(&self.arena))),
         }
     }
 

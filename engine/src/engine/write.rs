@@ -2,13 +2,15 @@
 //!
 //! Owns gathered writes (`put_from`, `batch_put_from_multi_buffers`): each key's sources are
 //! laid end to end into a reservation of exactly their total length, through the transport of
-//! their route. Only keys whose every byte arrived are published; the others' reservations are
-//! aborted once no transfer can touch them any more. It never publishes a partly written
-//! object.
+//! their route. A write from GPU memory goes in parts (`part_ranges`): the next part's keys
+//! are reserved, their sources checked and their transfers built while the last part's copies
+//! run. Only keys whose every byte arrived are published; the others' reservations are aborted
+//! once no transfer can touch them any more. It never publishes a partly written object.
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kvtide_transport::{Direction, Region, Transfer};
+use kvtide_transport::{Direction, Parts, PartsHint, Region, Transfer, Transport};
 
 use super::transports::{KeepAwake, Route};
 use super::Engine;
@@ -16,102 +18,317 @@ use crate::api::PutOptions;
 use crate::checks::total_len;
 use crate::error::{Error, Result};
 
+/// The first part of a write cut into parts carries at least this share of its bytes (as a
+/// divisor), so the copies start early; each later part carries as much as all before it,
+/// up to `LARGEST_PART_SHARE`.
+const FIRST_PART_SHARE: u64 = 32;
+/// The largest part's share of a write's bytes (as a divisor): the last part's host work then
+/// hides behind the copies of the parts before it.
+const LARGEST_PART_SHARE: u64 = 8;
+/// A part carries at least this many bytes: below it, one more reservation round trip costs
+/// more than the copies it would overlap.
+const MIN_PART_BYTES: u64 = 4 << 20;
+
+/// Decides where a write's parts end, key by key: the first part carries at least a
+/// `FIRST_PART_SHARE`th of the write's bytes, each later one as much as all before it, at most
+/// a `LARGEST_PART_SHARE`th, every one at least `MIN_PART_BYTES` (a part that would leave less
+/// than that takes the rest too). Without `split`, the write is one part.
+struct PartCutter {
+    split: bool,
+    first: u64,
+    largest: u64,
+    /// Bytes of the parts cut so far.
+    before: u64,
+}
+
+impl PartCutter {
+    /// For a write of about `total` bytes.
+    fn new(split: bool, total: u64) -> PartCutter {
+        let first = total / FIRST_PART_SHARE;
+        PartCutter { split, first, largest: (total / LARGEST_PART_SHARE).max(first), before: 0 }
+    }
+
+    /// True when a part of `bytes`, with about `left` bytes of the write after it, ends here.
+    fn cut(&mut self, bytes: u64, left: u64) -> bool {
+        let target = self.before.clamp(self.first, self.largest).max(MIN_PART_BYTES);
+        let end = self.split && bytes >= target && left >= MIN_PART_BYTES;
+        if end {
+            self.before += bytes;
+        }
+        end
+    }
+}
+
+/// The parts `PartCutter` cuts a write of objects of `lens` bytes into.
+#[cfg(test)]
+fn part_ranges(lens: &[u64], split: bool) -> Vec<std::ops::Range<usize>> {
+    let total: u64 = lens.iter().sum();
+    let mut cutter = PartCutter::new(split, total);
+    let (mut parts, mut start, mut done, mut bytes) = (Vec::new(), 0, 0u64, 0u64);
+    for (i, len) in lens.iter().enumerate() {
+        bytes += len;
+        done += len;
+        if cutter.cut(bytes, total - done) {
+            parts.push(start..i + 1);
+            start = i + 1;
+            bytes = 0;
+        }
+    }
+    if start < lens.len() || lens.is_empty() {
+        parts.push(start..lens.len());
+    }
+    parts
+}
+
 impl Engine {
+    /// `batch_put_from_multi_buffers` with `gpu` in place of the store's GPU transport (tests
+    /// drive GPU writes with a simulated device).
+    #[doc(hidden)]
+    pub fn batch_put_from_via(
+        &self,
+        keys: &[&[u8]],
+        sources: &[Vec<Region<'_>>],
+        opts: PutOptions,
+        gpu: Arc<dyn Transport>,
+    ) -> Vec<Result<()>> {
+        if let Err(e) = crate::checks::one_list_per_key(keys.len(), sources.len(), "source") {
+            return vec![Err(e); keys.len()];
+        }
+        self.write_via(keys, sources, opts, Some(gpu))
+    }
+
     /// Writes each key's value from its sources (`sources[i]` for `keys[i]`); one result per key.
     pub(crate) fn write(&self, keys: &[&[u8]], sources: &[Vec<Region<'_>>], opts: PutOptions) -> Vec<Result<()>> {
+        self.write_via(keys, sources, opts, None)
+    }
+
+    fn write_via(
+        &self,
+        keys: &[&[u8]],
+        sources: &[Vec<Region<'_>>],
+        opts: PutOptions,
+        gpu: Option<Arc<dyn Transport>>,
+    ) -> Vec<Result<()>> {
         let lists: Vec<&[Region<'_>]> = sources.iter().map(Vec::as_slice).collect();
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
         // Phase clocks for writes from GPU memory only (`stats().gpu.write_phase_us`).
         let timed = routes.contains(&Route::Gpu);
-        let clock = || timed.then(Instant::now);
-        let started = clock();
-        let transports = self.transports(&routes, None);
+        let mut phases = PhaseClock::new(timed);
+        let transports = self.transports_via(&routes, None, gpu);
         let _awake = KeepAwake::new(self, &routes);
         let mut results: Vec<Result<()>> = vec![Ok(()); keys.len()];
-        let mut items = Vec::with_capacity(keys.len());
-        for (i, (key, srcs)) in keys.iter().zip(sources).enumerate() {
-            let checked = self
-                .validate_key(key)
-                .and_then(|()| total_len(srcs))
-                .and_then(|len| self.validate_value_len(len).map(|()| len));
-            match checked {
-                Ok(len) => items.push((i, *key, len)),
-                Err(e) => results[i] = Err(e),
-            }
-        }
-        // The sources are checked while the shards reserve; a key that fails its check is never
-        // copied, so its reservation is aborted below.
-        let mut checks = Vec::new();
-        let (grants, reservations) = self.reserve_many(items, opts.upsert, || {
-            checks = self.check_lists(&transports, &lists, &routes, false);
-        });
-        let reserved_at = clock();
-        for (i, check) in checks.into_iter().enumerate() {
-            if let (Some(e), Ok(())) = (check, &results[i]) {
-                results[i] = Err(e);
-            }
-        }
-        // Per route, in arena order (a staging transport's fills then hold neighbours).
-        let mut by_route: Vec<Vec<(u64, usize, Transfer)>> = Route::ALL.iter().map(|_| Vec::new()).collect();
-        for (i, grant) in grants {
-            match grant {
-                // A key that failed its source check is never copied: aborted with the reservations.
-                Ok(_) if results[i].is_err() => {}
-                Ok(grant) => {
-                    let host = grant.ptr.as_ptr() as u64;
-                    by_route[routes[i] as usize].push((host, i, Transfer::in_order(host, grant.len, lists[i])));
+        // Parts only help when every copy is asynchronous: CPU copies finish as they are
+        // submitted, and one part then costs the fewest round trips to the shards.
+        let all_gpu = !keys.is_empty() && routes.iter().all(|r| *r == Route::Gpu);
+        let split = all_gpu && !transports.get(Route::Gpu).completes_inline();
+        // Keys are checked part by part, as their part is cut: one pass over a large write's
+        // region lists costs as long as its first copies, so none is made up front. The write's
+        // size is estimated from its first object (KV blocks are all alike); a wrong estimate
+        // only shapes the parts differently.
+        let (routes, lists) = (&routes, &lists);
+        let estimate = |first_len: u64| first_len.saturating_mul(keys.len() as u64);
+        let hint = |route: Route, first_len: u64| PartsHint {
+            bytes: estimate(first_len),
+            pieces: (0..keys.len()).filter(|&i| routes[i] == route).map(|i| lists[i].len()).sum(),
+        };
+        let mut cutter: Option<PartCutter> = None;
+        let (mut next, mut checked_bytes, mut checked_keys, mut first_len) = (0usize, 0u64, 0u64, 0u64);
+        // Declared before the submissions, so they drop after them: a submission dropped
+        // unfinished (a panic) waits for its copies before the reservations are aborted.
+        let mut reservations = None;
+        // One submission per route, opened at its first part; the keys of its transfers, in order.
+        let mut submissions: Vec<Option<RouteSubmission<'_>>> = Route::ALL.iter().map(|_| None).collect();
+        while next < keys.len() {
+            let mut part_items: Vec<(usize, &[u8], u64)> = Vec::new();
+            let mut bytes = 0u64;
+            while next < keys.len() {
+                let i = next;
+                next += 1;
+                let checked = self
+                    .validate_key(keys[i])
+                    .and_then(|()| total_len(lists[i]))
+                    .and_then(|len| self.validate_value_len(len).map(|()| len));
+                let len = match checked {
+                    Ok(len) => len,
+                    Err(e) => {
+                        results[i] = Err(e);
+                        continue;
+                    }
+                };
+                part_items.push((i, keys[i], len));
+                bytes += len;
+                checked_bytes += len;
+                checked_keys += 1;
+                let cutter = cutter.get_or_insert_with(|| {
+                    first_len = len;
+                    PartCutter::new(split, estimate(len))
+                });
+                let left = (keys.len() - next) as u64 * (checked_bytes / checked_keys);
+                if cutter.cut(bytes, left) {
+                    break;
                 }
-                Err(e) => results[i] = Err(e),
             }
-        }
-        let routed_at = clock();
-        let mut inflight = Vec::new();
-        for route in Route::ALL {
-            let mut batch = std::mem::take(&mut by_route[route as usize]);
-            if batch.is_empty() {
+            if part_items.is_empty() {
                 continue;
             }
-            batch.sort_unstable_by_key(|(host, _, _)| *host);
-            let (owners, transfers): (Vec<usize>, Vec<Transfer>) = batch.into_iter().map(|(_, i, t)| (i, t)).unzip();
-            // SAFETY: every transfer's host bytes are our reservations (exclusive until commit or
-            // abort, both after the submission completed: `wait` below, and `reservations` drops
-            // after it). Every source list passed its transport's check and the caller lends it
-            // for the call.
-            let submitted = unsafe { transports.get(route).submit(Direction::DeviceToHost, &transfers, None) };
-            inflight.push((route, owners, submitted));
-        }
-        let submitted_at = clock();
-        let mut copied = vec![false; keys.len()];
-        for (route, owners, submitted) in inflight {
-            let (outcomes, summary) = match submitted {
-                Ok(inflight) => {
-                    let summary = inflight.summary();
-                    (inflight.wait().into_iter().map(|r| r.map_err(Error::from)).collect::<Vec<_>>(), Some(summary))
+            let part_items = &part_items[..];
+            let part_lists: Vec<&[Region<'_>]> = part_items.iter().map(|(i, _, _)| lists[*i]).collect();
+            let part_routes: Vec<Route> = part_items.iter().map(|(i, _, _)| routes[*i]).collect();
+            // The sources are checked while the shards reserve; a key that fails its check is
+            // never copied, so its reservation is aborted below.
+            let mut checks = Vec::new();
+            let (grants, reserved) = self.reserve_many(part_items.iter().copied(), opts.upsert, || {
+                checks = self.check_lists(&transports, &part_lists, &part_routes, false);
+            });
+            match reservations.as_mut() {
+                None => reservations = Some(reserved),
+                Some(all) => all.absorb(reserved),
+            }
+            for ((i, _, _), check) in part_items.iter().zip(checks) {
+                if let (Some(e), Ok(())) = (check, &results[*i]) {
+                    results[*i] = Err(e);
                 }
-                Err(e) => (vec![Err(Error::from(e)); owners.len()], None),
-            };
+            }
+            phases.lap(0);
+            // Per route, in arena order (a staging transport's fills then hold neighbours).
+            let mut by_route: Vec<Vec<(u64, usize, Transfer)>> = Route::ALL.iter().map(|_| Vec::new()).collect();
+            for (i, grant) in grants {
+                match grant {
+                    // A key that failed its source check is never copied: aborted with the reservations.
+                    Ok(_) if results[i].is_err() => {}
+                    Ok(grant) => {
+                        let host = grant.ptr.as_ptr() as u64;
+                        by_route[routes[i] as usize].push((host, i, Transfer::in_order(host, grant.len, lists[i])));
+                    }
+                    Err(e) => results[i] = Err(e),
+                }
+            }
+            phases.lap(1);
+            for route in Route::ALL {
+                let mut batch = std::mem::take(&mut by_route[route as usize]);
+                if batch.is_empty() {
+                    continue;
+                }
+                batch.sort_unstable_by_key(|(host, _, _)| *host);
+                let (owners, transfers): (Vec<usize>, Vec<Transfer>) =
+                    batch.into_iter().map(|(_, i, t)| (i, t)).unzip();
+                let (submission, keys_of) = submissions[route as usize].get_or_insert_with(|| {
+                    (transports.get(route).submit_parts(Direction::DeviceToHost, hint(route, first_len)), Vec::new())
+                });
+                // SAFETY: every transfer's host bytes are our reservations (exclusive until
+                // commit or abort, both after the submission completed: `wait` below, and
+                // `reservations` drops after `submissions`). Every source list passed its
+                // transport's check and the caller lends it for the call.
+                unsafe { submission.push(&transfers) };
+                keys_of.extend(owners);
+            }
+            phases.lap(2);
+            phases.submitted();
+        }
+        let mut copied = vec![false; keys.len()];
+        for route in Route::ALL {
+            let Some((submission, keys_of)) = submissions[route as usize].take() else { continue };
+            let inflight = submission.finish();
+            let summary = inflight.summary();
+            let outcomes: Vec<Result<()>> = inflight.wait().into_iter().map(|r| r.map_err(Error::from)).collect();
             if route == Route::Gpu {
                 let failed = outcomes.iter().filter(|r| r.is_err()).count() as u64;
-                self.gpu.counters().record(summary.as_ref(), Direction::DeviceToHost, failed);
+                self.gpu.counters().record(Some(&summary), Direction::DeviceToHost, failed);
             }
-            for (i, outcome) in owners.into_iter().zip(outcomes) {
+            for (i, outcome) in keys_of.into_iter().zip(outcomes) {
                 match outcome {
                     Ok(()) => copied[i] = true,
                     Err(e) => results[i] = Err(e),
                 }
             }
         }
-        let copied_at = clock();
+        phases.lap(3);
         // Only keys whose bytes all arrived are published; the rest are aborted when the
         // reservations drop.
-        for (i, result) in reservations.commit(opts, |i| copied[i]) {
-            results[i] = result;
+        if let Some(reservations) = reservations {
+            for (i, result) in reservations.commit(opts, |i| copied[i]) {
+                results[i] = result;
+            }
         }
-        if let (Some(a), Some(b), Some(c), Some(d), Some(e)) =
-            (started, reserved_at, routed_at, submitted_at, copied_at)
-        {
-            self.gpu.counters().record_write([a, b, c, d, e, Instant::now()]);
+        phases.lap(4);
+        if let Some((spent, first_part)) = phases.spent() {
+            self.gpu.counters().record_write(spent, first_part);
         }
         results
+    }
+}
+
+/// A route's submission in parts, and the keys of its transfers in push order.
+type RouteSubmission<'t> = (Box<dyn Parts + 't>, Vec<usize>);
+
+/// Time a write spent in each phase, over all its parts, and until its first part was
+/// submitted (GPU writes only).
+struct PhaseClock {
+    started: Option<Instant>,
+    last: Option<Instant>,
+    spent: [Duration; 5],
+    first_part: Option<Duration>,
+}
+
+impl PhaseClock {
+    fn new(timed: bool) -> PhaseClock {
+        let now = timed.then(Instant::now);
+        PhaseClock { started: now, last: now, spent: [Duration::ZERO; 5], first_part: None }
+    }
+
+    /// Marks the first part's submission (later calls change nothing).
+    fn submitted(&mut self) {
+        if let (Some(started), None) = (self.started, self.first_part) {
+            self.first_part = Some(started.elapsed());
+        }
+    }
+
+    /// Charges the time since the last lap to `phase`.
+    fn lap(&mut self, phase: usize) {
+        if let Some(last) = self.last {
+            let now = Instant::now();
+            self.spent[phase] += now - last;
+            self.last = Some(now);
+        }
+    }
+
+    fn spent(&self) -> Option<([Duration; 5], Duration)> {
+        self.last.map(|_| (self.spent, self.first_part.unwrap_or_default()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(lens: &[u64], parts: &[std::ops::Range<usize>]) -> Vec<u64> {
+        parts.iter().map(|r| lens[r.clone()].iter().sum()).collect()
+    }
+
+    #[test]
+    fn a_large_write_starts_with_a_small_part_and_grows_to_an_eighth() {
+        const MIB: u64 = 1 << 20;
+        let lens = vec![2 * MIB; 128];
+        let parts = part_ranges(&lens, true);
+        // Every object once, in order.
+        assert_eq!(parts.first().map(|r| r.start), Some(0));
+        assert!(parts.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!(parts.last().map(|r| r.end), Some(128));
+        assert_eq!(
+            sizes(&lens, &parts),
+            vec![8 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB]
+        );
+    }
+
+    #[test]
+    fn small_writes_and_host_writes_are_one_part() {
+        const MIB: u64 = 1 << 20;
+        assert_eq!(part_ranges(&[MIB; 6], true), vec![0..6]);
+        assert_eq!(part_ranges(&[64 * MIB; 16], false), vec![0..16]);
+        assert_eq!(part_ranges(&[], true), vec![0..0]);
+        // One object larger than everything else still makes a part of its own.
+        assert_eq!(part_ranges(&[64 * MIB, MIB, MIB], true), vec![0..3]);
+        let parts = part_ranges(&[64 * MIB, 8 * MIB, 8 * MIB], true);
+        assert_eq!(parts, vec![0..1, 1..3]);
     }
 }
