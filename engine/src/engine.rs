@@ -23,6 +23,7 @@ use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 pub(crate) mod gpu;
 mod on_stream;
 mod open;
+mod parts;
 mod progressive;
 pub(crate) mod read;
 mod restore;

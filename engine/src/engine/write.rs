@@ -2,7 +2,7 @@
 //!
 //! Owns gathered writes (`put_from`, `batch_put_from_multi_buffers`): each key's sources are
 //! laid end to end into a reservation of exactly their total length, through the transport of
-//! their route. A write from GPU memory goes in parts (`part_ranges`): the next part's keys
+//! their route. A write from GPU memory goes in parts (`parts`): the next part's keys
 //! are reserved, their sources checked and their transfers built while the last part's copies
 //! run. Only keys whose every byte arrived are published; the others' reservations are aborted
 //! once no transfer can touch them any more. It never publishes a partly written object.
@@ -12,73 +12,12 @@ use std::time::{Duration, Instant};
 
 use kvtide_transport::{Direction, Parts, PartsHint, Region, Transfer, Transport};
 
+use super::parts::PartCutter;
 use super::transports::{KeepAwake, Route};
 use super::Engine;
 use crate::api::PutOptions;
 use crate::checks::total_len;
 use crate::error::{Error, Result};
-
-/// The first part of a write cut into parts carries at least this share of its bytes (as a
-/// divisor), so the copies start early; each later part carries as much as all before it,
-/// up to `LARGEST_PART_SHARE`.
-const FIRST_PART_SHARE: u64 = 32;
-/// The largest part's share of a write's bytes (as a divisor): the last part's host work then
-/// hides behind the copies of the parts before it.
-const LARGEST_PART_SHARE: u64 = 8;
-/// A part carries at least this many bytes: below it, one more reservation round trip costs
-/// more than the copies it would overlap.
-const MIN_PART_BYTES: u64 = 4 << 20;
-
-/// Decides where a write's parts end, key by key: the first part carries at least a
-/// `FIRST_PART_SHARE`th of the write's bytes, each later one as much as all before it, at most
-/// a `LARGEST_PART_SHARE`th, every one at least `MIN_PART_BYTES` (a part that would leave less
-/// than that takes the rest too). Without `split`, the write is one part.
-struct PartCutter {
-    split: bool,
-    first: u64,
-    largest: u64,
-    /// Bytes of the parts cut so far.
-    before: u64,
-}
-
-impl PartCutter {
-    /// For a write of about `total` bytes.
-    fn new(split: bool, total: u64) -> PartCutter {
-        let first = total / FIRST_PART_SHARE;
-        PartCutter { split, first, largest: (total / LARGEST_PART_SHARE).max(first), before: 0 }
-    }
-
-    /// True when a part of `bytes`, with about `left` bytes of the write after it, ends here.
-    fn cut(&mut self, bytes: u64, left: u64) -> bool {
-        let target = self.before.clamp(self.first, self.largest).max(MIN_PART_BYTES);
-        let end = self.split && bytes >= target && left >= MIN_PART_BYTES;
-        if end {
-            self.before += bytes;
-        }
-        end
-    }
-}
-
-/// The parts `PartCutter` cuts a write of objects of `lens` bytes into.
-#[cfg(test)]
-fn part_ranges(lens: &[u64], split: bool) -> Vec<std::ops::Range<usize>> {
-    let total: u64 = lens.iter().sum();
-    let mut cutter = PartCutter::new(split, total);
-    let (mut parts, mut start, mut done, mut bytes) = (Vec::new(), 0, 0u64, 0u64);
-    for (i, len) in lens.iter().enumerate() {
-        bytes += len;
-        done += len;
-        if cutter.cut(bytes, total - done) {
-            parts.push(start..i + 1);
-            start = i + 1;
-            bytes = 0;
-        }
-    }
-    if start < lens.len() || lens.is_empty() {
-        parts.push(start..lens.len());
-    }
-    parts
-}
 
 impl Engine {
     /// `batch_put_from_multi_buffers` with `gpu` in place of the store's GPU transport (tests
@@ -294,41 +233,5 @@ impl PhaseClock {
 
     fn spent(&self) -> Option<([Duration; 5], Duration)> {
         self.last.map(|_| (self.spent, self.first_part.unwrap_or_default()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sizes(lens: &[u64], parts: &[std::ops::Range<usize>]) -> Vec<u64> {
-        parts.iter().map(|r| lens[r.clone()].iter().sum()).collect()
-    }
-
-    #[test]
-    fn a_large_write_starts_with_a_small_part_and_grows_to_an_eighth() {
-        const MIB: u64 = 1 << 20;
-        let lens = vec![2 * MIB; 128];
-        let parts = part_ranges(&lens, true);
-        // Every object once, in order.
-        assert_eq!(parts.first().map(|r| r.start), Some(0));
-        assert!(parts.windows(2).all(|w| w[0].end == w[1].start));
-        assert_eq!(parts.last().map(|r| r.end), Some(128));
-        assert_eq!(
-            sizes(&lens, &parts),
-            vec![8 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB]
-        );
-    }
-
-    #[test]
-    fn small_writes_and_host_writes_are_one_part() {
-        const MIB: u64 = 1 << 20;
-        assert_eq!(part_ranges(&[MIB; 6], true), vec![0..6]);
-        assert_eq!(part_ranges(&[64 * MIB; 16], false), vec![0..16]);
-        assert_eq!(part_ranges(&[], true), vec![0..0]);
-        // One object larger than everything else still makes a part of its own.
-        assert_eq!(part_ranges(&[64 * MIB, MIB, MIB], true), vec![0..3]);
-        let parts = part_ranges(&[64 * MIB, 8 * MIB, 8 * MIB], true);
-        assert_eq!(parts, vec![0..1, 1..3]);
     }
 }
