@@ -23,7 +23,6 @@ const MIN_PART_BYTES: u64 = 4 << 20;
 pub(crate) struct PartCutter {
     split: bool,
     first: u64,
-    largest: u64,
     /// Bytes of the parts cut so far.
     before: u64,
 }
@@ -31,13 +30,15 @@ pub(crate) struct PartCutter {
 impl PartCutter {
     /// For a request of about `total` bytes.
     pub(crate) fn new(split: bool, total: u64) -> PartCutter {
-        let first = total / FIRST_PART_SHARE;
-        PartCutter { split, first, largest: (total / LARGEST_PART_SHARE).max(first), before: 0 }
+        PartCutter { split, first: total / FIRST_PART_SHARE, before: 0 }
     }
 
     /// True when a part of `bytes`, with about `left` bytes of the request after it, ends here.
+    /// The largest part is a share of the request's size as it is known now (`left` may be an
+    /// estimate that improves as objects are seen).
     pub(crate) fn cut(&mut self, bytes: u64, left: u64) -> bool {
-        let target = self.before.clamp(self.first, self.largest).max(MIN_PART_BYTES);
+        let largest = ((self.before + bytes + left) / LARGEST_PART_SHARE).max(self.first);
+        let target = self.before.clamp(self.first, largest).max(MIN_PART_BYTES);
         let end = self.split && bytes >= target && left >= MIN_PART_BYTES;
         if end {
             self.before += bytes;
@@ -88,6 +89,29 @@ mod tests {
             sizes(&lens, &parts),
             vec![8 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB]
         );
+    }
+
+    #[test]
+    fn a_low_first_estimate_still_grows_the_parts_to_an_eighth() {
+        // A write estimates its size from its first object: here 4 KiB, then 127 objects of
+        // 2 MiB. The running average corrects the estimate, so parts still grow.
+        const MIB: u64 = 1 << 20;
+        let lens: Vec<u64> = std::iter::once(4096).chain(std::iter::repeat_n(2 * MIB, 127)).collect();
+        let mut cutter = PartCutter::new(true, lens[0] * lens.len() as u64);
+        let (mut parts, mut bytes, mut seen) = (Vec::new(), 0u64, 0u64);
+        for (i, len) in lens.iter().enumerate() {
+            bytes += len;
+            seen += len;
+            let left = (lens.len() - i - 1) as u64 * (seen / (i as u64 + 1));
+            if cutter.cut(bytes, left) {
+                parts.push(bytes);
+                bytes = 0;
+            }
+        }
+        parts.push(bytes);
+        assert_eq!(parts.iter().sum::<u64>(), seen);
+        assert!(parts.len() <= 12, "{parts:?}");
+        assert!(parts.iter().all(|&p| p <= seen / 8 + 2 * MIB), "{parts:?}");
     }
 
     #[test]
