@@ -363,11 +363,12 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
             write()?;
         }
         drop(kvtide::cuda::profile::take_timelines());
-        let (warm, warm_first) = (store.stats().gpu.write_phase_us, store.stats().gpu.write_first_part_us);
+        let warm = store.stats().gpu;
         writes.push(measure(method_write, 0, iters, write)?);
-        let (after, after_first) = (store.stats().gpu.write_phase_us, store.stats().gpu.write_first_part_us);
+        let after = store.stats().gpu;
         print_timelines(&format!("{method_write} write"), kvtide::cuda::profile::take_timelines());
-        let phases: Vec<u64> = after.iter().zip(warm).map(|(a, w)| (a - w) / iters.max(1) as u64).collect();
+        let phases: Vec<u64> =
+            after.write_phase_us.iter().zip(warm.write_phase_us).map(|(a, w)| (a - w) / iters.max(1) as u64).collect();
         eprintln!(
             "  {method_write} write phases per call (us): reserve+checks {}, route {}, plan+submit {}, wait {}, commit {}; until the first part was submitted {}",
             phases[0],
@@ -375,7 +376,7 @@ fn run_layout(args: &GpuArgs, device: &Arc<CudaDevice>, layout: &Layout) -> Resu
             phases[2],
             phases[3],
             phases[4],
-            (after_first - warm_first) / iters.max(1) as u64
+            (after.write_first_part_us - warm.write_first_part_us) / iters.max(1) as u64
         );
         for (o, key) in keys.iter().enumerate().step_by((layout.objects / 8).max(1)) {
             let got = store.get(key).map_err(|e| format!("read back: {e}"))?;

@@ -109,8 +109,9 @@ impl GpuCounters {
         }
     }
 
-    /// A gathered write's phase boundaries: start, reserved (sources checked meanwhile),
-    /// transfers built, submitted, copied, committed.
+    /// A gathered write's time per phase over its parts (reserving with the sources checked
+    /// meanwhile, building transfers, submitting, waiting, committing) and until its first part
+    /// was submitted.
     pub(crate) fn record_write(&self, spent: [std::time::Duration; 5], first_part: std::time::Duration) {
         for (phase, d) in spent.iter().enumerate() {
             self.write_us[phase].fetch_add(d.as_micros() as u64, Relaxed);

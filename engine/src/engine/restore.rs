@@ -359,7 +359,6 @@ impl Engine {
         let mut queue: VecDeque<Planned> = plan.into();
         let mut inflight: VecDeque<InFlight<'_>> = VecDeque::new();
         let mut retry_alone: Vec<usize> = Vec::new();
-        let mut staging_now = 0u64;
         // This request's sub-batches requested and not yet transferred, per shard: bytes and
         // count. The count may reach `depth`: two at first (one loading, one being transferred:
         // the first transfer starts as early as it can), doubled whenever the transfer stage
@@ -403,11 +402,11 @@ impl Engine {
                 };
                 let Some(planned) = queue.pop_front() else { break };
                 let pending = self.send_leases(planned.keys.iter().map(|&i| (i, keys[i])));
-                staging_now += planned.staging_bytes;
                 if let Some((bytes, count)) = ahead.get_mut(planned.shard) {
                     *bytes += planned.staging_bytes;
                     *count += 1;
                 }
+                let staging_now = ahead.iter().map(|&(bytes, _)| bytes).sum::<u64>();
                 report.peak_staging_bytes = report.peak_staging_bytes.max(staging_now);
                 self.restore.sub_batches.fetch_add(1, Ordering::Relaxed);
                 inflight.push_back(InFlight {
@@ -477,7 +476,6 @@ impl Engine {
             // key reported Ok has landed.
             sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
             release(leases);
-            staging_now -= sub.trace.staging_bytes;
             if let Some((bytes, count)) = ahead.get_mut(sub.trace.shard) {
                 *bytes -= sub.trace.staging_bytes;
                 *count -= 1;
