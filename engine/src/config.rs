@@ -24,7 +24,7 @@ crate::settings_group! {
         low_watermark: f64 = 0.85, Fraction, eg "0.8";
         /// "lru" or "s3fifo" (default).
         eviction: String = "s3fifo".into(), Text, eg "lru";
-        /// Objects per shard (bounds the allocator's node table). Default 1 Mi.
+        /// Objects per shard (sizes the allocator's node table and the key table's reserved room). Default 1 Mi.
         max_objects_per_shard: u32 = 1 << 20, Count, eg "4096";
         /// Leases per shard. Default 1 Mi.
         max_leases_per_shard: u32 = 1 << 20, Count, eg "8192";

@@ -75,17 +75,17 @@ fuzz_target!(|input: Input| {
                     Some(x) => {
                         assert!(size > 0, "size 0 must be refused");
                         assert!(live.len() < max_allocations as usize, "past max_allocations");
-                        assert_eq!(x.len(), len, "len is the size rounded up to align");
-                        assert_eq!(x.offset() % align, 0, "misaligned {x:?}");
-                        assert_eq!(x.end(), x.offset() + x.len());
-                        assert!(x.end() <= cap, "{x:?} past capacity {cap}");
-                        if let Some((&o, &e)) = ranges.range(..=x.offset()).next_back() {
-                            assert!(e <= x.offset(), "{x:?} overlaps [{o}, {e})");
+                        let (offset, end) = (a.offset_of(&x), a.offset_of(&x) + a.len_of(&x));
+                        assert_eq!(a.len_of(&x), len, "len is the size rounded up to align");
+                        assert_eq!(offset % align, 0, "misaligned {x:?} at {offset}");
+                        assert!(end <= cap, "[{offset}, {end}) past capacity {cap}");
+                        if let Some((&o, &e)) = ranges.range(..=offset).next_back() {
+                            assert!(e <= offset, "[{offset}, {end}) overlaps [{o}, {e})");
                         }
-                        if let Some((&o, &e)) = ranges.range(x.offset()..).next() {
-                            assert!(x.end() <= o, "{x:?} overlaps [{o}, {e})");
+                        if let Some((&o, &e)) = ranges.range(offset..).next() {
+                            assert!(end <= o, "[{offset}, {end}) overlaps [{o}, {e})");
                         }
-                        ranges.insert(x.offset(), x.end());
+                        ranges.insert(offset, end);
                         live.push(x);
                     }
                     None => {
@@ -112,20 +112,20 @@ fuzz_target!(|input: Input| {
             Op::Free { index } => {
                 if !live.is_empty() {
                     let x = live.swap_remove(usize::from(index) % live.len());
-                    assert!(ranges.remove(&x.offset()).is_some());
+                    assert!(ranges.remove(&a.offset_of(&x)).is_some());
                     a.free(x);
                 }
             }
             Op::FreeLast => {
                 if let Some(x) = live.pop() {
-                    assert!(ranges.remove(&x.offset()).is_some());
+                    assert!(ranges.remove(&a.offset_of(&x)).is_some());
                     a.free(x);
                 }
             }
         }
         let s = a.stats();
         assert_eq!(s.capacity_bytes, cap);
-        assert_eq!(s.used_bytes, live.iter().map(Allocation::len).sum::<u64>());
+        assert_eq!(s.used_bytes, live.iter().map(|x| a.len_of(x)).sum::<u64>());
         assert_eq!(s.used_bytes + s.free_bytes, cap);
         assert_eq!(s.allocations, live.len() as u64);
         assert!(s.largest_free_bytes <= s.free_bytes);
@@ -150,7 +150,7 @@ fuzz_target!(|input: Input| {
     check(&a);
     // And the whole capacity is allocatable again.
     let all = a.allocate(cap).expect("an empty allocator holds its whole capacity");
-    assert_eq!((all.offset(), all.len()), (0, cap));
+    assert_eq!((a.offset_of(&all), a.len_of(&all)), (0, cap));
     a.free(all);
     check(&a);
 });

@@ -113,14 +113,13 @@ enum ObjectState {
 
 struct Object {
     key: KeyBytes,
-    key_hash: u64,
     generation: u32,
     /// Order of versions on disk: recovery keeps the highest.
     seq: u64,
     /// DRAM copy. With an SSD tier it holds a whole record image (header, key, value).
     dram: Option<Allocation>,
-    /// Where the value starts inside `dram`.
-    value_offset: u64,
+    /// Where the value starts inside `dram` (a record header, key and checksum table before it).
+    value_offset: u32,
     /// SSD copy, once its write completed.
     ssd: Option<SsdLocation>,
     len: u64,
@@ -130,10 +129,11 @@ struct Object {
     io_refs: u32,
     /// Loaded without promotion: the DRAM copy goes when the last reader does.
     transient: bool,
-    /// The in-flight SSD load filling this object's DRAM copy (readers join it).
-    loading: Option<usize>,
-    /// The shard loop turn that committed it.
-    committed_turn: u64,
+    /// The in-flight SSD load filling this object's DRAM copy (readers join it): its token plus
+    /// one (4 bytes).
+    loading: Option<std::num::NonZeroU32>,
+    /// The shard loop turn that committed it (its low 32 bits: only compared with this turn's).
+    committed_turn: u32,
     /// An older SSD record of this version may still be readable on disk (its SSD copy was
     /// dropped by a reclaim that has not freed the segment yet): removes and upserts tombstone it.
     shadowed: bool,
@@ -141,6 +141,12 @@ struct Object {
 }
 
 impl Object {
+    /// The key's xxh3-64 hash, computed when needed rather than kept: 8 bytes per object
+    /// against one hash of the key per index change (probe shifts and growth rehash).
+    fn key_hash(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(&self.key)
+    }
+
     /// A record of this version is (or may soon be, or may still be) readable on SSD, so
     /// removing or replacing it needs a tombstone.
     fn may_have_ssd_record(&self) -> bool {
@@ -257,7 +263,7 @@ impl ShardCore {
     /// A DRAM-only shard over `slice`, publishing counters to `counters`.
     #[cfg(test)]
     pub fn new(config: ShardConfig, slice: ArenaSlice, counters: Arc<ShardCounters>) -> Result<Self, OpenError> {
-        let index = IndexWriter::new(Arc::clone(&counters));
+        let index = IndexWriter::new(Arc::clone(&counters), config.max_objects);
         Self::with_ssd(config, slice, counters, None, index)
     }
 
@@ -524,6 +530,11 @@ impl ShardCore {
             return Err(Error::AlreadyExists);
         }
         let (bytes, value_offset) = self.layout(key.len(), len);
+        let value_offset = u32::try_from(value_offset).map_err(|_| Error::TooLarge {
+            what: "value",
+            len,
+            max: self.allocator.capacity_bytes(),
+        })?;
         if bytes > self.allocator.capacity_bytes() {
             return Err(Error::TooLarge { what: "value", len, max: self.allocator.capacity_bytes() });
         }
@@ -533,11 +544,10 @@ impl ShardCore {
         }
         let Some(allocation) = self.allocate_or_wait(bytes)? else { return Ok(None) };
         let generation = self.bump_generation();
-        let offset = allocation.offset();
-        let reserved = allocation.len();
+        let offset = self.allocator.offset_of(&allocation);
+        let reserved = self.allocator.len_of(&allocation);
         let id = self.objects.insert(Object {
             key: KeyBytes::new(key),
-            key_hash: xxhash_rust::xxh3::xxh3_64(key),
             generation,
             seq: 0,
             dram: Some(allocation),
@@ -564,7 +574,10 @@ impl ShardCore {
             // SAFETY: the allocation is ours alone (reserved, unpublished) and holds the key range.
             unsafe { std::ptr::copy_nonoverlapping(key.as_ptr(), key_ptr.as_ptr(), key.len()) };
         }
-        let ptr = self.slice.ptr_at(offset + value_offset, len).ok_or(Error::Internal("allocation outside slice"))?;
+        let ptr = self
+            .slice
+            .ptr_at(offset + u64::from(value_offset), len)
+            .ok_or(Error::Internal("allocation outside slice"))?;
         Ok(Some(WriteGrant { object: ObjectRef { id, generation }, ptr, len }))
     }
 
@@ -648,8 +661,8 @@ impl ShardCore {
         entry.state = ObjectState::Live;
         entry.pins = inherited_pins.saturating_add(u32::from(pin));
         entry.seq = seq;
-        entry.committed_turn = self.turn;
-        let (hash, len) = (entry.key_hash, entry.len);
+        entry.committed_turn = self.turn as u32;
+        let (hash, len) = (entry.key_hash(), entry.len);
         if !indexed {
             self.index_insert(id);
         }
@@ -864,7 +877,7 @@ impl ShardCore {
     /// `evict_one`; with `spare_this_turn`, objects committed in this turn are skipped.
     fn evict_one_of(&mut self, spare_this_turn: bool) -> bool {
         let (objects, index) = (&self.objects, &self.index);
-        let turn = self.turn;
+        let turn = self.turn as u32;
         let victim = self.policy.pop_victim(&mut |id| {
             objects.get(id as usize).is_some_and(|o| o.evictable() && !(spare_this_turn && o.committed_turn == turn))
                 && index.close_if_unused(id)
@@ -910,7 +923,7 @@ impl ShardCore {
         let Some(allocation) = object.dram.take() else { return };
         object.transient = false;
         self.policy.remove(id as EntryId);
-        self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+        self.counters.bytes_used.fetch_sub(self.allocator.len_of(&allocation), RELAXED);
         self.counters.dram_objects.fetch_sub(1, RELAXED);
         self.counters.evictions.fetch_add(1, RELAXED);
         self.allocator.free(allocation);
@@ -922,7 +935,7 @@ impl ShardCore {
         self.publish(id);
         let o = &self.objects[id as usize];
         if o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some() && o.io_refs == 0 && !o.transient {
-            let (hash, len) = (o.key_hash, o.len);
+            let (hash, len) = (o.key_hash(), o.len);
             self.policy.insert(id as EntryId, hash, len.max(1));
         }
     }
@@ -1057,7 +1070,7 @@ impl ShardCore {
             if matches!(object.state, ObjectState::Live | ObjectState::Retired) {
                 self.counters.dram_objects.fetch_sub(1, RELAXED);
             }
-            self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+            self.counters.bytes_used.fetch_sub(self.allocator.len_of(&allocation), RELAXED);
             self.allocator.free(allocation);
             self.retry_waiters();
         }
@@ -1076,7 +1089,7 @@ impl ShardCore {
         let object = &self.objects[id as usize];
         let allocation = object.dram.as_ref().ok_or(Error::Internal("object not in DRAM"))?;
         self.slice
-            .ptr_at(allocation.offset() + object.value_offset, object.len)
+            .ptr_at(self.allocator.offset_of(allocation) + u64::from(object.value_offset), object.len)
             .ok_or(Error::Internal("object outside slice"))
     }
 
@@ -1088,14 +1101,14 @@ impl ShardCore {
 
     fn index_insert(&mut self, id: u32) {
         let objects = &self.objects;
-        let hash = objects[id as usize].key_hash;
-        self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, |o| o.key_hash));
+        let hash = objects[id as usize].key_hash();
+        self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
     }
 
     fn index_remove(&mut self, id: u32) {
         let objects = &self.objects;
-        let hash = objects[id as usize].key_hash;
-        let removed = self.index.remove(hash, id, |other| objects.get(other as usize).map_or(0, |o| o.key_hash));
+        let hash = objects[id as usize].key_hash();
+        let removed = self.index.remove(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
         debug_assert!(removed, "object {id} was not indexed");
     }
 
@@ -1139,7 +1152,7 @@ impl ShardCore {
         let mut leases = 0u64;
         let mut tracked = 0usize;
         for (id, object) in self.objects.iter() {
-            used += object.dram.as_ref().map_or(0, |a| a.len());
+            used += object.dram.as_ref().map_or(0, |a| self.allocator.len_of(a));
             leases += u64::from(object.leases);
             match object.state {
                 ObjectState::Live => {
@@ -1168,7 +1181,7 @@ impl ShardCore {
         if live != self.index.len() {
             return Err(format!("index has {} keys, {live} live objects", self.index.len()));
         }
-        let reserved_internal = self.ssd.as_ref().map_or(0, SsdState::reserved_bytes);
+        let reserved_internal = self.ssd.as_ref().map_or(0, |s| s.reserved_bytes(&self.allocator));
         if used + reserved_internal != self.allocator.used_bytes() {
             return Err(format!(
                 "objects hold {used} + {reserved_internal} internal bytes, allocator says {}",

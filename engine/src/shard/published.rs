@@ -197,14 +197,29 @@ impl std::fmt::Debug for KeyBytes {
     }
 }
 
-/// What a reader needs of one object slot.
+/// What a reader needs of one object slot: 32 bytes.
 #[derive(Default)]
 struct ObjectSlot {
     word: LeaseWord<AtomicU64>,
     value: AtomicUsize,
-    len: AtomicU64,
     key: AtomicUsize,
-    key_len: AtomicUsize,
+    /// The value's length (low `LEN_BITS` bits) and the key's (above them).
+    lengths: AtomicU64,
+}
+
+/// Bits of `ObjectSlot::lengths` for the value's length: values up to 8 TiB are published (a
+/// larger one is read through the shard); keys (at most 1 MiB) fit in the 21 bits above.
+const LEN_BITS: u32 = 43;
+
+/// Both lengths in one word, or None when they do not fit it.
+fn pack_lengths(len: u64, key_len: usize) -> Option<u64> {
+    let key_len = u64::try_from(key_len).ok()?;
+    (len >> LEN_BITS == 0 && key_len >> (64 - LEN_BITS) == 0).then_some(key_len << LEN_BITS | len)
+}
+
+/// (value length, key length) of a packed word.
+fn unpack_lengths(lengths: u64) -> (u64, usize) {
+    (lengths & ((1 << LEN_BITS) - 1), (lengths >> LEN_BITS) as usize)
 }
 
 impl Default for LeaseWord<AtomicU64> {
@@ -226,19 +241,41 @@ const ACCESS_QUEUE: usize = 1 << 12;
 /// An entry's object slot is stored plus one, so an empty entry is zero.
 const EMPTY: u64 = 0;
 
-/// One key table: `mask + 1` entries, a power of two.
+/// Largest key table reserved up front (2^27 entries, 1 GiB of address space): a shard admitted
+/// more keys than that grows into new tables.
+const MAX_ROOM: usize = 1 << 27;
+/// The table grows when more than this share of its entries (in quarters) is taken.
+const MAX_LOAD_QUARTERS: usize = 3;
+
+/// One key table: `room` entries reserved (untouched pages cost nothing), of which the first
+/// `mask + 1`, a power of two, are in use. It grows in place, doubling `mask`, until `room`.
 struct Table {
     entries: ZeroedSlice<AtomicU64>,
+    mask: AtomicUsize,
+}
+
+/// One reader's (or the writer's) consistent view of a table: the mask it probes under.
+struct View<'t> {
+    entries: &'t [AtomicU64],
     mask: usize,
     shift: u32,
 }
 
 impl Table {
-    fn new(capacity: usize) -> Table {
+    fn new(capacity: usize, room: usize) -> Table {
         let capacity = capacity.next_power_of_two().max(MIN_TABLE);
-        Table { entries: ZeroedSlice::new(capacity), mask: capacity - 1, shift: 64 - capacity.trailing_zeros() }
+        let room = room.next_power_of_two().max(capacity);
+        Table { entries: ZeroedSlice::new(room), mask: AtomicUsize::new(capacity - 1) }
     }
 
+    fn view(&self) -> View<'_> {
+        // Never above the entries reserved: the writer only raises it within `room`.
+        let mask = self.mask.load(Ordering::Acquire).min(self.entries.len() - 1);
+        View { entries: &self.entries, mask, shift: 64 - (mask + 1).trailing_zeros() }
+    }
+}
+
+impl View<'_> {
     /// Where a hash's probe starts (Fibonacci hashing: every bit of the hash counts).
     fn home(&self, hash: u64) -> usize {
         (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize & self.mask
@@ -246,6 +283,19 @@ impl Table {
 
     fn capacity(&self) -> usize {
         self.mask + 1
+    }
+
+    fn entry(&self, at: usize) -> &AtomicU64 {
+        &self.entries[at & self.mask]
+    }
+
+    /// Puts an entry in the first empty place from its home (writer only; the table has room).
+    fn place(&self, home: usize, e: u64) {
+        let mut at = home;
+        while self.entry(at).load(Ordering::Relaxed) != EMPTY {
+            at = (at + 1) & self.mask;
+        }
+        self.entry(at).store(e, Ordering::Release);
     }
 }
 
@@ -311,10 +361,12 @@ pub(crate) struct IndexWriter {
 }
 
 impl IndexWriter {
-    /// A new index and its writer.
-    pub(crate) fn new(counters: Arc<ShardCounters>) -> IndexWriter {
+    /// A new index and its writer, its key table reserved for `max_keys` (it grows past that
+    /// into new tables, which cost the old ones' memory until the index goes).
+    pub(crate) fn new(counters: Arc<ShardCounters>, max_keys: u32) -> IndexWriter {
+        let room = (max_keys as usize).saturating_mul(4).div_ceil(MAX_LOAD_QUARTERS).min(MAX_ROOM);
         let index = PublishedIndex {
-            table: AtomicPtr::new(Box::into_raw(Box::new(Table::new(MIN_TABLE)))),
+            table: AtomicPtr::new(Box::into_raw(Box::new(Table::new(MIN_TABLE, room)))),
             old_tables: Mutex::new(Vec::new()),
             alive: AtomicBool::new(true),
             seq: AtomicU64::new(0),
@@ -354,11 +406,11 @@ impl PublishedIndex {
         if before & 1 == 1 {
             return FastRead::Fallback;
         }
-        let table = self.table();
+        let table = self.table().view();
         let want = tag(hash);
         let mut at = table.home(hash);
         for _ in 0..table.capacity() {
-            let e = table.entries[at].load(Ordering::Acquire);
+            let e = table.entry(at).load(Ordering::Acquire);
             if e == EMPTY {
                 break;
             }
@@ -367,13 +419,12 @@ impl PublishedIndex {
                 let Some(object) = self.slot(slot) else { return FastRead::Fallback };
                 let Some(generation) = object.word.acquire() else { return FastRead::Fallback };
                 let key_ptr = object.key.load(Ordering::Relaxed) as *const u8;
-                let key_len = object.key_len.load(Ordering::Relaxed);
+                let (len, key_len) = unpack_lengths(object.lengths.load(Ordering::Relaxed));
                 // SAFETY: the lease keeps the object, and so its key, alive and unchanged; the
                 // acquire made the shard's writes of these fields visible.
                 let same = key_len == key.len() && unsafe { std::slice::from_raw_parts(key_ptr, key_len) } == key;
                 if same {
                     let ptr = object.value.load(Ordering::Relaxed) as *mut u8;
-                    let len = object.len.load(Ordering::Relaxed);
                     let Some(ptr) = NonNull::new(ptr) else {
                         object.word.release();
                         return FastRead::Fallback;
@@ -410,8 +461,8 @@ impl PublishedIndex {
 
     /// Heap bytes the index holds (tables, slot chunks, the access queue).
     pub(crate) fn heap_bytes(&self) -> u64 {
-        let old: usize = self.old_tables.lock().map_or(0, |t| t.iter().map(|t| t.capacity()).sum());
-        let tables = old + self.table().capacity();
+        let old: usize = self.old_tables.lock().map_or(0, |t| t.iter().map(|t| t.view().capacity()).sum());
+        let tables = old + self.table().view().capacity();
         let chunks = self.chunks.iter().filter(|c| !c.load(Ordering::Relaxed).is_null()).count();
         let bytes = tables * 8
             + chunks * CHUNK_SLOTS * std::mem::size_of::<ObjectSlot>()
@@ -436,11 +487,11 @@ impl IndexWriter {
     /// The slot holding the key whose hash is `hash`, `is_key(slot)` telling whether a
     /// candidate's key is the one wanted.
     pub(crate) fn find(&self, hash: u64, mut is_key: impl FnMut(u32) -> bool) -> Option<u32> {
-        let table = self.index.table();
+        let table = self.index.table().view();
         let want = tag(hash);
         let mut at = table.home(hash);
         loop {
-            let e = table.entries[at].load(Ordering::Relaxed);
+            let e = table.entry(at).load(Ordering::Relaxed);
             if e == EMPTY {
                 return None;
             }
@@ -455,15 +506,11 @@ impl IndexWriter {
     /// (to move it when the table grows).
     pub(crate) fn insert(&mut self, hash: u64, slot: u32, mut hash_of: impl FnMut(u32) -> u64) {
         debug_assert!(slot < u32::MAX);
-        if (self.len + 1) * 2 > self.index.table().capacity() {
+        if (self.len + 1) * 4 > self.index.table().view().capacity() * MAX_LOAD_QUARTERS {
             self.grow(&mut hash_of);
         }
-        let table = self.index.table();
-        let mut at = table.home(hash);
-        while table.entries[at].load(Ordering::Relaxed) != EMPTY {
-            at = (at + 1) & table.mask;
-        }
-        table.entries[at].store(entry(hash, slot), Ordering::Release);
+        let table = self.index.table().view();
+        table.place(table.home(hash), entry(hash, slot));
         self.len += 1;
     }
 
@@ -471,11 +518,11 @@ impl IndexWriter {
     /// when it was not found.
     pub(crate) fn remove(&mut self, hash: u64, slot: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
         let index = Arc::clone(&self.index);
-        let table = index.table();
+        let table = index.table().view();
         let mut hole = table.home(hash);
         let wanted = entry(hash, slot);
         loop {
-            let e = table.entries[hole].load(Ordering::Relaxed);
+            let e = table.entry(hole).load(Ordering::Relaxed);
             if e == EMPTY {
                 return false;
             }
@@ -489,39 +536,55 @@ impl IndexWriter {
         let mut at = hole;
         loop {
             at = (at + 1) & table.mask;
-            let e = table.entries[at].load(Ordering::Relaxed);
+            let e = table.entry(at).load(Ordering::Relaxed);
             if e == EMPTY {
                 break;
             }
             let home = table.home(hash_of(entry_slot(e)));
             // The entry may move into the hole if its home is not between the hole and it.
             if (at.wrapping_sub(home) & table.mask) >= (at.wrapping_sub(hole) & table.mask) {
-                table.entries[hole].store(e, Ordering::Relaxed);
+                table.entry(hole).store(e, Ordering::Relaxed);
                 hole = at;
             }
         }
-        table.entries[hole].store(EMPTY, Ordering::Relaxed);
+        table.entry(hole).store(EMPTY, Ordering::Relaxed);
         index.seq.fetch_add(1, Ordering::Release);
         self.len -= 1;
         true
     }
 
-    /// Doubles the table. Readers still probing the old one find what it held, and a miss they
-    /// see there is not trusted (the sequence changed).
+    /// Doubles the table: in place while its reserved room allows, else into a new table. A
+    /// reader probing meanwhile may miss an entry being moved, and does not trust that miss (the
+    /// sequence changed); what it finds is checked against the key under a lease anyway.
     fn grow(&mut self, hash_of: &mut impl FnMut(u32) -> u64) {
         let index = &self.index;
-        let old = index.table();
-        let bigger = Table::new(old.capacity() * 2);
-        for e in old.entries.iter() {
+        let old = index.table().view();
+        let capacity = old.capacity() * 2;
+        if capacity <= old.entries.len() {
+            // Odd while entries move.
+            index.seq.fetch_add(1, Ordering::Relaxed);
+            fence(Ordering::Release);
+            let moved: Vec<u64> = old.entries[..old.capacity()]
+                .iter()
+                .map(|e| e.swap(EMPTY, Ordering::Relaxed))
+                .filter(|&e| e != EMPTY)
+                .collect();
+            let table = index.table();
+            table.mask.store(capacity - 1, Ordering::Release);
+            let view = table.view();
+            for e in moved {
+                view.place(view.home(hash_of(entry_slot(e))), e);
+            }
+            index.seq.fetch_add(1, Ordering::Release);
+            return;
+        }
+        let bigger = Table::new(capacity, capacity);
+        let view = bigger.view();
+        for e in old.entries[..old.capacity()].iter() {
             let e = e.load(Ordering::Relaxed);
-            if e == EMPTY {
-                continue;
+            if e != EMPTY {
+                view.place(view.home(hash_of(entry_slot(e))), e);
             }
-            let mut at = bigger.home(hash_of(entry_slot(e)));
-            while bigger.entries[at].load(Ordering::Relaxed) != EMPTY {
-                at = (at + 1) & bigger.mask;
-            }
-            bigger.entries[at].store(e, Ordering::Relaxed);
         }
         index.seq.fetch_add(1, Ordering::Relaxed);
         let old = index.table.swap(Box::into_raw(Box::new(bigger)), Ordering::AcqRel);
@@ -538,8 +601,10 @@ impl IndexWriter {
 
     /// Publishes an object readers may lease: `value`/`len` its bytes, `key` its key. A slot
     /// given to a new generation must have no readers. False when the slot id is
-    /// beyond what the index can publish (the object is then read through the shard).
+    /// beyond what the index can publish, or the value is over 8 TiB (the object is then read
+    /// through the shard).
     pub(crate) fn open(&mut self, slot: u32, generation: u32, value: NonNull<u8>, len: u64, key: &KeyBytes) -> bool {
+        let Some(lengths) = pack_lengths(len, key.len()) else { return false };
         let Some(object) = self.slot_or_alloc(slot) else { return false };
         let (current, open) = object.word.state();
         if current == generation && open {
@@ -553,9 +618,8 @@ impl IndexWriter {
             object.word.reset(generation);
         }
         object.value.store(value.as_ptr() as usize, Ordering::Relaxed);
-        object.len.store(len, Ordering::Relaxed);
         object.key.store(key.as_ptr() as usize, Ordering::Relaxed);
-        object.key_len.store(key.len(), Ordering::Relaxed);
+        object.lengths.store(lengths, Ordering::Relaxed);
         object.word.open();
         true
     }
@@ -652,11 +716,15 @@ impl Drop for PublishedIndex {
 }
 
 /// A heap array of a type whose all-zero bytes are a valid value (atomics), allocated zeroed so
-/// the pages it never touches cost no memory.
+/// the pages it never touches cost no memory: large ones are anonymous mappings of their own
+/// (an allocator's zeroed block may be recycled memory it clears, touching every page).
 struct ZeroedSlice<T> {
     ptr: NonNull<T>,
     len: usize,
 }
+
+/// Arrays of at least this many bytes are mapped rather than allocated.
+const MAPPED_BYTES: usize = 256 << 10;
 
 impl<T> ZeroedSlice<T> {
     fn new(len: usize) -> ZeroedSlice<T> {
@@ -664,8 +732,27 @@ impl<T> ZeroedSlice<T> {
         if layout.size() == 0 {
             return ZeroedSlice { ptr: NonNull::dangling(), len };
         }
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let raw = if layout.size() >= MAPPED_BYTES && layout.align() <= 4096 {
+            // SAFETY: a fresh private anonymous mapping: no file, no address hint; the result is
+            // checked below. Its pages read as zero until written.
+            let raw = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    layout.size(),
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if raw == libc::MAP_FAILED {
+                std::alloc::handle_alloc_error(layout)
+            }
+            raw.cast::<u8>()
+        } else {
+            // SAFETY: the layout has a non-zero size.
+            unsafe { std::alloc::alloc_zeroed(layout) }
+        };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
         ZeroedSlice { ptr, len }
     }
@@ -696,7 +783,11 @@ impl<T> std::ops::Deref for ZeroedSlice<T> {
 impl<T> Drop for ZeroedSlice<T> {
     fn drop(&mut self) {
         let Ok(layout) = Layout::array::<T>(self.len) else { return };
-        if layout.size() != 0 {
+        if layout.size() >= MAPPED_BYTES && layout.align() <= 4096 {
+            // SAFETY: mapped in `new` with this size (the same rule chose the mapping), unmapped
+            // once; atomics need no drop.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), layout.size()) };
+        } else if layout.size() != 0 {
             // SAFETY: allocated in `new` with this layout; atomics need no drop.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
         }

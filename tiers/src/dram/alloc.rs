@@ -16,6 +16,7 @@
 //! Sebastian Aaltonen's OffsetAllocator, widened to `u64` sizes.
 
 use std::fmt;
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Second-level subdivisions per power of two: 16 linear classes, so a good-fit search skips at
@@ -31,6 +32,10 @@ const NIL: u32 = u32::MAX;
 /// giving up. A constant bound, so `allocate` stays O(1); it lets e.g. an allocation of the
 /// whole capacity succeed on an empty allocator, which pure good fit would refuse.
 const FALLBACK_SCAN: usize = 8;
+
+/// Capacities are below this: a node keeps its state in the top two bits of its offset.
+const MAX_CAPACITY: u64 = 1 << 62;
+const OFFSET_MASK: u64 = MAX_CAPACITY - 1;
 
 /// Hands each allocator a distinct id so `free` can recognise an `Allocation` from another one.
 static NEXT_OWNER: AtomicU32 = AtomicU32::new(1);
@@ -49,6 +54,9 @@ pub enum AllocError {
         /// Alignment as given.
         align_bytes: u64,
     },
+    /// `capacity_bytes` is 2^62 or more.
+    #[error("capacity of {0} bytes is too large (at most 2^62 - 1)")]
+    CapacityTooLarge(u64),
     /// `max_allocations` is 0: the allocator could never hand anything out.
     #[error("max_allocations must be at least 1")]
     ZeroMaxAllocations,
@@ -60,33 +68,14 @@ pub enum AllocError {
     },
 }
 
-/// One live allocation. Not Clone/Copy: freeing it consumes it, so a double free cannot compile.
+/// One live allocation: a handle on the allocator's node for it (8 bytes, so an object record
+/// can hold one cheaply); [`OffsetAllocator::offset_of`] and [`OffsetAllocator::len_of`] say
+/// where it is. Not Clone/Copy: freeing it consumes it, so a double free cannot compile.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "dropping an Allocation leaks its bytes; pass it to OffsetAllocator::free"]
 pub struct Allocation {
-    offset: u64,
-    len: u64,
     node: u32,
-    owner: u32,
-}
-
-impl Allocation {
-    /// Start of the allocation, in bytes from the start of the allocator's slice. Aligned to the
-    /// allocator's `align_bytes`.
-    pub fn offset(&self) -> u64 {
-        self.offset
-    }
-
-    /// Bytes reserved: the requested size rounded up to `align_bytes`.
-    #[allow(clippy::len_without_is_empty)] // never empty: size 0 is refused.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// One past the last reserved byte (`offset + len`).
-    pub fn end(&self) -> u64 {
-        self.offset + self.len
-    }
+    owner: NonZeroU32,
 }
 
 /// A snapshot of an allocator's accounting.
@@ -118,28 +107,60 @@ enum NodeState {
     Spare,
 }
 
-/// One block of the slice, or a spare node. 40 bytes.
+impl NodeState {
+    /// The state's bits in `Node::offset_state`.
+    const fn bits(self) -> u64 {
+        (match self {
+            NodeState::Free => 0u64,
+            NodeState::Used => 1,
+            NodeState::Spare => 2,
+        }) << 62
+    }
+}
+
+/// One block of the slice, or a spare node. 32 bytes (the node table holds one per allocation).
 #[derive(Clone, Copy, Debug)]
 struct Node {
-    offset: u64,
+    /// The block's offset (low 62 bits) and its [`NodeState`] (top two bits).
+    offset_state: u64,
     size: u64,
     prev_phys: u32,
     next_phys: u32,
     prev_free: u32,
     next_free: u32,
-    state: NodeState,
 }
 
 impl Node {
     const SPARE: Node = Node {
-        offset: 0,
+        offset_state: NodeState::Spare.bits(),
         size: 0,
         prev_phys: NIL,
         next_phys: NIL,
         prev_free: NIL,
         next_free: NIL,
-        state: NodeState::Spare,
     };
+
+    /// A block's node outside any list.
+    fn block(offset: u64, size: u64, state: NodeState) -> Node {
+        debug_assert!(offset < MAX_CAPACITY);
+        Node { offset_state: offset | state.bits(), size, ..Node::SPARE }
+    }
+
+    fn offset(&self) -> u64 {
+        self.offset_state & OFFSET_MASK
+    }
+
+    fn state(&self) -> NodeState {
+        match self.offset_state >> 62 {
+            0 => NodeState::Free,
+            1 => NodeState::Used,
+            _ => NodeState::Spare,
+        }
+    }
+
+    fn set_state(&mut self, state: NodeState) {
+        self.offset_state = self.offset() | state.bits();
+    }
 }
 
 /// Bin holding free blocks of `units` (rounded down: every block in the bin is at least the
@@ -177,7 +198,7 @@ pub struct OffsetAllocator {
     /// Nodes never exceed this: at most `max_allocations` used blocks, and free blocks are never
     /// adjacent, so at most `max_allocations + 1` free ones.
     node_limit: usize,
-    owner: u32,
+    owner: NonZeroU32,
     /// Reserved to `node_limit` up front, so pushes never reallocate.
     nodes: Vec<Node>,
     /// Top of the spare-node stack, linked through `Node::next_free`.
@@ -208,7 +229,7 @@ impl OffsetAllocator {
     ///
     /// `capacity_bytes` is rounded DOWN to `align_bytes`, which must be a power of two >= 8.
     /// `max_allocations` bounds live allocations (and so the node table, `2 * max + 1` nodes of
-    /// 40 bytes, reserved up front so that `allocate` never reallocates: size it from
+    /// 32 bytes, reserved up front so that `allocate` never reallocates: size it from
     /// capacity / smallest object, not `u32::MAX`). `allocate` returns `None` past it.
     pub fn new(capacity_bytes: u64, align_bytes: u64, max_allocations: u32) -> Result<Self, AllocError> {
         if !align_bytes.is_power_of_two() || align_bytes < 8 {
@@ -217,6 +238,9 @@ impl OffsetAllocator {
         let capacity = capacity_bytes & !(align_bytes - 1);
         if capacity == 0 {
             return Err(AllocError::ZeroCapacity { capacity_bytes, align_bytes });
+        }
+        if capacity >= MAX_CAPACITY {
+            return Err(AllocError::CapacityTooLarge(capacity_bytes));
         }
         if max_allocations == 0 {
             return Err(AllocError::ZeroMaxAllocations);
@@ -230,7 +254,7 @@ impl OffsetAllocator {
             align_log2: align_bytes.trailing_zeros(),
             max_allocations,
             node_limit: node_limit as usize,
-            owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
+            owner: NonZeroU32::new(NEXT_OWNER.fetch_add(1, Ordering::Relaxed)).unwrap_or(NonZeroU32::MIN),
             nodes,
             spare_head: NIL,
             fl_bitmap: 0,
@@ -242,7 +266,7 @@ impl OffsetAllocator {
         };
         // Node 0 is the block at offset 0 for the allocator's whole life: it has no physical
         // predecessor to be merged into, so it is never released.
-        this.nodes.push(Node { offset: 0, size: capacity, state: NodeState::Free, ..Node::SPARE });
+        this.nodes.push(Node::block(0, capacity, NodeState::Free));
         this.link_free(0);
         Ok(this)
     }
@@ -274,13 +298,9 @@ impl OffsetAllocator {
         if let Some(rest) = split {
             let next = self.nodes[b].next_phys;
             self.nodes[rest as usize] = Node {
-                offset: self.nodes[b].offset + len,
-                size: remainder,
                 prev_phys: block,
                 next_phys: next,
-                prev_free: NIL,
-                next_free: NIL,
-                state: NodeState::Free,
+                ..Node::block(self.nodes[b].offset() + len, remainder, NodeState::Free)
             };
             if next != NIL {
                 self.nodes[next as usize].prev_phys = rest;
@@ -289,10 +309,33 @@ impl OffsetAllocator {
             self.nodes[b].size = len;
             self.link_free(rest);
         }
-        self.nodes[b].state = NodeState::Used;
+        self.nodes[b].set_state(NodeState::Used);
         self.used_bytes += len;
         self.allocations += 1;
-        Some(Allocation { offset: self.nodes[b].offset, len, node: block, owner: self.owner })
+        Some(Allocation { node: block, owner: self.owner })
+    }
+
+    /// The live node behind `allocation`, if it is one of this allocator's.
+    fn used_node(&self, allocation: &Allocation) -> Option<&Node> {
+        let node = self.nodes.get(allocation.node as usize)?;
+        (allocation.owner == self.owner && node.state() == NodeState::Used).then_some(node)
+    }
+
+    /// Start of `allocation`, in bytes from the start of the slice; aligned to `align_bytes`.
+    /// An allocation of another allocator is a caller bug (it panics in debug builds; release
+    /// builds answer 0).
+    pub fn offset_of(&self, allocation: &Allocation) -> u64 {
+        let node = self.used_node(allocation);
+        debug_assert!(node.is_some(), "OffsetAllocator::offset_of: {allocation:?} is not live here");
+        node.map_or(0, Node::offset)
+    }
+
+    /// Bytes reserved for `allocation`: the requested size rounded up to `align_bytes` (0, and a
+    /// panic in debug builds, for an allocation of another allocator).
+    pub fn len_of(&self, allocation: &Allocation) -> u64 {
+        let node = self.used_node(allocation);
+        debug_assert!(node.is_some(), "OffsetAllocator::len_of: {allocation:?} is not live here");
+        node.map_or(0, |n| n.size)
     }
 
     /// Returns an allocation's bytes and merges them with free neighbours. O(1).
@@ -300,30 +343,25 @@ impl OffsetAllocator {
     /// An allocation from another allocator (or otherwise not live here) is a caller bug: it
     /// panics in debug builds and is ignored in release builds.
     pub fn free(&mut self, allocation: Allocation) {
-        let idx = allocation.node;
-        let belongs = allocation.owner == self.owner
-            && self.nodes.get(idx as usize).is_some_and(|n| {
-                n.state == NodeState::Used && n.offset == allocation.offset && n.size == allocation.len
-            });
-        debug_assert!(belongs, "OffsetAllocator::free: {allocation:?} does not belong to this allocator");
-        if !belongs {
+        let Some(len) = self.used_node(&allocation).map(|n| n.size) else {
+            debug_assert!(false, "OffsetAllocator::free: {allocation:?} does not belong to this allocator");
             return;
-        }
-        let mut node = idx;
-        self.nodes[node as usize].state = NodeState::Free;
-        self.used_bytes -= allocation.len;
+        };
+        let mut node = allocation.node;
+        self.nodes[node as usize].set_state(NodeState::Free);
+        self.used_bytes -= len;
         self.allocations -= 1;
 
         // Merge into a free predecessor: it keeps its node, ours goes back to the spare stack.
         let prev = self.nodes[node as usize].prev_phys;
-        if prev != NIL && self.nodes[prev as usize].state == NodeState::Free {
+        if prev != NIL && self.nodes[prev as usize].state() == NodeState::Free {
             self.unlink_free(prev);
             self.absorb_next(prev);
             node = prev;
         }
         // Absorb a free successor.
         let next = self.nodes[node as usize].next_phys;
-        if next != NIL && self.nodes[next as usize].state == NodeState::Free {
+        if next != NIL && self.nodes[next as usize].state() == NodeState::Free {
             self.unlink_free(next);
             self.absorb_next(node);
         }
@@ -418,13 +456,13 @@ impl OffsetAllocator {
             if node.prev_phys != prev {
                 return Err(format!("node {n}: prev_phys {} != {prev}", node.prev_phys));
             }
-            if node.offset != expect_offset {
-                return Err(format!("node {n}: offset {} != {expect_offset}", node.offset));
+            if node.offset() != expect_offset {
+                return Err(format!("node {n}: offset {} != {expect_offset}", node.offset()));
             }
-            if node.size == 0 || node.size % self.align != 0 || node.offset % self.align != 0 {
+            if node.size == 0 || node.size % self.align != 0 || node.offset() % self.align != 0 {
                 return Err(format!("node {n}: bad size/offset {node:?}"));
             }
-            match node.state {
+            match node.state() {
                 NodeState::Used => {
                     used += node.size;
                     used_count += 1;
@@ -439,7 +477,7 @@ impl OffsetAllocator {
                 }
                 NodeState::Spare => return Err(format!("spare node {n} in the physical chain")),
             }
-            expect_offset = node.offset.checked_add(node.size).ok_or_else(|| format!("node {n}: end overflows"))?;
+            expect_offset = node.offset().checked_add(node.size).ok_or_else(|| format!("node {n}: end overflows"))?;
             prev = n;
             n = node.next_phys;
         }
@@ -473,7 +511,7 @@ impl OffsetAllocator {
                         return Err("free lists hold more nodes than free blocks".into());
                     }
                     let node = self.nodes.get(n as usize).ok_or_else(|| format!("free link to missing node {n}"))?;
-                    if node.state != NodeState::Free || node.prev_free != prev {
+                    if node.state() != NodeState::Free || node.prev_free != prev {
                         return Err(format!("bin ({fl},{sl}): bad node {n}: {node:?}"));
                     }
                     if bin_floor(node.size >> self.align_log2) != (fl, sl) {
@@ -495,8 +533,8 @@ impl OffsetAllocator {
                 return Err("spare stack has a cycle".into());
             }
             let node = self.nodes.get(n as usize).ok_or_else(|| format!("spare link to missing node {n}"))?;
-            if node.state != NodeState::Spare {
-                return Err(format!("node {n} on the spare stack is {:?}", node.state));
+            if node.state() != NodeState::Spare {
+                return Err(format!("node {n} on the spare stack is {:?}", node.state()));
             }
             n = node.next_free;
         }
@@ -556,7 +594,7 @@ impl OffsetAllocator {
         let head = self.bin_heads[bin];
         {
             let node = &mut self.nodes[n as usize];
-            node.state = NodeState::Free;
+            node.set_state(NodeState::Free);
             node.prev_free = NIL;
             node.next_free = head;
         }
@@ -690,6 +728,10 @@ mod tests {
         }
     }
 
+    fn end(a: &OffsetAllocator, x: &Allocation) -> u64 {
+        a.offset_of(x) + a.len_of(x)
+    }
+
     fn alloc(a: &mut OffsetAllocator, size: u64) -> Allocation {
         a.allocate(size).expect("allocation should succeed")
     }
@@ -744,20 +786,36 @@ mod tests {
     }
 
     #[test]
+    fn per_allocation_bookkeeping_stays_small() {
+        // One node per allocation in the table, one handle in the caller's record.
+        assert_eq!(std::mem::size_of::<Node>(), 32);
+        assert_eq!(std::mem::size_of::<Option<Allocation>>(), 8);
+        assert_eq!(OffsetAllocator::new(MAX_CAPACITY, 64, 1).err(), Some(AllocError::CapacityTooLarge(MAX_CAPACITY)));
+        let mut a = OffsetAllocator::new(MAX_CAPACITY - 1, 64, 2).expect("new");
+        let x = alloc(&mut a, MAX_CAPACITY / 2);
+        let y = alloc(&mut a, 64);
+        assert_eq!((a.offset_of(&y), a.len_of(&y)), (MAX_CAPACITY / 2, 64));
+        check(&a);
+        a.free(x);
+        a.free(y);
+        assert_fully_coalesced(&a);
+    }
+
+    #[test]
     fn capacity_rounds_down_and_sizes_round_up() {
         let mut a = OffsetAllocator::new(10_000, 64, 64).expect("new");
         assert_eq!(a.capacity_bytes(), 9_984);
         assert_eq!(a.align_bytes(), 64);
         let x = alloc(&mut a, 1);
-        assert_eq!((x.offset(), x.len()), (0, 64));
+        assert_eq!((a.offset_of(&x), a.len_of(&x)), (0, 64));
         let y = alloc(&mut a, 64);
-        assert_eq!((y.offset(), y.len()), (64, 64));
+        assert_eq!((a.offset_of(&y), a.len_of(&y)), (64, 64));
         let z = alloc(&mut a, 65);
-        assert_eq!((z.offset(), z.len(), z.end()), (128, 128, 256));
+        assert_eq!((a.offset_of(&z), a.len_of(&z), end(&a, &z)), (128, 128, 256));
         assert_eq!(a.used_bytes(), 256);
         assert_eq!(a.free_bytes(), 9_984 - 256);
         for al in [&x, &y, &z] {
-            assert_eq!(al.offset() % 64, 0);
+            assert_eq!(a.offset_of(al) % 64, 0);
         }
         check(&a);
         a.free(y);
@@ -781,7 +839,7 @@ mod tests {
         assert!(a.allocate(u64::MAX - 62).is_none());
         // The whole capacity fits (bounded fallback beyond good fit).
         let all = alloc(&mut a, MIB);
-        assert_eq!((all.offset(), all.len()), (0, MIB));
+        assert_eq!((a.offset_of(&all), a.len_of(&all)), (0, MIB));
         assert!(a.allocate(1).is_none());
         let s = a.stats();
         assert_eq!((s.free_blocks, s.largest_free_bytes, s.free_bytes), (0, 0, 0));
@@ -797,7 +855,7 @@ mod tests {
         let big = alloc(&mut a, 300 * GIB);
         let small = alloc(&mut a, 4 * KIB);
         let rest = alloc(&mut a, cap - 300 * GIB - 4 * KIB);
-        assert_eq!(rest.end(), cap);
+        assert_eq!(end(&a, &rest), cap);
         check(&a);
         a.free(small);
         a.free(big);
@@ -876,7 +934,7 @@ mod tests {
         assert_eq!((s.free_blocks, s.largest_free_bytes), (1, 3 * KIB));
         check(&a);
         let big = alloc(&mut a, 3 * KIB);
-        assert_eq!(big.offset(), 0);
+        assert_eq!(a.offset_of(&big), 0);
         a.free(w);
         a.free(big);
         assert_fully_coalesced(&a);
@@ -893,7 +951,7 @@ mod tests {
         assert!(a.free_bytes() > 0);
         a.free(y);
         let y2 = alloc(&mut a, 64);
-        assert_eq!(y2.offset(), 64, "reuses the hole");
+        assert_eq!(a.offset_of(&y2), 64, "reuses the hole");
         assert_eq!(a.allocations(), 3);
         check(&a);
         for v in [x, y2, z] {
@@ -1001,12 +1059,12 @@ mod tests {
                             Some(x) => {
                                 prop_assert!(size > 0);
                                 prop_assert!(live.len() < max_allocations as usize);
-                                prop_assert_eq!(x.len(), len);
-                                prop_assert_eq!(x.offset() % align, 0);
-                                prop_assert!(x.end() <= cap);
+                                prop_assert_eq!(a.len_of(&x), len);
+                                prop_assert_eq!(a.offset_of(&x) % align, 0);
+                                prop_assert!(end(&a, &x) <= cap);
                                 for y in &live {
                                     prop_assert!(
-                                        x.end() <= y.offset() || y.end() <= x.offset(),
+                                        end(&a, &x) <= a.offset_of(y) || end(&a, y) <= a.offset_of(&x),
                                         "{:?} overlaps {:?}", x, y
                                     );
                                 }
@@ -1033,7 +1091,7 @@ mod tests {
                     }
                 }
                 let s = a.stats();
-                prop_assert_eq!(s.used_bytes, live.iter().map(Allocation::len).sum::<u64>());
+                prop_assert_eq!(s.used_bytes, live.iter().map(|x| a.len_of(x)).sum::<u64>());
                 prop_assert_eq!(s.used_bytes + s.free_bytes, cap);
                 prop_assert_eq!(s.allocations, live.len() as u64);
                 prop_assert!(s.largest_free_bytes <= s.free_bytes);
@@ -1126,7 +1184,7 @@ mod tests {
             }
         }
         let s = a.stats();
-        let used_sum: u64 = live.iter().map(Allocation::len).sum();
+        let used_sum: u64 = live.iter().map(|x| a.len_of(x)).sum();
         assert_eq!(s.used_bytes, used_sum);
         check(&a);
         println!(

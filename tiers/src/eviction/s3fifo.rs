@@ -25,11 +25,19 @@ const SMALL_SHARE_DIVISOR: u64 = 10;
 /// Ghost entries allowed even when few entries are tracked, so a cold cache still learns.
 const GHOST_MIN_ENTRIES: usize = 64;
 
+/// 16 bytes per tracked entry.
 #[derive(Clone, Copy, Debug, Default)]
 struct Meta {
     size: u64,
-    key_hash: u64,
+    /// The key hash folded to 32 bits: all the ghost keeps (a collision only makes a ghost hit
+    /// of a key never evicted, a placement hint, never a correctness matter).
+    ghost_key: u32,
     freq: u8,
+}
+
+/// A key hash folded to the 32 bits the ghost compares.
+fn ghost_key(key_hash: u64) -> u32 {
+    (key_hash ^ (key_hash >> 32)) as u32
 }
 
 /// FIFO of hashes of keys recently evicted from small, with lazy deletion.
@@ -41,25 +49,25 @@ struct Meta {
 #[derive(Debug, Default)]
 struct Ghost {
     fifo: VecDeque<GhostSlot>,
-    live: HashMap<u64, u64>,
+    live: HashMap<u32, u64>,
     bytes: u64,
     next_seq: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct GhostSlot {
-    hash: u64,
+    hash: u32,
     size: u64,
     seq: u64,
 }
 
 impl Ghost {
     /// Consumes a ghost hit: true if `hash` was evicted from small recently.
-    fn take(&mut self, hash: u64) -> bool {
+    fn take(&mut self, hash: u32) -> bool {
         self.live.remove(&hash).is_some()
     }
 
-    fn record(&mut self, hash: u64, size: u64, max_bytes: u64, max_entries: usize) {
+    fn record(&mut self, hash: u32, size: u64, max_bytes: u64, max_entries: usize) {
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
         self.live.insert(hash, seq);
@@ -174,7 +182,8 @@ impl Eviction for S3Fifo {
         debug_assert!(!self.contains(id), "insert of tracked id {id}");
         // Release builds treat a double insert as a replacement.
         self.untrack(id);
-        let q = if self.ghost.take(key_hash) { MAIN } else { SMALL };
+        let ghost_key = ghost_key(key_hash);
+        let q = if self.ghost.take(ghost_key) { MAIN } else { SMALL };
         if !self.queues.push_front(q, id) {
             return; // reserved id: never tracked
         }
@@ -183,7 +192,7 @@ impl Eviction for S3Fifo {
             self.meta.resize(idx + 1, Meta::default());
         }
         if let Some(m) = self.meta_mut(id) {
-            *m = Meta { size: size_bytes, key_hash, freq: 0 };
+            *m = Meta { size: size_bytes, ghost_key, freq: 0 };
         }
         if q == SMALL {
             self.small_bytes = self.small_bytes.saturating_add(size_bytes);
@@ -248,7 +257,7 @@ impl Eviction for S3Fifo {
                 if from_small {
                     let max_entries = self.len().max(GHOST_MIN_ENTRIES);
                     let max_bytes = self.ghost_max_bytes();
-                    self.ghost.record(meta.key_hash, meta.size, max_bytes, max_entries);
+                    self.ghost.record(meta.ghost_key, meta.size, max_bytes, max_entries);
                 }
                 victim = Some(id);
                 break;

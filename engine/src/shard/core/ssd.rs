@@ -202,8 +202,8 @@ impl SsdState {
             max_pending_tombstones: config.max_pending_tombstones,
             staging_bytes,
         };
-        debug_assert_eq!(tier_config.scratch_bytes(), scratch.len());
-        let Some(ptr) = slice.ptr_at(scratch.offset(), tier_config.scratch_bytes()) else {
+        debug_assert_eq!(tier_config.scratch_bytes(), allocator.len_of(&scratch));
+        let Some(ptr) = slice.ptr_at(allocator.offset_of(&scratch), tier_config.scratch_bytes()) else {
             allocator.free(scratch);
             return None;
         };
@@ -242,8 +242,8 @@ impl SsdState {
 
     /// Bytes the tier keeps allocated for itself (scratch blocks, staging, borrowed tombstones).
     #[cfg(test)]
-    pub(crate) fn reserved_bytes(&self) -> u64 {
-        self.scratch.len() + self.borrowed_bytes
+    pub(crate) fn reserved_bytes(&self, allocator: &OffsetAllocator) -> u64 {
+        allocator.len_of(&self.scratch) + self.borrowed_bytes
     }
 
     #[cfg(test)]
@@ -415,8 +415,9 @@ impl ShardCore {
     fn release_borrowed(&mut self, handle: usize) {
         let Some(ssd) = self.ssd.as_mut() else { return };
         let Some(allocation) = ssd.borrowed.try_remove(handle) else { return };
-        ssd.borrowed_bytes -= allocation.len();
-        self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+        let bytes = self.allocator.len_of(&allocation);
+        ssd.borrowed_bytes -= bytes;
+        self.counters.bytes_used.fetch_sub(bytes, RELAXED);
         self.allocator.free(allocation);
     }
 
@@ -614,7 +615,7 @@ impl ShardCore {
     pub(super) fn start_demotion(&mut self, id: u32) -> Demotion {
         match self.start_record_write(id, WritePurpose::Demotion) {
             Placement::At(_) => {
-                let bytes = self.objects[id as usize].dram.as_ref().map_or(0, Allocation::len);
+                let bytes = self.objects[id as usize].dram.as_ref().map_or(0, |a| self.allocator.len_of(a));
                 self.demoting_bytes += bytes;
                 self.counters.demotions.fetch_add(1, RELAXED);
                 Demotion::Started
@@ -708,9 +709,10 @@ impl ShardCore {
     fn start_record_write(&mut self, id: u32, purpose: WritePurpose) -> Placement {
         let object = &self.objects[id as usize];
         let Some(allocation) = object.dram.as_ref() else { return Placement::TooLarge };
-        let (key_len, len, seq, offset) = (object.key.len(), object.len, object.seq, allocation.offset());
+        let (key_len, len, seq, offset) =
+            (object.key.len(), object.len, object.seq, self.allocator.offset_of(allocation));
         // An image loaded from an older record keeps its layout: it is re-stamped, not re-sealed.
-        let current_layout = object.value_offset == record::value_offset(key_len, len);
+        let current_layout = u64::from(object.value_offset) == record::value_offset(key_len, len);
         let record_bytes = if current_layout {
             record::record_bytes(key_len, len)
         } else {
@@ -803,12 +805,13 @@ impl ShardCore {
         let (allocator, slice, counters) = (&mut self.allocator, &self.slice, &self.counters);
         let mut borrow = |bytes: u64| {
             let allocation = allocator.allocate(bytes)?;
-            let Some(ptr) = slice.ptr_at(allocation.offset(), bytes) else {
+            let Some(ptr) = slice.ptr_at(allocator.offset_of(&allocation), bytes) else {
                 allocator.free(allocation);
                 return None;
             };
-            *borrowed_bytes += allocation.len();
-            counters.bytes_used.fetch_add(allocation.len(), RELAXED);
+            let reserved = allocator.len_of(&allocation);
+            *borrowed_bytes += reserved;
+            counters.bytes_used.fetch_add(reserved, RELAXED);
             Some((ptr, borrowed.insert(allocation) as u64))
         };
         // SAFETY: each block lent is a fresh allocation of `bytes` inside the slice, held in
@@ -837,7 +840,7 @@ impl ShardCore {
         waiters: Vec<(usize, usize)>,
         progressive: bool,
     ) -> Option<usize> {
-        let Some(ptr) = self.slice.ptr_at(allocation.offset(), location.record_bytes) else {
+        let Some(ptr) = self.slice.ptr_at(self.allocator.offset_of(&allocation), location.record_bytes) else {
             self.allocator.free(allocation);
             return None;
         };
@@ -845,7 +848,7 @@ impl ShardCore {
             self.allocator.free(allocation);
             return None;
         };
-        self.counters.bytes_used.fetch_add(allocation.len(), RELAXED);
+        self.counters.bytes_used.fetch_add(self.allocator.len_of(&allocation), RELAXED);
         ssd.loading_bytes += location.record_bytes;
         let object = &self.objects[id as usize];
         let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.to_boxed() };
@@ -863,7 +866,9 @@ impl ShardCore {
             unsafe { ssd.tier.load(location, ptr, identity, token as u64) };
         }
         let object = &mut self.objects[id as usize];
-        object.loading = Some(token);
+        let loading = u32::try_from(token).ok().and_then(|t| std::num::NonZeroU32::new(t.wrapping_add(1)));
+        debug_assert!(loading.is_some(), "more loads in flight than ids");
+        object.loading = loading;
         object.io_refs += 1;
         self.counters.loads.fetch_add(1, RELAXED);
         Some(token)
@@ -874,7 +879,7 @@ impl ShardCore {
     /// restore budget.
     pub(super) fn load_for_read(&mut self, id: u32, pending: usize, slot: usize) -> bool {
         let early = self.pending_reads.get(pending).is_some_and(|p| p.early);
-        if let Some(token) = self.objects[id as usize].loading {
+        if let Some(token) = self.objects[id as usize].loading.map(|t| t.get() as usize - 1) {
             if let Some(CoreOp::Load { waiters, .. }) = self.ssd.as_mut().and_then(|s| s.ops.get_mut(token)) {
                 if early {
                     let grant = self.early_lease(id, token, pending);
@@ -937,7 +942,7 @@ impl ShardCore {
         let landing = Arc::clone(landing.get_or_insert_with(Default::default));
         let ptr = self
             .slice
-            .ptr_at(allocation.offset(), location.record_bytes)
+            .ptr_at(self.allocator.offset_of(allocation), location.record_bytes)
             .ok_or(Error::Internal("load buffer outside slice"))?;
         let lease = self.add_lease(id);
         if let Some(CoreOp::Load { early, .. }) = self.ssd.as_mut().and_then(|s| s.ops.get_mut(token)) {
@@ -1080,7 +1085,7 @@ impl ShardCore {
     }
 
     fn finish_record_write(&mut self, id: u32, location: SsdLocation, purpose: WritePurpose, result: Result<()>) {
-        let dram_bytes = self.objects[id as usize].dram.as_ref().map_or(0, Allocation::len);
+        let dram_bytes = self.objects[id as usize].dram.as_ref().map_or(0, |a| self.allocator.len_of(a));
         if purpose == WritePurpose::Demotion {
             self.demoting_bytes -= dram_bytes;
         }
@@ -1163,7 +1168,7 @@ impl ShardCore {
             let object = &mut self.objects[id as usize];
             object.transient = false;
             if let Some(allocation) = object.dram.take() {
-                self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+                self.counters.bytes_used.fetch_sub(self.allocator.len_of(&allocation), RELAXED);
                 self.counters.dram_objects.fetch_sub(1, RELAXED);
                 self.counters.evictions.fetch_add(1, RELAXED);
                 self.allocator.free(allocation);
@@ -1308,13 +1313,13 @@ impl ShardCore {
             let allocation = allocation.as_ref().ok_or(Error::Internal("load without a buffer"))?;
             let head = self
                 .slice
-                .ptr_at(allocation.offset(), HEADER_BYTES as u64)
+                .ptr_at(self.allocator.offset_of(allocation), HEADER_BYTES as u64)
                 .ok_or(Error::Internal("load buffer outside slice"))?;
             // SAFETY: the header block of the record buffer, filled and checked by the load that
             // just ended; nothing writes it now.
             let head = unsafe { std::slice::from_raw_parts(head.as_ptr(), HEADER_BYTES) };
             let header = record::decode_header(head).map_err(|e| Error::Corrupted(e.to_string()))?;
-            Ok(header.value_offset() as u64)
+            u32::try_from(header.value_offset()).map_err(|_| Error::Corrupted("record value offset past 4 GiB".into()))
         });
         match (checked, allocation) {
             (Ok(value_offset), Some(allocation)) => {
@@ -1332,7 +1337,7 @@ impl ShardCore {
                 }
                 // Early leases are ordinary leases of the object from now on.
                 if let Some(landing) = landing {
-                    landing.finish(Ok((value_offset, len)));
+                    landing.finish(Ok((u64::from(value_offset), len)));
                 }
                 for (pending, slot) in waiters {
                     let deadline = self.pending_reads.get(pending).and_then(|p| p.deadline);
@@ -1386,7 +1391,7 @@ impl ShardCore {
             .filter(|l| self.leases.get(l.slot as usize).is_some_and(|e| e.generation == l.generation))
             .collect();
         if held.is_empty() {
-            self.counters.bytes_used.fetch_sub(allocation.len(), RELAXED);
+            self.counters.bytes_used.fetch_sub(self.allocator.len_of(&allocation), RELAXED);
             self.allocator.free(allocation);
             return;
         }
@@ -1394,7 +1399,6 @@ impl ShardCore {
         let object = &self.objects[id as usize];
         let parked = Object {
             key: object.key.clone(),
-            key_hash: object.key_hash,
             generation,
             seq: object.seq,
             dram: Some(allocation),
@@ -1444,7 +1448,6 @@ impl ShardCore {
             let generation = self.bump_generation();
             let location = found.location;
             let id = self.objects.insert(Object {
-                key_hash: xxhash_rust::xxh3::xxh3_64(&key),
                 key: KeyBytes::new(&key),
                 generation,
                 seq: found.seq,

@@ -288,3 +288,11 @@ fn the_eviction_pass_spares_an_object_in_the_turn_that_acknowledged_it() {
     assert!(!shard.exists(b"new"));
     shard.check_invariants().expect("invariants");
 }
+
+/// What every object costs the shard beyond its key and value bytes (the index memory figure of
+/// `kvtide-bench index` is mostly this record, the published slot, the key table entry, the
+/// allocator node and the policy entry).
+#[test]
+fn an_object_record_stays_small() {
+    assert!(std::mem::size_of::<Object>() <= 112, "Object is {} bytes", std::mem::size_of::<Object>());
+}

@@ -145,8 +145,15 @@ fn hash(key: &[u8]) -> u64 {
 /// growth, and lookups of present and absent keys; every lease comes back.
 #[test]
 fn table_matches_a_model_through_growth_and_removal() {
+    // Growth into new tables (room for 1024 keys, 5000 used) and in place (room for all).
+    for max_keys in [1024, 8192] {
+        table_matches_a_model(max_keys);
+    }
+}
+
+fn table_matches_a_model(max_keys: u32) {
     let counters = Arc::new(ShardCounters::default());
-    let mut writer = IndexWriter::new(Arc::clone(&counters));
+    let mut writer = IndexWriter::new(Arc::clone(&counters), max_keys);
     let keys: Vec<super::KeyBytes> =
         (0..5000u32).map(|i| super::KeyBytes::new(format!("key-{i}").as_bytes())).collect();
     let values: Vec<u64> = (0..5000u64).collect();
@@ -188,7 +195,80 @@ fn table_matches_a_model_through_growth_and_removal() {
         }
     }
     assert_eq!(writer.len(), present.iter().filter(|&&p| p).count());
+    let replaced = writer.shared().old_tables.lock().map_or(0, |t| t.len());
+    assert_eq!(replaced == 0, max_keys == 8192, "grew in place only within the room reserved");
     assert_eq!(counters.published_leases_held.load(Ordering::Relaxed), 0);
     assert!(writer.shut(std::time::Duration::from_millis(10)));
     assert!(matches!(writer.shared().lease(&keys[0], hashes[0]), FastRead::Fallback), "a shut index leases nothing");
+}
+
+/// Readers looking up keys that stay present while the writer grows the table in place (and
+/// removes other keys, shifting entries back) see hits or fallbacks, never a miss or wrong bytes.
+#[test]
+fn readers_never_miss_a_present_key_while_the_table_grows_in_place() {
+    let counters = Arc::new(ShardCounters::default());
+    let mut writer = IndexWriter::new(Arc::clone(&counters), 1 << 16);
+    let n = 40_000u32;
+    let keys: Vec<super::KeyBytes> = (0..n).map(|i| super::KeyBytes::new(format!("grow-{i}").as_bytes())).collect();
+    let values: Vec<u64> = (0..u64::from(n)).collect();
+    let hashes: Vec<u64> = keys.iter().map(|k| hash(k)).collect();
+    let stable = 64u32;
+    let publish = |writer: &mut IndexWriter, i: u32| {
+        let value = std::ptr::NonNull::from(&values[i as usize]).cast::<u8>();
+        assert!(writer.open(i, 1, value, 8, &keys[i as usize]));
+        writer.insert(hashes[i as usize], i, |s| hashes[s as usize]);
+    };
+    for i in 0..stable {
+        publish(&mut writer, i);
+    }
+    let index = Arc::clone(writer.shared());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (hits, fallbacks) = std::thread::scope(|scope| {
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (index, keys, hashes, values, stop) = (&index, &keys, &hashes, &values, &stop);
+                scope.spawn(move || {
+                    let (mut hits, mut fallbacks) = (0u64, 0u64);
+                    while !stop.load(Ordering::Relaxed) {
+                        for i in 0..stable as usize {
+                            match index.lease(&keys[i], hashes[i]) {
+                                FastRead::Hit { lease, ptr, .. } => {
+                                    // SAFETY: the lease keeps values[i] (which outlives the index) in place.
+                                    assert_eq!(unsafe { ptr.cast::<u64>().as_ptr().read() }, values[i]);
+                                    index.release(lease);
+                                    hits += 1;
+                                }
+                                FastRead::Miss => panic!("key {i} is present throughout, yet missed"),
+                                FastRead::Fallback => fallbacks += 1,
+                            }
+                        }
+                    }
+                    (hits, fallbacks)
+                })
+            })
+            .collect();
+        for i in stable..n {
+            publish(&mut writer, i);
+            if i % 3 == 0 {
+                writer.close(i - 1);
+                assert!(writer.remove(hashes[i as usize - 1], i - 1, |s| hashes[s as usize]));
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        readers.into_iter().map(|r| r.join().expect("reader")).fold((0, 0), |(h, f), (a, b)| (h + a, f + b))
+    });
+    assert!(hits > 0, "{hits} hits, {fallbacks} fallbacks");
+    assert!(writer.shared().old_tables.lock().is_ok_and(|t| t.is_empty()), "grew in place");
+    assert!(writer.shared().table().view().capacity() >= 32_768);
+    assert_eq!(counters.published_leases_held.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_published_slot_is_32_bytes() {
+    assert_eq!(std::mem::size_of::<super::ObjectSlot>(), 32);
+    assert_eq!(
+        super::unpack_lengths(super::pack_lengths((1 << 43) - 1, 1 << 20).expect("fits")),
+        ((1 << 43) - 1, 1 << 20)
+    );
+    assert_eq!(super::pack_lengths(1 << 43, 1), None, "values of 8 TiB and more are read through the shard");
 }
