@@ -5,7 +5,8 @@
 //! floor any copy-based store pays per operation (`memcpy`: one hot source; `memcpy_working_set`:
 //! the sources rotate over as many bytes as the store's keys hold, as the gets' do). Batches:
 //! `batch_get_into` of 128 x 64 KiB against `memcpy_batch`, the same 128 copies from the same
-//! thread.
+//! thread, and of 1536 x 64 B (as many keys as the GPU benchmark's 4 KiB-page layout leases per
+//! call), where the per-key fixed cost of a batch shows.
 //!
 //! Run: `cargo bench -p kvtide-benches --bench object_api` (2 s, 10 samples per benchmark).
 
@@ -78,7 +79,8 @@ fn object_api(c: &mut Criterion) {
             })
         });
     }
-    batch(&store, &mut group);
+    batch(&store, &mut group, 128, 64 << 10);
+    batch(&store, &mut group, 1536, 64);
     group.finish();
     let stats = store.stats();
     eprintln!(
@@ -87,20 +89,24 @@ fn object_api(c: &mut Criterion) {
     );
 }
 
-/// 128 values of 64 KiB read in one call, against the same 128 copies done by hand.
-fn batch(store: &Engine, group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
-    const BATCH: usize = 128;
-    const SIZE: usize = 64 << 10;
-    let keys: Vec<Vec<u8>> = (0..BATCH).map(|i| format!("bench/batch/{i:05}").into_bytes()).collect();
-    let value = vec![0xA5u8; SIZE];
+/// `count` values of `size` bytes read in one call, against the same copies done by hand.
+fn batch(
+    store: &Engine,
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    count: usize,
+    size: usize,
+) {
+    let name = format!("{count}x{size}");
+    let keys: Vec<Vec<u8>> = (0..count).map(|i| format!("bench/batch/{size}/{i:05}").into_bytes()).collect();
+    let value = vec![0xA5u8; size];
     for key in &keys {
         store.put(key, &value, PutOptions::UPSERT).expect("prefill put");
     }
     let sources: Vec<Vec<u8>> = keys.iter().map(|_| value.clone()).collect();
-    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; SIZE]).collect();
+    let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; size]).collect();
     let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    group.throughput(Throughput::Bytes((BATCH * SIZE) as u64));
-    group.bench_function(BenchmarkId::new("memcpy_batch", "128x65536"), |b| {
+    group.throughput(Throughput::Bytes((count * size) as u64));
+    group.bench_function(BenchmarkId::new("memcpy_batch", &name), |b| {
         b.iter(|| {
             for (dst, src) in out.iter_mut().zip(&sources) {
                 dst.copy_from_slice(black_box(src));
@@ -108,11 +114,11 @@ fn batch(store: &Engine, group: &mut criterion::BenchmarkGroup<'_, criterion::me
             black_box(&mut out);
         })
     });
-    group.bench_function(BenchmarkId::new("batch_get_into", "128x65536"), |b| {
+    group.bench_function(BenchmarkId::new("batch_get_into", &name), |b| {
         b.iter(|| {
             let dsts: Vec<Vec<Region<'_>>> = out.iter_mut().map(|o| vec![Region::host(o)]).collect();
             let results = store.batch_get_into_multi_buffers(black_box(&key_refs), &dsts);
-            assert!(results.iter().all(|r| *r == Ok(SIZE)), "batch hit");
+            assert!(results.iter().all(|r| *r == Ok(size)), "batch hit");
         })
     });
 }

@@ -38,9 +38,6 @@ pub use progressive::{Following, PutStream};
 pub use restore::{LeasePart, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservations};
 
-/// Seed for routing keys to shards; differs from the index hash so a shard's keys do not all
-/// share low hash bits in its own table.
-const ROUTING_SEED: u64 = 0x6b76_7469_6465_0001;
 /// Grace between an explicit lease's TTL (when the guard stops handing out bytes) and the moment
 /// the shard reclaims it.
 const LEASE_EXPIRY_GRACE: Duration = Duration::from_secs(1);
@@ -107,7 +104,7 @@ impl Engine {
 
     /// The shard `key` lives on.
     pub fn shard_of(&self, key: &[u8]) -> usize {
-        (xxhash_rust::xxh3::xxh3_64_with_seed(key, ROUTING_SEED) % self.shards.len() as u64) as usize
+        (crate::shard::key_hash(key) % self.shards.len() as u64) as usize
     }
 
     /// Heap bytes the shards' published indexes hold (key tables and object slots; the objects'

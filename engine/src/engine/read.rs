@@ -337,7 +337,7 @@ impl Engine {
         }
         // Arena order: a staging transport's fills then hold neighbours and its copies merge.
         for route in &mut planned {
-            route.sort_by_key(|p| p.transfer.host);
+            route.sort_unstable_by_key(|p| p.transfer.host);
         }
         let clock = timing.is_some();
         let planned_at = clock.then(Instant::now);

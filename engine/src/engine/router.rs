@@ -6,6 +6,7 @@
 //! beyond matching it to its item, and never lets a lease or reservation outlive its guard.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,10 +33,46 @@ struct FanoutPart<R> {
     reply: Result<Receiver<Vec<R>>>,
 }
 
+/// Per-item results by caller index. Hashed by the index itself: a call's indices are distinct
+/// small integers, so SipHash's resistance to chosen keys buys nothing here, and it cost a
+/// large share of a batch lease's time.
+pub(crate) type ByIndex<V> = HashMap<usize, V, BuildHasherDefault<IndexHasher>>;
+
+/// An empty `ByIndex` with room for `n` items.
+pub(crate) fn by_index<V>(n: usize) -> ByIndex<V> {
+    HashMap::with_capacity_and_hasher(n, BuildHasherDefault::default())
+}
+
+/// The hasher of `ByIndex`: one multiply (Fibonacci hashing) of the index.
+#[derive(Default)]
+pub(crate) struct IndexHasher(u64);
+
+impl Hasher for IndexHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `usize` keys are hashed here; other input still hashes, just more slowly.
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_usize(&mut self, i: usize) {
+        self.0 = (self.0 ^ i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 /// One shard's bucket: the caller indices and the items with their keys.
 type Bucket<P> = (Vec<usize>, Vec<(Box<[u8]>, P)>);
 
 impl<R> Fanout<R> {
+    /// Items sent.
+    pub(crate) fn items(&self) -> usize {
+        self.parts.iter().map(|p| p.indices.len()).sum()
+    }
+
     /// True when every shard has answered (or can no longer): `gather` would not block.
     pub(crate) fn answered(&self) -> bool {
         self.parts.iter().all(|p| p.reply.as_ref().map_or(true, |rx| !rx.is_empty()))
@@ -168,8 +205,9 @@ impl Engine {
     ) -> PendingLeases<'_> {
         // DRAM-resident objects are leased through the shards' published indexes; the rest
         // (on SSD, loading, being written, or a lookup that raced with the shard) by message.
-        let mut fast = Vec::new();
-        let mut answered = HashMap::new();
+        let keys = keys.into_iter();
+        let mut fast = Vec::with_capacity(keys.size_hint().0);
+        let mut answered = by_index(keys.size_hint().0);
         let by_message = keys.into_iter().filter(|&(index, key)| match self.lease_published(key) {
             Some(Ok((grant, lease))) => {
                 fast.push(lease.into_raw());
@@ -197,8 +235,9 @@ impl Engine {
         if self.shutting_down.load(Ordering::Relaxed) {
             return None;
         }
-        let shard = self.shard_of(key);
-        match self.shards[shard].published.lease(key, xxhash_rust::xxh3::xxh3_64(key)) {
+        let hash = crate::shard::key_hash(key);
+        let shard = (hash % self.shards.len() as u64) as usize;
+        match self.shards[shard].published.lease(key, crate::shard::index_hash(hash)) {
             FastRead::Hit { lease, ptr, len } => Some(Ok((
                 ReadGrant { lease: LeaseId::PUBLISHED, ptr, len, landing: None },
                 PublishedLease { engine: self, shard, lease },
@@ -212,7 +251,7 @@ impl Engine {
     pub(super) fn lease_many<'k>(
         &self,
         keys: impl IntoIterator<Item = (usize, &'k [u8])>,
-    ) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'_>) {
+    ) -> (ByIndex<Result<ReadGrant>>, LeaseSet<'_>) {
         self.send_leases(keys).wait()
     }
 
@@ -223,11 +262,11 @@ impl Engine {
         items: impl IntoIterator<Item = (usize, &'k [u8], u64)>,
         upsert: bool,
         while_waiting: impl FnOnce(),
-    ) -> (HashMap<usize, Result<WriteGrant>>, Reservations<'_>) {
+    ) -> (ByIndex<Result<WriteGrant>>, Reservations<'_>) {
         let fanout = self.fan_out(items, |items, reply| Request::Reserve { items, upsert, reply });
         while_waiting();
         let mut reservations = Reservations { engine: self, by_shard: vec![Vec::new(); self.shards.len()] };
-        let mut out = HashMap::new();
+        let mut out = by_index(fanout.items());
         fanout.gather(self, |index, shard, grant| {
             let grant = grant.and_then(|g| g);
             if let Ok(g) = &grant {
@@ -330,7 +369,7 @@ pub(crate) struct PendingLeases<'e> {
     fanout: Fanout<Result<ReadGrant>>,
     /// Published leases taken already, and the results they gave.
     fast: Vec<(usize, FastLease)>,
-    answered: HashMap<usize, Result<ReadGrant>>,
+    answered: ByIndex<Result<ReadGrant>>,
 }
 
 impl Drop for PendingLeases<'_> {
@@ -349,7 +388,7 @@ impl<'e> PendingLeases<'e> {
     }
 
     /// Waits for every shard's grants. The returned set releases them when dropped.
-    pub(crate) fn wait(mut self) -> (HashMap<usize, Result<ReadGrant>>, LeaseSet<'e>) {
+    pub(crate) fn wait(mut self) -> (ByIndex<Result<ReadGrant>>, LeaseSet<'e>) {
         let fanout = std::mem::replace(&mut self.fanout, Fanout { parts: Vec::new() });
         let by_shard = if fanout.parts.is_empty() { Vec::new() } else { vec![Vec::new(); self.engine.shards.len()] };
         let mut leases = LeaseSet { engine: self.engine, by_shard, fast: std::mem::take(&mut self.fast) };
@@ -385,9 +424,9 @@ impl Reservations<'_> {
     }
 
     /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
-    pub(crate) fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> HashMap<usize, Result<()>> {
+    pub(crate) fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> ByIndex<Result<()>> {
         let (upsert, pin) = (opts.upsert, opts.pin);
-        let mut out = HashMap::new();
+        let mut out = by_index(self.by_shard.iter().map(Vec::len).sum());
         let mut pending = Vec::new();
         for shard in 0..self.by_shard.len() {
             let (commit, abort): (Vec<_>, Vec<_>) = self.by_shard[shard].drain(..).partition(|(index, _)| keep(*index));

@@ -141,10 +141,10 @@ struct Object {
 }
 
 impl Object {
-    /// The key's xxh3-64 hash, computed when needed rather than kept: 8 bytes per object
-    /// against one hash of the key per index change (probe shifts and growth rehash).
+    /// The key's index hash, computed when needed rather than kept: 8 bytes per object against
+    /// one hash of the key per index change (probe shifts and growth rehash).
     fn key_hash(&self) -> u64 {
-        xxhash_rust::xxh3::xxh3_64(&self.key)
+        super::index_hash(super::key_hash(&self.key))
     }
 
     /// A record of this version is (or may soon be, or may still be) readable on SSD, so
@@ -1096,7 +1096,9 @@ impl ShardCore {
     /// The object slot `key` is indexed at.
     fn find(&self, key: &[u8]) -> Option<u32> {
         let objects = &self.objects;
-        self.index.find(xxhash_rust::xxh3::xxh3_64(key), |id| objects.get(id as usize).is_some_and(|o| *o.key == *key))
+        self.index.find(super::index_hash(super::key_hash(key)), |id| {
+            objects.get(id as usize).is_some_and(|o| *o.key == *key)
+        })
     }
 
     fn index_insert(&mut self, id: u32) {

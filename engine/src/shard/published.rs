@@ -397,7 +397,8 @@ impl PublishedIndex {
 
     // ---- readers ------------------------------------------------------------------------------
 
-    /// Looks `key` (whose `hash` is xxh3-64) up and leases its object if it is open.
+    /// Looks `key` (whose `hash` is `shard::index_hash` of its key hash) up and leases its
+    /// object if it is open.
     pub(crate) fn lease(&self, key: &[u8], hash: u64) -> FastRead {
         if !self.alive.load(Ordering::Acquire) {
             return FastRead::Fallback;
