@@ -265,7 +265,7 @@ impl Table {
     fn new(capacity: usize, room: usize) -> Table {
         let capacity = capacity.next_power_of_two().max(MIN_TABLE);
         let room = room.next_power_of_two().max(capacity);
-        Table { entries: ZeroedSlice::new(room), mask: AtomicUsize::new(capacity - 1) }
+        Table { entries: ZeroedSlice::reserved(room), mask: AtomicUsize::new(capacity - 1) }
     }
 
     fn view(&self) -> View<'_> {
@@ -717,23 +717,35 @@ impl Drop for PublishedIndex {
 }
 
 /// A heap array of a type whose all-zero bytes are a valid value (atomics), allocated zeroed so
-/// the pages it never touches cost no memory: large ones are anonymous mappings of their own
-/// (an allocator's zeroed block may be recycled memory it clears, touching every page).
+/// the pages it never touches cost no memory (`mapped`: an anonymous mapping of its own, for
+/// reservations mostly never touched; an allocator's zeroed block may be recycled memory it
+/// clears, touching every page).
 struct ZeroedSlice<T> {
     ptr: NonNull<T>,
     len: usize,
+    mapped: bool,
 }
 
-/// Arrays of at least this many bytes are mapped rather than allocated.
+/// Reservations of at least this many bytes are mapped rather than allocated.
 const MAPPED_BYTES: usize = 256 << 10;
 
 impl<T> ZeroedSlice<T> {
     fn new(len: usize) -> ZeroedSlice<T> {
+        Self::allocate(len, false)
+    }
+
+    /// A reservation: mapped when large (see the type's comment).
+    fn reserved(len: usize) -> ZeroedSlice<T> {
+        Self::allocate(len, true)
+    }
+
+    fn allocate(len: usize, reservation: bool) -> ZeroedSlice<T> {
         let Ok(layout) = Layout::array::<T>(len) else { panic!("zeroed slice of {len} elements overflows") };
         if layout.size() == 0 {
-            return ZeroedSlice { ptr: NonNull::dangling(), len };
+            return ZeroedSlice { ptr: NonNull::dangling(), len, mapped: false };
         }
-        let raw = if layout.size() >= MAPPED_BYTES && layout.align() <= 4096 {
+        let mapped = reservation && layout.size() >= MAPPED_BYTES && layout.align() <= 4096;
+        let raw = if mapped {
             // SAFETY: a fresh private anonymous mapping: no file, no address hint; the result is
             // checked below. Its pages read as zero until written.
             let raw = unsafe {
@@ -755,7 +767,7 @@ impl<T> ZeroedSlice<T> {
             unsafe { std::alloc::alloc_zeroed(layout) }
         };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
-        ZeroedSlice { ptr, len }
+        ZeroedSlice { ptr, len, mapped }
     }
 
     fn into_raw(self) -> *mut T {
@@ -765,10 +777,11 @@ impl<T> ZeroedSlice<T> {
     }
 
     /// # Safety
-    /// `ptr` must come from `into_raw` of a slice of `len` elements, and be used once.
+    /// `ptr` must come from `into_raw` of a slice of `len` elements made by `new`, and be used
+    /// once.
     unsafe fn from_raw(ptr: *mut T, len: usize) -> ZeroedSlice<T> {
         // SAFETY: the caller passes a pointer from into_raw, which is never null.
-        ZeroedSlice { ptr: unsafe { NonNull::new_unchecked(ptr) }, len }
+        ZeroedSlice { ptr: unsafe { NonNull::new_unchecked(ptr) }, len, mapped: false }
     }
 }
 
@@ -784,9 +797,8 @@ impl<T> std::ops::Deref for ZeroedSlice<T> {
 impl<T> Drop for ZeroedSlice<T> {
     fn drop(&mut self) {
         let Ok(layout) = Layout::array::<T>(self.len) else { return };
-        if layout.size() >= MAPPED_BYTES && layout.align() <= 4096 {
-            // SAFETY: mapped in `new` with this size (the same rule chose the mapping), unmapped
-            // once; atomics need no drop.
+        if self.mapped {
+            // SAFETY: mapped in `allocate` with this size, unmapped once; atomics need no drop.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), layout.size()) };
         } else if layout.size() != 0 {
             // SAFETY: allocated in `new` with this layout; atomics need no drop.
