@@ -535,7 +535,17 @@ impl PyStore {
     /// credits, chunk handles, stream-bound reads), as a dict.
     fn held_resources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let b = self.backend()?;
-        let held = py.detach(move || with_store!(b, |s| s.stats())).held_resources();
+        let held = py
+            .detach(move || {
+                // Leases given back through the shards are one-way messages: read the gauges
+                // once the shards handled what this store sent them (a remote owner does the
+                // same before it answers).
+                if let Backend::Embedded(e) = &*b {
+                    let _ = e.sync_shards();
+                }
+                with_store!(b, |s| s.stats())
+            })
+            .held_resources();
         // Every gauge of `HeldResources`, by its field name.
         let json = serde_json::to_string(&held).map_err(|e| invalid(format!("held resources: {e}")))?;
         py.import("json")?.call_method1("loads", (json,))

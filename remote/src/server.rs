@@ -1188,7 +1188,13 @@ impl Connection<'_> {
             Request::PutWindow => self.open_window(rid)?,
             Request::Pin { key } => self.reply(rid, engine.pin(key).map_err(Error::from)),
             Request::Unpin { key } => self.reply(rid, engine.unpin(key).map_err(Error::from)),
-            Request::Stats => match toml::to_string(&engine.stats()) {
+            Request::Stats => match toml::to_string(&{
+                // Releases are one-way messages: once the shards handled what was sent before
+                // this request, the gauges count every call answered before it. A shard that
+                // is gone has nothing left to handle.
+                let _ = engine.sync_shards();
+                engine.stats()
+            }) {
                 Ok(text) => self.io.push_frame(Op::StatsReply, rid, text.as_bytes()),
                 Err(e) => self.push_error(Op::Error, rid, WHOLE_REQUEST, &Error::Remote(format!("stats: {e}"))),
             },
