@@ -629,9 +629,11 @@ impl ShardCore {
         self.counters.writes_in_flight.fetch_sub(1, RELAXED);
         let id = object.id;
         let key = self.objects[id as usize].key.clone();
+        // Hashed once: the lookup, the index entry and the policy's entry share it.
+        let hash = self.objects[id as usize].key_hash();
         let mut inherited_pins = 0;
         let mut indexed = false;
-        if let Some(old) = self.find(&key) {
+        if let Some(old) = self.find_hashed(&key, hash) {
             if !upsert {
                 self.drop_reservation(id);
                 return Err(Error::AlreadyExists);
@@ -649,7 +651,7 @@ impl ShardCore {
             inherited_pins = previous.pins;
             // The new entry goes in before the old one leaves, so a published lookup meanwhile
             // finds one of them (both closed: it asks the shard) and never misses the key.
-            self.index_insert(id);
+            self.index_insert(id, hash);
             indexed = true;
             self.unlink(old);
             if supersedes_ssd {
@@ -662,9 +664,9 @@ impl ShardCore {
         entry.pins = inherited_pins.saturating_add(u32::from(pin));
         entry.seq = seq;
         entry.committed_turn = self.turn as u32;
-        let (hash, len) = (entry.key_hash(), entry.len);
+        let len = entry.len;
         if !indexed {
-            self.index_insert(id);
+            self.index_insert(id, hash);
         }
         if inherited_pins == 0 && !pin {
             self.policy.insert(id as EntryId, hash, len.max(1));
@@ -1095,15 +1097,18 @@ impl ShardCore {
 
     /// The object slot `key` is indexed at.
     fn find(&self, key: &[u8]) -> Option<u32> {
-        let objects = &self.objects;
-        self.index.find(super::index_hash(super::key_hash(key)), |id| {
-            objects.get(id as usize).is_some_and(|o| *o.key == *key)
-        })
+        self.find_hashed(key, super::index_hash(super::key_hash(key)))
     }
 
-    fn index_insert(&mut self, id: u32) {
+    /// `find` with the key's index hash at hand.
+    fn find_hashed(&self, key: &[u8], hash: u64) -> Option<u32> {
         let objects = &self.objects;
-        let hash = objects[id as usize].key_hash();
+        self.index.find(hash, |id| objects.get(id as usize).is_some_and(|o| *o.key == *key))
+    }
+
+    /// Indexes object `id`, whose key's index hash is `hash`.
+    fn index_insert(&mut self, id: u32, hash: u64) {
+        let objects = &self.objects;
         self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
     }
 

@@ -1464,7 +1464,8 @@ impl ShardCore {
                 shadowed: false,
                 state: ObjectState::Live,
             }) as u32;
-            self.index_insert(id);
+            let hash = self.objects[id as usize].key_hash();
+            self.index_insert(id, hash);
             if let Some(ssd) = self.ssd.as_mut() {
                 // The tier counted its bytes live already.
                 ssd.tier.add_resident(location.segment, owner_token(id, generation));
