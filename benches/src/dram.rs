@@ -118,13 +118,15 @@ impl Target for Kvtide {
     fn notes(&self) -> String {
         let s = self.store.stats();
         format!(
-            "engine: {} objects, {} used of {}, {} evictions, {} no_space, {} requests, {} parks, arena {}",
+            "engine: {} objects, {} used of {}, {} evictions, {} no_space, {} requests ({} served by callers), {} parks, \
+             arena {}",
             s.total.objects,
             fmt_bytes(s.total.bytes_used),
             fmt_bytes(s.total.capacity_bytes),
             s.total.evictions,
             s.total.no_space,
             s.total.requests,
+            s.total.served_by_callers,
             s.total.parks,
             s.arena_backing
         )

@@ -30,6 +30,8 @@ pub struct ShardCounters {
     pub leases_expired: AtomicU64,
     pub stale_releases: AtomicU64,
     pub requests: AtomicU64,
+    /// Requests a caller handled itself while the shard was idle (`lend`).
+    pub served_by_callers: AtomicU64,
     pub wakeups: AtomicU64,
     pub parks: AtomicU64,
     pub dram_objects: AtomicU64,
@@ -95,6 +97,8 @@ pub struct ShardStats {
     pub leases_expired: u64,
     pub stale_releases: u64,
     pub requests: u64,
+    /// Of `requests`, those a caller handled itself on its own thread while the shard was idle.
+    pub served_by_callers: u64,
     pub wakeups: u64,
     pub parks: u64,
     pub dram_objects: u64,
@@ -162,6 +166,7 @@ impl ShardCounters {
             leases_expired: r(&self.leases_expired),
             stale_releases: r(&self.stale_releases),
             requests: r(&self.requests),
+            served_by_callers: r(&self.served_by_callers),
             wakeups: r(&self.wakeups),
             parks: r(&self.parks),
             dram_objects: r(&self.dram_objects),
@@ -283,6 +288,7 @@ impl Stats {
             t.leases_expired += s.leases_expired;
             t.stale_releases += s.stale_releases;
             t.requests += s.requests;
+            t.served_by_callers += s.served_by_callers;
             t.wakeups += s.wakeups;
             t.parks += s.parks;
             t.dram_objects += s.dram_objects;

@@ -33,10 +33,12 @@ fn a_dram_only_store_parks_with_poll_and_serves() {
     assert!(parks_before > 0, "idle shards park");
     for round in 0..3 {
         std::thread::sleep(Duration::from_millis(50));
-        // Reads of DRAM-resident objects need no shard; puts do (and wake it).
+        // Reads of DRAM-resident objects need no shard, and puts to a parked shard run on this
+        // thread (`lend`); a message wakes it.
         for key in &keys {
             store.put(key, &value_for(key, 1, 20_000), PutOptions::UPSERT).expect("upsert");
         }
+        store.sync_shards().expect("a barrier wakes the parked shards");
         let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
         let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 20_000]).collect();
         let dsts: Vec<Vec<Region<'_>>> = out.iter_mut().map(|b| vec![Region::host(b)]).collect();

@@ -119,7 +119,13 @@ impl Engine {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(Error::ShuttingDown);
         }
-        self.shards[shard].inbox.send(request).map_err(|_| Error::ShuttingDown)
+        let shard = &self.shards[shard];
+        // An idle shard lends its core: a write request is then handled on this thread.
+        let request = match crate::shard::serve_on_caller(&shard.core, &shard.inbox, request) {
+            Ok(()) => return Ok(()),
+            Err(request) => request,
+        };
+        shard.inbox.send(request).map_err(|_| Error::ShuttingDown)
     }
 
     pub(super) fn send_with_reply<T>(

@@ -831,6 +831,13 @@ impl ShardCore {
         }
     }
 
+    /// True when, after a request a caller handled on the lent core, the shard's loop has work
+    /// of its own: SSD housekeeping (queued I/O, tombstones, syncs), waiters, eviction towards
+    /// the low watermark, objects draining.
+    pub fn wants_turn(&self) -> bool {
+        self.ssd.is_some() || !self.waiters.is_empty() || self.above_high_watermark() || self.has_draining()
+    }
+
     /// Objects waiting for published readers to leave: the shard should look again soon.
     pub fn has_draining(&self) -> bool {
         !self.draining.is_empty()

@@ -1,5 +1,6 @@
 //! A shard's inbox: a lock-free MPSC queue plus an eventfd that wakes the shard only when it
-//! parked. Owns the close protocol, so no request can slip in after the shard's final drain.
+//! parked. Owns the close protocol, so no request can slip in after the shard's final drain,
+//! and the poke a caller that served itself (`lend`) leaves for the shard's housekeeping.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering::SeqCst};
@@ -12,6 +13,9 @@ pub(crate) struct Inbox {
     queue: SegQueue<Request>,
     /// Set by the shard just before it blocks; a sender that clears it owes a wake-up.
     parked: AtomicBool,
+    /// Set by a caller that handled a request on the shard's core itself and left work for the
+    /// shard's loop (I/O to submit, eviction, draining): the shard must not park before a turn.
+    poked: AtomicBool,
     closed: AtomicBool,
     /// Senders between their `closed` check and their push; the shard waits for zero before its
     /// final drain.
@@ -31,6 +35,7 @@ impl Inbox {
         Ok(Inbox {
             queue: SegQueue::new(),
             parked: AtomicBool::new(false),
+            poked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             senders_active: AtomicUsize::new(0),
             eventfd,
@@ -57,11 +62,31 @@ impl Inbox {
         self.queue.pop()
     }
 
+    /// True when nothing is queued and the inbox is open: everything sent before (from this
+    /// thread) has been handled, so a request may be handled now without overtaking one.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.queue.is_empty() && !self.closed.load(SeqCst)
+    }
+
+    /// Asks the shard for a turn without a request, waking it if it parked.
+    pub(crate) fn poke(&self) {
+        self.poked.store(true, SeqCst);
+        fence(SeqCst);
+        if self.parked.swap(false, SeqCst) {
+            self.wake();
+        }
+    }
+
+    /// Shard side: takes a pending poke (true: a turn was asked for).
+    pub(crate) fn take_poke(&self) -> bool {
+        self.poked.swap(false, SeqCst)
+    }
+
     /// Shard side: announce parking. Returns false (and un-parks) when work arrived meanwhile.
     pub(crate) fn prepare_park(&self) -> bool {
         self.parked.store(true, SeqCst);
         fence(SeqCst);
-        if !self.queue.is_empty() || self.closed.load(SeqCst) {
+        if !self.queue.is_empty() || self.closed.load(SeqCst) || self.poked.load(SeqCst) {
             self.parked.store(false, SeqCst);
             return false;
         }

@@ -1,10 +1,12 @@
 //! Shards: one pinned thread per core, each owning an io_uring ring, an arena slice and its part
 //! of the index. This module owns the messages callers send and the inbox they go through; it
-//! never lets a caller touch a shard's state except by a message.
+//! never lets a caller touch a shard's state except by a message, which a caller handles itself
+//! (on the shard's core, under its lock) only when the shard is idle (`lend`).
 
 pub mod core;
 pub(crate) mod inbox;
 pub mod landing;
+mod lend;
 pub(crate) mod published;
 mod ring;
 mod runtime;
@@ -19,6 +21,7 @@ pub use self::core::{
     LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant, DEFAULT_MAX_PENDING_TOMBSTONES,
 };
 pub(crate) use inbox::Inbox;
+pub(crate) use lend::serve_on_caller;
 pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
 
 /// Seed of a key's hash (`key_hash`), which routes it to a shard.

@@ -1,6 +1,8 @@
 //! The shard loop: one pinned thread that drains its inbox, advances its tasks, evicts towards
 //! the low watermark, reaps io_uring completions and fires timers, then spins briefly and parks
 //! in `submit_and_wait` with an eventfd read outstanding. It never blocks while it has work.
+//! It holds its core through each turn and lets go of it while it yields or parks, when
+//! callers may run write requests on it themselves (`lend`).
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -12,6 +14,7 @@ use kvtide_tiers::ssd::{DiskCompletion, DiskIo, DiskOp, ShardFiles, SimDisk};
 
 use super::core::{RecoveryReport, ShardCore};
 use super::inbox::Inbox;
+use super::lend::{CoreCell, LoopCore};
 use super::published::PublishedIndex;
 use super::ring::{Completion, Ring};
 use super::task::TaskPoll;
@@ -56,12 +59,14 @@ pub(crate) enum DiskBackend {
     Simulated(Box<SimDisk>),
 }
 
-/// The engine's handle on a running shard.
 /// How often a parked shard looks at objects waiting for published readers to leave.
 const DRAIN_POLL: Duration = Duration::from_millis(1);
 
+/// The engine's handle on a running shard.
 pub(crate) struct ShardThread {
     pub(crate) inbox: Arc<Inbox>,
+    /// The shard's core, for callers it lends it to between its turns.
+    pub(crate) core: CoreCell,
     /// The shard's index as readers on any thread see it.
     pub(crate) published: Arc<PublishedIndex>,
     pub(crate) counters: Arc<ShardCounters>,
@@ -72,7 +77,7 @@ struct ShardLoop {
     index: usize,
     // Dropped first: the ring unregisters the fixed buffers before the slice (in `core`) can go.
     ring: Ring,
-    core: ShardCore,
+    core: LoopCore,
     inbox: Arc<Inbox>,
     tasks: Vec<Box<dyn ShardTask>>,
     config: RuntimeConfig,
@@ -100,6 +105,8 @@ pub(crate) fn spawn_shard(
     let inbox = Arc::new(Inbox::new().map_err(shard_error)?);
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<RecoveryReport, OpenError>>(1);
     let thread_inbox = Arc::clone(&inbox);
+    let cell = super::lend::new_cell();
+    let thread_cell = Arc::clone(&cell);
     let join = std::thread::Builder::new()
         .name(format!("kvtide-shard-{index}"))
         .spawn(move || {
@@ -108,7 +115,7 @@ pub(crate) fn spawn_shard(
             }
             // The core is built here: it holds callbacks and raw buffers that never leave this thread.
             let mut core = match make_core() {
-                Ok(core) => core,
+                Ok(core) => LoopCore::hold(&thread_cell, core),
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                     return;
@@ -190,7 +197,11 @@ pub(crate) fn spawn_shard(
             shard.run();
         })
         .map_err(shard_error)?;
-    Ok(StartingShard { index, thread: ShardThread { inbox, published, counters, join: Some(join) }, ready: ready_rx })
+    Ok(StartingShard {
+        index,
+        thread: ShardThread { inbox, core: cell, published, counters, join: Some(join) },
+        ready: ready_rx,
+    })
 }
 
 /// The shard's ring: io_uring, or for a DRAM-only shard where io_uring is off or refused, a
@@ -300,7 +311,8 @@ impl ShardLoop {
         let mut flush_deadline: Option<Instant> = None;
         loop {
             self.core.next_turn();
-            let mut worked = self.drain_inbox();
+            let mut worked = self.inbox.take_poke();
+            worked |= self.drain_inbox();
             worked |= self.advance_tasks();
             if self.core.above_high_watermark() {
                 worked |= self.core.evict_to_low_watermark(EVICTIONS_PER_TURN) > 0;
@@ -346,8 +358,8 @@ impl ShardLoop {
             }
             let idle_start = *idle_since.get_or_insert(now);
             if now.duration_since(idle_start) < self.config.idle_spin || self.config.keep_awake.load(Relaxed) > 0 {
-                // Yield rather than spin: a caller may be waiting for this CPU.
-                std::thread::yield_now();
+                // Yield rather than spin: a caller may be waiting for this CPU (or for the core).
+                LoopCore::unlocked(&mut self.core, std::thread::yield_now);
                 continue;
             }
             self.park(now);
@@ -413,7 +425,7 @@ impl ShardLoop {
     fn park(&mut self, now: Instant) {
         if self.polling_tasks || self.sim.as_ref().is_some_and(|sim| sim.in_flight() > 0) {
             // Simulated completions and CUDA events do not wake the ring: keep polling them.
-            std::thread::yield_now();
+            LoopCore::unlocked(&mut self.core, std::thread::yield_now);
             return;
         }
         if let Err(e) = self.ring.arm_wake(self.inbox.eventfd()) {
@@ -429,17 +441,22 @@ impl ShardLoop {
                 return;
             }
         }
-        if !self.inbox.prepare_park() {
-            // Work arrived between the last drain and now; the armed ops stay for next time.
-            let _ = self.ring.submit();
-            return;
-        }
-        self.core.counters().parks.fetch_add(1, Relaxed);
-        let waited = self.ring.submit_and_wait();
-        self.inbox.unpark();
-        if let Err(e) = waited {
-            tracing::error!(error = %e, "io_uring wait failed");
-        }
+        let counters = Arc::clone(self.core.counters());
+        let (inbox, ring) = (&self.inbox, &mut self.ring);
+        // Parked without the core: callers are served meanwhile, and one that leaves work pokes.
+        LoopCore::unlocked(&mut self.core, || {
+            if !inbox.prepare_park() {
+                // Work arrived between the last drain and now; the armed ops stay for next time.
+                let _ = ring.submit();
+                return;
+            }
+            counters.parks.fetch_add(1, Relaxed);
+            let waited = ring.submit_and_wait();
+            inbox.unpark();
+            if let Err(e) = waited {
+                tracing::error!(error = %e, "io_uring wait failed");
+            }
+        });
     }
 
     fn reap(&mut self) {
@@ -487,7 +504,7 @@ impl ShardLoop {
         let mut budget = TASK_BUDGET_BYTES;
         let mut progressed = false;
         let mut polling = false;
-        let core = &mut self.core;
+        let core = &mut *self.core;
         self.tasks.retain_mut(|task| match task.poll(core, &mut budget) {
             TaskPoll::Finished => {
                 core.counters().tasks_in_flight.fetch_sub(1, Relaxed);
@@ -509,56 +526,64 @@ impl ShardLoop {
     }
 
     fn handle(&mut self, request: Request) {
-        let core = &mut self.core;
-        // A reply whose caller gave up is simply dropped; the caller's guard cleans up.
-        match request {
-            Request::LeaseRead { keys, ttl, early, reply } => {
-                let deadline = ttl.map(|ttl| Instant::now() + ttl);
-                core.lease_read_batch(keys, deadline, early, Box::new(move |grants| drop(reply.send(grants))));
-            }
-            Request::LeaseObjects { objects, reply } => {
-                let _ = reply.send(objects.into_iter().map(|object| core.lease_object(object)).collect());
-            }
-            Request::Release { leases } => leases.into_iter().for_each(|lease| core.release(lease)),
-            Request::Reserve { items, upsert, reply } => {
-                core.reserve_batch(items, upsert, Box::new(move |grants| drop(reply.send(grants))));
-            }
-            Request::Commit { objects, upsert, pin, reply } => {
-                core.commit_batch(objects, upsert, pin, Box::new(move |results| drop(reply.send(results))));
-            }
-            Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
-            Request::Exists { keys, reply } => {
-                let found = keys.iter().map(|key| core.exists(key)).collect();
-                let _ = reply.send(found);
-            }
-            Request::Locate { keys, reply } => {
-                let found = keys.iter().map(|key| core.locate(key)).collect();
-                let _ = reply.send(found);
-            }
-            Request::Remove { key, force, reply } => {
-                let _ = reply.send(core.remove(&key, force));
-            }
-            Request::Pin { key, reply } => {
-                let _ = reply.send(core.pin(&key));
-            }
-            Request::Unpin { key, reply } => {
-                let _ = reply.send(core.unpin(&key));
-            }
-            Request::Task(mut task) => {
-                core.counters().tasks_in_flight.fetch_add(1, Relaxed);
-                task.start(core);
-                self.tasks.push(task);
-            }
-            Request::ScanKeys { prefix, from, limit, reply } => {
-                let _ = reply.send(core.scan_keys(&prefix, from, limit));
-            }
-            Request::Barrier { reply } => {
-                // Leases given back through the published index before the barrier count too.
-                self.core.take_published_news();
-                let _ = reply.send(());
-            }
+        if let Some(task) = serve(&mut self.core, request) {
+            self.tasks.push(task);
         }
     }
+}
+
+/// Handles `request` on `core`: on the shard thread, or on a caller's while the shard lends it
+/// its core (`lend`). A task is started and handed back for the loop to advance.
+pub(super) fn serve(core: &mut ShardCore, request: Request) -> Option<Box<dyn ShardTask>> {
+    // A reply whose caller gave up is simply dropped; the caller's guard cleans up.
+    match request {
+        Request::LeaseRead { keys, ttl, early, reply } => {
+            let deadline = ttl.map(|ttl| Instant::now() + ttl);
+            core.lease_read_batch(keys, deadline, early, Box::new(move |grants| drop(reply.send(grants))));
+        }
+        Request::LeaseObjects { objects, reply } => {
+            let _ = reply.send(objects.into_iter().map(|object| core.lease_object(object)).collect());
+        }
+        Request::Release { leases } => leases.into_iter().for_each(|lease| core.release(lease)),
+        Request::Reserve { items, upsert, reply } => {
+            core.reserve_batch(items, upsert, Box::new(move |grants| drop(reply.send(grants))));
+        }
+        Request::Commit { objects, upsert, pin, reply } => {
+            core.commit_batch(objects, upsert, pin, Box::new(move |results| drop(reply.send(results))));
+        }
+        Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
+        Request::Exists { keys, reply } => {
+            let found = keys.iter().map(|key| core.exists(key)).collect();
+            let _ = reply.send(found);
+        }
+        Request::Locate { keys, reply } => {
+            let found = keys.iter().map(|key| core.locate(key)).collect();
+            let _ = reply.send(found);
+        }
+        Request::Remove { key, force, reply } => {
+            let _ = reply.send(core.remove(&key, force));
+        }
+        Request::Pin { key, reply } => {
+            let _ = reply.send(core.pin(&key));
+        }
+        Request::Unpin { key, reply } => {
+            let _ = reply.send(core.unpin(&key));
+        }
+        Request::Task(mut task) => {
+            core.counters().tasks_in_flight.fetch_add(1, Relaxed);
+            task.start(core);
+            return Some(task);
+        }
+        Request::ScanKeys { prefix, from, limit, reply } => {
+            let _ = reply.send(core.scan_keys(&prefix, from, limit));
+        }
+        Request::Barrier { reply } => {
+            // Leases given back through the published index before the barrier count too.
+            core.take_published_news();
+            let _ = reply.send(());
+        }
+    }
+    None
 }
 
 fn pin_current_thread(cpu: usize) {

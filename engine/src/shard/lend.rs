@@ -1,0 +1,122 @@
+//! Lending an idle shard's core to a caller. Owns the lock around a shard's core and which
+//! requests a caller may handle on it itself: the write path's reserve, commit and abort, and
+//! the other requests that touch only the core (releases, exists, locate, remove, pin). A write
+//! then costs no thread hop while the shard has nothing else to do, and the shard's invariants
+//! hold as before, because the core is only ever run by one thread at a time.
+//! Never lends the core in the middle of the shard's turn, never while its inbox holds a
+//! request (a lent request would overtake it), and never runs tasks or I/O on a caller's
+//! thread: a caller that leaves the loop work pokes it.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use parking_lot::{ArcMutexGuard, Mutex, RawMutex};
+
+use super::core::ShardCore;
+use super::inbox::Inbox;
+use super::Request;
+
+/// A shard's core as the shard and the callers it lends it to share it. `None` before the
+/// shard thread built its core and after it dropped it.
+pub(crate) type CoreCell = Arc<Mutex<Option<LentCore>>>;
+
+/// A new, empty cell.
+pub(crate) fn new_cell() -> CoreCell {
+    Arc::new(Mutex::new(None))
+}
+
+/// The core inside its lock.
+pub(crate) struct LentCore(ShardCore);
+
+// SAFETY: a `LentCore` is only reached through its mutex, so one thread at a time runs the
+// core and the lock orders every access after the last. What is not `Send` in it (callbacks
+// of shard tasks that share `Rc` cells with the task) is created, called and dropped only while
+// the lock is held, and the task's own half only on the shard thread while it holds the lock;
+// the core is dropped on the shard thread (`LoopCore::drop`).
+unsafe impl Send for LentCore {}
+
+/// The shard thread's hold on its core: held through each turn, let go while it yields or
+/// parks (`LoopCore::unlocked`) so callers can be served meanwhile.
+pub(crate) struct LoopCore {
+    guard: ArcMutexGuard<RawMutex, Option<LentCore>>,
+}
+
+impl LoopCore {
+    /// Puts `core` into `cell` and holds it.
+    pub(crate) fn hold(cell: &CoreCell, core: ShardCore) -> LoopCore {
+        let mut guard = cell.lock_arc();
+        *guard = Some(LentCore(core));
+        LoopCore { guard }
+    }
+
+    /// Runs `f` with the core let go; callers may be served until it returns.
+    pub(crate) fn unlocked<U>(this: &mut LoopCore, f: impl FnOnce() -> U) -> U {
+        ArcMutexGuard::unlocked(&mut this.guard, f)
+    }
+}
+
+impl Deref for LoopCore {
+    type Target = ShardCore;
+
+    fn deref(&self) -> &ShardCore {
+        match self.guard.as_ref() {
+            Some(core) => &core.0,
+            None => unreachable!("the core leaves its cell only when the loop's hold drops"),
+        }
+    }
+}
+
+impl DerefMut for LoopCore {
+    fn deref_mut(&mut self) -> &mut ShardCore {
+        match self.guard.as_mut() {
+            Some(core) => &mut core.0,
+            None => unreachable!("the core leaves its cell only when the loop's hold drops"),
+        }
+    }
+}
+
+impl Drop for LoopCore {
+    fn drop(&mut self) {
+        // Dropped here, on the shard thread (after its ring: `ShardLoop` declares it first).
+        drop(self.guard.take());
+    }
+}
+
+/// Whether a caller may handle `request` on a lent core: requests that only touch the core.
+/// Not tasks (the loop advances them), not reads that may start loads or set lease deadlines
+/// (the loop's timers and I/O follow them), not barriers (answered by the loop's own turn).
+fn lendable(request: &Request) -> bool {
+    matches!(
+        request,
+        Request::Reserve { .. }
+            | Request::Commit { .. }
+            | Request::Abort { .. }
+            | Request::Release { .. }
+            | Request::Exists { .. }
+            | Request::Locate { .. }
+            | Request::Remove { .. }
+            | Request::Pin { .. }
+            | Request::Unpin { .. }
+    )
+}
+
+/// Handles `request` on the caller's thread when the shard is between turns with an empty
+/// inbox; gives it back otherwise (it is then sent). Its reply goes where the shard's would.
+pub(crate) fn serve_on_caller(cell: &CoreCell, inbox: &Inbox, request: Request) -> Result<(), Request> {
+    if !lendable(&request) {
+        return Err(request);
+    }
+    let Some(mut guard) = cell.try_lock() else { return Err(request) };
+    // Checked under the lock: the shard only takes requests from its inbox while it holds it.
+    let Some(LentCore(core)) = guard.as_mut().filter(|_| inbox.is_idle()) else { return Err(request) };
+    super::runtime::serve(core, request);
+    core.counters().requests.fetch_add(1, Relaxed);
+    core.counters().served_by_callers.fetch_add(1, Relaxed);
+    let wants_turn = core.wants_turn();
+    drop(guard);
+    if wants_turn {
+        inbox.poke();
+    }
+    Ok(())
+}
