@@ -145,6 +145,10 @@ impl Engine {
     /// Waits for a shard's reply: polls for `reply_spin` first (the shard usually answers within
     /// microseconds, and a blocked caller pays a wake-up), then blocks.
     pub(super) fn recv_reply<T>(&self, rx: &Receiver<T>) -> Result<T> {
+        // Already there when a caller handled the request itself (`lend`): no clock read.
+        if let Ok(reply) = rx.try_recv() {
+            return Ok(reply);
+        }
         let started = Instant::now();
         let mut polls = 0u32;
         loop {

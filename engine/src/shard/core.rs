@@ -653,7 +653,7 @@ impl ShardCore {
             // finds one of them (both closed: it asks the shard) and never misses the key.
             self.index_insert(id, hash);
             indexed = true;
-            self.unlink(old);
+            self.unlink_hashed(old, hash);
             if supersedes_ssd {
                 self.queue_tombstone(&key);
             }
@@ -918,7 +918,7 @@ impl ShardCore {
             self.drop_dram(id);
             return;
         }
-        self.index_remove(id);
+        self.index_remove(id, self.objects[id as usize].key_hash());
         self.counters.objects.fetch_sub(1, RELAXED);
         self.counters.evictions.fetch_add(1, RELAXED);
         self.free_object(id);
@@ -1037,9 +1037,16 @@ impl ShardCore {
     /// Takes a live object out of the index and the policy; frees it now or when its last lease
     /// and I/O are gone.
     fn unlink(&mut self, id: u32) {
+        let hash = self.objects[id as usize].key_hash();
+        self.unlink_hashed(id, hash);
+    }
+
+    /// `unlink` with the index hash of the object's key at hand (an upsert has its new
+    /// version's, which is the same key's).
+    fn unlink_hashed(&mut self, id: u32, hash: u64) {
         // Readers still in keep their bytes; no new one gets in.
         let readers = self.index.close(id);
-        self.index_remove(id);
+        self.index_remove(id, hash);
         let object = &mut self.objects[id as usize];
         debug_assert_eq!(object.state, ObjectState::Live);
         if object.pins > 0 {
@@ -1119,9 +1126,9 @@ impl ShardCore {
         self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
     }
 
-    fn index_remove(&mut self, id: u32) {
+    /// Takes object `id`, whose key's index hash is `hash`, out of the index.
+    fn index_remove(&mut self, id: u32, hash: u64) {
         let objects = &self.objects;
-        let hash = objects[id as usize].key_hash();
         let removed = self.index.remove(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
         debug_assert!(removed, "object {id} was not indexed");
     }
