@@ -63,30 +63,50 @@ impl EtcdServer {
             eprintln!("skipped: no etcd binary on PATH (apt install etcd-server)");
             return None;
         }
-        let mut server = EtcdServer { child: None, dir: dir.join("etcd"), client: free_port(), peer: free_port() };
-        server.launch();
-        Some(server)
+        let mut server = EtcdServer { child: None, dir: dir.join("etcd"), client: 0, peer: 0 };
+        // A port `free_port` found free can be taken by a test running beside this one before
+        // etcd binds it; etcd then exits, and is started again on other ports.
+        for attempt in 1..=5 {
+            (server.client, server.peer) = (free_port(), free_port());
+            // A failed attempt's member data names its ports.
+            let _ = std::fs::remove_dir_all(&server.dir);
+            match server.launch() {
+                Ok(()) => return Some(server),
+                Err(e) if attempt < 5 => eprintln!("etcd exited at start ({e}); trying other ports"),
+                Err(e) => panic!("etcd did not start: {e}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
-    fn launch(&mut self) {
+    /// Starts etcd on its ports and waits until it answers. Err when it exited meanwhile.
+    fn launch(&mut self) -> Result<(), String> {
         let client = format!("http://127.0.0.1:{}", self.client);
         let peer = format!("http://127.0.0.1:{}", self.peer);
+        let log = std::fs::File::create(self.dir.with_extension("log")).expect("etcd log");
         let child = Command::new(etcd_binary().expect("etcd"))
             .args(["--name", "t", "--data-dir", &self.dir.display().to_string()])
             .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("t={peer}")])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("spawn etcd");
+        // Held at once, so a panic below still kills it (`Drop`).
         self.child = Some(child);
         let etcd = Etcd::new(EtcdConfig::parse(&self.endpoint()).expect("endpoint")).expect("client");
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(60);
         while let Err(e) = etcd.get_prefix(b"/") {
+            let exited = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            if let Some(status) = exited {
+                self.child = None;
+                return Err(format!("{status}; its log is {}", self.dir.with_extension("log").display()));
+            }
             assert!(Instant::now() < deadline, "etcd did not start: {e}");
             std::thread::sleep(Duration::from_millis(100));
         }
+        Ok(())
     }
 
     fn endpoint(&self) -> String {
@@ -626,7 +646,7 @@ fn clients_and_owners_ride_out_an_etcd_restart() {
     std::thread::sleep(Duration::from_secs(TTL_S + 1));
     assert!(cluster.refresh().is_err(), "etcd is down");
     assert_eq!(cluster.members().len(), 2, "the last membership is kept");
-    etcd.launch();
+    etcd.launch().expect("etcd restarts on its ports");
     std::thread::sleep(Duration::from_secs(1));
     stop.store(true, Ordering::Relaxed);
     let ops = load.join().expect("load");
