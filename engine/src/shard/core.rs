@@ -256,6 +256,9 @@ pub struct ShardCore {
     /// Counts the shard loop's turns; the background eviction never takes an object committed
     /// in the current turn (its put has just been acknowledged).
     turn: u64,
+    /// A caller handled a request on the lent core since the loop's last turn began: those
+    /// requests count as the next turn's (`begin_lent_request`).
+    lent_since_turn: bool,
     retrying: bool,
 }
 
@@ -312,6 +315,7 @@ impl ShardCore {
             demoting_bytes: 0,
             demotion_waiting: false,
             turn: 0,
+            lent_since_turn: false,
             retrying: false,
         })
     }
@@ -802,8 +806,21 @@ impl ShardCore {
 
     /// Starts the shard loop's next turn (see `turn`).
     pub fn next_turn(&mut self) {
-        self.turn += 1;
+        // Requests lent since the last turn already opened this one.
+        if !std::mem::take(&mut self.lent_since_turn) {
+            self.turn += 1;
+        }
         self.take_published_news();
+    }
+
+    /// A caller is about to handle a request on the lent core, between the loop's turns: what
+    /// it commits belongs to the loop's next turn (the one its poke starts), whose eviction pass
+    /// spares it as it spares that turn's own commits.
+    pub fn begin_lent_request(&mut self) {
+        if !self.lent_since_turn {
+            self.lent_since_turn = true;
+            self.turn += 1;
+        }
     }
 
     /// Feeds reads served through the published index to the eviction policy, and finishes the

@@ -110,6 +110,7 @@ pub(crate) fn serve_on_caller(cell: &CoreCell, inbox: &Inbox, request: Request) 
     let Some(mut guard) = cell.try_lock() else { return Err(request) };
     // Checked under the lock: the shard only takes requests from its inbox while it holds it.
     let Some(LentCore(core)) = guard.as_mut().filter(|_| inbox.is_idle()) else { return Err(request) };
+    core.begin_lent_request();
     super::runtime::serve(core, request);
     core.counters().requests.fetch_add(1, Relaxed);
     core.counters().served_by_callers.fetch_add(1, Relaxed);

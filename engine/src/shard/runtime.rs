@@ -113,7 +113,8 @@ pub(crate) fn spawn_shard(
             if let Some(cpu) = config.pin_to_cpu {
                 pin_current_thread(cpu);
             }
-            // The core is built here: it holds callbacks and raw buffers that never leave this thread.
+            // The core is built and dropped here; between turns, callers may run requests on it
+            // under its lock (`lend`), and tasks stay on this thread.
             let mut core = match make_core() {
                 Ok(core) => LoopCore::hold(&thread_cell, core),
                 Err(e) => {

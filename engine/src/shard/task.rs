@@ -105,8 +105,11 @@ pub(crate) struct BatchGetTask {
     in_flight: Option<Submitted>,
 }
 
-// SAFETY: the Rc is created in `start` on the shard thread and only touched there afterwards;
-// before `start` the task holds no Rc (grants is None), so moving it across threads is sound.
+// SAFETY: the Rc is created in `start` on the shard thread. Afterwards the task's clone is only
+// touched on the shard thread, and the clone in the core's callback only under the core's lock
+// (by the shard, or a caller the shard lends its core to, `lend`), which the shard also holds
+// while it polls tasks: no two threads ever touch the Rc at once, and the lock orders them.
+// Before `start` the task holds no Rc (grants is None), so moving it across threads is sound.
 unsafe impl Send for BatchGetTask {}
 
 impl BatchGetTask {

@@ -289,6 +289,29 @@ fn the_eviction_pass_spares_an_object_in_the_turn_that_acknowledged_it() {
     shard.check_invariants().expect("invariants");
 }
 
+#[test]
+fn the_eviction_pass_spares_an_object_a_caller_committed_between_turns() {
+    let mut shard = core(2 << 20, EvictionPolicy::S3Fifo);
+    for key in 0..4u8 {
+        let grant = shard.reserve(&[key], 400 << 10, false).expect("reserve");
+        shard.commit(grant.object, false).expect("commit");
+        shard.pin(&[key]).expect("pin");
+    }
+    shard.next_turn();
+    // The loop let go of its core after that turn; a caller writes on it.
+    shard.begin_lent_request();
+    let grant = shard.reserve(b"new", 400 << 10, false).expect("reserve");
+    shard.begin_lent_request();
+    shard.commit(grant.object, false).expect("commit");
+    // The turn the caller's poke starts does not take what the caller was just told is stored.
+    shard.next_turn();
+    assert_eq!(shard.evict_to_low_watermark(64), 0, "evicted in the turn after its lent commit");
+    assert!(shard.exists(b"new"));
+    shard.next_turn();
+    assert_eq!(shard.evict_to_low_watermark(64), 1, "a later turn may evict it");
+    shard.check_invariants().expect("invariants");
+}
+
 /// What every object costs the shard beyond its key and value bytes (the index memory figure of
 /// `kvtide-bench index` is mostly this record, the published slot, the key table entry, the
 /// allocator node and the policy entry).
