@@ -935,7 +935,7 @@ impl ShardCore {
             self.drop_dram(id);
             return;
         }
-        self.index_remove(id, self.objects[id as usize].key_hash());
+        self.index_remove(id);
         self.counters.objects.fetch_sub(1, RELAXED);
         self.counters.evictions.fetch_add(1, RELAXED);
         self.free_object(id);
@@ -1063,7 +1063,7 @@ impl ShardCore {
     fn unlink_hashed(&mut self, id: u32, hash: u64) {
         // Readers still in keep their bytes; no new one gets in.
         let readers = self.index.close(id);
-        self.index_remove(id, hash);
+        self.index_remove_hashed(id, hash);
         let object = &mut self.objects[id as usize];
         debug_assert_eq!(object.state, ObjectState::Live);
         if object.pins > 0 {
@@ -1143,8 +1143,14 @@ impl ShardCore {
         self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
     }
 
-    /// Takes object `id`, whose key's index hash is `hash`, out of the index.
-    fn index_remove(&mut self, id: u32, hash: u64) {
+    /// Takes object `id` out of the index.
+    fn index_remove(&mut self, id: u32) {
+        let hash = self.objects[id as usize].key_hash();
+        self.index_remove_hashed(id, hash);
+    }
+
+    /// `index_remove` with the index hash of the object's key at hand.
+    fn index_remove_hashed(&mut self, id: u32, hash: u64) {
         let objects = &self.objects;
         let removed = self.index.remove(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
         debug_assert!(removed, "object {id} was not indexed");

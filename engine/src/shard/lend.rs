@@ -1,6 +1,6 @@
 //! Lending an idle shard's core to a caller. Owns the lock around a shard's core and which
-//! requests a caller may handle on it itself: the write path's reserve, commit and abort, and
-//! the other requests that touch only the core (releases, exists, locate, remove, pin). A write
+//! requests a caller may handle on it itself: the write path's reserve and commit, and the
+//! other requests that touch only the core (exists, locate, remove, pin, unpin). A write
 //! then costs no thread hop while the shard has nothing else to do, and the shard's invariants
 //! hold as before, because the core is only ever run by one thread at a time.
 //! Never lends the core in the middle of the shard's turn, never while its inbox holds a
@@ -83,16 +83,16 @@ impl Drop for LoopCore {
     }
 }
 
-/// Whether a caller may handle `request` on a lent core: requests that only touch the core.
-/// Not tasks (the loop advances them), not reads that may start loads or set lease deadlines
-/// (the loop's timers and I/O follow them), not barriers (answered by the loop's own turn).
+/// Whether a caller may handle `request` on a lent core: requests that only touch the core and
+/// whose caller waits for the answer. Not tasks (the loop advances them), not reads that may
+/// start loads or set lease deadlines (the loop's timers and I/O follow them), not barriers
+/// (answered by the loop's own turn); releases and aborts go one way from drops, straight to
+/// the inbox.
 fn lendable(request: &Request) -> bool {
     matches!(
         request,
         Request::Reserve { .. }
             | Request::Commit { .. }
-            | Request::Abort { .. }
-            | Request::Release { .. }
             | Request::Exists { .. }
             | Request::Locate { .. }
             | Request::Remove { .. }

@@ -2,7 +2,7 @@
 //! the low watermark, reaps io_uring completions and fires timers, then spins briefly and parks
 //! in `submit_and_wait` with an eventfd read outstanding. It never blocks while it has work.
 //! It holds its core through each turn and lets go of it while it yields or parks, when
-//! callers may run write requests on it themselves (`lend`).
+//! callers may run requests that touch only the core on it themselves (`lend`).
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;

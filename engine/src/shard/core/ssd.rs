@@ -1180,7 +1180,7 @@ impl ShardCore {
             && self.index.readers(id) == 0
         {
             // The demotion failed: drop the object rather than keep memory others wait for.
-            self.index_remove(id, self.objects[id as usize].key_hash());
+            self.index_remove(id);
             self.counters.objects.fetch_sub(1, RELAXED);
             self.counters.evictions.fetch_add(1, RELAXED);
             self.free_object(id);

@@ -269,14 +269,21 @@ fn everything_pinned_fails_fast() {
     shard.check_invariants().expect("invariants");
 }
 
-#[test]
-fn the_eviction_pass_spares_an_object_in_the_turn_that_acknowledged_it() {
+/// A 2 MiB S3-FIFO shard holding four pinned 400 KiB objects: a fifth takes it above its low
+/// watermark and is the only object eviction could take.
+fn four_pinned() -> ShardCore {
     let mut shard = core(2 << 20, EvictionPolicy::S3Fifo);
     for key in 0..4u8 {
         let grant = shard.reserve(&[key], 400 << 10, false).expect("reserve");
         shard.commit(grant.object, false).expect("commit");
         shard.pin(&[key]).expect("pin");
     }
+    shard
+}
+
+#[test]
+fn the_eviction_pass_spares_an_object_in_the_turn_that_acknowledged_it() {
+    let mut shard = four_pinned();
     shard.next_turn();
     let grant = shard.reserve(b"new", 400 << 10, false).expect("reserve");
     shard.commit(grant.object, false).expect("commit");
@@ -291,12 +298,7 @@ fn the_eviction_pass_spares_an_object_in_the_turn_that_acknowledged_it() {
 
 #[test]
 fn the_eviction_pass_spares_an_object_a_caller_committed_between_turns() {
-    let mut shard = core(2 << 20, EvictionPolicy::S3Fifo);
-    for key in 0..4u8 {
-        let grant = shard.reserve(&[key], 400 << 10, false).expect("reserve");
-        shard.commit(grant.object, false).expect("commit");
-        shard.pin(&[key]).expect("pin");
-    }
+    let mut shard = four_pinned();
     shard.next_turn();
     // The loop let go of its core after that turn; a caller writes on it.
     shard.begin_lent_request();
