@@ -36,7 +36,7 @@ mod write;
 pub use on_stream::{StreamCompleter, StreamStatus, StreamTicket};
 pub use progressive::{Following, PutStream};
 pub use restore::{LeasePart, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
-pub(crate) use router::{LeaseSet, PendingLeases, Reservations};
+pub(crate) use router::{LeaseSet, PendingLeases, Reservation, Reservations};
 
 /// Grace between an explicit lease's TTL (when the guard stops handing out bytes) and the moment
 /// the shard reclaims it.
@@ -167,9 +167,8 @@ impl Engine {
     pub fn reserve_put(&self, key: &[u8], len: u64, opts: PutOptions) -> Result<PendingPut<'_>> {
         self.validate_key(key)?;
         self.validate_value_len(len)?;
-        let (mut grants, reservations) = self.reserve_many(std::iter::once((0, key, len)), opts.upsert, || {});
-        let grant = grants.remove(&0).ok_or(Error::Internal("no reservation"))??;
-        Ok(PendingPut { grant, reservations, opts })
+        let (grant, reservation) = self.reserve_one(key, len, opts.upsert)?;
+        Ok(PendingPut { grant, reservation, opts })
     }
 
     /// `lease` for many keys at once: one request per shard, so the SSD-resident keys of every
@@ -242,6 +241,11 @@ impl Engine {
         }
     }
 
+    /// True when puts are acknowledged only once durable on SSD.
+    pub(crate) fn write_through(&self) -> bool {
+        self.config.ssd.as_ref().is_some_and(|ssd| ssd.write_through)
+    }
+
     fn validate_key(&self, key: &[u8]) -> Result<()> {
         if key.is_empty() {
             return Err(Error::EmptyKey);
@@ -269,7 +273,7 @@ impl Drop for Engine {
 /// A reserved, not yet visible object (`Engine::reserve_put`).
 pub struct PendingPut<'e> {
     grant: WriteGrant,
-    reservations: Reservations<'e>,
+    reservation: Reservation<'e>,
     opts: PutOptions,
 }
 
@@ -302,8 +306,8 @@ impl PendingPut<'_> {
 
     /// Publishes the object (readers see it from now on).
     pub fn commit(self) -> Result<()> {
-        let PendingPut { reservations, opts, .. } = self;
-        reservations.commit(opts, |_| true).remove(&0).unwrap_or(Err(Error::Internal("no commit result")))
+        let PendingPut { reservation, opts, .. } = self;
+        reservation.commit(opts)
     }
 }
 

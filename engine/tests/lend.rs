@@ -124,3 +124,51 @@ fn writers_on_many_threads_and_the_shard_never_run_the_core_at_once() {
     assert!(s.served_by_callers > 0 && s.served_by_callers < s.requests, "{s:?}");
     assert_idle(&store);
 }
+
+#[test]
+fn a_reservation_taken_on_the_callers_thread_is_aborted_when_dropped() {
+    let store = store(32 << 20);
+    std::thread::sleep(Duration::from_millis(50));
+    let before = store.stats().total;
+    let mut pending = store.reserve_put(b"dropped", 4096, PutOptions::INSERT).expect("reserve");
+    pending.bytes_mut().fill(7);
+    assert_eq!(store.stats().total.writes_in_flight, 1);
+    assert!(store.stats().total.served_by_callers > before.served_by_callers, "reserved on this thread");
+    drop(pending);
+    // The abort goes to the inbox (a drop never takes the core); the shard frees the room.
+    assert!(eventually(|| store.stats().total.writes_in_flight == 0), "the reservation was aborted");
+    assert_eq!(store.get(b"dropped"), Err(Error::NotFound));
+    assert!(eventually(|| store.stats().total.bytes_used == before.bytes_used), "its room came back");
+    // A committed one is there, with the caller's bytes.
+    let mut pending = store.reserve_put(b"kept", 4096, PutOptions::INSERT).expect("reserve");
+    pending.bytes_mut().fill(9);
+    pending.commit().expect("commit");
+    assert_eq!(store.get(b"kept").expect("get"), vec![9u8; 4096]);
+    // Insert of an existing key is refused at the reservation, nothing left reserved.
+    assert_eq!(store.reserve_put(b"kept", 10, PutOptions::INSERT).map(|_| ()), Err(Error::AlreadyExists));
+    assert_idle(&store);
+}
+
+#[test]
+fn single_puts_report_bad_input_like_batches_and_leave_nothing_reserved() {
+    let store = store(8 << 20);
+    std::thread::sleep(Duration::from_millis(50));
+    let too_large = vec![0u8; 16 << 20];
+    let single = store.put(b"big", &too_large, PutOptions::UPSERT);
+    let batch = store.batch_put_from_multi_buffers(
+        &[b"big".as_slice()],
+        &[vec![kvtide::Region::host_readonly(&too_large)]],
+        PutOptions::UPSERT,
+    );
+    assert!(matches!(single, Err(Error::TooLarge { .. })), "{single:?}");
+    assert_eq!(batch, vec![single]);
+    assert_eq!(store.put(b"", b"v", PutOptions::UPSERT), Err(Error::EmptyKey));
+    // An empty value and a gathered one land whole.
+    store.put(b"empty", b"", PutOptions::UPSERT).expect("empty value");
+    assert_eq!(store.get(b"empty").expect("get"), Vec::<u8>::new());
+    let (a, b) = (vec![1u8; 3000], vec![2u8; 5000]);
+    let sources = [kvtide::Region::host_readonly(&a), kvtide::Region::host_readonly(&b)];
+    store.put_from(b"gathered", &sources, PutOptions::UPSERT).expect("gathered put");
+    assert_eq!(store.get(b"gathered").expect("get"), [a, b].concat());
+    assert_idle(&store);
+}

@@ -72,11 +72,12 @@ impl Transport for MemcpyTransport {
 }
 
 /// Copies one transfer's pieces on the CPU after checking every piece lies inside the object
-/// and is host memory; nothing is copied when a check fails.
+/// and is host memory; nothing is copied when a check fails. `submit` of one transfer without
+/// its result list and summary (single-key calls).
 ///
 /// # Safety
 /// As `Transport::submit`.
-unsafe fn copy_transfer(t: &Transfer, direction: Direction) -> Result<(), TransportError> {
+pub unsafe fn copy_transfer(t: &Transfer, direction: Direction) -> Result<(), TransportError> {
     for p in &t.pieces {
         if !p.kind.is_host() {
             return Err(TransportError::CudaUnavailable("device regions need the cuda transport"));

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use kvtide_transport::{Direction, EarlyStart, MemcpyTransport, MemoryKind, Piece, Region, Transfer, Transport};
+use kvtide_transport::{Direction, EarlyStart, MemoryKind, Piece, Region, Transfer};
 use xxhash_rust::xxh3::Xxh3Builder;
 
 use super::gpu::Timing;
@@ -135,14 +135,10 @@ impl Engine {
         };
         let transfer = Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces };
         // SAFETY: the lease keeps the object's bytes in place until `_lease` drops, after the copy
-        // (the memcpy transport completes inline); the destination passed the host check and
+        // (a CPU copy, done when it returns); the destination passed the host check and
         // stays valid for the call (`Region::from_raw`'s contract for raw ones).
-        let copied = unsafe { MemcpyTransport.submit(Direction::HostToDevice, std::slice::from_ref(&transfer), None) };
-        let outcome = match copied {
-            Ok(inflight) => inflight.wait().pop().map(|r| r.map_err(Error::from)),
-            Err(e) => Some(Err(Error::from(e))),
-        };
-        Some(outcome.unwrap_or(Err(Error::Internal("no copy result"))).map(|()| reported))
+        let copied = unsafe { kvtide_transport::memcpy::copy_transfer(&transfer, Direction::HostToDevice) };
+        Some(copied.map(|()| reported).map_err(Error::from))
     }
 
     /// Reads `slots` into `targets` (lease, plan, deliver, release), in rounds while a batch

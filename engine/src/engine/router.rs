@@ -466,6 +466,70 @@ impl Reservations<'_> {
     }
 }
 
+/// One reservation a caller took on a lent core (`Engine::write_one_on_caller`); aborted when
+/// dropped uncommitted.
+pub(crate) struct Reservation<'e> {
+    engine: &'e Engine,
+    shard: usize,
+    object: Option<ObjectRef>,
+}
+
+impl<'e> Reservation<'e> {
+    pub(crate) fn new(engine: &'e Engine, shard: usize, object: ObjectRef) -> Reservation<'e> {
+        Reservation { engine, shard, object: Some(object) }
+    }
+
+    /// Commits it: on the lent core when the shard is idle (and the commit waits for no
+    /// record), else by message.
+    pub(crate) fn commit(mut self, opts: PutOptions) -> Result<()> {
+        let object = self.object.take().ok_or(Error::Internal("a reservation committed twice"))?;
+        let (upsert, pin) = (opts.upsert, opts.pin);
+        let shard = &self.engine.shards[self.shard];
+        if !self.engine.write_through() {
+            if let Some(lent) = crate::shard::lend(&shard.core, &shard.inbox) {
+                if let Some(done) = lent.run(|core| core.commit_now_unless_durable(object, upsert, pin)) {
+                    return done;
+                }
+            }
+        }
+        let results =
+            self.engine.call(self.shard, |reply| Request::Commit { objects: vec![object], upsert, pin, reply })?;
+        results.into_iter().next().unwrap_or(Err(Error::Internal("a shard answered no commit")))
+    }
+}
+
+impl Engine {
+    /// Reserves room for one value: on its shard's lent core when the shard is idle, else by
+    /// message (which also waits for demotions to make room). The reservation is aborted when
+    /// its guard drops uncommitted.
+    pub(crate) fn reserve_one(&self, key: &[u8], len: u64, upsert: bool) -> Result<(WriteGrant, Reservation<'_>)> {
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        let shard = self.shard_of(key);
+        let (core, inbox) = (&self.shards[shard].core, &self.shards[shard].inbox);
+        let lent = crate::shard::lend(core, inbox).and_then(|lent| lent.run(|core| core.reserve_now(key, len, upsert)));
+        let grant = match lent {
+            Some(grant) => grant?,
+            None => {
+                let items = vec![(Box::from(key), len)];
+                let grants = self.call(shard, |reply| Request::Reserve { items, upsert, reply })?;
+                grants.into_iter().next().unwrap_or(Err(Error::Internal("a shard answered no reservation")))?
+            }
+        };
+        let reservation = Reservation::new(self, shard, grant.object);
+        Ok((grant, reservation))
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if let Some(object) = self.object.take() {
+            let _ = self.engine.shards[self.shard].inbox.send(Request::Abort { objects: vec![object] });
+        }
+    }
+}
+
 impl Drop for Reservations<'_> {
     fn drop(&mut self) {
         for (shard, items) in self.by_shard.iter_mut().enumerate() {

@@ -38,6 +38,16 @@ impl Store for Engine {
         self.write(keys, sources, opts)
     }
 
+    fn put_from(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
+        let _span = tracing::trace_span!("put").entered();
+        if let Some(done) = self.write_one_host(key, sources, opts) {
+            return done;
+        }
+        self.write(&[key], &[sources.to_vec()], opts)
+            .pop()
+            .unwrap_or(Err(Error::Internal("no result for a single put")))
+    }
+
     fn get(&self, key: &[u8]) -> Result<Vec<u8>> {
         let _span = tracing::trace_span!("get").entered();
         self.validate_key(key)?;

@@ -36,6 +36,34 @@ impl Engine {
         self.write_via(keys, sources, opts, Some(gpu))
     }
 
+    /// Writes one key from host memory: reserve, copy on this thread, commit, with none of a
+    /// batch's bookkeeping, and on the shard's lent core (`shard::lend`, no message or reply
+    /// channel) while the shard is idle. None for GPU sources (the general path's).
+    pub(crate) fn write_one_host(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Option<Result<()>> {
+        if Route::of(sources) != Route::Host {
+            return None;
+        }
+        Some(self.write_one_checked(key, sources, opts))
+    }
+
+    fn write_one_checked(&self, key: &[u8], sources: &[Region<'_>], opts: PutOptions) -> Result<()> {
+        // The general path's checks, in its order.
+        self.validate_key(key)?;
+        let len = total_len(sources)?;
+        self.validate_value_len(len)?;
+        if let Some(e) = kvtide_transport::memcpy::check_host_list(sources, false) {
+            return Err(e.into());
+        }
+        // Aborted if the copy fails (or unwinds).
+        let (grant, reservation) = self.reserve_one(key, len, opts.upsert)?;
+        let transfer = Transfer::in_order(grant.ptr.as_ptr() as u64, grant.len, sources);
+        // SAFETY: the host bytes are the reservation's (exclusive until its commit or abort,
+        // both after this copy, which is done when it returns); the sources passed the host
+        // check and the caller lends them for the call.
+        unsafe { kvtide_transport::memcpy::copy_transfer(&transfer, Direction::DeviceToHost) }?;
+        reservation.commit(opts)
+    }
+
     /// Writes each key's value from its sources (`sources[i]` for `keys[i]`); one result per key.
     pub(crate) fn write(&self, keys: &[&[u8]], sources: &[Vec<Region<'_>>], opts: PutOptions) -> Vec<Result<()>> {
         self.write_via(keys, sources, opts, None)

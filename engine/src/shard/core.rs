@@ -142,7 +142,7 @@ struct Object {
 
 impl Object {
     /// The key's index hash, computed when needed rather than kept: 8 bytes per object against
-    /// one hash of the key per index change (probe shifts and growth rehash).
+    /// one hash of the key when it leaves the index (entries move without their keys).
     fn key_hash(&self) -> u64 {
         super::index_hash(super::key_hash(&self.key))
     }
@@ -516,6 +516,12 @@ impl ShardCore {
         self.finish_reserve_if_done(pending);
     }
 
+    /// Reserves room for one key now: the grant or the failure, or None when the key would
+    /// have to wait for demotions (then nothing was reserved; ask with `reserve_batch`).
+    pub fn reserve_now(&mut self, key: &[u8], len: u64, upsert: bool) -> Option<Result<WriteGrant>> {
+        self.try_reserve(key, len, upsert).transpose()
+    }
+
     fn resolve_reserve(&mut self, pending: usize, slot: usize, result: Result<WriteGrant>) {
         if let Some(p) = self.pending_reserves.get_mut(pending) {
             p.resolve(slot, result);
@@ -614,6 +620,15 @@ impl ShardCore {
         self.finish_commit_if_done(pending);
     }
 
+    /// Commits one reservation now, as `commit_batch` does; None with write-through (whose
+    /// result waits for its record: ask with `commit_batch`), and then nothing was done.
+    pub fn commit_now_unless_durable(&mut self, object: ObjectRef, upsert: bool, pin: bool) -> Option<Result<()>> {
+        if self.write_through() {
+            return None;
+        }
+        Some(self.commit_now(object, upsert, pin).map(|id| self.publish(id)))
+    }
+
     fn resolve_commit(&mut self, pending: usize, slot: usize, result: Result<()>) {
         if let Some(p) = self.pending_commits.get_mut(pending) {
             p.resolve(slot, result);
@@ -632,12 +647,11 @@ impl ShardCore {
         }
         self.counters.writes_in_flight.fetch_sub(1, RELAXED);
         let id = object.id;
-        let key = self.objects[id as usize].key.clone();
         // Hashed once: the lookup, the index entry and the policy's entry share it.
         let hash = self.objects[id as usize].key_hash();
         let mut inherited_pins = 0;
         let mut indexed = false;
-        if let Some(old) = self.find_hashed(&key, hash) {
+        if let Some(old) = self.find_hashed(&self.objects[id as usize].key, hash) {
             if !upsert {
                 self.drop_reservation(id);
                 return Err(Error::AlreadyExists);
@@ -659,6 +673,7 @@ impl ShardCore {
             indexed = true;
             self.unlink_hashed(old, hash);
             if supersedes_ssd {
+                let key = self.objects[id as usize].key.clone();
                 self.queue_tombstone(&key);
             }
         }
@@ -1139,8 +1154,7 @@ impl ShardCore {
 
     /// Indexes object `id`, whose key's index hash is `hash`.
     fn index_insert(&mut self, id: u32, hash: u64) {
-        let objects = &self.objects;
-        self.index.insert(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
+        self.index.insert(hash, id);
     }
 
     /// Takes object `id` out of the index.
@@ -1151,8 +1165,7 @@ impl ShardCore {
 
     /// `index_remove` with the index hash of the object's key at hand.
     fn index_remove_hashed(&mut self, id: u32, hash: u64) {
-        let objects = &self.objects;
-        let removed = self.index.remove(hash, id, |other| objects.get(other as usize).map_or(0, Object::key_hash));
+        let removed = self.index.remove(hash, id);
         debug_assert!(removed, "object {id} was not indexed");
     }
 

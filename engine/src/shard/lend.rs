@@ -107,17 +107,49 @@ pub(crate) fn serve_on_caller(cell: &CoreCell, inbox: &Inbox, request: Request) 
     if !lendable(&request) {
         return Err(request);
     }
-    let Some(mut guard) = cell.try_lock() else { return Err(request) };
-    // Checked under the lock: the shard only takes requests from its inbox while it holds it.
-    let Some(LentCore(core)) = guard.as_mut().filter(|_| inbox.is_idle()) else { return Err(request) };
-    core.begin_lent_request();
-    super::runtime::serve(core, request);
-    core.counters().requests.fetch_add(1, Relaxed);
-    core.counters().served_by_callers.fetch_add(1, Relaxed);
-    let wants_turn = core.wants_turn();
-    drop(guard);
-    if wants_turn {
-        inbox.poke();
+    match lend(cell, inbox) {
+        Some(lent) => {
+            lent.run(|core| super::runtime::serve(core, request));
+            Ok(())
+        }
+        None => Err(request),
     }
-    Ok(())
+}
+
+/// The core lent to this thread for one request, when the shard is between turns with an
+/// empty inbox.
+pub(crate) fn lend<'a>(cell: &'a CoreCell, inbox: &'a Inbox) -> Option<Lent<'a>> {
+    let guard = cell.try_lock()?;
+    // Checked under the lock: the shard only takes requests from its inbox while it holds it.
+    if guard.is_none() || !inbox.is_idle() {
+        return None;
+    }
+    Some(Lent { guard, inbox })
+}
+
+/// A shard's core held by a caller for one request.
+pub(crate) struct Lent<'a> {
+    guard: parking_lot::MutexGuard<'a, Option<LentCore>>,
+    inbox: &'a Inbox,
+}
+
+impl Lent<'_> {
+    /// Runs `work` (one request's worth of core calls that start no task and wait for nothing),
+    /// counts it as a request served by a caller, lets the core go, and pokes the shard when
+    /// `work` left it loop work.
+    pub(crate) fn run<R>(mut self, work: impl FnOnce(&mut ShardCore) -> R) -> R {
+        let Some(LentCore(core)) = self.guard.as_mut() else {
+            unreachable!("`lend` only lends a cell that holds a core")
+        };
+        core.begin_lent_request();
+        let out = work(core);
+        core.counters().requests.fetch_add(1, Relaxed);
+        core.counters().served_by_callers.fetch_add(1, Relaxed);
+        let wants_turn = core.wants_turn();
+        drop(self.guard);
+        if wants_turn {
+            self.inbox.poke();
+        }
+        out
+    }
 }

@@ -21,7 +21,7 @@ pub use self::core::{
     LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant, DEFAULT_MAX_PENDING_TOMBSTONES,
 };
 pub(crate) use inbox::Inbox;
-pub(crate) use lend::serve_on_caller;
+pub(crate) use lend::{lend, serve_on_caller};
 pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
 
 /// Seed of a key's hash (`key_hash`), which routes it to a shard.

@@ -276,9 +276,16 @@ impl Table {
 }
 
 impl View<'_> {
-    /// Where a hash's probe starts (Fibonacci hashing: every bit of the hash counts).
+    /// Where a hash's probe starts: Fibonacci hashing of its tag, so an entry's home follows
+    /// from the entry alone (moving entries never rehashes a key) for tables of up to 2^32
+    /// entries, which is as many as slot ids.
     fn home(&self, hash: u64) -> usize {
-        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize & self.mask
+        self.home_of(entry(hash, 0))
+    }
+
+    /// The home of an entry already in the table.
+    fn home_of(&self, entry: u64) -> usize {
+        ((entry >> 32).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize & self.mask
     }
 
     fn capacity(&self) -> usize {
@@ -503,12 +510,11 @@ impl IndexWriter {
         }
     }
 
-    /// Adds a key that is not in the table; `hash_of(slot)` gives the hash of a key already in
-    /// (to move it when the table grows).
-    pub(crate) fn insert(&mut self, hash: u64, slot: u32, mut hash_of: impl FnMut(u32) -> u64) {
+    /// Adds a key that is not in the table.
+    pub(crate) fn insert(&mut self, hash: u64, slot: u32) {
         debug_assert!(slot < u32::MAX);
         if (self.len + 1) * 4 > self.index.table().view().capacity() * MAX_LOAD_QUARTERS {
-            self.grow(&mut hash_of);
+            self.grow();
         }
         let table = self.index.table().view();
         table.place(table.home(hash), entry(hash, slot));
@@ -517,7 +523,7 @@ impl IndexWriter {
 
     /// Removes a key's entry, shifting the entries after it back so probes stay short. False
     /// when it was not found.
-    pub(crate) fn remove(&mut self, hash: u64, slot: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
+    pub(crate) fn remove(&mut self, hash: u64, slot: u32) -> bool {
         let index = Arc::clone(&self.index);
         let table = index.table().view();
         let mut hole = table.home(hash);
@@ -541,7 +547,7 @@ impl IndexWriter {
             if e == EMPTY {
                 break;
             }
-            let home = table.home(hash_of(entry_slot(e)));
+            let home = table.home_of(e);
             // The entry may move into the hole if its home is not between the hole and it.
             if (at.wrapping_sub(home) & table.mask) >= (at.wrapping_sub(hole) & table.mask) {
                 table.entry(hole).store(e, Ordering::Relaxed);
@@ -557,7 +563,7 @@ impl IndexWriter {
     /// Doubles the table: in place while its reserved room allows, else into a new table. A
     /// reader probing meanwhile may miss an entry being moved, and does not trust that miss (the
     /// sequence changed); what it finds is checked against the key under a lease anyway.
-    fn grow(&mut self, hash_of: &mut impl FnMut(u32) -> u64) {
+    fn grow(&mut self) {
         let index = &self.index;
         let old = index.table().view();
         let capacity = old.capacity() * 2;
@@ -574,7 +580,7 @@ impl IndexWriter {
             table.mask.store(capacity - 1, Ordering::Release);
             let view = table.view();
             for e in moved {
-                view.place(view.home(hash_of(entry_slot(e))), e);
+                view.place(view.home_of(e), e);
             }
             index.seq.fetch_add(1, Ordering::Release);
             return;
@@ -584,7 +590,7 @@ impl IndexWriter {
         for e in old.entries[..old.capacity()].iter() {
             let e = e.load(Ordering::Relaxed);
             if e != EMPTY {
-                view.place(view.home(hash_of(entry_slot(e))), e);
+                view.place(view.home_of(e), e);
             }
         }
         index.seq.fetch_add(1, Ordering::Relaxed);

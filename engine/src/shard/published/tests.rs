@@ -168,12 +168,12 @@ fn table_matches_a_model(max_keys: u32) {
         let slot = i as u32;
         if present[i] {
             writer.close(slot);
-            assert!(writer.remove(hashes[i], slot, |s| hashes[s as usize]), "step {step}: removes key {i}");
+            assert!(writer.remove(hashes[i], slot), "step {step}: removes key {i}");
             present[i] = false;
         } else {
             let value = std::ptr::NonNull::from(&values[i]).cast::<u8>();
             assert!(writer.open(slot, step + 1, value, 8, &keys[i]));
-            writer.insert(hashes[i], slot, |s| hashes[s as usize]);
+            writer.insert(hashes[i], slot);
             present[i] = true;
         }
         if step % 97 == 0 {
@@ -216,7 +216,7 @@ fn readers_never_miss_a_present_key_while_the_table_grows_in_place() {
     let publish = |writer: &mut IndexWriter, i: u32| {
         let value = std::ptr::NonNull::from(&values[i as usize]).cast::<u8>();
         assert!(writer.open(i, 1, value, 8, &keys[i as usize]));
-        writer.insert(hashes[i as usize], i, |s| hashes[s as usize]);
+        writer.insert(hashes[i as usize], i);
     };
     for i in 0..stable {
         publish(&mut writer, i);
@@ -251,7 +251,7 @@ fn readers_never_miss_a_present_key_while_the_table_grows_in_place() {
             publish(&mut writer, i);
             if i % 3 == 0 {
                 writer.close(i - 1);
-                assert!(writer.remove(hashes[i as usize - 1], i - 1, |s| hashes[s as usize]));
+                assert!(writer.remove(hashes[i as usize - 1], i - 1));
             }
         }
         stop.store(true, Ordering::Relaxed);
