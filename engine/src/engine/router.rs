@@ -466,8 +466,8 @@ impl Reservations<'_> {
     }
 }
 
-/// One reservation a caller took on a lent core (`Engine::write_one_on_caller`); aborted when
-/// dropped uncommitted.
+/// One reservation of a single-key write (`Engine::reserve_one`), taken on the lent core or by
+/// message; aborted when dropped uncommitted.
 pub(crate) struct Reservation<'e> {
     engine: &'e Engine,
     shard: usize,
@@ -486,14 +486,20 @@ impl<'e> Reservation<'e> {
         let (upsert, pin) = (opts.upsert, opts.pin);
         let shard = &self.engine.shards[self.shard];
         if !self.engine.write_through() {
-            if let Some(lent) = crate::shard::lend(&shard.core, &shard.inbox) {
-                if let Some(done) = lent.run(|core| core.commit_now_unless_durable(object, upsert, pin)) {
-                    return done;
-                }
+            let lent = crate::shard::lend(&shard.core, &shard.inbox)
+                .and_then(|lent| lent.run(|core| core.commit_now_unless_durable(object, upsert, pin)));
+            if let Some(done) = lent {
+                return done;
             }
         }
-        let results =
-            self.engine.call(self.shard, |reply| Request::Commit { objects: vec![object], upsert, pin, reply })?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if let Err(e) = self.engine.send(self.shard, Request::Commit { objects: vec![object], upsert, pin, reply: tx })
+        {
+            // Never delivered: the drop aborts it (a shard that is gone took it along).
+            self.object = Some(object);
+            return Err(e);
+        }
+        let results = self.engine.recv_reply(&rx)?;
         results.into_iter().next().unwrap_or(Err(Error::Internal("a shard answered no commit")))
     }
 }

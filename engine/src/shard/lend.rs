@@ -109,7 +109,7 @@ pub(crate) fn serve_on_caller(cell: &CoreCell, inbox: &Inbox, request: Request) 
     }
     match lend(cell, inbox) {
         Some(lent) => {
-            lent.run(|core| super::runtime::serve(core, request));
+            lent.run(|core| Some(super::runtime::serve(core, request)));
             Ok(())
         }
         None => Err(request),
@@ -135,16 +135,18 @@ pub(crate) struct Lent<'a> {
 
 impl Lent<'_> {
     /// Runs `work` (one request's worth of core calls that start no task and wait for nothing),
-    /// counts it as a request served by a caller, lets the core go, and pokes the shard when
-    /// `work` left it loop work.
-    pub(crate) fn run<R>(mut self, work: impl FnOnce(&mut ShardCore) -> R) -> R {
+    /// lets the core go, and pokes the shard when `work` left it loop work. Counted as a request
+    /// served by a caller when `work` answered it (Some); None leaves it to a message.
+    pub(crate) fn run<R>(mut self, work: impl FnOnce(&mut ShardCore) -> Option<R>) -> Option<R> {
         let Some(LentCore(core)) = self.guard.as_mut() else {
             unreachable!("`lend` only lends a cell that holds a core")
         };
         core.begin_lent_request();
         let out = work(core);
-        core.counters().requests.fetch_add(1, Relaxed);
-        core.counters().served_by_callers.fetch_add(1, Relaxed);
+        if out.is_some() {
+            core.counters().requests.fetch_add(1, Relaxed);
+            core.counters().served_by_callers.fetch_add(1, Relaxed);
+        }
         let wants_turn = core.wants_turn();
         drop(self.guard);
         if wants_turn {

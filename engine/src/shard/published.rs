@@ -277,8 +277,9 @@ impl Table {
 
 impl View<'_> {
     /// Where a hash's probe starts: Fibonacci hashing of its tag, so an entry's home follows
-    /// from the entry alone (moving entries never rehashes a key) for tables of up to 2^32
-    /// entries, which is as many as slot ids.
+    /// from the entry alone (moving entries never rehashes a key). Tables past 2^32 entries
+    /// (only a shard grown beyond its reserved room, near 2^32 keys) use only some of their
+    /// homes: probes get longer there, never wrong.
     fn home(&self, hash: u64) -> usize {
         self.home_of(entry(hash, 0))
     }
