@@ -17,6 +17,8 @@ pub(crate) struct Inbox {
     /// shard's loop (I/O to submit, eviction, draining): the shard must not park before a turn.
     poked: AtomicBool,
     closed: AtomicBool,
+    /// Set when a caller's thread panicked while it ran the shard's core (`lend`).
+    poisoned: AtomicBool,
     /// Senders between their `closed` check and their push; the shard waits for zero before its
     /// final drain.
     senders_active: AtomicUsize,
@@ -37,6 +39,7 @@ impl Inbox {
             parked: AtomicBool::new(false),
             poked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
             senders_active: AtomicUsize::new(0),
             eventfd,
         })
@@ -101,6 +104,19 @@ impl Inbox {
     pub(crate) fn close(&self) {
         self.closed.store(true, SeqCst);
         self.wake();
+    }
+
+    /// Closes the inbox for good because a caller panicked in the middle of a request on the
+    /// shard's core: the core may be half way through a change, so the shard stops at its next
+    /// turn without the shutdown's flush, as it did when only its own thread ran the core.
+    pub(crate) fn poison(&self) {
+        self.poisoned.store(true, SeqCst);
+        self.close();
+    }
+
+    /// True once a caller panicked on the shard's core.
+    pub(crate) fn is_poisoned(&self) -> bool {
+        self.poisoned.load(SeqCst)
     }
 
     /// True once closed and no sender can still push.

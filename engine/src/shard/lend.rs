@@ -142,7 +142,10 @@ impl Lent<'_> {
             unreachable!("`lend` only lends a cell that holds a core")
         };
         core.begin_lent_request();
+        // Until `work` returns: a panic in it poisons the shard (before the lock is let go).
+        let armed = PoisonOnUnwind(self.inbox);
         let out = work(core);
+        std::mem::forget(armed);
         if out.is_some() {
             core.counters().requests.fetch_add(1, Relaxed);
             core.counters().served_by_callers.fetch_add(1, Relaxed);
@@ -153,5 +156,61 @@ impl Lent<'_> {
             self.inbox.poke();
         }
         out
+    }
+}
+
+/// Poisons the shard's inbox when dropped: dropped only while a lent request unwinds.
+struct PoisonOnUnwind<'a>(&'a Inbox);
+
+impl Drop for PoisonOnUnwind<'_> {
+    fn drop(&mut self) {
+        tracing::error!("a caller panicked while it ran a shard's core; the shard stops");
+        self.0.poison();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::Arc;
+
+    use kvtide_tiers::dram::Arena;
+    use kvtide_tiers::eviction::EvictionPolicy;
+
+    use super::*;
+    use crate::shard::ShardConfig;
+    use crate::stats::ShardCounters;
+
+    fn core() -> ShardCore {
+        let capacity_bytes = 8 << 20;
+        let arena = Arena::new(capacity_bytes, 1).expect("arena");
+        let slice = arena.slice(0).expect("slice");
+        let config = ShardConfig {
+            high_watermark_bytes: capacity_bytes as u64,
+            low_watermark_bytes: capacity_bytes as u64 * 9 / 10,
+            policy: EvictionPolicy::Lru,
+            align_bytes: 64,
+            max_objects: 1000,
+            max_leases: 1000,
+        };
+        ShardCore::new(config, slice, Arc::new(ShardCounters::default())).expect("core")
+    }
+
+    #[test]
+    fn a_panic_on_a_lent_core_poisons_the_shard_and_a_return_does_not() {
+        let cell = new_cell();
+        let inbox = Inbox::new().expect("inbox");
+        let mut hold = LoopCore::hold(&cell, core());
+        LoopCore::unlocked(&mut hold, || {
+            let lent = lend(&cell, &inbox).expect("an idle shard lends its core");
+            assert_eq!(lent.run(|_| Some(7)), Some(7));
+            assert!(!inbox.is_poisoned(), "a step that returned poisons nothing");
+            let lent = lend(&cell, &inbox).expect("lent again");
+            let caught = catch_unwind(AssertUnwindSafe(|| lent.run(|_| -> Option<()> { panic!("a bug in the core") })));
+            assert!(caught.is_err());
+            assert!(inbox.is_poisoned());
+            assert!(lend(&cell, &inbox).is_none(), "a poisoned shard lends its core no more");
+        });
+        assert!(inbox.send(Request::Release { leases: Vec::new() }).is_err(), "and takes no requests");
     }
 }

@@ -311,6 +311,10 @@ impl ShardLoop {
         let mut idle_since: Option<Instant> = None;
         let mut flush_deadline: Option<Instant> = None;
         loop {
+            if self.inbox.is_poisoned() {
+                // A caller panicked on this core: stop as a panic on this thread would have.
+                break;
+            }
             self.core.next_turn();
             let mut worked = self.inbox.take_poke();
             worked |= self.drain_inbox();
