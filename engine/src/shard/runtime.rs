@@ -370,6 +370,16 @@ impl ShardLoop {
             self.park(now);
             idle_since = None;
         }
+        if self.inbox.is_poisoned() {
+            // Queued requests are dropped unanswered: their callers get `ShuttingDown` rather
+            // than wait for a reply that will not come.
+            while !self.inbox.quiesced() {
+                std::thread::yield_now();
+            }
+            while let Some(request) = self.inbox.pop() {
+                drop(request);
+            }
+        }
         self.ring.drain();
     }
 
