@@ -438,9 +438,9 @@ impl PublishedIndex {
                         object.word.release();
                         return FastRead::Fallback;
                     };
-                    let counters = &self.counters;
-                    counters.published_leases_held.fetch_add(1, Ordering::Relaxed);
-                    counters.published_reads.fetch_add(1, Ordering::Relaxed);
+                    let counters = self.counters.readers.mine();
+                    counters.leases_held.fetch_add(1, Ordering::Relaxed);
+                    counters.reads.fetch_add(1, Ordering::Relaxed);
                     counters.hits.fetch_add(1, Ordering::Relaxed);
                     counters.bytes_read.fetch_add(len, Ordering::Relaxed);
                     // A full queue drops the record: recency is approximate under read storms.
@@ -456,14 +456,14 @@ impl PublishedIndex {
         if self.seq.load(Ordering::Relaxed) != before {
             return FastRead::Fallback;
         }
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        self.counters.readers.mine().misses.fetch_add(1, Ordering::Relaxed);
         FastRead::Miss
     }
 
     /// Gives back a lease `lease` returned.
     pub(crate) fn release(&self, lease: FastLease) {
         if let Some(object) = self.slot(lease.slot) {
-            self.counters.published_leases_held.fetch_sub(1, Ordering::Relaxed);
+            self.counters.readers.mine().leases_held.fetch_sub(1, Ordering::Relaxed);
             object.word.release();
         }
     }
