@@ -13,7 +13,7 @@
 mod sim_tests;
 mod ssd;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};

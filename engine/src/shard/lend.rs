@@ -172,35 +172,17 @@ impl Drop for PoisonOnUnwind<'_> {
 #[cfg(test)]
 mod tests {
     use std::panic::{catch_unwind, AssertUnwindSafe};
-    use std::sync::Arc;
 
-    use kvtide_tiers::dram::Arena;
     use kvtide_tiers::eviction::EvictionPolicy;
 
     use super::*;
-    use crate::shard::ShardConfig;
-    use crate::stats::ShardCounters;
-
-    fn core() -> ShardCore {
-        let capacity_bytes = 8 << 20;
-        let arena = Arena::new(capacity_bytes, 1).expect("arena");
-        let slice = arena.slice(0).expect("slice");
-        let config = ShardConfig {
-            high_watermark_bytes: capacity_bytes as u64,
-            low_watermark_bytes: capacity_bytes as u64 * 9 / 10,
-            policy: EvictionPolicy::Lru,
-            align_bytes: 64,
-            max_objects: 1000,
-            max_leases: 1000,
-        };
-        ShardCore::new(config, slice, Arc::new(ShardCounters::default())).expect("core")
-    }
+    use crate::shard::core::tests::core;
 
     #[test]
     fn a_panic_on_a_lent_core_poisons_the_shard_and_a_return_does_not() {
         let cell = new_cell();
         let inbox = Inbox::new().expect("inbox");
-        let mut hold = LoopCore::hold(&cell, core());
+        let mut hold = LoopCore::hold(&cell, core(8 << 20, EvictionPolicy::Lru));
         LoopCore::unlocked(&mut hold, || {
             let lent = lend(&cell, &inbox).expect("an idle shard lends its core");
             assert_eq!(lent.run(|_| Some(7)), Some(7));

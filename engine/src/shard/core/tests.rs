@@ -34,7 +34,8 @@ impl ShardCore {
     }
 }
 
-fn core(capacity_bytes: usize, policy: EvictionPolicy) -> ShardCore {
+/// A DRAM-only shard core of `capacity_bytes` (also lent to callers in `lend`'s tests).
+pub(crate) fn core(capacity_bytes: usize, policy: EvictionPolicy) -> ShardCore {
     let arena = Arena::new(capacity_bytes, 1).expect("arena");
     let slice = arena.slice(0).expect("slice");
     let config = ShardConfig {
