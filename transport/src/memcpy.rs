@@ -4,7 +4,7 @@
 //! memory with `CudaUnavailable` (the CUDA transport handles that) instead of dereferencing it.
 
 use crate::region::{MemoryKind, Region, RegionError};
-use crate::transfer::{Direction, Summary, Transfer};
+use crate::transfer::{Direction, Piece, Summary, Transfer};
 use crate::transport::{EarlyStart, InFlight, Transport};
 use crate::TransportError;
 
@@ -78,23 +78,38 @@ impl Transport for MemcpyTransport {
 /// # Safety
 /// As `Transport::submit`.
 pub unsafe fn copy_transfer(t: &Transfer, direction: Direction) -> Result<(), TransportError> {
-    for p in &t.pieces {
+    // SAFETY: forwarded contract.
+    unsafe { copy_pieces(t.host, t.host_len, &t.pieces, direction) }
+}
+
+/// `copy_transfer` of the transfer (`host`, `host_len`, `pieces`) without owning its pieces:
+/// callers that plan one object at a time reuse one piece list.
+///
+/// # Safety
+/// As `Transport::submit`.
+pub unsafe fn copy_pieces(
+    host: u64,
+    host_len: u64,
+    pieces: &[Piece],
+    direction: Direction,
+) -> Result<(), TransportError> {
+    for p in pieces {
         if !p.kind.is_host() {
             return Err(TransportError::CudaUnavailable("device regions need the cuda transport"));
         }
-        crate::region::check_range("object", p.host_offset, p.len, t.host_len)?;
+        crate::region::check_range("object", p.host_offset, p.len, host_len)?;
     }
-    for p in t.pieces.iter().filter(|p| p.len > 0) {
-        let host = (t.host + p.host_offset) as *mut u8;
+    for p in pieces.iter().filter(|p| p.len > 0) {
+        let object = (host + p.host_offset) as *mut u8;
         let page = p.addr as *mut u8;
         let (src, dst) = match direction {
-            Direction::HostToDevice => (host.cast_const(), page),
-            Direction::DeviceToHost => (page.cast_const(), host),
+            Direction::HostToDevice => (object.cast_const(), page),
+            Direction::DeviceToHost => (page.cast_const(), object),
         };
         // SAFETY: the piece lies inside the object (checked above) and the caller vouches for
         // the page side; leased or reserved arena bytes never overlap caller memory.
         unsafe {
-            if t.host_len >= NONTEMPORAL_OBJECT_BYTES && p.len >= NONTEMPORAL_PIECE_BYTES {
+            if host_len >= NONTEMPORAL_OBJECT_BYTES && p.len >= NONTEMPORAL_PIECE_BYTES {
                 copy_nontemporal(dst, src, p.len as usize)
             } else {
                 std::ptr::copy_nonoverlapping(src, dst, p.len as usize)

@@ -68,16 +68,16 @@ impl Transfer {
     /// An object's bytes laid end to end over `regions` (their lengths add up to the part of
     /// the object they cover, starting at offset 0).
     pub fn in_order(host: u64, host_len: u64, regions: &[Region<'_>]) -> Transfer {
-        let mut offset = 0;
-        let pieces = regions
-            .iter()
-            .map(|r| {
-                let piece = Piece { host_offset: offset, addr: r.addr(), len: r.len() as u64, kind: r.kind() };
-                offset += r.len() as u64;
-                piece
-            })
-            .collect();
-        Transfer { host, host_len, pieces }
+        Transfer { host, host_len, pieces: Transfer::pieces_in_order(regions).collect() }
+    }
+
+    /// The pieces of `in_order`: `regions` one after another from the object's first byte.
+    pub fn pieces_in_order<'a>(regions: &'a [Region<'_>]) -> impl Iterator<Item = Piece> + 'a {
+        regions.iter().scan(0u64, |offset, r| {
+            let piece = Piece { host_offset: *offset, addr: r.addr(), len: r.len() as u64, kind: r.kind() };
+            *offset += r.len() as u64;
+            Some(piece)
+        })
     }
 
     /// The transfer cut into consecutive transfers of at most `max_bytes` each (pieces split

@@ -2,8 +2,9 @@
 //!
 //! Owns what a read wants of each object (`Want`: the whole object across regions, the whole
 //! object into the start of a buffer, or a byte range of it), the planning of those wants into
-//! transfers (sizes checked, pieces laid out, in arena order), their delivery through the
-//! transports of their routes, and the rounds that let a batch larger than DRAM through. Every
+//! transfers (sizes checked, pieces laid out, GPU transfers in arena order), their delivery
+//! through the transports of their routes (host slots of the store's own memcpy are copied as
+//! they are planned), and the rounds that let a batch larger than DRAM through. Every
 //! blocking read, the restore pipeline's sub-batches and the async tickets plan with the same
 //! function. It never reports a slot as done before every one of its bytes arrived, and never
 //! releases a lease before the transfers that read it completed.
@@ -49,28 +50,41 @@ pub(crate) struct Slot<'k> {
 /// The pieces that deliver `want` of an object of `object_len` bytes into `regions`, and the
 /// bytes the slot reports; the slot's error when the sizes do not fit.
 pub(crate) fn plan_pieces(object_len: u64, regions: &[Region<'_>], want: Want) -> Result<(Vec<Piece>, usize)> {
+    let mut pieces = Vec::new();
+    plan_pieces_into(object_len, regions, want, &mut pieces).map(|reported| (pieces, reported))
+}
+
+/// `plan_pieces` into `pieces` (cleared first), for callers that reuse one list.
+pub(crate) fn plan_pieces_into(
+    object_len: u64,
+    regions: &[Region<'_>],
+    want: Want,
+    pieces: &mut Vec<Piece>,
+) -> Result<usize> {
+    pieces.clear();
     match want {
         Want::Whole => {
             let bytes = total_len(regions)?;
             if bytes != object_len {
                 return Err(Error::SizeMismatch { object_bytes: object_len, destination_bytes: bytes });
             }
-            Ok((Transfer::in_order(0, object_len, regions).pieces, object_len as usize))
+            pieces.extend(Transfer::pieces_in_order(regions));
+            Ok(object_len as usize)
         }
         Want::Prefix => {
             let region = regions.first().ok_or(Error::Internal("a prefix read without a region"))?;
             if (region.len() as u64) < object_len {
                 return Err(Error::BufferTooSmall { object_bytes: object_len, buffer_bytes: region.len() as u64 });
             }
-            let piece = Piece { host_offset: 0, addr: region.addr(), len: object_len, kind: region.kind() };
-            Ok((vec![piece], object_len as usize))
+            pieces.push(Piece { host_offset: 0, addr: region.addr(), len: object_len, kind: region.kind() });
+            Ok(object_len as usize)
         }
         Want::Range { src_offset, dst_offset, len } => {
             let region = regions.first().ok_or(Error::Internal("a range read without a region"))?;
             kvtide_transport::region::check_range("object", src_offset, len, object_len)?;
             region.check_range(dst_offset, len)?;
-            let piece = Piece { host_offset: src_offset, addr: region.addr() + dst_offset, len, kind: region.kind() };
-            Ok((vec![piece], len as usize))
+            pieces.push(Piece { host_offset: src_offset, addr: region.addr() + dst_offset, len, kind: region.kind() });
+            Ok(len as usize)
         }
     }
 }
@@ -104,10 +118,32 @@ impl<'a, 'r> ReadTargets<'a, 'r> {
     }
 }
 
-/// A transfer and the slots it delivers ((slot, bytes reported)).
+/// One route's transfers and the slots they deliver: (transfer, slot, bytes reported), one
+/// per slot (range slots of one key share a transfer).
+#[derive(Default)]
 struct Planned {
-    transfer: Transfer,
-    owners: Vec<(usize, usize)>,
+    transfers: Vec<Transfer>,
+    owners: Vec<(usize, usize, usize)>,
+}
+
+impl Planned {
+    /// Puts the transfers in arena order, their owners following.
+    fn sort_by_host(&mut self) {
+        if self.transfers.is_sorted_by_key(|t| t.host) {
+            return;
+        }
+        let mut order: Vec<usize> = (0..self.transfers.len()).collect();
+        order.sort_unstable_by_key(|&t| self.transfers[t].host);
+        let mut rank = vec![0; order.len()];
+        let mut unsorted: Vec<Option<Transfer>> = self.transfers.drain(..).map(Some).collect();
+        for (r, &t) in order.iter().enumerate() {
+            rank[t] = r;
+            self.transfers.extend(unsorted[t].take());
+        }
+        for owner in &mut self.owners {
+            owner.0 = rank[owner.0];
+        }
+    }
 }
 
 impl Engine {
@@ -287,7 +323,13 @@ impl Engine {
     ) -> usize {
         targets.check_now(self);
         let checks = targets.checks.as_deref().unwrap_or(&[]);
-        let mut planned: Vec<Vec<Planned>> = Route::ALL.iter().map(|_| Vec::new()).collect();
+        let mut planned: Vec<Planned> = Route::ALL.iter().map(|_| Planned::default()).collect();
+        // Host slots copied by the store's own memcpy are copied here, as they are planned, with
+        // one reused piece list: no transfer, owner list or submission per key. Not when GPU
+        // slots come too: their submission goes first, so the GPU works while the CPU copies.
+        let copy_here = targets.transports.host_is_memcpy() && !targets.routes.contains(&Route::Gpu);
+        let mut scratch: Vec<Piece> = Vec::new();
+        let mut delivered = 0;
         // Range slots of one key on one route share a transfer.
         let mut merged: HashMap<(&[u8], Route), usize> = HashMap::new();
         for (s, slot) in slots.iter().enumerate() {
@@ -305,6 +347,26 @@ impl Engine {
                 }
             };
             let route = targets.routes[slot.list];
+            let host = grant.ptr.as_ptr() as u64;
+            let shared = matches!(slot.want, Want::Range { .. }).then(|| (slot.key, route));
+            if copy_here && route == Route::Host && shared.is_none() {
+                let copied = plan_pieces_into(grant.len, targets.lists[slot.list], slot.want, &mut scratch).and_then(
+                    |reported| {
+                        // SAFETY: our caller keeps the object leased until we return; the
+                        // destination passed the host check and stays valid for the call
+                        // (`Region::from_raw`'s contract for raw ones). A CPU copy is done
+                        // when it returns.
+                        unsafe {
+                            kvtide_transport::memcpy::copy_pieces(host, grant.len, &scratch, Direction::HostToDevice)
+                        }
+                        .map(|()| reported)
+                        .map_err(Error::from)
+                    },
+                );
+                delivered += usize::from(copied.is_ok());
+                results[s] = copied;
+                continue;
+            }
             let (pieces, reported) = match plan_pieces(grant.len, targets.lists[slot.list], slot.want) {
                 Ok(planned) => planned,
                 Err(e) => {
@@ -313,39 +375,32 @@ impl Engine {
                 }
             };
             let into = &mut planned[route as usize];
-            let host = grant.ptr.as_ptr() as u64;
-            let shared = matches!(slot.want, Want::Range { .. }).then(|| (slot.key, route));
             match shared.and_then(|k| merged.get(&k).copied()) {
                 Some(t) => {
-                    into[t].transfer.pieces.extend(pieces);
-                    into[t].owners.push((s, reported));
+                    into.transfers[t].pieces.extend(pieces);
+                    into.owners.push((t, s, reported));
                 }
                 None => {
                     if let Some(k) = shared {
-                        merged.insert(k, into.len());
+                        merged.insert(k, into.transfers.len());
                     }
-                    into.push(Planned {
-                        transfer: Transfer { host, host_len: grant.len, pieces },
-                        owners: vec![(s, reported)],
-                    });
+                    into.owners.push((into.transfers.len(), s, reported));
+                    into.transfers.push(Transfer { host, host_len: grant.len, pieces });
                 }
             }
         }
-        // Arena order: a staging transport's fills then hold neighbours and its copies merge.
-        for route in &mut planned {
-            route.sort_unstable_by_key(|p| p.transfer.host);
-        }
+        // Arena order for GPU memory: a staging transport's fills then hold neighbours and its
+        // copies merge. Host copies go in any order.
+        planned[Route::Gpu as usize].sort_by_host();
         let clock = timing.is_some();
         let planned_at = clock.then(Instant::now);
         // Submit every route first (the GPU works while the CPU copies), then wait.
         let mut inflight = Vec::new();
         for route in Route::ALL {
-            let batch = std::mem::take(&mut planned[route as usize]);
-            if batch.is_empty() {
+            let Planned { transfers, owners } = std::mem::take(&mut planned[route as usize]);
+            if transfers.is_empty() {
                 continue;
             }
-            let (transfers, owners): (Vec<Transfer>, Vec<Vec<(usize, usize)>>) =
-                batch.into_iter().map(|p| (p.transfer, p.owners)).unzip();
             let transport = targets.transports.get(route);
             let early = if route == Route::Gpu { early.take() } else { None };
             // SAFETY: every transfer's host bytes are leased by our caller until we return, and
@@ -353,33 +408,32 @@ impl Engine {
             // passed its transport's check, and the caller's regions stay valid for the call
             // (`Region::from_raw`'s contract for raw ones).
             let submitted = unsafe { transport.submit(Direction::HostToDevice, &transfers, early) };
+            let count = transfers.len();
             // Freed now, while the copies run.
             drop(transfers);
-            inflight.push((route, owners, submitted));
+            inflight.push((route, count, owners, submitted));
         }
         drop(early);
         if let (Some(t), Some(planned_at)) = (timing, planned_at) {
             t.planned_at = planned_at;
             t.submitted_at = Instant::now();
         }
-        let mut delivered = 0;
-        for (route, owners, submitted) in inflight {
+        for (route, count, owners, submitted) in inflight {
             let (outcomes, summary) = match submitted {
                 Ok(inflight) => {
                     let summary = inflight.summary();
                     (inflight.wait().into_iter().map(|r| r.map_err(Error::from)).collect::<Vec<_>>(), Some(summary))
                 }
-                Err(e) => (vec![Err(Error::from(e)); owners.len()], None),
+                Err(e) => (vec![Err(Error::from(e)); count], None),
             };
             let failed = outcomes.iter().filter(|r| r.is_err()).count() as u64;
             if route == Route::Gpu {
                 self.gpu.counters().record(summary.as_ref(), Direction::HostToDevice, failed);
             }
-            for (members, outcome) in owners.into_iter().zip(outcomes) {
-                for (s, reported) in members {
-                    results[s] = outcome.clone().map(|()| reported);
-                    delivered += usize::from(outcome.is_ok());
-                }
+            for (t, s, reported) in owners {
+                let outcome = outcomes.get(t).cloned().unwrap_or(Err(Error::Internal("a transfer without a result")));
+                delivered += usize::from(outcome.is_ok());
+                results[s] = outcome.map(|()| reported);
             }
         }
         delivered

@@ -40,6 +40,9 @@ impl Route {
 #[derive(Clone)]
 pub(crate) struct Transports {
     host: Arc<dyn Transport>,
+    /// `host` is the store's own CPU copy (no caller transport): host slots may be copied
+    /// where they are planned, without a submission.
+    host_is_memcpy: bool,
     gpu: Option<Arc<dyn Transport>>,
 }
 
@@ -58,6 +61,7 @@ impl Engine {
         gpu: Option<Arc<dyn Transport>>,
     ) -> Transports {
         Transports {
+            host_is_memcpy: host.is_none(),
             host: host.unwrap_or_else(|| Arc::new(MemcpyTransport)),
             gpu: routes.contains(&Route::Gpu).then(|| gpu.unwrap_or_else(|| self.gpu.transport(&self.arena))),
         }
@@ -88,6 +92,11 @@ impl Engine {
 }
 
 impl Transports {
+    /// True when host routes copy with the store's own `MemcpyTransport`.
+    pub(crate) fn host_is_memcpy(&self) -> bool {
+        self.host_is_memcpy
+    }
+
     pub(crate) fn get(&self, route: Route) -> &dyn Transport {
         match (route, &self.gpu) {
             (Route::Gpu, Some(gpu)) => gpu.as_ref(),
