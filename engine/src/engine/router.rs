@@ -33,17 +33,116 @@ struct FanoutPart<R> {
     reply: Result<Receiver<Vec<R>>>,
 }
 
-/// Per-item results by caller index. Hashed by the index itself: a call's indices are distinct
-/// small integers, so SipHash's resistance to chosen keys buys nothing here, and it cost a
-/// large share of a batch lease's time.
-pub(crate) type ByIndex<V> = HashMap<usize, V, BuildHasherDefault<IndexHasher>>;
-
-/// An empty `ByIndex` with room for `n` items.
-pub(crate) fn by_index<V>(n: usize) -> ByIndex<V> {
-    HashMap::with_capacity_and_hasher(n, BuildHasherDefault::default())
+/// Per-item results by caller index. A call's indices are distinct positions in the caller's
+/// batch, usually dense (a whole batch read), so they index a vector from the first one seen
+/// with no hashing; indices spread wider than a few times the expected count (one sub-batch of
+/// a large restore) go to a map, so memory stays proportional to the items.
+#[derive(Debug)]
+pub(crate) enum ByIndex<V> {
+    /// `items[i - base]`; the expected count bounds how wide the span may grow.
+    Dense {
+        base: usize,
+        items: Vec<Option<V>>,
+        expected: usize,
+    },
+    Sparse(HashMap<usize, V, BuildHasherDefault<IndexHasher>>),
 }
 
-/// The hasher of `ByIndex`: one multiply (Fibonacci hashing) of the index.
+/// An empty `ByIndex` expecting about `n` items.
+pub(crate) fn by_index<V>(n: usize) -> ByIndex<V> {
+    ByIndex::Dense { base: 0, items: Vec::with_capacity(n), expected: n }
+}
+
+impl<V> Default for ByIndex<V> {
+    fn default() -> Self {
+        by_index(0)
+    }
+}
+
+/// Widest span a dense `ByIndex` keeps for `expected` items.
+fn dense_span(expected: usize) -> usize {
+    expected.saturating_mul(4).max(64)
+}
+
+impl<V> ByIndex<V> {
+    /// Sets index `i`'s item, returning the one it replaces.
+    pub(crate) fn insert(&mut self, i: usize, value: V) -> Option<V> {
+        if let ByIndex::Dense { base, items, expected } = self {
+            if items.is_empty() {
+                *base = i;
+            }
+            let low = i.min(*base);
+            let high = i.max(*base + items.len().max(1) - 1);
+            if high - low < dense_span(*expected) {
+                if i < *base {
+                    // Room in front at least doubles, so descending indices stay linear.
+                    let grow = (*base - i).max(items.len()).min(*base);
+                    items.splice(0..0, std::iter::repeat_with(|| None).take(grow));
+                    *base -= grow;
+                }
+                let at = i - *base;
+                if at >= items.len() {
+                    items.resize_with(at + 1, || None);
+                }
+                return items[at].replace(value);
+            }
+            let map = std::mem::take(items).into_iter().enumerate().filter_map(|(k, v)| v.map(|v| (*base + k, v)));
+            let mut sparse = HashMap::with_capacity_and_hasher((*expected).max(1), BuildHasherDefault::default());
+            sparse.extend(map);
+            *self = ByIndex::Sparse(sparse);
+        }
+        match self {
+            ByIndex::Sparse(map) => map.insert(i, value),
+            ByIndex::Dense { .. } => None,
+        }
+    }
+
+    pub(crate) fn get(&self, i: &usize) -> Option<&V> {
+        match self {
+            ByIndex::Dense { base, items, .. } => i.checked_sub(*base).and_then(|at| items.get(at)?.as_ref()),
+            ByIndex::Sparse(map) => map.get(i),
+        }
+    }
+
+    pub(crate) fn remove(&mut self, i: &usize) -> Option<V> {
+        match self {
+            ByIndex::Dense { base, items, .. } => i.checked_sub(*base).and_then(|at| items.get_mut(at)?.take()),
+            ByIndex::Sparse(map) => map.remove(i),
+        }
+    }
+}
+
+impl<V> IntoIterator for ByIndex<V> {
+    type Item = (usize, V);
+    type IntoIter = ByIndexItems<V>;
+
+    /// (index, item): ascending while dense, in no particular order once sparse.
+    fn into_iter(self) -> ByIndexItems<V> {
+        match self {
+            ByIndex::Dense { base, items, .. } => ByIndexItems::Dense { base, items: items.into_iter().enumerate() },
+            ByIndex::Sparse(map) => ByIndexItems::Sparse(map.into_iter()),
+        }
+    }
+}
+
+/// The items of a `ByIndex`.
+pub(crate) enum ByIndexItems<V> {
+    Dense { base: usize, items: std::iter::Enumerate<std::vec::IntoIter<Option<V>>> },
+    Sparse(std::collections::hash_map::IntoIter<usize, V>),
+}
+
+impl<V> Iterator for ByIndexItems<V> {
+    type Item = (usize, V);
+
+    fn next(&mut self) -> Option<(usize, V)> {
+        match self {
+            ByIndexItems::Dense { base, items } => items.find_map(|(k, v)| v.map(|v| (*base + k, v))),
+            ByIndexItems::Sparse(map) => map.next(),
+        }
+    }
+}
+
+/// The hasher of a sparse `ByIndex`: one multiply (Fibonacci hashing) of the index.
 #[derive(Default)]
 pub(crate) struct IndexHasher(u64);
 
@@ -544,5 +643,53 @@ impl Drop for Reservations<'_> {
                 let _ = self.engine.shards[shard].inbox.send(Request::Abort { objects });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::{by_index, ByIndex};
+
+    proptest! {
+        /// `ByIndex` answers as a map would for any order and spread of indices, dense or
+        /// sparse, and its items come back exactly once each.
+        #[test]
+        fn by_index_behaves_as_a_map(
+            expected in 0usize..40,
+            ops in proptest::collection::vec((0usize..3, 0usize..400), 0..200),
+        ) {
+            let mut dense: ByIndex<usize> = by_index(expected);
+            let mut model: HashMap<usize, usize> = HashMap::new();
+            for (n, (op, i)) in ops.into_iter().enumerate() {
+                match op {
+                    0 | 1 => prop_assert_eq!(dense.insert(i, n), model.insert(i, n)),
+                    _ => prop_assert_eq!(dense.remove(&i), model.remove(&i)),
+                }
+                prop_assert_eq!(dense.get(&i), model.get(&i));
+            }
+            let mut items: Vec<(usize, usize)> = dense.into_iter().collect();
+            let mut want: Vec<(usize, usize)> = model.into_iter().collect();
+            items.sort_unstable();
+            want.sort_unstable();
+            prop_assert_eq!(items, want);
+        }
+    }
+
+    #[test]
+    fn by_index_stays_dense_for_a_batch_and_bounded_for_a_spread() {
+        let mut batch: ByIndex<u8> = by_index(1000);
+        for i in (0..1000).rev() {
+            batch.insert(i, 1);
+        }
+        assert!(matches!(&batch, ByIndex::Dense { items, .. } if items.len() <= 2000));
+        let mut spread: ByIndex<u8> = by_index(10);
+        for i in 0..10 {
+            spread.insert(i * 100_000, 1);
+        }
+        assert!(matches!(spread, ByIndex::Sparse(_)));
     }
 }
