@@ -6,7 +6,9 @@
 //! the sources rotate over as many bytes as the store's keys hold, as the gets' do). Batches:
 //! `batch_get_into` of 128 x 64 KiB against `memcpy_batch`, the same 128 copies from the same
 //! thread, and of 1536 x 64 B (as many keys as the GPU benchmark's 4 KiB-page layout leases per
-//! call), where the per-key fixed cost of a batch shows.
+//! call), where the per-key fixed cost of a batch shows. `get_into_page_plus_16` reads into a
+//! buffer 16 bytes past a 4 KiB boundary (where `malloc` puts large buffers; arena objects start
+//! on one), the case glibc's `memcpy` copies slowly.
 //!
 //! Run: `cargo bench -p kvtide-benches --bench object_api` (2 s, 10 samples per benchmark).
 
@@ -75,6 +77,19 @@ fn object_api(c: &mut Criterion) {
             b.iter(|| {
                 i = (i + 1) % keys.len();
                 let n = store.get_into(black_box(&keys[i]), Region::host(&mut buf)).expect("get_into hit");
+                black_box(n);
+            })
+        });
+
+        // A destination 16 bytes past a 4 KiB boundary, where `malloc` puts large buffers.
+        let mut page = vec![0u8; size + 8192];
+        let start = (page.as_ptr() as usize).wrapping_neg() % 4096 + 16;
+        let past_page = &mut page[start..start + size];
+        let mut i = 0usize;
+        group.bench_with_input(BenchmarkId::new("get_into_page_plus_16", size), &size, |b, _| {
+            b.iter(|| {
+                i = (i + 1) % keys.len();
+                let n = store.get_into(black_box(&keys[i]), Region::host(past_page)).expect("get_into hit");
                 black_box(n);
             })
         });

@@ -207,7 +207,7 @@ impl ShmMapping {
         }
         // SAFETY: the source range was checked against the mapping above; the destination is
         // the caller's (contract), and a read-only mapping cannot overlap a writable buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.base.as_ptr().add(offset as usize), dst, len as usize) };
+        unsafe { kvtide_transport::memcpy::copy_bytes(dst, self.base.as_ptr().add(offset as usize), len as usize) };
         Ok(())
     }
 }
@@ -331,7 +331,7 @@ impl PutWindow {
         if !dst.is_empty() {
             // SAFETY: the range was checked against the mapping; a raw copy (no reference to the
             // shared bytes is ever formed); `dst` is ours and cannot overlap a mapping we only read.
-            unsafe { std::ptr::copy_nonoverlapping(self.base.as_ptr().add(start), dst.as_mut_ptr(), dst.len()) };
+            unsafe { kvtide_transport::memcpy::copy_bytes(dst.as_mut_ptr(), self.base.as_ptr().add(start), dst.len()) };
         }
         Ok(())
     }
@@ -346,7 +346,7 @@ impl PutWindow {
         if len > 0 {
             // SAFETY: the destination range was checked against the (writable) mapping; the
             // source is the caller's (contract) and lies outside a mapping the client just made.
-            unsafe { std::ptr::copy_nonoverlapping(src, self.base.as_ptr().add(start), len as usize) };
+            unsafe { kvtide_transport::memcpy::copy_bytes(self.base.as_ptr().add(start), src, len as usize) };
         }
         Ok(())
     }

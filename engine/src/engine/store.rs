@@ -58,7 +58,7 @@ impl Store for Engine {
         // SAFETY: the lease keeps `len` bytes at grant.ptr valid; `out` has capacity `len` and
         // they do not overlap; set_len follows a copy of exactly `len` initialised bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(grant.ptr.as_ptr(), out.as_mut_ptr(), len);
+            kvtide_transport::memcpy::copy_bytes(out.as_mut_ptr(), grant.ptr.as_ptr(), len);
             out.set_len(len);
         }
         Ok(out)

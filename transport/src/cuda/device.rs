@@ -415,7 +415,7 @@ pub unsafe fn copy_host_pieces(transfer: &Transfer, direction: Direction) {
             Direction::DeviceToHost => (page.cast_const(), host),
         };
         // SAFETY: the caller vouches for both ranges; they never overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, piece.len as usize) };
+        unsafe { crate::memcpy::copy_bytes(dst, src, piece.len as usize) };
     }
 }
 
