@@ -240,7 +240,7 @@ impl FrameIo {
         let from_buf = len.min(self.buffered());
         // SAFETY: the source lies in rbuf[start..end]; the destination is the caller's, valid
         // for `len >= from_buf` bytes, and cannot overlap our private buffer.
-        unsafe { std::ptr::copy_nonoverlapping(self.rbuf.as_ptr().add(self.start), ptr, from_buf) };
+        unsafe { kvtide_transport::memcpy::copy_bytes(ptr, self.rbuf.as_ptr().add(self.start), from_buf) };
         self.start += from_buf;
         let mut done = from_buf;
         while done < len {
