@@ -17,7 +17,7 @@ use super::Engine;
 use crate::api::PutOptions;
 use crate::error::{Error, Result};
 use crate::shard::inbox::Inbox;
-use crate::shard::published::{FastLease, FastRead, PublishedIndex};
+use crate::shard::published::{FastLease, FastRead, Prefetch, Prefetcher, PublishedIndex};
 use crate::shard::{LeaseId, ObjectRef, ReadGrant, Request, WriteGrant};
 
 /// Requests sent to the shards and not yet answered.
@@ -32,6 +32,9 @@ struct FanoutPart<R> {
     indices: Vec<usize>,
     reply: Result<Receiver<Vec<R>>>,
 }
+
+/// Keys between the steps of a batch lease's prefetches (entry, slot, key and value).
+const PREFETCH_STRIDE: usize = 4;
 
 /// Per-item results by caller index. A call's indices are distinct positions in the caller's
 /// batch, usually dense (a whole batch read), so they index a vector from the first one seen
@@ -314,20 +317,41 @@ impl Engine {
     ) -> PendingLeases<'_> {
         // DRAM-resident objects are leased through the shards' published indexes; the rest
         // (on SSD, loading, being written, or a lookup that raced with the shard) by message.
-        let keys = keys.into_iter();
-        let mut fast = Vec::with_capacity(keys.size_hint().0);
-        let mut answered = by_index(keys.size_hint().0);
-        let by_message = keys.into_iter().filter(|&(index, key)| match self.lease_published(key) {
-            Some(Ok((grant, lease))) => {
-                fast.push(lease.into_raw());
-                answered.insert(index, Ok(grant));
-                false
+        let keys: Vec<(usize, &[u8])> = keys.into_iter().collect();
+        let hashes: Vec<u64> = keys.iter().map(|(_, key)| crate::shard::key_hash(key)).collect();
+        let mut fast = Vec::with_capacity(keys.len());
+        let mut answered = by_index(keys.len());
+        // Each key's home entry is fetched three strides ahead, its slot two, its key and value
+        // one, so a batch's cache misses overlap.
+        let steps = [(3, Prefetch::Entry), (2, Prefetch::Slot), (1, Prefetch::Bytes)];
+        let prefetchers: Vec<Prefetcher<'_>> = self.shards.iter().map(|s| s.published.prefetcher()).collect();
+        let prefetch = |hash: u64, what: Prefetch| {
+            let shard = (hash % self.shards.len() as u64) as usize;
+            prefetchers[shard].prefetch(crate::shard::index_hash(hash), what);
+        };
+        for (ahead, what) in steps {
+            for &hash in hashes.iter().take(ahead * PREFETCH_STRIDE) {
+                prefetch(hash, what);
             }
-            Some(Err(e)) => {
-                answered.insert(index, Err(e));
-                false
+        }
+        let by_message = keys.into_iter().enumerate().filter_map(|(k, (index, key))| {
+            for (ahead, what) in steps {
+                if let Some(&hash) = hashes.get(k + ahead * PREFETCH_STRIDE) {
+                    prefetch(hash, what);
+                }
             }
-            None => true,
+            match self.lease_published_hashed(key, hashes[k]) {
+                Some(Ok((grant, lease))) => {
+                    fast.push(lease.into_raw());
+                    answered.insert(index, Ok(grant));
+                    None
+                }
+                Some(Err(e)) => {
+                    answered.insert(index, Err(e));
+                    None
+                }
+                None => Some((index, key)),
+            }
         });
         let fanout = self.fan_out(by_message.map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
@@ -341,10 +365,14 @@ impl Engine {
     /// Leases one key through its shard's published index: the grant and its guard, the key's
     /// absence, or None when the shard must be asked (see `send_leases_with`).
     pub(super) fn lease_published(&self, key: &[u8]) -> Option<Result<(ReadGrant, PublishedLease<'_>)>> {
+        self.lease_published_hashed(key, crate::shard::key_hash(key))
+    }
+
+    /// `lease_published` of a key whose `shard::key_hash` is `hash`.
+    fn lease_published_hashed(&self, key: &[u8], hash: u64) -> Option<Result<(ReadGrant, PublishedLease<'_>)>> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return None;
         }
-        let hash = crate::shard::key_hash(key);
         let shard = (hash % self.shards.len() as u64) as usize;
         match self.shards[shard].published.lease(key, crate::shard::index_hash(hash)) {
             FastRead::Hit { lease, ptr, len } => Some(Ok((

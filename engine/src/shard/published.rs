@@ -319,6 +319,62 @@ fn entry_slot(entry: u64) -> u32 {
     ((entry & 0xFFFF_FFFF) - 1) as u32
 }
 
+/// Asks the CPU to start fetching what `PublishedIndex::lease(key, hash)` will read, one step
+/// of its chain of dependent loads at a time (`Prefetch`). A hint only: the table it looked at
+/// may have been replaced since (replaced tables live as long as the index), a pointer it reads
+/// may be stale, and a prefetch never faults. A batch of leases issues each step some keys
+/// ahead, so the cache misses of neighbouring keys overlap instead of following one another.
+pub(crate) struct Prefetcher<'i> {
+    index: &'i PublishedIndex,
+    table: View<'i>,
+}
+
+impl Prefetcher<'_> {
+    pub(crate) fn prefetch(&self, hash: u64, what: Prefetch) {
+        let at = self.table.home(hash);
+        let entry = self.table.entry(at);
+        if matches!(what, Prefetch::Entry) {
+            prefetch_line(entry as *const AtomicU64 as *const u8);
+            return;
+        }
+        let e = entry.load(Ordering::Relaxed);
+        if e == EMPTY || e >> 32 != tag(hash) {
+            return;
+        }
+        let Some(object) = self.index.slot(entry_slot(e)) else { return };
+        if matches!(what, Prefetch::Slot) {
+            prefetch_line(object as *const ObjectSlot as *const u8);
+        } else {
+            // The key the lease compares and the value's first line.
+            prefetch_line(object.key.load(Ordering::Relaxed) as *const u8);
+            prefetch_line(object.value.load(Ordering::Relaxed) as *const u8);
+        }
+    }
+}
+
+/// What `Prefetcher::prefetch` fetches.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Prefetch {
+    /// The key's home entry in the table.
+    Entry,
+    /// The slot the home entry names (the entry cached).
+    Slot,
+    /// The key's bytes and the value's first line that slot points at (the slot cached).
+    Bytes,
+}
+
+/// A prefetch of the cache line at `at` (no effect off x86-64). Never faults.
+fn prefetch_line(at: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults or reads architecturally; SSE is part of
+    // x86-64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(at.cast::<i8>(), std::arch::x86_64::_MM_HINT_T0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = at;
+}
+
 /// A lease taken without the shard: give it back with `PublishedIndex::release`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FastLease {
@@ -404,6 +460,11 @@ impl PublishedIndex {
     }
 
     // ---- readers ------------------------------------------------------------------------------
+
+    /// Prefetches for a batch of leases through this index (see `Prefetcher`).
+    pub(crate) fn prefetcher(&self) -> Prefetcher<'_> {
+        Prefetcher { index: self, table: self.table().view() }
+    }
 
     /// Looks `key` (whose `hash` is `shard::index_hash` of its key hash) up and leases its
     /// object if it is open.
