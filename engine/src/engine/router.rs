@@ -318,17 +318,15 @@ impl Engine {
         // DRAM-resident objects are leased through the shards' published indexes; the rest
         // (on SSD, loading, being written, or a lookup that raced with the shard) by message.
         let keys: Vec<(usize, &[u8])> = keys.into_iter().collect();
-        let hashes: Vec<u64> = keys.iter().map(|(_, key)| crate::shard::key_hash(key)).collect();
+        // Each key's shard and index hash, computed once for its prefetches and its lease.
+        let hashes: Vec<(usize, u64)> = keys.iter().map(|(_, key)| self.shard_and_index_hash(key)).collect();
         let mut fast = Vec::with_capacity(keys.len());
         let mut answered = by_index(keys.len());
         // Each key's home entry is fetched three strides ahead, its slot two, its key and value
         // one, so a batch's cache misses overlap.
         let steps = [(3, Prefetch::Entry), (2, Prefetch::Slot), (1, Prefetch::Bytes)];
         let prefetchers: Vec<Prefetcher<'_>> = self.shards.iter().map(|s| s.published.prefetcher()).collect();
-        let prefetch = |hash: u64, what: Prefetch| {
-            let shard = (hash % self.shards.len() as u64) as usize;
-            prefetchers[shard].prefetch(crate::shard::index_hash(hash), what);
-        };
+        let prefetch = |(shard, hash): (usize, u64), what: Prefetch| prefetchers[shard].prefetch(hash, what);
         for (ahead, what) in steps {
             for &hash in hashes.iter().take(ahead * PREFETCH_STRIDE) {
                 prefetch(hash, what);
@@ -340,7 +338,7 @@ impl Engine {
                     prefetch(hash, what);
                 }
             }
-            match self.lease_published_hashed(key, hashes[k]) {
+            match self.lease_published_at(key, hashes[k]) {
                 Some(Ok((grant, lease))) => {
                     fast.push(lease.into_raw());
                     answered.insert(index, Ok(grant));
@@ -365,16 +363,25 @@ impl Engine {
     /// Leases one key through its shard's published index: the grant and its guard, the key's
     /// absence, or None when the shard must be asked (see `send_leases_with`).
     pub(super) fn lease_published(&self, key: &[u8]) -> Option<Result<(ReadGrant, PublishedLease<'_>)>> {
-        self.lease_published_hashed(key, crate::shard::key_hash(key))
+        self.lease_published_at(key, self.shard_and_index_hash(key))
     }
 
-    /// `lease_published` of a key whose `shard::key_hash` is `hash`.
-    fn lease_published_hashed(&self, key: &[u8], hash: u64) -> Option<Result<(ReadGrant, PublishedLease<'_>)>> {
+    /// A key's shard and its hash in that shard's index.
+    fn shard_and_index_hash(&self, key: &[u8]) -> (usize, u64) {
+        let hash = crate::shard::key_hash(key);
+        ((hash % self.shards.len() as u64) as usize, crate::shard::index_hash(hash))
+    }
+
+    /// `lease_published` of a key `shard_and_index_hash` placed at (shard, index hash).
+    fn lease_published_at(
+        &self,
+        key: &[u8],
+        (shard, hash): (usize, u64),
+    ) -> Option<Result<(ReadGrant, PublishedLease<'_>)>> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return None;
         }
-        let shard = (hash % self.shards.len() as u64) as usize;
-        match self.shards[shard].published.lease(key, crate::shard::index_hash(hash)) {
+        match self.shards[shard].published.lease(key, hash) {
             FastRead::Hit { lease, ptr, len } => Some(Ok((
                 ReadGrant { lease: LeaseId::PUBLISHED, ptr, len, landing: None },
                 PublishedLease { engine: self, shard, lease },
