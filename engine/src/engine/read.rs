@@ -89,6 +89,26 @@ pub(crate) fn plan_pieces_into(
     }
 }
 
+/// Plans `want` of a leased object into host `regions` (reusing `pieces`) and copies it on this
+/// thread: the bytes the slot reports, or its error.
+///
+/// # Safety
+/// The object must stay leased until this returns; `regions` must have passed the host check
+/// and stay valid for the call (`Region::from_raw`'s contract for raw ones).
+unsafe fn copy_planned(
+    grant: &ReadGrant,
+    regions: &[Region<'_>],
+    want: Want,
+    pieces: &mut Vec<Piece>,
+) -> Result<usize> {
+    let reported = plan_pieces_into(grant.len, regions, want, pieces)?;
+    // SAFETY: the caller's contract; a CPU copy is done when it returns.
+    unsafe {
+        kvtide_transport::memcpy::copy_pieces(grant.ptr.as_ptr() as u64, grant.len, pieces, Direction::HostToDevice)
+    }?;
+    Ok(reported)
+}
+
 /// A read's destinations, their routes and transports, and the result of checking them.
 pub(crate) struct ReadTargets<'a, 'r> {
     pub(crate) lists: &'a [&'a [Region<'r>]],
@@ -165,16 +185,9 @@ impl Engine {
             Ok(leased) => leased,
             Err(e) => return Some(Err(e)),
         };
-        let (pieces, reported) = match plan_pieces(grant.len, regions, want) {
-            Ok(planned) => planned,
-            Err(e) => return Some(Err(e)),
-        };
-        let transfer = Transfer { host: grant.ptr.as_ptr() as u64, host_len: grant.len, pieces };
-        // SAFETY: the lease keeps the object's bytes in place until `_lease` drops, after the copy
-        // (a CPU copy, done when it returns); the destination passed the host check and
-        // stays valid for the call (`Region::from_raw`'s contract for raw ones).
-        let copied = unsafe { kvtide_transport::memcpy::copy_transfer(&transfer, Direction::HostToDevice) };
-        Some(copied.map(|()| reported).map_err(Error::from))
+        // SAFETY: the lease keeps the object's bytes in place until `_lease` drops, after the
+        // copy; the destination passed the host check above.
+        Some(unsafe { copy_planned(&grant, regions, want, &mut Vec::new()) })
     }
 
     /// Reads `slots` into `targets` (lease, plan, deliver, release), in rounds while a batch
@@ -350,19 +363,9 @@ impl Engine {
             let host = grant.ptr.as_ptr() as u64;
             let shared = matches!(slot.want, Want::Range { .. }).then(|| (slot.key, route));
             if copy_here && route == Route::Host && shared.is_none() {
-                let copied = plan_pieces_into(grant.len, targets.lists[slot.list], slot.want, &mut scratch).and_then(
-                    |reported| {
-                        // SAFETY: our caller keeps the object leased until we return; the
-                        // destination passed the host check and stays valid for the call
-                        // (`Region::from_raw`'s contract for raw ones). A CPU copy is done
-                        // when it returns.
-                        unsafe {
-                            kvtide_transport::memcpy::copy_pieces(host, grant.len, &scratch, Direction::HostToDevice)
-                        }
-                        .map(|()| reported)
-                        .map_err(Error::from)
-                    },
-                );
+                // SAFETY: our caller keeps the object leased until we return; the destination
+                // passed the host check (`targets.check_now`).
+                let copied = unsafe { copy_planned(grant, targets.lists[slot.list], slot.want, &mut scratch) };
                 delivered += usize::from(copied.is_ok());
                 results[s] = copied;
                 continue;
