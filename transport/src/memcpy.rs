@@ -24,7 +24,9 @@ pub const NONTEMPORAL_PIECE_BYTES: u64 = 256 << 10;
 /// KiB boundaries and `malloc` gives large buffers addresses 16 bytes past one, so a read into
 /// such a buffer hits it every time. Smaller copies `memcpy` does with vector loops anyway.
 pub const NEAR_ALIAS_MIN_BYTES: usize = 2 << 10;
-/// Above this `memcpy` uses non-temporal stores, which do not suffer it.
+/// Past about 512 KiB (this machine's L2) `memcpy` leaves `rep movsb` and the slow case ends;
+/// up to here the loop measured as fast as `memcpy` (4 MiB: 11.3 against 10.0 GB/s), above it
+/// `memcpy` keeps its non-temporal stores for large copies.
 pub const NEAR_ALIAS_MAX_BYTES: usize = 4 << 20;
 
 /// Copies `len` bytes from `src` to `dst` like `std::ptr::copy_nonoverlapping`, avoiding
