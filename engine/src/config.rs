@@ -493,6 +493,10 @@ impl StoreBuilder {
                 if self.ssd.bytes == 0 || self.restore.budget_bytes == 0 {
                     return err("[ssd] bytes and [restore] budget_bytes must be positive".into());
                 }
+                // Object records keep SSD offsets in 32-bit counts of 4 KiB blocks.
+                if self.ssd.segment_bytes > u64::from(u32::MAX) * 4096 {
+                    return err(format!("[ssd] segment_bytes = {}: at most 16 TiB", self.ssd.segment_bytes));
+                }
                 // Small tiers get smaller segments so each shard still has a few to rotate.
                 let per_shard = self.ssd.bytes / shards as u64;
                 let segment_bytes = self.ssd.segment_bytes.min((per_shard / 4) / 4096 * 4096).max(64 << 10);
@@ -722,6 +726,10 @@ mod tests {
         assert!(StoreBuilder::new().low_watermark(0.99).validate().is_err());
         assert!(StoreBuilder::new().max_key_bytes(0).validate().is_err());
         assert!(StoreBuilder::new().ring_entries(100).validate().is_err());
+        // Segments past 2^32 blocks of 4 KiB do not fit an object's packed SSD location.
+        let huge = StoreBuilder::new().ssd_dir("/nonexistent").ssd_bytes(1 << 50).ssd_segment_bytes(17 << 40);
+        let e = huge.validate().expect_err("segments over 16 TiB");
+        assert!(e.to_string().contains("segment_bytes"), "{e}");
         let mut b = StoreBuilder::new();
         b.dram.eviction = "random".into();
         let e = b.validate().expect_err("bad policy");

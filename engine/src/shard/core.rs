@@ -121,7 +121,7 @@ struct Object {
     /// Where the value starts inside `dram` (a record header, key and checksum table before it).
     value_offset: u32,
     /// SSD copy, once its write completed.
-    ssd: Option<SsdLocation>,
+    ssd_copy: Option<PackedLocation>,
     len: u64,
     leases: u32,
     pins: u32,
@@ -129,9 +129,6 @@ struct Object {
     io_refs: u32,
     /// Loaded without promotion: the DRAM copy goes when the last reader does.
     transient: bool,
-    /// The in-flight SSD load filling this object's DRAM copy (readers join it): its token plus
-    /// one (4 bytes).
-    loading: Option<std::num::NonZeroU32>,
     /// The shard loop turn that committed it (its low 32 bits: only compared with this turn's).
     committed_turn: u32,
     /// An older SSD record of this version may still be readable on disk (its SSD copy was
@@ -140,7 +137,57 @@ struct Object {
     state: ObjectState,
 }
 
+/// An object's SSD location in 20 bytes (an `Option<SsdLocation>` takes 40): offset and length
+/// in blocks (records start and end on block boundaries; a segment holds at most `u32::MAX`
+/// blocks, which opening checks), the epoch as two halves so the record packs it without padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PackedLocation {
+    segment_plus_one: std::num::NonZeroU32,
+    offset_blocks: u32,
+    record_blocks: u32,
+    epoch: [u32; 2],
+}
+
+impl PackedLocation {
+    /// None for a location that does not pack (not on block boundaries, or beyond `u32::MAX`
+    /// blocks or segments): a tier opened with segments that large is refused.
+    fn new(l: SsdLocation) -> Option<PackedLocation> {
+        let blocks = |bytes: u64| {
+            bytes.is_multiple_of(record::BLOCK_BYTES).then(|| u32::try_from(bytes / record::BLOCK_BYTES).ok()).flatten()
+        };
+        Some(PackedLocation {
+            segment_plus_one: std::num::NonZeroU32::new(l.segment.checked_add(1)?)?,
+            offset_blocks: blocks(l.offset)?,
+            record_blocks: blocks(l.record_bytes)?,
+            epoch: [l.epoch as u32, (l.epoch >> 32) as u32],
+        })
+    }
+
+    fn get(self) -> SsdLocation {
+        SsdLocation {
+            segment: self.segment_plus_one.get() - 1,
+            offset: u64::from(self.offset_blocks) * record::BLOCK_BYTES,
+            record_bytes: u64::from(self.record_blocks) * record::BLOCK_BYTES,
+            epoch: u64::from(self.epoch[1]) << 32 | u64::from(self.epoch[0]),
+        }
+    }
+}
+
 impl Object {
+    /// The SSD copy's location.
+    fn ssd(&self) -> Option<SsdLocation> {
+        self.ssd_copy.map(PackedLocation::get)
+    }
+
+    fn take_ssd(&mut self) -> Option<SsdLocation> {
+        self.ssd_copy.take().map(PackedLocation::get)
+    }
+
+    fn set_ssd(&mut self, location: SsdLocation) {
+        self.ssd_copy = PackedLocation::new(location);
+        debug_assert!(self.ssd_copy.is_some(), "{location:?} does not pack");
+    }
+
     /// The key's index hash, computed when needed rather than kept: 8 bytes per object against
     /// one hash of the key when it leaves the index (entries move without their keys).
     fn key_hash(&self) -> u64 {
@@ -150,7 +197,7 @@ impl Object {
     /// A record of this version is (or may soon be, or may still be) readable on SSD, so
     /// removing or replacing it needs a tombstone.
     fn may_have_ssd_record(&self) -> bool {
-        self.ssd.is_some() || self.io_refs > 0 || self.shadowed
+        self.ssd_copy.is_some() || self.io_refs > 0 || self.shadowed
     }
 
     fn evictable(&self) -> bool {
@@ -428,7 +475,7 @@ impl ShardCore {
             return;
         }
         let done_with = matches!(object.state, ObjectState::Retired | ObjectState::Abandoned)
-            || (object.transient && object.ssd.is_some());
+            || (object.transient && object.ssd_copy.is_some());
         if done_with && self.index.readers(id) > 0 {
             // Published readers give their leases back without a message: look again next turn.
             self.draining.push((id, object.generation));
@@ -436,7 +483,7 @@ impl ShardCore {
         }
         if matches!(object.state, ObjectState::Retired | ObjectState::Abandoned) {
             self.free_object(id);
-        } else if object.transient && object.ssd.is_some() {
+        } else if object.transient && object.ssd_copy.is_some() {
             self.drop_dram(id);
         }
     }
@@ -467,7 +514,7 @@ impl ShardCore {
     pub fn locate(&self, key: &[u8]) -> Option<Location> {
         let id = self.find(key)?;
         let o = &self.objects[id as usize];
-        let staging_bytes = o.ssd.map_or_else(|| self.layout(o.key.len(), o.len).0, |l| l.record_bytes);
+        let staging_bytes = o.ssd().map_or_else(|| self.layout(o.key.len(), o.len).0, |l| l.record_bytes);
         Some(Location { in_dram: o.dram.is_some(), len: o.len, staging_bytes })
     }
 
@@ -562,13 +609,12 @@ impl ShardCore {
             seq: 0,
             dram: Some(allocation),
             value_offset,
-            ssd: None,
+            ssd_copy: None,
             len,
             leases: 0,
             pins: 0,
             io_refs: 0,
             transient: false,
-            loading: None,
             committed_turn: 0,
             shadowed: false,
             state: ObjectState::Reserved,
@@ -726,7 +772,7 @@ impl ShardCore {
         let usable = o.generation == object.generation
             && matches!(o.state, ObjectState::Reserved | ObjectState::Live)
             && o.dram.is_some()
-            && o.loading.is_none();
+            && self.load_token(object.id).is_none();
         if !usable {
             return Err(Error::NotFound);
         }
@@ -925,7 +971,7 @@ impl ShardCore {
         });
         let Some(id) = victim else { return false };
         debug_assert_eq!(self.objects[id as usize].state, ObjectState::Live);
-        if self.objects[id as usize].ssd.is_some() {
+        if self.objects[id as usize].ssd_copy.is_some() {
             self.drop_dram(id);
             return true;
         }
@@ -946,7 +992,7 @@ impl ShardCore {
 
     /// Removes a victim's DRAM copy: SSD-only if it has one, else gone from the shard.
     fn drop_or_evict(&mut self, id: u32) {
-        if self.objects[id as usize].ssd.is_some() {
+        if self.objects[id as usize].ssd_copy.is_some() {
             self.drop_dram(id);
             return;
         }
@@ -959,7 +1005,7 @@ impl ShardCore {
     /// Frees the DRAM copy of an object that has an SSD copy.
     fn drop_dram(&mut self, id: u32) {
         let object = &mut self.objects[id as usize];
-        debug_assert!(object.ssd.is_some() && object.leases == 0 && object.io_refs == 0);
+        debug_assert!(object.ssd_copy.is_some() && object.leases == 0 && object.io_refs == 0);
         debug_assert_eq!(self.index.readers(id), 0, "dropping DRAM under published readers");
         let Some(allocation) = object.dram.take() else { return };
         object.transient = false;
@@ -1111,7 +1157,7 @@ impl ShardCore {
         if object.state == ObjectState::Retired {
             self.counters.retired_objects.fetch_sub(1, RELAXED);
         }
-        if let Some(location) = object.ssd {
+        if let Some(location) = object.ssd() {
             self.forget_ssd_copy(&location);
         }
         if let Some(allocation) = object.dram {
@@ -1173,8 +1219,11 @@ impl ShardCore {
     /// written (its bytes stay put until the shard closes it again).
     fn publish(&mut self, id: u32) {
         let Some(o) = self.objects.get(id as usize) else { return };
-        let readable =
-            o.state == ObjectState::Live && o.dram.is_some() && o.loading.is_none() && !o.transient && o.io_refs == 0;
+        let readable = o.state == ObjectState::Live
+            && o.dram.is_some()
+            && self.load_token(id).is_none()
+            && !o.transient
+            && o.io_refs == 0;
         if !readable || self.index.is_open(id, o.generation) {
             return;
         }
@@ -1217,7 +1266,7 @@ impl ShardCore {
                     if self.find(&object.key) != Some(id as u32) {
                         return Err(format!("live object {id} not indexed"));
                     }
-                    if object.dram.is_none() && object.ssd.is_none() && object.io_refs == 0 {
+                    if object.dram.is_none() && object.ssd_copy.is_none() && object.io_refs == 0 {
                         return Err(format!("live object {id} has no copy anywhere"));
                     }
                     if object.pins == 0 && object.dram.is_some() && object.io_refs == 0 && !object.transient {
@@ -1237,6 +1286,11 @@ impl ShardCore {
         }
         if live != self.index.len() {
             return Err(format!("index has {} keys, {live} live objects", self.index.len()));
+        }
+        if let Some(ssd) = self.ssd.as_ref() {
+            if let Some((id, token)) = ssd.loads_by_object.iter().find(|(&id, &token)| !ssd.is_load_of(token, id)) {
+                return Err(format!("object {id} names load {token}, which is not its load in flight"));
+            }
         }
         let reserved_internal = self.ssd.as_ref().map_or(0, |s| s.reserved_bytes(&self.allocator));
         if used + reserved_internal != self.allocator.used_bytes() {

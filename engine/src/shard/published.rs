@@ -138,10 +138,11 @@ impl<W: Word> LeaseWord<W> {
 
 /// An object's key bytes, at an address that stays put while the object exists: readers on
 /// other threads compare keys through it under a lease (a `Box` would assert unique access each
-/// time the shard touched its object).
+/// time the shard touched its object). One pointer (8 bytes in every object record): the length
+/// is kept in the allocation, in the word before the bytes.
 pub(crate) struct KeyBytes {
-    ptr: NonNull<u8>,
-    len: usize,
+    /// The allocation: the key's length as a `usize`, then its bytes.
+    header: NonNull<usize>,
 }
 
 // SAFETY: KeyBytes owns its allocation like a Box<[u8]> and is never written after creation.
@@ -149,18 +150,35 @@ unsafe impl Send for KeyBytes {}
 // SAFETY: shared access only reads the bytes.
 unsafe impl Sync for KeyBytes {}
 
+const KEY_HEADER_BYTES: usize = std::mem::size_of::<usize>();
+
 impl KeyBytes {
+    /// The allocation for a key of `len` bytes.
+    fn layout(len: usize) -> Layout {
+        match Layout::from_size_align(KEY_HEADER_BYTES.saturating_add(len), std::mem::align_of::<usize>()) {
+            Ok(layout) => layout,
+            // Keys are at most 1 MiB (the store validates them first).
+            Err(_) => std::alloc::handle_alloc_error(Layout::new::<usize>()),
+        }
+    }
+
     pub(crate) fn new(key: &[u8]) -> KeyBytes {
-        let boxed: Box<[u8]> = key.into();
-        let len = boxed.len();
-        // SAFETY: Box::into_raw never returns null; the allocation is owned by this KeyBytes
-        // until Drop rebuilds the Box from the same pointer and length.
-        let ptr = unsafe { NonNull::new_unchecked(Box::into_raw(boxed).cast::<u8>()) };
-        KeyBytes { ptr, len }
+        let layout = KeyBytes::layout(key.len());
+        // SAFETY: the layout's size is at least KEY_HEADER_BYTES, never zero.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(header) = NonNull::new(raw.cast::<usize>()) else { std::alloc::handle_alloc_error(layout) };
+        // SAFETY: the allocation is aligned for usize and holds the length word and `key.len()`
+        // bytes after it; `key` cannot overlap memory just allocated.
+        unsafe {
+            header.as_ptr().write(key.len());
+            std::ptr::copy_nonoverlapping(key.as_ptr(), raw.add(KEY_HEADER_BYTES), key.len());
+        }
+        KeyBytes { header }
     }
 
     pub(crate) fn as_ptr(&self) -> *const u8 {
-        self.ptr.as_ptr()
+        // SAFETY: the key's bytes start right after the length word, inside the allocation.
+        unsafe { self.header.as_ptr().cast::<u8>().add(KEY_HEADER_BYTES) }
     }
 
     pub(crate) fn to_boxed(&self) -> Box<[u8]> {
@@ -171,8 +189,9 @@ impl KeyBytes {
 impl std::ops::Deref for KeyBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr/len came from a Box<[u8]> this value owns and never writes.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        // SAFETY: the length word and the bytes after it were written in `new` and are never
+        // written again while this value owns them.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.header.as_ptr().read()) }
     }
 }
 
@@ -184,10 +203,13 @@ impl Clone for KeyBytes {
 
 impl Drop for KeyBytes {
     fn drop(&mut self) {
-        // SAFETY: the pointer and length are those of the Box this value was made from, and
+        // SAFETY: the allocation was made in `new` with the layout of the length it holds, and
         // nothing reads the key once its object is freed (the shard frees objects only after
         // their published readers are gone).
-        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len)) });
+        unsafe {
+            let layout = KeyBytes::layout(self.header.as_ptr().read());
+            std::alloc::dealloc(self.header.as_ptr().cast(), layout);
+        }
     }
 }
 

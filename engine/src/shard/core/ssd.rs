@@ -27,7 +27,7 @@ use slab::Slab;
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use super::{LeaseId, Object, ObjectState, ReadGrant, ShardCore, RELAXED};
+use super::{LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, RELAXED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
 use crate::shard::published::KeyBytes;
@@ -153,6 +153,9 @@ pub(crate) struct SsdState {
     borrowed_bytes: u64,
     space_waiters: VecDeque<SpaceWaiter>,
     loading_bytes: u64,
+    /// The load filling each object's DRAM copy (readers join it), by object slot: kept here
+    /// rather than in every object record, as only objects in flight have one.
+    pub(super) loads_by_object: std::collections::HashMap<u32, usize>,
     /// Dirty objects a clean shutdown still has to write.
     flush_queue: Option<VecDeque<(u32, u32)>>,
     /// The shortest the flush queue has been, and `segments_reclaimed` then: a flush that
@@ -220,12 +223,19 @@ impl SsdState {
             borrowed_bytes: 0,
             space_waiters: VecDeque::new(),
             loading_bytes: 0,
+            loads_by_object: std::collections::HashMap::new(),
             flush_queue: None,
             flush_best: None,
             frozen: false,
             published: TierCounters::default(),
             config,
         })
+    }
+
+    /// Whether operation `token` is a load of object `id`.
+    #[cfg(test)]
+    pub(super) fn is_load_of(&self, token: usize, id: u32) -> bool {
+        matches!(self.ops.get(token), Some(CoreOp::Load { id: of, .. }) if *of == id)
     }
 
     /// The segment table (tests and debugging).
@@ -286,7 +296,7 @@ impl RecordOwners for Owners<'_> {
             && object.state == ObjectState::Live
             && object.io_refs == 0
             && object.dram.is_none()
-            && object.ssd == Some(src);
+            && object.ssd() == Some(src);
         if eligible {
             object.io_refs += 1;
         }
@@ -438,7 +448,7 @@ impl ShardCore {
         let mut queue = Vec::new();
         for (id, generation) in owners.into_iter().map(owner_parts) {
             let Some(object) = self.objects.get(id as usize) else { continue };
-            if object.generation != generation || object.ssd.is_none_or(|l| l.segment != segment) {
+            if object.generation != generation || object.ssd().is_none_or(|l| l.segment != segment) {
                 continue;
             }
             if object.io_refs > 0 {
@@ -449,7 +459,7 @@ impl ShardCore {
             if object.state != ObjectState::Live {
                 // Replaced or removed, kept only for its readers (of its DRAM copy): its record
                 // is dead, and a tombstone or a newer record already covers it.
-                if let Some(location) = self.objects[id as usize].ssd.take() {
+                if let Some(location) = self.objects[id as usize].take_ssd() {
                     self.forget_ssd_copy(&location);
                 }
                 continue;
@@ -478,7 +488,7 @@ impl ShardCore {
                     }
                 }
             } else if copy_cold || pinned {
-                if let Some(src) = object.ssd {
+                if let Some(src) = object.ssd() {
                     let identity =
                         RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.to_boxed() };
                     queue.push(CopyRequest { owner: owner_token(id, generation), src, identity });
@@ -496,8 +506,8 @@ impl ShardCore {
     fn on_copy_lost(&mut self, owner: u64, src: SsdLocation, dst: SsdLocation) {
         let (id, generation) = owner_parts(owner);
         let Some(object) = self.objects.get_mut(id as usize) else { return };
-        if object.generation == generation && object.ssd == Some(dst) {
-            object.ssd = Some(src);
+        if object.generation == generation && object.ssd() == Some(dst) {
+            object.set_ssd(src);
             if let Some(ssd) = self.ssd.as_mut() {
                 ssd.tier.sub_live(dst.segment, dst.record_bytes);
                 ssd.tier.add_live(src.segment, src.record_bytes);
@@ -510,8 +520,8 @@ impl ShardCore {
     fn on_segment_freed(&mut self, segment: u32, copies: usize, owners: Vec<u64>) {
         for (id, generation) in owners.into_iter().map(owner_parts) {
             let Some(object) = self.objects.get_mut(id as usize) else { continue };
-            if object.generation == generation && object.ssd.is_some_and(|l| l.segment == segment) {
-                if let Some(location) = object.ssd.take() {
+            if object.generation == generation && object.ssd().is_some_and(|l| l.segment == segment) {
+                if let Some(location) = object.take_ssd() {
                     self.forget_ssd_copy(&location);
                 }
                 if object_has_no_copy(&self.objects[id as usize]) {
@@ -535,10 +545,10 @@ impl ShardCore {
         let Some(object) = self.objects.get_mut(id as usize) else { return };
         // The copy held the object (`claim_copy`).
         object.io_refs -= 1;
-        let live = object.generation == generation && object.ssd == Some(src) && object.state == ObjectState::Live;
+        let live = object.generation == generation && object.ssd() == Some(src) && object.state == ObjectState::Live;
         match outcome {
             CopyOutcome::Copied { dst } if live => {
-                object.ssd = Some(dst);
+                object.set_ssd(dst);
                 if let Some(ssd) = self.ssd.as_mut() {
                     ssd.tier.sub_live(src.segment, src.record_bytes);
                     ssd.tier.add_live(dst.segment, dst.record_bytes);
@@ -574,7 +584,7 @@ impl ShardCore {
     /// live tier). Write-through: it leaves the cache, since everything served must be durable.
     /// Write-back: it stays, dirty again, and is demoted when next evicted.
     fn drop_ssd_copy(&mut self, id: u32) {
-        let Some(location) = self.objects[id as usize].ssd.take() else { return };
+        let Some(location) = self.objects[id as usize].take_ssd() else { return };
         self.forget_ssd_copy(&location);
         // Its record stays readable on disk until the segment is freed and zeroed: a remove or
         // an upsert must still write a tombstone for it.
@@ -593,7 +603,7 @@ impl ShardCore {
 
     /// An SSD-only object leaves the cache with its segment.
     fn evict_from_ssd(&mut self, id: u32) {
-        let Some(location) = self.objects[id as usize].ssd.take() else { return };
+        let Some(location) = self.objects[id as usize].take_ssd() else { return };
         self.forget_ssd_copy(&location);
         self.counters.ssd_evictions.fetch_add(1, RELAXED);
         self.drop_object(id);
@@ -865,13 +875,15 @@ impl ShardCore {
             // operation (nothing else references it) until the tier's `Loaded` event for it.
             unsafe { ssd.tier.load(location, ptr, identity, token as u64) };
         }
-        let object = &mut self.objects[id as usize];
-        let loading = u32::try_from(token).ok().and_then(|t| std::num::NonZeroU32::new(t.wrapping_add(1)));
-        debug_assert!(loading.is_some(), "more loads in flight than ids");
-        object.loading = loading;
-        object.io_refs += 1;
+        ssd.loads_by_object.insert(id, token);
+        self.objects[id as usize].io_refs += 1;
         self.counters.loads.fetch_add(1, RELAXED);
         Some(token)
+    }
+
+    /// The in-flight load filling object `id`'s DRAM copy, by its operation tag.
+    pub(super) fn load_token(&self, id: u32) -> Option<usize> {
+        self.ssd.as_ref().and_then(|s| s.loads_by_object.get(&id).copied())
     }
 
     /// Starts or joins the load of an SSD-only object for slot `slot` of a pending read (an
@@ -879,7 +891,7 @@ impl ShardCore {
     /// restore budget.
     pub(super) fn load_for_read(&mut self, id: u32, pending: usize, slot: usize) -> bool {
         let early = self.pending_reads.get(pending).is_some_and(|p| p.early);
-        if let Some(token) = self.objects[id as usize].loading.map(|t| t.get() as usize - 1) {
+        if let Some(token) = self.load_token(id) {
             if let Some(CoreOp::Load { waiters, .. }) = self.ssd.as_mut().and_then(|s| s.ops.get_mut(token)) {
                 if early {
                     let grant = self.early_lease(id, token, pending);
@@ -894,7 +906,7 @@ impl ShardCore {
             // A reclaim is copying its record forward: read it once the copy is done.
             return false;
         }
-        let Some(location) = self.objects[id as usize].ssd else {
+        let Some(location) = self.objects[id as usize].ssd() else {
             self.resolve_read(pending, slot, Err(Error::Internal("object in no tier")));
             return true;
         };
@@ -1061,14 +1073,14 @@ impl ShardCore {
     /// replaced them).
     fn forget_undurable_record(&mut self, w: DurableWaiter) {
         let rests_there = self.objects.get(w.object as usize).is_some_and(|o| {
-            o.generation == w.generation && o.ssd == Some(w.location) && o.state != ObjectState::Abandoned
+            o.generation == w.generation && o.ssd() == Some(w.location) && o.state != ObjectState::Abandoned
         });
         if !rests_there {
             return;
         }
         self.counters.ssd_records_lost.fetch_add(1, RELAXED);
         let object = &mut self.objects[w.object as usize];
-        object.ssd = None;
+        object.take_ssd();
         let (in_dram, live) = (object.dram.is_some(), object.state == ObjectState::Live);
         // A copy loaded for one read only would go with its reader: it is the only copy now.
         let untracked = std::mem::replace(&mut object.transient, false);
@@ -1098,7 +1110,8 @@ impl ShardCore {
         object.io_refs -= 1;
         match result {
             Ok(()) => {
-                let previous = object.ssd.replace(location);
+                let previous = object.take_ssd();
+                object.set_ssd(location);
                 let generation = object.generation;
                 if let Some(previous) = previous {
                     // A relocation copy replaces the record in the segment being freed.
@@ -1159,7 +1172,7 @@ impl ShardCore {
         if object.state == ObjectState::Retired {
             self.after_last_use(id);
         } else if purpose == WritePurpose::Demotion
-            && object.ssd.is_some()
+            && object.ssd_copy.is_some()
             && object.leases == 0
             && object.pins == 0
             && self.index.readers(id) == 0
@@ -1174,7 +1187,7 @@ impl ShardCore {
                 self.allocator.free(allocation);
             }
         } else if purpose == WritePurpose::Demotion
-            && object.ssd.is_none()
+            && object.ssd_copy.is_none()
             && object.leases == 0
             && object.pins == 0
             && self.index.readers(id) == 0
@@ -1204,7 +1217,7 @@ impl ShardCore {
             let dirty = self
                 .objects
                 .iter()
-                .filter(|(_, o)| o.state == ObjectState::Live && o.dram.is_some() && o.ssd.is_none())
+                .filter(|(_, o)| o.state == ObjectState::Live && o.dram.is_some() && o.ssd_copy.is_none())
                 .map(|(id, o)| (id as u32, o.generation))
                 .collect();
             ssd.flush_queue = Some(dirty);
@@ -1217,7 +1230,7 @@ impl ShardCore {
                 break;
             };
             let Some(o) = self.objects.get(id as usize) else { continue };
-            if o.generation != generation || o.state != ObjectState::Live || o.dram.is_none() || o.ssd.is_some() {
+            if o.generation != generation || o.state != ObjectState::Live || o.dram.is_none() || o.ssd_copy.is_some() {
                 continue;
             }
             let queue = |core: &mut ShardCore, front: bool| {
@@ -1304,8 +1317,10 @@ impl ShardCore {
     /// True when the object now has its DRAM copy.
     fn finish_load(&mut self, load: FinishedLoad, checked: Result<()>) -> bool {
         let FinishedLoad { id, location, allocation, waiters, landing, early } = load;
+        if let Some(ssd) = self.ssd.as_mut() {
+            ssd.loads_by_object.remove(&id);
+        }
         let object = &mut self.objects[id as usize];
-        object.loading = None;
         object.io_refs -= 1;
         // The record was checked: its header says where the value starts (version 1 records
         // have no checksum table).
@@ -1403,13 +1418,12 @@ impl ShardCore {
             seq: object.seq,
             dram: Some(allocation),
             value_offset: 0,
-            ssd: None,
+            ssd_copy: None,
             len: object.len,
             leases: held.len() as u32,
             pins: 0,
             io_refs: 0,
             transient: false,
-            loading: None,
             committed_turn: 0,
             shadowed: false,
             state: ObjectState::Abandoned,
@@ -1447,19 +1461,23 @@ impl ShardCore {
             let key = found.key;
             let generation = self.bump_generation();
             let location = found.location;
+            // Opening refuses segments too large for a packed location, so this always packs.
+            let Some(ssd_copy) = PackedLocation::new(location) else {
+                report.discarded.push((location.segment, location.offset, "record beyond 2^32 blocks".into()));
+                continue;
+            };
             let id = self.objects.insert(Object {
                 key: KeyBytes::new(&key),
                 generation,
                 seq: found.seq,
                 dram: None,
                 value_offset: 0,
-                ssd: Some(location),
+                ssd_copy: Some(ssd_copy),
                 len: found.value_len,
                 leases: 0,
                 pins: 0,
                 io_refs: 0,
                 transient: false,
-                loading: None,
                 committed_turn: 0,
                 shadowed: false,
                 state: ObjectState::Live,
@@ -1484,5 +1502,5 @@ impl ShardCore {
 
 /// A live or retired object with neither a DRAM nor an SSD copy.
 fn object_has_no_copy(object: &Object) -> bool {
-    object.dram.is_none() && object.ssd.is_none()
+    object.dram.is_none() && object.ssd_copy.is_none()
 }

@@ -320,5 +320,34 @@ fn the_eviction_pass_spares_an_object_a_caller_committed_between_turns() {
 /// allocator node and the policy entry).
 #[test]
 fn an_object_record_stays_small() {
-    assert!(std::mem::size_of::<Object>() <= 112, "Object is {} bytes", std::mem::size_of::<Object>());
+    assert!(std::mem::size_of::<Object>() <= 80, "Object is {} bytes", std::mem::size_of::<Object>());
+}
+
+/// An object's SSD location is kept packed: every location a tier can hand out round-trips,
+/// and one that cannot be packed is refused rather than kept wrong.
+#[test]
+fn ssd_locations_pack_exactly_or_not_at_all() {
+    let block = record::BLOCK_BYTES;
+    let fits = [
+        SsdLocation { segment: 0, offset: block, record_bytes: block, epoch: 1 },
+        SsdLocation { segment: 7, offset: block * 123_456, record_bytes: block * 3, epoch: 0xDEAD_BEEF_0123_4567 },
+        SsdLocation {
+            segment: u32::MAX - 1,
+            offset: u64::from(u32::MAX) * block,
+            record_bytes: u64::from(u32::MAX) * block,
+            epoch: u64::MAX,
+        },
+    ];
+    for l in fits {
+        assert_eq!(PackedLocation::new(l).map(PackedLocation::get), Some(l));
+    }
+    let good = fits[1];
+    for bad in [
+        SsdLocation { offset: block + 1, ..good },
+        SsdLocation { offset: (u64::from(u32::MAX) + 1) * block, ..good },
+        SsdLocation { record_bytes: 100, ..good },
+        SsdLocation { segment: u32::MAX, ..good },
+    ] {
+        assert_eq!(PackedLocation::new(bad), None, "{bad:?}");
+    }
 }
