@@ -49,16 +49,21 @@ fuzz_target!(|input: Input| {
     let capacity = (u64::from(input.capacity) + 1) << (input.capacity_shift % 24);
     let align = 1u64 << (3 + input.align_log2 % 10);
     let max_allocations = u32::from(input.max_allocations % 1024) + 1;
-    let cap = capacity & !(align - 1);
     let mut a = match OffsetAllocator::new(capacity, align, max_allocations) {
         Ok(a) => a,
         Err(e) => {
-            assert_eq!(cap, 0, "only a capacity below one unit may be refused: {e}");
+            assert!(capacity < align, "only a capacity below one unit may be refused: {e}");
             return;
         }
     };
+    // The unit is the alignment asked for, or the smallest power of two above it that cuts the
+    // capacity into at most 2^30 units.
+    let unit = a.align_bytes();
+    assert!(unit.is_power_of_two() && unit >= align, "unit {unit} for align {align}");
+    assert!(capacity / unit <= 1 << 30, "{capacity} bytes in units of {unit}");
+    assert!(unit == align || capacity / (unit / 2) > 1 << 30, "unit {unit} coarser than needed for {capacity}");
+    let cap = capacity & !(unit - 1);
     assert_eq!(a.capacity_bytes(), cap);
-    assert_eq!(a.align_bytes(), align);
     assert_eq!(a.stats().largest_free_bytes, cap);
 
     let mut live: Vec<Allocation> = Vec::new();
@@ -69,15 +74,15 @@ fuzz_target!(|input: Input| {
         match op {
             Op::Alloc { size, shift } => {
                 let size = u64::from(size) << (shift % 40);
-                let len = size.div_ceil(align) * align;
+                let len = size.div_ceil(unit) * unit;
                 let before = a.stats();
                 match a.allocate(size) {
                     Some(x) => {
                         assert!(size > 0, "size 0 must be refused");
                         assert!(live.len() < max_allocations as usize, "past max_allocations");
                         let (offset, end) = (a.offset_of(&x), a.offset_of(&x) + a.len_of(&x));
-                        assert_eq!(a.len_of(&x), len, "len is the size rounded up to align");
-                        assert_eq!(offset % align, 0, "misaligned {x:?} at {offset}");
+                        assert_eq!(a.len_of(&x), len, "len is the size rounded up to unit");
+                        assert_eq!(offset % unit, 0, "misaligned {x:?} at {offset}");
                         assert!(end <= cap, "[{offset}, {end}) past capacity {cap}");
                         if let Some((&o, &e)) = ranges.range(..=offset).next_back() {
                             assert!(e <= offset, "[{offset}, {end}) overlaps [{o}, {e})");
@@ -90,9 +95,9 @@ fuzz_target!(|input: Input| {
                     }
                     None => {
                         // Good fit searches the class that starts at or above the request,
-                        // at most len/16 above it (rounded to align); a block that large must
+                        // at most len/16 above it (rounded to unit); a block that large must
                         // be found.
-                        let guaranteed = len.saturating_add(len / 16).saturating_add(align);
+                        let guaranteed = len.saturating_add(len / 16).saturating_add(unit);
                         let justified = size == 0
                             || live.len() >= max_allocations as usize
                             || len > before.free_bytes

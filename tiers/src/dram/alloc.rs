@@ -33,9 +33,12 @@ const NIL: u32 = u32::MAX;
 /// whole capacity succeed on an empty allocator, which pure good fit would refuse.
 const FALLBACK_SCAN: usize = 8;
 
-/// Capacities are below this: a node keeps its state in the top two bits of its offset.
+/// Capacities are below this.
 const MAX_CAPACITY: u64 = 1 << 62;
-const OFFSET_MASK: u64 = MAX_CAPACITY - 1;
+/// A node counts offsets and sizes in units (the alignment, or coarser for a huge capacity) in
+/// 32 bits, and keeps its state in the top two bits of its offset: at most 2^30 units.
+const UNITS_LOG2: u32 = 30;
+const OFFSET_MASK: u32 = (1 << UNITS_LOG2) - 1;
 
 /// Hands each allocator a distinct id so `free` can recognise an `Allocation` from another one.
 static NEXT_OWNER: AtomicU32 = AtomicU32::new(1);
@@ -109,21 +112,22 @@ enum NodeState {
 
 impl NodeState {
     /// The state's bits in `Node::offset_state`.
-    const fn bits(self) -> u64 {
+    const fn bits(self) -> u32 {
         (match self {
-            NodeState::Free => 0u64,
+            NodeState::Free => 0u32,
             NodeState::Used => 1,
             NodeState::Spare => 2,
-        }) << 62
+        }) << UNITS_LOG2
     }
 }
 
-/// One block of the slice, or a spare node. 32 bytes (the node table holds one per allocation).
+/// One block of the slice, or a spare node. 24 bytes (the node table holds one per allocation).
 #[derive(Clone, Copy, Debug)]
 struct Node {
-    /// The block's offset (low 62 bits) and its [`NodeState`] (top two bits).
-    offset_state: u64,
-    size: u64,
+    /// The block's offset in units (low 30 bits) and its [`NodeState`] (top two bits).
+    offset_state: u32,
+    /// The block's size in units.
+    size: u32,
     prev_phys: u32,
     next_phys: u32,
     prev_free: u32,
@@ -140,18 +144,19 @@ impl Node {
         next_free: NIL,
     };
 
-    /// A block's node outside any list.
-    fn block(offset: u64, size: u64, state: NodeState) -> Node {
-        debug_assert!(offset < MAX_CAPACITY);
+    /// A block's node outside any list (offset and size in units).
+    fn block(offset: u32, size: u32, state: NodeState) -> Node {
+        debug_assert!(offset <= OFFSET_MASK);
         Node { offset_state: offset | state.bits(), size, ..Node::SPARE }
     }
 
-    fn offset(&self) -> u64 {
+    /// The block's offset in units.
+    fn offset(&self) -> u32 {
         self.offset_state & OFFSET_MASK
     }
 
     fn state(&self) -> NodeState {
-        match self.offset_state >> 62 {
+        match self.offset_state >> UNITS_LOG2 {
             0 => NodeState::Free,
             1 => NodeState::Used,
             _ => NodeState::Spare,
@@ -192,6 +197,8 @@ fn bin_ceil(units: u64) -> (usize, usize) {
 /// O(1) offset allocator over `[0, capacity)`; see the module docs.
 pub struct OffsetAllocator {
     capacity: u64,
+    /// The unit of every offset and size: `align_bytes` as given, or coarser when the capacity
+    /// holds more than 2^30 of those (nodes count in 30 bits).
     align: u64,
     align_log2: u32,
     max_allocations: u32,
@@ -228,20 +235,31 @@ impl OffsetAllocator {
     /// Builds an allocator over `[0, capacity_bytes)`.
     ///
     /// `capacity_bytes` is rounded DOWN to `align_bytes`, which must be a power of two >= 8.
-    /// `max_allocations` bounds live allocations (and so the node table, `2 * max + 1` nodes of
-    /// 32 bytes, reserved up front so that `allocate` never reallocates: size it from
+    /// A capacity of more than 2^30 such units coarsens the unit to the next power of two that
+    /// fits (so a 64 GiB slice at 64-byte alignment keeps 64 bytes, a 1 TiB one gets 1 KiB):
+    /// [`Self::align_bytes`] says which. `max_allocations` bounds live allocations (and so the
+    /// node table, `2 * max + 1` nodes of 24 bytes, reserved up front so that `allocate` never reallocates: size it from
     /// capacity / smallest object, not `u32::MAX`). `allocate` returns `None` past it.
     pub fn new(capacity_bytes: u64, align_bytes: u64, max_allocations: u32) -> Result<Self, AllocError> {
         if !align_bytes.is_power_of_two() || align_bytes < 8 {
             return Err(AllocError::BadAlign(align_bytes));
         }
-        let capacity = capacity_bytes & !(align_bytes - 1);
+        if capacity_bytes >= MAX_CAPACITY {
+            return Err(AllocError::CapacityTooLarge(capacity_bytes));
+        }
+        // The smallest unit, no finer than asked, in which the capacity is at most 2^30 units.
+        let mut align_log2 = align_bytes.trailing_zeros();
+        while capacity_bytes >> align_log2 > 1 << UNITS_LOG2 {
+            align_log2 += 1;
+        }
+        let unit = 1u64 << align_log2;
+        let capacity = capacity_bytes & !(unit - 1);
         if capacity == 0 {
             return Err(AllocError::ZeroCapacity { capacity_bytes, align_bytes });
         }
-        if capacity >= MAX_CAPACITY {
-            return Err(AllocError::CapacityTooLarge(capacity_bytes));
-        }
+        let capacity_units =
+            u32::try_from(capacity >> align_log2).map_err(|_| AllocError::CapacityTooLarge(capacity_bytes))?;
+        debug_assert!(capacity_units <= 1 << UNITS_LOG2);
         if max_allocations == 0 {
             return Err(AllocError::ZeroMaxAllocations);
         }
@@ -250,8 +268,8 @@ impl OffsetAllocator {
         nodes.try_reserve_exact(node_limit as usize).map_err(|_| AllocError::NodeTable { nodes: node_limit })?;
         let mut this = Self {
             capacity,
-            align: align_bytes,
-            align_log2: align_bytes.trailing_zeros(),
+            align: unit,
+            align_log2,
             max_allocations,
             node_limit: node_limit as usize,
             owner: NonZeroU32::new(NEXT_OWNER.fetch_add(1, Ordering::Relaxed)).unwrap_or(NonZeroU32::MIN),
@@ -266,7 +284,7 @@ impl OffsetAllocator {
         };
         // Node 0 is the block at offset 0 for the allocator's whole life: it has no physical
         // predecessor to be merged into, so it is never released.
-        this.nodes.push(Node::block(0, capacity, NodeState::Free));
+        this.nodes.push(Node::block(0, capacity_units, NodeState::Free));
         this.link_free(0);
         Ok(this)
     }
@@ -289,8 +307,10 @@ impl OffsetAllocator {
         if len > self.free_bytes() {
             return None;
         }
-        let block = self.find_free_block(len)?;
-        let remainder = self.nodes[block as usize].size - len;
+        // Below the capacity (checked above), so at most 2^30 units.
+        let units = (len >> self.align_log2) as u32;
+        let block = self.find_free_block(units)?;
+        let remainder = self.nodes[block as usize].size - units;
         // Take the remainder's node before changing anything, so a refusal leaves no trace.
         let split = if remainder > 0 { Some(self.take_spare_node()?) } else { None };
         self.unlink_free(block);
@@ -300,13 +320,13 @@ impl OffsetAllocator {
             self.nodes[rest as usize] = Node {
                 prev_phys: block,
                 next_phys: next,
-                ..Node::block(self.nodes[b].offset() + len, remainder, NodeState::Free)
+                ..Node::block(self.nodes[b].offset() + units, remainder, NodeState::Free)
             };
             if next != NIL {
                 self.nodes[next as usize].prev_phys = rest;
             }
             self.nodes[b].next_phys = rest;
-            self.nodes[b].size = len;
+            self.nodes[b].size = units;
             self.link_free(rest);
         }
         self.nodes[b].set_state(NodeState::Used);
@@ -327,7 +347,7 @@ impl OffsetAllocator {
     pub fn offset_of(&self, allocation: &Allocation) -> u64 {
         let node = self.used_node(allocation);
         debug_assert!(node.is_some(), "OffsetAllocator::offset_of: {allocation:?} is not live here");
-        node.map_or(0, Node::offset)
+        node.map_or(0, |n| u64::from(n.offset()) << self.align_log2)
     }
 
     /// Bytes reserved for `allocation`: the requested size rounded up to `align_bytes` (0, and a
@@ -335,7 +355,7 @@ impl OffsetAllocator {
     pub fn len_of(&self, allocation: &Allocation) -> u64 {
         let node = self.used_node(allocation);
         debug_assert!(node.is_some(), "OffsetAllocator::len_of: {allocation:?} is not live here");
-        node.map_or(0, |n| n.size)
+        node.map_or(0, |n| u64::from(n.size) << self.align_log2)
     }
 
     /// Returns an allocation's bytes and merges them with free neighbours. O(1).
@@ -343,7 +363,7 @@ impl OffsetAllocator {
     /// An allocation from another allocator (or otherwise not live here) is a caller bug: it
     /// panics in debug builds and is ignored in release builds.
     pub fn free(&mut self, allocation: Allocation) {
-        let Some(len) = self.used_node(&allocation).map(|n| n.size) else {
+        let Some(len) = self.used_node(&allocation).map(|n| u64::from(n.size) << self.align_log2) else {
             debug_assert!(false, "OffsetAllocator::free: {allocation:?} does not belong to this allocator");
             return;
         };
@@ -397,10 +417,10 @@ impl OffsetAllocator {
             largest = largest.max(node.size);
             n = node.next_free;
         }
-        largest
+        u64::from(largest) << self.align_log2
     }
 
-    /// Bytes managed: the constructor's capacity rounded down to the alignment.
+    /// Bytes managed: the constructor's capacity rounded down to [`Self::align_bytes`].
     pub fn capacity_bytes(&self) -> u64 {
         self.capacity
     }
@@ -415,7 +435,8 @@ impl OffsetAllocator {
         self.capacity - self.used_bytes
     }
 
-    /// Alignment of every offset and granularity of every length.
+    /// Alignment of every offset and granularity of every length: `align_bytes` as given to
+    /// `new`, or coarser for a capacity of more than 2^30 of them.
     pub fn align_bytes(&self) -> u64 {
         self.align
     }
@@ -445,6 +466,7 @@ impl OffsetAllocator {
         }
         // Physical chain from node 0 (always the block at offset 0).
         let (mut n, mut prev, mut expect_offset) = (0u32, NIL, 0u64);
+        let capacity_units = self.capacity >> self.align_log2;
         let (mut used, mut used_count, mut free_count, mut steps) = (0u64, 0u64, 0u64, 0usize);
         let mut prev_free = false;
         while n != NIL {
@@ -456,15 +478,15 @@ impl OffsetAllocator {
             if node.prev_phys != prev {
                 return Err(format!("node {n}: prev_phys {} != {prev}", node.prev_phys));
             }
-            if node.offset() != expect_offset {
-                return Err(format!("node {n}: offset {} != {expect_offset}", node.offset()));
+            if u64::from(node.offset()) != expect_offset {
+                return Err(format!("node {n}: offset {} units != {expect_offset}", node.offset()));
             }
-            if node.size == 0 || node.size % self.align != 0 || node.offset() % self.align != 0 {
-                return Err(format!("node {n}: bad size/offset {node:?}"));
+            if node.size == 0 {
+                return Err(format!("node {n}: empty block {node:?}"));
             }
             match node.state() {
                 NodeState::Used => {
-                    used += node.size;
+                    used += u64::from(node.size) << self.align_log2;
                     used_count += 1;
                     prev_free = false;
                 }
@@ -477,12 +499,12 @@ impl OffsetAllocator {
                 }
                 NodeState::Spare => return Err(format!("spare node {n} in the physical chain")),
             }
-            expect_offset = node.offset().checked_add(node.size).ok_or_else(|| format!("node {n}: end overflows"))?;
+            expect_offset = u64::from(node.offset()) + u64::from(node.size);
             prev = n;
             n = node.next_phys;
         }
-        if expect_offset != self.capacity {
-            return Err(format!("blocks end at {expect_offset}, capacity {}", self.capacity));
+        if expect_offset != capacity_units {
+            return Err(format!("blocks end at unit {expect_offset}, capacity {capacity_units} units"));
         }
         if used != self.used_bytes || used_count != u64::from(self.allocations) {
             return Err(format!(
@@ -514,8 +536,8 @@ impl OffsetAllocator {
                     if node.state() != NodeState::Free || node.prev_free != prev {
                         return Err(format!("bin ({fl},{sl}): bad node {n}: {node:?}"));
                     }
-                    if bin_floor(node.size >> self.align_log2) != (fl, sl) {
-                        return Err(format!("node {n} of size {} in wrong bin ({fl},{sl})", node.size));
+                    if bin_floor(u64::from(node.size)) != (fl, sl) {
+                        return Err(format!("node {n} of {} units in wrong bin ({fl},{sl})", node.size));
                     }
                     prev = n;
                     n = node.next_free;
@@ -544,23 +566,22 @@ impl OffsetAllocator {
         Ok(())
     }
 
-    /// First free block that holds `len` bytes: good fit, then a bounded look in the request's
-    /// own bin.
+    /// First free block that holds `units`: good fit, then a bounded look in the request's own
+    /// bin.
     #[inline]
-    fn find_free_block(&self, len: u64) -> Option<u32> {
-        let units = len >> self.align_log2;
-        let (fl, sl) = bin_ceil(units);
+    fn find_free_block(&self, units: u32) -> Option<u32> {
+        let (fl, sl) = bin_ceil(u64::from(units));
         if let Some(bin) = self.first_bin_at_or_above(fl, sl) {
             return Some(self.bin_heads[bin]);
         }
-        let (fl, sl) = bin_floor(units);
+        let (fl, sl) = bin_floor(u64::from(units));
         let mut n = self.bin_heads[fl * SL_COUNT + sl];
         for _ in 0..FALLBACK_SCAN {
             if n == NIL {
                 break;
             }
             let node = &self.nodes[n as usize];
-            if node.size >= len {
+            if node.size >= units {
                 return Some(n);
             }
             n = node.next_free;
@@ -589,7 +610,7 @@ impl OffsetAllocator {
     /// Pushes free node `n` onto the head of its bin's list.
     #[inline]
     fn link_free(&mut self, n: u32) {
-        let (fl, sl) = bin_floor(self.nodes[n as usize].size >> self.align_log2);
+        let (fl, sl) = bin_floor(u64::from(self.nodes[n as usize].size));
         let bin = fl * SL_COUNT + sl;
         let head = self.bin_heads[bin];
         {
@@ -614,7 +635,7 @@ impl OffsetAllocator {
         if prev_free != NIL {
             self.nodes[prev_free as usize].next_free = next_free;
         } else {
-            let (fl, sl) = bin_floor(size >> self.align_log2);
+            let (fl, sl) = bin_floor(u64::from(size));
             let bin = fl * SL_COUNT + sl;
             debug_assert_eq!(self.bin_heads[bin], n);
             self.bin_heads[bin] = next_free;
@@ -788,13 +809,22 @@ mod tests {
     #[test]
     fn per_allocation_bookkeeping_stays_small() {
         // One node per allocation in the table, one handle in the caller's record.
-        assert_eq!(std::mem::size_of::<Node>(), 32);
+        assert_eq!(std::mem::size_of::<Node>(), 24);
         assert_eq!(std::mem::size_of::<Option<Allocation>>(), 8);
         assert_eq!(OffsetAllocator::new(MAX_CAPACITY, 64, 1).err(), Some(AllocError::CapacityTooLarge(MAX_CAPACITY)));
+        // Up to 2^30 units the unit is the alignment asked for; past that it coarsens.
+        assert_eq!(OffsetAllocator::new(64 << 30, 64, 1).expect("64 GiB").align_bytes(), 64);
+        assert_eq!(OffsetAllocator::new((64 << 30) + 63, 64, 1).expect("64 GiB + 63").align_bytes(), 64);
+        assert_eq!(OffsetAllocator::new((64 << 30) + 64, 64, 1).expect("64 GiB + 64").align_bytes(), 128);
+        assert_eq!(OffsetAllocator::new(1 << 40, 64, 1).expect("1 TiB").align_bytes(), 1024);
+        assert_eq!(OffsetAllocator::new(1 << 40, 1 << 20, 1).expect("1 MiB units").align_bytes(), 1 << 20);
         let mut a = OffsetAllocator::new(MAX_CAPACITY - 1, 64, 2).expect("new");
+        let unit = a.align_bytes();
+        assert_eq!(unit, 1 << 32);
+        assert_eq!(a.capacity_bytes(), (MAX_CAPACITY - 1) & !(unit - 1));
         let x = alloc(&mut a, MAX_CAPACITY / 2);
         let y = alloc(&mut a, 64);
-        assert_eq!((a.offset_of(&y), a.len_of(&y)), (MAX_CAPACITY / 2, 64));
+        assert_eq!((a.offset_of(&y), a.len_of(&y)), (MAX_CAPACITY / 2, unit));
         check(&a);
         a.free(x);
         a.free(y);

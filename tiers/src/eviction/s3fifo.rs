@@ -25,14 +25,32 @@ const SMALL_SHARE_DIVISOR: u64 = 10;
 /// Ghost entries allowed even when few entries are tracked, so a cold cache still learns.
 const GHOST_MIN_ENTRIES: usize = 64;
 
-/// 16 bytes per tracked entry.
+/// 12 bytes per tracked entry.
 #[derive(Clone, Copy, Debug, Default)]
 struct Meta {
-    size: u64,
+    /// The entry's size in bytes, low 32 bits (`size_high` holds the next 8).
+    size_low: u32,
     /// The key hash folded to 32 bits: all the ghost keeps (a collision only makes a ghost hit
     /// of a key never evicted, a placement hint, never a correctness matter).
     ghost_key: u32,
+    size_high: u8,
     freq: u8,
+}
+
+/// Sizes are kept in 40 bits: an entry of 1 TiB or more counts as just under 1 TiB (in both the
+/// byte total it joins and the one it leaves, so the totals stay exact sums of what is kept).
+const MAX_META_SIZE: u64 = (1 << 40) - 1;
+
+impl Meta {
+    fn new(size_bytes: u64, ghost_key: u32) -> Meta {
+        let size = size_bytes.min(MAX_META_SIZE);
+        Meta { size_low: size as u32, ghost_key, size_high: (size >> 32) as u8, freq: 0 }
+    }
+
+    /// The size kept (`size_bytes` as given to `new`, at most `MAX_META_SIZE`).
+    fn size(&self) -> u64 {
+        u64::from(self.size_high) << 32 | u64::from(self.size_low)
+    }
 }
 
 /// A key hash folded to the 32 bits the ghost compares.
@@ -158,7 +176,7 @@ impl S3Fifo {
     /// Untracks `id`, keeping the byte totals right; returns the queue it was in.
     fn untrack(&mut self, id: EntryId) -> Option<usize> {
         let q = self.queues.remove(id)?;
-        let size = self.meta(id).size;
+        let size = self.meta(id).size();
         if q == SMALL {
             self.small_bytes = self.small_bytes.saturating_sub(size);
         } else {
@@ -191,8 +209,10 @@ impl Eviction for S3Fifo {
         if idx >= self.meta.len() {
             self.meta.resize(idx + 1, Meta::default());
         }
+        let meta = Meta::new(size_bytes, ghost_key);
+        let size_bytes = meta.size();
         if let Some(m) = self.meta_mut(id) {
-            *m = Meta { size: size_bytes, ghost_key, freq: 0 };
+            *m = meta;
         }
         if q == SMALL {
             self.small_bytes = self.small_bytes.saturating_add(size_bytes);
@@ -234,7 +254,7 @@ impl Eviction for S3Fifo {
             let meta = self.meta(id);
             if from_small && meta.freq >= 1 {
                 // Hit while on probation: earns a place in main, starting over.
-                self.promote(id, meta.size);
+                self.promote(id, meta.size());
                 if let Some(m) = self.meta_mut(id) {
                     m.freq = 0;
                 }
@@ -257,14 +277,14 @@ impl Eviction for S3Fifo {
                 if from_small {
                     let max_entries = self.len().max(GHOST_MIN_ENTRIES);
                     let max_bytes = self.ghost_max_bytes();
-                    self.ghost.record(meta.ghost_key, meta.size, max_bytes, max_entries);
+                    self.ghost.record(meta.ghost_key, meta.size(), max_bytes, max_entries);
                 }
                 victim = Some(id);
                 break;
             }
             // In use right now: it belongs in main, but not within reach of this walk.
             if from_small {
-                self.promote(id, meta.size);
+                self.promote(id, meta.size());
             }
             self.queues.push_front(HELD, id);
         }
@@ -305,6 +325,24 @@ mod tests {
         assert_eq!(s.queue_of(4), Some(SMALL));
         // Small (60 of 90 bytes) stays above its 10% target until drained, then main's FIFO.
         assert_eq!(pop_all(&mut s), vec![4, 5, 6, 7, 8, 9, 0, 1, 2]);
+    }
+
+    #[test]
+    fn s3fifo_keeps_sizes_in_12_bytes_and_its_totals_exact() {
+        assert_eq!(std::mem::size_of::<Meta>(), 12);
+        for size in [0, 1, u64::from(u32::MAX), 1 << 32, 5 << 32 | 7, MAX_META_SIZE] {
+            assert_eq!(Meta::new(size, 9).size(), size);
+        }
+        assert_eq!(Meta::new(1 << 40, 9).size(), MAX_META_SIZE);
+        // Entries past the kept size count as that size coming and going alike.
+        let mut s = S3Fifo::new(u64::MAX);
+        s.insert(0, 0, 3 << 40);
+        s.insert(1, 1, 6 << 30);
+        assert_eq!(s.tracked_bytes(), MAX_META_SIZE + (6 << 30));
+        s.remove(0);
+        assert_eq!(s.tracked_bytes(), 6 << 30);
+        s.remove(1);
+        assert_eq!(s.tracked_bytes(), 0);
     }
 
     #[test]
