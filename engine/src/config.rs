@@ -38,7 +38,7 @@ crate::settings_group! {
         dir: Option<std::path::PathBuf> = None, Path, eg "/tmp/kvtide-settings-example";
         /// SSD tier capacity. Default 8 GiB.
         bytes: u64 = 8 << 30, Bytes, eg "256MiB";
-        /// Segment file size. Default 64 MiB (smaller when the tier is small).
+        /// Segment file size. Default 64 MiB (smaller when the tier is small); at most 16 TiB.
         segment_bytes: u64 = 64 << 20, Bytes, eg "4MiB";
         /// Acknowledge puts only once they are durable on SSD. Default false (write-back on
         /// eviction).
