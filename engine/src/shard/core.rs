@@ -26,7 +26,7 @@ use kvtide_tiers::eviction::{EntryId, Eviction, EvictionPolicy};
 use kvtide_tiers::ssd::record::{self, HEADER_BYTES};
 
 use super::landing::Landing;
-use super::published::{IndexWriter, KeyBytes};
+use super::published::{IndexWriter, MAX_VALUE_BYTES};
 use kvtide_tiers::ssd::SsdLocation;
 use slab::Slab;
 
@@ -111,8 +111,9 @@ enum ObjectState {
     Abandoned,
 }
 
+/// The shard's record of one object. Its key and its value's length are kept once, in the
+/// object's published slot (`IndexWriter::adopt`), which readers compare keys through.
 struct Object {
-    key: KeyBytes,
     generation: u32,
     /// Order of versions on disk: recovery keeps the highest.
     seq: u64,
@@ -122,7 +123,6 @@ struct Object {
     value_offset: u32,
     /// SSD copy, once its write completed.
     ssd_copy: Option<PackedLocation>,
-    len: u64,
     leases: u32,
     pins: u32,
     /// In-flight writes reading `dram`, or a load filling it.
@@ -186,12 +186,6 @@ impl Object {
     fn set_ssd(&mut self, location: SsdLocation) {
         self.ssd_copy = PackedLocation::new(location);
         debug_assert!(self.ssd_copy.is_some(), "{location:?} does not pack");
-    }
-
-    /// The key's index hash, computed when needed rather than kept: 8 bytes per object against
-    /// one hash of the key when it leaves the index (entries move without their keys).
-    fn key_hash(&self) -> u64 {
-        super::index_hash(super::key_hash(&self.key))
     }
 
     /// A record of this version is (or may soon be, or may still be) readable on SSD, so
@@ -437,7 +431,7 @@ impl ShardCore {
             return Err(Error::Busy { limit: self.config.max_leases as usize });
         }
         let ptr = self.value_ptr(id)?;
-        let len = self.objects[id as usize].len;
+        let len = self.index.value_len(id);
         let lease = self.add_lease(id);
         if let Some(deadline) = deadline {
             self.lease_deadlines.push(Reverse((deadline, lease)));
@@ -514,8 +508,9 @@ impl ShardCore {
     pub fn locate(&self, key: &[u8]) -> Option<Location> {
         let id = self.find(key)?;
         let o = &self.objects[id as usize];
-        let staging_bytes = o.ssd().map_or_else(|| self.layout(o.key.len(), o.len).0, |l| l.record_bytes);
-        Some(Location { in_dram: o.dram.is_some(), len: o.len, staging_bytes })
+        let len = self.index.value_len(id);
+        let staging_bytes = o.ssd().map_or_else(|| self.layout(self.index.key(id).len(), len).0, |l| l.record_bytes);
+        Some(Location { in_dram: o.dram.is_some(), len, staging_bytes })
     }
 
     /// Live keys (any tier) that start with `prefix`, looking at object slots from `from` on:
@@ -529,8 +524,9 @@ impl ShardCore {
         let stop = slot.saturating_add(SCAN_SLOTS).min(end);
         while slot < stop && keys.len() < limit {
             if let Some(o) = self.objects.get(slot) {
-                if o.state == ObjectState::Live && o.key.starts_with(prefix) {
-                    keys.push(o.key.to_boxed());
+                let key = self.index.key(slot as u32);
+                if o.state == ObjectState::Live && key.starts_with(prefix) {
+                    keys.push(key.into());
                 }
             }
             slot += 1;
@@ -595,6 +591,9 @@ impl ShardCore {
         if bytes > self.allocator.capacity_bytes() {
             return Err(Error::TooLarge { what: "value", len, max: self.allocator.capacity_bytes() });
         }
+        if len > MAX_VALUE_BYTES {
+            return Err(Error::TooLarge { what: "value", len, max: MAX_VALUE_BYTES });
+        }
         if self.objects.len() >= self.config.max_objects as usize && !self.evict_one_now() {
             self.counters.no_space.fetch_add(1, RELAXED);
             return Err(Error::NoSpace);
@@ -603,14 +602,12 @@ impl ShardCore {
         let generation = self.bump_generation();
         let offset = self.allocator.offset_of(&allocation);
         let reserved = self.allocator.len_of(&allocation);
-        let id = self.objects.insert(Object {
-            key: KeyBytes::new(key),
+        let object = Object {
             generation,
             seq: 0,
-            dram: Some(allocation),
+            dram: None,
             value_offset,
             ssd_copy: None,
-            len,
             leases: 0,
             pins: 0,
             io_refs: 0,
@@ -618,7 +615,12 @@ impl ShardCore {
             committed_turn: 0,
             shadowed: false,
             state: ObjectState::Reserved,
-        }) as u32;
+        };
+        let Some(id) = self.insert_object(object, key, len) else {
+            self.allocator.free(allocation);
+            return Err(Error::Internal("no published slot for a new object"));
+        };
+        self.objects[id as usize].dram = Some(allocation);
         self.counters.bytes_used.fetch_add(reserved, RELAXED);
         self.counters.writes_in_flight.fetch_add(1, RELAXED);
         if value_offset > 0 {
@@ -694,10 +696,10 @@ impl ShardCore {
         self.counters.writes_in_flight.fetch_sub(1, RELAXED);
         let id = object.id;
         // Hashed once: the lookup, the index entry and the policy's entry share it.
-        let hash = self.objects[id as usize].key_hash();
+        let hash = self.key_hash(id);
         let mut inherited_pins = 0;
         let mut indexed = false;
-        if let Some(old) = self.find_hashed(&self.objects[id as usize].key, hash) {
+        if let Some(old) = self.find_hashed(self.index.key(id), hash) {
             if !upsert {
                 self.drop_reservation(id);
                 return Err(Error::AlreadyExists);
@@ -719,7 +721,7 @@ impl ShardCore {
             indexed = true;
             self.unlink_hashed(old, hash);
             if supersedes_ssd {
-                let key = self.objects[id as usize].key.clone();
+                let key: Box<[u8]> = self.index.key(id).into();
                 self.queue_tombstone(&key);
             }
         }
@@ -729,7 +731,7 @@ impl ShardCore {
         entry.pins = inherited_pins.saturating_add(u32::from(pin));
         entry.seq = seq;
         entry.committed_turn = self.turn as u32;
-        let len = entry.len;
+        let len = self.index.value_len(id);
         if !indexed {
             self.index_insert(id, hash);
         }
@@ -780,7 +782,7 @@ impl ShardCore {
             return Err(Error::Busy { limit: self.config.max_leases as usize });
         }
         let ptr = self.value_ptr(object.id)?;
-        let len = self.objects[object.id as usize].len;
+        let len = self.index.value_len(object.id);
         let lease = self.add_lease(object.id);
         Ok(ReadGrant { lease, ptr, len, landing: None })
     }
@@ -1022,7 +1024,7 @@ impl ShardCore {
         self.publish(id);
         let o = &self.objects[id as usize];
         if o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some() && o.io_refs == 0 && !o.transient {
-            let (hash, len) = (o.key_hash(), o.len);
+            let (hash, len) = (self.key_hash(id), self.index.value_len(id));
             self.policy.insert(id as EntryId, hash, len.max(1));
         }
     }
@@ -1115,7 +1117,7 @@ impl ShardCore {
     /// Takes a live object out of the index and the policy; frees it now or when its last lease
     /// and I/O are gone.
     fn unlink(&mut self, id: u32) {
-        let hash = self.objects[id as usize].key_hash();
+        let hash = self.key_hash(id);
         self.unlink_hashed(id, hash);
     }
 
@@ -1152,6 +1154,7 @@ impl ShardCore {
     fn free_object(&mut self, id: u32) {
         debug_assert_eq!(self.index.readers(id), 0, "freeing an object under published readers");
         let object = self.objects.remove(id as usize);
+        self.index.disown(id);
         debug_assert_eq!(object.leases, 0, "freeing a leased object");
         debug_assert_eq!(object.io_refs, 0, "freeing an object under I/O");
         if object.state == ObjectState::Retired {
@@ -1183,7 +1186,7 @@ impl ShardCore {
         let object = &self.objects[id as usize];
         let allocation = object.dram.as_ref().ok_or(Error::Internal("object not in DRAM"))?;
         self.slice
-            .ptr_at(self.allocator.offset_of(allocation) + u64::from(object.value_offset), object.len)
+            .ptr_at(self.allocator.offset_of(allocation) + u64::from(object.value_offset), self.index.value_len(id))
             .ok_or(Error::Internal("object outside slice"))
     }
 
@@ -1194,8 +1197,8 @@ impl ShardCore {
 
     /// `find` with the key's index hash at hand.
     fn find_hashed(&self, key: &[u8], hash: u64) -> Option<u32> {
-        let objects = &self.objects;
-        self.index.find(hash, |id| objects.get(id as usize).is_some_and(|o| *o.key == *key))
+        let index = &self.index;
+        index.find(hash, |id| index.key(id) == key)
     }
 
     /// Indexes object `id`, whose key's index hash is `hash`.
@@ -1203,9 +1206,28 @@ impl ShardCore {
         self.index.insert(hash, id);
     }
 
+    /// The index hash of object `id`'s key, computed when needed rather than kept: 8 bytes per
+    /// object against one hash of the key when it leaves the index (entries move without their
+    /// keys).
+    fn key_hash(&self, id: u32) -> u64 {
+        super::index_hash(super::key_hash(self.index.key(id)))
+    }
+
+    /// Adds an object record, giving its published slot the key and the value's length. None
+    /// (nothing added) when the slot cannot take them.
+    fn insert_object(&mut self, object: Object, key: &[u8], len: u64) -> Option<u32> {
+        let entry = self.objects.vacant_entry();
+        let id = u32::try_from(entry.key()).ok()?;
+        if !self.index.adopt(id, object.generation, key, len) {
+            return None;
+        }
+        entry.insert(object);
+        Some(id)
+    }
+
     /// Takes object `id` out of the index.
     fn index_remove(&mut self, id: u32) {
-        let hash = self.objects[id as usize].key_hash();
+        let hash = self.key_hash(id);
         self.index_remove_hashed(id, hash);
     }
 
@@ -1228,8 +1250,8 @@ impl ShardCore {
             return;
         }
         let Ok(ptr) = self.value_ptr(id) else { return };
-        let o = &self.objects[id as usize];
-        self.index.open(id, o.generation, ptr, o.len, &o.key);
+        let generation = self.objects[id as usize].generation;
+        self.index.open(id, generation, ptr);
     }
 
     /// Keeps published readers out of an object about to be written to SSD (readers in keep
@@ -1263,7 +1285,7 @@ impl ShardCore {
             match object.state {
                 ObjectState::Live => {
                     live += 1;
-                    if self.find(&object.key) != Some(id as u32) {
+                    if self.find(self.index.key(id as u32)) != Some(id as u32) {
                         return Err(format!("live object {id} not indexed"));
                     }
                     if object.dram.is_none() && object.ssd_copy.is_none() && object.io_refs == 0 {

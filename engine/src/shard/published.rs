@@ -3,8 +3,9 @@
 //!
 //! Owns the key table (open addressing over the key hashes: one 8-byte entry per key, a 32-bit
 //! tag of the hash beside the object slot), one lease word per object slot (the object's
-//! generation, an open bit and a reader count), what a reader needs of an open object (where its
-//! value and key are), and the queue of reads the shard's eviction policy has not seen yet.
+//! generation, an open bit and a reader count), every object's key and value length (the only
+//! copy: the shard reads them here too), where an open object's value is, and the queue of reads
+//! the shard's eviction policy has not seen yet.
 //! The owning shard thread is its only writer. Readers look a key up, take a lease with one
 //! compare-and-swap on an open object, check the key, copy, and give the lease back with one
 //! atomic decrement. Never lets a reader lease an object the shard has closed, and the shard
@@ -22,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_queue::ArrayQueue;
 
 use crate::stats::ShardCounters;
+use keys::KeyArena;
 
 /// The lease word's open bit: readers may take leases.
 const OPEN: u64 = 1 << 31;
@@ -136,89 +138,6 @@ impl<W: Word> LeaseWord<W> {
     }
 }
 
-/// An object's key bytes, at an address that stays put while the object exists: readers on
-/// other threads compare keys through it under a lease (a `Box` would assert unique access each
-/// time the shard touched its object). One pointer (8 bytes in every object record): the length
-/// is kept in the allocation, in the word before the bytes.
-pub(crate) struct KeyBytes {
-    /// The allocation: the key's length as a `usize`, then its bytes.
-    header: NonNull<usize>,
-}
-
-// SAFETY: KeyBytes owns its allocation like a Box<[u8]> and is never written after creation.
-unsafe impl Send for KeyBytes {}
-// SAFETY: shared access only reads the bytes.
-unsafe impl Sync for KeyBytes {}
-
-const KEY_HEADER_BYTES: usize = std::mem::size_of::<usize>();
-
-impl KeyBytes {
-    /// The allocation for a key of `len` bytes.
-    fn layout(len: usize) -> Layout {
-        match Layout::from_size_align(KEY_HEADER_BYTES.saturating_add(len), std::mem::align_of::<usize>()) {
-            Ok(layout) => layout,
-            // Keys are at most 1 MiB (the store validates them first).
-            Err(_) => std::alloc::handle_alloc_error(Layout::new::<usize>()),
-        }
-    }
-
-    pub(crate) fn new(key: &[u8]) -> KeyBytes {
-        let layout = KeyBytes::layout(key.len());
-        // SAFETY: the layout's size is at least KEY_HEADER_BYTES, never zero.
-        let raw = unsafe { std::alloc::alloc(layout) };
-        let Some(header) = NonNull::new(raw.cast::<usize>()) else { std::alloc::handle_alloc_error(layout) };
-        // SAFETY: the allocation is aligned for usize and holds the length word and `key.len()`
-        // bytes after it; `key` cannot overlap memory just allocated.
-        unsafe {
-            header.as_ptr().write(key.len());
-            std::ptr::copy_nonoverlapping(key.as_ptr(), raw.add(KEY_HEADER_BYTES), key.len());
-        }
-        KeyBytes { header }
-    }
-
-    pub(crate) fn as_ptr(&self) -> *const u8 {
-        // SAFETY: the key's bytes start right after the length word, inside the allocation.
-        unsafe { self.header.as_ptr().cast::<u8>().add(KEY_HEADER_BYTES) }
-    }
-
-    pub(crate) fn to_boxed(&self) -> Box<[u8]> {
-        Box::from(&**self)
-    }
-}
-
-impl std::ops::Deref for KeyBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: the length word and the bytes after it were written in `new` and are never
-        // written again while this value owns them.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.header.as_ptr().read()) }
-    }
-}
-
-impl Clone for KeyBytes {
-    fn clone(&self) -> KeyBytes {
-        KeyBytes::new(self)
-    }
-}
-
-impl Drop for KeyBytes {
-    fn drop(&mut self) {
-        // SAFETY: the allocation was made in `new` with the layout of the length it holds, and
-        // nothing reads the key once its object is freed (the shard frees objects only after
-        // their published readers are gone).
-        unsafe {
-            let layout = KeyBytes::layout(self.header.as_ptr().read());
-            std::alloc::dealloc(self.header.as_ptr().cast(), layout);
-        }
-    }
-}
-
-impl std::fmt::Debug for KeyBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", &**self)
-    }
-}
-
 /// What a reader needs of one object slot: 32 bytes.
 #[derive(Default)]
 struct ObjectSlot {
@@ -229,9 +148,11 @@ struct ObjectSlot {
     lengths: AtomicU64,
 }
 
-/// Bits of `ObjectSlot::lengths` for the value's length: values up to 8 TiB are published (a
-/// larger one is read through the shard); keys (at most 1 MiB) fit in the 21 bits above.
+/// Bits of `ObjectSlot::lengths` for the value's length: values up to 8 TiB (the shard refuses
+/// larger ones); keys (at most 1 MiB) fit in the 21 bits above.
 const LEN_BITS: u32 = 43;
+/// The largest value an object can have (its slot keeps the length in `LEN_BITS`).
+pub(crate) const MAX_VALUE_BYTES: u64 = (1 << LEN_BITS) - 1;
 
 /// Both lengths in one word, or None when they do not fit it.
 fn pack_lengths(len: u64, key_len: usize) -> Option<u64> {
@@ -430,6 +351,11 @@ pub(crate) struct PublishedIndex {
     accesses: ArrayQueue<u64>,
     /// The shard's counters: readers count their hits, misses, bytes and leases there.
     counters: Arc<ShardCounters>,
+    /// Every object's key bytes (see `keys`). Only the writer touches the arena itself; readers
+    /// read keys through their slots, under leases.
+    keys: std::cell::UnsafeCell<KeyArena>,
+    /// The arena's bytes, for `heap_bytes` on any thread.
+    key_bytes: AtomicUsize,
 }
 
 // SAFETY: the shard's `IndexWriter` is the only writer of the table and the chunk pointers,
@@ -459,6 +385,8 @@ impl IndexWriter {
             chunks: ZeroedSlice::new(CHUNKS),
             accesses: ArrayQueue::new(ACCESS_QUEUE),
             counters,
+            keys: std::cell::UnsafeCell::new(KeyArena::new()),
+            key_bytes: AtomicUsize::new(0),
         };
         IndexWriter { index: Arc::new(index), len: 0 }
     }
@@ -559,7 +487,8 @@ impl PublishedIndex {
         let bytes = tables * 8
             + chunks * CHUNK_SLOTS * std::mem::size_of::<ObjectSlot>()
             + self.chunks.len() * 8
-            + ACCESS_QUEUE * 8;
+            + ACCESS_QUEUE * 8
+            + self.key_bytes.load(Ordering::Relaxed);
         bytes as u64
     }
 }
@@ -690,28 +619,84 @@ impl IndexWriter {
         }
     }
 
-    /// Publishes an object readers may lease: `value`/`len` its bytes, `key` its key. A slot
-    /// given to a new generation must have no readers. False when the slot id is
-    /// beyond what the index can publish, or the value is over 8 TiB (the object is then read
-    /// through the shard).
-    pub(crate) fn open(&mut self, slot: u32, generation: u32, value: NonNull<u8>, len: u64, key: &KeyBytes) -> bool {
+    /// The key arena, for the writer.
+    fn keys(&mut self) -> &mut KeyArena {
+        // SAFETY: the writer is the only one to touch the arena and `&mut self` makes this the
+        // only reference to it (readers read key bytes through slots, never the arena).
+        unsafe { &mut *self.index.keys.get() }
+    }
+
+    /// Gives slot `slot` to a new object (closed to readers): a copy of its key, which the slot
+    /// keeps until `disown`, and its value's length. The slot must have no readers. False when
+    /// the slot id is beyond what the index holds, the value is 8 TiB or more, or readers still
+    /// hold the slot.
+    pub(crate) fn adopt(&mut self, slot: u32, generation: u32, key: &[u8], len: u64) -> bool {
         let Some(lengths) = pack_lengths(len, key.len()) else { return false };
         let Some(object) = self.slot_or_alloc(slot) else { return false };
-        let (current, open) = object.word.state();
-        if current == generation && open {
-            return true;
+        if object.word.readers() != 0 {
+            debug_assert!(false, "slot {slot} reused under readers");
+            return false;
         }
-        if current != generation {
-            if object.word.readers() != 0 {
-                debug_assert!(false, "slot {slot} reused under readers");
-                return false;
-            }
-            object.word.reset(generation);
-        }
-        object.value.store(value.as_ptr() as usize, Ordering::Relaxed);
+        debug_assert_eq!(object.key.load(Ordering::Relaxed), 0, "slot {slot} adopted twice");
+        let key = self.keys().alloc(key);
+        let held = self.keys().held_bytes();
+        self.index.key_bytes.store(held, Ordering::Relaxed);
+        let Some(object) = self.index.slot(slot) else { return false };
+        object.word.reset(generation);
+        object.value.store(0, Ordering::Relaxed);
         object.key.store(key.as_ptr() as usize, Ordering::Relaxed);
         object.lengths.store(lengths, Ordering::Relaxed);
-        object.word.open();
+        true
+    }
+
+    /// Frees the key of a slot whose object is gone (closed, no readers left).
+    pub(crate) fn disown(&mut self, slot: u32) {
+        let Some(object) = self.index.slot(slot) else { return };
+        debug_assert_eq!(object.word.readers(), 0, "slot {slot} disowned under readers");
+        let (_, key_len) = unpack_lengths(object.lengths.swap(0, Ordering::Relaxed));
+        object.value.store(0, Ordering::Relaxed);
+        let key = object.key.swap(0, Ordering::Relaxed) as *mut u8;
+        if let Some(key) = NonNull::new(key) {
+            // SAFETY: a non-null key address was stored by `adopt` from the arena with this
+            // length and is taken back once (swapped out); no reader holds the slot, and readers
+            // read a key only under a lease.
+            unsafe { self.keys().free(key, key_len) };
+            let held = self.keys().held_bytes();
+            self.index.key_bytes.store(held, Ordering::Relaxed);
+        }
+    }
+
+    /// The key of an adopted slot (empty for a slot never adopted).
+    pub(crate) fn key(&self, slot: u32) -> &[u8] {
+        let Some(object) = self.index.slot(slot) else { return &[] };
+        let key = object.key.load(Ordering::Relaxed) as *const u8;
+        if key.is_null() {
+            return &[];
+        }
+        let (_, key_len) = unpack_lengths(object.lengths.load(Ordering::Relaxed));
+        // SAFETY: this writer stored the key (in the arena) and its length in `adopt`, and frees
+        // it only in `disown`, which takes `&mut self`: the borrow returned cannot outlive it.
+        unsafe { std::slice::from_raw_parts(key, key_len) }
+    }
+
+    /// The value's length of an adopted slot (0 for a slot never adopted).
+    pub(crate) fn value_len(&self, slot: u32) -> u64 {
+        self.index.slot(slot).map_or(0, |o| unpack_lengths(o.lengths.load(Ordering::Relaxed)).0)
+    }
+
+    /// Lets readers lease the object that adopted `slot` as `generation`, its value at `value`.
+    /// False when the slot belongs to another generation.
+    pub(crate) fn open(&mut self, slot: u32, generation: u32, value: NonNull<u8>) -> bool {
+        let Some(object) = self.index.slot(slot) else { return false };
+        let (current, open) = object.word.state();
+        if current != generation {
+            debug_assert!(false, "slot {slot} opened for generation {generation}, adopted by {current}");
+            return false;
+        }
+        if !open {
+            object.value.store(value.as_ptr() as usize, Ordering::Relaxed);
+            object.word.open();
+        }
         true
     }
 
@@ -800,7 +785,16 @@ impl Drop for PublishedIndex {
             let ptr = chunk.load(Ordering::Relaxed);
             if !ptr.is_null() {
                 // SAFETY: made by ZeroedSlice::into_raw with CHUNK_SLOTS elements, freed once.
-                drop(unsafe { ZeroedSlice::<ObjectSlot>::from_raw(ptr, CHUNK_SLOTS) });
+                let slots = unsafe { ZeroedSlice::<ObjectSlot>::from_raw(ptr, CHUNK_SLOTS) };
+                let keys = self.keys.get_mut();
+                for slot in slots.iter() {
+                    let (_, key_len) = unpack_lengths(slot.lengths.load(Ordering::Relaxed));
+                    if let Some(key) = NonNull::new(slot.key.swap(0, Ordering::Relaxed) as *mut u8) {
+                        // SAFETY: as in `disown`; nothing can read the index any more. (Keys of
+                        // blocks go with the arena; this frees those allocated alone.)
+                        unsafe { keys.free(key, key_len) };
+                    }
+                }
             }
         }
     }
@@ -902,5 +896,6 @@ unsafe impl<T: Sync> Sync for ZeroedSlice<T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Send for ZeroedSlice<T> {}
 
+mod keys;
 #[cfg(test)]
 mod tests;

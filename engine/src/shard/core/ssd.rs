@@ -30,7 +30,6 @@ use std::sync::Arc;
 use super::{LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, RELAXED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
-use crate::shard::published::KeyBytes;
 
 /// Tombstones queued and not yet written, by default; a remove past this gets `Busy` (nothing
 /// is dropped).
@@ -489,8 +488,7 @@ impl ShardCore {
                 }
             } else if copy_cold || pinned {
                 if let Some(src) = object.ssd() {
-                    let identity =
-                        RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.to_boxed() };
+                    let identity = self.record_identity(id);
                     queue.push(CopyRequest { owner: owner_token(id, generation), src, identity });
                 }
             } else {
@@ -720,7 +718,7 @@ impl ShardCore {
         let object = &self.objects[id as usize];
         let Some(allocation) = object.dram.as_ref() else { return Placement::TooLarge };
         let (key_len, len, seq, offset) =
-            (object.key.len(), object.len, object.seq, self.allocator.offset_of(allocation));
+            (self.index.key(id).len(), self.index.value_len(id), object.seq, self.allocator.offset_of(allocation));
         // An image loaded from an older record keeps its layout: it is re-stamped, not re-sealed.
         let current_layout = u64::from(object.value_offset) == record::value_offset(key_len, len);
         let record_bytes = if current_layout {
@@ -799,10 +797,16 @@ impl ShardCore {
         self.publish_tier_counters();
     }
 
+    /// What a record of object `id` must say of itself for a read of it to be accepted.
+    fn record_identity(&self, id: u32) -> RecordIdentity {
+        let seq = self.objects.get(id as usize).map_or(0, |o| o.seq);
+        RecordIdentity { seq, value_len: self.index.value_len(id), key: self.index.key(id).into() }
+    }
+
     /// A write-through put that cannot be made durable is not kept, and the version it
     /// replaced is gone already: a tombstone makes a restart agree that the key is absent.
     fn unlink_unacknowledged(&mut self, id: u32) {
-        let key = self.objects[id as usize].key.clone();
+        let key: Box<[u8]> = self.index.key(id).into();
         self.unlink(id);
         self.queue_tombstone(&key);
     }
@@ -854,14 +858,13 @@ impl ShardCore {
             self.allocator.free(allocation);
             return None;
         };
+        let identity = self.record_identity(id);
         let Some(ssd) = self.ssd.as_mut() else {
             self.allocator.free(allocation);
             return None;
         };
         self.counters.bytes_used.fetch_add(self.allocator.len_of(&allocation), RELAXED);
         ssd.loading_bytes += location.record_bytes;
-        let object = &self.objects[id as usize];
-        let identity = RecordIdentity { seq: object.seq, value_len: object.len, key: object.key.to_boxed() };
         let landing = progressive.then(|| Arc::new(Landing::default()));
         let op = CoreOp::Load { id, location, allocation: Some(allocation), waiters, landing, early: Vec::new() };
         let token = ssd.ops.insert(op);
@@ -963,7 +966,7 @@ impl ShardCore {
         if let Some(deadline) = deadline {
             self.lease_deadlines.push(Reverse((deadline, lease)));
         }
-        let len = self.objects[id as usize].len;
+        let len = self.index.value_len(id);
         self.counters.hits.fetch_add(1, RELAXED);
         self.counters.bytes_read.fetch_add(len, RELAXED);
         Ok(ReadGrant { lease, ptr, len, landing: Some(landing) })
@@ -1340,11 +1343,11 @@ impl ShardCore {
             (Ok(value_offset), Some(allocation)) => {
                 self.counters.ssd_read_bytes.fetch_add(location.record_bytes, RELAXED);
                 let promote = self.ssd.as_ref().is_some_and(|s| s.config.promote_on_hit);
+                let len = self.index.value_len(id);
                 let object = &mut self.objects[id as usize];
                 object.dram = Some(allocation);
                 object.value_offset = value_offset;
                 object.transient = !promote;
-                let len = object.len;
                 self.counters.dram_objects.fetch_add(1, RELAXED);
                 if promote {
                     self.counters.promotions.fetch_add(1, RELAXED);
@@ -1413,13 +1416,11 @@ impl ShardCore {
         let generation = self.bump_generation();
         let object = &self.objects[id as usize];
         let parked = Object {
-            key: object.key.clone(),
             generation,
             seq: object.seq,
-            dram: Some(allocation),
+            dram: None,
             value_offset: 0,
             ssd_copy: None,
-            len: object.len,
             leases: held.len() as u32,
             pins: 0,
             io_refs: 0,
@@ -1428,7 +1429,15 @@ impl ShardCore {
             shadowed: false,
             state: ObjectState::Abandoned,
         };
-        let parked = self.objects.insert(parked) as u32;
+        let (key, len): (Box<[u8]>, u64) = (self.index.key(id).into(), self.index.value_len(id));
+        let Some(parked) = self.insert_object(parked, &key, len) else {
+            // Not reachable (the slot of a free record has no readers); leaked rather than
+            // freed under the early readers.
+            debug_assert!(false, "no published slot for a parked load buffer");
+            drop(allocation);
+            return;
+        };
+        self.objects[parked as usize].dram = Some(allocation);
         for lease in &held {
             self.leases[lease.slot as usize].object = parked;
         }
@@ -1466,14 +1475,12 @@ impl ShardCore {
                 report.discarded.push((location.segment, location.offset, "record beyond 2^32 blocks".into()));
                 continue;
             };
-            let id = self.objects.insert(Object {
-                key: KeyBytes::new(&key),
+            let object = Object {
                 generation,
                 seq: found.seq,
                 dram: None,
                 value_offset: 0,
                 ssd_copy: Some(ssd_copy),
-                len: found.value_len,
                 leases: 0,
                 pins: 0,
                 io_refs: 0,
@@ -1481,8 +1488,12 @@ impl ShardCore {
                 committed_turn: 0,
                 shadowed: false,
                 state: ObjectState::Live,
-            }) as u32;
-            let hash = self.objects[id as usize].key_hash();
+            };
+            let Some(id) = self.insert_object(object, &key, found.value_len) else {
+                report.discarded.push((location.segment, location.offset, "value of 8 TiB or more".into()));
+                continue;
+            };
+            let hash = self.key_hash(id);
             self.index_insert(id, hash);
             if let Some(ssd) = self.ssd.as_mut() {
                 // The tier counted its bytes live already.

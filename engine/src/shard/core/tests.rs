@@ -320,7 +320,7 @@ fn the_eviction_pass_spares_an_object_a_caller_committed_between_turns() {
 /// allocator node and the policy entry).
 #[test]
 fn an_object_record_stays_small() {
-    assert!(std::mem::size_of::<Object>() <= 80, "Object is {} bytes", std::mem::size_of::<Object>());
+    assert!(std::mem::size_of::<Object>() <= 64, "Object is {} bytes", std::mem::size_of::<Object>());
 }
 
 /// An object's SSD location is kept packed: every location a tier can hand out round-trips,

@@ -154,8 +154,7 @@ fn table_matches_a_model_through_growth_and_removal() {
 fn table_matches_a_model(max_keys: u32) {
     let counters = Arc::new(ShardCounters::default());
     let mut writer = IndexWriter::new(Arc::clone(&counters), max_keys);
-    let keys: Vec<super::KeyBytes> =
-        (0..5000u32).map(|i| super::KeyBytes::new(format!("key-{i}").as_bytes())).collect();
+    let keys: Vec<Vec<u8>> = (0..5000u32).map(|i| format!("key-{i}").into_bytes()).collect();
     let values: Vec<u64> = (0..5000u64).collect();
     let hashes: Vec<u64> = keys.iter().map(|k| hash(k)).collect();
     let mut present = vec![false; keys.len()];
@@ -169,16 +168,20 @@ fn table_matches_a_model(max_keys: u32) {
         if present[i] {
             writer.close(slot);
             assert!(writer.remove(hashes[i], slot), "step {step}: removes key {i}");
+            writer.disown(slot);
+            assert!(writer.key(slot).is_empty());
             present[i] = false;
         } else {
             let value = std::ptr::NonNull::from(&values[i]).cast::<u8>();
-            assert!(writer.open(slot, step + 1, value, 8, &keys[i]));
+            assert!(writer.adopt(slot, step + 1, &keys[i], 8));
+            assert_eq!((writer.key(slot), writer.value_len(slot)), (&keys[i][..], 8));
+            assert!(writer.open(slot, step + 1, value));
             writer.insert(hashes[i], slot);
             present[i] = true;
         }
         if step % 97 == 0 {
             for (j, key) in keys.iter().enumerate() {
-                let found = writer.find(hashes[j], |s| *keys[s as usize] == **key);
+                let found = writer.find(hashes[j], |s| writer.key(s) == &key[..]);
                 assert_eq!(found.is_some(), present[j], "step {step}: key {j}");
                 match writer.shared().lease(key, hashes[j]) {
                     FastRead::Hit { lease, ptr, len } => {
@@ -209,13 +212,14 @@ fn readers_never_miss_a_present_key_while_the_table_grows_in_place() {
     let counters = Arc::new(ShardCounters::default());
     let mut writer = IndexWriter::new(Arc::clone(&counters), 1 << 16);
     let n = 40_000u32;
-    let keys: Vec<super::KeyBytes> = (0..n).map(|i| super::KeyBytes::new(format!("grow-{i}").as_bytes())).collect();
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("grow-{i}").into_bytes()).collect();
     let values: Vec<u64> = (0..u64::from(n)).collect();
     let hashes: Vec<u64> = keys.iter().map(|k| hash(k)).collect();
     let stable = 64u32;
     let publish = |writer: &mut IndexWriter, i: u32| {
         let value = std::ptr::NonNull::from(&values[i as usize]).cast::<u8>();
-        assert!(writer.open(i, 1, value, 8, &keys[i as usize]));
+        assert!(writer.adopt(i, 1, &keys[i as usize], 8));
+        assert!(writer.open(i, 1, value));
         writer.insert(hashes[i as usize], i);
     };
     for i in 0..stable {
@@ -271,4 +275,28 @@ fn a_published_slot_is_32_bytes() {
         ((1 << 43) - 1, 1 << 20)
     );
     assert_eq!(super::pack_lengths(1 << 43, 1), None, "values of 8 TiB and more are read through the shard");
+}
+
+/// A slot keeps its object's key and value length from `adopt` to `disown`, and refuses a value
+/// of 8 TiB or more (the shard refuses such values first).
+#[test]
+fn slots_keep_keys_and_lengths_between_adopt_and_disown() {
+    let counters = Arc::new(ShardCounters::default());
+    let mut writer = IndexWriter::new(Arc::clone(&counters), 64);
+    assert!(writer.key(3).is_empty());
+    assert_eq!(writer.value_len(3), 0);
+    assert!(writer.adopt(3, 7, b"some key", super::MAX_VALUE_BYTES));
+    assert_eq!((writer.key(3), writer.value_len(3)), (&b"some key"[..], super::MAX_VALUE_BYTES));
+    assert_eq!(writer.shared().slot(3).map(|s| s.word.state()), Some((7, false)), "adopted closed");
+    assert!(!writer.adopt(4, 1, b"k", super::MAX_VALUE_BYTES + 1));
+    assert!(writer.key(4).is_empty());
+    let value = 5u64;
+    assert!(writer.open(3, 7, std::ptr::NonNull::from(&value).cast()));
+    assert_eq!(writer.readers(3), 0);
+    writer.close(3);
+    writer.disown(3);
+    assert!(writer.key(3).is_empty());
+    assert_eq!(writer.value_len(3), 0);
+    // Keys still held when the index goes are freed with it (a long one, allocated alone, too).
+    assert!(writer.adopt(5, 2, &[b'x'; 600], 1));
 }
