@@ -605,7 +605,7 @@ impl ShardCore {
         let object = Object {
             generation,
             seq: 0,
-            dram: None,
+            dram: Some(allocation),
             value_offset,
             ssd_copy: None,
             leases: 0,
@@ -616,11 +616,15 @@ impl ShardCore {
             shadowed: false,
             state: ObjectState::Reserved,
         };
-        let Some(id) = self.insert_object(object, key, len) else {
-            self.allocator.free(allocation);
-            return Err(Error::Internal("no published slot for a new object"));
+        let id = match self.insert_object(object, key, len) {
+            Ok(id) => id,
+            Err(object) => {
+                if let Some(allocation) = object.dram {
+                    self.allocator.free(allocation);
+                }
+                return Err(Error::Internal("no published slot for a new object"));
+            }
         };
-        self.objects[id as usize].dram = Some(allocation);
         self.counters.bytes_used.fetch_add(reserved, RELAXED);
         self.counters.writes_in_flight.fetch_add(1, RELAXED);
         if value_offset > 0 {
@@ -773,8 +777,9 @@ impl ShardCore {
         let Some(o) = self.objects.get(object.id as usize) else { return Err(Error::NotFound) };
         let usable = o.generation == object.generation
             && matches!(o.state, ObjectState::Reserved | ObjectState::Live)
-            && o.dram.is_some()
-            && self.load_token(object.id).is_none();
+            && o.dram.is_some();
+        // A load fills an object without a DRAM copy and installs the copy as it ends.
+        debug_assert!(!usable || self.load_token(object.id).is_none(), "object {} loading with a DRAM copy", object.id);
         if !usable {
             return Err(Error::NotFound);
         }
@@ -1213,16 +1218,16 @@ impl ShardCore {
         super::index_hash(super::key_hash(self.index.key(id)))
     }
 
-    /// Adds an object record, giving its published slot the key and the value's length. None
-    /// (nothing added) when the slot cannot take them.
-    fn insert_object(&mut self, object: Object, key: &[u8], len: u64) -> Option<u32> {
+    /// Adds an object record, giving its published slot the key and the value's length. The
+    /// record back (nothing added) when the slot cannot take them.
+    fn insert_object(&mut self, object: Object, key: &[u8], len: u64) -> std::result::Result<u32, Object> {
         let entry = self.objects.vacant_entry();
-        let id = u32::try_from(entry.key()).ok()?;
+        let Ok(id) = u32::try_from(entry.key()) else { return Err(object) };
         if !self.index.adopt(id, object.generation, key, len) {
-            return None;
+            return Err(object);
         }
         entry.insert(object);
-        Some(id)
+        Ok(id)
     }
 
     /// Takes object `id` out of the index.
@@ -1241,11 +1246,9 @@ impl ShardCore {
     /// written (its bytes stay put until the shard closes it again).
     fn publish(&mut self, id: u32) {
         let Some(o) = self.objects.get(id as usize) else { return };
-        let readable = o.state == ObjectState::Live
-            && o.dram.is_some()
-            && self.load_token(id).is_none()
-            && !o.transient
-            && o.io_refs == 0;
+        // A load in flight holds an I/O reference, so no loading object is readable here.
+        let readable = o.state == ObjectState::Live && o.dram.is_some() && !o.transient && o.io_refs == 0;
+        debug_assert!(!readable || self.load_token(id).is_none(), "object {id} loading without an I/O reference");
         if !readable || self.index.is_open(id, o.generation) {
             return;
         }

@@ -138,7 +138,8 @@ impl<W: Word> LeaseWord<W> {
     }
 }
 
-/// What a reader needs of one object slot: 32 bytes.
+/// One object slot, 32 bytes: what a reader needs, and the object's key and length (which the
+/// shard reads here too).
 #[derive(Default)]
 struct ObjectSlot {
     word: LeaseWord<AtomicU64>,
@@ -786,12 +787,15 @@ impl Drop for PublishedIndex {
             if !ptr.is_null() {
                 // SAFETY: made by ZeroedSlice::into_raw with CHUNK_SLOTS elements, freed once.
                 let slots = unsafe { ZeroedSlice::<ObjectSlot>::from_raw(ptr, CHUNK_SLOTS) };
+                // Keys in blocks go with the arena; those allocated alone are freed here.
                 let keys = self.keys.get_mut();
                 for slot in slots.iter() {
                     let (_, key_len) = unpack_lengths(slot.lengths.load(Ordering::Relaxed));
+                    if !keys::allocated_alone(key_len) {
+                        continue;
+                    }
                     if let Some(key) = NonNull::new(slot.key.swap(0, Ordering::Relaxed) as *mut u8) {
-                        // SAFETY: as in `disown`; nothing can read the index any more. (Keys of
-                        // blocks go with the arena; this frees those allocated alone.)
+                        // SAFETY: as in `disown`; nothing can read the index any more.
                         unsafe { keys.free(key, key_len) };
                     }
                 }

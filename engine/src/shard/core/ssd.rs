@@ -1418,7 +1418,7 @@ impl ShardCore {
         let parked = Object {
             generation,
             seq: object.seq,
-            dram: None,
+            dram: Some(allocation),
             value_offset: 0,
             ssd_copy: None,
             leases: held.len() as u32,
@@ -1430,14 +1430,16 @@ impl ShardCore {
             state: ObjectState::Abandoned,
         };
         let (key, len): (Box<[u8]>, u64) = (self.index.key(id).into(), self.index.value_len(id));
-        let Some(parked) = self.insert_object(parked, &key, len) else {
-            // Not reachable (the slot of a free record has no readers); leaked rather than
-            // freed under the early readers.
-            debug_assert!(false, "no published slot for a parked load buffer");
-            drop(allocation);
-            return;
+        let parked = match self.insert_object(parked, &key, len) {
+            Ok(parked) => parked,
+            Err(parked) => {
+                // Not reachable (the slot of a free record has no readers); the buffer is leaked
+                // rather than freed under the early readers.
+                debug_assert!(false, "no published slot for a parked load buffer");
+                let _leaked = parked.dram;
+                return;
+            }
         };
-        self.objects[parked as usize].dram = Some(allocation);
         for lease in &held {
             self.leases[lease.slot as usize].object = parked;
         }
@@ -1470,7 +1472,9 @@ impl ShardCore {
             let key = found.key;
             let generation = self.bump_generation();
             let location = found.location;
-            // Opening refuses segments too large for a packed location, so this always packs.
+            // Opening refuses segments too large for a packed location, so this always packs. A
+            // record discarded here stays counted live in its segment: it must keep shadowing
+            // the older versions of its key on disk, which a reclaim of the segment would not.
             let Some(ssd_copy) = PackedLocation::new(location) else {
                 report.discarded.push((location.segment, location.offset, "record beyond 2^32 blocks".into()));
                 continue;
@@ -1489,7 +1493,7 @@ impl ShardCore {
                 shadowed: false,
                 state: ObjectState::Live,
             };
-            let Some(id) = self.insert_object(object, &key, found.value_len) else {
+            let Ok(id) = self.insert_object(object, &key, found.value_len) else {
                 report.discarded.push((location.segment, location.offset, "value of 8 TiB or more".into()));
                 continue;
             };

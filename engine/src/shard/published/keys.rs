@@ -40,6 +40,11 @@ fn class_of(len: usize) -> Option<(usize, usize)> {
     (slot <= MAX_CLASS_BYTES).then_some((slot / CLASS_STEP - 1, slot))
 }
 
+/// Whether a key of `len` bytes gets an allocation of its own (not a slot in a block).
+pub(super) fn allocated_alone(len: usize) -> bool {
+    class_of(len).is_none()
+}
+
 impl KeyArena {
     pub(super) fn new() -> KeyArena {
         KeyArena { free: vec![Vec::new(); CLASSES], blocks: Vec::new(), next: None, left: 0, held_bytes: 0 }
