@@ -140,9 +140,9 @@ fn batch(
 }
 
 /// `batch_get_into` of 1536 x 64 B drawn from 500,000 keys of a store of its own (a shard
-/// holds one object per 4 KiB of its slice at most), another
-/// 1536 each call: the index is far larger than the caches, so a batch's leases miss them as
-/// a GPU read's leases do between steps.
+/// holds one object per 4 KiB of its slice at most), another 1536 each call: the index is far
+/// larger than the caches, so a batch's leases miss them as a GPU read's leases do between
+/// steps.
 fn batch_cold(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
     const OBJECTS: usize = 500_000;
     const BATCH: usize = 1536;

@@ -234,12 +234,13 @@ impl fmt::Debug for OffsetAllocator {
 impl OffsetAllocator {
     /// Builds an allocator over `[0, capacity_bytes)`.
     ///
-    /// `capacity_bytes` is rounded DOWN to `align_bytes`, which must be a power of two >= 8.
-    /// A capacity of more than 2^30 such units coarsens the unit to the next power of two that
-    /// fits (so a 64 GiB slice at 64-byte alignment keeps 64 bytes, a 1 TiB one gets 1 KiB):
-    /// [`Self::align_bytes`] says which. `max_allocations` bounds live allocations (and so the
-    /// node table, `2 * max + 1` nodes of 24 bytes, reserved up front so that `allocate` never reallocates: size it from
-    /// capacity / smallest object, not `u32::MAX`). `allocate` returns `None` past it.
+    /// `align_bytes` must be a power of two >= 8. A capacity of more than 2^30 such units
+    /// coarsens the unit to the smallest power of two that fits (so a 64 GiB slice at 64-byte
+    /// alignment keeps 64 bytes, a 1 TiB one gets 1 KiB): [`Self::align_bytes`] says which.
+    /// `capacity_bytes` is rounded DOWN to the unit. `max_allocations` bounds live allocations
+    /// (and so the node table, `2 * max + 1` nodes of 24 bytes, reserved up front so that
+    /// `allocate` never reallocates: size it from capacity / smallest object, not `u32::MAX`).
+    /// `allocate` returns `None` past it.
     pub fn new(capacity_bytes: u64, align_bytes: u64, max_allocations: u32) -> Result<Self, AllocError> {
         if !align_bytes.is_power_of_two() || align_bytes < 8 {
             return Err(AllocError::BadAlign(align_bytes));
