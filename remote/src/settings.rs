@@ -27,7 +27,8 @@ pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
 const DRAM_MIN_BYTES: u64 = 256 << 20;
 const DRAM_MAX_BYTES: u64 = 16 << 30;
 /// The derived SSD tier: an eighth of the free disk space, within these bounds.
-const SSD_MIN_BYTES: u64 = 1 << 30;
+/// (2 GiB free gives the smallest; the engine shrinks segments so every shard still has a few.)
+const SSD_MIN_BYTES: u64 = 256 << 20;
 const SSD_MAX_BYTES: u64 = 64 << 30;
 
 kvtide::settings_group! {
@@ -671,8 +672,12 @@ fn derived_ssd_bytes(dir: &Path) -> Option<u64> {
     if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
         return None;
     }
-    let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
-    let want = free / 8;
+    ssd_bytes_for_free((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// The SSD tier for `free_bytes` of free disk space: an eighth of it within bounds, or None.
+fn ssd_bytes_for_free(free_bytes: u64) -> Option<u64> {
+    let want = free_bytes / 8;
     (want >= SSD_MIN_BYTES).then(|| want.min(SSD_MAX_BYTES))
 }
 
@@ -696,6 +701,15 @@ mod tests {
 
     fn in_dir(dir: &Path, rest: &str) -> String {
         format!("[owner]\ndata_dir = {:?}\n{rest}", dir.display().to_string())
+    }
+
+    #[test]
+    fn the_derived_ssd_tier_is_an_eighth_of_the_free_space_within_bounds() {
+        assert_eq!(ssd_bytes_for_free((2 << 30) - 1), None, "DRAM only below 2 GiB free");
+        assert_eq!(ssd_bytes_for_free(2 << 30), Some(256 << 20));
+        assert_eq!(ssd_bytes_for_free(100 << 30), Some(100 << 27));
+        assert_eq!(ssd_bytes_for_free(1 << 40), Some(64 << 30));
+        assert_eq!(ssd_bytes_for_free(u64::MAX), Some(64 << 30));
     }
 
     #[test]

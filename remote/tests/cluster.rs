@@ -28,13 +28,30 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
-fn tmp(name: &str) -> PathBuf {
+/// A test's directory (etcd's data, the owners' SSD tiers, the token), removed when the test
+/// ends, passed or failed: a cluster test writes a few hundred MiB.
+struct TestDir(PathBuf);
+
+impl std::ops::Deref for TestDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tmp(name: &str) -> TestDir {
     let p = std::env::temp_dir().join(format!("kvtide-cluster-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&p);
     std::fs::create_dir_all(&p).expect("test dir");
     // The cluster's token, shared by its owners and clients.
     Token::load_or_create(&p.join("token")).expect("token");
-    p
+    TestDir(p)
 }
 
 fn signal(child: &Child, sig: libc::c_int) {
@@ -259,7 +276,7 @@ fn wait_members(cluster: &ClusterStore, ids: &[&str], timeout: Duration) -> Dura
 }
 
 /// Three owners up and a client that sees them.
-fn three_owners(tag: &str, replication: usize) -> Option<(PathBuf, EtcdServer, Vec<OwnerProc>, ClusterStore)> {
+fn three_owners(tag: &str, replication: usize) -> Option<(TestDir, EtcdServer, Vec<OwnerProc>, ClusterStore)> {
     three_owners_with(tag, replication, &[])
 }
 
@@ -267,7 +284,7 @@ fn three_owners_with(
     tag: &str,
     replication: usize,
     extra: &[&str],
-) -> Option<(PathBuf, EtcdServer, Vec<OwnerProc>, ClusterStore)> {
+) -> Option<(TestDir, EtcdServer, Vec<OwnerProc>, ClusterStore)> {
     let root = tmp(tag);
     let etcd = EtcdServer::start(&root)?;
     let owners: Vec<OwnerProc> =

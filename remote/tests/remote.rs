@@ -2131,6 +2131,7 @@ fn remove_right_after_a_read_never_sees_the_readers_own_lease() {
     });
     wait_idle(&owner);
     owner.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// A DRAM-resident batch through the shared arena comes in parts of at most 256 keys; the
