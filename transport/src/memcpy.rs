@@ -85,8 +85,12 @@ unsafe fn copy_vectors_avx2(dst: *mut u8, src: *const u8, len: usize) {
         unsafe {
             let s = src.add(done).cast::<__m256i>();
             let d = dst.add(done).cast::<__m256i>();
-            let (a, b, c, e) =
-                (_mm256_loadu_si256(s), _mm256_loadu_si256(s.add(1)), _mm256_loadu_si256(s.add(2)), _mm256_loadu_si256(s.add(3)));
+            let (a, b, c, e) = (
+                _mm256_loadu_si256(s),
+                _mm256_loadu_si256(s.add(1)),
+                _mm256_loadu_si256(s.add(2)),
+                _mm256_loadu_si256(s.add(3)),
+            );
             _mm256_store_si256(d, a);
             _mm256_store_si256(d.add(1), b);
             _mm256_store_si256(d.add(2), c);
@@ -410,8 +414,12 @@ mod copy_bytes_tests {
     fn copies_are_exact_near_and_away_from_4k_aliasing() {
         let src: Vec<u8> = (0..(80u32 << 10)).map(|i| (i * 131 + 7) as u8).collect();
         let mut page = vec![0u8; 96 << 10];
-        let copies: [(&str, unsafe fn(*mut u8, *const u8, usize)); 3] =
-            [("copy_bytes", super::copy_bytes), ("copy_vectors", super::copy_vectors), ("sse2", super::copy_vectors_sse2)];
+        type Copy = unsafe fn(*mut u8, *const u8, usize);
+        let copies: [(&str, Copy); 3] = [
+            ("copy_bytes", super::copy_bytes),
+            ("copy_vectors", super::copy_vectors),
+            ("sse2", super::copy_vectors_sse2),
+        ];
         for (name, copy) in copies {
             // The source on a 4 KiB boundary or past one (unaligned loads); the destination
             // past it by `past` (each head length before the aligned stores).
@@ -419,7 +427,8 @@ mod copy_bytes_tests {
                 let src_at = (src.as_ptr() as usize).wrapping_neg() % 4096 + shift;
                 let base = (page.as_ptr() as usize).wrapping_neg() % 4096 + shift;
                 for past in [0usize, 1, 8, 16, 31, 32, 63, 64, 100] {
-                    for len in [0usize, 63, 127, 128, 2047, 2048, 2049, 2048 + 63, 2048 + 191, 4096, 4096 + 1, 65 << 10] {
+                    for len in [0usize, 63, 127, 128, 2047, 2048, 2049, 2048 + 63, 2048 + 191, 4096, 4096 + 1, 65 << 10]
+                    {
                         page.fill(0xEE);
                         let dst_at = base + past;
                         // SAFETY: both ranges lie inside their vectors, which do not overlap.
