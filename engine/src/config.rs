@@ -24,7 +24,7 @@ crate::settings_group! {
         low_watermark: f64 = 0.85, Fraction, eg "0.8";
         /// "lru" or "s3fifo" (default).
         eviction: String = "s3fifo".into(), Text, eg "lru";
-        /// Objects per shard (sizes the allocator's node table and the key table's reserved room). Default 1 Mi.
+        /// Objects per shard (sizes the allocator's node table and the key table's reserved room; at most 2^29 - 1). Default 1 Mi.
         max_objects_per_shard: u32 = 1 << 20, Count, eg "4096";
         /// Leases per shard. Default 1 Mi.
         max_leases_per_shard: u32 = 1 << 20, Count, eg "8192";
@@ -456,6 +456,14 @@ impl StoreBuilder {
         {
             return err("[runtime] max_tickets_in_flight, [dram] max_objects_per_shard and max_leases_per_shard must be positive".into());
         }
+        // Object ids index the eviction policy's links, which keep them in 29 bits.
+        if self.dram.max_objects_per_shard > kvtide_tiers::eviction::MAX_ENTRY_ID + 1 {
+            return err(format!(
+                "[dram] max_objects_per_shard = {}: at most {}",
+                self.dram.max_objects_per_shard,
+                kvtide_tiers::eviction::MAX_ENTRY_ID + 1
+            ));
+        }
         if self.dram.bytes > isize::MAX as u64 {
             return err(format!("[dram] bytes = {} does not fit this address space", self.dram.bytes));
         }
@@ -723,6 +731,9 @@ mod tests {
     fn bad_config_is_a_clear_error() {
         assert!(StoreBuilder::from_toml_str("[dram]\nbytes = \"lots\"").is_err());
         assert!(StoreBuilder::new().shards(0).validate().is_err());
+        assert!(StoreBuilder::new().max_objects_per_shard((1 << 29) - 1).validate().is_ok());
+        let e = StoreBuilder::new().max_objects_per_shard(1 << 29).validate().expect_err("above 2^29 - 1");
+        assert!(e.to_string().contains("max_objects_per_shard"), "{e}");
         assert!(StoreBuilder::new().low_watermark(0.99).validate().is_err());
         assert!(StoreBuilder::new().max_key_bytes(0).validate().is_err());
         assert!(StoreBuilder::new().ring_entries(100).validate().is_err());

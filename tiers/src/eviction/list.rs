@@ -10,20 +10,53 @@
 
 use super::EntryId;
 
-/// Sentinel for "no neighbour"; `EntryId::MAX` is therefore never stored.
+/// Sentinel for "no neighbour" in the API; `EntryId::MAX` is never stored.
 pub(crate) const NIL: EntryId = EntryId::MAX;
+/// A link keeps its previous id in 29 bits beside a 3-bit queue tag (8 bytes a link, not 12):
+/// ids above this are refused (untracked).
+pub const MAX_ENTRY_ID: EntryId = (1 << ID_BITS) - 2;
+const ID_BITS: u32 = 29;
+const ID_MASK: u32 = (1 << ID_BITS) - 1;
+/// "No neighbour" in a link's 29-bit previous id.
+const NO_PREV: u32 = ID_MASK;
 /// Queue tag of an id that is in no queue.
-const NO_QUEUE: u8 = u8::MAX;
+const NO_QUEUE: u32 = 7;
 
 #[derive(Clone, Copy, Debug)]
 struct Link {
-    prev: EntryId,
+    /// The queue's tag (top 3 bits) and the previous id (low 29 bits, `NO_PREV` for none).
+    queue_prev: u32,
     next: EntryId,
-    queue: u8,
 }
 
 impl Link {
-    const UNLINKED: Link = Link { prev: NIL, next: NIL, queue: NO_QUEUE };
+    const UNLINKED: Link = Link { queue_prev: NO_QUEUE << ID_BITS | NO_PREV, next: NIL };
+
+    fn new(queue: usize, prev: EntryId, next: EntryId) -> Link {
+        let mut link = Link { queue_prev: (queue as u32) << ID_BITS, next };
+        link.set_prev(prev);
+        link
+    }
+
+    fn prev(&self) -> EntryId {
+        match self.queue_prev & ID_MASK {
+            NO_PREV => NIL,
+            id => id,
+        }
+    }
+
+    fn set_prev(&mut self, prev: EntryId) {
+        debug_assert!(prev == NIL || prev <= MAX_ENTRY_ID);
+        let bits = if prev == NIL { NO_PREV } else { prev & ID_MASK };
+        self.queue_prev = (self.queue_prev & !ID_MASK) | bits;
+    }
+
+    fn queue(&self) -> Option<usize> {
+        match self.queue_prev >> ID_BITS {
+            NO_QUEUE => None,
+            q => Some(q as usize),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -54,7 +87,7 @@ impl<const N: usize> Default for Lists<N> {
 }
 
 impl<const N: usize> Lists<N> {
-    /// Queue tags are stored in a `u8` with `u8::MAX` meaning "none".
+    /// Queue tags are stored in 3 bits, 7 meaning "none".
     const QUEUES_FIT_IN_TAG: () = assert!(N > 0 && N < NO_QUEUE as usize);
 
     pub(crate) fn new() -> Self {
@@ -65,8 +98,7 @@ impl<const N: usize> Lists<N> {
 
     /// The queue holding `id`, if any.
     pub(crate) fn queue_of(&self, id: EntryId) -> Option<usize> {
-        let link = self.links.get(id as usize)?;
-        (link.queue != NO_QUEUE).then_some(link.queue as usize)
+        self.links.get(id as usize)?.queue()
     }
 
     /// True when `id` is in one of the queues.
@@ -103,11 +135,11 @@ impl<const N: usize> Lists<N> {
         }
         let idx = id as usize;
         let old_head = self.ends[q].head;
-        self.links[idx] = Link { prev: NIL, next: old_head, queue: q as u8 };
+        self.links[idx] = Link::new(q, NIL, old_head);
         if old_head == NIL {
             self.ends[q].tail = id;
         } else {
-            self.links[old_head as usize].prev = id;
+            self.links[old_head as usize].set_prev(id);
         }
         self.ends[q].head = id;
         self.ends[q].len += 1;
@@ -123,7 +155,7 @@ impl<const N: usize> Lists<N> {
         }
         let idx = id as usize;
         let old_tail = self.ends[q].tail;
-        self.links[idx] = Link { prev: old_tail, next: NIL, queue: q as u8 };
+        self.links[idx] = Link::new(q, old_tail, NIL);
         if old_tail == NIL {
             self.ends[q].head = id;
         } else {
@@ -137,20 +169,18 @@ impl<const N: usize> Lists<N> {
     /// Unlinks `id`; returns the queue it was in, or `None` (a no-op) if it was in none.
     pub(crate) fn remove(&mut self, id: EntryId) -> Option<usize> {
         let link = *self.links.get(id as usize)?;
-        if link.queue == NO_QUEUE {
-            return None;
-        }
-        let q = link.queue as usize;
+        let q = link.queue()?;
+        let (prev, next) = (link.prev(), link.next);
         // Neighbours of a linked id are linked ids of the same queue, hence in bounds.
-        if link.prev == NIL {
-            self.ends[q].head = link.next;
+        if prev == NIL {
+            self.ends[q].head = next;
         } else {
-            self.links[link.prev as usize].next = link.next;
+            self.links[prev as usize].next = next;
         }
-        if link.next == NIL {
-            self.ends[q].tail = link.prev;
+        if next == NIL {
+            self.ends[q].tail = prev;
         } else {
-            self.links[link.next as usize].prev = link.prev;
+            self.links[next as usize].set_prev(prev);
         }
         debug_assert!(self.ends[q].len > 0);
         self.ends[q].len = self.ends[q].len.saturating_sub(1);
@@ -190,8 +220,8 @@ impl<const N: usize> Lists<N> {
     /// Validates `q` and `id`, grows the table to cover `id` and unlinks `id` if linked.
     fn prepare(&mut self, q: usize, id: EntryId) -> bool {
         debug_assert!(q < N, "queue {q} out of range");
-        debug_assert!(id != NIL, "EntryId::MAX is reserved");
-        if q >= N || id == NIL {
+        debug_assert!(id <= MAX_ENTRY_ID, "id {id} above MAX_ENTRY_ID");
+        if q >= N || id > MAX_ENTRY_ID {
             return false;
         }
         let idx = id as usize;
@@ -250,16 +280,36 @@ mod tests {
     }
 
     #[test]
-    fn grows_on_demand_and_reserves_nil() {
+    fn grows_on_demand_and_refuses_ids_above_the_limit() {
         let mut l = Lists::<1>::new();
         assert!(l.push_back(0, 1000));
         assert!(l.contains(1000));
         assert!(!l.contains(999));
         assert_eq!(l.len(0), 1);
         if !cfg!(debug_assertions) {
-            assert!(!l.push_back(0, NIL));
+            for id in [NIL, MAX_ENTRY_ID + 1] {
+                assert!(!l.push_back(0, id));
+                assert!(!l.contains(id));
+            }
             assert_eq!(l.len(0), 1);
         }
+    }
+
+    #[test]
+    fn a_link_is_eight_bytes_and_keeps_the_largest_id_and_every_queue() {
+        assert_eq!(std::mem::size_of::<Link>(), 8);
+        // (A table reaching the largest id would take 4 GiB: the link is checked alone.)
+        for q in 0..NO_QUEUE as usize {
+            for (prev, next) in [(MAX_ENTRY_ID, MAX_ENTRY_ID), (NIL, 0), (0, NIL), (MAX_ENTRY_ID - 1, 7)] {
+                let mut link = Link::new(q, prev, next);
+                assert_eq!((link.queue(), link.prev(), link.next), (Some(q), prev, next));
+                link.set_prev(NIL);
+                assert_eq!((link.queue(), link.prev()), (Some(q), NIL));
+                link.set_prev(MAX_ENTRY_ID);
+                assert_eq!((link.queue(), link.prev()), (Some(q), MAX_ENTRY_ID));
+            }
+        }
+        assert_eq!((Link::UNLINKED.queue(), Link::UNLINKED.prev(), Link::UNLINKED.next), (None, NIL, NIL));
     }
 
     #[test]

@@ -9,11 +9,12 @@ mod list;
 pub mod lru;
 pub mod s3fifo;
 
+pub use list::MAX_ENTRY_ID;
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 
 /// Index of an entry in the caller's object table. Dense, reused after removal.
-/// `EntryId::MAX` is reserved by the policies' lists and is never tracked.
+/// Ids above [`MAX_ENTRY_ID`] (2^29 - 2) are never tracked: the caller's table must stay below.
 pub type EntryId = u32;
 
 /// An eviction policy over entries the caller owns.
