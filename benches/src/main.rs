@@ -3,6 +3,8 @@
 //! - `dram`: a zipf read/write mix on the embedded engine (get_into / put, cache-aside refill on
 //!   a miss), measured in the same run against foyer's in-memory cache (0.20) under the identical
 //!   workload and byte capacity. Baseline: foyer.
+//! - `reads`: DRAM-resident `get_into` and batch gets from one thread, paired round by round
+//!   with the same copies done by hand (the median of the per-round ratios). Baseline: memcpy.
 //! - `eviction`: hit ratios of kvtide's LRU and S3-FIFO policies on zipf traces through the
 //!   offline simulator. Baseline: LRU.
 //! - `alloc-churn`: external fragmentation and speed of the DRAM offset allocator (TLSF) under
@@ -65,6 +67,7 @@ mod index;
 mod layerwise;
 mod plot;
 mod pycall;
+mod reads;
 mod remote;
 mod restore;
 mod ssd;
@@ -87,6 +90,8 @@ enum Command {
     Dram(dram::DramArgs),
     /// Index bytes per object and lookups per second at 1 M / 10 M objects vs std's HashMap.
     Index(index::IndexArgs),
+    /// DRAM-resident gets and batch gets vs the same copies by hand, paired round by round.
+    Reads(reads::ReadsArgs),
     /// LRU vs S3-FIFO hit ratios on zipf traces (offline simulator).
     Eviction(eviction::EvictionArgs),
     /// Allocator fragmentation and speed under churn.
@@ -135,6 +140,7 @@ fn main() {
     let result = match cli.command {
         Command::Dram(args) => dram::run(&args),
         Command::Index(args) => index::run(&args),
+        Command::Reads(args) => reads::run(&args),
         Command::Eviction(args) => eviction::run(&args),
         Command::AllocChurn(args) => alloc_churn::run(&args),
         Command::Ssd(args) => ssd::run(&args),
