@@ -48,6 +48,64 @@ fn put_from_gathers_and_get_into_checks_the_buffer() {
     assert_idle(&store);
 }
 
+/// A read-only destination among writable ones fails its own key only, in a batch whose lists
+/// all take the host route and in one that mixes in a list for another route; nothing is
+/// written through it.
+#[test]
+fn a_read_only_destination_fails_only_its_key_in_a_batch() {
+    let store = small_store(16 << 20);
+    let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("ro/{i}").into_bytes()).collect();
+    for key in &keys {
+        store.put(key, &value_for(key, 0, 2000), PutOptions::INSERT).expect("put");
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let mut bufs = vec![vec![0u8; 2000]; 4];
+    let readonly = vec![0xEEu8; 2000];
+    let dsts: Vec<Vec<Region<'_>>> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| vec![if i == 2 { Region::host_readonly(&readonly) } else { Region::host(b) }])
+        .collect();
+    let results = store.batch_get_into_multi_buffers(&refs, &dsts);
+    drop(dsts);
+    for (i, r) in results.iter().enumerate() {
+        if i == 2 {
+            assert_eq!(r, &Err(Error::InvalidRange(RegionError::ReadOnly)));
+        } else {
+            assert_eq!(r, &Ok(2000), "key {i}");
+            assert_eq!(bufs[i], value_for(&keys[i], 0, 2000), "bytes of key {i}");
+        }
+    }
+    assert!(readonly.iter().all(|&b| b == 0xEE), "nothing written through the read-only region");
+
+    // The same with key 3's destination in device memory (another route).
+    // SAFETY: the device region is never dereferenced: the engine refuses device memory first
+    // (no CUDA: CudaUnavailable; with the `cuda` feature on a GPU: the pointer check refuses it).
+    let dev = unsafe { Region::from_raw(0xdead_0000, 2000, MemoryKind::Device { ordinal: 0 }) };
+    bufs.iter_mut().for_each(|b| b.fill(0));
+    let mut dsts: Vec<Vec<Region<'_>>> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| vec![if i == 2 { Region::host_readonly(&readonly) } else { Region::host(b) }])
+        .collect();
+    dsts[3] = vec![dev];
+    let results = store.batch_get_into_multi_buffers(&refs, &dsts);
+    drop(dsts);
+    assert_eq!(results[2], Err(Error::InvalidRange(RegionError::ReadOnly)));
+    assert!(
+        matches!(results[3], Err(Error::CudaUnavailable(_)))
+            || (cfg!(feature = "cuda") && matches!(results[3], Err(Error::InvalidArgument(_)))),
+        "{:?}",
+        results[3]
+    );
+    for i in [0, 1] {
+        assert_eq!(results[i], Ok(2000), "key {i}");
+        assert_eq!(bufs[i], value_for(&keys[i], 0, 2000), "bytes of key {i}");
+    }
+    assert!(readonly.iter().all(|&b| b == 0xEE), "nothing written through the read-only region");
+    assert_idle(&store);
+}
+
 #[test]
 fn batch_scatter_gives_per_key_results() {
     let store = small_store(32 << 20);

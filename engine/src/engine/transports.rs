@@ -77,6 +77,20 @@ impl Engine {
         writable: bool,
     ) -> Vec<Option<Error>> {
         let mut out: Vec<Option<Error>> = vec![None; lists.len()];
+        // One route for every list (the usual batch): no per-route lists of indices and lists.
+        if let Some(&route) = routes.first().filter(|&&first| routes.iter().all(|&r| r == first)) {
+            if route == Route::Host && transports.host_is_memcpy() {
+                // The store's own memcpy transport checks each list with `check_host_list`.
+                for (error, list) in out.iter_mut().zip(lists) {
+                    *error = kvtide_transport::memcpy::check_host_list(list, writable).map(Error::from);
+                }
+            } else {
+                for (error, checked) in out.iter_mut().zip(transports.get(route).check(lists, writable)) {
+                    *error = checked.map(Error::from);
+                }
+            }
+            return out;
+        }
         for route in Route::ALL {
             let which: Vec<usize> = (0..lists.len()).filter(|&i| routes[i] == route).collect();
             if which.is_empty() {
