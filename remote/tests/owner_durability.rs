@@ -431,6 +431,7 @@ fn the_owner_with_no_flags_under_a_fresh_home_starts_twice() {
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("KVTIDE_LOG", "warn")
             .stdout(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn");
         let mut child = KillOnDrop(Some(child));
@@ -440,10 +441,15 @@ fn the_owner_with_no_flags_under_a_fresh_home_starts_twice() {
     let (mut first, store) = start();
     store.put(b"fresh/kept", &[9u8; 10_000], PutOptions::INSERT).expect("put");
     drop(store);
-    stop(first.0.take().expect("running"));
-    // The first start sized an SSD tier from the free disk space, or went DRAM only (logged)
+    let mut owner = first.0.take().expect("running");
+    let mut stderr = owner.stderr.take().expect("stderr");
+    stop(owner);
+    let mut logs = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut logs).expect("logs");
+    // The first start sized an SSD tier from the free disk space, or went DRAM only, saying so,
     // where less than 2 GiB was free; only an SSD tier keeps objects across a restart.
     let with_ssd = home.join(".local/share/kvtide/ssd/FORMAT").exists();
+    assert_eq!(logs.contains("too little free disk space for an SSD tier; DRAM only"), !with_ssd, "{logs}");
     let (mut second, store) = start();
     if with_ssd {
         assert_eq!(store.get(b"fresh/kept").expect("kept across the restart"), vec![9u8; 10_000]);
