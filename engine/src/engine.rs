@@ -18,6 +18,7 @@ use crate::api::PutOptions;
 use crate::config::EngineConfig;
 use crate::error::{Error, Result};
 use crate::shard::core::RecoveryReport;
+use crate::shard::published::{FastLease, PublishedIndex};
 use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
 pub(crate) mod gpu;
@@ -129,11 +130,29 @@ impl Engine {
         self.lease_with(key, ttl_ms, false)
     }
 
-    /// `lease` for a caller that sends the bytes on in order: an SSD-resident object is leased
-    /// as soon as its load starts, and `ObjectLease::bytes_when_ready` hands out each range
-    /// once the load's checked front passed it (a DRAM-resident object's ranges at once).
+    /// `lease` for a caller that sends the bytes on in order and drops the lease as soon as they
+    /// are sent: an SSD-resident object is leased as soon as its load starts, and
+    /// `ObjectLease::bytes_when_ready` hands out each range once the load's checked front passed
+    /// it (a DRAM-resident object's ranges at once). A DRAM-resident object is leased through
+    /// its shard's published index, without a message: the TTL still ends `bytes_when_ready`,
+    /// but the shard cannot take such a lease back, so the object stays (unevictable) until the
+    /// lease drops.
     pub fn lease_progressive(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
-        self.lease_with(key, ttl_ms, true)
+        self.validate_key(key)?;
+        match self.lease_published(key) {
+            Some(Ok((grant, lease))) => {
+                let (shard, lease) = lease.into_raw();
+                Ok(ObjectLease {
+                    grant,
+                    expires_at: Instant::now() + Duration::from_millis(ttl_ms),
+                    holder: LeaseHolder::Published(Arc::clone(&self.shards[shard].published), lease),
+                    _arena: Arc::clone(&self.arena),
+                    held: true,
+                })
+            }
+            Some(Err(e)) => Err(e),
+            None => self.lease_with(key, ttl_ms, true),
+        }
     }
 
     fn lease_with(&self, key: &[u8], ttl_ms: u64, early: bool) -> Result<ObjectLease> {
@@ -150,7 +169,7 @@ impl Engine {
         Ok(ObjectLease {
             grant,
             expires_at: Instant::now() + ttl,
-            inbox: Arc::clone(&self.shards[shard].inbox),
+            holder: LeaseHolder::Shard(Arc::clone(&self.shards[shard].inbox)),
             _arena: Arc::clone(&self.arena),
             held: true,
         })
@@ -198,7 +217,7 @@ impl Engine {
             out[index] = grant.and_then(|g| g).map(|grant| ObjectLease {
                 grant,
                 expires_at,
-                inbox: Arc::clone(&self.shards[shard].inbox),
+                holder: LeaseHolder::Shard(Arc::clone(&self.shards[shard].inbox)),
                 _arena: Arc::clone(&self.arena),
                 held: true,
             });
@@ -376,10 +395,20 @@ impl PendingPuts<'_> {
 pub struct ObjectLease {
     grant: ReadGrant,
     expires_at: Instant,
-    inbox: Arc<crate::shard::Inbox>,
+    holder: LeaseHolder,
     _arena: Arc<Arena>,
     /// False once `release_all` gave the lease back.
     held: bool,
+}
+
+/// Who gives an `ObjectLease` back, and how.
+enum LeaseHolder {
+    /// Granted by the shard: released with a message; the shard reclaims it
+    /// `LEASE_EXPIRY_GRACE` after its TTL.
+    Shard(Arc<crate::shard::Inbox>),
+    /// Taken through the shard's published index: released with one atomic decrement; the
+    /// shard never reclaims it.
+    Published(Arc<PublishedIndex>, FastLease),
 }
 
 impl std::fmt::Debug for ObjectLease {
@@ -422,7 +451,8 @@ impl ObjectLease {
             }
         };
         // SAFETY: the lease keeps these bytes in place and unchanged until it is released (drop)
-        // or reclaimed by the shard, which happens only LEASE_EXPIRY_GRACE after `expires_at`;
+        // or reclaimed by the shard, which happens only LEASE_EXPIRY_GRACE after `expires_at`
+        // (a published lease is never reclaimed);
         // the arena stays mapped because we hold it. For a lease taken while its object loads,
         // the range lies in the load's checked front, which no read writes any more.
         Ok(Some(unsafe {
@@ -447,9 +477,12 @@ impl ObjectLease {
         let mut by_shard: Vec<(Arc<crate::shard::Inbox>, Vec<crate::shard::LeaseId>)> = Vec::new();
         for mut lease in leases {
             lease.held = false;
-            match by_shard.iter_mut().find(|(inbox, _)| Arc::ptr_eq(inbox, &lease.inbox)) {
-                Some((_, ids)) => ids.push(lease.grant.lease),
-                None => by_shard.push((Arc::clone(&lease.inbox), vec![lease.grant.lease])),
+            match &lease.holder {
+                LeaseHolder::Published(index, fast) => index.release(*fast),
+                LeaseHolder::Shard(inbox) => match by_shard.iter_mut().find(|(i, _)| Arc::ptr_eq(i, inbox)) {
+                    Some((_, ids)) => ids.push(lease.grant.lease),
+                    None => by_shard.push((Arc::clone(inbox), vec![lease.grant.lease])),
+                },
             }
         }
         for (inbox, leases) in by_shard {
@@ -461,8 +494,14 @@ impl ObjectLease {
 
 impl Drop for ObjectLease {
     fn drop(&mut self) {
-        if self.held {
-            let _ = self.inbox.send(Request::Release { leases: vec![self.grant.lease] });
+        if !self.held {
+            return;
+        }
+        match &self.holder {
+            LeaseHolder::Shard(inbox) => {
+                let _ = inbox.send(Request::Release { leases: vec![self.grant.lease] });
+            }
+            LeaseHolder::Published(index, fast) => index.release(*fast),
         }
     }
 }

@@ -435,6 +435,48 @@ fn explicit_lease_ttl_is_a_backstop() {
 }
 
 #[test]
+fn progressive_leases_of_dram_objects_hold_them_until_dropped() {
+    let store = small_store(16 << 20);
+    let v1 = value_for(b"p", 1, 8192);
+    store.put(b"p", &v1, PutOptions::INSERT).expect("put");
+    // A DRAM-resident object is leased through the published index: no shard lease.
+    let lease = store.lease_progressive(b"p", 60_000).expect("lease");
+    let held = store.stats().total;
+    assert_eq!((held.leases_held, held.published_leases_held), (0, 1));
+    assert_eq!(store.remove(b"p", false), Err(Error::Leased));
+    // Replaced while leased: the holder keeps v1's bytes, new readers see v2.
+    let v2 = value_for(b"p", 2, 100);
+    store.put(b"p", &v2, PutOptions::UPSERT).expect("upsert");
+    assert_eq!(store.get(b"p").expect("v2"), v2);
+    let far = Instant::now() + Duration::from_secs(10);
+    assert_eq!(lease.bytes_when_ready(100..4196, far).expect("range"), Some(&v1[100..4196]));
+    assert!(lease.bytes_when_ready(8000..8200, far).is_err(), "a range past the object's end");
+    drop(lease);
+    assert_idle(&store);
+
+    // Given back together with a lease the shard granted.
+    let a = store.lease_progressive(b"p", 60_000).expect("published lease");
+    let b = store.lease(b"p", 60_000).expect("shard lease");
+    assert_eq!((store.stats().total.leases_held, store.stats().total.published_leases_held), (1, 1));
+    kvtide::ObjectLease::release_all([a, b]);
+    assert_idle(&store);
+
+    // The TTL still ends its bytes; the lease itself holds the object until it drops.
+    let short = store.lease_progressive(b"p", 10).expect("short lease");
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(short.bytes(), Err(Error::LeaseExpired));
+    assert_eq!(store.stats().total.published_leases_held, 1);
+    assert_eq!(store.remove(b"p", false), Err(Error::Leased));
+    drop(short);
+    store.remove(b"p", false).expect("removable once dropped");
+
+    assert_eq!(store.lease_progressive(b"p", 60_000).map(|l| l.len()), Err(Error::NotFound));
+    assert_eq!(store.lease_progressive(b"", 60_000).map(|l| l.len()), Err(Error::EmptyKey));
+    assert_idle(&store);
+    assert_eq!(store.stats().total.bytes_used, 0);
+}
+
+#[test]
 fn shutdown_fails_new_calls_and_joins() {
     let store = small_store(16 << 20);
     store.put(b"s", b"v", PutOptions::INSERT).expect("put");

@@ -476,8 +476,9 @@ pub(crate) struct PublishedLease<'e> {
 }
 
 impl PublishedLease<'_> {
-    /// The shard and lease, for a set that gives them back itself (`LeaseSet`, `HeldLeases`).
-    fn into_raw(self) -> (usize, FastLease) {
+    /// The shard and lease, for a holder that gives them back itself (`LeaseSet`, `HeldLeases`,
+    /// `ObjectLease`).
+    pub(super) fn into_raw(self) -> (usize, FastLease) {
         let this = std::mem::ManuallyDrop::new(self);
         (this.shard, this.lease)
     }
