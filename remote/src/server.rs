@@ -33,19 +33,15 @@ use crate::protocol::{
 };
 use crate::shm::PutWindow;
 use crate::sock::{self, Stream, WakeFlag};
-use crate::wire::{FrameIo, WResult, WireError};
+use crate::wire::{FrameIo, WResult, WireError, FLUSH_BYTES};
 use kvtide::{Engine, Error as StoreError, ObjectLease, PutOptions, PutStream, Store};
 
 use crate::error::{Error, Result};
 
-/// Data chunks up to this size are copied into the write buffer instead of sent on their own.
-const SMALL_CHUNK_BYTES: usize = 16 << 10;
 /// How long a follower's wait for a producer's chunk lasts before it looks again.
 const FOLLOW_WAIT_MS: u64 = 100;
 /// Progressive puts one connection may hold open at once.
 pub const MAX_OPEN_PUTS_PER_CONNECTION: usize = 16;
-/// Flush the write buffer once it holds this much.
-const FLUSH_BYTES: usize = 64 << 10;
 /// A refused connection is kept this long (at most `MAX_LINGERING` of them per listener), so
 /// that closing it does not reset it before the client read why.
 const REFUSAL_LINGER: Duration = Duration::from_millis(500);
@@ -1663,11 +1659,7 @@ impl Connection<'_> {
                     return Ok(());
                 }
             };
-            if piece.len() <= SMALL_CHUNK_BYTES {
-                self.io.push_frame(Op::Data, rid, piece);
-            } else {
-                self.io.send_data(Op::Data, rid, &[IoSlice::new(piece)])?;
-            }
+            self.io.push_data(Op::Data, rid, &[IoSlice::new(piece)])?;
             pos += n;
         }
         Ok(())

@@ -16,6 +16,11 @@ use crate::Error;
 /// Bytes read per refill when waiting for a header: enough for a whole small reply, small
 /// enough that little of a following bulk payload is copied through the buffer.
 const FILL_BYTES: usize = 8 << 10;
+/// Data frames with payloads up to this are copied into the write buffer (`push_data`) rather
+/// than sent on their own: a send per small frame costs more than the copy.
+pub(crate) const SMALL_FRAME_BYTES: usize = 16 << 10;
+/// `push_data` sends the write buffer once it holds this much.
+pub(crate) const FLUSH_BYTES: usize = 64 << 10;
 
 /// Why a frame could not be read or written.
 #[derive(Debug)]
@@ -324,6 +329,25 @@ impl FrameIo {
         Ok(result?)
     }
 
+    /// Queues a data frame: a payload of at most `SMALL_FRAME_BYTES` is copied into the write
+    /// buffer (sent once the buffer holds `FLUSH_BYTES`, or by the next `flush`), a larger one
+    /// is sent now, after what the buffer holds. Flush before waiting for an answer.
+    pub(crate) fn push_data(&mut self, op: Op, request_id: u64, data: &[IoSlice<'_>]) -> WResult<()> {
+        let len: usize = data.iter().map(|d| d.len()).sum();
+        if len > SMALL_FRAME_BYTES {
+            return self.send_data(op, request_id, data);
+        }
+        let start = self.begin(op, request_id);
+        for d in data {
+            self.wbuf.extend_from_slice(d);
+        }
+        self.end(start);
+        if self.wbuf.len() >= FLUSH_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
     /// Sends the write buffer, then a frame header and `data` (gathered, no copy of `data`).
     pub(crate) fn send_data(&mut self, op: Op, request_id: u64, data: &[IoSlice<'_>]) -> WResult<()> {
         let len: usize = data.iter().map(|d| d.len()).sum();
@@ -335,5 +359,56 @@ impl FrameIo {
         let result = sock::send_all(self.stream.fd(), &bufs, None);
         self.wbuf.clear();
         Ok(result?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// Frames `(op, payload)` the peer receives, until it has seen `n` of them or nothing is
+    /// pending for a moment.
+    fn received(peer: &mut FrameIo, n: usize) -> Vec<(Op, Vec<u8>)> {
+        let limits = Limits::default();
+        let mut out = Vec::new();
+        peer.set_read_deadline(Some(Instant::now() + Duration::from_millis(200)));
+        while out.len() < n {
+            let Ok(h) = peer.read_header(&limits) else { break };
+            out.push((h.op, peer.read_payload(h.payload_len).expect("payload")));
+        }
+        out
+    }
+
+    #[test]
+    fn small_data_frames_wait_for_a_flush_and_large_ones_go_out_in_order() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let mut io = FrameIo::new(Stream::Unix(a));
+        let mut peer = FrameIo::new(Stream::Unix(b));
+        let small = [7u8; 100];
+        io.push_data(Op::Data, 1, &[IoSlice::new(&small[..60]), IoSlice::new(&small[60..])]).expect("push");
+        io.push_data(Op::Data, 1, &[IoSlice::new(&small[..5])]).expect("push");
+        assert!(received(&mut peer, 1).is_empty(), "small frames stay buffered");
+        // A large payload sends what is buffered, then itself.
+        let large = vec![9u8; SMALL_FRAME_BYTES + 1];
+        io.push_data(Op::Data, 2, &[IoSlice::new(&large)]).expect("push large");
+        assert_eq!(
+            received(&mut peer, 3),
+            vec![(Op::Data, small.to_vec()), (Op::Data, small[..5].to_vec()), (Op::Data, large.clone())]
+        );
+        assert_eq!(io.pending_out(), 0);
+        // The buffer goes out by itself once it holds FLUSH_BYTES; the rest waits for a flush.
+        let frame_bytes = small.len() + HEADER_BYTES;
+        let frames = FLUSH_BYTES / frame_bytes + 10;
+        for _ in 0..frames {
+            io.push_data(Op::Data, 3, &[IoSlice::new(&small)]).expect("push");
+        }
+        let sent = FLUSH_BYTES.div_ceil(frame_bytes);
+        assert_eq!(io.pending_out(), (frames - sent) * frame_bytes);
+        let got = received(&mut peer, frames);
+        assert_eq!(got.len(), sent);
+        assert!(got.iter().all(|f| *f == (Op::Data, small.to_vec())));
+        io.flush().expect("flush");
+        assert_eq!(received(&mut peer, frames).len(), frames - sent);
     }
 }

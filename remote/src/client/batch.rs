@@ -291,7 +291,8 @@ impl Conn {
             .encode(self.io.out());
         self.io.end(start);
         if window.is_none() {
-            // The request goes out with the first value frame.
+            // The request goes out with the first value frame; small values are gathered into
+            // the write buffer, flushed below.
             let chunk = u64::from(self.hello.chunk_bytes);
             for &i in &members {
                 let item = &items[i];
@@ -302,7 +303,7 @@ impl Conn {
                 let mut pos = 0;
                 while pos < item.len {
                     let n = chunk.min(item.len - pos);
-                    self.io.send_data(Op::Data, rid, &source_slices(item.sources, pos, n))?;
+                    self.io.push_data(Op::Data, rid, &source_slices(item.sources, pos, n))?;
                     pos += n;
                 }
             }
