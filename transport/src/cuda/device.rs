@@ -542,17 +542,9 @@ pub unsafe fn prestage(
         consumed: false,
         probe: None,
     };
-    // Whole objects: the layout `split_fills` gives the real transfers (it only looks at each
-    // transfer's host address and span).
-    let whole: Vec<Transfer> = objects
-        .iter()
-        .map(|&(host, len)| Transfer {
-            host,
-            host_len: len,
-            pieces: vec![plan::Piece { host_offset: 0, addr: 0, len, kind: MemoryKind::Device { ordinal } }],
-        })
-        .collect();
-    prestaged.fills = plan::split_fills(&policy, Direction::HostToDevice, &whole);
+    // Laid out as whole objects: the layout `split_fills` gives the real transfers (it only
+    // looks at each transfer's host address and span).
+    prestaged.fills = plan::split_fills(&policy, Direction::HostToDevice, objects);
     let (buffer, copy_stream) = {
         let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
         ensure_unit(&mut guard, policy.buffer_bytes, 0).ok()?;
@@ -573,7 +565,7 @@ pub unsafe fn prestage(
         probe.record_start(copy_stream);
     }
     for fill in &prestaged.fills[..count] {
-        for copy in plan::staging_copies(fill, &whole) {
+        for copy in plan::staging_copies(fill, objects) {
             // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside
             // the staging buffer this prestage holds.
             let result = unsafe {

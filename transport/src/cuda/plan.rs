@@ -239,11 +239,37 @@ fn next_fill_capacity(policy: &StagingPolicy, direction: Direction, total: u64, 
     base.min(shaped.max(floor))
 }
 
+/// What laying out fills needs of a transfer: where its host bytes start and the range of them
+/// it moves. A prestage lays out whole objects, `(host address, length)`, before their transfers
+/// exist.
+pub trait HostSpan {
+    fn host(&self) -> u64;
+    fn span(&self) -> Range<u64>;
+}
+
+impl HostSpan for Transfer {
+    fn host(&self) -> u64 {
+        self.host
+    }
+    fn span(&self) -> Range<u64> {
+        Transfer::span(self)
+    }
+}
+
+impl HostSpan for (u64, u64) {
+    fn host(&self) -> u64 {
+        self.0
+    }
+    fn span(&self) -> Range<u64> {
+        0..self.1
+    }
+}
+
 /// Splits a qualified request into fills at object boundaries, in order, and places each object
 /// in the buffer. Fills take turns over the buffer like a ring; the executor makes a fill wait
 /// for the earlier fills whose regions it reuses. Objects larger than the buffer must have been
 /// sent down the direct path by `qualify`; here they get a fill of their own and are clamped.
-pub fn split_fills(policy: &StagingPolicy, direction: Direction, transfers: &[Transfer]) -> Vec<Fill> {
+pub fn split_fills<T: HostSpan>(policy: &StagingPolicy, direction: Direction, transfers: &[T]) -> Vec<Fill> {
     split_fills_from(policy, direction, transfers, &mut FillCursor::default())
 }
 
@@ -264,17 +290,17 @@ pub struct FillCursor {
 
 /// `split_fills` for one part of a request: fills start where `cursor` says and size themselves
 /// for the whole request; `cursor` moves past them. Transfer indices are the part's own.
-pub fn split_fills_from(
+pub fn split_fills_from<T: HostSpan>(
     policy: &StagingPolicy,
     direction: Direction,
-    transfers: &[Transfer],
+    transfers: &[T],
     cursor: &mut FillCursor,
 ) -> Vec<Fill> {
     let buffer_bytes = policy.buffer_bytes;
-    let spans: Vec<u64> = transfers.iter().map(|t| t.span().end - t.span().start).collect();
-    let part: u64 = spans.iter().sum();
+    let spans: Vec<Range<u64>> = transfers.iter().map(HostSpan::span).collect();
+    let part: u64 = spans.iter().map(|s| s.end - s.start).sum();
     let total = cursor.total.max(cursor.placed + part);
-    let largest = spans.iter().copied().max().unwrap_or(0).max(cursor.largest);
+    let largest = spans.iter().map(|s| s.end - s.start).max().unwrap_or(0).max(cursor.largest);
     let capacity_at = |placed: u64| next_fill_capacity(policy, direction, total, largest, placed).max(1);
     let mut fills: Vec<Fill> = Vec::new();
     let mut ring_cursor = cursor.ring;
@@ -282,9 +308,9 @@ pub fn split_fills_from(
     // The open fill and its capacity.
     let mut current: Option<(Fill, u64)> = None;
     for (index, transfer) in transfers.iter().enumerate() {
-        let span = transfer.span();
-        let len = spans[index];
-        let congruence = (transfer.host + span.start) % STAGING_ALIGN_BYTES;
+        let span = spans[index].clone();
+        let len = span.end - span.start;
+        let congruence = (transfer.host() + span.start) % STAGING_ALIGN_BYTES;
         let place_at = |cursor: u64| {
             let misalign = (congruence + STAGING_ALIGN_BYTES - cursor % STAGING_ALIGN_BYTES) % STAGING_ALIGN_BYTES;
             cursor + misalign
@@ -333,12 +359,12 @@ pub fn split_fills_from(
 /// Re-places a fill's objects in host-address order: objects that sit next to each other in the
 /// arena (written one after another) then sit next to each other in the buffer too, and their
 /// host copies merge. Kept only when it still fits (alignment padding can differ).
-fn place_by_address(fill: &mut Fill, capacity: u64, buffer_bytes: u64, transfers: &[Transfer]) {
+fn place_by_address<T: HostSpan>(fill: &mut Fill, capacity: u64, buffer_bytes: u64, transfers: &[T]) {
     let mut order = fill.placements.clone();
-    order.sort_by_key(|p| transfers[p.transfer].host + p.span.0);
+    order.sort_by_key(|p| transfers[p.transfer].host() + p.span.0);
     let mut cursor = fill.region.start;
     for p in &mut order {
-        let congruence = (transfers[p.transfer].host + p.span.0) % STAGING_ALIGN_BYTES;
+        let congruence = (transfers[p.transfer].host() + p.span.0) % STAGING_ALIGN_BYTES;
         cursor += (congruence + STAGING_ALIGN_BYTES - cursor % STAGING_ALIGN_BYTES) % STAGING_ALIGN_BYTES;
         p.staging_offset = cursor;
         cursor += p.span.1 - p.span.0;
@@ -404,12 +430,12 @@ pub struct BulkCopy {
 /// The host <-> buffer copies of a fill: one per object, merged where both the host bytes and the
 /// buffer offsets are contiguous (objects written one after another sit next to each other in the
 /// arena).
-pub fn staging_copies(fill: &Fill, transfers: &[Transfer]) -> Vec<BulkCopy> {
+pub fn staging_copies<T: HostSpan>(fill: &Fill, transfers: &[T]) -> Vec<BulkCopy> {
     let mut copies: Vec<BulkCopy> = Vec::new();
     let mut placements = fill.placements.clone();
     placements.sort_unstable_by_key(|p| p.staging_offset);
     for p in placements {
-        let host = transfers[p.transfer].host + p.span.0;
+        let host = transfers[p.transfer].host() + p.span.0;
         let len = p.span.1 - p.span.0;
         if len == 0 {
             continue;
@@ -478,6 +504,39 @@ mod tests {
 
     fn on() -> StagingPolicy {
         StagingPolicy { enabled: true, buffer_bytes: 1 << 20, tail_fill_bytes: 0 }
+    }
+
+    #[test]
+    fn whole_objects_get_the_layout_of_their_transfers() {
+        // Objects of four shards' slices interleaved in request order, of mixed sizes, some not
+        // on a 4 KiB boundary; their transfers scatter them to shuffled pages.
+        let mut objects: Vec<(u64, u64)> = (0..300u64)
+            .map(|i| ((i % 4) * (1 << 34) + (i / 4) * (400 << 10) + (i % 3) * 256, (1 + i % 5) * (64 << 10)))
+            .collect();
+        for sorted in [false, true] {
+            if sorted {
+                objects.sort_unstable();
+            }
+            let transfers: Vec<Transfer> = objects
+                .iter()
+                .enumerate()
+                .map(|(k, &(host, len))| {
+                    object(host, 4096, len / 4096, |i| (1 << 40) + ((i * 7919 + k as u64) % 4096) * 4096)
+                })
+                .collect();
+            for policy in
+                [quarters(4 << 20), StagingPolicy { enabled: true, buffer_bytes: 16 << 20, tail_fill_bytes: 1 << 20 }]
+            {
+                for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+                    let fills = split_fills(&policy, direction, &objects);
+                    assert!(fills.len() > 1);
+                    assert_eq!(fills, split_fills(&policy, direction, &transfers));
+                    for fill in &fills {
+                        assert_eq!(staging_copies(fill, &objects), staging_copies(fill, &transfers));
+                    }
+                }
+            }
+        }
     }
 
     #[test]
