@@ -136,7 +136,7 @@ impl Engine {
     /// it (a DRAM-resident object's ranges at once). A DRAM-resident object is leased through
     /// its shard's published index, without a message: the TTL still ends `bytes_when_ready`,
     /// but the shard cannot take such a lease back, so the object stays (unevictable) until the
-    /// lease drops.
+    /// lease drops, and such leases do not count against the shard's `max_leases`.
     pub fn lease_progressive(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
         self.validate_key(key)?;
         match self.lease_published(key) {

@@ -1526,6 +1526,8 @@ impl Connection<'_> {
             encode_object(self.io.out(), index, lease.len());
             self.io.end(start);
             self.stream_bytes(rid, index, &lease, leased_at, 0, lease.len())?;
+            // Every byte is in the write buffer or on the socket by now.
+            drop(lease);
             if self.io.pending_out() >= FLUSH_BYTES {
                 self.io.flush()?;
             }
@@ -1636,9 +1638,27 @@ impl Connection<'_> {
         offset: u64,
         len: u64,
     ) -> WResult<()> {
+        let lease_end = leased_at + self.ttl();
+        let sent = self.stream_chunks(rid, index, lease, lease_end, offset, len);
+        self.io.set_write_deadline(None);
+        sent
+    }
+
+    /// `stream_bytes`' frames, each started only while the lease surely outlives its send, and
+    /// each send given up (closing the connection) when it has not ended within the I/O timeout:
+    /// a client that reads just fast enough to keep a send going never keeps an object leased
+    /// past its TTL.
+    fn stream_chunks(
+        &mut self,
+        rid: u64,
+        index: u32,
+        lease: &ObjectLease,
+        lease_end: Instant,
+        offset: u64,
+        len: u64,
+    ) -> WResult<()> {
         let chunk = u64::from(self.config().chunk_bytes);
         let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
-        let lease_end = leased_at + self.ttl();
         let mut pos = offset;
         let end = offset + len;
         while pos < end {
@@ -1659,6 +1679,7 @@ impl Connection<'_> {
                     return Ok(());
                 }
             };
+            self.io.set_write_deadline(Some(lease_end.min(Instant::now() + io_timeout)));
             self.io.push_data(Op::Data, rid, &[IoSlice::new(piece)])?;
             pos += n;
         }

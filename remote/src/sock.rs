@@ -7,7 +7,7 @@ use std::io::{self, IoSlice};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A connected stream socket.
 #[derive(Debug)]
@@ -74,13 +74,41 @@ impl Stream {
 }
 
 /// Sends every byte of `bufs`, in order; the first `sendmsg` carries `fd` when given.
-pub(crate) fn send_all(sock: RawFd, bufs: &[IoSlice<'_>], mut fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+pub(crate) fn send_all(sock: RawFd, bufs: &[IoSlice<'_>], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    send_all_until(sock, bufs, fd, None)
+}
+
+/// `send_all`, giving up (`TimedOut`, part of the bytes sent) once `deadline` passed with bytes
+/// left. With a deadline the sends do not block: between them the wait for room is a `poll`
+/// that ends at the deadline, so a peer that reads a little at a time cannot stretch the send
+/// past it (one blocking `sendmsg` keeps going as long as each piece finds room in time).
+pub(crate) fn send_all_until(
+    sock: RawFd,
+    bufs: &[IoSlice<'_>],
+    mut fd: Option<BorrowedFd<'_>>,
+    deadline: Option<Instant>,
+) -> io::Result<()> {
     let mut storage: Vec<IoSlice<'_>> = bufs.iter().filter(|b| !b.is_empty()).copied().collect();
     let mut slices: &mut [IoSlice<'_>] = &mut storage;
+    let flags = if deadline.is_some() { libc::MSG_DONTWAIT } else { 0 };
     while !slices.is_empty() || fd.is_some() {
         // At most IOV_MAX (1024) slices per call.
         let count = slices.len().min(1024);
-        let sent = sendmsg(sock, &slices[..count], fd.take())?;
+        let sent = match sendmsg(sock, &slices[..count], fd, flags) {
+            Ok(sent) => sent,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => match deadline {
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() || !wait_writable_for(sock, left)? {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "the send outlasted its deadline"));
+                    }
+                    continue;
+                }
+                None => return Err(e),
+            },
+            Err(e) => return Err(e),
+        };
+        fd = None;
         if sent == 0 && count > 0 {
             return Err(io::Error::new(io::ErrorKind::WriteZero, "socket accepted no bytes"));
         }
@@ -89,10 +117,17 @@ pub(crate) fn send_all(sock: RawFd, bufs: &[IoSlice<'_>], mut fd: Option<Borrowe
     Ok(())
 }
 
+/// Waits until `sock` can take bytes (or failed), at most `timeout`; false when it timed out.
+fn wait_writable_for(sock: RawFd, timeout: Duration) -> io::Result<bool> {
+    let mut fds = [libc::pollfd { fd: sock, events: libc::POLLOUT, revents: 0 }];
+    poll(&mut fds, poll_timeout_ms(Some(timeout)))?;
+    Ok(fds[0].revents != 0)
+}
+
 #[repr(C, align(8))]
 struct CmsgSpace([u8; 64]);
 
-fn sendmsg(sock: RawFd, bufs: &[IoSlice<'_>], fd: Option<BorrowedFd<'_>>) -> io::Result<usize> {
+fn sendmsg(sock: RawFd, bufs: &[IoSlice<'_>], fd: Option<BorrowedFd<'_>>, flags: libc::c_int) -> io::Result<usize> {
     let mut cmsg = CmsgSpace([0; 64]);
     // SAFETY: msghdr is plain data; an all-zero value is a valid empty header.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -116,7 +151,7 @@ fn sendmsg(sock: RawFd, bufs: &[IoSlice<'_>], fd: Option<BorrowedFd<'_>>) -> io:
     }
     loop {
         // SAFETY: msg describes live buffers (bufs, cmsg) for the duration of the call.
-        let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+        let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | flags) };
         if n >= 0 {
             return Ok(n as usize);
         }
@@ -333,4 +368,57 @@ pub fn raise_descriptor_limit() -> io::Result<u64> {
         }
     }
     Ok(limit.rlim_cur)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn a_send_to_a_peer_that_trickles_stops_at_its_deadline() {
+        let (a, mut b) = UnixStream::pair().expect("pair");
+        let writer = Stream::Unix(a);
+        writer.set_timeouts(Some(Duration::from_millis(20))).expect("timeouts");
+        // The peer reads a little every few milliseconds: each sendmsg makes progress within
+        // the socket timeout, so only the deadline ends the send.
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 << 10];
+                let mut total = 0usize;
+                b.set_read_timeout(Some(Duration::from_millis(50))).expect("read timeout");
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(n) = b.read(&mut buf) {
+                        total += n;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                total
+            })
+        };
+        let data = vec![7u8; 64 << 20];
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(200);
+        let err = send_all_until(writer.fd(), &[IoSlice::new(&data)], None, Some(deadline)).expect_err("deadline");
+        let took = started.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        let read = reader.join().expect("reader");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(read > 0 && read < data.len(), "the peer got part of the bytes: {read}");
+        assert!(took < Duration::from_secs(5), "gave up {took:?} after starting");
+        // Without a deadline and with a reading peer, everything arrives.
+        let (c, mut d) = UnixStream::pair().expect("pair");
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            d.read_to_end(&mut all).expect("read");
+            all.len()
+        });
+        send_all_until(c.as_raw_fd(), &[IoSlice::new(&data[..1 << 20])], None, None).expect("send");
+        drop(c);
+        assert_eq!(reader.join().expect("reader"), 1 << 20);
+    }
 }

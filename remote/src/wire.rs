@@ -80,6 +80,7 @@ pub(crate) struct FrameIo {
     end: usize,
     wbuf: Vec<u8>,
     read_deadline: Option<Instant>,
+    write_deadline: Option<Instant>,
     /// How long a read polls for bytes before it blocks (0: blocks at once).
     spin: Duration,
 }
@@ -103,6 +104,7 @@ impl FrameIo {
             end: 0,
             wbuf: Vec::new(),
             read_deadline: None,
+            write_deadline: None,
             spin: Duration::ZERO,
         }
     }
@@ -147,6 +149,12 @@ impl FrameIo {
     /// however the peer spaces its bytes; None: only the socket timeouts apply.
     pub(crate) fn set_read_deadline(&mut self, deadline: Option<Instant>) {
         self.read_deadline = deadline;
+    }
+
+    /// Every send from now on gives up (an error: the connection is then out of step) once
+    /// `deadline` passed with bytes left; None: only the socket timeouts apply.
+    pub(crate) fn set_write_deadline(&mut self, deadline: Option<Instant>) {
+        self.write_deadline = deadline;
     }
 
     /// One receive into `[ptr, ptr + len)`, within the read deadline when one is set.
@@ -324,7 +332,7 @@ impl FrameIo {
         if self.wbuf.is_empty() {
             return Ok(());
         }
-        let result = sock::send_all(self.stream.fd(), &[IoSlice::new(&self.wbuf)], fd);
+        let result = sock::send_all_until(self.stream.fd(), &[IoSlice::new(&self.wbuf)], fd, self.write_deadline);
         self.wbuf.clear();
         Ok(result?)
     }
@@ -356,7 +364,7 @@ impl FrameIo {
         bufs.push(IoSlice::new(&self.wbuf));
         bufs.push(IoSlice::new(&header));
         bufs.extend_from_slice(data);
-        let result = sock::send_all(self.stream.fd(), &bufs, None);
+        let result = sock::send_all_until(self.stream.fd(), &bufs, None, self.write_deadline);
         self.wbuf.clear();
         Ok(result?)
     }

@@ -1320,6 +1320,44 @@ fn trickle_until_closed(
     None
 }
 
+#[test]
+fn a_streamed_get_to_a_reader_that_trickles_ends_within_the_io_timeout() {
+    let dir = temp_dir("trickle-get");
+    let engine = engine(64 << 20);
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.io_timeout_ms = 300;
+        c.idle_timeout_ms = 60_000;
+    });
+    let big = value_for(b"big", 0, 16 << 20);
+    unix_client(&owner).put(b"big", &big, PutOptions::INSERT).expect("put");
+    // A streaming reader (no shared memory) that takes 4 KiB every 20 ms: every send of a 1 MiB
+    // chunk makes progress, but slower than the I/O timeout allows for the whole chunk.
+    let s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+    let mut raw = Raw { stream: Box::new(s.try_clone().expect("clone")) };
+    raw.handshake(false);
+    raw.request(&Request::Get { lease: false, items: vec![GetItem { key: b"big", check: LenCheck::Any }] }, 1);
+    let started = Instant::now();
+    let mut s = s;
+    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut sink = [0u8; 4096];
+    let mut read = 0usize;
+    let closed = loop {
+        match s.read(&mut sink) {
+            Ok(0) | Err(_) => break started.elapsed(),
+            Ok(n) => read += n,
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "still streaming after {read} bytes");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(read < big.len(), "the owner gave up before the end ({read} bytes read)");
+    assert!(closed < Duration::from_secs(10), "closed after {closed:?}");
+    // The object's lease went with the connection: it is removable, and nothing is held.
+    wait_idle(&owner);
+    unix_client(&owner).remove(b"big", false).expect("remove after the reader left");
+    wait_gauges_zero(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn hello_frame() -> Vec<u8> {
     let mut p = Vec::new();
     Hello { client_nonce: [7; NONCE_BYTES], flags: 0 }.encode(&mut p);
