@@ -143,7 +143,7 @@ impl Collector for OwnerCollector {
         let stats = self.engine.stats();
         let t = &stats.total;
         let (g, st) = (&stats.gpu, &stats.stream);
-        let engine: [(&str, &str, Kind, u64); 36] = [
+        let engine: [(&str, &str, Kind, u64); 37] = [
             ("kvtide_capacity_bytes", "DRAM arena bytes", Gauge, t.capacity_bytes),
             ("kvtide_dram_used_bytes", "DRAM arena bytes in use", Gauge, t.bytes_used),
             ("kvtide_objects", "objects stored (DRAM and SSD)", Gauge, t.objects),
@@ -152,6 +152,12 @@ impl Collector for OwnerCollector {
             ("kvtide_ssd_used_bytes", "SSD tier bytes in use", Gauge, t.ssd_bytes),
             ("kvtide_pinned_objects", "pinned objects", Gauge, t.pinned_objects),
             ("kvtide_leases_held", "object leases held by readers", Gauge, t.leases_held),
+            (
+                "kvtide_published_leases_held",
+                "object leases held by readers through the published index (no shard message)",
+                Gauge,
+                t.published_leases_held,
+            ),
             ("kvtide_writes_in_flight", "writes not yet published", Gauge, t.writes_in_flight),
             ("kvtide_puts", "puts published", Counter, t.puts),
             ("kvtide_removes", "removes", Counter, t.removes),

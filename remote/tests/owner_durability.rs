@@ -341,6 +341,9 @@ fn the_metrics_endpoint_serves_prometheus_text_that_moves() {
     };
     assert_eq!(sample(&before, "kvtide_objects"), Some(0.0));
     assert_eq!(sample(&after, "kvtide_objects"), Some(20.0));
+    // No read is in progress between scrapes: no lease of either kind is held.
+    assert_eq!(sample(&after, "kvtide_leases_held"), Some(0.0));
+    assert_eq!(sample(&after, "kvtide_published_leases_held"), Some(0.0));
     assert!(sample(&after, "kvtide_puts_total") >= Some(20.0), "{after}");
     assert!(sample(&after, "kvtide_misses_total") > sample(&before, "kvtide_misses_total"));
     assert!(sample(&after, "kvtide_owner_request_seconds_count{kind=\"put\"}") >= Some(20.0), "{after}");

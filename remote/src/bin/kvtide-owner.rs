@@ -162,7 +162,10 @@ fn status(address: Option<String>, vars: &[(String, String)]) -> Result<(), Stri
     println!("kvtide-owner at {address}: serving");
     println!("shards {}  objects {}  (on SSD {})", stats.shards.len(), t.objects, t.ssd_objects);
     println!("DRAM used {} of {} bytes  SSD {} bytes", t.bytes_used, t.capacity_bytes, t.ssd_bytes);
-    println!("hits {}  misses {}  evictions {}  leases held {}", t.hits, t.misses, t.evictions, t.leases_held);
+    println!(
+        "hits {}  misses {}  evictions {}  leases held {} (and {} through the published index)",
+        t.hits, t.misses, t.evictions, t.leases_held, t.published_leases_held
+    );
     if t.ssd_write_failed > 0 {
         println!("SSD tier: writes stopped after an I/O error (ssd_write_failed)");
     }
