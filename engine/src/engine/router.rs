@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -35,6 +35,10 @@ struct FanoutPart<R> {
 
 /// Keys between the steps of a batch lease's prefetches (entry, slot, key and value).
 const PREFETCH_STRIDE: usize = 4;
+/// Leases of a batch that run before it decides whether to prefetch.
+const PROBE_KEYS: usize = 32;
+/// A probe lease slower than this on average means the index is not cached: prefetch.
+const COLD_LEASE: Duration = Duration::from_nanos(250);
 
 /// Per-item results by caller index. A call's indices are distinct positions in the caller's
 /// batch, usually dense (a whole batch read), so they index a vector from the first one seen
@@ -327,15 +331,26 @@ impl Engine {
         let steps = [(3, Prefetch::Entry), (2, Prefetch::Slot), (1, Prefetch::Bytes)];
         let prefetchers: Vec<Prefetcher<'_>> = self.shards.iter().map(|s| s.published.prefetcher()).collect();
         let prefetch = |(shard, hash): (usize, u64), what: Prefetch| prefetchers[shard].prefetch(hash, what);
-        for (ahead, what) in steps {
-            for &hash in hashes.iter().take(ahead * PREFETCH_STRIDE) {
-                prefetch(hash, what);
-            }
-        }
+        // Prefetching pays where the batch's index lines are not cached (each lease then waits
+        // on a chain of misses) and only adds work where they are: the first `PROBE_KEYS` leases
+        // go without it and time themselves, and the rest prefetch when those were slow.
+        let probe_started = Instant::now();
+        let mut prefetching = false;
         let by_message = keys.into_iter().enumerate().filter_map(|(k, (index, key))| {
-            for (ahead, what) in steps {
-                if let Some(&hash) = hashes.get(k + ahead * PREFETCH_STRIDE) {
-                    prefetch(hash, what);
+            if k == PROBE_KEYS && probe_started.elapsed() >= COLD_LEASE * PROBE_KEYS as u32 {
+                prefetching = true;
+                // The steps the keys just ahead would have had already.
+                for (ahead, what) in steps {
+                    for &hash in hashes.iter().skip(k).take(ahead * PREFETCH_STRIDE) {
+                        prefetch(hash, what);
+                    }
+                }
+            }
+            if prefetching {
+                for (ahead, what) in steps {
+                    if let Some(&hash) = hashes.get(k + ahead * PREFETCH_STRIDE) {
+                        prefetch(hash, what);
+                    }
                 }
             }
             match self.lease_published_at(key, hashes[k]) {
