@@ -127,6 +127,7 @@ impl Engine {
     /// in place until the guard drops; `ttl_ms` is only a backstop for a caller that vanishes.
     /// An SSD-resident object is loaded into DRAM (and checked) before this returns.
     pub fn lease(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
+        self.validate_key(key)?;
         self.lease_with(key, ttl_ms, false)
     }
 
@@ -142,21 +143,16 @@ impl Engine {
         match self.lease_published(key) {
             Some(Ok((grant, lease))) => {
                 let (shard, lease) = lease.into_raw();
-                Ok(ObjectLease {
-                    grant,
-                    expires_at: Instant::now() + Duration::from_millis(ttl_ms),
-                    holder: LeaseHolder::Published(Arc::clone(&self.shards[shard].published), lease),
-                    _arena: Arc::clone(&self.arena),
-                    held: true,
-                })
+                let holder = LeaseHolder::Published(Arc::clone(&self.shards[shard].published), lease);
+                Ok(self.object_lease(grant, Instant::now() + Duration::from_millis(ttl_ms), holder))
             }
             Some(Err(e)) => Err(e),
             None => self.lease_with(key, ttl_ms, true),
         }
     }
 
+    /// A shard lease of a valid `key` (`early`: granted as its load starts).
     fn lease_with(&self, key: &[u8], ttl_ms: u64, early: bool) -> Result<ObjectLease> {
-        self.validate_key(key)?;
         let ttl = Duration::from_millis(ttl_ms);
         let shard = self.shard_of(key);
         let rx = self.send_with_reply(shard, |reply| Request::LeaseRead {
@@ -166,13 +162,12 @@ impl Engine {
             reply,
         })?;
         let grant = self.recv_reply(&rx)?.pop().ok_or(Error::Internal("empty lease reply"))??;
-        Ok(ObjectLease {
-            grant,
-            expires_at: Instant::now() + ttl,
-            holder: LeaseHolder::Shard(Arc::clone(&self.shards[shard].inbox)),
-            _arena: Arc::clone(&self.arena),
-            held: true,
-        })
+        let holder = LeaseHolder::Shard(Arc::clone(&self.shards[shard].inbox));
+        Ok(self.object_lease(grant, Instant::now() + ttl, holder))
+    }
+
+    fn object_lease(&self, grant: ReadGrant, expires_at: Instant, holder: LeaseHolder) -> ObjectLease {
+        ObjectLease { grant, expires_at, holder, _arena: Arc::clone(&self.arena), held: true }
     }
 
     /// Longest key this store accepts.
@@ -214,12 +209,8 @@ impl Engine {
         // DRAM-resident keys are granted within microseconds: poll briefly, then block (loads
         // take longer).
         fanout.gather(self, |index, shard, grant| {
-            out[index] = grant.and_then(|g| g).map(|grant| ObjectLease {
-                grant,
-                expires_at,
-                holder: LeaseHolder::Shard(Arc::clone(&self.shards[shard].inbox)),
-                _arena: Arc::clone(&self.arena),
-                held: true,
+            out[index] = grant.and_then(|g| g).map(|grant| {
+                self.object_lease(grant, expires_at, LeaseHolder::Shard(Arc::clone(&self.shards[shard].inbox)))
             });
         });
         out
