@@ -119,9 +119,7 @@ pub(crate) fn send_all_until(
 
 /// Waits until `sock` can take bytes (or failed), at most `timeout`; false when it timed out.
 fn wait_writable_for(sock: RawFd, timeout: Duration) -> io::Result<bool> {
-    let mut fds = [libc::pollfd { fd: sock, events: libc::POLLOUT, revents: 0 }];
-    poll(&mut fds, poll_timeout_ms(Some(timeout)))?;
-    Ok(fds[0].revents != 0)
+    wait_for(sock, libc::POLLOUT, timeout)
 }
 
 #[repr(C, align(8))]
@@ -286,20 +284,16 @@ pub(crate) fn drain(sock: RawFd) -> bool {
 
 /// Waits until `sock` is readable (or closed) for at most `timeout`; false when it passed.
 pub(crate) fn wait_readable_for(sock: RawFd, timeout: Duration) -> io::Result<bool> {
-    let mut fd = libc::pollfd { fd: sock, events: libc::POLLIN, revents: 0 };
+    wait_for(sock, libc::POLLIN, timeout)
+}
+
+/// Waits until `sock` reports `events` (or an error or hang-up) for at most `timeout`; false
+/// when it passed.
+fn wait_for(sock: RawFd, events: libc::c_short, timeout: Duration) -> io::Result<bool> {
+    let mut fds = [libc::pollfd { fd: sock, events, revents: 0 }];
     // Rounded up, so a wait never ends before the deadline it serves.
-    let timeout_ms = poll_timeout_ms(Some(timeout));
-    loop {
-        // SAFETY: fd is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut fd, 1, timeout_ms) };
-        if n >= 0 {
-            return Ok(n > 0);
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
-        }
-    }
+    poll(&mut fds, poll_timeout_ms(Some(timeout)))?;
+    Ok(fds[0].revents != 0)
 }
 
 /// Milliseconds for `poll`, rounded up (-1, wait forever, for None).
