@@ -18,7 +18,7 @@ use crate::Error;
 const FILL_BYTES: usize = 8 << 10;
 /// Data frames with payloads up to this are copied into the write buffer (`push_data`) rather
 /// than sent on their own: a send per small frame costs more than the copy.
-pub(crate) const SMALL_FRAME_BYTES: usize = 16 << 10;
+const SMALL_FRAME_BYTES: usize = 16 << 10;
 /// `push_data` sends the write buffer once it holds this much.
 pub(crate) const FLUSH_BYTES: usize = 64 << 10;
 

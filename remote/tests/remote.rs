@@ -1332,17 +1332,14 @@ fn a_streamed_get_to_a_reader_that_trickles_ends_within_the_io_timeout() {
     unix_client(&owner).put(b"big", &big, PutOptions::INSERT).expect("put");
     // A streaming reader (no shared memory) that takes 4 KiB every 20 ms: every send of a 1 MiB
     // chunk makes progress, but slower than the I/O timeout allows for the whole chunk.
-    let s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
-    let mut raw = Raw { stream: Box::new(s.try_clone().expect("clone")) };
+    let mut raw = Raw::unix(&owner);
     raw.handshake(false);
     raw.request(&Request::Get { lease: false, items: vec![GetItem { key: b"big", check: LenCheck::Any }] }, 1);
     let started = Instant::now();
-    let mut s = s;
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
     let mut sink = [0u8; 4096];
     let mut read = 0usize;
     let closed = loop {
-        match s.read(&mut sink) {
+        match raw.stream.read(&mut sink) {
             Ok(0) | Err(_) => break started.elapsed(),
             Ok(n) => read += n,
         }
