@@ -117,7 +117,7 @@ enum Command {
     /// one CUDA graph, against ideal (feature `cuda`).
     #[cfg(feature = "cuda")]
     Layerwise(layerwise::LayerwiseArgs),
-    /// kvtide-owner over Unix+shm and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
+    /// kvtide-owner over Unix+shm, Unix without the shared arena and TCP vs Redis (TCP and Unix) and memcpy: put/get throughput, p50/p99.
     Remote(remote::RemoteArgs),
     /// 1, 2 and 3 owners in an etcd cluster vs one owner direct: throughput, p50/p99, failover
     /// time after SIGKILL, misses after a join.

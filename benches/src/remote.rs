@@ -229,6 +229,8 @@ impl<S: Read + Write + Send> Client for Redis<S> {
 #[derive(Clone)]
 enum System {
     KvtideShm(String),
+    /// The same Unix socket with `shared_memory: false`: values stream through the socket.
+    KvtideUnix(String),
     KvtideTcp(String),
     RedisTcp(SocketAddr),
     RedisUnix(PathBuf),
@@ -238,6 +240,7 @@ impl System {
     fn name(&self) -> &'static str {
         match self {
             System::KvtideShm(_) => "kvtide unix+shm",
+            System::KvtideUnix(_) => "kvtide unix",
             System::KvtideTcp(_) => "kvtide tcp",
             System::RedisTcp(_) => "redis tcp",
             System::RedisUnix(_) => "redis unix",
@@ -252,6 +255,10 @@ impl System {
                     return Err("the owner did not share its arena".into());
                 }
                 Box::new(Kvtide(store))
+            }
+            System::KvtideUnix(addr) => {
+                let options = ClientOptions { shared_memory: false, ..ClientOptions::default() };
+                Box::new(Kvtide(RemoteStore::connect_with(addr, options).map_err(|e| e.to_string())?))
             }
             System::KvtideTcp(addr) => {
                 Box::new(Kvtide(RemoteStore::connect_with(addr, ClientOptions::default()).map_err(|e| e.to_string())?))
@@ -528,8 +535,9 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
         fmt_bytes(args.dram_bytes),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
+    let unix = format!("unix:{}", owner.unix.display());
     let mut systems =
-        vec![System::KvtideShm(format!("unix:{}", owner.unix.display())), System::KvtideTcp(owner.tcp.to_string())];
+        vec![System::KvtideShm(unix.clone()), System::KvtideUnix(unix), System::KvtideTcp(owner.tcp.to_string())];
     if let Some(r) = &redis {
         systems.push(System::RedisUnix(r.unix.clone()));
         systems.push(System::RedisTcp(r.tcp));

@@ -337,6 +337,61 @@ fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
     }
 }
 
+/// Over a Unix socket with the arena mapped, reads into small host buffers come through the
+/// socket (no lease), larger ones and `get` (whose size the client cannot know) through the
+/// arena; the bytes and the per-key errors are the same either way.
+#[test]
+fn small_reads_stream_through_the_socket_even_with_the_arena_mapped() {
+    let dir = temp_dir("small-reads");
+    let engine = engine(64 << 20);
+    let owner = owner(&engine, &dir, any_port());
+    let store = unix_client(&owner);
+    let granted = || owner.counters().leases_granted.load(Ordering::SeqCst);
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("small-{i}").into_bytes()).collect();
+    for (i, key) in keys.iter().enumerate() {
+        store.put(key, &value_for(key, 1, 100 + i), PutOptions::default()).expect("put");
+    }
+    store.put(b"big", &value_for(b"big", 1, 200_000), PutOptions::default()).expect("put big");
+
+    // One key: a 4 KiB buffer streams; too small a buffer fails the same way as the lease path.
+    let mut buf = vec![0u8; 4096];
+    let n = store.get_into(&keys[3], Region::host(&mut buf)).expect("small get_into");
+    assert_eq!(&buf[..n], &value_for(&keys[3], 1, 103)[..]);
+    let mut tiny = vec![0u8; 10];
+    assert!(matches!(
+        store.get_into(&keys[3], Region::host(&mut tiny)),
+        Err(Error::Store(StoreError::BufferTooSmall { .. }))
+    ));
+    assert!(matches!(store.get_into(b"missing", Region::host(&mut buf)), Err(Error::Store(StoreError::NotFound))));
+    // A batch of 40 exact-size buffers (under 16 KiB + 768 B a key): one stream, per-key results.
+    let mut outs: Vec<Vec<u8>> = (0..keys.len()).map(|i| vec![0u8; 100 + i]).collect();
+    outs[5] = vec![0u8; 7]; // the wrong size fails that key alone
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let dsts: Vec<Vec<Region<'_>>> = outs.iter_mut().map(|o| vec![Region::host(o)]).collect();
+    let results = store.batch_get_into_multi_buffers(&refs, &dsts);
+    for (i, r) in results.iter().enumerate() {
+        if i == 5 {
+            assert!(matches!(r, Err(Error::Store(StoreError::SizeMismatch { .. }))), "{r:?}");
+        } else {
+            assert_eq!(*r.as_ref().expect("small batch key"), 100 + i);
+        }
+    }
+    for (i, out) in outs.iter().enumerate().filter(|(i, _)| *i != 5) {
+        assert_eq!(out, &value_for(&keys[i], 1, 100 + i), "key {i}");
+    }
+    assert_eq!(granted(), 0, "the small reads leased nothing through the arena");
+
+    // Large buffers and `get` read through the arena.
+    let mut large = vec![0u8; 200_000];
+    assert_eq!(store.get_into(b"big", Region::host(&mut large)).expect("big"), 200_000);
+    assert_eq!(large, value_for(b"big", 1, 200_000));
+    assert_eq!(granted(), 1);
+    assert_eq!(store.get(&keys[0]).expect("get"), value_for(&keys[0], 1, 100));
+    assert_eq!(granted(), 2, "a get of unknown size leases");
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 // ---- concurrency ---------------------------------------------------------------------------
 
 #[test]
