@@ -166,9 +166,12 @@ class MooncakeDistributedStore:
             config = {k: str(v) for k, v in local_hostname.items()}
             if "local_hostname" not in config or "metadata_server" not in config:
                 return INVALID_PARAMS
+            segment_bytes = kvtide_parse_size(config.get("global_segment_size", 16 << 20))
+            if segment_bytes is None:
+                return INVALID_PARAMS
             return self._setup(
                 config["local_hostname"],
-                _size(config.get("global_segment_size", 16 << 20)),
+                segment_bytes,
                 config.get("master_server_addr", "127.0.0.1:50051"),
                 config.get("enable_ssd_offload", "false").lower() in ("1", "true", "yes", "on"),
                 config.get("ssd_offload_path", ""),
@@ -178,6 +181,10 @@ class MooncakeDistributedStore:
         if any(a is None for a in required):
             raise TypeError("setup() takes local_hostname, metadata_server, global_segment_size, local_buffer_size, "
                             "protocol, rdma_devices and master_server_addr, or one config dict")
+        if isinstance(global_segment_size, str):
+            global_segment_size = kvtide_parse_size(global_segment_size)
+            if global_segment_size is None:
+                return INVALID_PARAMS
         return self._setup(local_hostname, int(global_segment_size), master_server_addr, bool(enable_ssd_offload),
                            ssd_offload_path)
 
@@ -315,9 +322,13 @@ class MooncakeDistributedStore:
         return OK
 
     def upsert_batch(self, keys, values, config=None):
+        """One int: 0, or the first failing key's code (an empty value is INVALID_PARAMS, as in
+        ``put_batch``)."""
         if self._store is None or len(keys) != len(values):
             return INVALID_PARAMS
         views = [_bytes_like(v) for v in values]
+        if any(len(v) == 0 for v in views):
+            return INVALID_PARAMS
         for code in self._batch_put(keys, [[v] for v in views], config, upsert=True):
             if code != OK:
                 return code
@@ -591,13 +602,6 @@ class MooncakeDistributedStore:
         if not (len(keys) == len(buffer_ptrs) == len(sizes)):
             return [INVALID_PARAMS] * len(keys)
         return [self.get_tensor_into(k, p, s) for k, p, s in zip(keys, buffer_ptrs, sizes)]
-
-
-def _size(text):
-    value = kvtide_parse_size(text)
-    if value is None:
-        raise ValueError(f"not a size: {text!r}")
-    return value
 
 
 def kvtide_parse_size(text):

@@ -18,7 +18,9 @@ fn as_store<E: Into<kvtide_remote::Error> + Clone>(e: &E) -> Option<kvtide::Erro
 }
 
 /// Object i into the start of `dsts[i]` (at least as large): one batched read, then one more
-/// for the objects smaller than their buffer (the batch call wants exact sizes).
+/// for the objects smaller than their buffer (the batch call wants exact sizes). A key whose
+/// size changed again between the two (an upsert in between) is read once more on its own with
+/// `get_into`, which takes whatever fits: the caller never sees a size it did not pass.
 pub fn get_into_each<S: Store>(s: &S, keys: &[Vec<u8>], dsts: &[Region<'static>]) -> Vec<Result<usize, S::Error>>
 where
     S::Error: Into<kvtide_remote::Error> + Clone,
@@ -43,7 +45,8 @@ where
     let retry_keys: Vec<&[u8]> = again.iter().map(|(i, _)| key_refs[*i]).collect();
     let retry_dsts: Vec<Vec<Region<'_>>> = again.iter().map(|(_, part)| vec![*part]).collect();
     for ((i, _), r) in again.iter().zip(s.batch_get_into_multi_buffers(&retry_keys, &retry_dsts)) {
-        results[*i] = r;
+        let resized = matches!(&r, Err(e) if as_store(e).as_ref().and_then(mismatch).is_some());
+        results[*i] = if resized { s.get_into(key_refs[*i], dsts[*i]) } else { r };
     }
     results
 }

@@ -97,6 +97,9 @@ def test_batches(mc, k):
     assert mc.put_batch([k("pb1"), k("pb2")], [b"one", b"two"]) == 0
     assert mc.put_batch([k("pb1")], [b"one", b"two"]) == INVALID_PARAMS
     assert mc.upsert_batch([k("pb1")], [b"uno"]) == 0 and mc.get(k("pb1")) == b"uno"
+    assert mc.put_batch([k("pb3")], [b""]) == INVALID_PARAMS
+    assert mc.upsert_batch([k("pb1"), k("pb3")], [b"dos", b""]) == INVALID_PARAMS, "an empty value, as put_batch"
+    assert mc.get(k("pb1")) == b"uno" and mc.is_exist(k("pb3")) == 0, "nothing stored"
     assert mc.batch_remove([k("pb1"), k("absent")]) == [0, OBJECT_NOT_FOUND]
     mc.batch_remove(keys + [k("pb2")])
 
@@ -189,6 +192,9 @@ def test_lifecycle_and_not_set_up():
     with pytest.raises(TypeError):
         s.setup("host", "meta")
     assert s.setup({"local_hostname": "h"}) == INVALID_PARAMS, "metadata_server is required"
+    bad_size = {"local_hostname": "h", "metadata_server": "x", "global_segment_size": "lots"}
+    assert s.setup(bad_size) == INVALID_PARAMS, "an unreadable size is a bad argument, not an exception"
+    assert s.setup("h", "meta", "lots", 16 << 20, "tcp", "", "embedded") == INVALID_PARAMS
     assert s.setup("h", "meta", 16 << 20, 16 << 20, "tcp", "", "unix:/nonexistent/kvtide.sock") == mooncake.RPC_FAIL
 
 

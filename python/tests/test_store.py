@@ -2,6 +2,7 @@
 every method, per-key errors, bad buffers, handles, threads."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -76,6 +77,37 @@ def test_batches_return_per_key_results(store, k):
     removed = store.batch_remove([keys[0], k("absent"), keys[1]])
     assert removed[0] is None and isinstance(removed[1], kvtide.NotFound) and removed[2] is None
     store.batch_remove(keys[2:] + [k("new")])
+
+
+def test_batch_get_into_under_upserts_that_change_the_size(store, k):
+    """Buffers at least as large as every version: a concurrent upsert that changes the object's
+    size never makes a read fail or return another version's bytes half-copied."""
+    key = k("resized")
+    versions = [b"a" * 3000, b"b" * 5000]
+    store.put(key, versions[0], upsert=True)
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            store.put(key, versions[i % 2], upsert=True)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        buf = np.zeros(10000, np.uint8)
+        deadline = time.monotonic() + 1.5
+        reads = 0
+        while time.monotonic() < deadline:
+            [n] = store.batch_get_into([key], [buf])
+            assert not isinstance(n, Exception), f"read {reads}: {n!r}"
+            assert buf[:n].tobytes() in versions
+            reads += 1
+    finally:
+        stop.set()
+        t.join()
+    store.remove(key)
 
 
 def test_multi_buffer_puts_and_one_bad_key(store, k):
