@@ -1,6 +1,7 @@
-//! A real process is killed with SIGKILL while it writes (write-through) and evicts under load;
-//! after each kill the store reopens and every object acknowledged durable reads back
-//! byte-exact (or as a later version whose put had started). 20 rounds by default;
+//! A real process is killed with SIGKILL while it writes (write-through), removes and evicts
+//! under load; after each kill the store reopens, every object acknowledged durable reads back
+//! byte-exact (or as a later version whose put had started), and every key whose remove was
+//! acknowledged stays absent (unless a put of it had started since). 20 rounds by default;
 //! `KVTIDE_CRASH_ROUNDS=200 cargo test --release --test crash` for a longer run.
 
 mod common;
@@ -51,6 +52,16 @@ fn crash_child() {
     for n in 0..PUTS_PER_ROUND {
         let k = rng.random_range(0..KEYS);
         let version = round * 1_000_000 + n;
+        if rng.random_range(0..4) == 0 {
+            writeln!(out, "RMTRY {k} 0").expect("stdout");
+            out.flush().expect("flush");
+            // Absent either way once this returns (NotFound: nothing was there to remove).
+            if matches!(store.remove(&key(k), true), Ok(()) | Err(kvtide::Error::NotFound)) {
+                writeln!(out, "RMACK {k} 0").expect("stdout");
+                out.flush().expect("flush");
+            }
+            continue;
+        }
         writeln!(out, "TRY {k} {version}").expect("stdout");
         out.flush().expect("flush");
         let value = value_for(&key(k), version, VALUE_BYTES);
@@ -65,12 +76,22 @@ fn crash_child() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
+/// What was last acknowledged for a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Acked {
+    /// A put of this version, durable.
+    Version(u64),
+    /// A remove (or a restart that found the key absent).
+    Removed,
+}
+
 #[derive(Default, Clone)]
 struct KeyState {
-    /// Latest version acknowledged durable.
-    acked: Option<u64>,
+    acked: Option<Acked>,
     /// Versions attempted after it (they may or may not have reached the disk).
     tried_after: Vec<u64>,
+    /// A remove attempted after it and not acknowledged (it may or may not have happened).
+    remove_tried: bool,
 }
 
 #[test]
@@ -83,6 +104,7 @@ fn crash_rounds() {
     let mut keys: HashMap<u64, KeyState> = HashMap::new();
     let mut checked = 0u64;
     let mut acks_total = 0u64;
+    let mut removes_total = 0u64;
     for round in 0..rounds {
         let mut child = Command::new(&exe)
             .args(["--exact", "crash_child", "--ignored", "--nocapture", "--test-threads=1"])
@@ -112,6 +134,18 @@ fn crash_rounds() {
             }
         }
         std::thread::sleep(Duration::from_millis(rng.random_range(5..250)));
+        if round % 2 == 1 {
+            // Every other round dies right after a remove was acknowledged: its tombstone must
+            // be durable by then.
+            let until = Instant::now() + Duration::from_secs(2);
+            while let Ok(line) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                let acked_remove = line.starts_with("RMACK");
+                lines.push(line);
+                if acked_remove {
+                    break;
+                }
+            }
+        }
         child.kill().expect("SIGKILL");
         child.wait().expect("reap child");
         reader.join().expect("reader");
@@ -124,9 +158,17 @@ fn crash_rounds() {
             match kind {
                 "TRY" => state.tried_after.push(v),
                 "ACK" => {
-                    state.acked = Some(v);
+                    state.acked = Some(Acked::Version(v));
                     state.tried_after.clear();
+                    state.remove_tried = false;
                     acks_total += 1;
+                }
+                "RMTRY" => state.remove_tried = true,
+                "RMACK" => {
+                    state.acked = Some(Acked::Removed);
+                    state.tried_after.clear();
+                    state.remove_tried = false;
+                    removes_total += 1;
                 }
                 _ => {}
             }
@@ -135,29 +177,52 @@ fn crash_rounds() {
         let store = open(&dir);
         for (&k, state) in &keys {
             let Some(acked) = state.acked else { continue };
-            let bytes = store
-                .get(&key(k))
-                .unwrap_or_else(|e| panic!("round {round}: durable key {k} v{acked} lost after SIGKILL: {e}"));
-            let ok = std::iter::once(acked)
-                .chain(state.tried_after.iter().copied())
-                .any(|v| bytes == value_for(&key(k), v, VALUE_BYTES));
-            assert!(ok, "round {round}: key {k} read back bytes of no acknowledged or attempted version");
+            let version = match acked {
+                Acked::Version(v) => Some(v),
+                Acked::Removed => None,
+            };
+            let allowed = || version.into_iter().chain(state.tried_after.iter().copied());
+            match store.get(&key(k)) {
+                Ok(bytes) => {
+                    let ok = allowed().any(|v| bytes == value_for(&key(k), v, VALUE_BYTES));
+                    assert!(
+                        ok,
+                        "round {round}: key {k} ({acked:?}) read back bytes of no acknowledged or attempted version"
+                    );
+                }
+                Err(kvtide::Error::NotFound) => assert!(
+                    version.is_none() || state.remove_tried,
+                    "round {round}: durable key {k} {acked:?} lost after SIGKILL"
+                ),
+                Err(e) => panic!("round {round}: key {k} ({acked:?}) unreadable after SIGKILL: {e}"),
+            }
             checked += 1;
         }
         // What came back is now the state to build on: later rounds may overwrite it.
         for (&k, state) in keys.iter_mut() {
-            if let Ok(bytes) = store.get(&key(k)) {
-                let all = state.acked.into_iter().chain(state.tried_after.iter().copied());
-                if let Some(v) = all.into_iter().find(|&v| bytes == value_for(&key(k), v, VALUE_BYTES)) {
-                    state.acked = Some(v);
-                    state.tried_after.clear();
+            let version = match state.acked {
+                Some(Acked::Version(v)) => Some(v),
+                _ => None,
+            };
+            match store.get(&key(k)) {
+                Ok(bytes) => {
+                    let all = version.into_iter().chain(state.tried_after.iter().copied());
+                    if let Some(v) = all.into_iter().find(|&v| bytes == value_for(&key(k), v, VALUE_BYTES)) {
+                        state.acked = Some(Acked::Version(v));
+                    }
                 }
+                Err(_) if state.acked.is_some() || !state.tried_after.is_empty() => state.acked = Some(Acked::Removed),
+                Err(_) => {}
             }
+            state.tried_after.clear();
+            state.remove_tried = false;
         }
         assert_eq!(store.stats().total.segments_reclaimed, 0, "the tier must not fill in this test");
         drop(store);
     }
-    println!("{rounds} SIGKILL rounds: {acks_total} durable puts acknowledged, {checked} reads checked after restart");
-    assert!(acks_total > 0, "the child must get some puts acknowledged");
+    println!(
+        "{rounds} SIGKILL rounds: {acks_total} durable puts and {removes_total} removes acknowledged, {checked} reads checked after restart"
+    );
+    assert!(acks_total > 0 && removes_total > 0, "the child must get some puts and removes acknowledged");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -792,10 +792,27 @@ impl ShardCore {
         Ok(ReadGrant { lease, ptr, len, landing: None })
     }
 
+    /// Removes `key` and answers through `done`: at once, or with write-through once the
+    /// tombstone that keeps it removed across a crash is durable (`Error::Io` if it never will
+    /// be: the key is gone here but may come back after a restart).
+    pub fn remove_then(&mut self, key: &[u8], force: bool, done: Done<Result<()>>) {
+        match self.remove_object(key, force) {
+            Ok(Some(tombstone)) if self.write_through() => self.await_tombstone(tombstone, done),
+            Ok(_) => done(Ok(())),
+            Err(e) => done(Err(e)),
+        }
+    }
+
+    /// Removes `key` without waiting for its tombstone (see `remove_object`).
+    #[cfg(test)]
+    pub fn remove(&mut self, key: &[u8], force: bool) -> Result<()> {
+        self.remove_object(key, force).map(|_| ())
+    }
+
     /// Removes `key`. A leased or pinned object is refused unless `force`; forced, its readers
     /// keep their bytes until they release them. With an SSD tier, a tombstone keeps it removed
-    /// across restarts.
-    pub fn remove(&mut self, key: &[u8], force: bool) -> Result<()> {
+    /// across restarts: returns its sequence number when one was queued.
+    fn remove_object(&mut self, key: &[u8], force: bool) -> Result<Option<u64>> {
         let Some(id) = self.find(key) else {
             return Err(Error::NotFound);
         };
@@ -812,11 +829,9 @@ impl ShardCore {
             self.tombstone_room()?;
         }
         self.unlink(id);
-        if on_ssd {
-            self.queue_tombstone(key);
-        }
+        let tombstone = on_ssd.then(|| self.queue_tombstone(key));
         self.counters.removes.fetch_add(1, RELAXED);
-        Ok(())
+        Ok(tombstone)
     }
 
     /// Pins `key`: it is not evicted until unpinned as often as pinned.

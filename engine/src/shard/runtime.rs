@@ -576,7 +576,7 @@ pub(super) fn serve(core: &mut ShardCore, request: Request) -> Option<Box<dyn Sh
             let _ = reply.send(found);
         }
         Request::Remove { key, force, reply } => {
-            let _ = reply.send(core.remove(&key, force));
+            core.remove_then(&key, force, Box::new(move |result| drop(reply.send(result))));
         }
         Request::Pin { key, reply } => {
             let _ = reply.send(core.pin(&key));

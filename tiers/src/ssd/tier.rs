@@ -31,7 +31,8 @@
 //!   [`TierEvent::Durability`] lists the waits that are now durable and those whose segment broke
 //!   before them (never durable).
 //! - [`SsdTier::queue_tombstone`] queues a tombstone (bounded: `Busy` past
-//!   `max_pending_tombstones`); [`SsdTier::pump_tombstones`] writes queued ones, a failed or
+//!   `max_pending_tombstones`); [`TierEvent::Tombstones`] names, by sequence number, those that
+//!   became durable and those given up on; [`SsdTier::pump_tombstones`] writes queued ones, a failed or
 //!   un-durable one goes back to the queue (a bounded number of tries).
 //! - [`SsdTier::queue_syncs`] is group commit; [`SsdTier::invalidate_stale_headers`] zeroes freed
 //!   segments' headers.
@@ -160,6 +161,9 @@ pub enum TierEvent {
     /// Waits (`await_durable` tags) the durable prefix now covers, and those it never will (a
     /// write or sync before them failed).
     Durability { durable: Vec<u64>, lost: Vec<u64> },
+    /// Tombstones (by the sequence number they were queued with) that are durable now, and
+    /// those that will never be written (their keys may come back after a restart).
+    Tombstones { durable: Vec<u64>, skipped: Vec<u64> },
     /// The caller memory lent for a tombstone (`pump_tombstones`) is free again.
     BufferReleased { handle: u64 },
     /// A copy through the staging buffer (`CopyRequest`) ended; the owner is no longer held.
@@ -724,10 +728,15 @@ impl SsdTier {
             waiting.into_iter().partition(|&(end, _, _)| broken_at.is_some_and(|b| end > b));
         log.waiters = waiting;
         // Durable tombstones are done; those behind a break go back to the queue.
-        log.tombstones.retain(|(end, _)| *end > prefix);
+        let (done_tombstones, left): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut log.tombstones).into_iter().partition(|(end, _)| *end <= prefix);
         let (lost_tombstones, undecided): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut log.tombstones).into_iter().partition(|(end, _)| broken_at.is_some_and(|b| *end > b));
+            left.into_iter().partition(|(end, _)| broken_at.is_some_and(|b| *end > b));
         log.tombstones = undecided;
+        if !done_tombstones.is_empty() {
+            let durable = done_tombstones.into_iter().map(|(_, t)| t.seq).collect();
+            self.events.push_back(TierEvent::Tombstones { durable, skipped: Vec::new() });
+        }
         if header_durable {
             if let Some(s) = self.segments.get_mut(segment) {
                 s.header_durable = true;
@@ -788,7 +797,7 @@ impl SsdTier {
     /// tier it cannot be written: it counts in `tombstones_skipped`.
     pub fn must_queue_tombstone(&mut self, key: &[u8], seq: u64) {
         if self.failed {
-            self.skip_tombstones(1);
+            self.skip_tombstones(vec![seq]);
             return;
         }
         self.tombstones.push_back(PendingTombstone { key: key.into(), seq, tries: 0 });
@@ -805,19 +814,23 @@ impl SsdTier {
         Ok(())
     }
 
-    /// Tombstones that will never be written: their keys may come back after a restart.
-    fn skip_tombstones(&mut self, count: usize) {
-        if count > 0 {
-            self.counters.tombstones_skipped += count as u64;
-            tracing::error!(count, "tombstones could not be written; their keys may come back after a restart");
+    /// Tombstones that will never be written (by sequence number): their keys may come back
+    /// after a restart.
+    fn skip_tombstones(&mut self, seqs: Vec<u64>) {
+        if !seqs.is_empty() {
+            self.counters.tombstones_skipped += seqs.len() as u64;
+            tracing::error!(
+                count = seqs.len(),
+                "tombstones could not be written; their keys may come back after a restart"
+            );
+            self.events.push_back(TierEvent::Tombstones { durable: Vec::new(), skipped: seqs });
         }
     }
 
     /// The tier takes no more writes: the tombstones still queued can never be written.
     fn fail(&mut self) {
         self.failed = true;
-        let queued = self.tombstones.len();
-        self.tombstones.clear();
+        let queued = self.tombstones.drain(..).map(|t| t.seq).collect();
         self.skip_tombstones(queued);
     }
 
@@ -858,8 +871,7 @@ impl SsdTier {
             let Some(ptr) = ptr.filter(|_| encoded) else {
                 self.release_tombstone_buffer(buffer);
                 self.abandon(location);
-                self.counters.tombstones_skipped += 1;
-                tracing::error!("a tombstone could not be encoded; its key may come back after a restart");
+                self.skip_tombstones(vec![pending.seq]);
                 continue;
             };
             self.begin_write(location);
@@ -888,7 +900,7 @@ impl SsdTier {
         if pending.tries < WRITE_TRIES && !self.failed {
             self.tombstones.push_front(pending);
         } else {
-            self.skip_tombstones(1);
+            self.skip_tombstones(vec![pending.seq]);
         }
     }
 

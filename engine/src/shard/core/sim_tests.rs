@@ -763,6 +763,44 @@ fn removes_past_the_tombstone_bound_are_refused_and_remove_nothing() {
 }
 
 #[test]
+fn a_write_through_remove_answers_once_its_tombstone_is_durable() {
+    let arena = Arena::new(2 << 20, 1).expect("arena");
+    let mut disk = SimDisk::new(4, SEGMENT_BYTES, 13, SimFaults::default());
+    let mut core = new_core(&arena, 4, true, true);
+    core.recover(&mut disk).expect("recover");
+    for i in 0..3u32 {
+        put(&mut core, &mut disk, format!("k{i}").as_bytes(), &value(i, 1, 5_000)).expect("durable put");
+    }
+    let answered = Rc::new(RefCell::new(Vec::new()));
+    for key in [&b"k0"[..], b"k1", b"missing"] {
+        let sink = Rc::clone(&answered);
+        core.remove_then(key, false, Box::new(move |r| sink.borrow_mut().push(r)));
+    }
+    // Gone at once for readers; a missing key is answered at once; the two removes wait.
+    assert_eq!(get(&mut core, &mut disk, b"k0"), Err(Error::NotFound));
+    assert_eq!(*answered.borrow(), vec![Err(Error::NotFound)]);
+    assert!(!core.is_quiet(), "the removes wait for their tombstones");
+    pump(&mut core, &mut disk);
+    assert_eq!(*answered.borrow(), vec![Err(Error::NotFound), Ok(()), Ok(())]);
+    assert!(core.is_quiet());
+    // A crash right after the answers: the durable image keeps both removed.
+    disk.crash();
+    drop(core);
+    let mut core = new_core(&arena, 4, true, true);
+    core.recover(&mut disk).expect("recover");
+    assert_eq!(get(&mut core, &mut disk, b"k0"), Err(Error::NotFound), "k0 came back");
+    assert_eq!(get(&mut core, &mut disk, b"k1"), Err(Error::NotFound), "k1 came back");
+    assert_eq!(get(&mut core, &mut disk, b"k2").expect("k2 kept"), value(2, 1, 5_000));
+    // Without write-through the answer comes at once (and a crash may undo the remove).
+    let mut core = new_core(&arena, 4, false, true);
+    core.recover(&mut disk).expect("recover");
+    let sink = Rc::clone(&answered);
+    core.remove_then(b"k2", false, Box::new(move |r| sink.borrow_mut().push(r)));
+    assert_eq!(answered.borrow().len(), 4, "answered before any disk work");
+    assert_eq!(answered.borrow()[3], Ok(()));
+}
+
+#[test]
 fn a_shutdown_past_its_deadline_still_writes_queued_tombstones() {
     let arena = Arena::new(2 << 20, 1).expect("arena");
     let mut disk = SimDisk::new(4, SEGMENT_BYTES, 9, SimFaults::default());

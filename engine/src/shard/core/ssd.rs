@@ -27,7 +27,7 @@ use slab::Slab;
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use super::{LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, RELAXED};
+use super::{Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, RELAXED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
 
@@ -142,6 +142,9 @@ pub(crate) struct SsdState {
     ops: Slab<CoreOp>,
     /// Write-through commits waiting for durability, by the tier's wait tag.
     durable_waiters: Slab<DurableWaiter>,
+    /// Write-through removes waiting for their tombstones to be durable, by the tombstone's
+    /// sequence number (bounded by the tier's queue of tombstones: a remove past it is refused).
+    tombstone_waiters: std::collections::HashMap<u64, Done<Result<()>>>,
     /// DRAM lent to the tier for tombstones of keys longer than one block, by handle.
     borrowed: Slab<Allocation>,
     /// The tier's scratch blocks (one header block per segment, a zero block, the tombstone
@@ -217,6 +220,7 @@ impl SsdState {
             tier,
             ops: Slab::new(),
             durable_waiters: Slab::new(),
+            tombstone_waiters: std::collections::HashMap::new(),
             borrowed: Slab::new(),
             scratch,
             borrowed_bytes: 0,
@@ -257,7 +261,7 @@ impl SsdState {
 
     #[cfg(test)]
     pub(crate) fn is_quiet(&self) -> bool {
-        self.tier.is_quiet() && self.ops.is_empty()
+        self.tier.is_quiet() && self.ops.is_empty() && self.tombstone_waiters.is_empty()
     }
 
     /// A free segment exists that an append cannot open yet (its old header is being zeroed).
@@ -394,6 +398,7 @@ impl ShardCore {
                         landing.advance(value_offset, value_bytes);
                     }
                 }
+                TierEvent::Tombstones { durable, skipped } => self.on_tombstones(&durable, &skipped),
                 TierEvent::BufferReleased { handle } => self.release_borrowed(handle as usize),
                 TierEvent::CopyFinished { owner, src, written_bytes, outcome } => {
                     self.on_copy_finished(owner, src, written_bytes, outcome);
@@ -788,13 +793,15 @@ impl ShardCore {
     /// Records that the SSD copy of `key` (if any) no longer counts: recovery keeps the key
     /// removed, or lets a newer put win. The tombstone takes its sequence number now, is queued
     /// and written as soon as a block and a place are free; it is never dropped.
-    pub(super) fn queue_tombstone(&mut self, key: &[u8]) {
+    /// Queues a tombstone for `key`; returns its sequence number.
+    pub(super) fn queue_tombstone(&mut self, key: &[u8]) -> u64 {
         let seq = self.bump_seq();
-        let Some(ssd) = self.ssd.as_mut() else { return };
+        let Some(ssd) = self.ssd.as_mut() else { return seq };
         // Callers checked `tombstone_room` before removing anything; an unacknowledged put is
         // gone already, so its tombstone is queued even past the bound.
         ssd.tier.must_queue_tombstone(key, seq);
         self.publish_tier_counters();
+        seq
     }
 
     /// What a record of object `id` must say of itself for a read of it to be accepted.
@@ -1024,6 +1031,34 @@ impl ShardCore {
         let Some(ssd) = self.ssd.as_mut() else { return };
         ssd.tier.abandon(location);
         self.drain_tier_events();
+    }
+
+    /// Answers a write-through remove once its tombstone is durable (`remove_then`).
+    pub(super) fn await_tombstone(&mut self, seq: u64, done: Done<Result<()>>) {
+        match self.ssd.as_mut() {
+            Some(ssd) => {
+                ssd.tombstone_waiters.insert(seq, done);
+            }
+            None => done(Ok(())),
+        }
+    }
+
+    /// Answers the removes whose tombstones are durable now, and fails those whose tombstones
+    /// will never be written (the key is gone here, but may come back after a restart).
+    fn on_tombstones(&mut self, durable: &[u64], skipped: &[u64]) {
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        for seq in durable {
+            if let Some(done) = ssd.tombstone_waiters.remove(seq) {
+                done(Ok(()));
+            }
+        }
+        for seq in skipped {
+            if let Some(done) = ssd.tombstone_waiters.remove(seq) {
+                done(Err(Error::Io(
+                    "the remove's tombstone could not be made durable: the key may come back after a restart".into(),
+                )));
+            }
+        }
     }
 
     /// Acknowledges the write-through commits the durable prefix now covers, and fails those
