@@ -47,12 +47,12 @@ const LEASE_MARGIN: Duration = Duration::from_millis(500);
 /// First allocation for `get` over a stream (grown as bytes arrive, so a lying length cannot
 /// make the client allocate more than it received).
 const GET_INITIAL_ALLOC: u64 = 64 << 20;
-/// Host reads of at most `STREAM_READ_BYTES` plus `STREAM_READ_BYTES_PER_KEY` per key come
-/// through the socket even when the arena is mapped: leasing through the owner's shards and
-/// releasing afterwards costs more than copying that few bytes twice (docs/benchmarks.md,
-/// "Small reads over the Unix socket").
-const STREAM_READ_BYTES: u64 = 16 << 10;
-const STREAM_READ_BYTES_PER_KEY: u64 = 768;
+/// A read of one key into a host buffer of at most this many bytes comes through the socket
+/// even when the arena is mapped: leasing through the owner's shard and releasing afterwards
+/// costs more than copying that few bytes twice (docs/benchmarks.md, "Small reads over the Unix
+/// socket"). Batches keep the arena: the owner streams a batch key after key, so SSD-resident
+/// keys would load one at a time instead of in its restore pipeline.
+const STREAM_READ_BYTES: u64 = 8 << 10;
 
 /// How a `RemoteStore` connects and behaves.
 #[derive(Clone, Debug)]
@@ -662,23 +662,16 @@ impl Inner {
     }
 }
 
-/// Whether a read goes through the socket although the arena is mapped: every target is host
-/// memory of a known size and all of them together hold at most `STREAM_READ_BYTES` plus
-/// `STREAM_READ_BYTES_PER_KEY` per key. (A `get` of unknown size keeps the one-copy path.)
+/// Whether a read goes through the socket although the arena is mapped: one key, into host
+/// memory of a known size of at most `STREAM_READ_BYTES`. (A `get` of unknown size keeps the
+/// one-copy path.)
 fn streams_small_reads(batch: &[(&[u8], LenCheck, Target<'_>)]) -> bool {
-    let mut bytes = 0u64;
-    for (_, check, target) in batch {
-        let most = match check {
-            LenCheck::AtMost(n) | LenCheck::Exactly(n) => *n,
-            LenCheck::Any => return false,
-        };
-        if matches!(target, Target::Regions(regions) if gpu::names_device(regions)) {
-            return false;
-        }
-        bytes = bytes.saturating_add(most);
-    }
-    let keys = batch.len() as u64;
-    bytes <= STREAM_READ_BYTES.saturating_add(keys.saturating_mul(STREAM_READ_BYTES_PER_KEY))
+    let [(_, check, target)] = batch else { return false };
+    let most = match check {
+        LenCheck::AtMost(n) | LenCheck::Exactly(n) => *n,
+        LenCheck::Any => return false,
+    };
+    most <= STREAM_READ_BYTES && !matches!(target, Target::Regions(regions) if gpu::names_device(regions))
 }
 
 /// Splits items (by key length) into runs that fit one request: at most `max_items`, and a
@@ -786,8 +779,8 @@ impl Conn {
         }
     }
 
-    /// One `Get` request: leases through shared memory when mapped (unless the read is small:
-    /// `streams_small_reads`), else a stream.
+    /// One `Get` request: leases through shared memory when mapped (unless it is one small
+    /// read: `streams_small_reads`), else a stream.
     fn get_batch(
         &mut self,
         rid: u64,

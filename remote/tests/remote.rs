@@ -337,9 +337,9 @@ fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
     }
 }
 
-/// Over a Unix socket with the arena mapped, reads into small host buffers come through the
-/// socket (no lease), larger ones and `get` (whose size the client cannot know) through the
-/// arena; the bytes and the per-key errors are the same either way.
+/// Over a Unix socket with the arena mapped, a read of one key into a small host buffer comes
+/// through the socket (no lease); larger ones, batches and `get` (whose size the client cannot
+/// know) through the arena; the bytes and the per-key errors are the same either way.
 #[test]
 fn small_reads_stream_through_the_socket_even_with_the_arena_mapped() {
     let dir = temp_dir("small-reads");
@@ -353,8 +353,8 @@ fn small_reads_stream_through_the_socket_even_with_the_arena_mapped() {
     }
     store.put(b"big", &value_for(b"big", 1, 200_000), PutOptions::default()).expect("put big");
 
-    // One key: a 4 KiB buffer streams; too small a buffer fails the same way as the lease path.
-    let mut buf = vec![0u8; 4096];
+    // One key into an 8 KiB buffer streams; too small a buffer and a missing key fail as ever.
+    let mut buf = vec![0u8; 8 << 10];
     let n = store.get_into(&keys[3], Region::host(&mut buf)).expect("small get_into");
     assert_eq!(&buf[..n], &value_for(&keys[3], 1, 103)[..]);
     let mut tiny = vec![0u8; 10];
@@ -363,7 +363,13 @@ fn small_reads_stream_through_the_socket_even_with_the_arena_mapped() {
         Err(Error::Store(StoreError::BufferTooSmall { .. }))
     ));
     assert!(matches!(store.get_into(b"missing", Region::host(&mut buf)), Err(Error::Store(StoreError::NotFound))));
-    // A batch of 40 exact-size buffers (under 16 KiB + 768 B a key): one stream, per-key results.
+    let mut exact = vec![0u8; 104];
+    let one = store.batch_get_into_multi_buffers(&[&keys[4][..]], &[vec![Region::host(&mut exact)]]);
+    assert_eq!(*one[0].as_ref().expect("a batch of one small key"), 104);
+    assert_eq!(exact, value_for(&keys[4], 1, 104));
+    assert_eq!(granted(), 0, "the small reads leased nothing through the arena");
+
+    // A batch leases through the arena, with the same per-key results.
     let mut outs: Vec<Vec<u8>> = (0..keys.len()).map(|i| vec![0u8; 100 + i]).collect();
     outs[5] = vec![0u8; 7]; // the wrong size fails that key alone
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
@@ -379,15 +385,15 @@ fn small_reads_stream_through_the_socket_even_with_the_arena_mapped() {
     for (i, out) in outs.iter().enumerate().filter(|(i, _)| *i != 5) {
         assert_eq!(out, &value_for(&keys[i], 1, 100 + i), "key {i}");
     }
-    assert_eq!(granted(), 0, "the small reads leased nothing through the arena");
+    assert_eq!(granted(), 39, "the batch leased every key that fit");
 
-    // Large buffers and `get` read through the arena.
+    // A large buffer and `get` read through the arena.
     let mut large = vec![0u8; 200_000];
     assert_eq!(store.get_into(b"big", Region::host(&mut large)).expect("big"), 200_000);
     assert_eq!(large, value_for(b"big", 1, 200_000));
-    assert_eq!(granted(), 1);
+    assert_eq!(granted(), 40);
     assert_eq!(store.get(&keys[0]).expect("get"), value_for(&keys[0], 1, 100));
-    assert_eq!(granted(), 2, "a get of unknown size leases");
+    assert_eq!(granted(), 41, "a get of unknown size leases");
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }
