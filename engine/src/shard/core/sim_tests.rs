@@ -801,6 +801,30 @@ fn a_write_through_remove_answers_once_its_tombstone_is_durable() {
 }
 
 #[test]
+fn a_write_through_remove_whose_tombstone_cannot_be_written_is_answered_with_io() {
+    let arena = Arena::new(2 << 20, 1).expect("arena");
+    let mut disk = SimDisk::new(4, SEGMENT_BYTES, 17, SimFaults::default());
+    let mut core = new_core(&arena, 4, true, true);
+    core.recover(&mut disk).expect("recover");
+    put(&mut core, &mut disk, b"k0", &value(0, 1, 5_000)).expect("durable put");
+    // From now on every write and sync fails: the tombstone is tried, given up on, and said so.
+    disk.set_faults(SimFaults { write_eio_ppm: 1_000_000, sync_eio_ppm: 1_000_000, ..SimFaults::default() });
+    let answered = Rc::new(RefCell::new(Vec::new()));
+    let sink = Rc::clone(&answered);
+    core.remove_then(b"k0", false, Box::new(move |r| sink.borrow_mut().push(r)));
+    for _ in 0..100 {
+        if !answered.borrow().is_empty() {
+            break;
+        }
+        pump(&mut core, &mut disk);
+    }
+    assert!(matches!(answered.borrow().as_slice(), [Err(Error::Io(_))]), "{:?}", answered.borrow());
+    assert_eq!(get(&mut core, &mut disk, b"k0"), Err(Error::NotFound), "gone here all the same");
+    assert!(core.counters.tombstones_skipped.load(RELAXED) >= 1);
+    assert!(core.is_quiet(), "no remove left waiting");
+}
+
+#[test]
 fn a_shutdown_past_its_deadline_still_writes_queued_tombstones() {
     let arena = Arena::new(2 << 20, 1).expect("arena");
     let mut disk = SimDisk::new(4, SEGMENT_BYTES, 9, SimFaults::default());
