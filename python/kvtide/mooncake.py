@@ -181,11 +181,10 @@ class MooncakeDistributedStore:
         if any(a is None for a in required):
             raise TypeError("setup() takes local_hostname, metadata_server, global_segment_size, local_buffer_size, "
                             "protocol, rdma_devices and master_server_addr, or one config dict")
-        if isinstance(global_segment_size, str):
-            global_segment_size = kvtide_parse_size(global_segment_size)
-            if global_segment_size is None:
-                return INVALID_PARAMS
-        return self._setup(local_hostname, int(global_segment_size), master_server_addr, bool(enable_ssd_offload),
+        segment_bytes = _size_argument(global_segment_size)
+        if segment_bytes is None:
+            return INVALID_PARAMS
+        return self._setup(local_hostname, segment_bytes, master_server_addr, bool(enable_ssd_offload),
                            ssd_offload_path)
 
     def _setup(self, hostname, segment_bytes, address, ssd, ssd_path):
@@ -212,13 +211,19 @@ class MooncakeDistributedStore:
     def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
         """Mooncake's client of a separate store process: here, a kvtide owner at
         ``server_address``."""
-        return self._setup("dummy", int(mem_pool_size), server_address, False, "")
+        pool_bytes = _size_argument(mem_pool_size)
+        if pool_bytes is None:
+            return INVALID_PARAMS
+        return self._setup("dummy", pool_bytes, server_address, False, "")
 
     def init_all(self, protocol, device_name, mount_segment_size):
         """Mooncake's legacy helper: INVALID_PARAMS once set up, as Mooncake's."""
         if self._store is not None:
             return INVALID_PARAMS
-        return self._setup("localhost:12345", int(mount_segment_size), "embedded", False, "")
+        segment_bytes = _size_argument(mount_segment_size)
+        if segment_bytes is None:
+            return INVALID_PARAMS
+        return self._setup("localhost:12345", segment_bytes, "embedded", False, "")
 
     def close(self):
         """Closes the store (an embedded one shuts down cleanly). Idempotent; returns 0."""
@@ -602,6 +607,14 @@ class MooncakeDistributedStore:
         if not (len(keys) == len(buffer_ptrs) == len(sizes)):
             return [INVALID_PARAMS] * len(keys)
         return [self.get_tensor_into(k, p, s) for k, p, s in zip(keys, buffer_ptrs, sizes)]
+
+
+def _size_argument(value):
+    """A size given as a number or as text ('16MB'): its bytes, or None when text does not
+    read as one. Other types raise TypeError, as Mooncake's bindings do."""
+    if isinstance(value, str):
+        return kvtide_parse_size(value)
+    return int(value)
 
 
 def kvtide_parse_size(text):

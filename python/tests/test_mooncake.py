@@ -195,6 +195,8 @@ def test_lifecycle_and_not_set_up():
     bad_size = {"local_hostname": "h", "metadata_server": "x", "global_segment_size": "lots"}
     assert s.setup(bad_size) == INVALID_PARAMS, "an unreadable size is a bad argument, not an exception"
     assert s.setup("h", "meta", "lots", 16 << 20, "tcp", "", "embedded") == INVALID_PARAMS
+    assert s.setup_dummy("lots", 16 << 20, "embedded") == INVALID_PARAMS
+    assert s.init_all("tcp", "", "lots") == INVALID_PARAMS
     assert s.setup("h", "meta", 16 << 20, 16 << 20, "tcp", "", "unix:/nonexistent/kvtide.sock") == mooncake.RPC_FAIL
 
 
