@@ -429,8 +429,28 @@ class MooncakeDistributedStore:
                 where.append(i)
             if where:
                 for i, r in zip(where, self._store.batch_get_into_multi_buffers([keys[i] for i in where], again)):
-                    results[i] = r
+                    # Resized again between the reads (an upsert in between): read it whole, once.
+                    results[i] = self._scatter_whole(keys[i], lists[i], r) if isinstance(r, kvtide.SizeMismatch) else r
         return _ints(results)
+
+    def _scatter_whole(self, key, buffers, mismatch):
+        """The object read whole (``get`` is atomic) and copied in order across ``buffers``:
+        its size, the read's error, or ``mismatch`` when it does not fit."""
+        try:
+            data = self._store.get(key)
+        except kvtide.KvtideError as e:
+            return e
+        if len(data) > sum(n for _, n in buffers):
+            return mismatch
+        base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+        at = 0
+        for ptr, n in buffers:
+            take = min(n, len(data) - at)
+            if take <= 0:
+                break
+            ctypes.memmove(ptr, base + at, take)
+            at += take
+        return len(data)
 
     def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
         """Per buffer, the fragments (key, dst offset, src offset, size) of it: one int per

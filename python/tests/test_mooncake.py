@@ -3,6 +3,8 @@ return codes instead of exceptions, embedded and through an owner."""
 
 import ctypes
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,6 +178,39 @@ def test_removes_by_pattern_page_through_the_keys(mc, k, monkeypatch):
         assert mc.put(k(f"paged/{i}"), b"v") == 0
     assert mc.remove_by_regex("^" + re.escape(k("paged/")) + "[0-4]$") == 5
     assert [mc.is_exist(k(f"paged/{i}")) for i in range(7)] == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_batch_reads_into_larger_buffers_under_size_changing_upserts(mc, k):
+    """Buffers larger than every version while another thread upserts other sizes: each read
+    returns one whole version, never an error for a size the caller did not pass."""
+    key = k("resized")
+    versions = [b"a" * 3000, b"b" * 5000]
+    assert mc.upsert(key, versions[0]) == 0
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            mc.upsert(key, versions[i % 2])
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        out, ptr = buf(10000)
+        half = 6000
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            [n] = mc.batch_get_into([key], [ptr], [10000])
+            assert n in (3000, 5000), n
+            assert out[:n].tobytes() in versions
+            [m] = mc.batch_get_into_multi_buffers([key], [[ptr, ptr + half]], [[half, 10000 - half]])
+            assert m in (3000, 5000), m
+            assert out[:m].tobytes() in versions
+    finally:
+        stop.set()
+        t.join()
+    assert mc.remove(key) == 0
 
 
 def test_lifecycle_and_not_set_up():
