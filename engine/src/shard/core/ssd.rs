@@ -791,9 +791,9 @@ impl ShardCore {
     }
 
     /// Records that the SSD copy of `key` (if any) no longer counts: recovery keeps the key
-    /// removed, or lets a newer put win. The tombstone takes its sequence number now, is queued
-    /// and written as soon as a block and a place are free; it is never dropped.
-    /// Queues a tombstone for `key`; returns its sequence number.
+    /// removed, or lets a newer put win. The tombstone takes its sequence number now (returned:
+    /// `TierEvent::Tombstones` names it once durable or given up on), is queued and written as
+    /// soon as a block and a place are free; only a disk failing every write drops it.
     pub(super) fn queue_tombstone(&mut self, key: &[u8]) -> u64 {
         let seq = self.bump_seq();
         let Some(ssd) = self.ssd.as_mut() else { return seq };
