@@ -139,16 +139,24 @@ impl Engine {
     /// but the shard cannot take such a lease back, so the object stays (unevictable) until the
     /// lease drops, and such leases do not count against the shard's `max_leases`.
     pub fn lease_progressive(&self, key: &[u8], ttl_ms: u64) -> Result<ObjectLease> {
-        self.validate_key(key)?;
-        match self.lease_published(key) {
-            Some(Ok((grant, lease))) => {
-                let (shard, lease) = lease.into_raw();
-                let holder = LeaseHolder::Published(Arc::clone(&self.shards[shard].published), lease);
-                Ok(self.object_lease(grant, Instant::now() + Duration::from_millis(ttl_ms), holder))
-            }
-            Some(Err(e)) => Err(e),
+        match self.lease_resident(key, ttl_ms) {
+            Some(leased) => leased,
             None => self.lease_with(key, ttl_ms, true),
         }
+    }
+
+    /// The first half of `lease_progressive`: a DRAM-resident `key` leased through its shard's
+    /// published index (a missing or invalid one answered), without a message; None when only
+    /// the shard can answer (the object is on SSD only, loading or changing).
+    pub fn lease_resident(&self, key: &[u8], ttl_ms: u64) -> Option<Result<ObjectLease>> {
+        if let Err(e) = self.validate_key(key) {
+            return Some(Err(e));
+        }
+        Some(self.lease_published(key)?.map(|(grant, lease)| {
+            let (shard, lease) = lease.into_raw();
+            let holder = LeaseHolder::Published(Arc::clone(&self.shards[shard].published), lease);
+            self.object_lease(grant, Instant::now() + Duration::from_millis(ttl_ms), holder)
+        }))
     }
 
     /// A shard lease of a valid `key` (`early`: granted as its load starts).
@@ -189,6 +197,19 @@ impl Engine {
     /// shard load at the same time (each shard within its restore budget) instead of one after
     /// another. One result per key, in order; a bad key fails only itself.
     pub fn lease_batch(&self, keys: &[&[u8]], ttl_ms: u64) -> Vec<Result<ObjectLease>> {
+        self.lease_batch_with(keys, ttl_ms, false)
+    }
+
+    /// `lease_batch` for a caller that sends the bytes on in order (see `lease_progressive`):
+    /// each SSD-resident object is leased as soon as its load starts, so the loads of a whole
+    /// batch run side by side while the caller sends the first objects. Every lease is a shard
+    /// lease (it counts against the shard's `max_leases`).
+    pub fn lease_batch_progressive(&self, keys: &[&[u8]], ttl_ms: u64) -> Vec<Result<ObjectLease>> {
+        self.lease_batch_with(keys, ttl_ms, true)
+    }
+
+    /// `lease_batch`; `early`: granted as their loads start.
+    fn lease_batch_with(&self, keys: &[&[u8]], ttl_ms: u64, early: bool) -> Vec<Result<ObjectLease>> {
         let ttl = Duration::from_millis(ttl_ms);
         let mut out: Vec<Result<ObjectLease>> =
             keys.iter().map(|_| Err(Error::Internal("lease never answered"))).collect();
@@ -202,7 +223,7 @@ impl Engine {
         let fanout = self.fan_out(valid, |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             ttl: Some(ttl + LEASE_EXPIRY_GRACE),
-            early: false,
+            early,
             reply,
         });
         let expires_at = Instant::now() + ttl;

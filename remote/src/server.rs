@@ -1504,35 +1504,104 @@ impl Connection<'_> {
     }
 
     /// `Get` in stream mode: per key an `Object` and its bytes in `Data` frames, or an `Error`.
+    /// DRAM-resident keys go out first, in request order, each leased without a message as it
+    /// is sent; the rest are leased in the engine's restore parts (`lease_parts`), each part in
+    /// one request per shard so its loads run side by side, and the next part's loads start
+    /// while this part is sent (two parts held at most, as `GetParts` holds them).
     fn stream_get(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<()> {
         let engine = Arc::clone(&self.shared.engine);
+        let ttl_ms = u64::from(self.config().lease_ttl_ms);
+        let mut loading = Vec::new();
         for (index, item) in items.iter().enumerate() {
-            let index = index as u32;
             let leased_at = Instant::now();
-            // Sent in order: an SSD-resident object's frames go out as its load's checked
-            // front passes them.
-            let lease = match engine.lease_progressive(item.key, u64::from(self.config().lease_ttl_ms)) {
-                Ok(l) => l,
-                Err(e) => {
-                    self.push_error(Op::Error, rid, index, &e.into());
+            let leased = match engine.lease_resident(item.key, ttl_ms) {
+                Some(leased) => leased,
+                None if items.len() > 1 => {
+                    loading.push(index);
                     continue;
                 }
+                None => engine.lease_progressive(item.key, ttl_ms),
             };
-            if let Err(e) = item.check.check(lease.len()) {
-                self.push_error(Op::Error, rid, index, &e.into());
-                continue;
-            }
-            let start = self.io.begin(Op::Object, rid);
-            encode_object(self.io.out(), index, lease.len());
-            self.io.end(start);
-            self.stream_bytes(rid, index, &lease, leased_at, 0, lease.len())?;
-            // Every byte is in the write buffer or on the socket by now.
-            drop(lease);
-            if self.io.pending_out() >= FLUSH_BYTES {
-                self.io.flush()?;
-            }
+            self.send_leased(rid, index as u32, item, leased, leased_at)?;
+        }
+        if !loading.is_empty() {
+            self.stream_loading(rid, items, &loading)?;
         }
         self.io.push_frame(Op::End, rid, &[]);
+        Ok(())
+    }
+
+    /// `stream_get`'s keys that only their shards can lease (`indices` into `items`).
+    fn stream_loading(&mut self, rid: u64, items: &[GetItem<'_>], indices: &[usize]) -> WResult<()> {
+        let engine = Arc::clone(&self.shared.engine);
+        let ttl_ms = u64::from(self.config().lease_ttl_ms);
+        let keys: Vec<&[u8]> = indices.iter().map(|&i| items[i].key).collect();
+        let parts = shape_parts(engine.lease_parts(&keys), engine.shard_count());
+        // A part's leases, each with the item it answers and when it was taken. DRAM-resident
+        // (or missing) parts are not leased ahead: their keys are leased as they are sent.
+        let lease_part = |part: &kvtide::LeasePart| -> Option<Vec<LeasedItem>> {
+            if part.in_dram {
+                return None;
+            }
+            let part_keys: Vec<&[u8]> = part.keys.iter().map(|&k| keys[k]).collect();
+            let leased_at = Instant::now();
+            let leased = engine.lease_batch_progressive(&part_keys, ttl_ms);
+            Some(part.keys.iter().zip(leased).map(|(&k, l)| (indices[k], l, leased_at)).collect())
+        };
+        let mut parts = parts.iter();
+        let mut next = parts.next().map(|p| (p, lease_part(p)));
+        while let Some((part, leased)) = next.take() {
+            // The next part loads while this one is sent.
+            next = parts.next().map(|p| (p, lease_part(p)));
+            let Some(leased) = leased else {
+                for &k in &part.keys {
+                    let (index, leased_at) = (indices[k], Instant::now());
+                    let leased = engine.lease_progressive(keys[k], ttl_ms);
+                    self.send_leased(rid, index as u32, &items[index], leased, leased_at)?;
+                }
+                continue;
+            };
+            for (index, leased, leased_at) in leased {
+                // A shard out of lease slots: this key is leased again on its own.
+                let (leased, leased_at) = match leased {
+                    Err(StoreError::Busy { .. }) => {
+                        (engine.lease_progressive(items[index].key, ttl_ms), Instant::now())
+                    }
+                    other => (other, leased_at),
+                };
+                self.send_leased(rid, index as u32, &items[index], leased, leased_at)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One item of a streamed `Get`: its `Object` frame and bytes, or its `Error`. The lease is
+    /// given back once every byte is in the write buffer or on the socket.
+    fn send_leased(
+        &mut self,
+        rid: u64,
+        index: u32,
+        item: &GetItem<'_>,
+        leased: Result<ObjectLease, StoreError>,
+        leased_at: Instant,
+    ) -> WResult<()> {
+        let lease = match leased.and_then(|lease| item.check.check(lease.len()).map(|()| lease)) {
+            Ok(lease) => lease,
+            Err(e) => {
+                self.push_error(Op::Error, rid, index, &e.into());
+                return Ok(());
+            }
+        };
+        let start = self.io.begin(Op::Object, rid);
+        encode_object(self.io.out(), index, lease.len());
+        self.io.end(start);
+        // Sent in order: an SSD-resident object's frames go out as its load's checked front
+        // passes them.
+        self.stream_bytes(rid, index, &lease, leased_at, 0, lease.len())?;
+        drop(lease);
+        if self.io.pending_out() >= FLUSH_BYTES {
+            self.io.flush()?;
+        }
         Ok(())
     }
 
@@ -1940,6 +2009,9 @@ impl Drop for Permit<'_> {
         self.gauge.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
+
+/// A streamed `Get`'s item (its index), its lease or error, and when the lease was taken.
+type LeasedItem = (usize, Result<ObjectLease, StoreError>, Instant);
 
 /// DRAM-resident keys of a `GetParts` leased per part at most: the first grants reach the
 /// client (which starts copying) while the owner leases the rest.

@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use common::value_for;
 use kvtide::{Engine, Error as StoreError, Fragment, PutOptions, Region, RegionError, Store, StoreBuilder};
 use kvtide_remote::protocol::{
-    decode_error_frame, decode_statuses, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits, Op, PutHead,
-    PutItem, Request, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
+    decode_error_frame, decode_object, decode_statuses, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits,
+    Op, PutHead, PutItem, Request, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES,
+    PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
 
@@ -1808,6 +1809,43 @@ fn ssd_resident_objects_stream_through_the_owner() {
         e.put(&batch_key(i), &value_for(&batch_key(i), i, batch_len), PutOptions::INSERT).expect("put");
     }
     e.sync_shards().expect("sync");
+    // Streamed, eight of them (on SSD only: those written after them filled DRAM) are leased in
+    // the restore pipeline's parts, so several loads have started before the first object goes
+    // out (key after key, only one would have); every key is answered once, with its bytes.
+    let loads = e.stats().total.loads;
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    let first: Vec<Vec<u8>> = (8..16u64).map(batch_key).collect();
+    let items = first.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
+    raw.request(&Request::Get { lease: false, items }, 1);
+    let mut answered = vec![false; 8];
+    let mut loads_at_first_object = None;
+    let (mut current, mut got) = (None, Vec::new());
+    loop {
+        let (h, payload) = raw.recv().expect("a frame");
+        match h.op {
+            Op::Object => {
+                let (index, object_len) = decode_object(&payload).expect("object");
+                loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
+                assert_eq!(object_len, batch_len as u64);
+                assert!(!std::mem::replace(&mut answered[index as usize], true), "key {index} answered twice");
+                current = Some(8 + u64::from(index));
+                got.clear();
+            }
+            Op::Data => {
+                got.extend_from_slice(&payload);
+                let i = current.expect("data after an object");
+                if got.len() == batch_len {
+                    assert!(got == value_for(&batch_key(i), i, batch_len), "streamed bytes of {i}");
+                }
+            }
+            Op::End => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(answered.iter().all(|a| *a), "{answered:?}");
+    assert!(loads_at_first_object >= Some(2), "loads started before the first object: {loads_at_first_object:?}");
+    drop(raw);
     for count in [8u64, 48] {
         let keys: Vec<Vec<u8>> = (0..count).map(batch_key).collect();
         let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
@@ -1822,6 +1860,23 @@ fn ssd_resident_objects_stream_through_the_owner() {
         }
         assert!(e.stats().total.loads > loads, "batch of {count}: loaded from SSD");
         assert_eq!(owner.counters().leases_outstanding.load(Ordering::SeqCst), 0);
+        // The same batch streamed over TCP and the Unix socket, loaded part by part.
+        for (name, client) in &clients[1..] {
+            let mut bufs: Vec<Vec<u8>> = (0..count).map(|_| vec![0u8; batch_len]).collect();
+            let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
+            let loads = e.stats().total.loads;
+            let got = client.batch_get_into_multi_buffers(&key_refs, &dsts);
+            drop(dsts);
+            for (i, r) in got.iter().enumerate() {
+                assert_eq!(r, &Ok(batch_len), "{name}, batch of {count}: key {i}");
+                assert!(bufs[i] == value_for(&keys[i], i as u64, batch_len), "{name}, batch of {count}: bytes of {i}");
+            }
+            // Three times DRAM: loaded from SSD whatever the reads before promoted.
+            if count == 48 {
+                assert!(e.stats().total.loads > loads, "{name}, batch of {count}: loaded from SSD");
+            }
+        }
+        wait_idle(&owner);
     }
     // Ranges of every key of a batch three times the DRAM stream through in parts too.
     let mut out = vec![0u8; 48 * 100];
