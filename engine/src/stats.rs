@@ -116,6 +116,8 @@ pub struct ShardCounters {
     pub ssd_space_waits: AtomicU64,
     /// Tombstones queued, not yet written (a gauge).
     pub tombstones_pending: AtomicU64,
+    /// Write-through removes not answered yet: their tombstones are not durable (a gauge).
+    pub removes_awaiting_tombstone: AtomicU64,
     /// Reads through the published index, counted by the readers' threads (`snapshot` adds
     /// them to `published_leases_held`, `published_reads`, `hits`, `misses` and `bytes_read`).
     pub readers: ReaderCounters,
@@ -182,6 +184,9 @@ pub struct ShardStats {
     pub ssd_space_waits: u64,
     /// Tombstones queued, not yet written (a gauge).
     pub tombstones_pending: u64,
+    /// Write-through removes not answered yet: their tombstones are not durable (a gauge;
+    /// bounded by the tier's tombstone queue and the tombstones awaiting their sync).
+    pub removes_awaiting_tombstone: u64,
     /// 1 once this shard's SSD tier stopped taking writes (a segment header failed every
     /// try); in the totals, the number of such shards. Removes and upserts of keys on SSD then
     /// fail with `Error::Io` instead of risking a return after a restart.
@@ -248,6 +253,7 @@ impl ShardCounters {
             shutdown_flush_skipped: r(&self.shutdown_flush_skipped),
             ssd_space_waits: r(&self.ssd_space_waits),
             tombstones_pending: r(&self.tombstones_pending),
+            removes_awaiting_tombstone: r(&self.removes_awaiting_tombstone),
             ssd_write_failed: r(&self.ssd_write_failed),
             fixed_buffers_registered: self.fixed_buffers_registered.load(Ordering::Relaxed),
         }
@@ -370,6 +376,7 @@ impl Stats {
             t.shutdown_flush_skipped += s.shutdown_flush_skipped;
             t.ssd_space_waits += s.ssd_space_waits;
             t.tombstones_pending += s.tombstones_pending;
+            t.removes_awaiting_tombstone += s.removes_awaiting_tombstone;
             t.ssd_write_failed += s.ssd_write_failed;
             t.fixed_buffers_registered &= s.fixed_buffers_registered;
         }
@@ -392,6 +399,7 @@ impl Stats {
             unsealed_bytes: self.stream.unsealed_bytes,
             stream_bound_in_flight: self.gpu.stream_bound_in_flight,
             stream_bound_keys_pinned: self.gpu.stream_bound_keys_pinned,
+            removes_awaiting_tombstone: self.total.removes_awaiting_tombstone,
         }
     }
 }
@@ -469,6 +477,7 @@ pub struct HeldResources {
     pub unsealed_bytes: u64,
     pub stream_bound_in_flight: u64,
     pub stream_bound_keys_pinned: u64,
+    pub removes_awaiting_tombstone: u64,
 }
 
 impl HeldResources {

@@ -780,9 +780,11 @@ fn a_write_through_remove_answers_once_its_tombstone_is_durable() {
     assert_eq!(get(&mut core, &mut disk, b"k0"), Err(Error::NotFound));
     assert_eq!(*answered.borrow(), vec![Err(Error::NotFound)]);
     assert!(!core.is_quiet(), "the removes wait for their tombstones");
+    assert_eq!(core.counters.removes_awaiting_tombstone.load(RELAXED), 2);
     pump(&mut core, &mut disk);
     assert_eq!(*answered.borrow(), vec![Err(Error::NotFound), Ok(()), Ok(())]);
     assert!(core.is_quiet());
+    assert_eq!(core.counters.removes_awaiting_tombstone.load(RELAXED), 0);
     // A crash right after the answers: the durable image keeps both removed.
     disk.crash();
     drop(core);
@@ -812,6 +814,7 @@ fn a_write_through_remove_whose_tombstone_cannot_be_written_is_answered_with_io(
     let answered = Rc::new(RefCell::new(Vec::new()));
     let sink = Rc::clone(&answered);
     core.remove_then(b"k0", false, Box::new(move |r| sink.borrow_mut().push(r)));
+    assert_eq!(core.counters.removes_awaiting_tombstone.load(RELAXED), 1);
     for _ in 0..100 {
         if !answered.borrow().is_empty() {
             break;
@@ -822,6 +825,7 @@ fn a_write_through_remove_whose_tombstone_cannot_be_written_is_answered_with_io(
     assert_eq!(get(&mut core, &mut disk, b"k0"), Err(Error::NotFound), "gone here all the same");
     assert!(core.counters.tombstones_skipped.load(RELAXED) >= 1);
     assert!(core.is_quiet(), "no remove left waiting");
+    assert_eq!(core.counters.removes_awaiting_tombstone.load(RELAXED), 0);
 }
 
 #[test]

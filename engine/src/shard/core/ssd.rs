@@ -1038,6 +1038,7 @@ impl ShardCore {
         match self.ssd.as_mut() {
             Some(ssd) => {
                 ssd.tombstone_waiters.insert(seq, done);
+                self.counters.removes_awaiting_tombstone.store(ssd.tombstone_waiters.len() as u64, RELAXED);
             }
             None => done(Ok(())),
         }
@@ -1059,6 +1060,7 @@ impl ShardCore {
                 )));
             }
         }
+        self.counters.removes_awaiting_tombstone.store(ssd.tombstone_waiters.len() as u64, RELAXED);
     }
 
     /// Acknowledges the write-through commits the durable prefix now covers, and fails those
