@@ -92,6 +92,9 @@ pub trait Store: Send + Sync {
     fn get(&self, key: &[u8]) -> Result<Vec<u8>, Self::Error>;
     /// Reads an object into `dst` (which must be at least as large); returns its length.
     fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize, Self::Error>;
+    /// Object i into the start of `dsts[i]`, which may be longer (else that key fails with
+    /// `BufferTooSmall`): one read of the whole batch, one result per key, the object's length.
+    fn batch_get_into(&self, keys: &[&[u8]], dsts: &[Region<'_>]) -> Vec<Result<usize, Self::Error>>;
     /// Object i is scattered in order across `dsts[i]`; the lengths must add up to its size
     /// exactly, else that key fails with `SizeMismatch`.
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>])

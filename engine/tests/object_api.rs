@@ -107,6 +107,45 @@ fn a_read_only_destination_fails_only_its_key_in_a_batch() {
 }
 
 #[test]
+fn batch_get_into_fills_the_start_of_each_buffer_and_answers_per_key() {
+    let store = small_store(16 << 20);
+    let (a, b) = (value_for(b"a", 1, 5000), value_for(b"b", 1, 300));
+    store.put(b"a", &a, PutOptions::INSERT).expect("put a");
+    store.put(b"b", &b, PutOptions::INSERT).expect("put b");
+    store.put(b"e", &[], PutOptions::INSERT).expect("put e");
+    let keys: [&[u8]; 7] = [b"a", b"b", b"b", b"missing", b"", b"e", b"a"];
+    let mut bufs: Vec<Vec<u8>> = [5000 + 77, 300, 299, 10, 10, 4, 6000].iter().map(|&n| vec![7u8; n]).collect();
+    let readonly = vec![0u8; 6000];
+    let mut dsts: Vec<Region<'_>> = bufs.iter_mut().map(|v| Region::host(v)).collect();
+    dsts[6] = Region::host_readonly(&readonly);
+    let results = store.batch_get_into(&keys, &dsts);
+    assert_eq!(
+        results,
+        vec![
+            Ok(5000),
+            Ok(300),
+            Err(Error::BufferTooSmall { object_bytes: 300, buffer_bytes: 299 }),
+            Err(Error::NotFound),
+            Err(Error::EmptyKey),
+            Ok(0),
+            Err(Error::InvalidRange(RegionError::ReadOnly)),
+        ]
+    );
+    // The one-key form agrees with `get_into`.
+    assert_eq!(store.batch_get_into(&[b"a"], &dsts[..1]), vec![store.get_into(b"a", dsts[0])]);
+    drop(dsts);
+    assert!(bufs[0][..5000] == a[..] && bufs[0][5000..].iter().all(|&x| x == 7), "a, then untouched");
+    assert_eq!(bufs[1], b);
+    assert!(bufs[2].iter().chain(&bufs[3]).chain(&bufs[4]).chain(&bufs[5]).all(|&x| x == 7), "failed keys untouched");
+    // One buffer per key.
+    let dsts: Vec<Region<'_>> = bufs.iter_mut().take(2).map(|v| Region::host(v)).collect();
+    let mismatched = store.batch_get_into(&keys, &dsts);
+    assert!(mismatched.iter().all(|r| matches!(r, Err(Error::InvalidArgument(_)))), "{mismatched:?}");
+    drop(dsts);
+    assert_idle(&store);
+}
+
+#[test]
 fn batch_scatter_gives_per_key_results() {
     let store = small_store(32 << 20);
     let keys: Vec<Vec<u8>> = (0..20).map(|i| format!("layer/{i}").into_bytes()).collect();

@@ -184,6 +184,42 @@ fn ordering_duplicates_missing_keys_and_wrong_sizes() {
     }
 }
 
+/// `batch_get_into` (each object into the start of a buffer that may be larger) restores
+/// SSD-resident objects through the pipeline too: one call, every object loaded once, larger
+/// buffers filled at their start only, a too-small buffer failing its key alone.
+#[test]
+fn batch_get_into_larger_buffers_restores_through_the_pipeline() {
+    let store = store(SimFaults::default(), 8 << 20);
+    let len = 300 << 10;
+    fill(&store, 12, len);
+    let mut keys: Vec<Vec<u8>> = (0..12).map(key).collect();
+    keys.insert(4, b"restore/missing".to_vec());
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+    let room = |i: usize| if i == 9 { len - 1 } else { len + 4096 * (i % 3) };
+    let mut bufs: Vec<Vec<u8>> = (0..keys.len()).map(|i| vec![0xAB; room(i)]).collect();
+    let (loads, requests) = (store.stats().total.loads, store.stats().restore.requests);
+    let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
+    let results = store.batch_get_into(&refs, &dsts);
+    drop(dsts);
+    assert_eq!(store.stats().restore.requests, requests + 1, "restored in one pipelined request");
+    assert_eq!(store.stats().total.loads, loads + 12, "every present key loaded once");
+    for (i, r) in results.iter().enumerate() {
+        match i {
+            4 => assert_eq!(r, &Err(Error::NotFound)),
+            9 => {
+                assert_eq!(r, &Err(Error::BufferTooSmall { object_bytes: len as u64, buffer_bytes: (len - 1) as u64 }));
+                assert!(bufs[i].iter().all(|&b| b == 0xAB), "a failed key's buffer is untouched");
+            }
+            _ => {
+                assert_eq!(r, &Ok(len), "key {i}");
+                assert!(bufs[i][..len] == value_for(&keys[i], 0, len), "bytes of key {i}");
+                assert!(bufs[i][len..].iter().all(|&b| b == 0xAB), "past the object, key {i}'s buffer is untouched");
+            }
+        }
+    }
+    assert_idle(&store);
+}
+
 #[test]
 fn read_errors_fail_only_their_keys() {
     let faults = SimFaults { read_eio_ppm: 250_000, ..SimFaults::default() };

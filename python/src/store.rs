@@ -339,7 +339,8 @@ impl PyStore {
         let b = self.backend()?;
         let results = partial(py, keys, bufs, move |keys, lists| {
             let regions: Vec<_> = lists.iter().map(|l| l[0]).collect();
-            with_store!(b, |s| lift_all(crate::ops::get_into_each(s, keys, &regions)))
+            let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            with_store!(b, |s| lift_all(s.batch_get_into(&keys, &regions)))
         })?;
         errors::per_key_py(py, results, int)
     }

@@ -632,6 +632,42 @@ impl Inner {
 
     // ---- reads ---------------------------------------------------------------------------------
 
+    /// A batch read of object i into `dsts[i]` (one list per key, checked by the caller), each
+    /// object's length checked as `check` of its list says: one result per key, a bad key or
+    /// destination failing only itself.
+    fn read_batch(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        check: impl Fn(&[Region<'_>]) -> std::result::Result<LenCheck, StoreError>,
+    ) -> Vec<Result<usize>> {
+        let limits = match self.limits() {
+            Ok(l) => l,
+            Err(e) => return vec![Err(e); keys.len()],
+        };
+        let mut results: Vec<Result<usize>> =
+            (0..keys.len()).map(|_| Err(StoreError::Internal("unset").into())).collect();
+        let mut valid = Vec::new();
+        let mut items = Vec::new();
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        let mut dst_checks = self.check_destination_lists(&lists).into_iter();
+        for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+            let dst_check = dst_checks.next().unwrap_or(Ok(()));
+            let checked = self.validate_key(&limits, key).and(dst_check).and_then(|()| Ok(check(regions)?));
+            match checked {
+                Ok(check) => {
+                    valid.push(i);
+                    items.push((*key, check, Target::Regions(regions.clone())));
+                }
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        for (i, r) in valid.into_iter().zip(self.read_objects(items)) {
+            results[i] = r.map(|(n, _)| n);
+        }
+        results
+    }
+
     /// Reads `items` (key, check, target); results in the same order.
     fn read_objects<'a>(&self, items: Vec<(&[u8], LenCheck, Target<'a>)>) -> Vec<ReadResult> {
         let mut results: Vec<Option<ReadResult>> = (0..items.len()).map(|_| None).collect();
@@ -1331,35 +1367,19 @@ impl Store for RemoteStore {
         r.pop().unwrap_or(Err(StoreError::Internal("no result").into())).map(|(n, _)| n)
     }
 
+    fn batch_get_into(&self, keys: &[&[u8]], dsts: &[Region<'_>]) -> Vec<Result<usize>> {
+        if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
+            return vec![Err(e.into()); keys.len()];
+        }
+        let lists: Vec<Vec<Region<'_>>> = dsts.iter().map(|d| vec![*d]).collect();
+        self.inner.read_batch(keys, &lists, |regions| Ok(LenCheck::AtMost(total_len(regions)?)))
+    }
+
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
         if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
             return vec![Err(e.into()); keys.len()];
         }
-        let limits = match self.inner.limits() {
-            Ok(l) => l,
-            Err(e) => return vec![Err(e); keys.len()],
-        };
-        let mut results: Vec<Result<usize>> =
-            (0..keys.len()).map(|_| Err(StoreError::Internal("unset").into())).collect();
-        let mut valid = Vec::new();
-        let mut items = Vec::new();
-        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
-        let mut dst_checks = self.inner.check_destination_lists(&lists).into_iter();
-        for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
-            let dst_check = dst_checks.next().unwrap_or(Ok(()));
-            let checked = self.inner.validate_key(&limits, key).and(dst_check).and_then(|()| Ok(total_len(regions)?));
-            match checked {
-                Ok(total) => {
-                    valid.push(i);
-                    items.push((*key, LenCheck::Exactly(total), Target::Regions(regions.clone())));
-                }
-                Err(e) => results[i] = Err(e),
-            }
-        }
-        for (i, r) in valid.into_iter().zip(self.inner.read_objects(items)) {
-            results[i] = r.map(|(n, _)| n);
-        }
-        results
+        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)))
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {

@@ -197,6 +197,21 @@ where
     }
     seen.push(Seen::Many(Vec::new(), pages));
 
+    // Each object into the start of its buffer: larger, exact, too small, missing, empty key,
+    // a read-only buffer, mismatched argument lengths.
+    let mut bufs = vec![vec![0u8; (200 << 10) + 9], vec![0u8; 500], vec![0u8; 50], vec![0u8; 10], vec![0u8; 10]];
+    {
+        let keys: [&[u8]; 6] = [b"medium", b"small", b"large", b"missing", b"", b"small"];
+        let ro = vec![0u8; 600];
+        let mut dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
+        dsts.push(Region::host_readonly(&ro));
+        let r = store.batch_get_into(&keys, &dsts);
+        seen.push(Seen::Many(many(r), Vec::new()));
+        let r = store.batch_get_into(&keys, &dsts[..2]);
+        seen.push(Seen::Many(many(r), Vec::new()));
+    }
+    seen.push(Seen::Many(Vec::new(), bufs.concat()));
+
     // Ranges, including every per-fragment failure.
     let mut buf0 = vec![0u8; 600_000];
     let mut buf1 = vec![0u8; 100];

@@ -314,6 +314,18 @@ impl Engine {
     /// request order; duplicate keys are served like the unpipelined path (each occurrence on
     /// its own).
     pub fn restore_batch(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>], opts: &RestoreOptions) -> RestoreReport {
+        self.restore_batch_wanting(keys, dsts, opts, Want::Whole)
+    }
+
+    /// `restore_batch` reading what `want` says of each object (`Whole`, or `Prefix` into each
+    /// list's one region).
+    pub(crate) fn restore_batch_wanting(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        opts: &RestoreOptions,
+        want: Want,
+    ) -> RestoreReport {
         let started = Instant::now();
         let us = |t: Instant| t.duration_since(started).as_micros() as u64;
         let mut report =
@@ -327,8 +339,7 @@ impl Engine {
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
         let mut targets = ReadTargets::new(self, &lists, opts.host_transport.clone());
         let checks = targets.check_now(self).to_vec();
-        let slots: Vec<Slot<'_>> =
-            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        let slots: Vec<Slot<'_>> = keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want }).collect();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
             let checked = self

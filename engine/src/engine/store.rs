@@ -75,20 +75,21 @@ impl Store for Engine {
         self.read(&mut targets, &slots).pop().unwrap_or(Err(Error::Internal("no read result")))
     }
 
+    fn batch_get_into(&self, keys: &[&[u8]], dsts: &[Region<'_>]) -> Vec<Result<usize>> {
+        let _span = tracing::trace_span!("batch_get_into", keys = keys.len()).entered();
+        if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
+            return vec![Err(e); keys.len()];
+        }
+        let lists: Vec<Vec<Region<'_>>> = dsts.iter().map(|d| vec![*d]).collect();
+        self.batch_read(keys, &lists, Want::Prefix)
+    }
+
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
         let _span = tracing::trace_span!("batch_get", keys = keys.len()).entered();
         if let Err(e) = checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
             return vec![Err(e); keys.len()];
         }
-        if self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1 {
-            // Batches that may touch the SSD are restored in pipelined sub-batches.
-            return self.restore_batch(keys, dsts, &self.restore_options()).results;
-        }
-        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
-        let mut targets = ReadTargets::new(self, &lists, None);
-        let slots: Vec<Slot<'_>> =
-            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
-        self.read(&mut targets, &slots)
+        self.batch_read(keys, dsts, Want::Whole)
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
@@ -253,5 +254,19 @@ impl Store for Engine {
             }
         }
         Ok(ticket)
+    }
+}
+
+impl Engine {
+    /// A batch read of `want` of each object into its list (one list per key, checked by the
+    /// caller): batches that may touch the SSD are restored in pipelined sub-batches.
+    fn batch_read(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>], want: Want) -> Vec<Result<usize>> {
+        if self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1 {
+            return self.restore_batch_wanting(keys, dsts, &self.restore_options(), want).results;
+        }
+        let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
+        let mut targets = ReadTargets::new(self, &lists, None);
+        let slots: Vec<Slot<'_>> = keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want }).collect();
+        self.read(&mut targets, &slots)
     }
 }

@@ -723,6 +723,19 @@ impl Store for ClusterStore {
             .unwrap_or_else(|| Err(StoreError::Internal("no result").into()))
     }
 
+    fn batch_get_into(&self, keys: &[&[u8]], dsts: &[Region<'_>]) -> Vec<Result<usize>> {
+        if keys.len() != dsts.len() {
+            let e: Error =
+                StoreError::InvalidArgument(format!("{} keys, {} destinations", keys.len(), dsts.len())).into();
+            return keys.iter().map(|_| Err(e.clone())).collect();
+        }
+        let call = |store: &RemoteStore, items: &[usize]| {
+            let sub: Vec<Region<'_>> = items.iter().map(|&i| dsts[i]).collect();
+            store.batch_get_into(&key_list(keys, items), &sub)
+        };
+        self.inner.read(keys, &call, &is_not_found)
+    }
+
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
         if keys.len() != dsts.len() {
             return keys
