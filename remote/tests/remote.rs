@@ -199,7 +199,7 @@ where
 
     // Each object into the start of its buffer: larger, exact, too small, missing, empty key,
     // a read-only buffer, mismatched argument lengths.
-    let mut bufs = vec![vec![0u8; (200 << 10) + 9], vec![0u8; 500], vec![0u8; 50], vec![0u8; 10], vec![0u8; 10]];
+    let mut bufs = [vec![0u8; (200 << 10) + 9], vec![0u8; 500], vec![0u8; 50], vec![0u8; 10], vec![0u8; 10]];
     {
         let keys: [&[u8]; 6] = [b"medium", b"small", b"large", b"missing", b"", b"small"];
         let ro = vec![0u8; 600];
