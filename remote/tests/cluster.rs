@@ -352,6 +352,21 @@ fn script_matches(cluster: &ClusterStore, engine: &kvtide::Engine) {
     let c = run(&|k, d| cluster.batch_get_into_multi_buffers(k, d));
     let e = run(&|k, d| engine.batch_get_into_multi_buffers(k, d).into_iter().map(lift).collect());
     assert_eq!(c, e);
+    // Each into the start of one buffer: larger, exact, one too small, a missing key.
+    let room: Vec<usize> =
+        sizes.iter().enumerate().map(|(i, &n)| if i == 5 { n - 1 } else { n + i % 3 * 100 }).collect();
+    let read = |store: &dyn Fn(&[&[u8]], &[Region<'_>]) -> Vec<Result<usize, Error>>| {
+        let mut bufs: Vec<Vec<u8>> = room.iter().map(|&n| vec![9u8; n]).collect();
+        let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
+        let r = store(&some, &dsts);
+        drop(dsts);
+        (r, bufs)
+    };
+    let c = read(&|k, d| cluster.batch_get_into(k, d));
+    let e = read(&|k, d| engine.batch_get_into(k, d).into_iter().map(lift).collect());
+    assert_eq!(c, e);
+    assert!(matches!(c.0[5], Err(Error::Store(kvtide::Error::BufferTooSmall { .. }))), "{:?}", c.0[5]);
+    assert_eq!(c.0[0], Ok(sizes[0]));
     // Ranges: two buffers, fragments of keys on different owners.
     let frags: Vec<Vec<Fragment>> = vec![
         (0..10).map(|i| Fragment::new(keys[i].clone(), 0, i as u64 * 64, 64)).collect(),
