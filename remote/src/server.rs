@@ -1503,50 +1503,58 @@ impl Connection<'_> {
         }
     }
 
-    /// `Get` in stream mode: per key an `Object` and its bytes in `Data` frames, or an `Error`.
-    /// DRAM-resident keys go out first, in request order, each leased without a message as it
-    /// is sent; the rest are leased in the engine's restore parts (`lease_parts`), each part in
-    /// one request per shard so its loads run side by side, and the next part's loads start
-    /// while this part is sent (two parts held at most, as `GetParts` holds them).
+    /// `Get` in stream mode: per key an `Object` and its bytes in `Data` frames, or an `Error`,
+    /// in the order `lease_each_streamed` leases them.
     fn stream_get(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<()> {
-        let engine = Arc::clone(&self.shared.engine);
-        let ttl_ms = u64::from(self.config().lease_ttl_ms);
-        let mut loading = Vec::new();
-        for (index, item) in items.iter().enumerate() {
-            let leased_at = Instant::now();
-            let leased = match engine.lease_resident(item.key, ttl_ms) {
-                Some(leased) => leased,
-                None if items.len() > 1 => {
-                    loading.push(index);
-                    continue;
-                }
-                None => engine.lease_progressive(item.key, ttl_ms),
-            };
-            self.send_leased(rid, index as u32, item, leased, leased_at)?;
-        }
-        if !loading.is_empty() {
-            self.stream_loading(rid, items, &loading)?;
-        }
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
+        self.lease_each_streamed(&keys, |this, i, leased, leased_at| {
+            this.send_leased(rid, i as u32, &items[i], leased, leased_at)
+        })?;
         self.io.push_frame(Op::End, rid, &[]);
         Ok(())
     }
 
-    /// `stream_get`'s keys that only their shards can lease (`indices` into `items`).
-    fn stream_loading(&mut self, rid: u64, items: &[GetItem<'_>], indices: &[usize]) -> WResult<()> {
+    /// Leases each of `keys` for a streamed answer and hands it to `send` (its index, its lease
+    /// or error, when the lease was taken), which sends it and drops the lease. DRAM-resident
+    /// keys go first, in order, each leased without a message as it is sent; the others are
+    /// leased in the engine's restore parts (`lease_parts`), each part in one request per shard
+    /// so its loads run side by side, and the next part's loads start while this part is sent
+    /// (two parts held at most, as `GetParts` holds them).
+    fn lease_each_streamed(
+        &mut self,
+        keys: &[&[u8]],
+        mut send: impl FnMut(&mut Self, usize, Result<ObjectLease, StoreError>, Instant) -> WResult<()>,
+    ) -> WResult<()> {
         let engine = Arc::clone(&self.shared.engine);
         let ttl_ms = u64::from(self.config().lease_ttl_ms);
-        let keys: Vec<&[u8]> = indices.iter().map(|&i| items[i].key).collect();
-        let parts = shape_parts(engine.lease_parts(&keys), engine.shard_count());
-        // A part's leases, each with the item it answers and when it was taken. DRAM-resident
+        let mut loading = Vec::new();
+        for (index, key) in keys.iter().enumerate() {
+            let leased_at = Instant::now();
+            let leased = match engine.lease_resident(key, ttl_ms) {
+                Some(leased) => leased,
+                None if keys.len() > 1 => {
+                    loading.push(index);
+                    continue;
+                }
+                None => engine.lease_progressive(key, ttl_ms),
+            };
+            send(self, index, leased, leased_at)?;
+        }
+        if loading.is_empty() {
+            return Ok(());
+        }
+        let part_keys: Vec<&[u8]> = loading.iter().map(|&i| keys[i]).collect();
+        let parts = shape_parts(engine.lease_parts(&part_keys), engine.shard_count());
+        // A part's leases, each with the key it answers and when it was taken. DRAM-resident
         // (or missing) parts are not leased ahead: their keys are leased as they are sent.
         let lease_part = |part: &kvtide::LeasePart| -> Option<Vec<LeasedItem>> {
             if part.in_dram {
                 return None;
             }
-            let part_keys: Vec<&[u8]> = part.keys.iter().map(|&k| keys[k]).collect();
+            let these: Vec<&[u8]> = part.keys.iter().map(|&k| part_keys[k]).collect();
             let leased_at = Instant::now();
-            let leased = engine.lease_batch_progressive(&part_keys, ttl_ms);
-            Some(part.keys.iter().zip(leased).map(|(&k, l)| (indices[k], l, leased_at)).collect())
+            let leased = engine.lease_batch_progressive(&these, ttl_ms);
+            Some(part.keys.iter().zip(leased).map(|(&k, l)| (loading[k], l, leased_at)).collect())
         };
         let mut parts = parts.iter();
         let mut next = parts.next().map(|p| (p, lease_part(p)));
@@ -1555,21 +1563,18 @@ impl Connection<'_> {
             next = parts.next().map(|p| (p, lease_part(p)));
             let Some(leased) = leased else {
                 for &k in &part.keys {
-                    let (index, leased_at) = (indices[k], Instant::now());
-                    let leased = engine.lease_progressive(keys[k], ttl_ms);
-                    self.send_leased(rid, index as u32, &items[index], leased, leased_at)?;
+                    let (index, leased_at) = (loading[k], Instant::now());
+                    send(self, index, engine.lease_progressive(keys[index], ttl_ms), leased_at)?;
                 }
                 continue;
             };
             for (index, leased, leased_at) in leased {
                 // A shard out of lease slots: this key is leased again on its own.
                 let (leased, leased_at) = match leased {
-                    Err(StoreError::Busy { .. }) => {
-                        (engine.lease_progressive(items[index].key, ttl_ms), Instant::now())
-                    }
+                    Err(StoreError::Busy { .. }) => (engine.lease_progressive(keys[index], ttl_ms), Instant::now()),
                     other => (other, leased_at),
                 };
-                self.send_leased(rid, index as u32, &items[index], leased, leased_at)?;
+                send(self, index, leased, leased_at)?;
             }
         }
         Ok(())
@@ -1657,41 +1662,41 @@ impl Connection<'_> {
         Ok(())
     }
 
-    /// `GetRanges`: each key leased once; per fragment an `Object` and its bytes, or an `Error`.
+    /// `GetRanges`: each key leased once (in the order `lease_each_streamed` leases them); per
+    /// fragment an `Object` and its bytes, or an `Error`.
     fn stream_ranges(&mut self, rid: u64, keys: &[&[u8]], fragments: &[RangeItem]) -> WResult<()> {
-        let engine = Arc::clone(&self.shared.engine);
         let mut by_key: Vec<Vec<usize>> = vec![Vec::new(); keys.len()];
         for (i, f) in fragments.iter().enumerate() {
             by_key[f.key_index as usize].push(i);
         }
-        for (k, frags) in by_key.iter().enumerate() {
-            if frags.is_empty() {
-                continue;
-            }
-            let leased_at = Instant::now();
-            let lease = match engine.lease_progressive(keys[k], u64::from(self.config().lease_ttl_ms)) {
+        let read: Vec<usize> = (0..keys.len()).filter(|&k| !by_key[k].is_empty()).collect();
+        let read_keys: Vec<&[u8]> = read.iter().map(|&k| keys[k]).collect();
+        self.lease_each_streamed(&read_keys, |this, r, leased, leased_at| {
+            let frags = &by_key[read[r]];
+            let lease = match leased {
                 Ok(l) => l,
                 Err(e) => {
                     let e = Error::from(e);
-                    frags.iter().for_each(|&fi| self.push_error(Op::Error, rid, fi as u32, &e));
-                    continue;
+                    frags.iter().for_each(|&fi| this.push_error(Op::Error, rid, fi as u32, &e));
+                    return Ok(());
                 }
             };
             for &fi in frags {
                 let f = fragments[fi];
                 if let Err(e) = kvtide_transport::region::check_range("object", f.src_offset, f.len, lease.len()) {
-                    self.push_error(Op::Error, rid, fi as u32, &e.into());
+                    this.push_error(Op::Error, rid, fi as u32, &e.into());
                     continue;
                 }
-                let start = self.io.begin(Op::Object, rid);
-                encode_object(self.io.out(), fi as u32, f.len);
-                self.io.end(start);
-                self.stream_bytes(rid, fi as u32, &lease, leased_at, f.src_offset, f.len)?;
-                if self.io.pending_out() >= FLUSH_BYTES {
-                    self.io.flush()?;
+                let start = this.io.begin(Op::Object, rid);
+                encode_object(this.io.out(), fi as u32, f.len);
+                this.io.end(start);
+                this.stream_bytes(rid, fi as u32, &lease, leased_at, f.src_offset, f.len)?;
+                if this.io.pending_out() >= FLUSH_BYTES {
+                    this.io.flush()?;
                 }
             }
-        }
+            Ok(())
+        })?;
         self.io.push_frame(Op::End, rid, &[]);
         Ok(())
     }
@@ -2010,7 +2015,7 @@ impl Drop for Permit<'_> {
     }
 }
 
-/// A streamed `Get`'s item (its index), its lease or error, and when the lease was taken.
+/// A streamed answer's key (its index), its lease or error, and when the lease was taken.
 type LeasedItem = (usize, Result<ObjectLease, StoreError>, Instant);
 
 /// DRAM-resident keys of a `GetParts` leased per part at most: the first grants reach the
