@@ -54,6 +54,27 @@ pub(crate) fn plan_pieces(object_len: u64, regions: &[Region<'_>], want: Want) -
     plan_pieces_into(object_len, regions, want, &mut pieces).map(|reported| (pieces, reported))
 }
 
+/// Whether `want` of an object of `object_len` bytes fits `regions` (`plan_pieces`' size checks,
+/// which a range read makes against the object in hand).
+pub(crate) fn check_fits(object_len: u64, regions: &[Region<'_>], want: Want) -> Result<()> {
+    match want {
+        Want::Whole => {
+            let bytes = total_len(regions)?;
+            if bytes != object_len {
+                return Err(Error::SizeMismatch { object_bytes: object_len, destination_bytes: bytes });
+            }
+        }
+        Want::Prefix => {
+            let region = regions.first().ok_or(Error::Internal("a prefix read without a region"))?;
+            if (region.len() as u64) < object_len {
+                return Err(Error::BufferTooSmall { object_bytes: object_len, buffer_bytes: region.len() as u64 });
+            }
+        }
+        Want::Range { .. } => {}
+    }
+    Ok(())
+}
+
 /// `plan_pieces` into `pieces` (cleared first), for callers that reuse one list.
 pub(crate) fn plan_pieces_into(
     object_len: u64,
@@ -62,20 +83,14 @@ pub(crate) fn plan_pieces_into(
     pieces: &mut Vec<Piece>,
 ) -> Result<usize> {
     pieces.clear();
+    check_fits(object_len, regions, want)?;
     match want {
         Want::Whole => {
-            let bytes = total_len(regions)?;
-            if bytes != object_len {
-                return Err(Error::SizeMismatch { object_bytes: object_len, destination_bytes: bytes });
-            }
             pieces.extend(Transfer::pieces_in_order(regions));
             Ok(object_len as usize)
         }
         Want::Prefix => {
             let region = regions.first().ok_or(Error::Internal("a prefix read without a region"))?;
-            if (region.len() as u64) < object_len {
-                return Err(Error::BufferTooSmall { object_bytes: object_len, buffer_bytes: region.len() as u64 });
-            }
             pieces.push(Piece { host_offset: 0, addr: region.addr(), len: object_len, kind: region.kind() });
             Ok(object_len as usize)
         }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use kvtide_transport::{Region, Transport};
 
-use super::read::{ReadTargets, Slot, Want};
+use super::read::{check_fits, ReadTargets, Slot, Want};
 use super::transports::Route;
 use super::{Engine, LeaseSet, PendingLeases};
 use crate::checks::total_len;
@@ -351,7 +351,12 @@ impl Engine {
                 Err(e) => report.results[i] = Err(e),
             }
         }
-        let mut plan = self.plan_restore(keys, &valid, opts);
+        // A key whose object cannot fit its destination fails now, before its load.
+        let misfit = |i: usize, object_len: u64| check_fits(object_len, &dsts[i], want).err();
+        let (mut plan, refused) = self.plan_restore(keys, &valid, opts, &misfit);
+        for (i, e) in refused {
+            report.results[i] = Err(e);
+        }
         // DRAM-resident GPU keys: served by the plain read path (after the first loads went out).
         let mut dram_gpu: Vec<usize> = Vec::new();
         if opts.mode != RestoreMode::Barrier {
@@ -544,7 +549,8 @@ impl Engine {
         let mut parts: Vec<LeasePart> = if valid.len() <= 1 {
             vec![LeasePart { keys: valid, in_dram: false }]
         } else {
-            self.plan_restore_with(keys, &valid, &opts, true)
+            self.plan_restore_with(keys, &valid, &opts, true, &|_, _| None)
+                .0
                 .into_iter()
                 .map(|p| LeasePart { keys: p.keys, in_dram: p.dram })
                 .collect()
@@ -561,24 +567,54 @@ impl Engine {
 
     /// Splits the valid keys into sub-batches: DRAM-resident keys first (one sub-batch, no
     /// staging), then each shard's SSD-resident keys in request order, interleaved across shards.
-    fn plan_restore(&self, keys: &[&[u8]], valid: &[usize], opts: &RestoreOptions) -> Vec<Planned> {
-        self.plan_restore_with(keys, valid, opts, false)
+    /// An SSD-resident key whose object `misfit` (index, object length) refuses is not planned:
+    /// it fails with that error without a load.
+    fn plan_restore(
+        &self,
+        keys: &[&[u8]],
+        valid: &[usize],
+        opts: &RestoreOptions,
+        misfit: &dyn Fn(usize, u64) -> Option<Error>,
+    ) -> (Vec<Planned>, Vec<(usize, Error)>) {
+        self.plan_restore_with(keys, valid, opts, false, misfit)
     }
 
     /// `plan_restore`; `spin` polls for the shards' answers before blocking (a caller serving
     /// a latency-bound request).
-    fn plan_restore_with(&self, keys: &[&[u8]], valid: &[usize], opts: &RestoreOptions, spin: bool) -> Vec<Planned> {
+    fn plan_restore_with(
+        &self,
+        keys: &[&[u8]],
+        valid: &[usize],
+        opts: &RestoreOptions,
+        spin: bool,
+        misfit: &dyn Fn(usize, u64) -> Option<Error>,
+    ) -> (Vec<Planned>, Vec<(usize, Error)>) {
         let locations = self.locate(keys, valid, spin);
         let mut dram = Vec::new();
+        let mut refused = Vec::new();
         let mut per_shard: Vec<Vec<(usize, u64)>> = vec![Vec::new(); self.shards.len()];
         for &i in valid {
             match locations.get(&i).copied().flatten() {
                 // Missing keys ride with the DRAM sub-batch and come back NotFound.
                 None => dram.push(i),
                 Some(l) if l.in_dram => dram.push(i),
-                Some(l) => per_shard[self.shard_of(keys[i])].push((i, l.staging_bytes)),
+                Some(l) => match misfit(i, l.len) {
+                    Some(e) => refused.push((i, e)),
+                    None => per_shard[self.shard_of(keys[i])].push((i, l.staging_bytes)),
+                },
             }
         }
+        (self.cut_sub_batches(dram, per_shard, opts), refused)
+    }
+
+    /// `plan_restore`'s sub-batches of the DRAM-resident keys and each shard's SSD-resident ones
+    /// (index, staging bytes).
+    fn cut_sub_batches(
+        &self,
+        dram: Vec<usize>,
+        per_shard: Vec<Vec<(usize, u64)>>,
+        opts: &RestoreOptions,
+    ) -> Vec<Planned> {
         if opts.mode == RestoreMode::Barrier {
             let mut all = dram;
             let mut bytes = 0;
