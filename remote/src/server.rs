@@ -1543,6 +1543,9 @@ impl Connection<'_> {
         if loading.is_empty() {
             return Ok(());
         }
+        // Chunk sends must start before the TTL less the I/O timeout (`stream_chunks`).
+        let window_ms = ttl_ms.saturating_sub(self.config().io_timeout_ms);
+        let stale_after = Duration::from_millis(window_ms / 4);
         let part_keys: Vec<&[u8]> = loading.iter().map(|&i| keys[i]).collect();
         let parts = shape_parts(engine.lease_parts(&part_keys), engine.shard_count());
         // A part's leases, each with the key it answers and when it was taken. DRAM-resident
@@ -1569,9 +1572,15 @@ impl Connection<'_> {
                 continue;
             };
             for (index, leased, leased_at) in leased {
-                // A shard out of lease slots: this key is leased again on its own.
+                // A shard out of lease slots, or a lease taken so long ago (a slow reader) that
+                // a quarter of its sending window is gone: this key is leased again on its own.
+                let stale = leased_at.elapsed() > stale_after;
                 let (leased, leased_at) = match leased {
                     Err(StoreError::Busy { .. }) => (engine.lease_progressive(keys[index], ttl_ms), Instant::now()),
+                    Ok(lease) if stale => {
+                        drop(lease);
+                        (engine.lease_progressive(keys[index], ttl_ms), Instant::now())
+                    }
                     other => (other, leased_at),
                 };
                 send(self, index, leased, leased_at)?;

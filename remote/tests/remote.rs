@@ -1432,6 +1432,73 @@ fn a_streamed_get_to_a_reader_that_trickles_ends_within_the_io_timeout() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A streamed batch of SSD-resident keys to a reader slower than the lease TTL: the keys of a
+/// part leased ahead are leased again when half their TTL went by before their turn, so every
+/// key still arrives whole (no `LeaseExpired` abort), and nothing stays held.
+#[test]
+fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
+    let dir = temp_dir("slow-batch");
+    let engine = Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(8 << 20)
+            .shards(1)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .ssd_bytes(64 << 20)
+            .ssd_segment_bytes(8 << 20)
+            .simulated_ssd(5, kvtide::SimFaults::default())
+            .open()
+            .expect("open store"),
+    );
+    let owner = guarded_owner(&engine, &dir, |c| {
+        c.lease_ttl_ms = 2_000;
+        c.io_timeout_ms = 500;
+        c.chunk_bytes = 64 << 10;
+    });
+    let len = 512 << 10;
+    let key = |i: u64| format!("slow/{i}").into_bytes();
+    for i in 0..40u64 {
+        engine.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    engine.sync_shards().expect("sync");
+    // The first eight are on SSD only (the rest filled DRAM): more than one part.
+    let keys: Vec<Vec<u8>> = (0..8u64).map(key).collect();
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    let items = keys.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
+    raw.request(&Request::Get { lease: false, items }, 1);
+    let (mut whole, mut aborted, mut current, mut got) = (0, 0, None, Vec::new());
+    loop {
+        let (h, payload) = raw.recv().expect("a frame");
+        match h.op {
+            Op::Object => {
+                current = Some(u64::from(decode_object(&payload).expect("object").0));
+                got.clear();
+            }
+            Op::Data => {
+                got.extend_from_slice(&payload);
+                let i = current.expect("data after an object");
+                if got.len() == len {
+                    assert!(got == value_for(&key(i), i, len), "bytes of {i}");
+                    whole += 1;
+                }
+                // About 0.75 s per object, half the window in which sends must start (the TTL
+                // less the I/O timeout, 1.5 s): one object leased at its turn is sent well
+                // within it, while the next part's leases, taken a part earlier, age past it.
+                std::thread::sleep(Duration::from_millis(94));
+            }
+            Op::Abort | Op::Error => aborted += 1,
+            Op::End => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((whole, aborted), (8, 0), "every key whole, none aborted");
+    drop(raw);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn hello_frame() -> Vec<u8> {
     let mut p = Vec::new();
     Hello { client_nonce: [7; NONCE_BYTES], flags: 0 }.encode(&mut p);
