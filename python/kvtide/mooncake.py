@@ -423,7 +423,11 @@ class MooncakeDistributedStore:
             sizes = self._store.batch_get_size([keys[i] for i in larger])
             again, where = [], []
             for i, size in zip(larger, sizes):
-                if isinstance(size, BaseException) or size > sum(s for _, s in lists[i]):
+                if isinstance(size, BaseException):
+                    # Gone (or failing) since the first read: that is its answer now.
+                    results[i] = size
+                    continue
+                if size > sum(s for _, s in lists[i]):
                     continue
                 again.append(_cut(lists[i], size))
                 where.append(i)

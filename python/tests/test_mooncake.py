@@ -213,6 +213,31 @@ def test_batch_reads_into_larger_buffers_under_size_changing_upserts(mc, k):
     assert mc.remove(key) == 0
 
 
+def test_a_key_removed_between_the_reads_of_larger_buffers_is_a_miss(mc, k):
+    """Scattered reads into buffers larger than the object take more than one read; a remove
+    landing between them answers OBJECT_NOT_FOUND, as a miss does (not INVALID_PARAMS)."""
+    key = k("gone")
+    assert mc.put(key, b"x" * 1000) == 0
+    real = mc._store
+
+    class RemovedAfterTheFirstRead:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_get_into_multi_buffers(self, keys, lists):
+            results = real.batch_get_into_multi_buffers(keys, lists)
+            real.remove(key)
+            return results
+
+    out, ptr = buf(4096)
+    mc._store = RemovedAfterTheFirstRead()
+    try:
+        assert mc.batch_get_into_multi_buffers([key], [[ptr]], [[4096]]) == [OBJECT_NOT_FOUND]
+    finally:
+        mc._store = real
+    assert mc.batch_get_into_multi_buffers([key], [[ptr]], [[4096]]) == [OBJECT_NOT_FOUND]
+
+
 def test_lifecycle_and_not_set_up():
     s = MooncakeDistributedStore()
     assert s.health_check() == 1
