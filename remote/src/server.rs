@@ -1306,31 +1306,46 @@ impl Connection<'_> {
         self.count_batch(items.len());
         let engine = Arc::clone(&self.shared.engine);
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
-        let mut parts = shape_parts(engine.lease_parts(&keys), engine.shard_count());
+        // (part, alone): a key that found no room beside the parts held is leased again at the
+        // end, in a part of its own once the client holds nothing.
+        let mut parts: Vec<(kvtide::LeasePart, bool)> =
+            shape_parts(engine.lease_parts(&keys), engine.shard_count()).into_iter().map(|p| (p, false)).collect();
         if parts.is_empty() {
-            parts.push(kvtide::LeasePart { keys: Vec::new(), in_dram: true });
+            parts.push((kvtide::LeasePart { keys: Vec::new(), in_dram: true }, false));
         }
         let ttl_ms = self.config().lease_ttl_ms;
         // Lease ids of the parts the client holds, oldest first, and whether each is
         // DRAM-resident: those may pin most of DRAM, so no SSD-resident part is leased (loaded)
         // while the client holds one.
         let mut held: VecDeque<(Vec<u64>, bool)> = VecDeque::new();
-        let must_wait = |held: &VecDeque<(Vec<u64>, bool)>, next: &kvtide::LeasePart| {
-            held.len() >= PARTS_HELD || (!next.in_dram && held.iter().any(|(_, dram)| *dram))
+        let must_wait = |held: &VecDeque<(Vec<u64>, bool)>, (next, alone): &(kvtide::LeasePart, bool)| {
+            held.len() >= PARTS_HELD
+                || (!next.in_dram && held.iter().any(|(_, dram)| *dram))
+                || (*alone && !held.is_empty())
         };
-        for (p, part) in parts.iter().enumerate() {
-            while must_wait(&held, part) {
+        let mut p = 0;
+        while p < parts.len() {
+            while must_wait(&held, &parts[p]) {
                 if !self.await_release(rid, &mut held)? {
                     return Ok(Flow::Close);
                 }
             }
-            let grants = self.lease_items(items, &part.keys);
+            let (part, alone) = &parts[p];
+            let (in_dram, alone) = (part.in_dram, *alone);
+            let mut grants = self.lease_items(items, &part.keys);
+            if !alone {
+                let no_room = |g: &Result<Grant>| matches!(g, Err(e) if e.as_store() == Some(&StoreError::NoSpace));
+                for &(i, _) in grants.iter().filter(|(_, g)| no_room(g)) {
+                    parts.push((kvtide::LeasePart { keys: vec![i as usize], in_dram: false }, true));
+                }
+                grants.retain(|(_, g)| !no_room(g));
+            }
             let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
             // The client may keep this part while it waits for the next when this part alone
             // would not hold the next one up.
             let next = match parts.get(p + 1) {
                 None => NextPart::None,
-                Some(following) if must_wait(&VecDeque::from([(ids.clone(), part.in_dram)]), following) => {
+                Some(following) if must_wait(&VecDeque::from([(ids.clone(), in_dram)]), following) => {
                     NextPart::AfterRelease
                 }
                 Some(_) => NextPart::WhileHeld,
@@ -1340,8 +1355,9 @@ impl Connection<'_> {
             self.io.end(start);
             self.io.flush()?;
             if !ids.is_empty() {
-                held.push_back((ids, part.in_dram));
+                held.push_back((ids, in_dram));
             }
+            p += 1;
         }
         Ok(Flow::Continue)
     }
@@ -1559,6 +1575,8 @@ impl Connection<'_> {
             let leased = engine.lease_batch_progressive(&these, ttl_ms);
             Some(part.keys.iter().zip(leased).map(|(&k, l)| (loading[k], l, leased_at)).collect())
         };
+        // Keys that found no room beside the parts held: leased alone at the end.
+        let mut alone = Vec::new();
         let mut parts = parts.iter();
         let mut next = parts.next().map(|p| (p, lease_part(p)));
         while let Some((part, leased)) = next.take() {
@@ -1583,8 +1601,16 @@ impl Connection<'_> {
                     }
                     other => (other, leased_at),
                 };
+                if matches!(leased, Err(StoreError::NoSpace)) {
+                    alone.push(index);
+                    continue;
+                }
                 send(self, index, leased, leased_at)?;
             }
+        }
+        for index in alone {
+            let leased_at = Instant::now();
+            send(self, index, engine.lease_progressive(keys[index], ttl_ms), leased_at)?;
         }
         Ok(())
     }

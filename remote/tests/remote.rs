@@ -1499,6 +1499,59 @@ fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A batch of SSD-resident objects when DRAM has room for only one at a time (the rest is
+/// pinned): the owner leases a part while the part before is still held, so a load may find no
+/// room; such keys are leased again alone at the end, and every key arrives whole, streamed or
+/// through the shared arena.
+#[test]
+fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
+    let dir = temp_dir("no-room");
+    let engine = Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(8 << 20)
+            .shards(1)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .ssd_bytes(64 << 20)
+            .ssd_segment_bytes(8 << 20)
+            .simulated_ssd(11, kvtide::SimFaults::default())
+            .promote_on_hit(false)
+            .open()
+            .expect("open store"),
+    );
+    let owner = owner(&engine, &dir, any_port());
+    let len = (5 << 20) / 2;
+    let key = |i: u64| format!("room/{i}").into_bytes();
+    for i in 0..4u64 {
+        engine.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    // Half of DRAM pinned: one 2.5 MiB load fits beside it, two do not.
+    engine.put(b"pinned", &vec![7u8; 4 << 20], PutOptions::INSERT.pinned()).expect("pinned put");
+    engine.sync_shards().expect("sync");
+    let keys: Vec<Vec<u8>> = (0..4u64).map(key).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let streamed = RemoteStore::connect_with(
+        owner.unix_path().expect("unix").to_str().expect("path"),
+        ClientOptions { shared_memory: false, ..options() },
+    )
+    .expect("connect");
+    let clients = [("unix+shm", unix_client(&owner)), ("tcp", tcp_client(&owner)), ("unix stream", streamed)];
+    for (name, client) in &clients {
+        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; len]).collect();
+        let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
+        let got = client.batch_get_into(&refs, &dsts);
+        drop(dsts);
+        for (i, r) in got.iter().enumerate() {
+            assert_eq!(r, &Ok(len), "{name}: key {i}");
+            assert!(bufs[i] == value_for(&keys[i], i as u64, len), "{name}: bytes of {i}");
+        }
+        wait_idle(&owner);
+    }
+    drop(clients);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn hello_frame() -> Vec<u8> {
     let mut p = Vec::new();
     Hello { client_nonce: [7; NONCE_BYTES], flags: 0 }.encode(&mut p);

@@ -532,8 +532,10 @@ impl Engine {
     /// them: the restore pipeline's sub-batches under this store's restore options, as key
     /// indices. The DRAM-resident and missing keys come first, as one part (`in_dram`); then
     /// each shard's SSD-resident keys in parts of about `target_bytes`, shards interleaved so
-    /// their loads run side by side. Invalid keys go with the first part (their lease fails
-    /// alone).
+    /// their loads run side by side, each shard's share of a part at most a quarter of its DRAM
+    /// slice. Invalid keys go with the first part (their lease fails alone). A key whose lease
+    /// still finds no room beside the parts held (`NoSpace`) is worth one more try alone, once the
+    /// caller holds nothing, as the restore pipeline does.
     pub fn lease_parts(&self, keys: &[&[u8]]) -> Vec<LeasePart> {
         let mut invalid = Vec::new();
         let mut valid = Vec::with_capacity(keys.len());
@@ -545,6 +547,10 @@ impl Engine {
         }
         let mut opts = self.restore_options();
         opts.mode = RestoreMode::Pipelined;
+        // Such a caller holds two parts at most and takes no staging credits: a shard's
+        // sub-batch stays within a quarter of its slice (`sub_batch_size` caps at a quarter of
+        // `ahead_bytes`), so the two leave half of it to make room in.
+        opts.ahead_bytes = opts.ahead_bytes.min(self.arena.slice_bytes() as u64);
         // One key is one part: nothing to look up.
         let mut parts: Vec<LeasePart> = if valid.len() <= 1 {
             vec![LeasePart { keys: valid, in_dram: false }]
