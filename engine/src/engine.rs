@@ -36,7 +36,7 @@ mod write;
 
 pub use on_stream::{StreamCompleter, StreamStatus, StreamTicket};
 pub use progressive::{Following, PutStream};
-pub use restore::{LeasePart, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
+pub use restore::{LeasePart, LeasePlan, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservation, Reservations};
 
 /// Grace between an explicit lease's TTL (when the guard stops handing out bytes) and the moment

@@ -1306,22 +1306,25 @@ impl Connection<'_> {
         self.count_batch(items.len());
         let engine = Arc::clone(&self.shared.engine);
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
-        // (part, alone): a key that found no room beside the parts held is leased again at the
-        // end, in a part of its own once the client holds nothing.
-        let mut parts: Vec<(kvtide::LeasePart, bool)> =
-            shape_parts(engine.lease_parts(&keys), engine.shard_count()).into_iter().map(|p| (p, false)).collect();
+        let plan = engine.lease_parts(&keys, &|i, len| items[i].check.check(len).err());
+        // A key that finds no room beside the parts held is leased again at the end, in a part
+        // of its own (`alone`) once the client holds nothing.
+        let mut parts = shape_parts(plan.parts, engine.shard_count());
         if parts.is_empty() {
-            parts.push((kvtide::LeasePart { keys: Vec::new(), in_dram: true }, false));
+            parts.push(Part { keys: Vec::new(), in_dram: true, alone: false });
         }
+        // Keys whose objects cannot fit their destinations: answered in the first part, unloaded.
+        let mut refused: Vec<(u32, Result<Grant>)> =
+            plan.refused.into_iter().map(|(i, e)| (i as u32, Err(e.into()))).collect();
         let ttl_ms = self.config().lease_ttl_ms;
         // Lease ids of the parts the client holds, oldest first, and whether each is
         // DRAM-resident: those may pin most of DRAM, so no SSD-resident part is leased (loaded)
         // while the client holds one.
         let mut held: VecDeque<(Vec<u64>, bool)> = VecDeque::new();
-        let must_wait = |held: &VecDeque<(Vec<u64>, bool)>, (next, alone): &(kvtide::LeasePart, bool)| {
+        let must_wait = |held: &VecDeque<(Vec<u64>, bool)>, next: &Part| {
             held.len() >= PARTS_HELD
                 || (!next.in_dram && held.iter().any(|(_, dram)| *dram))
-                || (*alone && !held.is_empty())
+                || (next.alone && !held.is_empty())
         };
         let mut p = 0;
         while p < parts.len() {
@@ -1330,16 +1333,16 @@ impl Connection<'_> {
                     return Ok(Flow::Close);
                 }
             }
-            let (part, alone) = &parts[p];
-            let (in_dram, alone) = (part.in_dram, *alone);
-            let mut grants = self.lease_items(items, &part.keys);
+            let (in_dram, alone) = (parts[p].in_dram, parts[p].alone);
+            let mut grants = self.lease_items(items, &parts[p].keys);
             if !alone {
                 let no_room = |g: &Result<Grant>| matches!(g, Err(e) if e.as_store() == Some(&StoreError::NoSpace));
                 for &(i, _) in grants.iter().filter(|(_, g)| no_room(g)) {
-                    parts.push((kvtide::LeasePart { keys: vec![i as usize], in_dram: false }, true));
+                    parts.push(Part { keys: vec![i as usize], in_dram: false, alone: true });
                 }
                 grants.retain(|(_, g)| !no_room(g));
             }
+            grants.append(&mut refused);
             let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
             // The client may keep this part while it waits for the next when this part alone
             // would not hold the next one up.
@@ -1523,7 +1526,8 @@ impl Connection<'_> {
     /// in the order `lease_each_streamed` leases them.
     fn stream_get(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<()> {
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
-        self.lease_each_streamed(&keys, |this, i, leased, leased_at| {
+        let misfit = |i: usize, len: u64| items[i].check.check(len).err();
+        self.lease_each_streamed(&keys, &misfit, |this, i, leased, leased_at| {
             this.send_leased(rid, i as u32, &items[i], leased, leased_at)
         })?;
         self.io.push_frame(Op::End, rid, &[]);
@@ -1539,6 +1543,7 @@ impl Connection<'_> {
     fn lease_each_streamed(
         &mut self,
         keys: &[&[u8]],
+        misfit: &dyn Fn(usize, u64) -> Option<StoreError>,
         mut send: impl FnMut(&mut Self, usize, Result<ObjectLease, StoreError>, Instant) -> WResult<()>,
     ) -> WResult<()> {
         let engine = Arc::clone(&self.shared.engine);
@@ -1563,18 +1568,28 @@ impl Connection<'_> {
         let window_ms = ttl_ms.saturating_sub(self.config().io_timeout_ms);
         let stale_after = Duration::from_millis(window_ms / 4);
         let part_keys: Vec<&[u8]> = loading.iter().map(|&i| keys[i]).collect();
-        let parts = shape_parts(engine.lease_parts(&part_keys), engine.shard_count());
-        // A part's leases, each with the key it answers and when it was taken. DRAM-resident
-        // (or missing) parts are not leased ahead: their keys are leased as they are sent.
-        let lease_part = |part: &kvtide::LeasePart| -> Option<Vec<LeasedItem>> {
+        let plan = engine.lease_parts(&part_keys, &|k, len| misfit(loading[k], len));
+        // Keys whose objects cannot fit their destinations: answered without a load.
+        for (k, e) in plan.refused {
+            send(self, loading[k], Err(e), Instant::now())?;
+        }
+        let parts = shape_parts(plan.parts, engine.shard_count());
+        // A part's leases, each with the key it answers, when it was asked for (the lease's
+        // TTL counts from there) and when it was granted (its wait for its turn counts from
+        // there). DRAM-resident (or missing) parts are not leased ahead: their keys are leased
+        // as they are sent.
+        let lease_part = |part: &Part| -> Option<Vec<LeasedItem>> {
             if part.in_dram {
                 return None;
             }
             let these: Vec<&[u8]> = part.keys.iter().map(|&k| part_keys[k]).collect();
             let leased_at = Instant::now();
             let leased = engine.lease_batch_progressive(&these, ttl_ms);
-            Some(part.keys.iter().zip(leased).map(|(&k, l)| (loading[k], l, leased_at)).collect())
+            let granted_at = Instant::now();
+            Some(part.keys.iter().zip(leased).map(|(&k, l)| (loading[k], l, leased_at, granted_at)).collect())
         };
+        // A key leased now, on its own.
+        let lease_now = |index: usize| (engine.lease_progressive(keys[index], ttl_ms), Instant::now());
         // Keys that found no room beside the parts held: leased alone at the end.
         let mut alone = Vec::new();
         let mut parts = parts.iter();
@@ -1582,22 +1597,26 @@ impl Connection<'_> {
         while let Some((part, leased)) = next.take() {
             // The next part loads while this one is sent.
             next = parts.next().map(|p| (p, lease_part(p)));
-            let Some(leased) = leased else {
-                for &k in &part.keys {
-                    let (index, leased_at) = (loading[k], Instant::now());
-                    send(self, index, engine.lease_progressive(keys[index], ttl_ms), leased_at)?;
-                }
-                continue;
+            let leased: Vec<LeasedItem> = match leased {
+                Some(leased) => leased,
+                None => part
+                    .keys
+                    .iter()
+                    .map(|&k| {
+                        let (leased, at) = lease_now(loading[k]);
+                        (loading[k], leased, at, at)
+                    })
+                    .collect(),
             };
-            for (index, leased, leased_at) in leased {
-                // A shard out of lease slots, or a lease taken so long ago (a slow reader) that
-                // a quarter of its sending window is gone: this key is leased again on its own.
-                let stale = leased_at.elapsed() > stale_after;
+            for (index, leased, leased_at, granted_at) in leased {
+                // A shard out of lease slots, or a lease granted so long ago (a slow reader)
+                // that a quarter of its sending window is gone: this key is leased again.
+                let stale = granted_at.elapsed() > stale_after;
                 let (leased, leased_at) = match leased {
-                    Err(StoreError::Busy { .. }) => (engine.lease_progressive(keys[index], ttl_ms), Instant::now()),
+                    Err(StoreError::Busy { .. }) => lease_now(index),
                     Ok(lease) if stale => {
                         drop(lease);
-                        (engine.lease_progressive(keys[index], ttl_ms), Instant::now())
+                        lease_now(index)
                     }
                     other => (other, leased_at),
                 };
@@ -1609,8 +1628,8 @@ impl Connection<'_> {
             }
         }
         for index in alone {
-            let leased_at = Instant::now();
-            send(self, index, engine.lease_progressive(keys[index], ttl_ms), leased_at)?;
+            let (leased, leased_at) = lease_now(index);
+            send(self, index, leased, leased_at)?;
         }
         Ok(())
     }
@@ -1706,7 +1725,7 @@ impl Connection<'_> {
         }
         let read: Vec<usize> = (0..keys.len()).filter(|&k| !by_key[k].is_empty()).collect();
         let read_keys: Vec<&[u8]> = read.iter().map(|&k| keys[k]).collect();
-        self.lease_each_streamed(&read_keys, |this, r, leased, leased_at| {
+        self.lease_each_streamed(&read_keys, &|_, _| None, |this, r, leased, leased_at| {
             let frags = &by_key[read[r]];
             let lease = match leased {
                 Ok(l) => l,
@@ -2050,36 +2069,52 @@ impl Drop for Permit<'_> {
     }
 }
 
-/// A streamed answer's key (its index), its lease or error, and when the lease was taken.
-type LeasedItem = (usize, Result<ObjectLease, StoreError>, Instant);
+/// A streamed answer's key (its index), its lease or error, when the lease was asked for and
+/// when it was granted.
+type LeasedItem = (usize, Result<ObjectLease, StoreError>, Instant, Instant);
 
 /// DRAM-resident keys of a `GetParts` leased per part at most: the first grants reach the
 /// client (which starts copying) while the owner leases the rest.
 const DRAM_PART_KEYS: usize = 256;
 
-/// The parts a `GetParts` is answered in, from the engine's restore plan (`lease_parts`): each
+/// A part a batch is answered in (`shape_parts`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Part {
+    /// Indices into the keys given to `lease_parts`.
+    keys: Vec<usize>,
+    /// DRAM-resident (or missing) keys: nothing to load.
+    in_dram: bool,
+    /// A key that found no room beside the parts held, leased again once nothing is held.
+    alone: bool,
+}
+
+/// The parts a batch is answered in, from the engine's restore plan (`lease_parts`): each
 /// DRAM-resident part cut into parts of at most `DRAM_PART_KEYS` keys, and the SSD-resident
-/// sub-batches (one shard's each, shards interleaved) joined `shards` at a time, so one part's
-/// lease loads on every shard side by side while the client copies the part before.
-fn shape_parts(parts: Vec<kvtide::LeasePart>, shards: usize) -> Vec<kvtide::LeasePart> {
-    let mut out: Vec<kvtide::LeasePart> = Vec::with_capacity(parts.len());
-    let mut joined = 0usize;
+/// sub-batches (one shard's each, shards interleaved) joined up to `shards` at a time, never two
+/// of one shard, so one part's lease loads on every shard side by side while the part before is
+/// sent or copied, and no shard holds more than one sub-batch per part.
+fn shape_parts(parts: Vec<kvtide::LeasePart>, shards: usize) -> Vec<Part> {
+    let mut out: Vec<Part> = Vec::with_capacity(parts.len());
+    // The shards of the SSD-resident part being joined (empty: none is).
+    let mut joined: Vec<usize> = Vec::new();
     for part in parts {
         if part.in_dram {
-            out.extend(
-                part.keys.chunks(DRAM_PART_KEYS).map(|keys| kvtide::LeasePart { keys: keys.to_vec(), in_dram: true }),
-            );
-            joined = 0;
+            out.extend(part.keys.chunks(DRAM_PART_KEYS).map(|keys| Part {
+                keys: keys.to_vec(),
+                in_dram: true,
+                alone: false,
+            }));
+            joined.clear();
             continue;
         }
         match out.last_mut() {
-            Some(last) if !last.in_dram && joined < shards.max(1) => {
+            Some(last) if !joined.is_empty() && joined.len() < shards.max(1) && !joined.contains(&part.shard) => {
                 last.keys.extend(part.keys);
-                joined += 1;
+                joined.push(part.shard);
             }
             _ => {
-                out.push(part);
-                joined = 1;
+                out.push(Part { keys: part.keys, in_dram: false, alone: false });
+                joined = vec![part.shard];
             }
         }
     }
@@ -2090,20 +2125,27 @@ fn shape_parts(parts: Vec<kvtide::LeasePart>, shards: usize) -> Vec<kvtide::Leas
 mod tests {
     use super::*;
 
-    fn part(keys: std::ops::Range<usize>, in_dram: bool) -> kvtide::LeasePart {
-        kvtide::LeasePart { keys: keys.collect(), in_dram }
+    fn part(keys: std::ops::Range<usize>, in_dram: bool, shard: usize) -> kvtide::LeasePart {
+        kvtide::LeasePart { keys: keys.collect(), in_dram, shard }
     }
 
     #[test]
     fn parts_cut_dram_and_join_ssd_sub_batches_per_shard_count() {
         let shaped = shape_parts(
-            vec![part(0..600, true), part(600..602, false), part(602..604, false), part(604..605, false)],
+            vec![part(0..600, true, 0), part(600..602, false, 0), part(602..604, false, 1), part(604..605, false, 0)],
             2,
         );
         let sizes: Vec<(usize, bool)> = shaped.iter().map(|p| (p.keys.len(), p.in_dram)).collect();
         assert_eq!(sizes, vec![(256, true), (256, true), (88, true), (4, false), (1, false)]);
         let all: Vec<usize> = shaped.iter().flat_map(|p| p.keys.iter().copied()).collect();
         assert_eq!(all, (0..605).collect::<Vec<_>>(), "every key once, in order");
-        assert!(shape_parts(vec![part(0..0, true)], 4).is_empty());
+        assert!(shape_parts(vec![part(0..0, true, 0)], 4).is_empty());
+        // Uneven shards: the tail of one shard's sub-batches is never joined two to a part.
+        let tail = shape_parts(
+            vec![part(0..1, false, 0), part(1..2, false, 1), part(2..3, false, 0), part(3..4, false, 0)],
+            2,
+        );
+        let keys: Vec<Vec<usize>> = tail.iter().map(|p| p.keys.clone()).collect();
+        assert_eq!(keys, vec![vec![0, 1], vec![2], vec![3]]);
     }
 }

@@ -1433,8 +1433,9 @@ fn a_streamed_get_to_a_reader_that_trickles_ends_within_the_io_timeout() {
 }
 
 /// A streamed batch of SSD-resident keys to a reader slower than the lease TTL: the keys of a
-/// part leased ahead are leased again when half their TTL went by before their turn, so every
-/// key still arrives whole (no `LeaseExpired` abort), and nothing stays held.
+/// part leased ahead are leased again when a quarter of their sending window (the TTL less the
+/// I/O timeout) went by before their turn, so every key still arrives whole (no `LeaseExpired`
+/// abort), and nothing stays held.
 #[test]
 fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
     let dir = temp_dir("slow-batch");
@@ -1452,7 +1453,7 @@ fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
             .expect("open store"),
     );
     let owner = guarded_owner(&engine, &dir, |c| {
-        c.lease_ttl_ms = 2_000;
+        c.lease_ttl_ms = 3_000;
         c.io_timeout_ms = 500;
         c.chunk_bytes = 64 << 10;
     });
@@ -1483,10 +1484,11 @@ fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
                     assert!(got == value_for(&key(i), i, len), "bytes of {i}");
                     whole += 1;
                 }
-                // About 0.75 s per object, half the window in which sends must start (the TTL
-                // less the I/O timeout, 1.5 s): one object leased at its turn is sent well
-                // within it, while the next part's leases, taken a part earlier, age past it.
-                std::thread::sleep(Duration::from_millis(94));
+                // About 1 s per object, against a window of 2.5 s in which sends must start
+                // (the TTL less the I/O timeout): an object leased at most 0.625 s before its
+                // turn is sent well within it, while the next part's leases, taken a part
+                // (two objects) earlier, age past it.
+                std::thread::sleep(Duration::from_millis(125));
             }
             Op::Abort | Op::Error => aborted += 1,
             Op::End => break,
@@ -1547,6 +1549,15 @@ fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
             assert!(bufs[i] == value_for(&keys[i], i as u64, len), "{name}: bytes of {i}");
         }
         wait_idle(&owner);
+        // Destinations that cannot hold them (none at all: how sizes are asked for): answered
+        // with the objects' sizes, and nothing loaded.
+        let loads = engine.stats().total.loads;
+        let none: Vec<Vec<Region<'_>>> = refs.iter().map(|_| Vec::new()).collect();
+        for r in client.batch_get_into_multi_buffers(&refs, &none) {
+            let mismatch = StoreError::SizeMismatch { object_bytes: len as u64, destination_bytes: 0 };
+            assert_eq!(r, Err(Error::Store(mismatch)), "{name}");
+        }
+        assert_eq!(engine.stats().total.loads, loads, "{name}: sizes asked for without a load");
     }
     drop(clients);
     let _ = std::fs::remove_dir_all(dir);

@@ -37,6 +37,16 @@ pub struct LeasePart {
     /// The part of DRAM-resident (and missing) keys: nothing to load, but leasing it pins
     /// DRAM that the loads of later parts may need.
     pub in_dram: bool,
+    /// The shard whose SSD-resident keys these are (0 for the DRAM-resident part).
+    pub shard: usize,
+}
+
+/// `Engine::lease_parts`' answer: the parts, and the keys refused without a load.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeasePlan {
+    pub parts: Vec<LeasePart>,
+    /// (index, error) of each SSD-resident key the caller's `misfit` refused.
+    pub refused: Vec<(usize, Error)>,
 }
 
 /// How a batch that touches the SSD is restored.
@@ -533,10 +543,13 @@ impl Engine {
     /// indices. The DRAM-resident and missing keys come first, as one part (`in_dram`); then
     /// each shard's SSD-resident keys in parts of about `target_bytes`, shards interleaved so
     /// their loads run side by side, each shard's share of a part at most a quarter of its DRAM
-    /// slice. Invalid keys go with the first part (their lease fails alone). A key whose lease
-    /// still finds no room beside the parts held (`NoSpace`) is worth one more try alone, once the
-    /// caller holds nothing, as the restore pipeline does.
-    pub fn lease_parts(&self, keys: &[&[u8]]) -> Vec<LeasePart> {
+    /// slice (or about `restore_sub_batch_bytes` where that is more, and one object over, since
+    /// a sub-batch closes once it passed its target). Invalid keys go with the first part (their
+    /// lease fails alone). An SSD-resident key whose object `misfit` (index, object length)
+    /// refuses is not planned: it is answered with that error, without a load. A key whose lease
+    /// still finds no room beside the parts held (`NoSpace`) is worth one more try once the
+    /// caller holds nothing, as the restore pipeline retries such keys after its sub-batches.
+    pub fn lease_parts(&self, keys: &[&[u8]], misfit: &dyn Fn(usize, u64) -> Option<Error>) -> LeasePlan {
         let mut invalid = Vec::new();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
@@ -552,23 +565,25 @@ impl Engine {
         // `ahead_bytes`), so the two leave half of it to make room in.
         opts.ahead_bytes = opts.ahead_bytes.min(self.arena.slice_bytes() as u64);
         // One key is one part: nothing to look up.
-        let mut parts: Vec<LeasePart> = if valid.len() <= 1 {
-            vec![LeasePart { keys: valid, in_dram: false }]
+        let (mut parts, refused) = if valid.len() <= 1 {
+            let shard = valid.first().map_or(0, |&i| self.shard_of(keys[i]));
+            (vec![LeasePart { keys: valid, in_dram: false, shard }], Vec::new())
         } else {
-            self.plan_restore_with(keys, &valid, &opts, true, &|_, _| None)
-                .0
+            let (planned, refused) = self.plan_restore_with(keys, &valid, &opts, true, misfit);
+            let parts = planned
                 .into_iter()
-                .map(|p| LeasePart { keys: p.keys, in_dram: p.dram })
-                .collect()
+                .map(|p| LeasePart { keys: p.keys, in_dram: p.dram, shard: if p.dram { 0 } else { p.shard } })
+                .collect();
+            (parts, refused)
         };
         parts.retain(|p| !p.keys.is_empty());
         if !invalid.is_empty() {
             match parts.first_mut() {
                 Some(first) => first.keys.extend(invalid),
-                None => parts.push(LeasePart { keys: invalid, in_dram: true }),
+                None => parts.push(LeasePart { keys: invalid, in_dram: true, shard: 0 }),
             }
         }
-        parts
+        LeasePlan { parts, refused }
     }
 
     /// Splits the valid keys into sub-batches: DRAM-resident keys first (one sub-batch, no

@@ -1391,6 +1391,9 @@ impl ShardCore {
 
 impl Drop for ShardCore {
     fn drop(&mut self) {
+        // Removes still waiting for their tombstones are dropped with the tier (their callers
+        // see the shard gone), so none waits any more.
+        self.counters.removes_awaiting_tombstone.store(0, RELAXED);
         // Readers on other threads may still be comparing keys under published leases: the
         // objects (their keys) must outlive those leases. Past the wait they are leaked instead.
         if !self.index.shut(SHUT_WAIT) {
