@@ -1590,7 +1590,8 @@ impl Connection<'_> {
         };
         // A key leased now, on its own.
         let lease_now = |index: usize| (engine.lease_progressive(keys[index], ttl_ms), Instant::now());
-        // Keys that found no room beside the parts held: leased alone at the end.
+        // Keys that found no room (or no lease slot) beside the parts held: leased alone at the
+        // end.
         let mut alone = Vec::new();
         let mut parts = parts.iter();
         let mut next = parts.next().map(|p| (p, lease_part(p)));
@@ -1609,18 +1610,18 @@ impl Connection<'_> {
                     .collect(),
             };
             for (index, leased, leased_at, granted_at) in leased {
-                // A shard out of lease slots, or a lease granted so long ago (a slow reader)
-                // that a quarter of its sending window is gone: this key is leased again.
+                // A lease granted so long ago (a slow reader) that a quarter of its sending
+                // window is gone: this key is leased again.
                 let stale = granted_at.elapsed() > stale_after;
                 let (leased, leased_at) = match leased {
-                    Err(StoreError::Busy { .. }) => lease_now(index),
                     Ok(lease) if stale => {
                         drop(lease);
                         lease_now(index)
                     }
                     other => (other, leased_at),
                 };
-                if matches!(leased, Err(StoreError::NoSpace)) {
+                // No room, or a shard out of lease slots, beside what this request holds.
+                if matches!(leased, Err(StoreError::NoSpace | StoreError::Busy { .. })) {
                     alone.push(index);
                     continue;
                 }

@@ -1563,6 +1563,50 @@ fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A shard with two lease slots: a streamed batch's parts get `Busy` for most of their keys;
+/// those are leased again alone at the end, so every key still arrives.
+#[test]
+fn a_streamed_batch_beyond_the_shards_lease_slots_reads_every_key() {
+    let dir = temp_dir("few-leases");
+    let engine = Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(8 << 20)
+            .shards(1)
+            .max_leases_per_shard(2)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .ssd_bytes(64 << 20)
+            .ssd_segment_bytes(8 << 20)
+            .simulated_ssd(13, kvtide::SimFaults::default())
+            .promote_on_hit(false)
+            .open()
+            .expect("open store"),
+    );
+    let owner = owner(&engine, &dir, any_port());
+    let len = 256 << 10;
+    let key = |i: u64| format!("few/{i}").into_bytes();
+    for i in 0..48u64 {
+        engine.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    engine.sync_shards().expect("sync");
+    // The first sixteen are on SSD only.
+    let keys: Vec<Vec<u8>> = (0..16u64).map(key).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let tcp = tcp_client(&owner);
+    let mut bufs: Vec<Vec<u8>> = (0..16).map(|_| vec![0u8; len]).collect();
+    let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
+    let got = tcp.batch_get_into(&refs, &dsts);
+    drop(dsts);
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(r, &Ok(len), "key {i}");
+        assert!(bufs[i] == value_for(&keys[i], i as u64, len), "bytes of {i}");
+    }
+    drop(tcp);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn hello_frame() -> Vec<u8> {
     let mut p = Vec::new();
     Hello { client_nonce: [7; NONCE_BYTES], flags: 0 }.encode(&mut p);
