@@ -229,6 +229,11 @@ fn batch_get_into_larger_buffers_restores_through_the_pipeline() {
             _ => assert_eq!(r, &Err(Error::SizeMismatch { object_bytes: len as u64, destination_bytes: 0 }), "key {i}"),
         }
     }
+    // One key at a time too.
+    for i in 0..refs.len() {
+        let one = store.batch_get_into_multi_buffers(&refs[i..=i], &none[i..=i]);
+        assert_eq!(one[0].is_err(), true, "key {i}");
+    }
     assert_eq!(store.stats().total.loads, loads, "no load for a key that cannot fit");
     assert_idle(&store);
 }

@@ -1306,7 +1306,14 @@ impl Connection<'_> {
         self.count_batch(items.len());
         let engine = Arc::clone(&self.shared.engine);
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
-        let plan = engine.lease_parts(&keys, &|i, len| items[i].check.check(len).err());
+        // One key is planned (asked where it lives) only when it is a size query: an item with
+        // no room, answered without a load.
+        let misfit = |i: usize, len: u64| items[i].check.check(len).err();
+        let probe = matches!(items, [item] if matches!(item.check, LenCheck::Exactly(0) | LenCheck::AtMost(0)));
+        let plan = engine.lease_parts(
+            &keys,
+            (items.len() > 1 || probe).then_some(&misfit as &dyn Fn(usize, u64) -> Option<StoreError>),
+        );
         // A key that finds no room beside the parts held is leased again at the end, in a part
         // of its own (`alone`) once the client holds nothing.
         let mut parts = shape_parts(plan.parts, engine.shard_count());
@@ -1527,7 +1534,7 @@ impl Connection<'_> {
     fn stream_get(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<()> {
         let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
         let misfit = |i: usize, len: u64| items[i].check.check(len).err();
-        self.lease_each_streamed(&keys, &misfit, |this, i, leased, leased_at| {
+        self.lease_each_streamed(&keys, Some(&misfit), |this, i, leased, leased_at| {
             this.send_leased(rid, i as u32, &items[i], leased, leased_at)
         })?;
         self.io.push_frame(Op::End, rid, &[]);
@@ -1543,41 +1550,59 @@ impl Connection<'_> {
     fn lease_each_streamed(
         &mut self,
         keys: &[&[u8]],
-        misfit: &dyn Fn(usize, u64) -> Option<StoreError>,
-        mut send: impl FnMut(&mut Self, usize, Result<ObjectLease, StoreError>, Instant) -> WResult<()>,
+        misfit: Option<&dyn Fn(usize, u64) -> Option<StoreError>>,
+        mut send: impl FnMut(&mut Self, usize, &Result<ObjectLease, StoreError>, Instant) -> WResult<()>,
     ) -> WResult<()> {
         let engine = Arc::clone(&self.shared.engine);
         let ttl_ms = u64::from(self.config().lease_ttl_ms);
-        let mut loading = Vec::new();
+        // The keys to load, each once (a key asked for twice is leased once): the first index
+        // of each, and every index that asked for it.
+        let mut loading: Vec<usize> = Vec::new();
+        let mut asked: Vec<Vec<usize>> = Vec::new();
+        let mut seen: HashMap<&[u8], usize> = HashMap::new();
         for (index, key) in keys.iter().enumerate() {
             let leased_at = Instant::now();
             let leased = match engine.lease_resident(key, ttl_ms) {
                 Some(leased) => leased,
-                None if keys.len() > 1 => {
-                    loading.push(index);
+                // One key with nothing to refuse is leased at once; others are planned.
+                None if keys.len() == 1 && misfit.is_none() => engine.lease_progressive(key, ttl_ms),
+                None => {
+                    match seen.entry(*key) {
+                        std::collections::hash_map::Entry::Occupied(at) => asked[*at.get()].push(index),
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(loading.len());
+                            loading.push(index);
+                            asked.push(vec![index]);
+                        }
+                    }
                     continue;
                 }
-                None => engine.lease_progressive(key, ttl_ms),
             };
-            send(self, index, leased, leased_at)?;
+            send(self, index, &leased, leased_at)?;
         }
         if loading.is_empty() {
             return Ok(());
         }
+        // Every index that asked for the key planned at `k`, answered with one lease.
+        let mut answer = |this: &mut Self, k: usize, leased: Result<ObjectLease, StoreError>, leased_at: Instant| {
+            asked[k].iter().try_for_each(|&index| send(this, index, &leased, leased_at))
+        };
         // Chunk sends must start before the TTL less the I/O timeout (`stream_chunks`).
         let window_ms = ttl_ms.saturating_sub(self.config().io_timeout_ms);
         let stale_after = Duration::from_millis(window_ms / 4);
         let part_keys: Vec<&[u8]> = loading.iter().map(|&i| keys[i]).collect();
-        let plan = engine.lease_parts(&part_keys, &|k, len| misfit(loading[k], len));
+        let refuse = misfit.map(|m| move |k: usize, len: u64| m(loading[k], len));
+        let plan =
+            engine.lease_parts(&part_keys, refuse.as_ref().map(|r| r as &dyn Fn(usize, u64) -> Option<StoreError>));
         // Keys whose objects cannot fit their destinations: answered without a load.
         for (k, e) in plan.refused {
-            send(self, loading[k], Err(e), Instant::now())?;
+            answer(self, k, Err(e), Instant::now())?;
         }
         let parts = shape_parts(plan.parts, engine.shard_count());
-        // A part's leases, each with the key it answers, when it was asked for (the lease's
-        // TTL counts from there) and when it was granted (its wait for its turn counts from
-        // there). DRAM-resident (or missing) parts are not leased ahead: their keys are leased
-        // as they are sent.
+        // A part's leases, each with the key it answers (its place in `loading`), when it was
+        // asked for (the lease's TTL counts from there) and when it was granted (its wait for
+        // its turn counts from there). DRAM-resident (or missing) parts are not leased ahead:
+        // their keys are leased as they are sent.
         let lease_part = |part: &Part| -> Option<Vec<LeasedItem>> {
             if part.in_dram {
                 return None;
@@ -1586,10 +1611,10 @@ impl Connection<'_> {
             let leased_at = Instant::now();
             let leased = engine.lease_batch_progressive(&these, ttl_ms);
             let granted_at = Instant::now();
-            Some(part.keys.iter().zip(leased).map(|(&k, l)| (loading[k], l, leased_at, granted_at)).collect())
+            Some(part.keys.iter().zip(leased).map(|(&k, l)| (k, l, leased_at, granted_at)).collect())
         };
         // A key leased now, on its own.
-        let lease_now = |index: usize| (engine.lease_progressive(keys[index], ttl_ms), Instant::now());
+        let lease_now = |k: usize| (engine.lease_progressive(part_keys[k], ttl_ms), Instant::now());
         // Keys that found no room (or no lease slot) beside the parts held: leased alone at the
         // end.
         let mut alone = Vec::new();
@@ -1604,61 +1629,62 @@ impl Connection<'_> {
                     .keys
                     .iter()
                     .map(|&k| {
-                        let (leased, at) = lease_now(loading[k]);
-                        (loading[k], leased, at, at)
+                        let (leased, at) = lease_now(k);
+                        (k, leased, at, at)
                     })
                     .collect(),
             };
-            for (index, leased, leased_at, granted_at) in leased {
+            for (k, leased, leased_at, granted_at) in leased {
                 // A lease granted so long ago (a slow reader) that a quarter of its sending
                 // window is gone: this key is leased again.
                 let stale = granted_at.elapsed() > stale_after;
                 let (leased, leased_at) = match leased {
                     Ok(lease) if stale => {
                         drop(lease);
-                        lease_now(index)
+                        lease_now(k)
                     }
                     other => (other, leased_at),
                 };
                 // No room, or a shard out of lease slots, beside what this request holds.
                 if matches!(leased, Err(StoreError::NoSpace | StoreError::Busy { .. })) {
-                    alone.push(index);
+                    alone.push(k);
                     continue;
                 }
-                send(self, index, leased, leased_at)?;
+                answer(self, k, leased, leased_at)?;
             }
         }
-        for index in alone {
-            let (leased, leased_at) = lease_now(index);
-            send(self, index, leased, leased_at)?;
+        for k in alone {
+            let (leased, leased_at) = lease_now(k);
+            answer(self, k, leased, leased_at)?;
         }
         Ok(())
     }
 
-    /// One item of a streamed `Get`: its `Object` frame and bytes, or its `Error`. The lease is
-    /// given back once every byte is in the write buffer or on the socket.
+    /// One item of a streamed `Get`: its `Object` frame and bytes, or its `Error`. Every byte is
+    /// in the write buffer or on the socket when it returns (the caller then drops the lease).
     fn send_leased(
         &mut self,
         rid: u64,
         index: u32,
         item: &GetItem<'_>,
-        leased: Result<ObjectLease, StoreError>,
+        leased: &Result<ObjectLease, StoreError>,
         leased_at: Instant,
     ) -> WResult<()> {
-        let lease = match leased.and_then(|lease| item.check.check(lease.len()).map(|()| lease)) {
-            Ok(lease) => lease,
-            Err(e) => {
-                self.push_error(Op::Error, rid, index, &e.into());
-                return Ok(());
-            }
-        };
+        let lease =
+            match leased.as_ref().map_err(Clone::clone).and_then(|lease| item.check.check(lease.len()).map(|()| lease))
+            {
+                Ok(lease) => lease,
+                Err(e) => {
+                    self.push_error(Op::Error, rid, index, &e.into());
+                    return Ok(());
+                }
+            };
         let start = self.io.begin(Op::Object, rid);
         encode_object(self.io.out(), index, lease.len());
         self.io.end(start);
         // Sent in order: an SSD-resident object's frames go out as its load's checked front
         // passes them.
-        self.stream_bytes(rid, index, &lease, leased_at, 0, lease.len())?;
-        drop(lease);
+        self.stream_bytes(rid, index, lease, leased_at, 0, lease.len())?;
         if self.io.pending_out() >= FLUSH_BYTES {
             self.io.flush()?;
         }
@@ -1726,12 +1752,12 @@ impl Connection<'_> {
         }
         let read: Vec<usize> = (0..keys.len()).filter(|&k| !by_key[k].is_empty()).collect();
         let read_keys: Vec<&[u8]> = read.iter().map(|&k| keys[k]).collect();
-        self.lease_each_streamed(&read_keys, &|_, _| None, |this, r, leased, leased_at| {
+        self.lease_each_streamed(&read_keys, None, |this, r, leased, leased_at| {
             let frags = &by_key[read[r]];
             let lease = match leased {
                 Ok(l) => l,
                 Err(e) => {
-                    let e = Error::from(e);
+                    let e = Error::from(e.clone());
                     frags.iter().for_each(|&fi| this.push_error(Op::Error, rid, fi as u32, &e));
                     return Ok(());
                 }
@@ -1745,7 +1771,7 @@ impl Connection<'_> {
                 let start = this.io.begin(Op::Object, rid);
                 encode_object(this.io.out(), fi as u32, f.len);
                 this.io.end(start);
-                this.stream_bytes(rid, fi as u32, &lease, leased_at, f.src_offset, f.len)?;
+                this.stream_bytes(rid, fi as u32, lease, leased_at, f.src_offset, f.len)?;
                 if this.io.pending_out() >= FLUSH_BYTES {
                     this.io.flush()?;
                 }
@@ -2070,8 +2096,8 @@ impl Drop for Permit<'_> {
     }
 }
 
-/// A streamed answer's key (its index), its lease or error, when the lease was asked for and
-/// when it was granted.
+/// A streamed answer's key (its place among the keys planned), its lease or error, when the
+/// lease was asked for and when it was granted.
 type LeasedItem = (usize, Result<ObjectLease, StoreError>, Instant, Instant);
 
 /// DRAM-resident keys of a `GetParts` leased per part at most: the first grants reach the

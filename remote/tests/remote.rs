@@ -1553,13 +1553,59 @@ fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
         // with the objects' sizes, and nothing loaded.
         let loads = engine.stats().total.loads;
         let none: Vec<Vec<Region<'_>>> = refs.iter().map(|_| Vec::new()).collect();
+        let mismatch = StoreError::SizeMismatch { object_bytes: len as u64, destination_bytes: 0 };
         for r in client.batch_get_into_multi_buffers(&refs, &none) {
-            let mismatch = StoreError::SizeMismatch { object_bytes: len as u64, destination_bytes: 0 };
-            assert_eq!(r, Err(Error::Store(mismatch)), "{name}");
+            assert_eq!(r, Err(Error::Store(mismatch.clone())), "{name}");
+        }
+        // One key at a time too.
+        for i in 0..refs.len() {
+            let one = client.batch_get_into_multi_buffers(&refs[i..=i], &none[i..=i]);
+            assert_eq!(one, vec![Err(Error::Store(mismatch.clone()))], "{name}: key {i} alone");
         }
         assert_eq!(engine.stats().total.loads, loads, "{name}: sizes asked for without a load");
     }
     drop(clients);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Ranges of one large SSD-resident object in two buffers (the key twice in one streamed
+/// `GetRanges`): the owner leases the key once for both, where two leases would load it twice
+/// into a DRAM slice that holds one copy.
+#[test]
+fn streamed_ranges_of_one_large_object_in_two_buffers_load_it_once() {
+    let dir = temp_dir("twice");
+    let engine = Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(16 << 20)
+            .shards(1)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .ssd_bytes(96 << 20)
+            .ssd_segment_bytes(16 << 20)
+            .simulated_ssd(17, kvtide::SimFaults::default())
+            .promote_on_hit(false)
+            .open()
+            .expect("open store"),
+    );
+    let owner = owner(&engine, &dir, any_port());
+    let len = 10 << 20;
+    let value = value_for(b"big", 1, len);
+    engine.put(b"big", &value, PutOptions::INSERT).expect("put");
+    engine.put(b"filler", &vec![3u8; 12 << 20], PutOptions::INSERT).expect("filler");
+    engine.sync_shards().expect("sync");
+    let half = (len / 2) as u64;
+    let frags =
+        vec![vec![Fragment::new(b"big".to_vec(), 0, 0, half)], vec![Fragment::new(b"big".to_vec(), half, 0, half)]];
+    for (name, client) in [("tcp", tcp_client(&owner)), ("unix+shm", unix_client(&owner))] {
+        let (mut a, mut b) = (vec![0u8; len / 2], vec![0u8; len / 2]);
+        let loads = engine.stats().total.loads;
+        let got = client.get_into_ranges(&[Region::host(&mut a), Region::host(&mut b)], &frags);
+        assert_eq!(got, vec![vec![Ok(len / 2)], vec![Ok(len / 2)]], "{name}");
+        assert!(a[..] == value[..len / 2] && b[..] == value[len / 2..], "{name}: bytes");
+        assert_eq!(engine.stats().total.loads, loads + 1, "{name}: loaded once");
+        wait_idle(&owner);
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

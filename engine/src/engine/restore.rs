@@ -549,7 +549,8 @@ impl Engine {
     /// refuses is not planned: it is answered with that error, without a load. A key whose lease
     /// still finds no room beside the parts held (`NoSpace`) is worth one more try once the
     /// caller holds nothing, as the restore pipeline retries such keys after its sub-batches.
-    pub fn lease_parts(&self, keys: &[&[u8]], misfit: &dyn Fn(usize, u64) -> Option<Error>) -> LeasePlan {
+    /// With no `misfit`, a single key is one part without asking where it lives.
+    pub fn lease_parts(&self, keys: &[&[u8]], misfit: Option<&dyn Fn(usize, u64) -> Option<Error>>) -> LeasePlan {
         let mut invalid = Vec::new();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
@@ -564,12 +565,12 @@ impl Engine {
         // sub-batch stays within a quarter of its slice (`sub_batch_size` caps at a quarter of
         // `ahead_bytes`), so the two leave half of it to make room in.
         opts.ahead_bytes = opts.ahead_bytes.min(self.arena.slice_bytes() as u64);
-        // One key is one part: nothing to look up.
-        let (mut parts, refused) = if valid.len() <= 1 {
+        // One key is one part: nothing to look up unless it may be refused.
+        let (mut parts, refused) = if valid.len() <= 1 && misfit.is_none() {
             let shard = valid.first().map_or(0, |&i| self.shard_of(keys[i]));
             (vec![LeasePart { keys: valid, in_dram: false, shard }], Vec::new())
         } else {
-            let (planned, refused) = self.plan_restore_with(keys, &valid, &opts, true, misfit);
+            let (planned, refused) = self.plan_restore_with(keys, &valid, &opts, true, misfit.unwrap_or(&|_, _| None));
             let parts = planned
                 .into_iter()
                 .map(|p| LeasePart { keys: p.keys, in_dram: p.dram, shard: if p.dram { 0 } else { p.shard } })

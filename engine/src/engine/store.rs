@@ -261,7 +261,10 @@ impl Engine {
     /// A batch read of `want` of each object into its list (one list per key, checked by the
     /// caller): batches that may touch the SSD are restored in pipelined sub-batches.
     fn batch_read(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>], want: Want) -> Vec<Result<usize>> {
-        if self.config.ssd.is_some() && self.config.restore_pipeline && keys.len() > 1 {
+        // A key with no destination asks for its size: the pipeline answers that from where the
+        // key lives, without loading it from SSD.
+        let probe = dsts.iter().any(Vec::is_empty);
+        if self.config.ssd.is_some() && self.config.restore_pipeline && (keys.len() > 1 || probe) {
             return self.restore_batch_wanting(keys, dsts, &self.restore_options(), want).results;
         }
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
