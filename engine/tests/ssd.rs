@@ -293,3 +293,33 @@ fn an_unset_shard_count_adopts_the_directorys() {
     assert!(e.to_string().contains("unset to adopt"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A load still running when a read finds no room waits for it: the loaded object (leased by
+/// nobody once a progressive reader dropped its lease early) is freed when its load ends, and
+/// the read then gets its room, where it used to get `NoSpace` at once.
+#[test]
+fn a_read_that_finds_no_room_waits_for_loads_in_flight() {
+    let store = StoreBuilder::new()
+        .dram_bytes(4 << 20)
+        .shards(1)
+        .pin_threads(false)
+        .idle_spin_us(10)
+        .ssd_bytes(64 << 20)
+        .ssd_segment_bytes(16 << 20)
+        .simulated_ssd(3, kvtide::SimFaults { us_per_mib: 100_000, ..kvtide::SimFaults::default() })
+        .promote_on_hit(false)
+        .open()
+        .expect("open");
+    let len = 3 << 20;
+    for i in 0..3u64 {
+        store.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    store.sync_shards().expect("sync");
+    // key 0 is on SSD only; its load takes about 0.3 s. A reader that only wanted its start
+    // gives the lease back at once, while the load goes on.
+    let early = store.lease_progressive(&key(0), 60_000).expect("progressive lease");
+    drop(early);
+    // key 1 (on SSD too) cannot fit beside the running load.
+    assert_eq!(store.get(&key(1)).expect("read once the load ended"), value_for(&key(1), 1, len));
+    assert_idle(&store);
+}

@@ -944,7 +944,9 @@ impl ShardCore {
     }
 
     /// Allocates `bytes`, evicting clean victims and starting demotions of dirty ones. `None`
-    /// means: wait, in-flight demotions will free enough.
+    /// means: wait, in-flight demotions will free enough, or in-flight loads may (each load's
+    /// end retries the waiters; once none is in flight, a request that still finds no room
+    /// gets `NoSpace`).
     fn allocate_or_wait(&mut self, bytes: u64) -> Result<Option<Allocation>> {
         self.demotion_waiting = false;
         loop {
@@ -955,7 +957,8 @@ impl ShardCore {
                 return Ok(None);
             }
             if !self.evict_one() {
-                if self.demoting_bytes > 0 || (self.demotion_waiting && self.ssd_space_coming()) {
+                let coming = self.demoting_bytes > 0 || (self.demotion_waiting && self.ssd_space_coming());
+                if coming || self.loads_in_flight() {
                     return Ok(None);
                 }
                 self.counters.no_space.fetch_add(1, RELAXED);

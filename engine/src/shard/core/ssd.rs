@@ -646,6 +646,12 @@ impl ShardCore {
         self.ssd.as_ref().is_some_and(|s| s.space_coming())
     }
 
+    /// Loads are reading into DRAM now: when each ends, its object becomes evictable (or its
+    /// buffer is freed) unless a reader still holds it.
+    pub(super) fn loads_in_flight(&self) -> bool {
+        self.ssd.as_ref().is_some_and(|s| !s.loads_by_object.is_empty())
+    }
+
     /// Write-through: the commit's result waits for the record to be durable (and, when the tier
     /// has no room yet, for a reclaim to make some).
     pub(super) fn write_through_record(&mut self, id: u32, pending: usize, slot: usize) {
