@@ -85,6 +85,49 @@ fn tcp_client(owner: &Owner) -> RemoteStore {
     store
 }
 
+/// A Unix-socket client that does not map the arena: values come through the socket.
+fn unix_stream_client(owner: &Owner) -> RemoteStore {
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let store = RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() })
+        .expect("connect unix without shared memory");
+    assert!(!store.uses_shared_memory());
+    store
+}
+
+/// One shard over `dram_bytes` and a simulated SSD of eight times that (`seed`, `faults`),
+/// further set by `tune`.
+fn sim_ssd_engine(
+    dram_bytes: u64,
+    seed: u64,
+    faults: kvtide::SimFaults,
+    tune: impl FnOnce(StoreBuilder) -> StoreBuilder,
+) -> Arc<Engine> {
+    let builder = StoreBuilder::new()
+        .dram_bytes(dram_bytes)
+        .shards(1)
+        .pin_threads(false)
+        .idle_spin_us(20)
+        .register_fixed_buffers(false)
+        .ssd_bytes(8 * dram_bytes)
+        .ssd_segment_bytes(dram_bytes)
+        .simulated_ssd(seed, faults);
+    Arc::new(tune(builder).open().expect("open store"))
+}
+
+/// `batch_get_into` of `keys` (object i written as `value_for(key, i, len)`) through `store`
+/// into buffers of `len` bytes: every result and every byte checked.
+fn assert_batch_get_into(what: &str, store: &RemoteStore, keys: &[Vec<u8>], len: usize) {
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
+    let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
+    let got = store.batch_get_into(&refs, &dsts);
+    drop(dsts);
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(r, &Ok(len), "{what}: key {i}");
+        assert!(bufs[i] == value_for(&keys[i], i as u64, len), "{what}: bytes of {i}");
+    }
+}
+
 /// Waits until the engine holds no lease and the owner no outstanding lease.
 fn wait_idle(owner: &Owner) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -342,10 +385,7 @@ fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
     let dir3 = temp_dir("every-op-unix-stream");
     let stream_engine = engine(64 << 20);
     let stream_owner = owner(&stream_engine, &dir3, any_port());
-    let path = stream_owner.unix_path().expect("unix").display().to_string();
-    let streamed =
-        RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect");
-    assert!(!streamed.uses_shared_memory());
+    let streamed = unix_stream_client(&stream_owner);
     assert_same("unix stream", &expected, &script(&streamed));
     wait_idle(&stream_owner);
     for d in [dir, dir2, dir3] {
@@ -1439,19 +1479,7 @@ fn a_streamed_get_to_a_reader_that_trickles_ends_within_the_io_timeout() {
 #[test]
 fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
     let dir = temp_dir("slow-batch");
-    let engine = Arc::new(
-        StoreBuilder::new()
-            .dram_bytes(8 << 20)
-            .shards(1)
-            .pin_threads(false)
-            .idle_spin_us(20)
-            .register_fixed_buffers(false)
-            .ssd_bytes(64 << 20)
-            .ssd_segment_bytes(8 << 20)
-            .simulated_ssd(5, kvtide::SimFaults::default())
-            .open()
-            .expect("open store"),
-    );
+    let engine = sim_ssd_engine(8 << 20, 5, kvtide::SimFaults::default(), |b| b);
     let owner = guarded_owner(&engine, &dir, |c| {
         c.lease_ttl_ms = 3_000;
         c.io_timeout_ms = 500;
@@ -1469,33 +1497,17 @@ fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
     raw.handshake(false);
     let items = keys.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
     raw.request(&Request::Get { lease: false, items }, 1);
-    let (mut whole, mut aborted, mut current, mut got) = (0, 0, None, Vec::new());
-    loop {
-        let (h, payload) = raw.recv().expect("a frame");
-        match h.op {
-            Op::Object => {
-                current = Some(u64::from(decode_object(&payload).expect("object").0));
-                got.clear();
-            }
-            Op::Data => {
-                got.extend_from_slice(&payload);
-                let i = current.expect("data after an object");
-                if got.len() == len {
-                    assert!(got == value_for(&key(i), i, len), "bytes of {i}");
-                    whole += 1;
-                }
-                // About 1 s per object, against a window of 2.5 s in which sends must start
-                // (the TTL less the I/O timeout): an object leased at most 0.625 s before its
-                // turn is sent well within it, while the next part's leases, taken a part
-                // (two objects) earlier, age past it.
-                std::thread::sleep(Duration::from_millis(125));
-            }
-            Op::Abort | Op::Error => aborted += 1,
-            Op::End => break,
-            other => panic!("unexpected {other:?}"),
-        }
+    // About 1 s per object (64 KiB frames), against a window of 2.5 s in which sends must start
+    // (the TTL less the I/O timeout): an object leased at most 0.625 s before its turn is sent
+    // well within it, while the next part's leases, taken a part (two objects) earlier, age
+    // past it.
+    let answer = read_streamed(&mut raw, |_| {}, || std::thread::sleep(Duration::from_millis(125)));
+    assert_eq!(answer.failed, 0, "no key aborted");
+    assert_eq!(answer.indices(), (0..8).collect::<Vec<u32>>(), "every key once");
+    for (i, bytes) in &answer.objects {
+        let i = u64::from(*i);
+        assert!(*bytes == value_for(&key(i), i, len), "bytes of {i}");
     }
-    assert_eq!((whole, aborted), (8, 0), "every key whole, none aborted");
     drop(raw);
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
@@ -1508,20 +1520,7 @@ fn a_streamed_batch_to_a_slow_reader_leases_again_what_waited_too_long() {
 #[test]
 fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
     let dir = temp_dir("no-room");
-    let engine = Arc::new(
-        StoreBuilder::new()
-            .dram_bytes(8 << 20)
-            .shards(1)
-            .pin_threads(false)
-            .idle_spin_us(20)
-            .register_fixed_buffers(false)
-            .ssd_bytes(64 << 20)
-            .ssd_segment_bytes(8 << 20)
-            .simulated_ssd(11, kvtide::SimFaults::default())
-            .promote_on_hit(false)
-            .open()
-            .expect("open store"),
-    );
+    let engine = sim_ssd_engine(8 << 20, 11, kvtide::SimFaults::default(), |b| b.promote_on_hit(false));
     let owner = owner(&engine, &dir, any_port());
     let len = (5 << 20) / 2;
     let key = |i: u64| format!("room/{i}").into_bytes();
@@ -1533,21 +1532,10 @@ fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
     engine.sync_shards().expect("sync");
     let keys: Vec<Vec<u8>> = (0..4u64).map(key).collect();
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    let streamed = RemoteStore::connect_with(
-        owner.unix_path().expect("unix").to_str().expect("path"),
-        ClientOptions { shared_memory: false, ..options() },
-    )
-    .expect("connect");
-    let clients = [("unix+shm", unix_client(&owner)), ("tcp", tcp_client(&owner)), ("unix stream", streamed)];
+    let clients =
+        [("unix+shm", unix_client(&owner)), ("tcp", tcp_client(&owner)), ("unix stream", unix_stream_client(&owner))];
     for (name, client) in &clients {
-        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; len]).collect();
-        let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
-        let got = client.batch_get_into(&refs, &dsts);
-        drop(dsts);
-        for (i, r) in got.iter().enumerate() {
-            assert_eq!(r, &Ok(len), "{name}: key {i}");
-            assert!(bufs[i] == value_for(&keys[i], i as u64, len), "{name}: bytes of {i}");
-        }
+        assert_batch_get_into(name, client, &keys, len);
         wait_idle(&owner);
         // Destinations that cannot hold them (none at all: how sizes are asked for): answered
         // with the objects' sizes, and nothing loaded.
@@ -1574,20 +1562,7 @@ fn batch_keys_that_find_no_room_beside_a_held_part_are_read_alone() {
 #[test]
 fn streamed_ranges_of_one_large_object_in_two_buffers_load_it_once() {
     let dir = temp_dir("twice");
-    let engine = Arc::new(
-        StoreBuilder::new()
-            .dram_bytes(16 << 20)
-            .shards(1)
-            .pin_threads(false)
-            .idle_spin_us(20)
-            .register_fixed_buffers(false)
-            .ssd_bytes(96 << 20)
-            .ssd_segment_bytes(16 << 20)
-            .simulated_ssd(17, kvtide::SimFaults::default())
-            .promote_on_hit(false)
-            .open()
-            .expect("open store"),
-    );
+    let engine = sim_ssd_engine(16 << 20, 17, kvtide::SimFaults::default(), |b| b.promote_on_hit(false));
     let owner = owner(&engine, &dir, any_port());
     let len = 10 << 20;
     let value = value_for(b"big", 1, len);
@@ -1614,21 +1589,8 @@ fn streamed_ranges_of_one_large_object_in_two_buffers_load_it_once() {
 #[test]
 fn a_streamed_batch_beyond_the_shards_lease_slots_reads_every_key() {
     let dir = temp_dir("few-leases");
-    let engine = Arc::new(
-        StoreBuilder::new()
-            .dram_bytes(8 << 20)
-            .shards(1)
-            .max_leases_per_shard(2)
-            .pin_threads(false)
-            .idle_spin_us(20)
-            .register_fixed_buffers(false)
-            .ssd_bytes(64 << 20)
-            .ssd_segment_bytes(8 << 20)
-            .simulated_ssd(13, kvtide::SimFaults::default())
-            .promote_on_hit(false)
-            .open()
-            .expect("open store"),
-    );
+    let engine =
+        sim_ssd_engine(8 << 20, 13, kvtide::SimFaults::default(), |b| b.max_leases_per_shard(2).promote_on_hit(false));
     let owner = owner(&engine, &dir, any_port());
     let len = 256 << 10;
     let key = |i: u64| format!("few/{i}").into_bytes();
@@ -1638,19 +1600,49 @@ fn a_streamed_batch_beyond_the_shards_lease_slots_reads_every_key() {
     engine.sync_shards().expect("sync");
     // The first sixteen are on SSD only.
     let keys: Vec<Vec<u8>> = (0..16u64).map(key).collect();
-    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    let tcp = tcp_client(&owner);
-    let mut bufs: Vec<Vec<u8>> = (0..16).map(|_| vec![0u8; len]).collect();
-    let dsts: Vec<Region<'_>> = bufs.iter_mut().map(|b| Region::host(b)).collect();
-    let got = tcp.batch_get_into(&refs, &dsts);
-    drop(dsts);
-    for (i, r) in got.iter().enumerate() {
-        assert_eq!(r, &Ok(len), "key {i}");
-        assert!(bufs[i] == value_for(&keys[i], i as u64, len), "bytes of {i}");
-    }
-    drop(tcp);
+    assert_batch_get_into("tcp", &tcp_client(&owner), &keys, len);
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A streamed answer as a raw reader saw it: each `Object`'s index and bytes, in arrival order,
+/// and how many `Error` and `Abort` frames came.
+struct Streamed {
+    objects: Vec<(u32, Vec<u8>)>,
+    failed: usize,
+}
+
+impl Streamed {
+    /// The indices answered with an object, sorted.
+    fn indices(&self) -> Vec<u32> {
+        let mut indices: Vec<u32> = self.objects.iter().map(|(i, _)| *i).collect();
+        indices.sort_unstable();
+        indices
+    }
+}
+
+/// Reads a streamed `Get` or `GetRanges` answer up to `End`: `at_object` runs as each `Object`
+/// frame arrives (before its bytes), `after_data` after each `Data` frame (a slow reader waits
+/// there).
+fn read_streamed(raw: &mut Raw, mut at_object: impl FnMut(u32), mut after_data: impl FnMut()) -> Streamed {
+    let mut answer = Streamed { objects: Vec::new(), failed: 0 };
+    loop {
+        let (h, payload) = raw.recv().expect("a frame");
+        match h.op {
+            Op::Object => {
+                let (index, _) = decode_object(&payload).expect("object");
+                at_object(index);
+                answer.objects.push((index, Vec::new()));
+            }
+            Op::Data => {
+                answer.objects.last_mut().expect("data after an object").1.extend_from_slice(&payload);
+                after_data();
+            }
+            Op::Abort | Op::Error => answer.failed += 1,
+            Op::End => return answer,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
 }
 
 fn hello_frame() -> Vec<u8> {
@@ -1913,8 +1905,7 @@ fn progressive_and_streaming_reads_through_the_owner() {
     let unix = unix_client(&owner);
     let tcp = tcp_client(&owner);
     let path = owner.unix_path().expect("unix").display().to_string();
-    let streamed =
-        RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect");
+    let streamed = unix_stream_client(&owner);
     let len = (5 << 20) + 11;
     let value = value_for(b"big", 1, len);
     tcp.put(b"big", &value, PutOptions::INSERT).expect("put");
@@ -1994,30 +1985,14 @@ fn progressive_and_streaming_reads_through_the_owner() {
 /// fails fails the chunks (streamed) or the call (shared memory), never with wrong bytes.
 #[test]
 fn ssd_resident_objects_stream_through_the_owner() {
-    let slow = |faults: kvtide::SimFaults| {
-        Arc::new(
-            StoreBuilder::new()
-                .dram_bytes(8 << 20)
-                .shards(1)
-                .pin_threads(false)
-                .idle_spin_us(20)
-                .register_fixed_buffers(false)
-                .ssd_bytes(64 << 20)
-                .ssd_segment_bytes(8 << 20)
-                .simulated_ssd(3, faults)
-                .open()
-                .expect("open store"),
-        )
-    };
+    let slow = |faults: kvtide::SimFaults| sim_ssd_engine(8 << 20, 3, faults, |b| b);
     let key = |i: u64| format!("ssd/{i}").into_bytes();
     let len = 3 << 20;
     let dir = temp_dir("ssd-stream");
     let e = slow(kvtide::SimFaults { us_per_mib: 5_000, ..kvtide::SimFaults::default() });
     let owner = owner(&e, &dir, any_port());
-    let path = owner.unix_path().expect("unix").display().to_string();
-    let streamed =
-        RemoteStore::connect_with(&path, ClientOptions { shared_memory: false, ..options() }).expect("connect");
-    let clients = [("unix+shm", unix_client(&owner)), ("tcp", tcp_client(&owner)), ("unix stream", streamed)];
+    let clients =
+        [("unix+shm", unix_client(&owner)), ("tcp", tcp_client(&owner)), ("unix stream", unix_stream_client(&owner))];
     for i in 0..6u64 {
         e.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
     }
@@ -2054,32 +2029,19 @@ fn ssd_resident_objects_stream_through_the_owner() {
     let first: Vec<Vec<u8>> = (8..16u64).map(batch_key).collect();
     let items = first.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
     raw.request(&Request::Get { lease: false, items }, 1);
-    let mut answered = vec![false; 8];
     let mut loads_at_first_object = None;
-    let (mut current, mut got) = (None, Vec::new());
-    loop {
-        let (h, payload) = raw.recv().expect("a frame");
-        match h.op {
-            Op::Object => {
-                let (index, object_len) = decode_object(&payload).expect("object");
-                loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
-                assert_eq!(object_len, batch_len as u64);
-                assert!(!std::mem::replace(&mut answered[index as usize], true), "key {index} answered twice");
-                current = Some(8 + u64::from(index));
-                got.clear();
-            }
-            Op::Data => {
-                got.extend_from_slice(&payload);
-                let i = current.expect("data after an object");
-                if got.len() == batch_len {
-                    assert!(got == value_for(&batch_key(i), i, batch_len), "streamed bytes of {i}");
-                }
-            }
-            Op::End => break,
-            other => panic!("unexpected {other:?}"),
-        }
+    let answer = read_streamed(
+        &mut raw,
+        |_| {
+            loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
+        },
+        || {},
+    );
+    assert_eq!((answer.failed, answer.indices()), (0, (0..8).collect()), "every key once");
+    for (index, bytes) in &answer.objects {
+        let i = 8 + u64::from(*index);
+        assert!(*bytes == value_for(&batch_key(i), i, batch_len), "streamed bytes of {i}");
     }
-    assert!(answered.iter().all(|a| *a), "{answered:?}");
     assert!(loads_at_first_object >= Some(2), "loads started before the first object: {loads_at_first_object:?}");
     // Ranges of eight others (also on SSD only) the same way: most of each (more than the
     // socket buffers, so the owner is still sending the first when the test looks), several
@@ -2090,33 +2052,21 @@ fn ssd_resident_objects_stream_through_the_owner() {
     let fragments =
         (0..8u32).map(|k| RangeItem { key_index: k, src_offset: 1000 + u64::from(k), len: range_len as u64 }).collect();
     raw.request(&Request::GetRanges { keys: others.iter().map(Vec::as_slice).collect(), fragments }, 2);
-    let (mut answered, mut loads_at_first_object) = (vec![false; 8], None);
-    let (mut current, mut got) = (None, Vec::new());
-    loop {
-        let (h, payload) = raw.recv().expect("a frame");
-        match h.op {
-            Op::Object => {
-                let (index, len) = decode_object(&payload).expect("object");
-                loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
-                assert_eq!(len, range_len as u64);
-                assert!(!std::mem::replace(&mut answered[index as usize], true), "fragment {index} answered twice");
-                current = Some(u64::from(index));
-                got.clear();
-            }
-            Op::Data => {
-                got.extend_from_slice(&payload);
-                let k = current.expect("data after an object");
-                if got.len() == range_len {
-                    let want = value_for(&batch_key(24 + k), 24 + k, batch_len);
-                    let from = 1000 + k as usize;
-                    assert!(got[..] == want[from..from + range_len], "range of key {}", 24 + k);
-                }
-            }
-            Op::End => break,
-            other => panic!("unexpected {other:?}"),
-        }
+    let mut loads_at_first_object = None;
+    let answer = read_streamed(
+        &mut raw,
+        |_| {
+            loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
+        },
+        || {},
+    );
+    assert_eq!((answer.failed, answer.indices()), (0, (0..8).collect()), "every fragment once");
+    for (index, bytes) in &answer.objects {
+        let k = u64::from(*index);
+        let want = value_for(&batch_key(24 + k), 24 + k, batch_len);
+        let from = 1000 + k as usize;
+        assert!(bytes[..] == want[from..from + range_len], "range of key {}", 24 + k);
     }
-    assert!(answered.iter().all(|a| *a), "{answered:?}");
     assert!(loads_at_first_object >= Some(2), "ranges: loads started first: {loads_at_first_object:?}");
     drop(raw);
     for count in [8u64, 48] {
