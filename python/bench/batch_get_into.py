@@ -10,14 +10,13 @@ Prints the median time per call of each form, two rounds each, alternating.
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 
 import numpy as np
 
 import kvtide
+from owner_process import OwnerProcess
 
 
 def bench(store, name, args):
@@ -67,26 +66,17 @@ def main():
     data = tempfile.mkdtemp(prefix="kvtide-bgi-")
     os.chmod(data, 0o700)
     sock, port = os.path.join(data, "owner.sock"), 7398
-    owner = subprocess.Popen([args.owner, "--data-dir", data, "--dram-bytes", "256MiB", "--shards", "2",
-                              "--unix", sock, "--tcp", f"127.0.0.1:{port}"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    owner = OwnerProcess(args.owner, data, ["--dram-bytes", "256MiB", "--shards", "2", "--unix", sock,
+                                            "--tcp", f"127.0.0.1:{port}"])
     try:
-        for _ in range(400):
-            try:
-                unix = kvtide.connect(sock)
-                break
-            except Exception:
-                time.sleep(0.05)
-        else:
-            raise SystemExit("the owner did not start")
+        unix = owner.connect(sock)
         bench(unix, "owner unix+shm", args)
         unix.close()
-        tcp = kvtide.connect(f"127.0.0.1:{port}", token_file=os.path.join(data, "token"))
+        tcp = owner.connect(f"127.0.0.1:{port}")
         bench(tcp, "owner tcp", args)
         tcp.close()
     finally:
-        owner.send_signal(signal.SIGTERM)
-        owner.wait(timeout=60)
+        owner.stop()
         shutil.rmtree(data, ignore_errors=True)
 
 

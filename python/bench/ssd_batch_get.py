@@ -13,14 +13,13 @@ Needs the kvtide Python package; data goes to a temporary directory that is remo
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 
 import numpy as np
 
 import kvtide
+from owner_process import OwnerProcess
 
 PORT = 7399
 
@@ -45,29 +44,21 @@ def timed_reads(store, keys, size):
 
 def owner_samples(binary, keys, size, samples, data):
     def start():
-        p = subprocess.Popen([binary, "--data-dir", data, "--dram-bytes", "256MiB", "--ssd-bytes", "1GiB",
-                              "--tcp", f"127.0.0.1:{PORT}", "--shards", "2"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(400):
-            try:
-                return p, kvtide.connect(f"127.0.0.1:{PORT}", token_file=os.path.join(data, "token"))
-            except Exception:
-                time.sleep(0.05)
-        p.kill()
-        raise SystemExit(f"{binary} did not start")
+        owner = OwnerProcess(binary, data, ["--dram-bytes", "256MiB", "--ssd-bytes", "1GiB",
+                                            "--tcp", f"127.0.0.1:{PORT}", "--shards", "2"])
+        return owner, owner.connect(f"127.0.0.1:{PORT}")
 
-    def stop(p, s):
-        s.close()
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=60)
+    def stop(owner, store):
+        store.close()
+        owner.stop()
 
-    p, s = start()
-    fill(s, keys, size)
-    stop(p, s)
+    owner, store = start()
+    fill(store, keys, size)
+    stop(owner, store)
     for _ in range(samples):
-        p, s = start()
-        yield timed_reads(s, keys, size)
-        stop(p, s)
+        owner, store = start()
+        yield timed_reads(store, keys, size)
+        stop(owner, store)
 
 
 def embedded_samples(keys, size, samples, data):

@@ -571,10 +571,8 @@ impl Engine {
             (vec![LeasePart { keys: valid, in_dram: false, shard }], Vec::new())
         } else {
             let (planned, refused) = self.plan_restore_with(keys, &valid, &opts, true, misfit.unwrap_or(&|_, _| None));
-            let parts = planned
-                .into_iter()
-                .map(|p| LeasePart { keys: p.keys, in_dram: p.dram, shard: if p.dram { 0 } else { p.shard } })
-                .collect();
+            let parts =
+                planned.into_iter().map(|p| LeasePart { keys: p.keys, in_dram: p.dram, shard: p.shard }).collect();
             (parts, refused)
         };
         parts.retain(|p| !p.keys.is_empty());
@@ -626,71 +624,7 @@ impl Engine {
                 },
             }
         }
-        (self.cut_sub_batches(dram, per_shard, opts), refused)
-    }
-
-    /// `plan_restore`'s sub-batches of the DRAM-resident keys and each shard's SSD-resident ones
-    /// (index, staging bytes).
-    fn cut_sub_batches(
-        &self,
-        dram: Vec<usize>,
-        per_shard: Vec<Vec<(usize, u64)>>,
-        opts: &RestoreOptions,
-    ) -> Vec<Planned> {
-        if opts.mode == RestoreMode::Barrier {
-            let mut all = dram;
-            let mut bytes = 0;
-            for &(i, b) in per_shard.iter().flatten() {
-                all.push(i);
-                bytes += b;
-            }
-            all.sort_unstable();
-            return vec![Planned { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
-        }
-        let mut chunks: Vec<VecDeque<Planned>> = per_shard
-            .into_iter()
-            .enumerate()
-            .map(|(shard, objects)| {
-                let (target_bytes, max_keys) = sub_batch_size(&objects, opts);
-                let mut out = VecDeque::new();
-                let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
-                for (i, bytes) in objects {
-                    // Close a sub-batch once it reaches the target (so 4 MiB of 1 MiB values is 4
-                    // objects despite their 4 KiB record headers).
-                    let full = current.staging_bytes >= target_bytes || current.keys.len() >= max_keys;
-                    if full {
-                        out.push_back(std::mem::replace(
-                            &mut current,
-                            Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
-                        ));
-                    }
-                    current.keys.push(i);
-                    current.staging_bytes += bytes;
-                }
-                if !current.keys.is_empty() {
-                    out.push_back(current);
-                }
-                out
-            })
-            .collect();
-        let mut plan = Vec::new();
-        if !dram.is_empty() {
-            plan.push(Planned { shard: 0, keys: dram, staging_bytes: 0, dram: true });
-        }
-        // Round-robin across shards so every shard's loads run in parallel.
-        loop {
-            let mut any = false;
-            for shard in chunks.iter_mut() {
-                if let Some(p) = shard.pop_front() {
-                    plan.push(p);
-                    any = true;
-                }
-            }
-            if !any {
-                break;
-            }
-        }
-        plan
+        (cut_sub_batches(dram, per_shard, opts), refused)
     }
 
     /// Where each valid key lives (one message per shard).
@@ -707,6 +641,65 @@ impl Engine {
         });
         out
     }
+}
+
+/// `Engine::plan_restore`'s sub-batches of the DRAM-resident keys and of each shard's
+/// SSD-resident ones (index, staging bytes).
+fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &RestoreOptions) -> Vec<Planned> {
+    if opts.mode == RestoreMode::Barrier {
+        let mut all = dram;
+        let mut bytes = 0;
+        for &(i, b) in per_shard.iter().flatten() {
+            all.push(i);
+            bytes += b;
+        }
+        all.sort_unstable();
+        return vec![Planned { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
+    }
+    let mut chunks: Vec<VecDeque<Planned>> = per_shard
+        .into_iter()
+        .enumerate()
+        .map(|(shard, objects)| {
+            let (target_bytes, max_keys) = sub_batch_size(&objects, opts);
+            let mut out = VecDeque::new();
+            let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
+            for (i, bytes) in objects {
+                // Close a sub-batch once it reaches the target (so 4 MiB of 1 MiB values is 4
+                // objects despite their 4 KiB record headers).
+                let full = current.staging_bytes >= target_bytes || current.keys.len() >= max_keys;
+                if full {
+                    out.push_back(std::mem::replace(
+                        &mut current,
+                        Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
+                    ));
+                }
+                current.keys.push(i);
+                current.staging_bytes += bytes;
+            }
+            if !current.keys.is_empty() {
+                out.push_back(current);
+            }
+            out
+        })
+        .collect();
+    let mut plan = Vec::new();
+    if !dram.is_empty() {
+        plan.push(Planned { shard: 0, keys: dram, staging_bytes: 0, dram: true });
+    }
+    // Round-robin across shards so every shard's loads run in parallel.
+    loop {
+        let mut any = false;
+        for shard in chunks.iter_mut() {
+            if let Some(p) = shard.pop_front() {
+                plan.push(p);
+                any = true;
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    plan
 }
 
 /// Sub-batches of one shard a pipelined request may keep requested ahead of its transfers

@@ -1,0 +1,35 @@
+"""A kvtide-owner process for the benchmarks in this folder: started on a data directory,
+connected to once it listens, stopped with SIGTERM (a clean shutdown)."""
+import os
+import signal
+import subprocess
+import time
+
+import kvtide
+
+
+class OwnerProcess:
+    """`binary` serving `data` (mode 0700) with `args` (flags after `--data-dir`)."""
+
+    def __init__(self, binary, data, args):
+        self.binary, self.data = binary, data
+        self.proc = subprocess.Popen([binary, "--data-dir", data, *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def connect(self, address):
+        """A client of `address` (a socket path or host:port; TCP uses the owner's token), once
+        the owner listens there (20 s at most)."""
+        token = os.path.join(self.data, "token")
+        for _ in range(400):
+            try:
+                if ":" in address and not address.startswith("/"):
+                    return kvtide.connect(address, token_file=token)
+                return kvtide.connect(address)
+            except Exception:
+                time.sleep(0.05)
+        self.proc.kill()
+        raise SystemExit(f"{self.binary} did not start")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
