@@ -124,13 +124,16 @@ struct Object {
     /// SSD copy, once its write completed.
     ssd_copy: Option<PackedLocation>,
     leases: u32,
-    pins: u32,
-    /// In-flight writes reading `dram`, or a load filling it.
-    io_refs: u32,
+    /// At most `u16::MAX` (`pin` refuses more).
+    pins: u16,
+    /// In-flight writes reading `dram`, or a load filling it: at most one load and two writes.
+    io_refs: u8,
     /// Loaded without promotion: the DRAM copy goes when the last reader does.
     transient: bool,
-    /// The shard loop turn that committed it (its low 32 bits: only compared with this turn's).
-    committed_turn: u32,
+    /// The shard loop turn that committed it, its low 16 bits: only compared with this turn's,
+    /// so an object committed 65536 turns earlier is only spared from background eviction once
+    /// more.
+    committed_turn: u16,
     /// An older SSD record of this version may still be readable on disk (its SSD copy was
     /// dropped by a reclaim that has not freed the segment yet): removes and upserts tombstone it.
     shadowed: bool,
@@ -732,9 +735,9 @@ impl ShardCore {
         let seq = self.bump_seq();
         let entry = &mut self.objects[id as usize];
         entry.state = ObjectState::Live;
-        entry.pins = inherited_pins.saturating_add(u32::from(pin));
+        entry.pins = inherited_pins.saturating_add(u16::from(pin));
         entry.seq = seq;
-        entry.committed_turn = self.turn as u32;
+        entry.committed_turn = self.turn as u16;
         let len = self.index.value_len(id);
         if !indexed {
             self.index_insert(id, hash);
@@ -840,8 +843,8 @@ impl ShardCore {
         let object = &mut self.objects[id as usize];
         object.pins = object.pins.checked_add(1).ok_or(Error::TooLarge {
             what: "pin count",
-            len: u64::from(u32::MAX) + 1,
-            max: u64::from(u32::MAX),
+            len: u64::from(u16::MAX) + 1,
+            max: u64::from(u16::MAX),
         })?;
         if object.pins == 1 {
             self.policy.remove(id as EntryId);
@@ -989,7 +992,7 @@ impl ShardCore {
     /// `evict_one`; with `spare_this_turn`, objects committed in this turn are skipped.
     fn evict_one_of(&mut self, spare_this_turn: bool) -> bool {
         let (objects, index) = (&self.objects, &self.index);
-        let turn = self.turn as u32;
+        let turn = self.turn as u16;
         let victim = self.policy.pop_victim(&mut |id| {
             objects.get(id as usize).is_some_and(|o| o.evictable() && !(spare_this_turn && o.committed_turn == turn))
                 && index.close_if_unused(id)

@@ -1,23 +1,30 @@
 //! Offset allocator for one shard's slice of the DRAM arena: TLSF (two-level segregated fit).
 //!
-//! Owns: the bookkeeping of which byte ranges of a slice `[0, capacity)` are in use. Offsets are
-//! relative to the slice. It hands out offsets and lengths only.
+//! Owns: the bookkeeping of which byte ranges of a slice `[0, capacity)` are free. Offsets are
+//! relative to the slice. It hands out offsets and lengths only. A live allocation is its own
+//! record ([`Allocation`]: offset and length in 8 bytes, kept by the caller); the allocator keeps
+//! nothing per live allocation, only a node per free block (hole).
 //!
 //! Must never: read, write, map or register the memory it describes; panic or unwrap on a
 //! run-time path (misuse is caught by `debug_assert!` and ignored in release builds); do work
-//! proportional to the number of blocks in `allocate` or `free`.
+//! proportional to the number of blocks in `allocate` or `free` (beyond the amortised growth of
+//! the boundary table, which grows with the number of holes).
 //!
 //! Why TLSF: KV objects range from 4 KiB to hundreds of MiB and come and go under load. TLSF gives
 //! O(1) allocate and free (two bitmap scans, no list walks) for any mix of sizes, bounded
 //! fragmentation (good fit within size classes 1/16 of a power of two wide, and free neighbours
-//! are merged at once), and it works on offsets, so all metadata lives out of band in a node
-//! table on the ordinary heap. The arena therefore stays pure data: it can be registered for DMA
-//! as a whole and no device or peer write can corrupt allocator headers. The design follows
-//! Sebastian Aaltonen's OffsetAllocator, widened to `u64` sizes.
+//! are merged at once), and it works on offsets, so all metadata lives out of band on the
+//! ordinary heap. The arena therefore stays pure data: it can be registered for DMA as a whole
+//! and no device or peer write can corrupt allocator headers. The design follows Sebastian
+//! Aaltonen's OffsetAllocator, widened to `u64` sizes, except that used blocks have no node: a
+//! freed range finds its free neighbours through a hash table of the free blocks' boundaries
+//! (where each starts and where each ends), so an index of millions of small objects pays
+//! nothing here per object.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Second-level subdivisions per power of two: 16 linear classes, so a good-fit search skips at
 /// most 1/16 of a power of two worth of candidates.
@@ -35,13 +42,12 @@ const FALLBACK_SCAN: usize = 8;
 
 /// Capacities are below this.
 const MAX_CAPACITY: u64 = 1 << 62;
-/// A node counts offsets and sizes in units (the alignment, or coarser for a huge capacity) in
-/// 32 bits, and keeps its state in the top two bits of its offset: at most 2^30 units.
+/// Offsets and sizes count in units (the alignment, or coarser for a huge capacity) in 32 bits;
+/// a node keeps its state in the top two bits of its offset: at most 2^30 units.
 const UNITS_LOG2: u32 = 30;
 const OFFSET_MASK: u32 = (1 << UNITS_LOG2) - 1;
-
-/// Hands each allocator a distinct id so `free` can recognise an `Allocation` from another one.
-static NEXT_OWNER: AtomicU32 = AtomicU32::new(1);
+/// Marks a boundary-table key as a block's end (offsets and ends are at most 2^30 units).
+const END_KEY: u32 = 1 << 31;
 
 /// Why an [`OffsetAllocator`] could not be built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -71,14 +77,15 @@ pub enum AllocError {
     },
 }
 
-/// One live allocation: a handle on the allocator's node for it (8 bytes, so an object record
-/// can hold one cheaply); [`OffsetAllocator::offset_of`] and [`OffsetAllocator::len_of`] say
-/// where it is. Not Clone/Copy: freeing it consumes it, so a double free cannot compile.
+/// One live allocation: its offset and length in the allocator's units (8 bytes, so an object
+/// record can hold one cheaply); [`OffsetAllocator::offset_of`] and [`OffsetAllocator::len_of`]
+/// say where it is in bytes. Not Clone/Copy: freeing it consumes it, so a double free cannot
+/// compile.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "dropping an Allocation leaks its bytes; pass it to OffsetAllocator::free"]
 pub struct Allocation {
-    node: u32,
-    owner: NonZeroU32,
+    offset: u32,
+    units: NonZeroU32,
 }
 
 /// A snapshot of an allocator's accounting.
@@ -104,8 +111,6 @@ pub struct AllocStats {
 enum NodeState {
     /// A free block, linked into its bin's free list.
     Free,
-    /// A live allocation.
-    Used,
     /// Not a block: on the spare-node stack (linked through `next_free`).
     Spare,
 }
@@ -115,39 +120,29 @@ impl NodeState {
     const fn bits(self) -> u32 {
         (match self {
             NodeState::Free => 0u32,
-            NodeState::Used => 1,
-            NodeState::Spare => 2,
+            NodeState::Spare => 1,
         }) << UNITS_LOG2
     }
 }
 
-/// One block of the slice, or a spare node. 24 bytes (the node table holds one per allocation).
+/// One free block, or a spare node. 16 bytes; the table holds one per hole.
 #[derive(Clone, Copy, Debug)]
 struct Node {
     /// The block's offset in units (low 30 bits) and its [`NodeState`] (top two bits).
     offset_state: u32,
     /// The block's size in units.
     size: u32,
-    prev_phys: u32,
-    next_phys: u32,
     prev_free: u32,
     next_free: u32,
 }
 
 impl Node {
-    const SPARE: Node = Node {
-        offset_state: NodeState::Spare.bits(),
-        size: 0,
-        prev_phys: NIL,
-        next_phys: NIL,
-        prev_free: NIL,
-        next_free: NIL,
-    };
+    const SPARE: Node = Node { offset_state: NodeState::Spare.bits(), size: 0, prev_free: NIL, next_free: NIL };
 
-    /// A block's node outside any list (offset and size in units).
-    fn block(offset: u32, size: u32, state: NodeState) -> Node {
+    /// A free block's node outside any list (offset and size in units).
+    fn free_block(offset: u32, size: u32) -> Node {
         debug_assert!(offset <= OFFSET_MASK);
-        Node { offset_state: offset | state.bits(), size, ..Node::SPARE }
+        Node { offset_state: offset | NodeState::Free.bits(), size, ..Node::SPARE }
     }
 
     /// The block's offset in units.
@@ -155,18 +150,53 @@ impl Node {
         self.offset_state & OFFSET_MASK
     }
 
+    /// Where the block ends, in units (at most 2^30).
+    fn end(&self) -> u32 {
+        self.offset() + self.size
+    }
+
     fn state(&self) -> NodeState {
         match self.offset_state >> UNITS_LOG2 {
             0 => NodeState::Free,
-            1 => NodeState::Used,
             _ => NodeState::Spare,
         }
     }
+}
 
-    fn set_state(&mut self, state: NodeState) {
-        self.offset_state = self.offset() | state.bits();
+/// The boundary table's key for a free block starting at `offset` units.
+fn start_key(offset: u32) -> u32 {
+    offset
+}
+
+/// The boundary table's key for a free block ending at `end` units.
+fn end_key(end: u32) -> u32 {
+    end | END_KEY
+}
+
+/// Hashes the boundary table's `u32` keys with one multiplication (Fibonacci hashing, the high
+/// half folded into the low one, where the table takes its bucket index from).
+#[derive(Default)]
+struct BoundaryHasher(u64);
+
+impl Hasher for BoundaryHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u32(u32::from(b) ^ (self.0 as u32).rotate_left(8));
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        let x = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = x ^ (x >> 32);
     }
 }
+
+/// Free blocks' starts and ends (see [`start_key`], [`end_key`]) to their nodes.
+type Boundaries = HashMap<u32, u32, BuildHasherDefault<BoundaryHasher>>;
 
 /// Bin holding free blocks of `units` (rounded down: every block in the bin is at least the
 /// bin's lower bound). `units` must be > 0.
@@ -198,18 +228,20 @@ fn bin_ceil(units: u64) -> (usize, usize) {
 pub struct OffsetAllocator {
     capacity: u64,
     /// The unit of every offset and size: `align_bytes` as given, or coarser when the capacity
-    /// holds more than 2^30 of those (nodes count in 30 bits).
+    /// holds more than 2^30 of those (offsets count in 30 bits).
     align: u64,
     align_log2: u32,
     max_allocations: u32,
-    /// Nodes never exceed this: at most `max_allocations` used blocks, and free blocks are never
-    /// adjacent, so at most `max_allocations + 1` free ones.
+    /// Nodes never exceed this: free blocks are never adjacent, so there are at most
+    /// `max_allocations + 1` of them.
     node_limit: usize,
-    owner: NonZeroU32,
     /// Reserved to `node_limit` up front, so pushes never reallocate.
     nodes: Vec<Node>,
     /// Top of the spare-node stack, linked through `Node::next_free`.
     spare_head: u32,
+    /// Where each free block starts and ends, to its node: how a freed range finds its free
+    /// neighbours. Two entries per hole.
+    boundaries: Boundaries,
     /// Bit `fl` set iff `sl_bitmaps[fl] != 0`.
     fl_bitmap: u64,
     /// Bit `sl` of `sl_bitmaps[fl]` set iff bin (fl, sl) has a free block.
@@ -219,6 +251,10 @@ pub struct OffsetAllocator {
     used_bytes: u64,
     allocations: u32,
     free_blocks: u32,
+    /// Live allocations (offset to units), in debug builds only: catches frees of allocations
+    /// that are not live here, and lets `check_invariants` see that blocks tile the capacity.
+    #[cfg(debug_assertions)]
+    live: HashMap<u32, u32>,
 }
 
 impl fmt::Debug for OffsetAllocator {
@@ -238,9 +274,8 @@ impl OffsetAllocator {
     /// coarsens the unit to the smallest power of two that fits (so a 64 GiB slice at 64-byte
     /// alignment keeps 64 bytes, a 1 TiB one gets 1 KiB): [`Self::align_bytes`] says which.
     /// `capacity_bytes` is rounded DOWN to the unit. `max_allocations` bounds live allocations
-    /// (and so the node table, `2 * max + 1` nodes of 24 bytes, reserved up front so that
-    /// `allocate` never reallocates: size it from capacity / smallest object, not `u32::MAX`).
-    /// `allocate` returns `None` past it.
+    /// (and so the node table, `max + 1` nodes of 16 bytes reserved up front, of which only as
+    /// many as there are holes are ever touched). `allocate` returns `None` past it.
     pub fn new(capacity_bytes: u64, align_bytes: u64, max_allocations: u32) -> Result<Self, AllocError> {
         if !align_bytes.is_power_of_two() || align_bytes < 8 {
             return Err(AllocError::BadAlign(align_bytes));
@@ -264,7 +299,7 @@ impl OffsetAllocator {
         if max_allocations == 0 {
             return Err(AllocError::ZeroMaxAllocations);
         }
-        let node_limit = (2 * u64::from(max_allocations) + 1).min(u64::from(NIL));
+        let node_limit = (u64::from(max_allocations) + 1).min(u64::from(NIL));
         let mut nodes = Vec::new();
         nodes.try_reserve_exact(node_limit as usize).map_err(|_| AllocError::NodeTable { nodes: node_limit })?;
         let mut this = Self {
@@ -273,19 +308,21 @@ impl OffsetAllocator {
             align_log2,
             max_allocations,
             node_limit: node_limit as usize,
-            owner: NonZeroU32::new(NEXT_OWNER.fetch_add(1, Ordering::Relaxed)).unwrap_or(NonZeroU32::MIN),
             nodes,
             spare_head: NIL,
+            boundaries: Boundaries::default(),
             fl_bitmap: 0,
             sl_bitmaps: [0; FL_COUNT],
             bin_heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
             used_bytes: 0,
             allocations: 0,
             free_blocks: 0,
+            #[cfg(debug_assertions)]
+            live: HashMap::new(),
         };
-        // Node 0 is the block at offset 0 for the allocator's whole life: it has no physical
-        // predecessor to be merged into, so it is never released.
-        this.nodes.push(Node::block(0, capacity_units, NodeState::Free));
+        this.nodes.push(Node::free_block(0, capacity_units));
+        this.boundaries.insert(start_key(0), 0);
+        this.boundaries.insert(end_key(capacity_units), 0);
         this.link_free(0);
         Ok(this)
     }
@@ -298,7 +335,8 @@ impl OffsetAllocator {
     /// request rounded up to a class boundary, at most 1/16 larger), then looks at a few
     /// blocks of the request's own class. So it always succeeds when some free block is at
     /// least that rounded size, but may refuse when the only blocks that fit share the
-    /// request's class and are not among the few it looks at.
+    /// request's class and are not among the few it looks at. The allocation is the front of
+    /// the block found; the rest stays free in the block's node.
     #[must_use = "dropping an Allocation leaks its bytes; pass it to OffsetAllocator::free"]
     pub fn allocate(&mut self, size_bytes: u64) -> Option<Allocation> {
         if size_bytes == 0 || self.allocations >= self.max_allocations {
@@ -308,85 +346,119 @@ impl OffsetAllocator {
         if len > self.free_bytes() {
             return None;
         }
-        // Below the capacity (checked above), so at most 2^30 units.
-        let units = (len >> self.align_log2) as u32;
-        let block = self.find_free_block(units)?;
-        let remainder = self.nodes[block as usize].size - units;
-        // Take the remainder's node before changing anything, so a refusal leaves no trace.
-        let split = if remainder > 0 { Some(self.take_spare_node()?) } else { None };
+        // Below the capacity (checked above), so at most 2^30 units, and not zero.
+        let units = NonZeroU32::new((len >> self.align_log2) as u32)?;
+        let block = self.find_free_block(units.get())?;
         self.unlink_free(block);
         let b = block as usize;
-        if let Some(rest) = split {
-            let next = self.nodes[b].next_phys;
-            self.nodes[rest as usize] = Node {
-                prev_phys: block,
-                next_phys: next,
-                ..Node::block(self.nodes[b].offset() + units, remainder, NodeState::Free)
-            };
-            if next != NIL {
-                self.nodes[next as usize].prev_phys = rest;
-            }
-            self.nodes[b].next_phys = rest;
-            self.nodes[b].size = units;
-            self.link_free(rest);
+        let (offset, size) = (self.nodes[b].offset(), self.nodes[b].size);
+        self.boundaries.remove(&start_key(offset));
+        if size > units.get() {
+            let rest = offset + units.get();
+            self.nodes[b] = Node::free_block(rest, size - units.get());
+            self.boundaries.insert(start_key(rest), block);
+            self.link_free(block);
+        } else {
+            self.boundaries.remove(&end_key(offset + size));
+            self.release_node(block);
         }
-        self.nodes[b].set_state(NodeState::Used);
         self.used_bytes += len;
         self.allocations += 1;
-        Some(Allocation { node: block, owner: self.owner })
+        #[cfg(debug_assertions)]
+        self.live.insert(offset, units.get());
+        Some(Allocation { offset, units })
     }
 
-    /// The live node behind `allocation`, if it is one of this allocator's.
-    fn used_node(&self, allocation: &Allocation) -> Option<&Node> {
-        let node = self.nodes.get(allocation.node as usize)?;
-        (allocation.owner == self.owner && node.state() == NodeState::Used).then_some(node)
+    /// Whether `allocation` is live here (debug builds; release builds cannot tell and say yes).
+    fn is_live(&self, allocation: &Allocation) -> bool {
+        #[cfg(debug_assertions)]
+        return self.live.get(&allocation.offset) == Some(&allocation.units.get());
+        #[cfg(not(debug_assertions))]
+        {
+            let _ = allocation;
+            true
+        }
     }
 
     /// Start of `allocation`, in bytes from the start of the slice; aligned to `align_bytes`.
-    /// An allocation of another allocator is a caller bug (it panics in debug builds; release
-    /// builds answer 0).
+    /// An allocation of another allocator is a caller bug (it panics in debug builds).
     pub fn offset_of(&self, allocation: &Allocation) -> u64 {
-        let node = self.used_node(allocation);
-        debug_assert!(node.is_some(), "OffsetAllocator::offset_of: {allocation:?} is not live here");
-        node.map_or(0, |n| u64::from(n.offset()) << self.align_log2)
+        debug_assert!(self.is_live(allocation), "OffsetAllocator::offset_of: {allocation:?} is not live here");
+        u64::from(allocation.offset) << self.align_log2
     }
 
-    /// Bytes reserved for `allocation`: the requested size rounded up to `align_bytes` (0, and a
-    /// panic in debug builds, for an allocation of another allocator).
+    /// Bytes reserved for `allocation`: the requested size rounded up to `align_bytes`. An
+    /// allocation of another allocator is a caller bug (it panics in debug builds).
     pub fn len_of(&self, allocation: &Allocation) -> u64 {
-        let node = self.used_node(allocation);
-        debug_assert!(node.is_some(), "OffsetAllocator::len_of: {allocation:?} is not live here");
-        node.map_or(0, |n| u64::from(n.size) << self.align_log2)
+        debug_assert!(self.is_live(allocation), "OffsetAllocator::len_of: {allocation:?} is not live here");
+        u64::from(allocation.units.get()) << self.align_log2
     }
 
-    /// Returns an allocation's bytes and merges them with free neighbours. O(1).
+    /// Returns an allocation's bytes and merges them with free neighbours. O(1) (amortised: the
+    /// boundary table grows with the number of holes).
     ///
     /// An allocation from another allocator (or otherwise not live here) is a caller bug: it
-    /// panics in debug builds and is ignored in release builds.
+    /// panics in debug builds; release builds ignore what they can tell cheaply is not live (a
+    /// range past the capacity, more bytes than are used).
     pub fn free(&mut self, allocation: Allocation) {
-        let Some(len) = self.used_node(&allocation).map(|n| u64::from(n.size) << self.align_log2) else {
+        let (offset, units) = (allocation.offset, allocation.units.get());
+        let len = u64::from(units) << self.align_log2;
+        let end = u64::from(offset) + u64::from(units);
+        let foreign = !self.is_live(&allocation) || end > self.capacity >> self.align_log2 || len > self.used_bytes;
+        if foreign {
             debug_assert!(false, "OffsetAllocator::free: {allocation:?} does not belong to this allocator");
             return;
+        }
+        // At most the capacity, 2^30 units (checked above).
+        let end = end as u32;
+        let prev = self.boundaries.get(&end_key(offset)).copied();
+        let next = self.boundaries.get(&start_key(end)).copied();
+        let node = match (prev, next) {
+            (Some(p), Some(n)) => {
+                // One block from p's start to n's end, kept in p's node.
+                self.unlink_free(p);
+                self.unlink_free(n);
+                let n_end = self.nodes[n as usize].end();
+                self.boundaries.remove(&end_key(offset));
+                self.boundaries.remove(&start_key(end));
+                self.boundaries.insert(end_key(n_end), p);
+                self.nodes[p as usize].size = n_end - self.nodes[p as usize].offset();
+                self.release_node(n);
+                p
+            }
+            (Some(p), None) => {
+                self.unlink_free(p);
+                self.boundaries.remove(&end_key(offset));
+                self.boundaries.insert(end_key(end), p);
+                self.nodes[p as usize].size += units;
+                p
+            }
+            (None, Some(n)) => {
+                self.unlink_free(n);
+                let n_end = self.nodes[n as usize].end();
+                self.boundaries.remove(&start_key(end));
+                self.boundaries.insert(start_key(offset), n);
+                self.nodes[n as usize] = Node::free_block(offset, n_end - offset);
+                n
+            }
+            (None, None) => {
+                // Free blocks never touch, so with this one there are at most as many as live
+                // allocations were before it: within the node limit.
+                let Some(n) = self.take_spare_node() else {
+                    debug_assert!(false, "OffsetAllocator::free: node table full");
+                    return;
+                };
+                self.nodes[n as usize] = Node::free_block(offset, units);
+                self.boundaries.insert(start_key(offset), n);
+                self.boundaries.insert(end_key(end), n);
+                n
+            }
         };
-        let mut node = allocation.node;
-        self.nodes[node as usize].set_state(NodeState::Free);
+        self.link_free(node);
         self.used_bytes -= len;
         self.allocations -= 1;
-
-        // Merge into a free predecessor: it keeps its node, ours goes back to the spare stack.
-        let prev = self.nodes[node as usize].prev_phys;
-        if prev != NIL && self.nodes[prev as usize].state() == NodeState::Free {
-            self.unlink_free(prev);
-            self.absorb_next(prev);
-            node = prev;
-        }
-        // Absorb a free successor.
-        let next = self.nodes[node as usize].next_phys;
-        if next != NIL && self.nodes[next as usize].state() == NodeState::Free {
-            self.unlink_free(next);
-            self.absorb_next(node);
-        }
-        self.link_free(node);
+        #[cfg(debug_assertions)]
+        self.live.remove(&offset);
     }
 
     /// Accounting snapshot. O(1) except `largest_free_bytes`; see [`Self::largest_free_bytes`].
@@ -457,67 +529,19 @@ impl OffsetAllocator {
         self.free_blocks
     }
 
-    /// Walks every block and free list and checks all internal invariants: blocks tile
-    /// `[0, capacity)` in order, no two free blocks touch, every free block sits in the right bin
-    /// and the bitmaps match the lists, and the counters match. O(blocks); for tests and fuzzing.
+    /// Walks every free block, free list and boundary and checks all internal invariants: free
+    /// blocks lie inside `[0, capacity)`, never overlap or touch, sit in the right bins, the
+    /// bitmaps match the lists, the boundary table names exactly the free blocks' starts and ends,
+    /// and the counters match (in debug builds also: live and free blocks tile the capacity).
+    /// O(blocks log blocks); for tests and fuzzing.
     pub fn check_invariants(&self) -> Result<(), String> {
         let limit = self.nodes.len();
         if limit > self.node_limit {
             return Err(format!("{limit} nodes exceed the limit {}", self.node_limit));
         }
-        // Physical chain from node 0 (always the block at offset 0).
-        let (mut n, mut prev, mut expect_offset) = (0u32, NIL, 0u64);
         let capacity_units = self.capacity >> self.align_log2;
-        let (mut used, mut used_count, mut free_count, mut steps) = (0u64, 0u64, 0u64, 0usize);
-        let mut prev_free = false;
-        while n != NIL {
-            steps += 1;
-            if steps > limit {
-                return Err("physical chain has a cycle".into());
-            }
-            let node = self.nodes.get(n as usize).ok_or_else(|| format!("physical link to missing node {n}"))?;
-            if node.prev_phys != prev {
-                return Err(format!("node {n}: prev_phys {} != {prev}", node.prev_phys));
-            }
-            if u64::from(node.offset()) != expect_offset {
-                return Err(format!("node {n}: offset {} units != {expect_offset}", node.offset()));
-            }
-            if node.size == 0 {
-                return Err(format!("node {n}: empty block {node:?}"));
-            }
-            match node.state() {
-                NodeState::Used => {
-                    used += u64::from(node.size) << self.align_log2;
-                    used_count += 1;
-                    prev_free = false;
-                }
-                NodeState::Free => {
-                    if prev_free {
-                        return Err(format!("node {n}: two free blocks touch"));
-                    }
-                    free_count += 1;
-                    prev_free = true;
-                }
-                NodeState::Spare => return Err(format!("spare node {n} in the physical chain")),
-            }
-            expect_offset = u64::from(node.offset()) + u64::from(node.size);
-            prev = n;
-            n = node.next_phys;
-        }
-        if expect_offset != capacity_units {
-            return Err(format!("blocks end at unit {expect_offset}, capacity {capacity_units} units"));
-        }
-        if used != self.used_bytes || used_count != u64::from(self.allocations) {
-            return Err(format!(
-                "chain has {used_count} used blocks / {used} bytes, counters say {} / {}",
-                self.allocations, self.used_bytes
-            ));
-        }
-        if free_count != u64::from(self.free_blocks) {
-            return Err(format!("chain has {free_count} free blocks, counter says {}", self.free_blocks));
-        }
-        // Bins and bitmaps.
-        let mut listed = 0u64;
+        // Bins and bitmaps; every listed node is a free block with both boundaries.
+        let mut blocks: Vec<(u64, u64)> = Vec::new();
         for fl in 0..FL_COUNT {
             if ((self.fl_bitmap >> fl) & 1 == 1) != (self.sl_bitmaps[fl] != 0) {
                 return Err(format!("first-level bit {fl} disagrees with its second level"));
@@ -529,26 +553,69 @@ impl OffsetAllocator {
                 }
                 let (mut n, mut prev) = (head, NIL);
                 while n != NIL {
-                    listed += 1;
-                    if listed > free_count {
-                        return Err("free lists hold more nodes than free blocks".into());
+                    if blocks.len() >= limit {
+                        return Err("free lists hold more nodes than the table".into());
                     }
                     let node = self.nodes.get(n as usize).ok_or_else(|| format!("free link to missing node {n}"))?;
-                    if node.state() != NodeState::Free || node.prev_free != prev {
+                    if node.state() != NodeState::Free || node.prev_free != prev || node.size == 0 {
                         return Err(format!("bin ({fl},{sl}): bad node {n}: {node:?}"));
                     }
                     if bin_floor(u64::from(node.size)) != (fl, sl) {
                         return Err(format!("node {n} of {} units in wrong bin ({fl},{sl})", node.size));
                     }
+                    if self.boundaries.get(&start_key(node.offset())) != Some(&n)
+                        || self.boundaries.get(&end_key(node.end())) != Some(&n)
+                    {
+                        return Err(format!("node {n} {node:?}: its boundaries do not name it"));
+                    }
+                    blocks.push((u64::from(node.offset()), u64::from(node.size)));
                     prev = n;
                     n = node.next_free;
                 }
             }
         }
-        if listed != free_count {
-            return Err(format!("free lists hold {listed} nodes, chain has {free_count} free blocks"));
+        if blocks.len() != self.free_blocks as usize {
+            return Err(format!("free lists hold {} nodes, counter says {}", blocks.len(), self.free_blocks));
         }
-        // Spare stack: everything else.
+        if self.boundaries.len() != 2 * blocks.len() {
+            return Err(format!("{} boundaries for {} free blocks", self.boundaries.len(), blocks.len()));
+        }
+        blocks.sort_unstable();
+        let mut free_units = 0u64;
+        for (i, &(offset, size)) in blocks.iter().enumerate() {
+            if offset + size > capacity_units {
+                return Err(format!("free block at {offset} of {size} units past the capacity {capacity_units}"));
+            }
+            if let Some(&(next, _)) = blocks.get(i + 1) {
+                if offset + size >= next {
+                    return Err(format!("free blocks at {offset} and {next} touch or overlap"));
+                }
+            }
+            free_units += size;
+        }
+        if free_units << self.align_log2 != self.free_bytes() {
+            return Err(format!("free blocks hold {free_units} units, counters say {} bytes free", self.free_bytes()));
+        }
+        #[cfg(debug_assertions)]
+        {
+            if self.live.len() != self.allocations as usize {
+                return Err(format!("{} live allocations, counter says {}", self.live.len(), self.allocations));
+            }
+            let mut all: Vec<(u64, u64)> = self.live.iter().map(|(&o, &u)| (u64::from(o), u64::from(u))).collect();
+            all.extend_from_slice(&blocks);
+            all.sort_unstable();
+            let mut expect = 0u64;
+            for (offset, size) in all {
+                if offset != expect {
+                    return Err(format!("block at unit {offset}, expected one at {expect}"));
+                }
+                expect = offset + size;
+            }
+            if expect != capacity_units {
+                return Err(format!("blocks end at unit {expect}, capacity {capacity_units} units"));
+            }
+        }
+        // Spare stack: every other node.
         let (mut n, mut spare) = (self.spare_head, 0usize);
         while n != NIL {
             spare += 1;
@@ -561,8 +628,8 @@ impl OffsetAllocator {
             }
             n = node.next_free;
         }
-        if spare as u64 + used_count + free_count != limit as u64 {
-            return Err(format!("{spare} spare + {used_count} used + {free_count} free != {limit} nodes"));
+        if spare + blocks.len() != limit {
+            return Err(format!("{spare} spare + {} free != {limit} nodes", blocks.len()));
         }
         Ok(())
     }
@@ -616,7 +683,7 @@ impl OffsetAllocator {
         let head = self.bin_heads[bin];
         {
             let node = &mut self.nodes[n as usize];
-            node.set_state(NodeState::Free);
+            debug_assert_eq!(node.state(), NodeState::Free);
             node.prev_free = NIL;
             node.next_free = head;
         }
@@ -656,21 +723,8 @@ impl OffsetAllocator {
         self.free_blocks -= 1;
     }
 
-    /// Grows block `n` over its physical successor (which must be unlinked from any free list)
-    /// and returns the successor's node to the spare stack.
-    #[inline]
-    fn absorb_next(&mut self, n: u32) {
-        let next = self.nodes[n as usize].next_phys;
-        let Node { size, next_phys, .. } = self.nodes[next as usize];
-        self.nodes[n as usize].size += size;
-        self.nodes[n as usize].next_phys = next_phys;
-        if next_phys != NIL {
-            self.nodes[next_phys as usize].prev_phys = n;
-        }
-        self.release_node(next);
-    }
-
-    /// A node for a new block: from the spare stack, else a fresh one within the reservation.
+    /// A node for a new free block: from the spare stack, else a fresh one within the
+    /// reservation.
     #[inline]
     fn take_spare_node(&mut self) -> Option<u32> {
         if self.spare_head != NIL {
@@ -809,9 +863,29 @@ mod tests {
 
     #[test]
     fn per_allocation_bookkeeping_stays_small() {
-        // One node per allocation in the table, one handle in the caller's record.
-        assert_eq!(std::mem::size_of::<Node>(), 24);
+        // One handle in the caller's record, a node per hole, none per allocation.
+        assert_eq!(std::mem::size_of::<Node>(), 16);
         assert_eq!(std::mem::size_of::<Option<Allocation>>(), 8);
+        let mut a = OffsetAllocator::new(MIB, 64, 1 << 14).expect("new");
+        let live: Vec<_> = (0..MIB / 64).map(|_| alloc(&mut a, 64)).collect();
+        assert_eq!((a.nodes.len(), a.boundaries.len()), (1, 0), "no node for {} allocations", live.len());
+        check(&a);
+        // Every other one freed: a node and two boundaries per hole.
+        let mut kept = Vec::new();
+        for (i, x) in live.into_iter().enumerate() {
+            if i % 2 == 0 {
+                a.free(x);
+            } else {
+                kept.push(x);
+            }
+        }
+        assert_eq!((a.free_blocks(), a.boundaries.len()), (8192, 2 * 8192));
+        check(&a);
+        for x in kept {
+            a.free(x);
+        }
+        assert_fully_coalesced(&a);
+        assert_eq!(a.boundaries.len(), 2);
         assert_eq!(OffsetAllocator::new(MAX_CAPACITY, 64, 1).err(), Some(AllocError::CapacityTooLarge(MAX_CAPACITY)));
         // Up to 2^30 units the unit is the alignment asked for; past that it coarsens.
         assert_eq!(OffsetAllocator::new(64 << 30, 64, 1).expect("64 GiB").align_bytes(), 64);

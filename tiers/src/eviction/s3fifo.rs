@@ -25,31 +25,56 @@ const SMALL_SHARE_DIVISOR: u64 = 10;
 /// Ghost entries allowed even when few entries are tracked, so a cold cache still learns.
 const GHOST_MIN_ENTRIES: usize = 64;
 
-/// 12 bytes per tracked entry.
+/// 8 bytes per tracked entry.
 #[derive(Clone, Copy, Debug, Default)]
 struct Meta {
-    /// The entry's size in bytes, low 32 bits (`size_high` holds the next 8).
-    size_low: u32,
+    /// The frequency (top two bits) and the entry's size (the 30 below, see `SizeCode`).
+    freq_size: u32,
     /// The key hash folded to 32 bits: all the ghost keeps (a collision only makes a ghost hit
     /// of a key never evicted, a placement hint, never a correctness matter).
     ghost_key: u32,
-    size_high: u8,
-    freq: u8,
 }
 
-/// Sizes are kept in 40 bits: an entry of 1 TiB or more counts as just under 1 TiB (in both the
-/// byte total it joins and the one it leaves, so the totals stay exact sums of what is kept).
-const MAX_META_SIZE: u64 = (1 << 40) - 1;
+/// Sizes below 512 MiB are kept exactly; larger ones in 2 KiB units, rounded up, to just under
+/// 1 TiB; an entry larger than that counts as `MAX_META_SIZE`. What an entry counts as is the
+/// same in the byte total it joins and the one it leaves, so the totals stay exact sums of what
+/// is kept.
+const EXACT_SIZE_LOG2: u32 = 29;
+const COARSE_UNIT_LOG2: u32 = 11;
+const SIZE_MASK: u32 = (1 << EXACT_SIZE_LOG2) - 1;
+/// The largest size kept.
+#[cfg(test)]
+const MAX_META_SIZE: u64 = (SIZE_MASK as u64) << COARSE_UNIT_LOG2;
+const FREQ_SHIFT: u32 = 30;
 
 impl Meta {
     fn new(size_bytes: u64, ghost_key: u32) -> Meta {
-        let size = size_bytes.min(MAX_META_SIZE);
-        Meta { size_low: size as u32, ghost_key, size_high: (size >> 32) as u8, freq: 0 }
+        let code = if size_bytes < 1 << EXACT_SIZE_LOG2 {
+            size_bytes as u32
+        } else {
+            let units = size_bytes.div_ceil(1 << COARSE_UNIT_LOG2).min(u64::from(SIZE_MASK)) as u32;
+            1 << EXACT_SIZE_LOG2 | units
+        };
+        Meta { freq_size: code, ghost_key }
     }
 
-    /// The size kept (`size_bytes` as given to `new`, at most `MAX_META_SIZE`).
+    /// The size kept (`size_bytes` as given to `new`, exact below 512 MiB).
     fn size(&self) -> u64 {
-        u64::from(self.size_high) << 32 | u64::from(self.size_low)
+        let code = self.freq_size & ((1 << FREQ_SHIFT) - 1);
+        if code >> EXACT_SIZE_LOG2 == 0 {
+            u64::from(code)
+        } else {
+            u64::from(code & SIZE_MASK) << COARSE_UNIT_LOG2
+        }
+    }
+
+    fn freq(&self) -> u8 {
+        (self.freq_size >> FREQ_SHIFT) as u8
+    }
+
+    fn set_freq(&mut self, freq: u8) {
+        let freq = u32::from(freq.min(MAX_FREQ));
+        self.freq_size = self.freq_size & ((1 << FREQ_SHIFT) - 1) | freq << FREQ_SHIFT;
     }
 }
 
@@ -226,7 +251,7 @@ impl Eviction for S3Fifo {
             return;
         }
         if let Some(m) = self.meta_mut(id) {
-            m.freq = (m.freq + 1).min(MAX_FREQ);
+            m.set_freq(m.freq() + 1);
         }
     }
 
@@ -252,18 +277,18 @@ impl Eviction for S3Fifo {
                 break; // small and main empty: everything left was refused
             };
             let meta = self.meta(id);
-            if from_small && meta.freq >= 1 {
+            if from_small && meta.freq() >= 1 {
                 // Hit while on probation: earns a place in main, starting over.
                 self.promote(id, meta.size());
                 if let Some(m) = self.meta_mut(id) {
-                    m.freq = 0;
+                    m.set_freq(0);
                 }
                 continue;
             }
-            if !from_small && meta.freq > 0 {
+            if !from_small && meta.freq() > 0 {
                 // Second chance: one fewer for each trip round main.
                 if let Some(m) = self.meta_mut(id) {
-                    m.freq -= 1;
+                    m.set_freq(meta.freq() - 1);
                 }
                 self.queues.push_front(MAIN, id);
                 continue;
@@ -328,12 +353,22 @@ mod tests {
     }
 
     #[test]
-    fn s3fifo_keeps_sizes_in_12_bytes_and_its_totals_exact() {
-        assert_eq!(std::mem::size_of::<Meta>(), 12);
-        for size in [0, 1, u64::from(u32::MAX), 1 << 32, 5 << 32 | 7, MAX_META_SIZE] {
-            assert_eq!(Meta::new(size, 9).size(), size);
+    fn s3fifo_keeps_sizes_in_8_bytes_and_its_totals_exact() {
+        assert_eq!(std::mem::size_of::<Meta>(), 8);
+        for size in [0, 1, 4096, (1 << 29) - 1, 1 << 29, u64::from(u32::MAX) + 1, 5 << 32, MAX_META_SIZE] {
+            let mut m = Meta::new(size, 9);
+            assert_eq!(m.size(), size);
+            m.set_freq(MAX_FREQ);
+            assert_eq!((m.size(), m.freq()), (size, MAX_FREQ));
+            m.set_freq(0);
+            assert_eq!((m.size(), m.freq()), (size, 0));
         }
+        // Past 512 MiB sizes round up to 2 KiB; past the largest kept they count as it.
+        assert_eq!(Meta::new((1 << 29) + 1, 9).size(), (1 << 29) + 2048);
+        assert_eq!(Meta::new(5 << 32 | 7, 9).size(), (5 << 32) + 2048);
+        assert_eq!(Meta::new(MAX_META_SIZE + 1, 9).size(), MAX_META_SIZE);
         assert_eq!(Meta::new(1 << 40, 9).size(), MAX_META_SIZE);
+        assert_eq!(Meta::new(u64::MAX, 9).size(), MAX_META_SIZE);
         // Entries past the kept size count as that size coming and going alike.
         let mut s = S3Fifo::new(u64::MAX);
         s.insert(0, 0, 3 << 40);
@@ -370,7 +405,7 @@ mod tests {
         for _ in 0..10 {
             s.access(0);
         }
-        assert_eq!(s.meta(0).freq, MAX_FREQ);
+        assert_eq!(s.meta(0).freq(), MAX_FREQ);
     }
 
     #[test]
