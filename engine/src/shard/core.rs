@@ -111,18 +111,13 @@ enum ObjectState {
     Abandoned,
 }
 
-/// The shard's record of one object. Its key and its value's length are kept once, in the
-/// object's published slot (`IndexWriter::adopt`), which readers compare keys through.
+/// The shard's record of one object, 24 bytes. Its key and its value's length are kept once, in
+/// the object's published slot (`IndexWriter::adopt`), which readers compare keys through; what
+/// only a shard with an SSD tier needs is in its `SsdFacts`.
 struct Object {
     generation: u32,
-    /// Order of versions on disk: recovery keeps the highest.
-    seq: u64,
     /// DRAM copy. With an SSD tier it holds a whole record image (header, key, value).
     dram: Option<Allocation>,
-    /// Where the value starts inside `dram` (a record header, key and checksum table before it).
-    value_offset: u32,
-    /// SSD copy, once its write completed.
-    ssd_copy: Option<PackedLocation>,
     leases: u32,
     /// At most `u16::MAX` (`pin` refuses more).
     pins: u16,
@@ -138,6 +133,18 @@ struct Object {
     /// dropped by a reclaim that has not freed the segment yet): removes and upserts tombstone it.
     shadowed: bool,
     state: ObjectState,
+}
+
+/// What an object of a shard with an SSD tier has beside its record, 32 bytes (a DRAM-only shard
+/// keeps none: its objects have no record image, sequence number or SSD copy).
+#[derive(Clone, Copy, Debug, Default)]
+struct SsdFacts {
+    /// Order of versions on disk: recovery keeps the highest.
+    seq: u64,
+    /// Where the value starts inside `dram` (a record header, key and checksum table before it).
+    value_offset: u32,
+    /// SSD copy, once its write completed.
+    copy: Option<PackedLocation>,
 }
 
 /// An object's SSD location in 20 bytes (an `Option<SsdLocation>` takes 40): offset and length
@@ -177,26 +184,6 @@ impl PackedLocation {
 }
 
 impl Object {
-    /// The SSD copy's location.
-    fn ssd(&self) -> Option<SsdLocation> {
-        self.ssd_copy.map(PackedLocation::get)
-    }
-
-    fn take_ssd(&mut self) -> Option<SsdLocation> {
-        self.ssd_copy.take().map(PackedLocation::get)
-    }
-
-    fn set_ssd(&mut self, location: SsdLocation) {
-        self.ssd_copy = PackedLocation::new(location);
-        debug_assert!(self.ssd_copy.is_some(), "{location:?} does not pack");
-    }
-
-    /// A record of this version is (or may soon be, or may still be) readable on SSD, so
-    /// removing or replacing it needs a tombstone.
-    fn may_have_ssd_record(&self) -> bool {
-        self.ssd_copy.is_some() || self.io_refs > 0 || self.shadowed
-    }
-
     fn evictable(&self) -> bool {
         self.leases == 0
             && self.io_refs == 0
@@ -282,6 +269,8 @@ pub struct ShardCore {
     slice: ArenaSlice,
     allocator: OffsetAllocator,
     objects: Slab<Object>,
+    /// Beside `objects`, by object id, when the shard has an SSD tier (empty otherwise).
+    ssd_facts: Vec<SsdFacts>,
     policy: Box<dyn Eviction>,
     leases: Slab<Lease>,
     lease_deadlines: BinaryHeap<Reverse<(Instant, LeaseId)>>,
@@ -346,6 +335,7 @@ impl ShardCore {
             slice,
             allocator,
             objects: Slab::new(),
+            ssd_facts: Vec::new(),
             leases: Slab::new(),
             lease_deadlines: BinaryHeap::new(),
             next_generation: 1,
@@ -472,7 +462,7 @@ impl ShardCore {
             return;
         }
         let done_with = matches!(object.state, ObjectState::Retired | ObjectState::Abandoned)
-            || (object.transient && object.ssd_copy.is_some());
+            || (object.transient && self.has_ssd_copy(id));
         if done_with && self.index.readers(id) > 0 {
             // Published readers give their leases back without a message: look again next turn.
             self.draining.push((id, object.generation));
@@ -480,7 +470,7 @@ impl ShardCore {
         }
         if matches!(object.state, ObjectState::Retired | ObjectState::Abandoned) {
             self.free_object(id);
-        } else if object.transient && object.ssd_copy.is_some() {
+        } else if object.transient && self.has_ssd_copy(id) {
             self.drop_dram(id);
         }
     }
@@ -512,7 +502,8 @@ impl ShardCore {
         let id = self.find(key)?;
         let o = &self.objects[id as usize];
         let len = self.index.value_len(id);
-        let staging_bytes = o.ssd().map_or_else(|| self.layout(self.index.key(id).len(), len).0, |l| l.record_bytes);
+        let staging_bytes =
+            self.ssd_copy(id).map_or_else(|| self.layout(self.index.key(id).len(), len).0, |l| l.record_bytes);
         Some(Location { in_dram: o.dram.is_some(), len, staging_bytes })
     }
 
@@ -607,10 +598,7 @@ impl ShardCore {
         let reserved = self.allocator.len_of(&allocation);
         let object = Object {
             generation,
-            seq: 0,
             dram: Some(allocation),
-            value_offset,
-            ssd_copy: None,
             leases: 0,
             pins: 0,
             io_refs: 0,
@@ -619,7 +607,8 @@ impl ShardCore {
             shadowed: false,
             state: ObjectState::Reserved,
         };
-        let id = match self.insert_object(object, key, len) {
+        let facts = SsdFacts { value_offset, ..SsdFacts::default() };
+        let id = match self.insert_object(object, facts, key, len) {
             Ok(id) => id,
             Err(object) => {
                 if let Some(allocation) = object.dram {
@@ -714,7 +703,7 @@ impl ShardCore {
             let previous = &self.objects[old as usize];
             // Write-back: the new version may never reach SSD, so the old record must not win
             // after a restart. (Write-through writes the new record durably before it answers.)
-            let supersedes_ssd = !self.write_through() && previous.may_have_ssd_record() && self.ssd.is_some();
+            let supersedes_ssd = !self.write_through() && self.may_have_ssd_record(old) && self.ssd.is_some();
             if supersedes_ssd {
                 if let Err(e) = self.tombstone_room() {
                     self.drop_reservation(id);
@@ -736,8 +725,10 @@ impl ShardCore {
         let entry = &mut self.objects[id as usize];
         entry.state = ObjectState::Live;
         entry.pins = inherited_pins.saturating_add(u16::from(pin));
-        entry.seq = seq;
         entry.committed_turn = self.turn as u16;
+        if let Some(facts) = self.ssd_facts.get_mut(id as usize) {
+            facts.seq = seq;
+        }
         let len = self.index.value_len(id);
         if !indexed {
             self.index_insert(id, hash);
@@ -826,7 +817,7 @@ impl ShardCore {
         if !force && object.pins > 0 {
             return Err(Error::Pinned);
         }
-        let on_ssd = object.may_have_ssd_record();
+        let on_ssd = self.may_have_ssd_record(id);
         if on_ssd {
             // Every acknowledged remove gets its tombstone: past the queue's bound, refuse.
             self.tombstone_room()?;
@@ -999,7 +990,7 @@ impl ShardCore {
         });
         let Some(id) = victim else { return false };
         debug_assert_eq!(self.objects[id as usize].state, ObjectState::Live);
-        if self.objects[id as usize].ssd_copy.is_some() {
+        if self.has_ssd_copy(id) {
             self.drop_dram(id);
             return true;
         }
@@ -1020,7 +1011,7 @@ impl ShardCore {
 
     /// Removes a victim's DRAM copy: SSD-only if it has one, else gone from the shard.
     fn drop_or_evict(&mut self, id: u32) {
-        if self.objects[id as usize].ssd_copy.is_some() {
+        if self.has_ssd_copy(id) {
             self.drop_dram(id);
             return;
         }
@@ -1032,8 +1023,9 @@ impl ShardCore {
 
     /// Frees the DRAM copy of an object that has an SSD copy.
     fn drop_dram(&mut self, id: u32) {
+        debug_assert!(self.has_ssd_copy(id));
         let object = &mut self.objects[id as usize];
-        debug_assert!(object.ssd_copy.is_some() && object.leases == 0 && object.io_refs == 0);
+        debug_assert!(object.leases == 0 && object.io_refs == 0);
         debug_assert_eq!(self.index.readers(id), 0, "dropping DRAM under published readers");
         let Some(allocation) = object.dram.take() else { return };
         object.transient = false;
@@ -1186,7 +1178,9 @@ impl ShardCore {
         if object.state == ObjectState::Retired {
             self.counters.retired_objects.fetch_sub(1, RELAXED);
         }
-        if let Some(location) = object.ssd() {
+        // The slot's facts go back to zero for the id's next object.
+        let facts = self.ssd_facts.get_mut(id as usize).map(std::mem::take).unwrap_or_default();
+        if let Some(location) = facts.copy.map(PackedLocation::get) {
             self.forget_ssd_copy(&location);
         }
         if let Some(allocation) = object.dram {
@@ -1212,7 +1206,10 @@ impl ShardCore {
         let object = &self.objects[id as usize];
         let allocation = object.dram.as_ref().ok_or(Error::Internal("object not in DRAM"))?;
         self.slice
-            .ptr_at(self.allocator.offset_of(allocation) + u64::from(object.value_offset), self.index.value_len(id))
+            .ptr_at(
+                self.allocator.offset_of(allocation) + u64::from(self.facts(id).value_offset),
+                self.index.value_len(id),
+            )
             .ok_or(Error::Internal("object outside slice"))
     }
 
@@ -1241,14 +1238,67 @@ impl ShardCore {
 
     /// Adds an object record, giving its published slot the key and the value's length. The
     /// record back (nothing added) when the slot cannot take them.
-    fn insert_object(&mut self, object: Object, key: &[u8], len: u64) -> std::result::Result<u32, Object> {
+    fn insert_object(
+        &mut self,
+        object: Object,
+        facts: SsdFacts,
+        key: &[u8],
+        len: u64,
+    ) -> std::result::Result<u32, Object> {
         let entry = self.objects.vacant_entry();
         let Ok(id) = u32::try_from(entry.key()) else { return Err(object) };
         if !self.index.adopt(id, object.generation, key, len) {
             return Err(object);
         }
+        if self.ssd.is_some() {
+            // Ids are dense (the slab reuses freed ones), so this grows with the objects held.
+            let at = id as usize;
+            if at >= self.ssd_facts.len() {
+                self.ssd_facts.resize(at + 1, SsdFacts::default());
+            }
+            self.ssd_facts[at] = facts;
+        } else {
+            debug_assert!(facts.copy.is_none() && facts.value_offset == 0, "SSD facts on a DRAM-only shard");
+        }
         entry.insert(object);
         Ok(id)
+    }
+
+    /// Object `id`'s SSD facts (all zero on a DRAM-only shard).
+    fn facts(&self, id: u32) -> SsdFacts {
+        self.ssd_facts.get(id as usize).copied().unwrap_or_default()
+    }
+
+    /// The SSD copy's location.
+    fn ssd_copy(&self, id: u32) -> Option<SsdLocation> {
+        self.facts(id).copy.map(PackedLocation::get)
+    }
+
+    fn has_ssd_copy(&self, id: u32) -> bool {
+        self.facts(id).copy.is_some()
+    }
+
+    fn take_ssd_copy(&mut self, id: u32) -> Option<SsdLocation> {
+        self.ssd_facts.get_mut(id as usize).and_then(|f| f.copy.take()).map(PackedLocation::get)
+    }
+
+    fn set_ssd_copy(&mut self, id: u32, location: SsdLocation) {
+        let packed = PackedLocation::new(location);
+        debug_assert!(packed.is_some(), "{location:?} does not pack");
+        if let Some(f) = self.ssd_facts.get_mut(id as usize) {
+            f.copy = packed;
+        }
+    }
+
+    /// A live or retired object with neither a DRAM nor an SSD copy.
+    fn has_no_copy(&self, id: u32) -> bool {
+        self.objects.get(id as usize).is_some_and(|o| o.dram.is_none()) && !self.has_ssd_copy(id)
+    }
+
+    /// A record of object `id`'s version is (or may soon be, or may still be) readable on SSD,
+    /// so removing or replacing it needs a tombstone.
+    fn may_have_ssd_record(&self, id: u32) -> bool {
+        self.has_ssd_copy(id) || self.objects.get(id as usize).is_some_and(|o| o.io_refs > 0 || o.shadowed)
     }
 
     /// Takes object `id` out of the index.
@@ -1303,6 +1353,9 @@ impl ShardCore {
         let mut used = 0u64;
         let mut leases = 0u64;
         let mut tracked = 0usize;
+        if self.ssd.is_none() && !self.ssd_facts.is_empty() {
+            return Err("a DRAM-only shard keeps SSD facts".into());
+        }
         for (id, object) in self.objects.iter() {
             used += object.dram.as_ref().map_or(0, |a| self.allocator.len_of(a));
             leases += u64::from(object.leases);
@@ -1312,7 +1365,7 @@ impl ShardCore {
                     if self.find(self.index.key(id as u32)) != Some(id as u32) {
                         return Err(format!("live object {id} not indexed"));
                     }
-                    if object.dram.is_none() && object.ssd_copy.is_none() && object.io_refs == 0 {
+                    if object.dram.is_none() && !self.has_ssd_copy(id as u32) && object.io_refs == 0 {
                         return Err(format!("live object {id} has no copy anywhere"));
                     }
                     if object.pins == 0 && object.dram.is_some() && object.io_refs == 0 && !object.transient {

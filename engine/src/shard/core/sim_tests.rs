@@ -374,7 +374,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                     .map(|&k| {
                         let state = core.find(format!("k{k}").as_bytes()).map(|id| {
                             let o = &core.objects[id as usize];
-                            (o.ssd(), o.dram.is_some(), o.seq, o.io_refs, o.state)
+                            (core.ssd_copy(id), o.dram.is_some(), core.facts(id).seq, o.io_refs, o.state)
                         });
                         (k, format!("{state:?}"))
                     })
@@ -495,7 +495,7 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                     let tkey = format!("k{tk}").into_bytes();
                     let loc = core.find(&tkey[..]).map(|id| {
                         let o = &core.objects[id as usize];
-                        (o.ssd(), o.dram.is_some(), o.seq)
+                        (core.ssd_copy(id), o.dram.is_some(), core.facts(id).seq)
                     });
                     let segs: Vec<_> = (0..segments)
                         .filter_map(|i| {

@@ -27,7 +27,7 @@ use slab::Slab;
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use super::{Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, RELAXED};
+use super::{Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, SsdFacts, RELAXED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
 
@@ -279,6 +279,7 @@ impl SsdState {
 /// generation.
 struct Owners<'a> {
     objects: &'a mut Slab<Object>,
+    facts: &'a [SsdFacts],
 }
 
 fn owner_token(id: u32, generation: u32) -> u64 {
@@ -299,7 +300,7 @@ impl RecordOwners for Owners<'_> {
             && object.state == ObjectState::Live
             && object.io_refs == 0
             && object.dram.is_none()
-            && object.ssd() == Some(src);
+            && self.facts.get(id as usize).and_then(|f| f.copy).map(PackedLocation::get) == Some(src);
         if eligible {
             object.io_refs += 1;
         }
@@ -445,14 +446,14 @@ impl ShardCore {
     /// be durable).
     fn advance_reclaim(&mut self) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        let step = ssd.tier.reclaim_step(&mut Owners { objects: &mut self.objects });
+        let step = ssd.tier.reclaim_step(&mut Owners { objects: &mut self.objects, facts: &self.ssd_facts });
         self.drain_tier_events();
         let ReclaimStep::Decide { segment, copy_cold, owners } = step else { return };
         let mut busy = false;
         let mut queue = Vec::new();
         for (id, generation) in owners.into_iter().map(owner_parts) {
             let Some(object) = self.objects.get(id as usize) else { continue };
-            if object.generation != generation || object.ssd().is_none_or(|l| l.segment != segment) {
+            if object.generation != generation || self.ssd_copy(id).is_none_or(|l| l.segment != segment) {
                 continue;
             }
             if object.io_refs > 0 {
@@ -463,7 +464,7 @@ impl ShardCore {
             if object.state != ObjectState::Live {
                 // Replaced or removed, kept only for its readers (of its DRAM copy): its record
                 // is dead, and a tombstone or a newer record already covers it.
-                if let Some(location) = self.objects[id as usize].take_ssd() {
+                if let Some(location) = self.take_ssd_copy(id) {
                     self.forget_ssd_copy(&location);
                 }
                 continue;
@@ -492,7 +493,7 @@ impl ShardCore {
                     }
                 }
             } else if copy_cold || pinned {
-                if let Some(src) = object.ssd() {
+                if let Some(src) = self.ssd_copy(id) {
                     let identity = self.record_identity(id);
                     queue.push(CopyRequest { owner: owner_token(id, generation), src, identity });
                 }
@@ -501,16 +502,16 @@ impl ShardCore {
             }
         }
         let Some(ssd) = self.ssd.as_mut() else { return };
-        ssd.tier.reclaim_decided(queue, busy, &mut Owners { objects: &mut self.objects });
+        ssd.tier.reclaim_decided(queue, busy, &mut Owners { objects: &mut self.objects, facts: &self.ssd_facts });
         self.drain_tier_events();
     }
 
     /// A copy the reclaim made will never be durable: the object rests at its old record again.
     fn on_copy_lost(&mut self, owner: u64, src: SsdLocation, dst: SsdLocation) {
         let (id, generation) = owner_parts(owner);
-        let Some(object) = self.objects.get_mut(id as usize) else { return };
-        if object.generation == generation && object.ssd() == Some(dst) {
-            object.set_ssd(src);
+        let Some(object) = self.objects.get(id as usize) else { return };
+        if object.generation == generation && self.ssd_copy(id) == Some(dst) {
+            self.set_ssd_copy(id, src);
             if let Some(ssd) = self.ssd.as_mut() {
                 ssd.tier.sub_live(dst.segment, dst.record_bytes);
                 ssd.tier.add_live(src.segment, src.record_bytes);
@@ -522,12 +523,12 @@ impl ShardCore {
     /// reader) lets go now.
     fn on_segment_freed(&mut self, segment: u32, copies: usize, owners: Vec<u64>) {
         for (id, generation) in owners.into_iter().map(owner_parts) {
-            let Some(object) = self.objects.get_mut(id as usize) else { continue };
-            if object.generation == generation && object.ssd().is_some_and(|l| l.segment == segment) {
-                if let Some(location) = object.take_ssd() {
+            let Some(object) = self.objects.get(id as usize) else { continue };
+            if object.generation == generation && self.ssd_copy(id).is_some_and(|l| l.segment == segment) {
+                if let Some(location) = self.take_ssd_copy(id) {
                     self.forget_ssd_copy(&location);
                 }
-                if object_has_no_copy(&self.objects[id as usize]) {
+                if self.has_no_copy(id) {
                     self.drop_object(id);
                 }
             }
@@ -548,10 +549,11 @@ impl ShardCore {
         let Some(object) = self.objects.get_mut(id as usize) else { return };
         // The copy held the object (`claim_copy`).
         object.io_refs -= 1;
-        let live = object.generation == generation && object.ssd() == Some(src) && object.state == ObjectState::Live;
+        let live =
+            object.generation == generation && object.state == ObjectState::Live && self.ssd_copy(id) == Some(src);
         match outcome {
             CopyOutcome::Copied { dst } if live => {
-                object.set_ssd(dst);
+                self.set_ssd_copy(id, dst);
                 if let Some(ssd) = self.ssd.as_mut() {
                     ssd.tier.sub_live(src.segment, src.record_bytes);
                     ssd.tier.add_live(dst.segment, dst.record_bytes);
@@ -587,7 +589,7 @@ impl ShardCore {
     /// live tier). Write-through: it leaves the cache, since everything served must be durable.
     /// Write-back: it stays, dirty again, and is demoted when next evicted.
     fn drop_ssd_copy(&mut self, id: u32) {
-        let Some(location) = self.objects[id as usize].take_ssd() else { return };
+        let Some(location) = self.take_ssd_copy(id) else { return };
         self.forget_ssd_copy(&location);
         // Its record stays readable on disk until the segment is freed and zeroed: a remove or
         // an upsert must still write a tombstone for it.
@@ -606,7 +608,7 @@ impl ShardCore {
 
     /// An SSD-only object leaves the cache with its segment.
     fn evict_from_ssd(&mut self, id: u32) {
-        let Some(location) = self.objects[id as usize].take_ssd() else { return };
+        let Some(location) = self.take_ssd_copy(id) else { return };
         self.forget_ssd_copy(&location);
         self.counters.ssd_evictions.fetch_add(1, RELAXED);
         self.drop_object(id);
@@ -728,10 +730,11 @@ impl ShardCore {
     fn start_record_write(&mut self, id: u32, purpose: WritePurpose) -> Placement {
         let object = &self.objects[id as usize];
         let Some(allocation) = object.dram.as_ref() else { return Placement::TooLarge };
+        let facts = self.facts(id);
         let (key_len, len, seq, offset) =
-            (self.index.key(id).len(), self.index.value_len(id), object.seq, self.allocator.offset_of(allocation));
+            (self.index.key(id).len(), self.index.value_len(id), facts.seq, self.allocator.offset_of(allocation));
         // An image loaded from an older record keeps its layout: it is re-stamped, not re-sealed.
-        let current_layout = u64::from(object.value_offset) == record::value_offset(key_len, len);
+        let current_layout = u64::from(facts.value_offset) == record::value_offset(key_len, len);
         let record_bytes = if current_layout {
             record::record_bytes(key_len, len)
         } else {
@@ -812,7 +815,7 @@ impl ShardCore {
 
     /// What a record of object `id` must say of itself for a read of it to be accepted.
     fn record_identity(&self, id: u32) -> RecordIdentity {
-        let seq = self.objects.get(id as usize).map_or(0, |o| o.seq);
+        let seq = self.facts(id).seq;
         RecordIdentity { seq, value_len: self.index.value_len(id), key: self.index.key(id).into() }
     }
 
@@ -922,7 +925,7 @@ impl ShardCore {
             // A reclaim is copying its record forward: read it once the copy is done.
             return false;
         }
-        let Some(location) = self.objects[id as usize].ssd() else {
+        let Some(location) = self.ssd_copy(id) else {
             self.resolve_read(pending, slot, Err(Error::Internal("object in no tier")));
             return true;
         };
@@ -988,7 +991,7 @@ impl ShardCore {
     /// Advances the operation a completion belongs to. Unknown tokens are ignored.
     pub fn on_disk_completion(&mut self, completion: DiskCompletion) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        ssd.tier.on_completion(completion, &mut Owners { objects: &mut self.objects });
+        ssd.tier.on_completion(completion, &mut Owners { objects: &mut self.objects, facts: &self.ssd_facts });
         self.drain_tier_events();
     }
 
@@ -1118,15 +1121,17 @@ impl ShardCore {
     /// the cache now, counted as an eviction (its older versions were tombstoned when it
     /// replaced them).
     fn forget_undurable_record(&mut self, w: DurableWaiter) {
-        let rests_there = self.objects.get(w.object as usize).is_some_and(|o| {
-            o.generation == w.generation && o.ssd() == Some(w.location) && o.state != ObjectState::Abandoned
-        });
+        let rests_there = self
+            .objects
+            .get(w.object as usize)
+            .is_some_and(|o| o.generation == w.generation && o.state != ObjectState::Abandoned)
+            && self.ssd_copy(w.object) == Some(w.location);
         if !rests_there {
             return;
         }
         self.counters.ssd_records_lost.fetch_add(1, RELAXED);
+        self.take_ssd_copy(w.object);
         let object = &mut self.objects[w.object as usize];
-        object.take_ssd();
         let (in_dram, live) = (object.dram.is_some(), object.state == ObjectState::Live);
         // A copy loaded for one read only would go with its reader: it is the only copy now.
         let untracked = std::mem::replace(&mut object.transient, false);
@@ -1152,13 +1157,12 @@ impl ShardCore {
                 ssd.tier.relocation_write_done(result.is_ok());
             }
         }
-        let object = &mut self.objects[id as usize];
-        object.io_refs -= 1;
+        self.objects[id as usize].io_refs -= 1;
         match result {
             Ok(()) => {
-                let previous = object.take_ssd();
-                object.set_ssd(location);
-                let generation = object.generation;
+                let previous = self.take_ssd_copy(id);
+                self.set_ssd_copy(id, location);
+                let generation = self.objects[id as usize].generation;
                 if let Some(previous) = previous {
                     // A relocation copy replaces the record in the segment being freed.
                     self.forget_ssd_copy(&previous);
@@ -1218,7 +1222,7 @@ impl ShardCore {
         if object.state == ObjectState::Retired {
             self.after_last_use(id);
         } else if purpose == WritePurpose::Demotion
-            && object.ssd_copy.is_some()
+            && self.has_ssd_copy(id)
             && object.leases == 0
             && object.pins == 0
             && self.index.readers(id) == 0
@@ -1233,7 +1237,7 @@ impl ShardCore {
                 self.allocator.free(allocation);
             }
         } else if purpose == WritePurpose::Demotion
-            && object.ssd_copy.is_none()
+            && !self.has_ssd_copy(id)
             && object.leases == 0
             && object.pins == 0
             && self.index.readers(id) == 0
@@ -1260,10 +1264,12 @@ impl ShardCore {
     pub(super) fn flush_dirty(&mut self) -> usize {
         let Some(ssd) = self.ssd.as_mut() else { return 0 };
         if ssd.flush_queue.is_none() {
+            let facts = &self.ssd_facts;
+            let has_copy = |id: usize| facts.get(id).is_some_and(|f| f.copy.is_some());
             let dirty = self
                 .objects
                 .iter()
-                .filter(|(_, o)| o.state == ObjectState::Live && o.dram.is_some() && o.ssd_copy.is_none())
+                .filter(|(id, o)| o.state == ObjectState::Live && o.dram.is_some() && !has_copy(*id))
                 .map(|(id, o)| (id as u32, o.generation))
                 .collect();
             ssd.flush_queue = Some(dirty);
@@ -1276,7 +1282,7 @@ impl ShardCore {
                 break;
             };
             let Some(o) = self.objects.get(id as usize) else { continue };
-            if o.generation != generation || o.state != ObjectState::Live || o.dram.is_none() || o.ssd_copy.is_some() {
+            if o.generation != generation || o.state != ObjectState::Live || o.dram.is_none() || self.has_ssd_copy(id) {
                 continue;
             }
             let queue = |core: &mut ShardCore, front: bool| {
@@ -1389,8 +1395,10 @@ impl ShardCore {
                 let len = self.index.value_len(id);
                 let object = &mut self.objects[id as usize];
                 object.dram = Some(allocation);
-                object.value_offset = value_offset;
                 object.transient = !promote;
+                if let Some(facts) = self.ssd_facts.get_mut(id as usize) {
+                    facts.value_offset = value_offset;
+                }
                 self.counters.dram_objects.fetch_add(1, RELAXED);
                 if promote {
                     self.counters.promotions.fetch_add(1, RELAXED);
@@ -1457,13 +1465,10 @@ impl ShardCore {
             return;
         }
         let generation = self.bump_generation();
-        let object = &self.objects[id as usize];
+        let facts = SsdFacts { seq: self.facts(id).seq, ..SsdFacts::default() };
         let parked = Object {
             generation,
-            seq: object.seq,
             dram: Some(allocation),
-            value_offset: 0,
-            ssd_copy: None,
             leases: held.len() as u32,
             pins: 0,
             io_refs: 0,
@@ -1473,7 +1478,7 @@ impl ShardCore {
             state: ObjectState::Abandoned,
         };
         let (key, len): (Box<[u8]>, u64) = (self.index.key(id).into(), self.index.value_len(id));
-        let parked = match self.insert_object(parked, &key, len) {
+        let parked = match self.insert_object(parked, facts, &key, len) {
             Ok(parked) => parked,
             Err(parked) => {
                 // Not reachable (the slot of a free record has no readers); the buffer is leaked
@@ -1522,12 +1527,10 @@ impl ShardCore {
                 report.discarded.push((location.segment, location.offset, "record beyond 2^32 blocks".into()));
                 continue;
             };
+            let facts = SsdFacts { seq: found.seq, value_offset: 0, copy: Some(ssd_copy) };
             let object = Object {
                 generation,
-                seq: found.seq,
                 dram: None,
-                value_offset: 0,
-                ssd_copy: Some(ssd_copy),
                 leases: 0,
                 pins: 0,
                 io_refs: 0,
@@ -1536,7 +1539,7 @@ impl ShardCore {
                 shadowed: false,
                 state: ObjectState::Live,
             };
-            let Ok(id) = self.insert_object(object, &key, found.value_len) else {
+            let Ok(id) = self.insert_object(object, facts, &key, found.value_len) else {
                 report.discarded.push((location.segment, location.offset, "value of 8 TiB or more".into()));
                 continue;
             };
@@ -1556,9 +1559,4 @@ impl ShardCore {
         self.counters.recovery_discarded.store(report.discarded.len() as u64, RELAXED);
         report
     }
-}
-
-/// A live or retired object with neither a DRAM nor an SSD copy.
-fn object_has_no_copy(object: &Object) -> bool {
-    object.dram.is_none() && object.ssd_copy.is_none()
 }

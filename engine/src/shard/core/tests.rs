@@ -336,7 +336,13 @@ fn a_pin_count_past_its_bound_is_refused_and_changes_nothing() {
 /// policy entry; the allocator keeps nothing per live object).
 #[test]
 fn an_object_record_stays_small() {
-    assert!(std::mem::size_of::<Object>() <= 56, "Object is {} bytes", std::mem::size_of::<Object>());
+    assert!(std::mem::size_of::<Object>() <= 24, "Object is {} bytes", std::mem::size_of::<Object>());
+    // Only a shard with an SSD tier keeps these, beside the record.
+    assert!(
+        std::mem::size_of::<super::SsdFacts>() <= 32,
+        "SsdFacts is {} bytes",
+        std::mem::size_of::<super::SsdFacts>()
+    );
 }
 
 /// An object's SSD location is kept packed: every location a tier can hand out round-trips,
