@@ -255,6 +255,11 @@ enum Waiter {
     Load { pending: usize, slot: usize },
 }
 
+/// What `pin` and a pinned upsert answer for an object that holds `u16::MAX` pins already.
+fn pin_count_too_large() -> Error {
+    Error::TooLarge { what: "pin count", len: u64::from(u16::MAX) + 1, max: u64::from(u16::MAX) }
+}
+
 /// Object slots one `scan_keys` call looks at, at most: a scan never holds a shard for long.
 pub const SCAN_SLOTS: usize = 1 << 16;
 
@@ -700,6 +705,11 @@ impl ShardCore {
                 self.drop_reservation(id);
                 return Err(Error::AlreadyExists);
             }
+            if pin && self.objects[old as usize].pins == u16::MAX {
+                // The new version would inherit one pin more than an object holds.
+                self.drop_reservation(id);
+                return Err(pin_count_too_large());
+            }
             let previous = &self.objects[old as usize];
             // Write-back: the new version may never reach SSD, so the old record must not win
             // after a restart. (Write-through writes the new record durably before it answers.)
@@ -724,6 +734,7 @@ impl ShardCore {
         let seq = self.bump_seq();
         let entry = &mut self.objects[id as usize];
         entry.state = ObjectState::Live;
+        // Checked above: an object at the bound refuses a pinned upsert.
         entry.pins = inherited_pins.saturating_add(u16::from(pin));
         entry.committed_turn = self.turn as u16;
         if let Some(facts) = self.ssd_facts.get_mut(id as usize) {
@@ -832,11 +843,7 @@ impl ShardCore {
     pub fn pin(&mut self, key: &[u8]) -> Result<()> {
         let id = self.find(key).ok_or(Error::NotFound)?;
         let object = &mut self.objects[id as usize];
-        object.pins = object.pins.checked_add(1).ok_or(Error::TooLarge {
-            what: "pin count",
-            len: u64::from(u16::MAX) + 1,
-            max: u64::from(u16::MAX),
-        })?;
+        object.pins = object.pins.checked_add(1).ok_or_else(pin_count_too_large)?;
         if object.pins == 1 {
             self.policy.remove(id as EntryId);
             self.counters.pinned_objects.fetch_add(1, RELAXED);

@@ -324,6 +324,13 @@ fn a_pin_count_past_its_bound_is_refused_and_changes_nothing() {
         shard.pin(b"k").expect("pin");
     }
     assert_eq!(shard.pin(b"k"), Err(Error::TooLarge { what: "pin count", len: 65_536, max: 65_535 }));
+    // A pinned upsert would add one more: refused, and the version pinned stays.
+    let grant = shard.reserve(b"k", 128, true).expect("reserve the upsert");
+    assert_eq!(
+        shard.commit_now_unless_durable(grant.object, true, true),
+        Some(Err(Error::TooLarge { what: "pin count", len: 65_536, max: 65_535 }))
+    );
+    assert_eq!(shard.locate(b"k").map(|l| l.len), Some(64));
     for _ in 0..u16::MAX {
         shard.unpin(b"k").expect("unpin");
     }
