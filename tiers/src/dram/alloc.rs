@@ -812,6 +812,19 @@ mod tests {
         a.allocate(size).expect("allocation should succeed")
     }
 
+    /// Frees the allocations at even positions; returns the others.
+    fn free_every_other(a: &mut OffsetAllocator, live: Vec<Allocation>) -> Vec<Allocation> {
+        let mut kept = Vec::new();
+        for (i, x) in live.into_iter().enumerate() {
+            if i % 2 == 0 {
+                a.free(x);
+            } else {
+                kept.push(x);
+            }
+        }
+        kept
+    }
+
     fn assert_fully_coalesced(a: &OffsetAllocator) {
         let s = a.stats();
         assert_eq!(s.used_bytes, 0);
@@ -871,14 +884,7 @@ mod tests {
         assert_eq!((a.nodes.len(), a.boundaries.len()), (1, 0), "no node for {} allocations", live.len());
         check(&a);
         // Every other one freed: a node and two boundaries per hole.
-        let mut kept = Vec::new();
-        for (i, x) in live.into_iter().enumerate() {
-            if i % 2 == 0 {
-                a.free(x);
-            } else {
-                kept.push(x);
-            }
-        }
+        let kept = free_every_other(&mut a, live);
         assert_eq!((a.free_blocks(), a.boundaries.len()), (8192, 2 * 8192));
         check(&a);
         for x in kept {
@@ -981,14 +987,7 @@ mod tests {
         assert_eq!(a.stats().free_blocks, 0);
         check(&a);
         // Free every other one: 32 holes of 1 KiB, none mergeable.
-        let mut kept = Vec::new();
-        for (i, x) in live.into_iter().enumerate() {
-            if i % 2 == 0 {
-                a.free(x);
-            } else {
-                kept.push(x);
-            }
-        }
+        let kept = free_every_other(&mut a, live);
         let s = a.stats();
         assert_eq!((s.free_blocks, s.largest_free_bytes), (32, 1024));
         assert!(a.allocate(1025).is_none(), "no hole holds 1025 bytes");
