@@ -1621,6 +1621,20 @@ impl Streamed {
     }
 }
 
+/// Reads a streamed answer as `read_streamed` does, with what `loads_started` said when the
+/// first object went out.
+fn read_streamed_counting_loads(raw: &mut Raw, loads_started: impl Fn() -> u64) -> (Streamed, Option<u64>) {
+    let mut at_first_object = None;
+    let answer = read_streamed(
+        raw,
+        |_| {
+            at_first_object.get_or_insert_with(&loads_started);
+        },
+        || {},
+    );
+    (answer, at_first_object)
+}
+
 /// Reads a streamed `Get` or `GetRanges` answer up to `End`: `at_object` runs as each `Object`
 /// frame arrives (before its bytes), `after_data` after each `Data` frame (a slow reader waits
 /// there).
@@ -2029,14 +2043,7 @@ fn ssd_resident_objects_stream_through_the_owner() {
     let first: Vec<Vec<u8>> = (8..16u64).map(batch_key).collect();
     let items = first.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
     raw.request(&Request::Get { lease: false, items }, 1);
-    let mut loads_at_first_object = None;
-    let answer = read_streamed(
-        &mut raw,
-        |_| {
-            loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
-        },
-        || {},
-    );
+    let (answer, loads_at_first_object) = read_streamed_counting_loads(&mut raw, || e.stats().total.loads - loads);
     assert_eq!((answer.failed, answer.indices()), (0, (0..8).collect()), "every key once");
     for (index, bytes) in &answer.objects {
         let i = 8 + u64::from(*index);
@@ -2052,14 +2059,7 @@ fn ssd_resident_objects_stream_through_the_owner() {
     let fragments =
         (0..8u32).map(|k| RangeItem { key_index: k, src_offset: 1000 + u64::from(k), len: range_len as u64 }).collect();
     raw.request(&Request::GetRanges { keys: others.iter().map(Vec::as_slice).collect(), fragments }, 2);
-    let mut loads_at_first_object = None;
-    let answer = read_streamed(
-        &mut raw,
-        |_| {
-            loads_at_first_object.get_or_insert(e.stats().total.loads - loads);
-        },
-        || {},
-    );
+    let (answer, loads_at_first_object) = read_streamed_counting_loads(&mut raw, || e.stats().total.loads - loads);
     assert_eq!((answer.failed, answer.indices()), (0, (0..8).collect()), "every fragment once");
     for (index, bytes) in &answer.objects {
         let k = u64::from(*index);
