@@ -3,8 +3,9 @@
 //!
 //! Owns the key table (open addressing over the key hashes: one 8-byte entry per key, a 32-bit
 //! tag of the hash beside the object slot), one lease word per object slot (the object's
-//! generation, an open bit and a reader count), every object's key and value length (the only
-//! copy: the shard reads them here too), where an open object's value is, and the queue of reads
+//! generation, an open bit and a reader count), every object's key entry (its key and value
+//! length, the only copy: the shard reads them here too), where an open object's value is, and
+//! the queue of reads
 //! the shard's eviction policy has not seen yet.
 //! The owning shard thread is its only writer. Readers look a key up, take a lease with one
 //! compare-and-swap on an open object, check the key, copy, and give the lease back with one
@@ -138,33 +139,20 @@ impl<W: Word> LeaseWord<W> {
     }
 }
 
-/// One object slot, 32 bytes: what a reader needs, and the object's key and length (which the
-/// shard reads here too).
+/// One object slot, 24 bytes: what a reader needs. The object's key and both lengths are in its
+/// key entry (see `keys`), which the shard reads too.
 #[derive(Default)]
 struct ObjectSlot {
     word: LeaseWord<AtomicU64>,
     value: AtomicUsize,
-    key: AtomicUsize,
-    /// The value's length (low `LEN_BITS` bits) and the key's (above them).
-    lengths: AtomicU64,
+    /// The object's key entry (null while the slot holds no object).
+    key: AtomicPtr<u8>,
 }
 
-/// Bits of `ObjectSlot::lengths` for the value's length: values up to 8 TiB (the shard refuses
-/// larger ones); keys (at most 1 MiB) fit in the 21 bits above.
-const LEN_BITS: u32 = 43;
-/// The largest value an object can have (its slot keeps the length in `LEN_BITS`).
-pub(crate) const MAX_VALUE_BYTES: u64 = (1 << LEN_BITS) - 1;
-
-/// Both lengths in one word, or None when they do not fit it.
-fn pack_lengths(len: u64, key_len: usize) -> Option<u64> {
-    let key_len = u64::try_from(key_len).ok()?;
-    (len >> LEN_BITS == 0 && key_len >> (64 - LEN_BITS) == 0).then_some(key_len << LEN_BITS | len)
-}
-
-/// (value length, key length) of a packed word.
-fn unpack_lengths(lengths: u64) -> (u64, usize) {
-    (lengths & ((1 << LEN_BITS) - 1), (lengths >> LEN_BITS) as usize)
-}
+/// The largest value an object can have (the shard refuses larger ones).
+pub(crate) const MAX_VALUE_BYTES: u64 = (1 << 43) - 1;
+/// The longest key a slot takes (the engine's own bound is lower).
+const MAX_SLOT_KEY_BYTES: usize = (1 << 21) - 1;
 
 impl Default for LeaseWord<AtomicU64> {
     fn default() -> Self {
@@ -290,7 +278,7 @@ impl Prefetcher<'_> {
             prefetch_line(object as *const ObjectSlot as *const u8);
         } else {
             // The key the lease compares and the value's first line.
-            prefetch_line(object.key.load(Ordering::Relaxed) as *const u8);
+            prefetch_line(object.key.load(Ordering::Relaxed));
             prefetch_line(object.value.load(Ordering::Relaxed) as *const u8);
         }
     }
@@ -439,12 +427,14 @@ impl PublishedIndex {
                 let slot = entry_slot(e);
                 let Some(object) = self.slot(slot) else { return FastRead::Fallback };
                 let Some(generation) = object.word.acquire() else { return FastRead::Fallback };
-                let key_ptr = object.key.load(Ordering::Relaxed) as *const u8;
-                let (len, key_len) = unpack_lengths(object.lengths.load(Ordering::Relaxed));
-                // SAFETY: the lease keeps the object, and so its key, alive and unchanged; the
-                // acquire made the shard's writes of these fields visible.
-                let same = key_len == key.len() && unsafe { std::slice::from_raw_parts(key_ptr, key_len) } == key;
-                if same {
+                let Some(entry) = NonNull::new(object.key.load(Ordering::Relaxed)) else {
+                    object.word.release();
+                    return FastRead::Fallback;
+                };
+                // SAFETY: the lease keeps the object, and so its key entry, alive and unchanged;
+                // the acquire made the shard's writes of the slot and the entry visible.
+                let (len, slot_key) = unsafe { keys::read(entry) };
+                if slot_key == key {
                     let ptr = object.value.load(Ordering::Relaxed) as *mut u8;
                     let Some(ptr) = NonNull::new(ptr) else {
                         object.word.release();
@@ -632,21 +622,22 @@ impl IndexWriter {
     /// the slot id is beyond what the index holds, the value is 8 TiB or more, or readers still
     /// hold the slot.
     pub(crate) fn adopt(&mut self, slot: u32, generation: u32, key: &[u8], len: u64) -> bool {
-        let Some(lengths) = pack_lengths(len, key.len()) else { return false };
+        if len > MAX_VALUE_BYTES || key.len() > MAX_SLOT_KEY_BYTES {
+            return false;
+        }
         let Some(object) = self.slot_or_alloc(slot) else { return false };
         if object.word.readers() != 0 {
             debug_assert!(false, "slot {slot} reused under readers");
             return false;
         }
-        debug_assert_eq!(object.key.load(Ordering::Relaxed), 0, "slot {slot} adopted twice");
-        let key = self.keys().alloc(key);
+        debug_assert!(object.key.load(Ordering::Relaxed).is_null(), "slot {slot} adopted twice");
+        let entry = self.keys().alloc(key, len);
         let held = self.keys().held_bytes();
         self.index.key_bytes.store(held, Ordering::Relaxed);
         let Some(object) = self.index.slot(slot) else { return false };
         object.word.reset(generation);
         object.value.store(0, Ordering::Relaxed);
-        object.key.store(key.as_ptr() as usize, Ordering::Relaxed);
-        object.lengths.store(lengths, Ordering::Relaxed);
+        object.key.store(entry.as_ptr(), Ordering::Relaxed);
         true
     }
 
@@ -654,35 +645,35 @@ impl IndexWriter {
     pub(crate) fn disown(&mut self, slot: u32) {
         let Some(object) = self.index.slot(slot) else { return };
         debug_assert_eq!(object.word.readers(), 0, "slot {slot} disowned under readers");
-        let (_, key_len) = unpack_lengths(object.lengths.swap(0, Ordering::Relaxed));
         object.value.store(0, Ordering::Relaxed);
-        let key = object.key.swap(0, Ordering::Relaxed) as *mut u8;
-        if let Some(key) = NonNull::new(key) {
-            // SAFETY: a non-null key address was stored by `adopt` from the arena with this
-            // length and is taken back once (swapped out); no reader holds the slot, and readers
-            // read a key only under a lease.
-            unsafe { self.keys().free(key, key_len) };
+        let entry = object.key.swap(std::ptr::null_mut(), Ordering::Relaxed);
+        if let Some(entry) = NonNull::new(entry) {
+            // SAFETY: a non-null entry address was stored by `adopt` from the arena and is taken
+            // back once (swapped out); no reader holds the slot, and readers read an entry only
+            // under a lease.
+            unsafe { self.keys().free(entry) };
             let held = self.keys().held_bytes();
             self.index.key_bytes.store(held, Ordering::Relaxed);
         }
     }
 
+    /// The value's length and the key of an adopted slot ((0, empty) for a slot never adopted).
+    fn entry(&self, slot: u32) -> (u64, &[u8]) {
+        let Some(object) = self.index.slot(slot) else { return (0, &[]) };
+        let Some(entry) = NonNull::new(object.key.load(Ordering::Relaxed)) else { return (0, &[]) };
+        // SAFETY: this writer stored the entry (in the arena) in `adopt`, and frees it only in
+        // `disown`, which takes `&mut self`: the borrow returned cannot outlive it.
+        unsafe { keys::read(entry) }
+    }
+
     /// The key of an adopted slot (empty for a slot never adopted).
     pub(crate) fn key(&self, slot: u32) -> &[u8] {
-        let Some(object) = self.index.slot(slot) else { return &[] };
-        let key = object.key.load(Ordering::Relaxed) as *const u8;
-        if key.is_null() {
-            return &[];
-        }
-        let (_, key_len) = unpack_lengths(object.lengths.load(Ordering::Relaxed));
-        // SAFETY: this writer stored the key (in the arena) and its length in `adopt`, and frees
-        // it only in `disown`, which takes `&mut self`: the borrow returned cannot outlive it.
-        unsafe { std::slice::from_raw_parts(key, key_len) }
+        self.entry(slot).1
     }
 
     /// The value's length of an adopted slot (0 for a slot never adopted).
     pub(crate) fn value_len(&self, slot: u32) -> u64 {
-        self.index.slot(slot).map_or(0, |o| unpack_lengths(o.lengths.load(Ordering::Relaxed)).0)
+        self.entry(slot).0
     }
 
     /// Lets readers lease the object that adopted `slot` as `generation`, its value at `value`.
@@ -709,6 +700,12 @@ impl IndexWriter {
     /// Closes a slot if nobody holds a lease on it (eviction).
     pub(crate) fn close_if_unused(&self, slot: u32) -> bool {
         self.index.slot(slot).is_none_or(|o| o.word.close_if_unused())
+    }
+
+    /// The generation of the object that last adopted a slot (0 for a slot never adopted): the
+    /// one place the shard keeps an object's generation.
+    pub(crate) fn generation(&self, slot: u32) -> u32 {
+        self.index.slot(slot).map_or(0, |o| o.word.state().0)
     }
 
     /// Readers holding leases on a slot now.
@@ -787,16 +784,17 @@ impl Drop for PublishedIndex {
             if !ptr.is_null() {
                 // SAFETY: made by ZeroedSlice::into_raw with CHUNK_SLOTS elements, freed once.
                 let slots = unsafe { ZeroedSlice::<ObjectSlot>::from_raw(ptr, CHUNK_SLOTS) };
-                // Keys in blocks go with the arena; those allocated alone are freed here.
+                // Entries in blocks go with the arena; those allocated alone are freed here.
                 let keys = self.keys.get_mut();
                 for slot in slots.iter() {
-                    let (_, key_len) = unpack_lengths(slot.lengths.load(Ordering::Relaxed));
-                    if !keys::allocated_alone(key_len) {
+                    let Some(entry) = NonNull::new(slot.key.swap(std::ptr::null_mut(), Ordering::Relaxed)) else {
                         continue;
-                    }
-                    if let Some(key) = NonNull::new(slot.key.swap(0, Ordering::Relaxed) as *mut u8) {
-                        // SAFETY: as in `disown`; nothing can read the index any more.
-                        unsafe { keys.free(key, key_len) };
+                    };
+                    // SAFETY: as in `disown`; nothing can read the index any more.
+                    unsafe {
+                        if KeyArena::allocated_alone(entry) {
+                            keys.free(entry);
+                        }
                     }
                 }
             }

@@ -1,80 +1,141 @@
-//! The key bytes of one shard's objects, packed by size class.
+//! The key bytes of one shard's objects, each behind a short header of its object's lengths,
+//! packed by size.
 //!
-//! Owns every key from `IndexWriter::adopt` to `disown`. A key of up to `MAX_CLASS_BYTES` takes
-//! a slot of its length rounded up to 8 bytes in a 64 KiB block; freed slots are reused by keys
-//! of the same class. A longer key gets an allocation of its own. Against one heap allocation
-//! per key this saves the allocator's header and its 16-byte rounding (a 76-byte key: 80 bytes
-//! here, 96 from `malloc`).
+//! Owns every object's entry from `IndexWriter::adopt` to `disown`: the value's length and the
+//! key's (two LEB128 varints: a 16-byte value and a 76-byte key take 2 bytes) and the key's
+//! bytes. An entry of up to `MAX_CLASS_BYTES` takes exactly its length in a 64 KiB block;
+//! freed entries are reused by entries of the same length. A longer entry gets an allocation of
+//! its own. Against one heap allocation per key this saves the allocator's header and its
+//! 16-byte rounding (a 76-byte key: 78 bytes here, 96 from `malloc`), and the slot keeps one
+//! address instead of an address and a word of lengths.
 //!
-//! Never moves a key, hands a slot out twice or gives a block back before the arena goes: a
-//! reader compares a key only under a lease on its slot, and the slot is closed and drained
-//! before its key is freed, so a freed slot is unread; blocks are kept so no address a slot ever
-//! published becomes unmapped while the index lives. Only the index's writer calls it.
+//! Never moves an entry, hands one out twice or gives a block back before the arena goes: a
+//! reader reads an entry only under a lease on its slot, and the slot is closed and drained
+//! before its entry is freed, so a freed entry is unread; blocks are kept so no address a slot
+//! ever published becomes unmapped while the index lives. Only the index's writer allocates and
+//! frees.
 
 use std::ptr::NonNull;
 
-/// Keys up to this long share blocks; longer ones are allocated alone.
+/// Entries up to this long share blocks; longer ones are allocated alone.
 const MAX_CLASS_BYTES: usize = 512;
-/// Slot sizes step by this much (and slots are this aligned).
-const CLASS_STEP: usize = 8;
-const CLASSES: usize = MAX_CLASS_BYTES / CLASS_STEP;
 /// Bytes of one block.
 const BLOCK_BYTES: usize = 64 << 10;
+/// The longest header: a 64-bit value length and a key length, as LEB128 varints.
+const MAX_HEADER_BYTES: usize = 20;
 
 pub(super) struct KeyArena {
-    /// Freed slots of each class (class `c` holds keys of `(c * 8, c * 8 + 8]` bytes; empty keys
-    /// take a class 0 slot of 8 bytes).
+    /// Freed entries by length (`free[n - 1]` holds entries of `n` bytes).
     free: Vec<Vec<NonNull<u8>>>,
     /// Every block, from `Box::into_raw`; freed when the arena goes.
     blocks: Vec<NonNull<u8>>,
     /// Where the current block's unused bytes start, and how many there are.
     next: Option<NonNull<u8>>,
     left: usize,
-    /// Bytes of blocks plus those of keys allocated alone.
+    /// Bytes of blocks plus those of entries allocated alone.
     held_bytes: usize,
 }
 
-/// The size class of a key of `len` bytes that shares blocks, and its slot's size.
-fn class_of(len: usize) -> Option<(usize, usize)> {
-    let slot = len.max(1).div_ceil(CLASS_STEP) * CLASS_STEP;
-    (slot <= MAX_CLASS_BYTES).then_some((slot / CLASS_STEP - 1, slot))
+/// Appends `value` as a LEB128 varint.
+fn put_varint(out: &mut [u8; MAX_HEADER_BYTES], at: &mut usize, mut value: u64) {
+    loop {
+        let byte = (value & 0x7F) as u8;
+        value >>= 7;
+        out[*at] = if value == 0 { byte } else { byte | 0x80 };
+        *at += 1;
+        if value == 0 {
+            return;
+        }
+    }
 }
 
-/// Whether a key of `len` bytes gets an allocation of its own (not a slot in a block).
-pub(super) fn allocated_alone(len: usize) -> bool {
-    class_of(len).is_none()
+/// Reads a LEB128 varint that `put_varint` wrote at `*at`, advancing it.
+///
+/// # Safety
+/// `entry` points at an entry `KeyArena::alloc` returned that is still allocated.
+unsafe fn get_varint(entry: *const u8, at: &mut usize) -> u64 {
+    let mut value = 0u64;
+    let mut shift = 0;
+    loop {
+        // SAFETY: the caller's entry holds a whole varint from `*at` (its writer wrote it).
+        let byte = unsafe { *entry.add(*at) };
+        *at += 1;
+        value |= u64::from(byte & 0x7F) << shift;
+        if byte & 0x80 == 0 || shift >= 63 {
+            return value;
+        }
+        shift += 7;
+    }
+}
+
+/// The header of an entry for a value of `value_len` bytes and a key of `key_len`, and its
+/// length.
+fn header(value_len: u64, key_len: usize) -> ([u8; MAX_HEADER_BYTES], usize) {
+    let mut out = [0u8; MAX_HEADER_BYTES];
+    let mut at = 0;
+    put_varint(&mut out, &mut at, value_len);
+    put_varint(&mut out, &mut at, key_len as u64);
+    (out, at)
+}
+
+/// What an entry holds: the value's length and the key.
+///
+/// # Safety
+/// `entry` came from `KeyArena::alloc` and stays allocated and unchanged for `'a`.
+pub(super) unsafe fn read<'a>(entry: NonNull<u8>) -> (u64, &'a [u8]) {
+    let entry = entry.as_ptr().cast_const();
+    let mut at = 0;
+    // SAFETY: the caller's entry is live; its header is two varints.
+    let (value_len, key_len) = unsafe { (get_varint(entry, &mut at), get_varint(entry, &mut at) as usize) };
+    // SAFETY: the key's `key_len` bytes follow the header inside the entry.
+    (value_len, unsafe { std::slice::from_raw_parts(entry.add(at), key_len) })
+}
+
+/// The entry's length in bytes (header and key).
+///
+/// # Safety
+/// As for `read`.
+unsafe fn entry_len(entry: NonNull<u8>) -> usize {
+    // SAFETY: the caller's contract is `read`'s.
+    let (_, key) = unsafe { read(entry) };
+    key.as_ptr() as usize - entry.as_ptr() as usize + key.len()
 }
 
 impl KeyArena {
     pub(super) fn new() -> KeyArena {
-        KeyArena { free: vec![Vec::new(); CLASSES], blocks: Vec::new(), next: None, left: 0, held_bytes: 0 }
+        KeyArena { free: vec![Vec::new(); MAX_CLASS_BYTES], blocks: Vec::new(), next: None, left: 0, held_bytes: 0 }
     }
 
-    /// Copies `key` in; the address stays valid and unchanged until `free`.
-    pub(super) fn alloc(&mut self, key: &[u8]) -> NonNull<u8> {
-        let ptr = match class_of(key.len()) {
-            Some((class, slot)) => match self.free[class].pop() {
+    /// Copies `key` in behind a header of its length and `value_len`; the address stays valid
+    /// and the entry unchanged until `free`.
+    pub(super) fn alloc(&mut self, key: &[u8], value_len: u64) -> NonNull<u8> {
+        let (head, head_len) = header(value_len, key.len());
+        let len = head_len + key.len();
+        let ptr = if len <= MAX_CLASS_BYTES {
+            match self.free[len - 1].pop() {
                 Some(ptr) => ptr,
-                None => self.bump(slot),
-            },
-            None => {
-                let own: Box<[u8]> = key.into();
-                self.held_bytes += key.len();
-                // SAFETY: Box::into_raw never returns null; `free` rebuilds the Box from this
-                // address and the key's length.
-                return unsafe { NonNull::new_unchecked(Box::into_raw(own).cast::<u8>()) };
+                None => self.bump(len),
             }
+        } else {
+            let own: Box<[u8]> = vec![0u8; len].into_boxed_slice();
+            self.held_bytes += len;
+            // SAFETY: Box::into_raw never returns null; `free` rebuilds the Box from this
+            // address and the entry's length.
+            unsafe { NonNull::new_unchecked(Box::into_raw(own).cast::<u8>()) }
         };
-        // SAFETY: `ptr` is a slot of at least `key.len()` bytes inside a live block that nothing
-        // else uses (fresh, or freed by its last owner); `key` is the caller's, not in the arena.
-        unsafe { std::ptr::copy_nonoverlapping(key.as_ptr(), ptr.as_ptr(), key.len()) };
+        // SAFETY: `ptr` is `len` bytes inside a live block or allocation that nothing else uses
+        // (fresh, or freed by its last owner); neither source is in the arena.
+        unsafe {
+            std::ptr::copy_nonoverlapping(head.as_ptr(), ptr.as_ptr(), head_len);
+            std::ptr::copy_nonoverlapping(key.as_ptr(), ptr.as_ptr().add(head_len), key.len());
+        }
         ptr
     }
 
-    /// Takes a slot of `slot` bytes from the current block, starting a new block when it is full.
-    fn bump(&mut self, slot: usize) -> NonNull<u8> {
+    /// Takes `len` bytes from the current block, starting a new block when it is full.
+    fn bump(&mut self, len: usize) -> NonNull<u8> {
         let next = match self.next {
-            Some(next) if self.left >= slot => next,
+            Some(next) if self.left >= len => next,
             _ => {
                 let block: Box<[u8]> = vec![0u8; BLOCK_BYTES].into_boxed_slice();
                 // SAFETY: Box::into_raw never returns null; Drop rebuilds the Box.
@@ -85,30 +146,39 @@ impl KeyArena {
                 start
             }
         };
-        // SAFETY: `slot <= left`, so the slot and the address after it are inside the block (or
+        // SAFETY: `len <= left`, so the entry and the address after it are inside the block (or
         // one past its end).
-        self.next = Some(unsafe { next.add(slot) });
-        self.left -= slot;
+        self.next = Some(unsafe { next.add(len) });
+        self.left -= len;
         next
     }
 
-    /// Gives back the key `alloc` returned at `ptr`, `len` bytes long.
+    /// Gives back the entry `alloc` returned at `ptr`.
     ///
     /// # Safety
-    /// `ptr` came from `alloc` with a key of `len` bytes, is freed once, and nothing reads it
-    /// afterwards.
-    pub(super) unsafe fn free(&mut self, ptr: NonNull<u8>, len: usize) {
-        match class_of(len) {
-            Some((class, _)) => self.free[class].push(ptr),
-            None => {
-                self.held_bytes -= len;
-                // SAFETY: a key this long was allocated alone, as a Box<[u8]> of `len` bytes.
-                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len)) });
-            }
+    /// `ptr` came from `alloc`, is freed once, and nothing reads it afterwards.
+    pub(super) unsafe fn free(&mut self, ptr: NonNull<u8>) {
+        // SAFETY: the caller's entry is still allocated.
+        let len = unsafe { entry_len(ptr) };
+        if len <= MAX_CLASS_BYTES {
+            self.free[len - 1].push(ptr);
+        } else {
+            self.held_bytes -= len;
+            // SAFETY: an entry this long was allocated alone, as a Box<[u8]> of `len` bytes.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len)) });
         }
     }
 
-    /// Bytes the arena holds (blocks, whole, and keys allocated alone).
+    /// Whether the entry at `ptr` was allocated alone (not in a block).
+    ///
+    /// # Safety
+    /// As for `read`.
+    pub(super) unsafe fn allocated_alone(ptr: NonNull<u8>) -> bool {
+        // SAFETY: the caller's contract is `read`'s.
+        unsafe { entry_len(ptr) > MAX_CLASS_BYTES }
+    }
+
+    /// Bytes the arena holds (blocks, whole, and entries allocated alone).
     pub(super) fn held_bytes(&self) -> usize {
         self.held_bytes
     }
@@ -127,52 +197,66 @@ impl Drop for KeyArena {
 mod tests {
     use super::*;
 
-    /// Keys come back byte for byte, slots of a class are reused and never overlap, long keys
-    /// are allocated alone, and the bytes held follow.
+    /// Entries come back byte for byte with their value lengths, freed entries are reused by
+    /// entries of the same length and never overlap, long ones are allocated alone, and the
+    /// bytes held follow.
     #[test]
-    fn keys_stay_put_and_slots_are_reused_by_class() {
+    fn entries_stay_put_and_are_reused_by_length() {
         let mut arena = KeyArena::new();
-        let keys: Vec<Vec<u8>> = (0..3000usize).map(|i| vec![(i % 251) as u8; i % 600]).collect();
-        let mut held: Vec<(NonNull<u8>, usize)> = keys.iter().map(|k| (arena.alloc(k), k.len())).collect();
-        let check = |held: &[(NonNull<u8>, usize)], keys: &[Vec<u8>]| {
-            for (i, &(ptr, len)) in held.iter().enumerate() {
-                // SAFETY: every held key is live and `len` bytes long.
-                assert_eq!(unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) }, &keys[i][..], "key {i}");
+        let keys: Vec<(Vec<u8>, u64)> = (0..3000usize)
+            .map(|i| (vec![(i % 251) as u8; i % 600], (i as u64).wrapping_mul(0x9E37_79B9) >> (i % 64)))
+            .collect();
+        let mut held: Vec<NonNull<u8>> = keys.iter().map(|(k, v)| arena.alloc(k, *v)).collect();
+        let check = |held: &[NonNull<u8>], keys: &[(Vec<u8>, u64)]| {
+            for (i, &ptr) in held.iter().enumerate() {
+                // SAFETY: every held entry is live.
+                let (value_len, key) = unsafe { read(ptr) };
+                assert_eq!((value_len, key), (keys[i].1, &keys[i].0[..]), "entry {i}");
             }
         };
         check(&held, &keys);
-        let long: usize = keys.iter().map(Vec::len).filter(|&l| l > MAX_CLASS_BYTES).sum();
+        // SAFETY: every held entry is live.
+        let long: usize = held.iter().map(|&p| unsafe { entry_len(p) }).filter(|&l| l > MAX_CLASS_BYTES).sum();
+        assert!(long > 0);
         assert_eq!(arena.held_bytes(), arena.blocks.len() * BLOCK_BYTES + long);
-        // Free every other key; their slots go to the next keys of the same class.
-        for (ptr, len) in held.iter().step_by(2) {
+        // Free every other entry; their bytes go to the next entries of the same length.
+        for ptr in held.iter().step_by(2) {
             // SAFETY: allocated above, freed once, not read again.
-            unsafe { arena.free(*ptr, *len) };
+            unsafe { arena.free(*ptr) };
         }
         let blocks = arena.blocks.len();
-        let freed: Vec<usize> = (0..held.len()).step_by(2).collect();
-        for &i in &freed {
-            held[i] = (arena.alloc(&keys[i]), keys[i].len());
+        for i in (0..held.len()).step_by(2) {
+            held[i] = arena.alloc(&keys[i].0, keys[i].1);
         }
-        assert_eq!(arena.blocks.len(), blocks, "freed slots were reused, no block added");
+        assert_eq!(arena.blocks.len(), blocks, "freed entries were reused, no block added");
         check(&held, &keys);
-        let mut starts: Vec<(usize, usize)> = held.iter().map(|&(p, l)| (p.as_ptr() as usize, l.max(1))).collect();
-        starts.sort_unstable();
-        assert!(starts.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "no two keys overlap");
-        for (ptr, len) in held {
+        // SAFETY: every held entry is live.
+        let mut spans: Vec<(usize, usize)> =
+            held.iter().map(|&p| (p.as_ptr() as usize, unsafe { entry_len(p) })).collect();
+        spans.sort_unstable();
+        assert!(spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "no two entries overlap");
+        for ptr in held {
             // SAFETY: as above.
-            unsafe { arena.free(ptr, len) };
+            unsafe { arena.free(ptr) };
         }
-        assert_eq!(arena.held_bytes(), arena.blocks.len() * BLOCK_BYTES, "long keys given back");
+        assert_eq!(arena.held_bytes(), arena.blocks.len() * BLOCK_BYTES, "long entries given back");
     }
 
+    /// A 76-byte key of a small value takes 78 bytes; the largest lengths round-trip.
     #[test]
-    fn size_classes_step_by_eight_bytes() {
-        assert_eq!(class_of(0), Some((0, 8)));
-        assert_eq!(class_of(1), Some((0, 8)));
-        assert_eq!(class_of(8), Some((0, 8)));
-        assert_eq!(class_of(9), Some((1, 16)));
-        assert_eq!(class_of(76), Some((9, 80)));
-        assert_eq!(class_of(MAX_CLASS_BYTES), Some((CLASSES - 1, MAX_CLASS_BYTES)));
-        assert_eq!(class_of(MAX_CLASS_BYTES + 1), None);
+    fn headers_are_varints_of_both_lengths() {
+        assert_eq!(header(16, 76).1, 2);
+        assert_eq!(header(64 << 10, 76).1, 4);
+        assert_eq!(header(u64::MAX, 1 << 20).1, 13);
+        let mut arena = KeyArena::new();
+        for (value_len, key_len) in [(0, 0), (u64::MAX, 3), ((1 << 43) - 1, (1 << 20) + 1), (127, 128)] {
+            let key = vec![7u8; key_len];
+            let ptr = arena.alloc(&key, value_len);
+            // SAFETY: live until freed below.
+            let (v, k) = unsafe { read(ptr) };
+            assert_eq!((v, k), (value_len, &key[..]));
+            // SAFETY: allocated above, freed once.
+            unsafe { arena.free(ptr) };
+        }
     }
 }
