@@ -111,29 +111,33 @@ enum ObjectState {
     Abandoned,
 }
 
-/// The shard's record of one object, 24 bytes. Its key and its value's length are kept once, in
-/// the object's published slot (`IndexWriter::adopt`), which readers compare keys through; what
-/// only a shard with an SSD tier needs is in its `SsdFacts`.
+/// The shard's record of one object, 16 bytes. Its key and its value's length are kept once, in
+/// the object's published slot (`IndexWriter::adopt`), which readers compare keys through, and
+/// so is its generation (the slot's lease word); what only a shard with an SSD tier needs is in
+/// its `SsdFacts`.
 struct Object {
-    generation: u32,
     /// DRAM copy. With an SSD tier it holds a whole record image (header, key, value).
     dram: Option<Allocation>,
-    leases: u32,
+    /// Leases the shard granted, at most `u16::MAX` (`lease_room` refuses more).
+    leases: u16,
     /// At most `u16::MAX` (`pin` refuses more).
     pins: u16,
     /// In-flight writes reading `dram`, or a load filling it: at most one load and two writes.
     io_refs: u8,
-    /// Loaded without promotion: the DRAM copy goes when the last reader does.
-    transient: bool,
-    /// The shard loop turn that committed it, its low 16 bits: only compared with this turn's,
-    /// so an object committed 65536 turns earlier is only spared from background eviction once
+    /// `TRANSIENT` and `SHADOWED`.
+    flags: u8,
+    /// The shard loop turn that committed it, its low 8 bits: only compared with this turn's,
+    /// so an object committed 256 turns earlier is only spared from background eviction once
     /// more.
-    committed_turn: u16,
-    /// An older SSD record of this version may still be readable on disk (its SSD copy was
-    /// dropped by a reclaim that has not freed the segment yet): removes and upserts tombstone it.
-    shadowed: bool,
+    committed_turn: u8,
     state: ObjectState,
 }
+
+/// Loaded without promotion: the DRAM copy goes when the last reader does.
+const TRANSIENT: u8 = 1;
+/// An older SSD record of this version may still be readable on disk (its SSD copy was dropped
+/// by a reclaim that has not freed the segment yet): removes and upserts tombstone it.
+const SHADOWED: u8 = 2;
 
 /// What an object of a shard with an SSD tier has beside its record, 32 bytes (a DRAM-only shard
 /// keeps none: its objects have no record image, sequence number or SSD copy).
@@ -184,6 +188,23 @@ impl PackedLocation {
 }
 
 impl Object {
+    /// A record with no leases, pins, I/O or flags.
+    fn new(dram: Option<Allocation>, state: ObjectState) -> Object {
+        Object { dram, leases: 0, pins: 0, io_refs: 0, flags: 0, committed_turn: 0, state }
+    }
+
+    fn transient(&self) -> bool {
+        self.flags & TRANSIENT != 0
+    }
+
+    fn set_transient(&mut self, on: bool) {
+        self.flags = if on { self.flags | TRANSIENT } else { self.flags & !TRANSIENT };
+    }
+
+    fn shadowed(&self) -> bool {
+        self.flags & SHADOWED != 0
+    }
+
     fn evictable(&self) -> bool {
         self.leases == 0
             && self.io_refs == 0
@@ -253,6 +274,11 @@ struct PendingRead {
 enum Waiter {
     Reserve { pending: usize, slot: usize, key: Box<[u8]>, len: u64, upsert: bool },
     Load { pending: usize, slot: usize },
+}
+
+/// The index hash of object `id`'s key (what the index and the policy were given for it).
+fn index_key_hash(index: &IndexWriter, id: u32) -> u64 {
+    super::index_hash(super::key_hash(index.key(id)))
 }
 
 /// What `pin` and a pinned upsert answer for an object that holds `u16::MAX` pins already.
@@ -425,9 +451,7 @@ impl ShardCore {
 
     /// Leases a DRAM-resident live object.
     fn grant_lease(&mut self, id: u32, deadline: Option<Instant>) -> Result<ReadGrant> {
-        if self.leases.len() >= self.config.max_leases as usize {
-            return Err(Error::Busy { limit: self.config.max_leases as usize });
-        }
+        self.lease_room(id)?;
         let ptr = self.value_ptr(id)?;
         let len = self.index.value_len(id);
         let lease = self.add_lease(id);
@@ -467,15 +491,15 @@ impl ShardCore {
             return;
         }
         let done_with = matches!(object.state, ObjectState::Retired | ObjectState::Abandoned)
-            || (object.transient && self.has_ssd_copy(id));
+            || (object.transient() && self.has_ssd_copy(id));
         if done_with && self.index.readers(id) > 0 {
             // Published readers give their leases back without a message: look again next turn.
-            self.draining.push((id, object.generation));
+            self.draining.push((id, self.index.generation(id)));
             return;
         }
         if matches!(object.state, ObjectState::Retired | ObjectState::Abandoned) {
             self.free_object(id);
-        } else if object.transient && self.has_ssd_copy(id) {
+        } else if object.transient() && self.has_ssd_copy(id) {
             self.drop_dram(id);
         }
     }
@@ -601,19 +625,9 @@ impl ShardCore {
         let generation = self.bump_generation();
         let offset = self.allocator.offset_of(&allocation);
         let reserved = self.allocator.len_of(&allocation);
-        let object = Object {
-            generation,
-            dram: Some(allocation),
-            leases: 0,
-            pins: 0,
-            io_refs: 0,
-            transient: false,
-            committed_turn: 0,
-            shadowed: false,
-            state: ObjectState::Reserved,
-        };
+        let object = Object::new(Some(allocation), ObjectState::Reserved);
         let facts = SsdFacts { value_offset, ..SsdFacts::default() };
-        let id = match self.insert_object(object, facts, key, len) {
+        let id = match self.insert_object(object, generation, facts, key, len) {
             Ok(id) => id,
             Err(object) => {
                 if let Some(allocation) = object.dram {
@@ -736,7 +750,7 @@ impl ShardCore {
         entry.state = ObjectState::Live;
         // Checked above: an object at the bound refuses a pinned upsert.
         entry.pins = inherited_pins.saturating_add(u16::from(pin));
-        entry.committed_turn = self.turn as u16;
+        entry.committed_turn = self.turn as u8;
         if let Some(facts) = self.ssd_facts.get_mut(id as usize) {
             facts.seq = seq;
         }
@@ -780,7 +794,7 @@ impl ShardCore {
     /// put) or live in DRAM; NotFound once it was aborted, replaced or left DRAM.
     pub fn lease_object(&mut self, object: ObjectRef) -> Result<ReadGrant> {
         let Some(o) = self.objects.get(object.id as usize) else { return Err(Error::NotFound) };
-        let usable = o.generation == object.generation
+        let usable = self.index.generation(object.id) == object.generation
             && matches!(o.state, ObjectState::Reserved | ObjectState::Live)
             && o.dram.is_some();
         // A load fills an object without a DRAM copy and installs the copy as it ends.
@@ -788,9 +802,7 @@ impl ShardCore {
         if !usable {
             return Err(Error::NotFound);
         }
-        if self.leases.len() >= self.config.max_leases as usize {
-            return Err(Error::Busy { limit: self.config.max_leases as usize });
-        }
+        self.lease_room(object.id)?;
         let ptr = self.value_ptr(object.id)?;
         let len = self.index.value_len(object.id);
         let lease = self.add_lease(object.id);
@@ -910,10 +922,10 @@ impl ShardCore {
     /// Feeds reads served through the published index to the eviction policy, and finishes the
     /// objects whose published readers have all gone.
     pub fn take_published_news(&mut self) {
-        let (objects, policy) = (&self.objects, &mut self.policy);
-        self.index.drain_accesses(|id, generation| {
+        let (objects, policy, index) = (&self.objects, &mut self.policy, &self.index);
+        index.drain_accesses(|id, generation| {
             let tracked = objects.get(id as usize).is_some_and(|o| {
-                o.generation == generation && o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some()
+                index.generation(id) == generation && o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some()
             });
             if tracked {
                 policy.access(id as EntryId);
@@ -924,7 +936,7 @@ impl ShardCore {
         }
         let draining = std::mem::take(&mut self.draining);
         for (id, generation) in draining {
-            let same = self.objects.get(id as usize).is_some_and(|o| o.generation == generation);
+            let same = self.object_of(id, generation).is_some();
             if same {
                 // Back on the list if readers are still there.
                 self.after_last_use(id);
@@ -972,9 +984,10 @@ impl ShardCore {
     fn evict_one_now(&mut self) -> bool {
         let (objects, index) = (&self.objects, &self.index);
         // A victim's published slot is closed as it is chosen, atomically with seeing no readers.
-        let victim = self
-            .policy
-            .pop_victim(&mut |id| objects.get(id as usize).is_some_and(Object::evictable) && index.close_if_unused(id));
+        let victim = self.policy.pop_victim(
+            &mut |id| objects.get(id as usize).is_some_and(Object::evictable) && index.close_if_unused(id),
+            &|id| index_key_hash(index, id),
+        );
         let Some(id) = victim else { return false };
         self.drop_or_evict(id);
         true
@@ -990,11 +1003,16 @@ impl ShardCore {
     /// `evict_one`; with `spare_this_turn`, objects committed in this turn are skipped.
     fn evict_one_of(&mut self, spare_this_turn: bool) -> bool {
         let (objects, index) = (&self.objects, &self.index);
-        let turn = self.turn as u16;
-        let victim = self.policy.pop_victim(&mut |id| {
-            objects.get(id as usize).is_some_and(|o| o.evictable() && !(spare_this_turn && o.committed_turn == turn))
-                && index.close_if_unused(id)
-        });
+        let turn = self.turn as u8;
+        let victim = self.policy.pop_victim(
+            &mut |id| {
+                objects
+                    .get(id as usize)
+                    .is_some_and(|o| o.evictable() && !(spare_this_turn && o.committed_turn == turn))
+                    && index.close_if_unused(id)
+            },
+            &|id| index_key_hash(index, id),
+        );
         let Some(id) = victim else { return false };
         debug_assert_eq!(self.objects[id as usize].state, ObjectState::Live);
         if self.has_ssd_copy(id) {
@@ -1035,7 +1053,7 @@ impl ShardCore {
         debug_assert!(object.leases == 0 && object.io_refs == 0);
         debug_assert_eq!(self.index.readers(id), 0, "dropping DRAM under published readers");
         let Some(allocation) = object.dram.take() else { return };
-        object.transient = false;
+        object.set_transient(false);
         self.policy.remove(id as EntryId);
         self.counters.bytes_used.fetch_sub(self.allocator.len_of(&allocation), RELAXED);
         self.counters.dram_objects.fetch_sub(1, RELAXED);
@@ -1048,7 +1066,7 @@ impl ShardCore {
     fn track_if_resident(&mut self, id: u32) {
         self.publish(id);
         let o = &self.objects[id as usize];
-        if o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some() && o.io_refs == 0 && !o.transient {
+        if o.state == ObjectState::Live && o.pins == 0 && o.dram.is_some() && o.io_refs == 0 && !o.transient() {
             let (hash, len) = (self.key_hash(id), self.index.value_len(id));
             self.policy.insert(id as EntryId, hash, len.max(1));
         }
@@ -1133,10 +1151,13 @@ impl ShardCore {
 
     // ---- internals --------------------------------------------------------------------------
 
+    /// Object `id`'s record if it is still the object of `generation`.
+    fn object_of(&self, id: u32, generation: u32) -> Option<&Object> {
+        self.objects.get(id as usize).filter(|_| self.index.generation(id) == generation)
+    }
+
     fn is_reserved(&self, object: ObjectRef) -> bool {
-        self.objects
-            .get(object.id as usize)
-            .is_some_and(|o| o.generation == object.generation && o.state == ObjectState::Reserved)
+        self.object_of(object.id, object.generation).is_some_and(|o| o.state == ObjectState::Reserved)
     }
 
     /// Takes a live object out of the index and the policy; frees it now or when its last lease
@@ -1165,7 +1186,7 @@ impl ShardCore {
             object.state = ObjectState::Retired;
             self.counters.retired_objects.fetch_add(1, RELAXED);
         }
-        let generation = object.generation;
+        let generation = self.index.generation(id);
         self.policy.remove(id as EntryId);
         self.counters.objects.fetch_sub(1, RELAXED);
         if !busy {
@@ -1198,6 +1219,18 @@ impl ShardCore {
             self.allocator.free(allocation);
             self.retry_waiters();
         }
+    }
+
+    /// Whether object `id` may take one more lease: the shard's table and the object's count
+    /// both have room (`Busy` names the bound that is full).
+    fn lease_room(&self, id: u32) -> Result<()> {
+        if self.leases.len() >= self.config.max_leases as usize {
+            return Err(Error::Busy { limit: self.config.max_leases as usize });
+        }
+        if self.objects.get(id as usize).is_some_and(|o| o.leases == u16::MAX) {
+            return Err(Error::Busy { limit: usize::from(u16::MAX) });
+        }
+        Ok(())
     }
 
     fn add_lease(&mut self, id: u32) -> LeaseId {
@@ -1240,7 +1273,7 @@ impl ShardCore {
     /// object against one hash of the key when it leaves the index (entries move without their
     /// keys).
     fn key_hash(&self, id: u32) -> u64 {
-        super::index_hash(super::key_hash(self.index.key(id)))
+        index_key_hash(&self.index, id)
     }
 
     /// Adds an object record, giving its published slot the key and the value's length. The
@@ -1248,13 +1281,14 @@ impl ShardCore {
     fn insert_object(
         &mut self,
         object: Object,
+        generation: u32,
         facts: SsdFacts,
         key: &[u8],
         len: u64,
     ) -> std::result::Result<u32, Object> {
         let entry = self.objects.vacant_entry();
         let Ok(id) = u32::try_from(entry.key()) else { return Err(object) };
-        if !self.index.adopt(id, object.generation, key, len) {
+        if !self.index.adopt(id, generation, key, len) {
             return Err(object);
         }
         if self.ssd.is_some() {
@@ -1305,7 +1339,7 @@ impl ShardCore {
     /// A record of object `id`'s version is (or may soon be, or may still be) readable on SSD,
     /// so removing or replacing it needs a tombstone.
     fn may_have_ssd_record(&self, id: u32) -> bool {
-        self.has_ssd_copy(id) || self.objects.get(id as usize).is_some_and(|o| o.io_refs > 0 || o.shadowed)
+        self.has_ssd_copy(id) || self.objects.get(id as usize).is_some_and(|o| o.io_refs > 0 || o.shadowed())
     }
 
     /// Takes object `id` out of the index.
@@ -1325,13 +1359,13 @@ impl ShardCore {
     fn publish(&mut self, id: u32) {
         let Some(o) = self.objects.get(id as usize) else { return };
         // A load in flight holds an I/O reference, so no loading object is readable here.
-        let readable = o.state == ObjectState::Live && o.dram.is_some() && !o.transient && o.io_refs == 0;
+        let readable = o.state == ObjectState::Live && o.dram.is_some() && !o.transient() && o.io_refs == 0;
         debug_assert!(!readable || self.load_token(id).is_none(), "object {id} loading without an I/O reference");
-        if !readable || self.index.is_open(id, o.generation) {
+        let generation = self.index.generation(id);
+        if !readable || self.index.is_open(id, generation) {
             return;
         }
         let Ok(ptr) = self.value_ptr(id) else { return };
-        let generation = self.objects[id as usize].generation;
         self.index.open(id, generation, ptr);
     }
 
@@ -1375,7 +1409,7 @@ impl ShardCore {
                     if object.dram.is_none() && !self.has_ssd_copy(id as u32) && object.io_refs == 0 {
                         return Err(format!("live object {id} has no copy anywhere"));
                     }
-                    if object.pins == 0 && object.dram.is_some() && object.io_refs == 0 && !object.transient {
+                    if object.pins == 0 && object.dram.is_some() && object.io_refs == 0 && !object.transient() {
                         tracked += 1;
                     }
                 }

@@ -48,7 +48,11 @@ impl Eviction for Lru {
         self.list.remove(id);
     }
 
-    fn pop_victim(&mut self, evictable: &mut dyn FnMut(EntryId) -> bool) -> Option<EntryId> {
+    fn pop_victim(
+        &mut self,
+        evictable: &mut dyn FnMut(EntryId) -> bool,
+        _key_hash: &dyn Fn(EntryId) -> u64,
+    ) -> Option<EntryId> {
         // Each refused id rotates to the front, so `len` steps visit every id exactly once.
         for _ in 0..self.list.len(RECENCY) {
             let id = self.list.back(RECENCY)?;
@@ -73,7 +77,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn pop_all(lru: &mut Lru) -> Vec<EntryId> {
-        std::iter::from_fn(|| lru.pop_victim(&mut |_| true)).collect()
+        std::iter::from_fn(|| lru.pop_victim(&mut |_| true, &u64::from)).collect()
     }
 
     #[test]
@@ -86,7 +90,7 @@ mod tests {
         lru.access(3);
         assert_eq!(pop_all(&mut lru), vec![2, 4, 1, 3]);
         assert!(lru.is_empty());
-        assert_eq!(lru.pop_victim(&mut |_| true), None);
+        assert_eq!(lru.pop_victim(&mut |_| true, &u64::from), None);
     }
 
     #[test]
@@ -95,7 +99,7 @@ mod tests {
         for id in [1, 2, 3] {
             lru.insert(id, 0, 1);
         }
-        assert_eq!(lru.pop_victim(&mut |id| id != 1), Some(2));
+        assert_eq!(lru.pop_victim(&mut |id| id != 1, &u64::from), Some(2));
         assert!(lru.contains(1));
         assert!(!lru.contains(2));
         assert_eq!(lru.len(), 2);
@@ -111,10 +115,13 @@ mod tests {
         }
         let mut calls = 0;
         assert_eq!(
-            lru.pop_victim(&mut |_| {
-                calls += 1;
-                false
-            }),
+            lru.pop_victim(
+                &mut |_| {
+                    calls += 1;
+                    false
+                },
+                &u64::from
+            ),
             None
         );
         assert_eq!(calls, 10);
@@ -145,7 +152,7 @@ mod tests {
         let mut lru = Lru::new();
         lru.insert(5000, 0, 1);
         lru.insert(0, 0, 1);
-        assert_eq!(lru.pop_victim(&mut |_| true), Some(5000));
+        assert_eq!(lru.pop_victim(&mut |_| true, &u64::from), Some(5000));
         lru.insert(5000, 0, 1);
         assert_eq!(pop_all(&mut lru), vec![0, 5000]);
     }
@@ -216,7 +223,7 @@ mod tests {
                         let got = lru.pop_victim(&mut |id| {
                             calls += 1;
                             !refused(mask, id)
-                        });
+                        }, &u64::from);
                         prop_assert!(calls <= len_before);
                         // Model: walk from LRU, refused ones rotate to MRU.
                         let mut want = None;

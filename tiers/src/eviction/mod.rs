@@ -24,7 +24,9 @@ pub type EntryId = u32;
 /// - `remove` and `access` of an untracked id are no-ops.
 /// - `pop_victim` returns a tracked id for which `evictable(id)` returned true and stops tracking
 ///   it; entries for which `evictable` said false stay tracked. It calls `evictable` at most
-///   `len()` times, so it is bounded even when nothing can go.
+///   `len()` times, so it is bounded even when nothing can go. `key_hash(id)` answers the hash
+///   `insert` was given for a tracked id (a policy with a ghost history asks it of the victim
+///   rather than keep every entry's hash).
 pub trait Eviction: Send {
     /// Short stable name ("lru", "s3fifo") for stats and benchmark tables.
     fn name(&self) -> &'static str;
@@ -36,7 +38,11 @@ pub trait Eviction: Send {
     /// Stops tracking `id` (removed, replaced or pinned).
     fn remove(&mut self, id: EntryId);
     /// Chooses and untracks the next victim, skipping entries `evictable` refuses.
-    fn pop_victim(&mut self, evictable: &mut dyn FnMut(EntryId) -> bool) -> Option<EntryId>;
+    fn pop_victim(
+        &mut self,
+        evictable: &mut dyn FnMut(EntryId) -> bool,
+        key_hash: &dyn Fn(EntryId) -> u64,
+    ) -> Option<EntryId>;
     /// Number of tracked entries.
     fn len(&self) -> usize;
     /// True when nothing is tracked.
@@ -150,7 +156,8 @@ pub fn simulate_hit_ratio(
             continue;
         }
         while used.saturating_add(size) > capacity_bytes {
-            let Some(victim) = eviction.pop_victim(&mut |_| true) else {
+            let key_of = |id: EntryId| slots.get(id as usize).copied().flatten().map_or(0, |(key, _)| key);
+            let Some(victim) = eviction.pop_victim(&mut |_| true, &key_of) else {
                 break;
             };
             if let Some((old_key, old_size)) = slots.get_mut(victim as usize).and_then(Option::take) {

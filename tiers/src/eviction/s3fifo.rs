@@ -25,14 +25,12 @@ const SMALL_SHARE_DIVISOR: u64 = 10;
 /// Ghost entries allowed even when few entries are tracked, so a cold cache still learns.
 const GHOST_MIN_ENTRIES: usize = 64;
 
-/// 8 bytes per tracked entry.
+/// 4 bytes per tracked entry (the key hash the ghost keeps is asked of the caller when an entry
+/// leaves small).
 #[derive(Clone, Copy, Debug, Default)]
 struct Meta {
-    /// The frequency (top two bits) and the entry's size (the 30 below, see `SizeCode`).
+    /// The frequency (top two bits) and the entry's size (the 30 below).
     freq_size: u32,
-    /// The key hash folded to 32 bits: all the ghost keeps (a collision only makes a ghost hit
-    /// of a key never evicted, a placement hint, never a correctness matter).
-    ghost_key: u32,
 }
 
 /// Sizes below 512 MiB are kept exactly; larger ones in 2 KiB units, rounded up, to just under
@@ -48,14 +46,14 @@ const MAX_META_SIZE: u64 = (SIZE_MASK as u64) << COARSE_UNIT_LOG2;
 const FREQ_SHIFT: u32 = 30;
 
 impl Meta {
-    fn new(size_bytes: u64, ghost_key: u32) -> Meta {
+    fn new(size_bytes: u64) -> Meta {
         let code = if size_bytes < 1 << EXACT_SIZE_LOG2 {
             size_bytes as u32
         } else {
             let units = size_bytes.div_ceil(1 << COARSE_UNIT_LOG2).min(u64::from(SIZE_MASK)) as u32;
             1 << EXACT_SIZE_LOG2 | units
         };
-        Meta { freq_size: code, ghost_key }
+        Meta { freq_size: code }
     }
 
     /// The size kept (`size_bytes` as given to `new`, exact below 512 MiB).
@@ -78,7 +76,8 @@ impl Meta {
     }
 }
 
-/// A key hash folded to the 32 bits the ghost compares.
+/// A key hash folded to the 32 bits the ghost compares (a collision only makes a ghost hit of a
+/// key never evicted, a placement hint, never a correctness matter).
 fn ghost_key(key_hash: u64) -> u32 {
     (key_hash ^ (key_hash >> 32)) as u32
 }
@@ -234,7 +233,7 @@ impl Eviction for S3Fifo {
         if idx >= self.meta.len() {
             self.meta.resize(idx + 1, Meta::default());
         }
-        let meta = Meta::new(size_bytes, ghost_key);
+        let meta = Meta::new(size_bytes);
         let size_bytes = meta.size();
         if let Some(m) = self.meta_mut(id) {
             *m = meta;
@@ -259,7 +258,11 @@ impl Eviction for S3Fifo {
         self.untrack(id);
     }
 
-    fn pop_victim(&mut self, evictable: &mut dyn FnMut(EntryId) -> bool) -> Option<EntryId> {
+    fn pop_victim(
+        &mut self,
+        evictable: &mut dyn FnMut(EntryId) -> bool,
+        key_hash: &dyn Fn(EntryId) -> u64,
+    ) -> Option<EntryId> {
         let tracked = self.len();
         let small_target = self.tracked_bytes() / SMALL_SHARE_DIVISOR;
         // Every step moves an entry small->main (once each), lowers a freq (<= 3 each) or asks
@@ -302,7 +305,7 @@ impl Eviction for S3Fifo {
                 if from_small {
                     let max_entries = self.len().max(GHOST_MIN_ENTRIES);
                     let max_bytes = self.ghost_max_bytes();
-                    self.ghost.record(meta.ghost_key, meta.size(), max_bytes, max_entries);
+                    self.ghost.record(ghost_key(key_hash(id)), meta.size(), max_bytes, max_entries);
                 }
                 victim = Some(id);
                 break;
@@ -332,7 +335,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn pop_all(s: &mut S3Fifo) -> Vec<EntryId> {
-        std::iter::from_fn(|| s.pop_victim(&mut |_| true)).collect()
+        std::iter::from_fn(|| s.pop_victim(&mut |_| true, &u64::from)).collect()
     }
 
     #[test]
@@ -345,7 +348,7 @@ mod tests {
             s.access(id);
         }
         // Main is empty, so small is scanned: 0..2 were hit and move to main, 3 goes first.
-        assert_eq!(s.pop_victim(&mut |_| true), Some(3));
+        assert_eq!(s.pop_victim(&mut |_| true, &u64::from), Some(3));
         assert_eq!(s.queue_of(0), Some(MAIN));
         assert_eq!(s.queue_of(4), Some(SMALL));
         // Small (60 of 90 bytes) stays above its 10% target until drained, then main's FIFO.
@@ -353,10 +356,10 @@ mod tests {
     }
 
     #[test]
-    fn s3fifo_keeps_sizes_in_8_bytes_and_its_totals_exact() {
-        assert_eq!(std::mem::size_of::<Meta>(), 8);
+    fn s3fifo_keeps_sizes_in_4_bytes_and_its_totals_exact() {
+        assert_eq!(std::mem::size_of::<Meta>(), 4);
         for size in [0, 1, 4096, (1 << 29) - 1, 1 << 29, u64::from(u32::MAX) + 1, 5 << 32, MAX_META_SIZE] {
-            let mut m = Meta::new(size, 9);
+            let mut m = Meta::new(size);
             assert_eq!(m.size(), size);
             m.set_freq(MAX_FREQ);
             assert_eq!((m.size(), m.freq()), (size, MAX_FREQ));
@@ -364,11 +367,11 @@ mod tests {
             assert_eq!((m.size(), m.freq()), (size, 0));
         }
         // Past 512 MiB sizes round up to 2 KiB; past the largest kept they count as it.
-        assert_eq!(Meta::new((1 << 29) + 1, 9).size(), (1 << 29) + 2048);
-        assert_eq!(Meta::new(5 << 32 | 7, 9).size(), (5 << 32) + 2048);
-        assert_eq!(Meta::new(MAX_META_SIZE + 1, 9).size(), MAX_META_SIZE);
-        assert_eq!(Meta::new(1 << 40, 9).size(), MAX_META_SIZE);
-        assert_eq!(Meta::new(u64::MAX, 9).size(), MAX_META_SIZE);
+        assert_eq!(Meta::new((1 << 29) + 1).size(), (1 << 29) + 2048);
+        assert_eq!(Meta::new(5 << 32 | 7).size(), (5 << 32) + 2048);
+        assert_eq!(Meta::new(MAX_META_SIZE + 1).size(), MAX_META_SIZE);
+        assert_eq!(Meta::new(1 << 40).size(), MAX_META_SIZE);
+        assert_eq!(Meta::new(u64::MAX).size(), MAX_META_SIZE);
         // Entries past the kept size count as that size coming and going alike.
         let mut s = S3Fifo::new(u64::MAX);
         s.insert(0, 0, 3 << 40);
@@ -389,7 +392,7 @@ mod tests {
         }
         // Promote all three to main (freq reset to 0), evicting the one-hit wonder 3.
         s.insert(3, 3, 10);
-        assert_eq!(s.pop_victim(&mut |_| true), Some(3));
+        assert_eq!(s.pop_victim(&mut |_| true, &u64::from), Some(3));
         assert_eq!((0..3).map(|id| s.queue_of(id)).collect::<Vec<_>>(), vec![Some(MAIN); 3]);
         // 0 is hit twice, 1 once: 2 goes first, then 1 (one chance), then 0.
         s.access(0);
@@ -413,7 +416,7 @@ mod tests {
         let mut s = S3Fifo::new(1000);
         s.insert(0, 0xAA, 10);
         s.insert(1, 0xBB, 10);
-        assert_eq!(s.pop_victim(&mut |_| true), Some(0));
+        assert_eq!(s.pop_victim(&mut |_| true, &|id| [0xAA, 0xBB][id as usize]), Some(0));
         // Key 0xAA comes back under a reused id: the ghost sends it straight to main.
         s.insert(0, 0xAA, 10);
         assert_eq!(s.queue_of(0), Some(MAIN));
@@ -431,8 +434,9 @@ mod tests {
         s.insert(0, 0xAA, 10);
         s.access(0);
         s.insert(1, 0xBB, 10);
-        assert_eq!(s.pop_victim(&mut |_| true), Some(1)); // 0 promoted, 1 evicted to ghost
-        assert_eq!(s.pop_victim(&mut |_| true), Some(0)); // from main
+        let hashes = |id: EntryId| [0xAA, 0xBB][id as usize];
+        assert_eq!(s.pop_victim(&mut |_| true, &hashes), Some(1)); // 0 promoted, 1 evicted to ghost
+        assert_eq!(s.pop_victim(&mut |_| true, &hashes), Some(0)); // from main
         s.insert(5, 0xAA, 10);
         assert_eq!(s.queue_of(5), Some(SMALL));
         s.insert(6, 0xBB, 10);
@@ -446,10 +450,13 @@ mod tests {
             s.insert(id, u64::from(id), 10);
         }
         let mut asked = Vec::new();
-        let got = s.pop_victim(&mut |id| {
-            asked.push(id);
-            id != 0 && id != 1
-        });
+        let got = s.pop_victim(
+            &mut |id| {
+                asked.push(id);
+                id != 0 && id != 1
+            },
+            &u64::from,
+        );
         assert_eq!(got, Some(2));
         assert_eq!(asked, vec![0, 1, 2]);
         assert_eq!(s.len(), 3);
@@ -472,16 +479,19 @@ mod tests {
             }
         }
         // Put some in main too.
-        assert!(s.pop_victim(&mut |_| true).is_some());
+        assert!(s.pop_victim(&mut |_| true, &u64::from).is_some());
         for id in 0..12 {
             s.access(id);
         }
         let len = s.len();
         let mut calls = 0;
-        let got = s.pop_victim(&mut |_| {
-            calls += 1;
-            false
-        });
+        let got = s.pop_victim(
+            &mut |_| {
+                calls += 1;
+                false
+            },
+            &u64::from,
+        );
         assert_eq!(got, None);
         assert_eq!(calls, len);
         assert_eq!(s.len(), len);
@@ -505,19 +515,21 @@ mod tests {
         s.access(1);
         assert!(s.is_empty());
         assert_eq!(s.tracked_bytes(), 0);
-        assert_eq!(s.pop_victim(&mut |_| true), None);
+        assert_eq!(s.pop_victim(&mut |_| true, &u64::from), None);
     }
 
     #[test]
     fn s3fifo_ghost_stays_bounded() {
         // 100 bytes of capacity: ghost keeps at most 90 bytes and max(len, 64) hashes.
         let mut s = S3Fifo::new(100);
+        let mut hashes = [0u64; 4];
         for round in 0..10_000u64 {
             let id = (round % 4) as EntryId;
             s.remove(id);
             s.insert(id, round, 1);
+            hashes[id as usize] = round;
             if s.len() == 4 {
-                assert!(s.pop_victim(&mut |_| true).is_some());
+                assert!(s.pop_victim(&mut |_| true, &|id| hashes[id as usize]).is_some());
             }
         }
         assert!(s.ghost.len() <= 64, "ghost has {}", s.ghost.len());
@@ -525,7 +537,7 @@ mod tests {
         let mut big = S3Fifo::new(100);
         for round in 0..1000u64 {
             big.insert(0, round, 30);
-            assert_eq!(big.pop_victim(&mut |_| true), Some(0));
+            assert_eq!(big.pop_victim(&mut |_| true, &|_| round), Some(0));
         }
         assert!(big.ghost.bytes <= 90 && big.ghost.len() <= 3);
     }
@@ -683,12 +695,14 @@ mod tests {
                             _ => u64::MAX,
                         };
                         let tracked = model.ids();
+                        let hashes: HashMap<EntryId, u64> =
+                            model.small.iter().chain(&model.main).map(|e| (e.id, e.hash)).collect();
                         let len_before = s.len();
                         let mut calls = 0usize;
                         let got = s.pop_victim(&mut |id| {
                             calls += 1;
                             !refused(mask, id)
-                        });
+                        }, &|id| hashes.get(&id).copied().unwrap_or(u64::MAX));
                         prop_assert!(calls <= len_before);
                         let want = model.pop(mask);
                         prop_assert_eq!(got, want);

@@ -27,9 +27,10 @@ use slab::Slab;
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use super::{Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, SsdFacts, RELAXED};
+use super::{Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, SsdFacts, RELAXED, SHADOWED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
+use crate::shard::published::IndexWriter;
 
 /// Tombstones queued and not yet written, by default; a remove past this gets `Busy` (nothing
 /// is dropped).
@@ -280,6 +281,7 @@ impl SsdState {
 struct Owners<'a> {
     objects: &'a mut Slab<Object>,
     facts: &'a [SsdFacts],
+    index: &'a IndexWriter,
 }
 
 fn owner_token(id: u32, generation: u32) -> u64 {
@@ -296,7 +298,7 @@ impl RecordOwners for Owners<'_> {
     fn claim_copy(&mut self, owner: u64, src: SsdLocation) -> bool {
         let (id, generation) = owner_parts(owner);
         let Some(object) = self.objects.get_mut(id as usize) else { return false };
-        let eligible = object.generation == generation
+        let eligible = self.index.generation(id) == generation
             && object.state == ObjectState::Live
             && object.io_refs == 0
             && object.dram.is_none()
@@ -309,7 +311,9 @@ impl RecordOwners for Owners<'_> {
 
     fn still_wanted(&self, owner: u64) -> bool {
         let (id, generation) = owner_parts(owner);
-        self.objects.get(id as usize).is_some_and(|o| o.generation == generation && o.state == ObjectState::Live)
+        self.objects
+            .get(id as usize)
+            .is_some_and(|o| self.index.generation(id) == generation && o.state == ObjectState::Live)
     }
 }
 
@@ -446,14 +450,18 @@ impl ShardCore {
     /// be durable).
     fn advance_reclaim(&mut self) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        let step = ssd.tier.reclaim_step(&mut Owners { objects: &mut self.objects, facts: &self.ssd_facts });
+        let step = ssd.tier.reclaim_step(&mut Owners {
+            objects: &mut self.objects,
+            facts: &self.ssd_facts,
+            index: &self.index,
+        });
         self.drain_tier_events();
         let ReclaimStep::Decide { segment, copy_cold, owners } = step else { return };
         let mut busy = false;
         let mut queue = Vec::new();
         for (id, generation) in owners.into_iter().map(owner_parts) {
             let Some(object) = self.objects.get(id as usize) else { continue };
-            if object.generation != generation || self.ssd_copy(id).is_none_or(|l| l.segment != segment) {
+            if self.index.generation(id) != generation || self.ssd_copy(id).is_none_or(|l| l.segment != segment) {
                 continue;
             }
             if object.io_refs > 0 {
@@ -502,15 +510,18 @@ impl ShardCore {
             }
         }
         let Some(ssd) = self.ssd.as_mut() else { return };
-        ssd.tier.reclaim_decided(queue, busy, &mut Owners { objects: &mut self.objects, facts: &self.ssd_facts });
+        ssd.tier.reclaim_decided(
+            queue,
+            busy,
+            &mut Owners { objects: &mut self.objects, facts: &self.ssd_facts, index: &self.index },
+        );
         self.drain_tier_events();
     }
 
     /// A copy the reclaim made will never be durable: the object rests at its old record again.
     fn on_copy_lost(&mut self, owner: u64, src: SsdLocation, dst: SsdLocation) {
         let (id, generation) = owner_parts(owner);
-        let Some(object) = self.objects.get(id as usize) else { return };
-        if object.generation == generation && self.ssd_copy(id) == Some(dst) {
+        if self.object_of(id, generation).is_some() && self.ssd_copy(id) == Some(dst) {
             self.set_ssd_copy(id, src);
             if let Some(ssd) = self.ssd.as_mut() {
                 ssd.tier.sub_live(dst.segment, dst.record_bytes);
@@ -523,8 +534,7 @@ impl ShardCore {
     /// reader) lets go now.
     fn on_segment_freed(&mut self, segment: u32, copies: usize, owners: Vec<u64>) {
         for (id, generation) in owners.into_iter().map(owner_parts) {
-            let Some(object) = self.objects.get(id as usize) else { continue };
-            if object.generation == generation && self.ssd_copy(id).is_some_and(|l| l.segment == segment) {
+            if self.object_of(id, generation).is_some() && self.ssd_copy(id).is_some_and(|l| l.segment == segment) {
                 if let Some(location) = self.take_ssd_copy(id) {
                     self.forget_ssd_copy(&location);
                 }
@@ -549,8 +559,9 @@ impl ShardCore {
         let Some(object) = self.objects.get_mut(id as usize) else { return };
         // The copy held the object (`claim_copy`).
         object.io_refs -= 1;
-        let live =
-            object.generation == generation && object.state == ObjectState::Live && self.ssd_copy(id) == Some(src);
+        let live = self.index.generation(id) == generation
+            && object.state == ObjectState::Live
+            && self.ssd_copy(id) == Some(src);
         match outcome {
             CopyOutcome::Copied { dst } if live => {
                 self.set_ssd_copy(id, dst);
@@ -593,14 +604,14 @@ impl ShardCore {
         self.forget_ssd_copy(&location);
         // Its record stays readable on disk until the segment is freed and zeroed: a remove or
         // an upsert must still write a tombstone for it.
-        self.objects[id as usize].shadowed = true;
+        self.objects[id as usize].flags |= SHADOWED;
         if self.write_through() {
             self.counters.ssd_evictions.fetch_add(1, RELAXED);
             self.unlink(id);
             return;
         }
         // Dirty again: a clean shutdown under way writes it out too.
-        let generation = self.objects[id as usize].generation;
+        let generation = self.index.generation(id);
         if let Some(queue) = self.ssd.as_mut().and_then(|s| s.flush_queue.as_mut()) {
             queue.push_back((id, generation));
         }
@@ -662,7 +673,7 @@ impl ShardCore {
             Placement::At(_) => {}
             Placement::Full if self.ssd_space_coming() => {
                 self.counters.ssd_space_waits.fetch_add(1, RELAXED);
-                let generation = self.objects[id as usize].generation;
+                let generation = self.index.generation(id);
                 self.objects[id as usize].io_refs += 1;
                 self.unpublish(id);
                 if let Some(ssd) = self.ssd.as_mut() {
@@ -684,7 +695,7 @@ impl ShardCore {
             let Some(w) = ssd.space_waiters.pop_front() else { return };
             let object = &mut self.objects[w.object as usize];
             object.io_refs -= 1;
-            if object.generation != w.generation || object.state != ObjectState::Live {
+            if self.index.generation(w.object) != w.generation || object.state != ObjectState::Live {
                 // Replaced or removed while it waited: it was never made durable, so it is not
                 // acknowledged.
                 self.after_last_use(w.object);
@@ -716,7 +727,7 @@ impl ShardCore {
         while let Some(w) = self.ssd.as_mut().and_then(|s| s.space_waiters.pop_front()) {
             let object = &mut self.objects[w.object as usize];
             object.io_refs -= 1;
-            if object.generation == w.generation && object.state == ObjectState::Live {
+            if self.index.generation(w.object) == w.generation && object.state == ObjectState::Live {
                 self.unlink_unacknowledged(w.object);
             } else {
                 self.after_last_use(w.object);
@@ -961,9 +972,7 @@ impl ShardCore {
     /// Leases object `id` while its load `token` runs: the grant names the record buffer and the
     /// load's `Landing` (made now if the load had none: it then moves only when the load ends).
     fn early_lease(&mut self, id: u32, token: usize, pending: usize) -> Result<ReadGrant> {
-        if self.leases.len() >= self.config.max_leases as usize {
-            return Err(Error::Busy { limit: self.config.max_leases as usize });
-        }
+        self.lease_room(id)?;
         let deadline = self.pending_reads.get(pending).and_then(|p| p.deadline);
         let Some(CoreOp::Load { location, allocation: Some(allocation), landing, .. }) =
             self.ssd.as_mut().and_then(|s| s.ops.get_mut(token))
@@ -991,7 +1000,10 @@ impl ShardCore {
     /// Advances the operation a completion belongs to. Unknown tokens are ignored.
     pub fn on_disk_completion(&mut self, completion: DiskCompletion) {
         let Some(ssd) = self.ssd.as_mut() else { return };
-        ssd.tier.on_completion(completion, &mut Owners { objects: &mut self.objects, facts: &self.ssd_facts });
+        ssd.tier.on_completion(
+            completion,
+            &mut Owners { objects: &mut self.objects, facts: &self.ssd_facts, index: &self.index },
+        );
         self.drain_tier_events();
     }
 
@@ -1093,10 +1105,7 @@ impl ShardCore {
                 continue;
             };
             // All or nothing: a put that cannot be made durable is not kept.
-            let live = self
-                .objects
-                .get(w.object as usize)
-                .is_some_and(|o| o.generation == w.generation && o.state == ObjectState::Live);
+            let live = self.object_of(w.object, w.generation).is_some_and(|o| o.state == ObjectState::Live);
             if live {
                 self.unlink_unacknowledged(w.object);
             }
@@ -1121,10 +1130,7 @@ impl ShardCore {
     /// the cache now, counted as an eviction (its older versions were tombstoned when it
     /// replaced them).
     fn forget_undurable_record(&mut self, w: DurableWaiter) {
-        let rests_there = self
-            .objects
-            .get(w.object as usize)
-            .is_some_and(|o| o.generation == w.generation && o.state != ObjectState::Abandoned)
+        let rests_there = self.object_of(w.object, w.generation).is_some_and(|o| o.state != ObjectState::Abandoned)
             && self.ssd_copy(w.object) == Some(w.location);
         if !rests_there {
             return;
@@ -1134,7 +1140,8 @@ impl ShardCore {
         let object = &mut self.objects[w.object as usize];
         let (in_dram, live) = (object.dram.is_some(), object.state == ObjectState::Live);
         // A copy loaded for one read only would go with its reader: it is the only copy now.
-        let untracked = std::mem::replace(&mut object.transient, false);
+        let untracked = object.transient();
+        object.set_transient(false);
         self.forget_ssd_copy(&w.location);
         if in_dram || !live {
             // Dirty again (or retired: freed with its last user).
@@ -1162,7 +1169,7 @@ impl ShardCore {
             Ok(()) => {
                 let previous = self.take_ssd_copy(id);
                 self.set_ssd_copy(id, location);
-                let generation = self.objects[id as usize].generation;
+                let generation = self.index.generation(id);
                 if let Some(previous) = previous {
                     // A relocation copy replaces the record in the segment being freed.
                     self.forget_ssd_copy(&previous);
@@ -1229,7 +1236,7 @@ impl ShardCore {
         {
             // A finished demotion: the DRAM copy goes (the policy no longer tracks it).
             let object = &mut self.objects[id as usize];
-            object.transient = false;
+            object.set_transient(false);
             if let Some(allocation) = object.dram.take() {
                 self.counters.bytes_used.fetch_sub(self.allocator.len_of(&allocation), RELAXED);
                 self.counters.dram_objects.fetch_sub(1, RELAXED);
@@ -1247,7 +1254,7 @@ impl ShardCore {
             self.counters.objects.fetch_sub(1, RELAXED);
             self.counters.evictions.fetch_add(1, RELAXED);
             self.free_object(id);
-        } else if object.transient {
+        } else if object.transient() {
             // Loaded for a read only: its DRAM copy goes once nothing uses it.
             self.after_last_use(id);
         } else {
@@ -1270,7 +1277,7 @@ impl ShardCore {
                 .objects
                 .iter()
                 .filter(|(id, o)| o.state == ObjectState::Live && o.dram.is_some() && !has_copy(*id))
-                .map(|(id, o)| (id as u32, o.generation))
+                .map(|(id, _)| (id as u32, self.index.generation(id as u32)))
                 .collect();
             ssd.flush_queue = Some(dirty);
         }
@@ -1282,7 +1289,11 @@ impl ShardCore {
                 break;
             };
             let Some(o) = self.objects.get(id as usize) else { continue };
-            if o.generation != generation || o.state != ObjectState::Live || o.dram.is_none() || self.has_ssd_copy(id) {
+            if self.index.generation(id) != generation
+                || o.state != ObjectState::Live
+                || o.dram.is_none()
+                || self.has_ssd_copy(id)
+            {
                 continue;
             }
             let queue = |core: &mut ShardCore, front: bool| {
@@ -1395,7 +1406,7 @@ impl ShardCore {
                 let len = self.index.value_len(id);
                 let object = &mut self.objects[id as usize];
                 object.dram = Some(allocation);
-                object.transient = !promote;
+                object.set_transient(!promote);
                 if let Some(facts) = self.ssd_facts.get_mut(id as usize) {
                     facts.value_offset = value_offset;
                 }
@@ -1466,19 +1477,10 @@ impl ShardCore {
         }
         let generation = self.bump_generation();
         let facts = SsdFacts { seq: self.facts(id).seq, ..SsdFacts::default() };
-        let parked = Object {
-            generation,
-            dram: Some(allocation),
-            leases: held.len() as u32,
-            pins: 0,
-            io_refs: 0,
-            transient: false,
-            committed_turn: 0,
-            shadowed: false,
-            state: ObjectState::Abandoned,
-        };
+        let mut parked = Object::new(Some(allocation), ObjectState::Abandoned);
+        parked.leases = held.len() as u16;
         let (key, len): (Box<[u8]>, u64) = (self.index.key(id).into(), self.index.value_len(id));
-        let parked = match self.insert_object(parked, facts, &key, len) {
+        let parked = match self.insert_object(parked, generation, facts, &key, len) {
             Ok(parked) => parked,
             Err(parked) => {
                 // Not reachable (the slot of a free record has no readers); the buffer is leaked
@@ -1491,7 +1493,7 @@ impl ShardCore {
         for lease in &held {
             self.leases[lease.slot as usize].object = parked;
         }
-        self.objects[id as usize].leases -= held.len() as u32;
+        self.objects[id as usize].leases -= held.len() as u16;
     }
 
     /// Rebuilds the index from the segments on `disk` (highest sequence number per key wins;
@@ -1528,18 +1530,8 @@ impl ShardCore {
                 continue;
             };
             let facts = SsdFacts { seq: found.seq, value_offset: 0, copy: Some(ssd_copy) };
-            let object = Object {
-                generation,
-                dram: None,
-                leases: 0,
-                pins: 0,
-                io_refs: 0,
-                transient: false,
-                committed_turn: 0,
-                shadowed: false,
-                state: ObjectState::Live,
-            };
-            let Ok(id) = self.insert_object(object, facts, &key, found.value_len) else {
+            let object = Object::new(None, ObjectState::Live);
+            let Ok(id) = self.insert_object(object, generation, facts, &key, found.value_len) else {
                 report.discarded.push((location.segment, location.offset, "value of 8 TiB or more".into()));
                 continue;
             };
