@@ -96,7 +96,8 @@ impl Engine {
             };
             let core_slice = slice.clone();
             let core_counters = Arc::clone(&counters);
-            let writer = IndexWriter::new(Arc::clone(&counters), shard_config.max_objects);
+            let writer =
+                IndexWriter::new(Arc::clone(&counters), shard_config.max_objects, crate::shard::key_index_hash);
             let published = Arc::clone(writer.shared());
             let make_core = move || ShardCore::with_ssd(shard_config, core_slice, core_counters, ssd_config, writer);
             let runtime = RuntimeConfig {

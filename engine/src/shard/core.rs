@@ -278,7 +278,7 @@ enum Waiter {
 
 /// The index hash of object `id`'s key (what the index and the policy were given for it).
 fn index_key_hash(index: &IndexWriter, id: u32) -> u64 {
-    super::index_hash(super::key_hash(index.key(id)))
+    super::key_index_hash(index.key(id))
 }
 
 /// What `pin` and a pinned upsert answer for an object that holds `u16::MAX` pins already.
@@ -330,7 +330,7 @@ impl ShardCore {
     /// A DRAM-only shard over `slice`, publishing counters to `counters`.
     #[cfg(test)]
     pub fn new(config: ShardConfig, slice: ArenaSlice, counters: Arc<ShardCounters>) -> Result<Self, OpenError> {
-        let index = IndexWriter::new(Arc::clone(&counters), config.max_objects);
+        let index = IndexWriter::new(Arc::clone(&counters), config.max_objects, super::key_index_hash);
         Self::with_ssd(config, slice, counters, None, index)
     }
 
@@ -1255,7 +1255,7 @@ impl ShardCore {
 
     /// The object slot `key` is indexed at.
     fn find(&self, key: &[u8]) -> Option<u32> {
-        self.find_hashed(key, super::index_hash(super::key_hash(key)))
+        self.find_hashed(key, super::key_index_hash(key))
     }
 
     /// `find` with the key's index hash at hand.

@@ -44,6 +44,11 @@ pub(crate) fn index_hash(key_hash: u64) -> u64 {
     h ^ (h >> 33)
 }
 
+/// The hash a shard's index files `key` under (`index_hash` of its `key_hash`).
+pub(crate) fn key_index_hash(key: &[u8]) -> u64 {
+    index_hash(key_hash(key))
+}
+
 /// CPUs this process may run on (the default shard count).
 pub(crate) fn allowed_cpu_count() -> usize {
     allowed_cpus().len().max(1)

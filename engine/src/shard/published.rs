@@ -1,12 +1,12 @@
 //! A shard's index, published so that any thread can lease a DRAM-resident object without a
 //! message to the shard.
 //!
-//! Owns the key table (open addressing over the key hashes: one 8-byte entry per key, a 32-bit
-//! tag of the hash beside the object slot), one lease word per object slot (the object's
-//! generation, an open bit and a reader count), every object's key entry (its key and value
-//! length, the only copy: the shard reads them here too), where an open object's value is, and
-//! the queue of reads
-//! the shard's eviction policy has not seen yet.
+//! Owns the key table (open addressing over the key hashes: one 4-byte entry per key, the
+//! object slot beside its distance from home and a tag of the hash, see `EntryLayout`), one
+//! lease word per object slot (the object's generation, an open bit and a reader count), every
+//! object's key entry (its key and value length, the only copy: the shard reads them here too),
+//! where an open object's value is, and the queue of reads the shard's eviction policy has not
+//! seen yet.
 //! The owning shard thread is its only writer. Readers look a key up, take a lease with one
 //! compare-and-swap on an open object, check the key, copy, and give the lease back with one
 //! atomic decrement. Never lets a reader lease an object the shard has closed, and the shard
@@ -18,7 +18,7 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_queue::ArrayQueue;
@@ -170,85 +170,136 @@ const MIN_TABLE: usize = 1 << 10;
 /// Reads queued for the eviction policy at most; more are not recorded (the policy's view of
 /// recency is approximate under read storms, like a sampled LRU).
 const ACCESS_QUEUE: usize = 1 << 12;
-/// An entry's object slot is stored plus one, so an empty entry is zero.
-const EMPTY: u64 = 0;
+/// An entry's slot field holds the slot plus one, so an empty entry is zero.
+const EMPTY: u32 = 0;
 
-/// Largest key table reserved up front (2^27 entries, 1 GiB of address space): a shard admitted
+/// Largest key table reserved up front (2^28 entries, 1 GiB of address space): a shard admitted
 /// more keys than that grows into new tables.
-const MAX_ROOM: usize = 1 << 27;
+const MAX_ROOM: usize = 1 << 28;
 /// The table grows when more than this share of its entries (in quarters) is taken.
 const MAX_LOAD_QUARTERS: usize = 3;
+/// Bits of an entry for its displacement from its home, at most. Linear probing at 3/4 load
+/// leaves about 0.4% of entries 31 or more places from home (measured), so saturating there
+/// costs a key's hash now and then.
+const DISP_BITS: u32 = 5;
+/// Slot bits of an entry at least (room for 65,535 slots before a table must be rebuilt).
+const MIN_SLOT_BITS: u32 = 16;
+
+/// How a table's 32-bit entries split: the slot plus one in the low `slot_bits`, above it the
+/// entry's distance from its home (saturating: `disp_max` means that far or farther, the home
+/// then found by hashing the key again), and a tag of the key's hash in the bits left. The
+/// displacement filters candidates as well as a tag does (an entry is only a candidate at its
+/// own distance from the home probed) and lets entries move without their keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct EntryLayout {
+    slot_bits: u32,
+    disp_bits: u32,
+    tag_bits: u32,
+}
+
+impl EntryLayout {
+    /// The layout of a table holding slots below `slots`.
+    fn for_slots(slots: u64) -> EntryLayout {
+        let slot_bits = (64 - slots.leading_zeros()).clamp(MIN_SLOT_BITS, 32);
+        let disp_bits = DISP_BITS.min(32 - slot_bits);
+        EntryLayout { slot_bits, disp_bits, tag_bits: 32 - slot_bits - disp_bits }
+    }
+
+    /// Whether `slot` has room in the slot field.
+    fn fits(&self, slot: u32) -> bool {
+        u64::from(slot) + 1 < 1u64 << self.slot_bits
+    }
+
+    fn disp_max(&self) -> usize {
+        (1usize << self.disp_bits) - 1
+    }
+
+    fn tag(&self, hash: u64) -> u64 {
+        hash & ((1u64 << self.tag_bits) - 1)
+    }
+
+    /// The entry of `slot`, whose key hashes to `hash`, `disp` places past its home.
+    fn entry(&self, hash: u64, disp: usize, slot: u32) -> u32 {
+        let disp = disp.min(self.disp_max()) as u64;
+        (self.tag(hash) << (self.slot_bits + self.disp_bits) | disp << self.slot_bits | (u64::from(slot) + 1)) as u32
+    }
+
+    /// `e` moved to `disp` places past its home.
+    fn moved(&self, e: u32, disp: usize) -> u32 {
+        let disp = disp.min(self.disp_max()) as u64;
+        let field = ((1u64 << self.disp_bits) - 1) << self.slot_bits;
+        ((u64::from(e) & !field) | disp << self.slot_bits) as u32
+    }
+
+    fn slot(&self, e: u32) -> u32 {
+        ((u64::from(e) & ((1u64 << self.slot_bits) - 1)) - 1) as u32
+    }
+
+    fn disp(&self, e: u32) -> usize {
+        ((u64::from(e) >> self.slot_bits) & ((1u64 << self.disp_bits) - 1)) as usize
+    }
+
+    /// Whether entry `e`, `i` places past the home of `hash`, may be that key's.
+    fn may_be(&self, e: u32, hash: u64, i: usize) -> bool {
+        u64::from(e) >> (self.slot_bits + self.disp_bits) == self.tag(hash) && self.disp(e) == i.min(self.disp_max())
+    }
+}
 
 /// One key table: `room` entries reserved (untouched pages cost nothing), of which the first
 /// `mask + 1`, a power of two, are in use. It grows in place, doubling `mask`, until `room`.
 struct Table {
-    entries: ZeroedSlice<AtomicU64>,
+    entries: ZeroedSlice<AtomicU32>,
     mask: AtomicUsize,
+    layout: EntryLayout,
 }
 
 /// One reader's (or the writer's) consistent view of a table: the mask it probes under.
 struct View<'t> {
-    entries: &'t [AtomicU64],
+    entries: &'t [AtomicU32],
     mask: usize,
     shift: u32,
+    layout: EntryLayout,
 }
 
 impl Table {
-    fn new(capacity: usize, room: usize) -> Table {
+    fn new(capacity: usize, room: usize, layout: EntryLayout) -> Table {
         let capacity = capacity.next_power_of_two().max(MIN_TABLE);
         let room = room.next_power_of_two().max(capacity);
-        Table { entries: ZeroedSlice::reserved(room), mask: AtomicUsize::new(capacity - 1) }
+        Table { entries: ZeroedSlice::reserved(room), mask: AtomicUsize::new(capacity - 1), layout }
     }
 
     fn view(&self) -> View<'_> {
         // Never above the entries reserved: the writer only raises it within `room`.
         let mask = self.mask.load(Ordering::Acquire).min(self.entries.len() - 1);
-        View { entries: &self.entries, mask, shift: 64 - (mask + 1).trailing_zeros() }
+        View { entries: &self.entries, mask, shift: 64 - (mask + 1).trailing_zeros(), layout: self.layout }
     }
 }
 
 impl View<'_> {
-    /// Where a hash's probe starts: Fibonacci hashing of its tag, so an entry's home follows
-    /// from the entry alone (moving entries never rehashes a key). Tables past 2^32 entries
-    /// (only a shard grown beyond its reserved room, near 2^32 keys) use only some of their
-    /// homes: probes get longer there, never wrong.
+    /// Where a hash's probe starts: Fibonacci hashing (the top bits of the hash times 2^64 / phi).
     fn home(&self, hash: u64) -> usize {
-        self.home_of(entry(hash, 0))
-    }
-
-    /// The home of an entry already in the table.
-    fn home_of(&self, entry: u64) -> usize {
-        ((entry >> 32).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize & self.mask
+        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize & self.mask
     }
 
     fn capacity(&self) -> usize {
         self.mask + 1
     }
 
-    fn entry(&self, at: usize) -> &AtomicU64 {
+    fn entry(&self, at: usize) -> &AtomicU32 {
         &self.entries[at & self.mask]
     }
 
-    /// Puts an entry in the first empty place from its home (writer only; the table has room).
-    fn place(&self, home: usize, e: u64) {
-        let mut at = home;
+    /// Puts `slot`, whose key hashes to `hash`, in the first empty place from its home (writer
+    /// only; the table has room and the slot fits the layout).
+    fn place(&self, hash: u64, slot: u32) {
+        let mut at = self.home(hash);
+        let mut disp = 0;
         while self.entry(at).load(Ordering::Relaxed) != EMPTY {
             at = (at + 1) & self.mask;
+            disp += 1;
         }
-        self.entry(at).store(e, Ordering::Release);
+        self.entry(at).store(self.layout.entry(hash, disp, slot), Ordering::Release);
     }
-}
-
-fn tag(hash: u64) -> u64 {
-    hash >> 32
-}
-
-fn entry(hash: u64, slot: u32) -> u64 {
-    tag(hash) << 32 | (u64::from(slot) + 1)
-}
-
-fn entry_slot(entry: u64) -> u32 {
-    ((entry & 0xFFFF_FFFF) - 1) as u32
 }
 
 /// Asks the CPU to start fetching what `PublishedIndex::lease(key, hash)` will read, one step
@@ -266,14 +317,14 @@ impl Prefetcher<'_> {
         let at = self.table.home(hash);
         let entry = self.table.entry(at);
         if matches!(what, Prefetch::Entry) {
-            prefetch_line(entry as *const AtomicU64 as *const u8);
+            prefetch_line(entry as *const AtomicU32 as *const u8);
             return;
         }
         let e = entry.load(Ordering::Relaxed);
-        if e == EMPTY || e >> 32 != tag(hash) {
+        if e == EMPTY || !self.table.layout.may_be(e, hash, 0) {
             return;
         }
-        let Some(object) = self.index.slot(entry_slot(e)) else { return };
+        let Some(object) = self.index.slot(self.table.layout.slot(e)) else { return };
         if matches!(what, Prefetch::Slot) {
             prefetch_line(object as *const ObjectSlot as *const u8);
         } else {
@@ -359,15 +410,20 @@ pub(crate) struct IndexWriter {
     index: Arc<PublishedIndex>,
     /// Entries in the table.
     len: usize,
+    /// The hash the keys were inserted under (`insert`'s), for placing entries anew when the
+    /// table grows or an entry's home is not in it.
+    hash: fn(&[u8]) -> u64,
 }
 
 impl IndexWriter {
     /// A new index and its writer, its key table reserved for `max_keys` (it grows past that
-    /// into new tables, which cost the old ones' memory until the index goes).
-    pub(crate) fn new(counters: Arc<ShardCounters>, max_keys: u32) -> IndexWriter {
+    /// into new tables, which cost the old ones' memory until the index goes) and laid out for
+    /// slots below `max_keys`. `hash` is the hash every key is inserted under.
+    pub(crate) fn new(counters: Arc<ShardCounters>, max_keys: u32, hash: fn(&[u8]) -> u64) -> IndexWriter {
         let room = (max_keys as usize).saturating_mul(4).div_ceil(MAX_LOAD_QUARTERS).min(MAX_ROOM);
+        let layout = EntryLayout::for_slots(u64::from(max_keys));
         let index = PublishedIndex {
-            table: AtomicPtr::new(Box::into_raw(Box::new(Table::new(MIN_TABLE, room)))),
+            table: AtomicPtr::new(Box::into_raw(Box::new(Table::new(MIN_TABLE, room, layout)))),
             old_tables: Mutex::new(Vec::new()),
             alive: AtomicBool::new(true),
             seq: AtomicU64::new(0),
@@ -377,7 +433,7 @@ impl IndexWriter {
             keys: std::cell::UnsafeCell::new(KeyArena::new()),
             key_bytes: AtomicUsize::new(0),
         };
-        IndexWriter { index: Arc::new(index), len: 0 }
+        IndexWriter { index: Arc::new(index), len: 0, hash }
     }
 }
 
@@ -416,15 +472,14 @@ impl PublishedIndex {
             return FastRead::Fallback;
         }
         let table = self.table().view();
-        let want = tag(hash);
         let mut at = table.home(hash);
-        for _ in 0..table.capacity() {
+        for i in 0..table.capacity() {
             let e = table.entry(at).load(Ordering::Acquire);
             if e == EMPTY {
                 break;
             }
-            if e >> 32 == want {
-                let slot = entry_slot(e);
+            if table.layout.may_be(e, hash, i) {
+                let slot = table.layout.slot(e);
                 let Some(object) = self.slot(slot) else { return FastRead::Fallback };
                 let Some(generation) = object.word.acquire() else { return FastRead::Fallback };
                 let Some(entry) = NonNull::new(object.key.load(Ordering::Relaxed)) else {
@@ -475,7 +530,7 @@ impl PublishedIndex {
         let old: usize = self.old_tables.lock().map_or(0, |t| t.iter().map(|t| t.view().capacity()).sum());
         let tables = old + self.table().view().capacity();
         let chunks = self.chunks.iter().filter(|c| !c.load(Ordering::Relaxed).is_null()).count();
-        let bytes = tables * 8
+        let bytes = tables * std::mem::size_of::<AtomicU32>()
             + chunks * CHUNK_SLOTS * std::mem::size_of::<ObjectSlot>()
             + self.chunks.len() * 8
             + ACCESS_QUEUE * 8
@@ -500,29 +555,45 @@ impl IndexWriter {
     /// candidate's key is the one wanted.
     pub(crate) fn find(&self, hash: u64, mut is_key: impl FnMut(u32) -> bool) -> Option<u32> {
         let table = self.index.table().view();
-        let want = tag(hash);
         let mut at = table.home(hash);
-        loop {
+        for i in 0..table.capacity() {
             let e = table.entry(at).load(Ordering::Relaxed);
             if e == EMPTY {
                 return None;
             }
-            if e >> 32 == want && is_key(entry_slot(e)) {
-                return Some(entry_slot(e));
+            if table.layout.may_be(e, hash, i) && is_key(table.layout.slot(e)) {
+                return Some(table.layout.slot(e));
             }
             at = (at + 1) & table.mask;
         }
+        None
     }
 
-    /// Adds a key that is not in the table.
+    /// Adds a key that is not in the table; its slot must hold the key (`adopt`).
     pub(crate) fn insert(&mut self, hash: u64, slot: u32) {
         debug_assert!(slot < u32::MAX);
+        debug_assert_eq!((self.hash)(self.key(slot)), hash, "slot {slot} inserted under another hash");
+        let table = self.index.table().view();
+        if !table.layout.fits(slot) {
+            // A slot id beyond the table's layout (more objects than the index was made for):
+            // a table whose entries have room for twice as many.
+            self.rebuild(table.capacity(), table.entries.len(), EntryLayout::for_slots((u64::from(slot) + 1) * 2));
+        }
         if (self.len + 1) * 4 > self.index.table().view().capacity() * MAX_LOAD_QUARTERS {
             self.grow();
         }
-        let table = self.index.table().view();
-        table.place(table.home(hash), entry(hash, slot));
+        self.index.table().view().place(hash, slot);
         self.len += 1;
+    }
+
+    /// The home of entry `e`, found at `at`: from its displacement, or from its key's hash
+    /// when the displacement saturated.
+    fn home_of(&self, table: &View<'_>, at: usize, e: u32) -> usize {
+        let disp = table.layout.disp(e);
+        if disp < table.layout.disp_max() {
+            return at.wrapping_sub(disp) & table.mask;
+        }
+        table.home((self.hash)(self.key(table.layout.slot(e))))
     }
 
     /// Removes a key's entry, shifting the entries after it back so probes stay short. False
@@ -531,16 +602,20 @@ impl IndexWriter {
         let index = Arc::clone(&self.index);
         let table = index.table().view();
         let mut hole = table.home(hash);
-        let wanted = entry(hash, slot);
-        loop {
+        let mut found = false;
+        for i in 0..table.capacity() {
             let e = table.entry(hole).load(Ordering::Relaxed);
             if e == EMPTY {
-                return false;
+                break;
             }
-            if e == wanted {
+            if table.layout.may_be(e, hash, i) && table.layout.slot(e) == slot {
+                found = true;
                 break;
             }
             hole = (hole + 1) & table.mask;
+        }
+        if !found {
+            return false;
         }
         index.seq.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::Release);
@@ -551,10 +626,10 @@ impl IndexWriter {
             if e == EMPTY {
                 break;
             }
-            let home = table.home_of(e);
+            let home = self.home_of(&table, at, e);
             // The entry may move into the hole if its home is not between the hole and it.
             if (at.wrapping_sub(home) & table.mask) >= (at.wrapping_sub(hole) & table.mask) {
-                table.entry(hole).store(e, Ordering::Relaxed);
+                table.entry(hole).store(table.layout.moved(e, hole.wrapping_sub(home) & table.mask), Ordering::Relaxed);
                 hole = at;
             }
         }
@@ -564,38 +639,65 @@ impl IndexWriter {
         true
     }
 
-    /// Doubles the table: in place while its reserved room allows, else into a new table. A
-    /// reader probing meanwhile may miss an entry being moved, and does not trust that miss (the
-    /// sequence changed); what it finds is checked against the key under a lease anyway.
+    /// The slots in `table` and the hashes of their keys, in table order. The keys are read
+    /// some slots ahead of hashing (an entry's slot and key are two dependent cache misses).
+    fn entries_hashed(&self, table: &View<'_>) -> (Vec<u32>, Vec<u64>) {
+        const AHEAD: usize = 8;
+        let slots: Vec<u32> = table.entries[..table.capacity()]
+            .iter()
+            .map(|e| e.load(Ordering::Relaxed))
+            .filter(|&e| e != EMPTY)
+            .map(|e| table.layout.slot(e))
+            .collect();
+        let mut hashes = Vec::with_capacity(slots.len());
+        for (i, &slot) in slots.iter().enumerate() {
+            if let Some(ahead) = slots.get(i + 2 * AHEAD).and_then(|&s| self.index.slot(s)) {
+                prefetch_line(ahead as *const ObjectSlot as *const u8);
+            }
+            if let Some(ahead) = slots.get(i + AHEAD).and_then(|&s| self.index.slot(s)) {
+                prefetch_line(ahead.key.load(Ordering::Relaxed));
+            }
+            hashes.push((self.hash)(self.key(slot)));
+        }
+        (slots, hashes)
+    }
+
+    /// Doubles the table: in place while its reserved room allows, else into a new table. Keys
+    /// are hashed again before any entry moves (an entry holds too few bits of its hash to find
+    /// its home in a larger table); a reader probing while entries move may miss one, and does
+    /// not trust that miss (the sequence changed); what it finds is checked against the key
+    /// under a lease anyway.
     fn grow(&mut self) {
-        let index = &self.index;
+        let index = Arc::clone(&self.index);
         let old = index.table().view();
         let capacity = old.capacity() * 2;
-        if capacity <= old.entries.len() {
-            // Odd while entries move.
-            index.seq.fetch_add(1, Ordering::Relaxed);
-            fence(Ordering::Release);
-            let moved: Vec<u64> = old.entries[..old.capacity()]
-                .iter()
-                .map(|e| e.swap(EMPTY, Ordering::Relaxed))
-                .filter(|&e| e != EMPTY)
-                .collect();
-            let table = index.table();
-            table.mask.store(capacity - 1, Ordering::Release);
-            let view = table.view();
-            for e in moved {
-                view.place(view.home_of(e), e);
-            }
-            index.seq.fetch_add(1, Ordering::Release);
+        if capacity > old.entries.len() {
+            self.rebuild(capacity, capacity, old.layout);
             return;
         }
-        let bigger = Table::new(capacity, capacity);
+        let (slots, hashes) = self.entries_hashed(&old);
+        // Odd while entries move.
+        index.seq.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        old.entries[..old.capacity()].iter().for_each(|e| e.store(EMPTY, Ordering::Relaxed));
+        let table = index.table();
+        table.mask.store(capacity - 1, Ordering::Release);
+        let view = table.view();
+        for (slot, hash) in slots.into_iter().zip(hashes) {
+            view.place(hash, slot);
+        }
+        index.seq.fetch_add(1, Ordering::Release);
+    }
+
+    /// Moves every entry into a new table of `capacity` entries (`room` reserved) and `layout`;
+    /// the old one is kept until the index goes (readers may still be probing it).
+    fn rebuild(&mut self, capacity: usize, room: usize, layout: EntryLayout) {
+        let index = Arc::clone(&self.index);
+        let (slots, hashes) = self.entries_hashed(&index.table().view());
+        let bigger = Table::new(capacity, room, layout);
         let view = bigger.view();
-        for e in old.entries[..old.capacity()].iter() {
-            let e = e.load(Ordering::Relaxed);
-            if e != EMPTY {
-                view.place(view.home_of(e), e);
-            }
+        for (slot, hash) in slots.into_iter().zip(hashes) {
+            view.place(hash, slot);
         }
         index.seq.fetch_add(1, Ordering::Relaxed);
         let old = index.table.swap(Box::into_raw(Box::new(bigger)), Ordering::AcqRel);
@@ -607,7 +709,7 @@ impl IndexWriter {
             Ok(mut tables) => tables.push(old),
             // Leaked rather than freed under readers.
             Err(_) => std::mem::forget(old),
-        }
+        };
     }
 
     /// The key arena, for the writer.

@@ -62,7 +62,11 @@ fn core_with(arena: &Arc<Arena>, ssd: SsdConfig) -> ShardCore {
         max_leases: 4096,
     };
     let counters = Arc::new(ShardCounters::default());
-    let index = crate::shard::published::IndexWriter::new(Arc::clone(&counters), config.max_objects);
+    let index = crate::shard::published::IndexWriter::new(
+        Arc::clone(&counters),
+        config.max_objects,
+        crate::shard::key_index_hash,
+    );
     ShardCore::with_ssd(config, slice, counters, Some(ssd), index).expect("core")
 }
 

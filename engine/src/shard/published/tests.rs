@@ -147,24 +147,40 @@ fn hash(key: &[u8]) -> u64 {
 fn table_matches_a_model_through_growth_and_removal() {
     // Growth into new tables (room for 1024 keys, 5000 used) and in place (room for all).
     for max_keys in [1024, 8192] {
-        table_matches_a_model(max_keys);
+        table_matches_a_model(max_keys, 5000, 0, 40_000, hash);
     }
 }
 
-fn table_matches_a_model(max_keys: u32) {
+/// A hash with 8 values: every key lands on one of 8 homes, so runs grow far past what an
+/// entry's displacement field holds and entries' homes are found by hashing their keys.
+fn clumped(key: &[u8]) -> u64 {
+    (xxhash_rust::xxh3::xxh3_64(key) % 8).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// The same through entries saturated at the largest displacement, and through a rebuild for
+/// slot ids beyond the table's layout (made for 1024 slots, which has room for 65,535).
+#[test]
+fn table_matches_a_model_through_long_runs_and_large_slot_ids() {
+    table_matches_a_model(1024, 400, 0, 4000, clumped);
+    table_matches_a_model(1024, 3000, 64_000, 6000, hash);
+}
+
+/// `steps` random inserts and removes of `n` keys, in slots from `first_slot`, under `hash`,
+/// checked against a model every 97 steps.
+fn table_matches_a_model(max_keys: u32, n: u32, first_slot: u32, steps: u32, hash: fn(&[u8]) -> u64) {
     let counters = Arc::new(ShardCounters::default());
-    let mut writer = IndexWriter::new(Arc::clone(&counters), max_keys);
-    let keys: Vec<Vec<u8>> = (0..5000u32).map(|i| format!("key-{i}").into_bytes()).collect();
-    let values: Vec<u64> = (0..5000u64).collect();
+    let mut writer = IndexWriter::new(Arc::clone(&counters), max_keys, hash);
+    let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("key-{i}").into_bytes()).collect();
+    let values: Vec<u64> = (0..u64::from(n)).collect();
     let hashes: Vec<u64> = keys.iter().map(|k| hash(k)).collect();
     let mut present = vec![false; keys.len()];
     let mut rng = 0x2545_f491_4f6c_dd1du64;
-    for step in 0..40_000u32 {
+    for step in 0..steps {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         let i = (rng % keys.len() as u64) as usize;
-        let slot = i as u32;
+        let slot = first_slot + i as u32;
         if present[i] {
             writer.close(slot);
             assert!(writer.remove(hashes[i], slot), "step {step}: removes key {i}");
@@ -199,7 +215,11 @@ fn table_matches_a_model(max_keys: u32) {
     }
     assert_eq!(writer.len(), present.iter().filter(|&&p| p).count());
     let replaced = writer.shared().old_tables.lock().map_or(0, |t| t.len());
-    assert_eq!(replaced == 0, max_keys == 8192, "grew in place only within the room reserved");
+    let rebuilt = first_slot + n >= 1 << 16;
+    if n == 5000 {
+        assert_eq!(replaced == 0, max_keys == 8192, "grew in place only within the room reserved");
+    }
+    assert!(!rebuilt || replaced > 0 && writer.shared().table().view().layout.slot_bits > 16, "rebuilt for larger ids");
     assert_eq!(counters.snapshot().published_leases_held, 0);
     assert!(writer.shut(std::time::Duration::from_millis(10)));
     assert!(matches!(writer.shared().lease(&keys[0], hashes[0]), FastRead::Fallback), "a shut index leases nothing");
@@ -210,7 +230,7 @@ fn table_matches_a_model(max_keys: u32) {
 #[test]
 fn readers_never_miss_a_present_key_while_the_table_grows_in_place() {
     let counters = Arc::new(ShardCounters::default());
-    let mut writer = IndexWriter::new(Arc::clone(&counters), 1 << 16);
+    let mut writer = IndexWriter::new(Arc::clone(&counters), 1 << 16, hash);
     let n = 40_000u32;
     let keys: Vec<Vec<u8>> = (0..n).map(|i| format!("grow-{i}").into_bytes()).collect();
     let values: Vec<u64> = (0..u64::from(n)).collect();
@@ -277,7 +297,7 @@ fn a_published_slot_is_24_bytes() {
 #[test]
 fn slots_keep_keys_and_lengths_between_adopt_and_disown() {
     let counters = Arc::new(ShardCounters::default());
-    let mut writer = IndexWriter::new(Arc::clone(&counters), 64);
+    let mut writer = IndexWriter::new(Arc::clone(&counters), 64, hash);
     assert!(writer.key(3).is_empty());
     assert_eq!(writer.value_len(3), 0);
     assert!(writer.adopt(3, 7, b"some key", super::MAX_VALUE_BYTES));
