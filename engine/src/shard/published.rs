@@ -188,8 +188,10 @@ const MIN_SLOT_BITS: u32 = 16;
 /// How a table's 32-bit entries split: the slot plus one in the low `slot_bits`, above it the
 /// entry's distance from its home (saturating: `disp_max` means that far or farther, the home
 /// then found by hashing the key again), and a tag of the key's hash in the bits left. The
-/// displacement filters candidates as well as a tag does (an entry is only a candidate at its
-/// own distance from the home probed) and lets entries move without their keys.
+/// displacement keeps only entries of the home probed as candidates (fewer than one other a
+/// probe at the table's loads) and lets entries move without their keys; the tag thins those
+/// out by 2^tag_bits (6 bits at 1 Mi objects a shard, 3 at 10 Mi, none past 2^26). A false
+/// candidate costs a lease taken and given back, or, closed, a lookup answered `Fallback`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct EntryLayout {
     slot_bits: u32,
@@ -377,8 +379,10 @@ pub(crate) enum FastRead {
 /// The published index of one shard, as readers see it. See the module comment.
 pub(crate) struct PublishedIndex {
     table: AtomicPtr<Table>,
-    /// Tables replaced by larger ones, kept until the index goes (readers may still probe them):
-    /// together smaller than the current one. Locked only to add one, and for `heap_bytes`.
+    /// Tables replaced by larger or wider ones, kept until the index goes (readers may still probe
+    /// them): those outgrown are together smaller than the current one; a table widened for
+    /// larger slot ids (only recovery of a larger SSD tier brings those) is as large as it.
+    /// Locked only to add one, and for `heap_bytes`.
     // Boxed: readers hold the address of the table they probe.
     #[allow(clippy::vec_box)]
     old_tables: Mutex<Vec<Box<Table>>>,
@@ -473,6 +477,10 @@ impl PublishedIndex {
         }
         let table = self.table().view();
         let mut at = table.home(hash);
+        // A candidate closed to readers (on SSD only, loading, being written) may be this key, or
+        // another whose entry shares the tag and distance: probing goes on, and ends in
+        // `Fallback` rather than a miss.
+        let mut closed_candidate = false;
         for i in 0..table.capacity() {
             let e = table.entry(at).load(Ordering::Acquire);
             if e == EMPTY {
@@ -481,7 +489,11 @@ impl PublishedIndex {
             if table.layout.may_be(e, hash, i) {
                 let slot = table.layout.slot(e);
                 let Some(object) = self.slot(slot) else { return FastRead::Fallback };
-                let Some(generation) = object.word.acquire() else { return FastRead::Fallback };
+                let Some(generation) = object.word.acquire() else {
+                    closed_candidate = true;
+                    at = (at + 1) & table.mask;
+                    continue;
+                };
                 let Some(entry) = NonNull::new(object.key.load(Ordering::Relaxed)) else {
                     object.word.release();
                     return FastRead::Fallback;
@@ -508,9 +520,9 @@ impl PublishedIndex {
             }
             at = (at + 1) & table.mask;
         }
-        // A miss counts only if no entry moved meanwhile.
+        // A miss counts only if no entry moved meanwhile and no candidate was closed.
         fence(Ordering::Acquire);
-        if self.seq.load(Ordering::Relaxed) != before {
+        if closed_candidate || self.seq.load(Ordering::Relaxed) != before {
             return FastRead::Fallback;
         }
         self.counters.readers.mine().misses.fetch_add(1, Ordering::Relaxed);
@@ -721,8 +733,8 @@ impl IndexWriter {
 
     /// Gives slot `slot` to a new object (closed to readers): a copy of its key, which the slot
     /// keeps until `disown`, and its value's length. The slot must have no readers. False when
-    /// the slot id is beyond what the index holds, the value is 8 TiB or more, or readers still
-    /// hold the slot.
+    /// the slot id is beyond what the index holds, the value is 8 TiB or more, the key is 2 MiB
+    /// or more (the engine's own key bound is far lower), or readers still hold the slot.
     pub(crate) fn adopt(&mut self, slot: u32, generation: u32, key: &[u8], len: u64) -> bool {
         if len > MAX_VALUE_BYTES || key.len() > MAX_SLOT_KEY_BYTES {
             return false;

@@ -124,10 +124,10 @@ impl HitRatio {
 /// Replays `trace` of `(key, size_bytes)` requests against a cache of `capacity_bytes` run by
 /// `policy` and counts hits. For comparing policies offline; it never touches real memory.
 ///
-/// A hit calls `access`. A miss evicts with `pop_victim(|_| true)` until the new bytes fit,
-/// then inserts (the key itself serves as `key_hash`). A request larger than the whole cache
-/// is a miss that is not admitted and evicts nothing. A key's cached size is the one of the
-/// request that admitted it; later requests count their own size in the byte totals.
+/// A hit calls `access`. A miss evicts with `pop_victim` (every entry evictable) until the new
+/// bytes fit, then inserts (the key itself serves as `key_hash`). A request larger than the
+/// whole cache is a miss that is not admitted and evicts nothing. A key's cached size is the one
+/// of the request that admitted it; later requests count their own size in the byte totals.
 pub fn simulate_hit_ratio(
     policy: EvictionPolicy,
     capacity_bytes: u64,

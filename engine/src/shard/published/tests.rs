@@ -165,6 +165,38 @@ fn table_matches_a_model_through_long_runs_and_large_slot_ids() {
     table_matches_a_model(1024, 3000, 64_000, 6000, hash);
 }
 
+/// Every key hashes alike: each key's entry is a candidate for the others' probes.
+fn alike(_: &[u8]) -> u64 {
+    0x1234_5678_9abc_def0
+}
+
+/// A candidate closed to readers (another key sharing the home and tag, on SSD only say) neither
+/// hides a key behind it nor lets an absent key be answered as missing: the probe goes on past
+/// it, and what it cannot rule out goes to the shard.
+#[test]
+fn a_closed_candidate_neither_hides_a_key_nor_fakes_a_miss() {
+    let counters = Arc::new(ShardCounters::default());
+    let mut writer = IndexWriter::new(Arc::clone(&counters), 64, alike);
+    let values = [1u64, 2];
+    for (slot, key) in [(0u32, &b"closed"[..]), (1, b"open")] {
+        assert!(writer.adopt(slot, 1, key, 8));
+        writer.insert(alike(key), slot);
+    }
+    assert!(writer.open(1, 1, std::ptr::NonNull::from(&values[1]).cast()));
+    match writer.shared().lease(b"open", alike(b"open")) {
+        FastRead::Hit { lease, ptr, .. } => {
+            // SAFETY: the lease keeps values[1] (which outlives the index) in place.
+            assert_eq!(unsafe { ptr.cast::<u64>().as_ptr().read() }, 2);
+            writer.shared().release(lease);
+        }
+        _ => panic!("the key behind a closed candidate was not found"),
+    }
+    assert!(matches!(writer.shared().lease(b"absent", alike(b"absent")), FastRead::Fallback), "closed: not a miss");
+    assert!(writer.open(0, 1, std::ptr::NonNull::from(&values[0]).cast()));
+    assert!(matches!(writer.shared().lease(b"absent", alike(b"absent")), FastRead::Miss), "all open: a miss");
+    assert_eq!(counters.snapshot().published_leases_held, 0);
+}
+
 /// `steps` random inserts and removes of `n` keys, in slots from `first_slot`, under `hash`,
 /// checked against a model every 97 steps.
 fn table_matches_a_model(max_keys: u32, n: u32, first_slot: u32, steps: u32, hash: fn(&[u8]) -> u64) {
