@@ -205,6 +205,10 @@ impl Object {
         self.flags & SHADOWED != 0
     }
 
+    fn mark_shadowed(&mut self) {
+        self.flags |= SHADOWED;
+    }
+
     fn evictable(&self) -> bool {
         self.leases == 0
             && self.io_refs == 0
@@ -274,6 +278,11 @@ struct PendingRead {
 enum Waiter {
     Reserve { pending: usize, slot: usize, key: Box<[u8]>, len: u64, upsert: bool },
     Load { pending: usize, slot: usize },
+}
+
+/// Object `id`'s SSD copy in a shard's facts (none on a DRAM-only shard, whose table is empty).
+fn ssd_copy_in(facts: &[SsdFacts], id: u32) -> Option<PackedLocation> {
+    facts.get(id as usize).and_then(|f| f.copy)
 }
 
 /// The index hash of object `id`'s key (what the index and the policy were given for it).
@@ -1312,11 +1321,11 @@ impl ShardCore {
 
     /// The SSD copy's location.
     fn ssd_copy(&self, id: u32) -> Option<SsdLocation> {
-        self.facts(id).copy.map(PackedLocation::get)
+        ssd_copy_in(&self.ssd_facts, id).map(PackedLocation::get)
     }
 
     fn has_ssd_copy(&self, id: u32) -> bool {
-        self.facts(id).copy.is_some()
+        ssd_copy_in(&self.ssd_facts, id).is_some()
     }
 
     fn take_ssd_copy(&mut self, id: u32) -> Option<SsdLocation> {

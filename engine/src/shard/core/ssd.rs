@@ -27,7 +27,7 @@ use slab::Slab;
 use std::cmp::Reverse;
 use std::sync::Arc;
 
-use super::{Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, SsdFacts, RELAXED, SHADOWED};
+use super::{ssd_copy_in, Done, LeaseId, Object, ObjectState, PackedLocation, ReadGrant, ShardCore, SsdFacts, RELAXED};
 use crate::error::{Error, Result};
 use crate::shard::landing::Landing;
 use crate::shard::published::IndexWriter;
@@ -302,7 +302,7 @@ impl RecordOwners for Owners<'_> {
             && object.state == ObjectState::Live
             && object.io_refs == 0
             && object.dram.is_none()
-            && self.facts.get(id as usize).and_then(|f| f.copy).map(PackedLocation::get) == Some(src);
+            && ssd_copy_in(self.facts, id).map(PackedLocation::get) == Some(src);
         if eligible {
             object.io_refs += 1;
         }
@@ -604,7 +604,7 @@ impl ShardCore {
         self.forget_ssd_copy(&location);
         // Its record stays readable on disk until the segment is freed and zeroed: a remove or
         // an upsert must still write a tombstone for it.
-        self.objects[id as usize].flags |= SHADOWED;
+        self.objects[id as usize].mark_shadowed();
         if self.write_through() {
             self.counters.ssd_evictions.fetch_add(1, RELAXED);
             self.unlink(id);
@@ -1272,11 +1272,12 @@ impl ShardCore {
         let Some(ssd) = self.ssd.as_mut() else { return 0 };
         if ssd.flush_queue.is_none() {
             let facts = &self.ssd_facts;
-            let has_copy = |id: usize| facts.get(id).is_some_and(|f| f.copy.is_some());
             let dirty = self
                 .objects
                 .iter()
-                .filter(|(id, o)| o.state == ObjectState::Live && o.dram.is_some() && !has_copy(*id))
+                .filter(|(id, o)| {
+                    o.state == ObjectState::Live && o.dram.is_some() && ssd_copy_in(facts, *id as u32).is_none()
+                })
                 .map(|(id, _)| (id as u32, self.index.generation(id as u32)))
                 .collect();
             ssd.flush_queue = Some(dirty);
