@@ -167,6 +167,46 @@ mod cuda {
         read_scattered(&store(true, 4 << 20), true);
     }
 
+    /// A staged read of enough keys to be leased in parts (its first copies start after the
+    /// first part's leases, later parts join them), through a staging buffer it wraps around
+    /// several times: byte-exact, keys missing from the first and the last part fail alone and
+    /// leave their pages untouched, every lease goes back.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_staged_read_leased_in_parts_is_byte_exact_through_a_reused_buffer() {
+        let store = store_with_tail(true, 2 << 20, 256 << 10);
+        let device = gpu();
+        let pool_bytes = 16 << 20;
+        let buf = pool(&device, pool_bytes);
+        let (names, values, dsts, layout) = scattered(300, pool_bytes as u64, 31);
+        let missing = [3usize, 290];
+        for (k, (name, value)) in names.iter().zip(&values).enumerate() {
+            if !missing.contains(&k) {
+                store.put(name, value, PutOptions::UPSERT).expect("put");
+            }
+        }
+        let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
+        let regions: Vec<Vec<Region<'_>>> =
+            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        for round in 0..2 {
+            buf.fill(GUARD).expect("fill");
+            let before = store.stats().gpu;
+            let results = store.batch_get_into_multi_buffers(&keys, &regions);
+            for (k, r) in results.iter().enumerate() {
+                if missing.contains(&k) {
+                    assert!(matches!(r, Err(Error::NotFound)), "round {round} key {k}: {r:?}");
+                } else {
+                    assert_eq!(r.as_ref().ok(), Some(&values[k].len()), "round {round} key {k}: {r:?}");
+                }
+            }
+            check_pool(&read_back(&buf), &values, &layout, &missing);
+            let after = store.stats().gpu;
+            assert_eq!(after.staged_requests, before.staged_requests + 1, "{after:?}");
+            assert!(after.staged_fills >= before.staged_fills + 4, "the buffer is reused: {after:?}");
+            assert_idle(&store);
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA device"]
     fn direct_reads_reordered_unaligned_odd_fragments_keep_guards() {

@@ -196,6 +196,18 @@ pub struct Fill {
     pub region: Range<u64>,
 }
 
+impl Fill {
+    /// This fill of a part of a request, placed in the whole request: its transfer indices
+    /// (the part's own) moved on by `by`, the part's first index.
+    pub fn shifted(mut self, by: usize) -> Fill {
+        self.transfers = self.transfers.start + by..self.transfers.end + by;
+        for placement in &mut self.placements {
+            placement.transfer += by;
+        }
+        self
+    }
+}
+
 /// Staged byte offsets keep the host address's alignment modulo this, so a page whose address
 /// agrees with its object bytes gets 16-byte vector copies.
 pub const STAGING_ALIGN_BYTES: u64 = 16;
