@@ -4,10 +4,12 @@
 //! object into the start of a buffer, or a byte range of it), the planning of those wants into
 //! transfers (sizes checked, pieces laid out, GPU transfers in arena order), their delivery
 //! through the transports of their routes (host slots of the store's own memcpy are copied as
-//! they are planned), and the rounds that let a batch larger than DRAM through. Every
-//! blocking read, the restore pipeline's sub-batches and the async tickets plan with the same
-//! function. It never reports a slot as done before every one of its bytes arrived, and never
-//! releases a lease before the transfers that read it completed.
+//! they are planned), the leasing in parts of a read whose first bytes move before its
+//! destinations are checked (the early start begins after the first part), and the rounds that
+//! let a batch larger than DRAM through. Every blocking read, the restore pipeline's
+//! sub-batches and the async tickets plan with the same function. It never reports a slot as
+//! done before every one of its bytes arrived, and never releases a lease before the transfers
+//! that read it completed.
 //!
 //! `get_into_ranges` semantics, the same for host and GPU buffers: each fragment is checked on
 //! its own (a bad range fails that fragment only); the fragments of one key into buffers of one
