@@ -54,6 +54,11 @@ mod cuda {
         unsafe { Region::from_raw(buf.addr() + offset, len as usize, GPU0) }
     }
 
+    /// One list of device regions per key, from (pool offset, len) lists.
+    fn dev_lists(buf: &DeviceBuffer, dsts: &[Vec<(u64, u64)>]) -> Vec<Vec<Region<'static>>> {
+        dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(buf, at, len)).collect()).collect()
+    }
+
     fn read_back(buf: &DeviceBuffer) -> Vec<u8> {
         let mut out = vec![0u8; buf.len()];
         buf.read(0, &mut out).expect("read back");
@@ -129,8 +134,15 @@ mod cuda {
     }
 
     fn put_all(store: &Engine, names: &[Vec<u8>], values: &[Vec<u8>]) {
-        for (name, value) in names.iter().zip(values) {
-            store.put(name, value, PutOptions::UPSERT).expect("put");
+        put_except(store, names, values, &[], PutOptions::UPSERT);
+    }
+
+    /// Puts every key but those at the indices in `missing`.
+    fn put_except(store: &Engine, names: &[Vec<u8>], values: &[Vec<u8>], missing: &[usize], opts: PutOptions) {
+        for (k, (name, value)) in names.iter().zip(values).enumerate() {
+            if !missing.contains(&k) {
+                store.put(name, value, opts).expect("put");
+            }
         }
     }
 
@@ -141,8 +153,7 @@ mod cuda {
         let (names, values, dsts, layout) = scattered(24, pool_bytes as u64, if staging { 7 } else { 8 });
         put_all(store, &names, &values);
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-        let regions: Vec<Vec<Region<'_>>> =
-            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        let regions = dev_lists(&buf, &dsts);
         let before = store.stats().gpu;
         let results = store.batch_get_into_multi_buffers(&keys, &regions);
         for (k, r) in results.iter().enumerate() {
@@ -180,14 +191,9 @@ mod cuda {
         let buf = pool(&device, pool_bytes);
         let (names, values, dsts, layout) = scattered(300, pool_bytes as u64, 31);
         let missing = [3usize, 290];
-        for (k, (name, value)) in names.iter().zip(&values).enumerate() {
-            if !missing.contains(&k) {
-                store.put(name, value, PutOptions::UPSERT).expect("put");
-            }
-        }
+        put_except(&store, &names, &values, &missing, PutOptions::UPSERT);
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-        let regions: Vec<Vec<Region<'_>>> =
-            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        let regions = dev_lists(&buf, &dsts);
         for round in 0..2 {
             buf.fill(GUARD).expect("fill");
             let before = store.stats().gpu;
@@ -401,14 +407,9 @@ mod cuda {
         let buf = pool(&device, pool_bytes);
         let (names, values, dsts, layout) = scattered(12, pool_bytes as u64, 11);
         let missing = [2usize, 5, 11];
-        for (k, (name, value)) in names.iter().zip(&values).enumerate() {
-            if !missing.contains(&k) {
-                store.put(name, value, PutOptions::INSERT).expect("put");
-            }
-        }
+        put_except(&store, &names, &values, &missing, PutOptions::INSERT);
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-        let regions: Vec<Vec<Region<'_>>> =
-            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        let regions = dev_lists(&buf, &dsts);
         let results = store.batch_get_into_multi_buffers(&keys, &regions);
         for (k, r) in results.iter().enumerate() {
             if missing.contains(&k) {
@@ -511,8 +512,7 @@ mod cuda {
         store.put(&names[5], &values[5], PutOptions::UPSERT).expect("hot key");
         store.sync_shards().expect("sync");
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-        let regions: Vec<Vec<Region<'_>>> =
-            dst_offsets.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        let regions = dev_lists(&buf, &dst_offsets);
         let runs: [Option<RestoreMode>; 4] =
             [Some(RestoreMode::Pipelined), Some(RestoreMode::Serialized), Some(RestoreMode::Barrier), None];
         for mode in runs {
@@ -661,8 +661,7 @@ mod cuda {
                     let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
                     for _ in 0..20 {
                         buf.fill(GUARD).expect("reset");
-                        let regions: Vec<Vec<Region<'_>>> =
-                            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+                        let regions = dev_lists(&buf, &dsts);
                         let results = store.batch_get_into_multi_buffers(&keys, &regions);
                         assert!(results.iter().zip(&values).all(|(r, v)| r == &Ok(v.len())), "{results:?}");
                         check_pool(&read_back(&buf), &values, &layout, &[]);
@@ -693,8 +692,7 @@ mod cuda {
         }
         buf.write(0, &image).expect("upload");
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-        let sources: Vec<Vec<Region<'_>>> =
-            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect();
+        let sources = dev_lists(&buf, &dsts);
         let before = store.stats().gpu;
         let results = store.batch_put_from_multi_buffers(&keys, &sources, PutOptions::INSERT);
         assert!(results.iter().all(Result::is_ok), "{results:?}");
@@ -896,9 +894,7 @@ mod cuda {
             }
         }
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-        let regions = |dsts: &[Vec<(u64, u64)>]| -> Vec<Vec<Region<'static>>> {
-            dsts.iter().map(|d| d.iter().map(|&(at, len)| dev(&buf, at, len)).collect()).collect()
-        };
+        let regions = |dsts: &[Vec<(u64, u64)>]| dev_lists(&buf, dsts);
         let before = store.stats().gpu;
         let results = store.submit_batch_get(&keys, regions(&dsts)).expect("submit").wait();
         for (k, r) in results.iter().enumerate() {
