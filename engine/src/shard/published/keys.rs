@@ -6,9 +6,9 @@
 //! bytes. An entry of up to `MAX_CLASS_BYTES` takes exactly its length in a 64 KiB block;
 //! freed entries are reused by entries of the same length (the key's and the value length's
 //! varint: values of 128 B, 16 KiB and 2 MiB and more take one byte more each). A longer entry
-//! gets an allocation of its own. Against one heap allocation per key this saves the allocator's header and its
-//! 16-byte rounding (a 76-byte key: 78 bytes here, 96 from `malloc`), and the slot keeps one
-//! address instead of an address and a word of lengths.
+//! gets an allocation of its own. Against one heap allocation per key this saves the
+//! allocator's header and its 16-byte rounding (a 76-byte key: 78 bytes here, 96 from
+//! `malloc`), and the slot keeps one address instead of an address and a word of lengths.
 //!
 //! Never moves an entry, hands one out twice or gives a block back before the arena goes: a
 //! reader reads an entry only under a lease on its slot, and the slot is closed and drained
