@@ -48,39 +48,38 @@ impl Transport for CudaCopier {
     fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
         let mut checkers: Vec<(u32, Result<RangeChecker, TransportError>)> = Vec::new();
         let mut out: Vec<Option<TransportError>> = vec![None; lists.len()];
-        let mut ordinals: Vec<u32> = Vec::new();
+        // One pass over each list (a large read's lists are megabytes): every region's first
+        // failure, in region order. Host regions of a mixed list are copied by the CPU: they
+        // only need to be writable.
+        let mut slot = usize::MAX; // the checker of the last device region seen
         for (owner, regions) in lists.iter().enumerate() {
-            // Host regions of a mixed list are copied by the CPU: they only need to be writable.
-            if writable {
-                if let Some(e) = regions.iter().find_map(|r| r.check_writable().err()) {
-                    out[owner] = Some(e.into());
+            for r in regions.iter() {
+                if writable {
+                    if let Err(e) = r.check_writable() {
+                        out[owner] = Some(e.into());
+                        break;
+                    }
+                }
+                let MemoryKind::Device { ordinal } = r.kind() else { continue };
+                if r.is_empty() {
                     continue;
                 }
-            }
-            // The GPUs this list names (one, nearly always).
-            ordinals.clear();
-            for r in regions.iter() {
-                if let MemoryKind::Device { ordinal } = r.kind() {
-                    if !ordinals.contains(&ordinal) {
-                        ordinals.push(ordinal);
-                    }
+                if checkers.get(slot).is_none_or(|(o, _)| *o != ordinal) {
+                    slot = match checkers.iter().position(|(o, _)| *o == ordinal) {
+                        Some(slot) => slot,
+                        None => {
+                            let checker = self.transport.device(ordinal).map(|d| d.range_checker());
+                            checkers.push((ordinal, checker));
+                            checkers.len() - 1
+                        }
+                    };
                 }
-            }
-            for &ordinal in &ordinals {
-                let slot = match checkers.iter().position(|(o, _)| *o == ordinal) {
-                    Some(slot) => slot,
-                    None => {
-                        let checker = self.transport.device(ordinal).map(|d| d.range_checker());
-                        checkers.push((ordinal, checker));
-                        checkers.len() - 1
-                    }
-                };
                 let failed = match &mut checkers[slot].1 {
-                    Ok(checker) => checker.check_list(regions),
+                    Ok(checker) => checker.check(r.addr(), r.len() as u64).err(),
                     Err(e) => Some(e.clone()),
                 };
                 if let Some(e) = failed {
-                    out[owner].get_or_insert(e);
+                    out[owner] = Some(e);
                     break;
                 }
             }

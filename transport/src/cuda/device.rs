@@ -8,6 +8,7 @@
 //! reserved host bytes once it reports.
 
 use std::ffi::c_void;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -346,19 +347,19 @@ pub unsafe fn submit_with(
     policy: StagingPolicy,
     prestaged: Option<Prestaged>,
 ) -> Result<InFlight, TransportError> {
-    let choice = plan::qualify(policy, direction, transfers);
-    let prestaged = match (choice, prestaged) {
-        (PathChoice::Staged { ordinal }, Some(p)) if p.matches(ordinal, direction, transfers) => Some(p),
+    let survey = plan::survey(policy, direction, transfers);
+    let prestaged = match (survey.choice, prestaged) {
+        (PathChoice::Staged { ordinal }, Some(p)) if p.matches(ordinal, direction, transfers, &survey.spans) => Some(p),
         (_, other) => {
             drop(other); // discarded: waits for its copies, frees the buffer
             None
         }
     };
-    let fallback = match choice {
+    let fallback = match survey.choice {
         PathChoice::Staged { ordinal } => {
             let device = transport.device(ordinal)?;
             // SAFETY: forwarded contract.
-            match unsafe { submit_staged(&device, direction, transfers, policy, prestaged) } {
+            match unsafe { submit_staged(&device, direction, transfers, &survey, policy, prestaged) } {
                 Ok(inflight) => return Ok(inflight),
                 Err(reason) => reason,
             }
@@ -463,16 +464,18 @@ impl Prestaged {
         self.copied.len()
     }
 
-    /// True when `transfers` are the prestaged objects, whole, in the same order (their staged
-    /// layout is then the one planned here).
-    fn matches(&self, ordinal: u32, direction: Direction, transfers: &[Transfer]) -> bool {
+    /// True when `transfers` (whose host spans are `spans`) are the prestaged objects, whole, in
+    /// the same order (their staged layout is then the one planned here).
+    fn matches(&self, ordinal: u32, direction: Direction, transfers: &[Transfer], spans: &[Range<u64>]) -> bool {
         self.device.ordinal == ordinal
             && direction == Direction::HostToDevice
             && transfers.len() == self.objects.len()
-            && transfers.iter().zip(&self.objects).all(|(t, &(host, len))| {
-                let span = t.span();
-                t.host == host && span.start == 0 && span.end == len
-            })
+            && spans.len() == transfers.len()
+            && transfers
+                .iter()
+                .zip(spans)
+                .zip(&self.objects)
+                .all(|((t, span), &(host, len))| t.host == host && span.start == 0 && span.end == len)
     }
 }
 
@@ -830,15 +833,20 @@ unsafe fn submit_staged(
     device: &Arc<CudaDevice>,
     direction: Direction,
     transfers: &[Transfer],
+    survey: &plan::Survey,
     policy: StagingPolicy,
     mut prestaged: Option<Prestaged>,
 ) -> Result<InFlight, Fallback> {
     // A prestage already holds the busy flag; on failure, dropping it waits for its copies and
     // frees the flag.
-    let mut run = StagedRun::start(device, policy, plan::max_rows(transfers), prestaged.is_some())?;
+    let mut run = StagedRun::start(device, policy, survey.rows, prestaged.is_some())?;
     let fills = match prestaged.as_mut() {
         Some(p) => std::mem::take(&mut p.fills),
-        None => plan::split_fills(&policy, direction, transfers),
+        None => {
+            let spans: Vec<(u64, Range<u64>)> =
+                transfers.iter().zip(&survey.spans).map(|(t, span)| (t.host, span.clone())).collect();
+            plan::split_fills(&policy, direction, &spans)
+        }
     };
     let mut inflight = InFlight::new(transfers.len());
     inflight.staging_of = Some(Arc::clone(device));
@@ -988,7 +996,7 @@ impl StagedRun {
                     kernels,
                     to_device,
                     (self.buffer, rows_ptr, self.rows_host.add(self.row_base), self.rows_left()),
-                    &|| plan::descriptors(fill, transfers),
+                    &|rows: &mut [Descriptor]| plan::descriptors_into(fill, transfers, rows),
                     &copies,
                     &waits,
                     (self.copy_stream, self.kernel_stream),
@@ -1083,11 +1091,14 @@ impl PartsSubmission {
     pub unsafe fn push(&mut self, transfers: &[Transfer]) {
         let base = self.inflight.errors.len();
         self.inflight.errors.resize(base + transfers.len(), None);
-        let fallback = match plan::qualify(self.policy, self.direction, transfers) {
-            PathChoice::Staged { ordinal } => match self.take_staging(ordinal, transfers) {
+        let survey = plan::survey(self.policy, self.direction, transfers);
+        let fallback = match survey.choice {
+            PathChoice::Staged { ordinal } => match self.take_staging(ordinal, survey.rows) {
                 Ok(()) => {
                     if let Some(run) = self.run.as_mut() {
-                        let fills = plan::split_fills_from(&self.policy, self.direction, transfers, &mut run.cursor);
+                        let spans: Vec<(u64, Range<u64>)> =
+                            transfers.iter().zip(&survey.spans).map(|(t, span)| (t.host, span.clone())).collect();
+                        let fills = plan::split_fills_from(&self.policy, self.direction, &spans, &mut run.cursor);
                         // SAFETY: forwarded contract.
                         unsafe { run.enqueue(&mut self.inflight, base, self.direction, transfers, &fills, Vec::new()) };
                         return;
@@ -1103,16 +1114,15 @@ impl PartsSubmission {
         self.inflight.absorb(part, base);
     }
 
-    /// Makes sure `run` can stage a part on GPU `ordinal`: the unit is taken at the first such
-    /// part.
-    fn take_staging(&mut self, ordinal: u32, transfers: &[Transfer]) -> Result<(), Fallback> {
+    /// Makes sure `run` can stage a part of at most `rows` table rows on GPU `ordinal`: the unit
+    /// is taken at the first such part.
+    fn take_staging(&mut self, ordinal: u32, rows: usize) -> Result<(), Fallback> {
         if let Some(reason) = self.no_staging {
             return Err(reason);
         }
         if self.run.is_none() {
             let device = self.transport.device(ordinal).map_err(|_| Fallback::NoBuffer)?;
-            let rows = self.hint.1.max(plan::max_rows(transfers));
-            let mut run = match StagedRun::start(&device, self.policy, rows, false) {
+            let mut run = match StagedRun::start(&device, self.policy, self.hint.1.max(rows), false) {
                 Ok(run) => run,
                 Err(reason) => {
                     self.no_staging = Some(reason);
@@ -1134,7 +1144,7 @@ impl PartsSubmission {
         if run.device.ordinal != ordinal {
             return Err(Fallback::Busy);
         }
-        if plan::max_rows(transfers) > run.rows_left() {
+        if rows > run.rows_left() {
             return Err(Fallback::NoBuffer);
         }
         Ok(())
@@ -1165,7 +1175,7 @@ unsafe fn enqueue_fill(
     kernels: &Kernels,
     to_device: bool,
     tables: (sys::CUdeviceptr, sys::CUdeviceptr, *mut Descriptor, usize),
-    make_rows: &dyn Fn() -> Vec<Descriptor>,
+    write_rows: &dyn Fn(&mut [Descriptor]) -> Option<usize>,
     copies: &[plan::BulkCopy],
     waits: &[sys::CUevent],
     (copy_stream, kernel_stream): (sys::CUstream, sys::CUstream),
@@ -1174,17 +1184,15 @@ unsafe fn enqueue_fill(
     prestaged: Option<Event>,
 ) -> Result<(Event, usize), TransportError> {
     let (buffer, rows_device, rows_host, rows_left) = tables;
-    let rows = make_rows();
-    if rows.len() > rows_left {
+    // SAFETY: rows_host has room for rows_left rows (the caller's contract) and no kernel reads
+    // them until the launch below, which is issued after these writes.
+    let table = unsafe { std::slice::from_raw_parts_mut(rows_host, rows_left) };
+    let Some(row_count) = write_rows(table) else {
         if let Some(copied) = prestaged {
             device.give_event(copied);
         }
         return Err(TransportError::Cuda { op: "scatter table", detail: "more rows than planned".into() });
-    }
-    // SAFETY: rows_host has room for rows_left rows (checked above) and no kernel reads this
-    // slice until the launch below, which is issued after this write.
-    unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr(), rows_host, rows.len()) };
-    let row_count = rows.len();
+    };
     let bulk = |summary: &mut Summary| -> Result<(), TransportError> {
         for copy in copies {
             // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside

@@ -476,30 +476,9 @@ impl std::fmt::Debug for RangeChecker {
 }
 
 impl RangeChecker {
-    /// Checks the regions of `regions` that are memory of this GPU (others are skipped) and
-    /// returns the first failure. The common case, every page inside an allocation already
-    /// confirmed, costs a compare per region.
-    pub fn check_list(&mut self, regions: &[crate::Region<'_>]) -> Option<TransportError> {
-        let kind = crate::MemoryKind::Device { ordinal: self.device.ordinal };
-        let mut known = self.known.last().copied().unwrap_or((1, 0));
-        for r in regions {
-            if r.kind() != kind || r.is_empty() {
-                continue;
-            }
-            let (addr, len) = (r.addr(), r.len() as u64);
-            if addr >= known.0 && addr.checked_add(len).is_some_and(|end| end <= known.1) {
-                continue;
-            }
-            if let Err(e) = self.check(addr, len) {
-                return Some(e);
-            }
-            known = self.known.last().copied().unwrap_or((1, 0));
-        }
-        None
-    }
-
     /// Ok when `[addr, addr+len)` lies inside one device allocation of this GPU; a
-    /// `DevicePointer` error otherwise.
+    /// `DevicePointer` error otherwise. The common case, a page inside the allocation confirmed
+    /// last, costs a compare.
     pub fn check(&mut self, addr: u64, len: u64) -> Result<(), TransportError> {
         let end = match addr.checked_add(len) {
             Some(end) if addr != 0 => end,

@@ -78,85 +78,152 @@ pub enum PathChoice {
     Direct(Fallback),
 }
 
+/// What one pass over a request's pieces finds: the path it qualifies for and, for a staged
+/// request, what planning its fills needs of each transfer, so no later step walks every piece
+/// again to find it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Survey {
+    pub choice: PathChoice,
+    /// Each transfer's host span (`Transfer::span`); empty unless staged.
+    pub spans: Vec<Range<u64>>,
+    /// An upper bound of the request's table rows (`max_rows`); 0 unless staged.
+    pub rows: usize,
+}
+
 /// Decides whether a request qualifies for staging. Reads need non-overlapping destinations;
 /// writes only read their pages, so overlapping sources are allowed.
 pub fn qualify(policy: StagingPolicy, direction: Direction, transfers: &[Transfer]) -> PathChoice {
+    survey(policy, direction, transfers).choice
+}
+
+/// `qualify`, with the spans and the row bound a staged request is planned with.
+pub fn survey(policy: StagingPolicy, direction: Direction, transfers: &[Transfer]) -> Survey {
+    let direct = |reason| Survey { choice: PathChoice::Direct(reason), spans: Vec::new(), rows: 0 };
     if !policy.enabled {
-        return PathChoice::Direct(Fallback::Disabled);
+        return direct(Fallback::Disabled);
     }
     let mut ordinal = None;
-    let (mut pieces, mut objects) = (0usize, 0usize);
+    let (mut pieces, mut objects, mut rows) = (0usize, 0usize, 0usize);
     let mut too_large = false;
-    for transfer in transfers.iter().filter(|t| !t.pieces.is_empty()) {
+    let mut bounds = Bounds::default();
+    let mut spans = Vec::with_capacity(transfers.len());
+    for transfer in transfers {
         let (mut low, mut high) = (u64::MAX, 0u64);
         for piece in &transfer.pieces {
             let MemoryKind::Device { ordinal: o } = piece.kind else {
-                return PathChoice::Direct(Fallback::NotDevice);
+                return direct(Fallback::NotDevice);
             };
             if *ordinal.get_or_insert(o) != o {
-                return PathChoice::Direct(Fallback::SeveralDevices);
+                return direct(Fallback::SeveralDevices);
             }
             low = low.min(piece.host_offset);
             high = high.max(piece.host_offset + piece.len);
+            rows += piece.len.div_ceil(DESCRIPTOR_CHUNK_BYTES) as usize;
+            bounds.add(piece.addr, piece.len);
         }
+        if transfer.pieces.is_empty() {
+            spans.push(0..0);
+            continue;
+        }
+        spans.push(low..high.max(low));
         too_large |= high.saturating_sub(low) > policy.buffer_bytes;
         pieces += transfer.pieces.len();
         objects += 1;
     }
-    let Some(ordinal) = ordinal else { return PathChoice::Direct(Fallback::Empty) };
+    let Some(ordinal) = ordinal else { return direct(Fallback::Empty) };
     if too_large {
-        return PathChoice::Direct(Fallback::TooLarge);
+        return direct(Fallback::TooLarge);
     }
-    if direction == Direction::HostToDevice && overlapping(transfers) {
-        return PathChoice::Direct(Fallback::Overlap);
+    if direction == Direction::HostToDevice && overlapping_within(transfers, &bounds) {
+        return direct(Fallback::Overlap);
     }
     if pieces <= objects {
-        return PathChoice::Direct(Fallback::NotFragmented);
+        return direct(Fallback::NotFragmented);
     }
-    PathChoice::Staged { ordinal }
+    Survey { choice: PathChoice::Staged { ordinal }, spans, rows }
+}
+
+/// The extent of a request's non-empty pieces, for `overlapping`.
+#[derive(Clone, Copy, Debug)]
+struct Bounds {
+    low: u64,
+    high: u64,
+    total: u64,
+    width: u64,
+    count: u64,
+}
+
+impl Default for Bounds {
+    fn default() -> Bounds {
+        Bounds { low: u64::MAX, high: 0, total: 0, width: u64::MAX, count: 0 }
+    }
+}
+
+impl Bounds {
+    fn add(&mut self, addr: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        self.low = self.low.min(addr);
+        self.high = self.high.max(addr + len);
+        self.total += len;
+        self.width = self.width.min(len);
+        self.count += 1;
+    }
 }
 
 /// True when two pieces' page ranges overlap. Linear time for page-sized pieces: starts are
 /// marked in a bitmap of buckets as wide as the smallest piece (two non-overlapping pieces never
-/// start in one bucket), so a piece only needs a look at the buckets it covers; an ambiguous or
-/// sparse layout falls back to a sort.
+/// start in one bucket), so a piece only needs a look at the buckets it covers, and none when
+/// every piece lies inside one bucket; an ambiguous or sparse layout falls back to a sort.
 pub fn overlapping(transfers: &[Transfer]) -> bool {
-    let (mut low, mut high, mut total, mut width, mut count) = (u64::MAX, 0u64, 0u64, u64::MAX, 0u64);
-    for p in transfers.iter().flat_map(|t| t.pieces.iter()) {
-        if p.len == 0 {
-            continue;
+    let mut bounds = Bounds::default();
+    for t in transfers {
+        for p in &t.pieces {
+            bounds.add(p.addr, p.len);
         }
-        low = low.min(p.addr);
-        high = high.max(p.addr + p.len);
-        total += p.len;
-        width = width.min(p.len);
-        count += 1;
     }
+    overlapping_within(transfers, &bounds)
+}
+
+/// `overlapping`, with the pieces' extent measured already.
+fn overlapping_within(transfers: &[Transfer], bounds: &Bounds) -> bool {
+    let Bounds { low, high, total, width, count } = *bounds;
     if count < 2 {
         return false;
     }
     if total > high - low {
         return true; // more bytes than room: some two must share one
     }
-    let buckets = (high - low).div_ceil(width);
+    // A shift where the width is a power of two (page sizes are): a division per piece costs
+    // more than the rest of the check.
+    let (pow2, shift) = (width.is_power_of_two(), width.ilog2());
+    let bucket = |offset: u64| if pow2 { offset >> shift } else { offset / width };
+    let buckets = bucket(high - 1 - low) + 1;
     if buckets <= 8 * count + 65_536 {
         let mut marks = vec![0u64; buckets.div_ceil(64) as usize];
+        let mut wide = false;
         for t in transfers {
             for p in t.pieces.iter().filter(|p| p.len > 0) {
-                let k = (p.addr - low) / width;
+                let k = bucket(p.addr - low);
                 let (word, bit) = ((k / 64) as usize, 1u64 << (k % 64));
                 if marks[word] & bit != 0 {
                     return true;
                 }
                 marks[word] |= bit;
+                wide |= bucket(p.addr + p.len - 1 - low) > k;
             }
+        }
+        // Every piece inside one bucket: two that overlap would have started in the same one.
+        if !wide {
+            return false;
         }
         let marked = |k: u64| marks[(k / 64) as usize] & (1u64 << (k % 64)) != 0;
         let mut ambiguous = false;
         for t in transfers {
             for p in t.pieces.iter().filter(|p| p.len > 0) {
-                let first = (p.addr - low) / width;
-                let last = (p.addr + p.len - 1 - low) / width;
+                let first = bucket(p.addr - low);
+                let last = bucket(p.addr + p.len - 1 - low);
                 // A start in a bucket wholly inside this piece overlaps it; one in the last bucket
                 // may begin at or after its end: the exact check below decides.
                 if (first + 1..last).any(marked) {
@@ -253,6 +320,15 @@ impl HostSpan for Transfer {
     }
     fn span(&self) -> Range<u64> {
         Transfer::span(self)
+    }
+}
+
+impl HostSpan for (u64, Range<u64>) {
+    fn host(&self) -> u64 {
+        self.0
+    }
+    fn span(&self) -> Range<u64> {
+        self.1.clone()
     }
 }
 
@@ -396,26 +472,63 @@ pub const DESCRIPTOR_CHUNK_BYTES: u64 = 64 << 10;
 /// The kernel table of a fill: one row per piece (contiguous neighbours merged), long rows cut
 /// into `DESCRIPTOR_CHUNK_BYTES`.
 pub fn descriptors(fill: &Fill, transfers: &[Transfer]) -> Vec<Descriptor> {
-    let mut rows: Vec<(u64, u64, u64)> = Vec::new(); // (page, staging offset, len)
-    for placement in &fill.placements {
-        for piece in transfers[placement.transfer].pieces.iter().filter(|p| p.len > 0) {
-            let staging = placement.staging_offset + (piece.host_offset - placement.span.0);
-            match rows.last_mut() {
-                Some(last) if last.0 + last.2 == piece.addr && last.1 + last.2 == staging => last.2 += piece.len,
-                _ => rows.push((piece.addr, staging, piece.len)),
-            }
+    let mut out = Vec::new();
+    each_descriptor(fill, transfers, |row| {
+        out.push(row);
+        true
+    });
+    out
+}
+
+/// `descriptors` written into `out` (the pinned table the kernel reads, say) without a list in
+/// between: the number of rows, or None when they do not fit (`out` then holds a prefix).
+pub fn descriptors_into(fill: &Fill, transfers: &[Transfer], out: &mut [Descriptor]) -> Option<usize> {
+    let mut written = 0;
+    let fits = each_descriptor(fill, transfers, |row| match out.get_mut(written) {
+        Some(slot) => {
+            *slot = row;
+            written += 1;
+            true
         }
-    }
-    let mut out = Vec::with_capacity(rows.len());
-    for (page, staging, len) in rows {
+        None => false,
+    });
+    fits.then_some(written)
+}
+
+/// Hands `emit` each row of a fill's table in order; false as soon as `emit` refuses one.
+fn each_descriptor(fill: &Fill, transfers: &[Transfer], mut emit: impl FnMut(Descriptor) -> bool) -> bool {
+    // The open row, (page, staging offset, len), grown while pieces continue it.
+    let mut open: Option<(u64, u64, u64)> = None;
+    let flush = |(page, staging, len): (u64, u64, u64), emit: &mut dyn FnMut(Descriptor) -> bool| {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(DESCRIPTOR_CHUNK_BYTES);
-            out.push(Descriptor { page: page + done, staging_offset: (staging + done) as u32, len: n as u32 });
+            if !emit(Descriptor { page: page + done, staging_offset: (staging + done) as u32, len: n as u32 }) {
+                return false;
+            }
             done += n;
         }
+        true
+    };
+    for placement in &fill.placements {
+        for piece in transfers[placement.transfer].pieces.iter().filter(|p| p.len > 0) {
+            let staging = placement.staging_offset + (piece.host_offset - placement.span.0);
+            match open.as_mut() {
+                Some(last) if last.0 + last.2 == piece.addr && last.1 + last.2 == staging => last.2 += piece.len,
+                _ => {
+                    if let Some(row) = open.replace((piece.addr, staging, piece.len)) {
+                        if !flush(row, &mut emit) {
+                            return false;
+                        }
+                    }
+                }
+            }
+        }
     }
-    out
+    match open {
+        Some(row) => flush(row, &mut emit),
+        None => true,
+    }
 }
 
 /// One bulk copy between host memory and device memory (`device_offset` is inside the staging
@@ -752,6 +865,64 @@ mod tests {
         assert!(!overlapping(&touching));
         let sparse = vec![object(0, 16, 3, |i| i << 40)];
         assert!(!overlapping(&sparse));
+    }
+
+    #[test]
+    fn the_survey_agrees_with_the_passes_it_replaces() {
+        let policy = StagingPolicy { enabled: true, buffer_bytes: 1 << 20, tail_fill_bytes: 0 };
+        let mut state = 99u64;
+        let mut next = move |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        let mut staged = 0;
+        for round in 0..300 {
+            let transfers: Vec<Transfer> = (0..1 + next(6))
+                .map(|o| {
+                    let pages = next(5); // an empty transfer now and then
+                    let len = [4096, 6144, 70_000][next(3) as usize];
+                    let slots: Vec<u64> = (0..pages).map(|_| next(64)).collect();
+                    let mut t = object(o << 24, len, pages, |i| (o << 28) + slots[i as usize] * 8192 + i);
+                    if round % 7 == 0 && pages > 0 {
+                        t.pieces[0].kind = MemoryKind::Host;
+                    }
+                    t
+                })
+                .collect();
+            for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+                let survey = survey(policy, direction, &transfers);
+                assert_eq!(survey.choice, qualify(policy, direction, &transfers), "round {round}");
+                if let PathChoice::Staged { .. } = survey.choice {
+                    staged += 1;
+                    let spans: Vec<Range<u64>> = transfers.iter().map(Transfer::span).collect();
+                    assert_eq!(survey.spans, spans, "round {round}");
+                    assert_eq!(survey.rows, max_rows(&transfers), "round {round}");
+                    if direction == Direction::HostToDevice {
+                        assert!(!overlapping(&transfers));
+                    }
+                }
+            }
+        }
+        assert!((100..600).contains(&staged), "{staged} of 600 staged: both paths must be seen");
+    }
+
+    #[test]
+    fn descriptors_into_writes_the_rows_of_descriptors_or_refuses() {
+        let policy = quarters(4 << 20);
+        let transfers: Vec<Transfer> = (0..5u64)
+            .map(|o| object(o * (200 << 10), 100 << 10, 2, |i| 0x9000_0000 + (o * 2 + i) * (100 << 10)))
+            .collect();
+        for fill in split_fills(&policy, Direction::HostToDevice, &transfers) {
+            let rows = descriptors(&fill, &transfers);
+            assert!(rows.len() > 1);
+            let mut table = vec![Descriptor::default(); rows.len() + 3];
+            assert_eq!(descriptors_into(&fill, &transfers, &mut table), Some(rows.len()));
+            assert_eq!(&table[..rows.len()], &rows[..]);
+            let mut short = vec![Descriptor::default(); rows.len() - 1];
+            assert_eq!(descriptors_into(&fill, &transfers, &mut short), None);
+        }
     }
 
     #[test]
