@@ -21,6 +21,7 @@ use crate::shard::core::RecoveryReport;
 use crate::shard::published::{FastLease, PublishedIndex};
 use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
+mod fanout;
 pub(crate) mod gpu;
 mod on_stream;
 mod open;

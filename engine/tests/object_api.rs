@@ -107,6 +107,53 @@ fn a_read_only_destination_fails_only_its_key_in_a_batch() {
 }
 
 #[test]
+fn a_batch_large_enough_to_be_checked_on_several_threads_keeps_each_keys_error_its_own() {
+    // 640 keys of 64 fragments of 64 bytes: 40,960 destination regions, enough for the store to
+    // split their checks over threads on a machine with several cores.
+    let (keys_n, fragments, fragment) = (640usize, 64usize, 64usize);
+    let store = small_store(32 << 20);
+    let keys: Vec<Vec<u8>> = (0..keys_n).map(|i| format!("many/{i}").into_bytes()).collect();
+    for key in &keys {
+        store.put(key, &value_for(key, 0, fragments * fragment), PutOptions::INSERT).expect("put");
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let mut bufs = vec![vec![0u8; fragments * fragment]; keys_n];
+    let readonly = vec![0xEEu8; fragment];
+    // Bad lists near the start, the middle and the end of the batch: one read-only fragment.
+    let bad = [1usize, keys_n / 2, keys_n - 1];
+    let dsts: Vec<Vec<Region<'_>>> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| {
+            b.chunks_mut(fragment)
+                .enumerate()
+                .map(
+                    |(f, c)| {
+                        if bad.contains(&i) && f == 40 {
+                            Region::host_readonly(&readonly)
+                        } else {
+                            Region::host(c)
+                        }
+                    },
+                )
+                .collect()
+        })
+        .collect();
+    let results = store.batch_get_into_multi_buffers(&refs, &dsts);
+    drop(dsts);
+    for (i, r) in results.iter().enumerate() {
+        if bad.contains(&i) {
+            assert_eq!(r, &Err(Error::InvalidRange(RegionError::ReadOnly)), "key {i}");
+        } else {
+            assert_eq!(r, &Ok(fragments * fragment), "key {i}");
+            assert_eq!(bufs[i], value_for(&keys[i], 0, fragments * fragment), "bytes of key {i}");
+        }
+    }
+    assert!(readonly.iter().all(|&b| b == 0xEE), "nothing written through the read-only region");
+    assert_idle(&store);
+}
+
+#[test]
 fn batch_get_into_fills_the_start_of_each_buffer_and_answers_per_key() {
     let store = small_store(16 << 20);
     let (a, b) = (value_for(b"a", 1, 5000), value_for(b"b", 1, 300));

@@ -22,7 +22,7 @@ use xxhash_rust::xxh3::Xxh3Builder;
 
 use super::gpu::Timing;
 use super::transports::{KeepAwake, Route, Transports};
-use super::Engine;
+use super::{fanout, Engine};
 use crate::checks::total_len;
 use crate::error::{Error, Result};
 use crate::shard::ReadGrant;
@@ -337,6 +337,47 @@ impl Engine {
         unsafe { targets.transports.get(Route::Gpu).start_early(&objects, target?) }
     }
 
+    /// The pieces of every GPU slot that is planned on its own (granted, its destination
+    /// checked, not a range), by slot, planned over a few threads when the read is large: the
+    /// per-page work a staged read's first scatter waits for. Empty without GPU slots.
+    #[allow(clippy::type_complexity)]
+    fn plan_gpu_slots(
+        targets: &ReadTargets<'_, '_>,
+        slots: &[Slot<'_>],
+        grant_of: &[Option<&Result<ReadGrant>>],
+        checks: &[Option<Error>],
+    ) -> Vec<Option<Result<(Vec<Piece>, usize)>>> {
+        if !targets.routes.contains(&Route::Gpu) {
+            return Vec::new();
+        }
+        // (slot, object length) of each such slot: plain values the threads can share.
+        let jobs: Vec<(usize, u64)> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(s, slot)| match grant_of[s] {
+                Some(Ok(grant))
+                    if targets.routes[slot.list] == Route::Gpu
+                        && !matches!(slot.want, Want::Range { .. })
+                        && !matches!(checks.get(slot.list), Some(Some(_))) =>
+                {
+                    Some((s, grant.len))
+                }
+                _ => None,
+            })
+            .collect();
+        let lists = targets.lists;
+        let planned = fanout::map_chunks(
+            &jobs,
+            |&(s, _)| lists[slots[s].list].len(),
+            |chunk, _| chunk.iter().map(|&(s, len)| plan_pieces(len, lists[slots[s].list], slots[s].want)).collect(),
+        );
+        let mut by_slot: Vec<Option<Result<(Vec<Piece>, usize)>>> = (0..slots.len()).map(|_| None).collect();
+        for (&(s, _), planned) in jobs.iter().zip(planned) {
+            by_slot[s] = Some(planned);
+        }
+        by_slot
+    }
+
     /// Plans the slots whose grant is in `grant_of` and delivers them through their routes'
     /// transports, waiting for every submission; fills their results and returns how many slots
     /// were delivered. The caller keeps the grants leased until this returns.
@@ -357,6 +398,7 @@ impl Engine {
         // slots come too: their submission goes first, so the GPU works while the CPU copies.
         let copy_here = targets.transports.host_is_memcpy() && !targets.routes.contains(&Route::Gpu);
         let mut scratch: Vec<Piece> = Vec::new();
+        let mut prepared = Self::plan_gpu_slots(targets, slots, grant_of, checks);
         let mut delivered = 0;
         // Range slots of one key on one route share a transfer.
         let mut merged: HashMap<(&[u8], Route), usize> = HashMap::new();
@@ -385,7 +427,11 @@ impl Engine {
                 results[s] = copied;
                 continue;
             }
-            let (pieces, reported) = match plan_pieces(grant.len, targets.lists[slot.list], slot.want) {
+            let prepared = match prepared.get_mut(s).and_then(Option::take) {
+                Some(prepared) => prepared,
+                None => plan_pieces(grant.len, targets.lists[slot.list], slot.want),
+            };
+            let (pieces, reported) = match prepared {
                 Ok(planned) => planned,
                 Err(e) => {
                     results[s] = Err(e);

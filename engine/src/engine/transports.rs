@@ -2,7 +2,7 @@
 //!
 //! Owns the routing rule (a region list that names GPU memory goes to the GPU transport, which
 //! also copies its host pieces; anything else is CPU copies), the checks of region lists before
-//! anything is submitted, and the keep-awake count that makes shards poll while an asynchronous
+//! anything is submitted (a large call's over a few threads, `fanout`), and the keep-awake count that makes shards poll while an asynchronous
 //! transfer holds their leases. It never moves bytes and never chooses staged or direct: the
 //! transports do.
 
@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kvtide_transport::{MemcpyTransport, MemoryKind, Region, Transport};
 
-use super::Engine;
+use super::{fanout, Engine};
 use crate::error::Error;
 
 /// Where a region list's bytes go through.
@@ -79,15 +79,22 @@ impl Engine {
         let mut out: Vec<Option<Error>> = vec![None; lists.len()];
         // One route for every list (the usual batch): no per-route lists of indices and lists.
         if let Some(&route) = routes.first().filter(|&&first| routes.iter().all(|&r| r == first)) {
-            if route == Route::Host && transports.host_is_memcpy() {
+            // A large call's lists are checked over a few threads.
+            let checked = if route == Route::Host && transports.host_is_memcpy() {
                 // The store's own memcpy transport checks each list with `check_host_list`.
-                for (error, list) in out.iter_mut().zip(lists) {
-                    *error = kvtide_transport::memcpy::check_host_list(list, writable).map(Error::from);
-                }
+                fanout::map_chunks(
+                    lists,
+                    |list| list.len(),
+                    |chunk, _| {
+                        chunk.iter().map(|list| kvtide_transport::memcpy::check_host_list(list, writable)).collect()
+                    },
+                )
             } else {
-                for (error, checked) in out.iter_mut().zip(transports.get(route).check(lists, writable)) {
-                    *error = checked.map(Error::from);
-                }
+                let transport = transports.get(route);
+                fanout::map_chunks(lists, |list| list.len(), |chunk, _| transport.check(chunk, writable))
+            };
+            for (error, checked) in out.iter_mut().zip(checked) {
+                *error = checked.map(Error::from);
             }
             return out;
         }
