@@ -107,19 +107,24 @@ fn a_read_only_destination_fails_only_its_key_in_a_batch() {
 }
 
 #[test]
-fn a_batch_large_enough_to_be_checked_on_several_threads_keeps_each_keys_error_its_own() {
-    // 640 keys of 64 fragments of 64 bytes: 40,960 destination regions, enough for the store to
-    // split their checks over threads on a machine with several cores.
-    let (keys_n, fragments, fragment) = (640usize, 64usize, 64usize);
-    let store = small_store(32 << 20);
+fn a_batch_large_enough_to_be_leased_and_checked_on_several_threads_keeps_each_keys_result_its_own() {
+    // 1100 keys of 64 fragments of 64 bytes: enough keys for the store to split their leases,
+    // and destination regions (70,400) to split their checks, over threads on a machine with
+    // several cores.
+    let (keys_n, fragments, fragment) = (1100usize, 64usize, 64usize);
+    let store = small_store(64 << 20);
     let keys: Vec<Vec<u8>> = (0..keys_n).map(|i| format!("many/{i}").into_bytes()).collect();
-    for key in &keys {
-        store.put(key, &value_for(key, 0, fragments * fragment), PutOptions::INSERT).expect("put");
+    // Keys never written, near the start, the middle and the end of the batch.
+    let missing = [0usize, keys_n / 2 + 1, keys_n - 2];
+    for (i, key) in keys.iter().enumerate() {
+        if !missing.contains(&i) {
+            store.put(key, &value_for(key, 0, fragments * fragment), PutOptions::INSERT).expect("put");
+        }
     }
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let mut bufs = vec![vec![0u8; fragments * fragment]; keys_n];
     let readonly = vec![0xEEu8; fragment];
-    // Bad lists near the start, the middle and the end of the batch: one read-only fragment.
+    // Lists with one read-only fragment, near the start, the middle and the end.
     let bad = [1usize, keys_n / 2, keys_n - 1];
     let dsts: Vec<Vec<Region<'_>>> = bufs
         .iter_mut()
@@ -127,15 +132,7 @@ fn a_batch_large_enough_to_be_checked_on_several_threads_keeps_each_keys_error_i
         .map(|(i, b)| {
             b.chunks_mut(fragment)
                 .enumerate()
-                .map(
-                    |(f, c)| {
-                        if bad.contains(&i) && f == 40 {
-                            Region::host_readonly(&readonly)
-                        } else {
-                            Region::host(c)
-                        }
-                    },
-                )
+                .map(|(f, c)| if bad.contains(&i) && f == 40 { Region::host_readonly(&readonly) } else { Region::host(c) })
                 .collect()
         })
         .collect();
@@ -144,6 +141,9 @@ fn a_batch_large_enough_to_be_checked_on_several_threads_keeps_each_keys_error_i
     for (i, r) in results.iter().enumerate() {
         if bad.contains(&i) {
             assert_eq!(r, &Err(Error::InvalidRange(RegionError::ReadOnly)), "key {i}");
+        } else if missing.contains(&i) {
+            assert_eq!(r, &Err(Error::NotFound), "key {i}");
+            assert!(bufs[i].iter().all(|&b| b == 0), "a missing key's buffer stays untouched");
         } else {
             assert_eq!(r, &Ok(fragments * fragment), "key {i}");
             assert_eq!(bufs[i], value_for(&keys[i], 0, fragments * fragment), "bytes of key {i}");
