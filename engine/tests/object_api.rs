@@ -107,10 +107,9 @@ fn a_read_only_destination_fails_only_its_key_in_a_batch() {
 }
 
 #[test]
-fn a_batch_large_enough_to_be_leased_and_checked_on_several_threads_keeps_each_keys_result_its_own() {
-    // 1100 keys of 64 fragments of 64 bytes: enough keys for the store to split their leases,
-    // and destination regions (70,400) to split their checks, over threads on a machine with
-    // several cores.
+fn a_batch_large_enough_to_be_checked_on_several_threads_keeps_each_keys_result_its_own() {
+    // 1100 keys of 64 fragments of 64 bytes: 70,400 destination regions, enough for the store
+    // to split their checks over threads on a machine with several cores.
     let (keys_n, fragments, fragment) = (1100usize, 64usize, 64usize);
     let store = small_store(64 << 20);
     let keys: Vec<Vec<u8>> = (0..keys_n).map(|i| format!("many/{i}").into_bytes()).collect();
@@ -132,7 +131,15 @@ fn a_batch_large_enough_to_be_leased_and_checked_on_several_threads_keeps_each_k
         .map(|(i, b)| {
             b.chunks_mut(fragment)
                 .enumerate()
-                .map(|(f, c)| if bad.contains(&i) && f == 40 { Region::host_readonly(&readonly) } else { Region::host(c) })
+                .map(
+                    |(f, c)| {
+                        if bad.contains(&i) && f == 40 {
+                            Region::host_readonly(&readonly)
+                        } else {
+                            Region::host(c)
+                        }
+                    },
+                )
                 .collect()
         })
         .collect();

@@ -1,23 +1,19 @@
-//! Spreading one call's per-key and per-page host work over a few threads.
+//! Spreading one call's per-page host work over a few threads.
 //!
-//! Owns when a call's passes over its keys and pages (published leases, checking destination
-//! lists, planning pieces) are large enough to split, and how: contiguous chunks of about equal
-//! weight, one on the calling thread and the rest on scoped threads, results concatenated in
-//! order. A staged GPU read of 1536 keys and 147,456 pages spends milliseconds on these passes
-//! before its first scatter can start, while its bulk copies run into the staging buffer. It
-//! never keeps a thread past the call, never gives a thread less than its pass's minimum
-//! (`MIN_PAGES_PER_THREAD`, `MIN_LEASES_PER_THREAD`), and never changes a result: each chunk
-//! runs the same code the whole would.
+//! Owns when a call's per-page passes (checking destination lists, planning pieces) are large
+//! enough to split, and how: contiguous chunks of about equal page counts, one on the calling
+//! thread and the rest on scoped threads, results concatenated in order. A staged GPU read of
+//! 147,456 pages spends milliseconds on these passes before its first scatter can start, while
+//! its bulk copies run into the staging buffer; split four ways that drops below the copies.
+//! It never keeps a thread past the call, never splits a call under `MIN_PAGES_PER_THREAD`
+//! pages a thread, and never changes a result: each chunk runs the same code the whole would.
 
 use std::num::NonZeroUsize;
 use std::sync::OnceLock;
 
-/// Pages a thread must get before a split of checks or planning pays for starting it (a thread
-/// start costs about as much as checking and planning a few thousand pages).
+/// Pages a thread must get before a split pays for starting it (a thread start costs about as
+/// much as checking and planning a few thousand pages).
 pub(crate) const MIN_PAGES_PER_THREAD: usize = 16_384;
-
-/// Keys a thread must get before a split of published leases pays (a lease costs 0.1-0.3 us).
-pub(crate) const MIN_LEASES_PER_THREAD: usize = 512;
 
 /// At most this many threads work on one call, the caller's included.
 pub(crate) const MAX_THREADS: usize = 4;
@@ -28,10 +24,9 @@ fn threads() -> usize {
     *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get).clamp(1, MAX_THREADS))
 }
 
-/// Into how many chunks `weight` of work splits on `threads` threads, each given at least
-/// `min_per_thread`.
-fn chunks_for(weight: usize, min_per_thread: usize, threads: usize) -> usize {
-    (weight / min_per_thread.max(1)).clamp(1, threads.max(1))
+/// Into how many chunks `pages` pages of work split on `threads` threads.
+fn chunks_for(pages: usize, threads: usize) -> usize {
+    (pages / MIN_PAGES_PER_THREAD).clamp(1, threads.max(1))
 }
 
 /// Cuts `items` into `chunks` contiguous ranges of about equal weight (`pages` of each item).
@@ -51,20 +46,19 @@ fn cut<T>(items: &[T], pages: &impl Fn(&T) -> usize, total: usize, chunks: usize
 }
 
 /// `work(chunk, offset)` over contiguous chunks of `items` (offset: the chunk's first index),
-/// split over threads when their `weight` adds up to `min_per_thread` for more than one; the
-/// chunks' outputs concatenated in order, exactly what `work(items, 0)` would return.
+/// split over threads when their `pages` add up to enough; the chunks' outputs concatenated in
+/// order, exactly what `work(items, 0)` would return.
 pub(crate) fn map_chunks<T: Sync, R: Send>(
     items: &[T],
-    weight: impl Fn(&T) -> usize,
-    min_per_thread: usize,
+    pages: impl Fn(&T) -> usize,
     work: impl Fn(&[T], usize) -> Vec<R> + Sync,
 ) -> Vec<R> {
     let threads = threads();
     if threads < 2 || items.len() < 2 {
         return work(items, 0);
     }
-    let total: usize = items.iter().map(&weight).sum();
-    split(items, &weight, total, chunks_for(total, min_per_thread, threads), &work)
+    let total: usize = items.iter().map(&pages).sum();
+    split(items, &pages, total, chunks_for(total, threads), &work)
 }
 
 fn split<T: Sync, R: Send>(
@@ -131,11 +125,10 @@ mod tests {
         for chunks in [1, 2, 3, 4] {
             assert_eq!(split(&items, &|_| 1, items.len(), chunks, &work), whole, "{chunks} chunks");
         }
-        assert_eq!(map_chunks(&items, |_| 1, 1000, work), whole);
-        assert_eq!(chunks_for(1000, MIN_PAGES_PER_THREAD, 4), 1);
-        assert_eq!(chunks_for(3 * MIN_PAGES_PER_THREAD, MIN_PAGES_PER_THREAD, 4), 3);
-        assert_eq!(chunks_for(100 * MIN_PAGES_PER_THREAD, MIN_PAGES_PER_THREAD, 4), 4);
-        assert_eq!(chunks_for(100 * MIN_PAGES_PER_THREAD, MIN_PAGES_PER_THREAD, 1), 1);
-        assert_eq!(chunks_for(1536, MIN_LEASES_PER_THREAD, 4), 3);
+        assert_eq!(map_chunks(&items, |_| 1, work), whole);
+        assert_eq!(chunks_for(1000, 4), 1);
+        assert_eq!(chunks_for(3 * MIN_PAGES_PER_THREAD, 4), 3);
+        assert_eq!(chunks_for(100 * MIN_PAGES_PER_THREAD, 4), 4);
+        assert_eq!(chunks_for(100 * MIN_PAGES_PER_THREAD, 1), 1);
     }
 }

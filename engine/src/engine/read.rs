@@ -369,7 +369,6 @@ impl Engine {
         let planned = fanout::map_chunks(
             &jobs,
             |&(s, _)| lists[slots[s].list].len(),
-            fanout::MIN_PAGES_PER_THREAD,
             |chunk, _| chunk.iter().map(|&(s, len)| plan_pieces(len, lists[slots[s].list], slots[s].want)).collect(),
         );
         let mut by_slot: Vec<Option<Result<(Vec<Piece>, usize)>>> = (0..slots.len()).map(|_| None).collect();

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{fanout, Engine};
+use super::Engine;
 use crate::api::PutOptions;
 use crate::error::{Error, Result};
 use crate::shard::inbox::Inbox;
@@ -321,26 +321,52 @@ impl Engine {
     ) -> PendingLeases<'_> {
         // DRAM-resident objects are leased through the shards' published indexes; the rest
         // (on SSD, loading, being written, or a lookup that raced with the shard) by message.
-        // A large batch takes its published leases over a few threads.
         let keys: Vec<(usize, &[u8])> = keys.into_iter().collect();
-        let leased =
-            fanout::map_chunks(&keys, |_| 1, fanout::MIN_LEASES_PER_THREAD, |chunk, _| self.lease_published_run(chunk));
+        // Each key's shard and index hash, computed once for its prefetches and its lease.
+        let hashes: Vec<(usize, u64)> = keys.iter().map(|(_, key)| self.shard_and_index_hash(key)).collect();
         let mut fast = Vec::with_capacity(keys.len());
         let mut answered = by_index(keys.len());
-        let mut by_message = Vec::new();
-        for (&(index, key), leased) in keys.iter().zip(leased) {
-            match leased {
+        // Each key's home entry is fetched three strides ahead, its slot two, its key and value
+        // one, so a batch's cache misses overlap.
+        let steps = [(3, Prefetch::Entry), (2, Prefetch::Slot), (1, Prefetch::Bytes)];
+        let prefetchers: Vec<Prefetcher<'_>> = self.shards.iter().map(|s| s.published.prefetcher()).collect();
+        let prefetch = |(shard, hash): (usize, u64), what: Prefetch| prefetchers[shard].prefetch(hash, what);
+        // Prefetching pays where the batch's index lines are not cached (each lease then waits
+        // on a chain of misses) and only adds work where they are: the first `PROBE_KEYS` leases
+        // go without it and time themselves, and the rest prefetch when those were slow.
+        let probe_started = Instant::now();
+        let mut prefetching = false;
+        let by_message = keys.into_iter().enumerate().filter_map(|(k, (index, key))| {
+            if k == PROBE_KEYS && probe_started.elapsed() >= COLD_LEASE * PROBE_KEYS as u32 {
+                prefetching = true;
+                // The steps the keys just ahead would have had already.
+                for (ahead, what) in steps {
+                    for &hash in hashes.iter().skip(k).take(ahead * PREFETCH_STRIDE) {
+                        prefetch(hash, what);
+                    }
+                }
+            }
+            if prefetching {
+                for (ahead, what) in steps {
+                    if let Some(&hash) = hashes.get(k + ahead * PREFETCH_STRIDE) {
+                        prefetch(hash, what);
+                    }
+                }
+            }
+            match self.lease_published_at(key, hashes[k]) {
                 Some(Ok((grant, lease))) => {
                     fast.push(lease.into_raw());
                     answered.insert(index, Ok(grant));
+                    None
                 }
                 Some(Err(e)) => {
                     answered.insert(index, Err(e));
+                    None
                 }
-                None => by_message.push((index, key)),
+                None => Some((index, key)),
             }
-        }
-        let fanout = self.fan_out(by_message.into_iter().map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
+        });
+        let fanout = self.fan_out(by_message.map(|(i, k)| (i, k, ())), |items, reply| Request::LeaseRead {
             keys: items.into_iter().map(|(k, ())| k).collect(),
             ttl: None,
             early,
@@ -362,46 +388,6 @@ impl Engine {
     }
 
     /// `lease_published` of a key `shard_and_index_hash` placed at (shard, index hash).
-    /// Leases each of `keys` through its shard's published index, in order: the grant and its
-    /// lease, the key's error, or None where it must go by message. The index lines of keys a
-    /// few places ahead are prefetched when the first leases show them cold.
-    #[allow(clippy::type_complexity)]
-    fn lease_published_run(&self, keys: &[(usize, &[u8])]) -> Vec<Option<Result<(ReadGrant, PublishedLease<'_>)>>> {
-        // Each key's shard and index hash, computed once for its prefetches and its lease.
-        let hashes: Vec<(usize, u64)> = keys.iter().map(|(_, key)| self.shard_and_index_hash(key)).collect();
-        // Each key's home entry is fetched three strides ahead, its slot two, its key and value
-        // one, so a batch's cache misses overlap.
-        let steps = [(3, Prefetch::Entry), (2, Prefetch::Slot), (1, Prefetch::Bytes)];
-        let prefetchers: Vec<Prefetcher<'_>> = self.shards.iter().map(|s| s.published.prefetcher()).collect();
-        let prefetch = |(shard, hash): (usize, u64), what: Prefetch| prefetchers[shard].prefetch(hash, what);
-        // Prefetching pays where the batch's index lines are not cached (each lease then waits
-        // on a chain of misses) and only adds work where they are: the first `PROBE_KEYS` leases
-        // go without it and time themselves, and the rest prefetch when those were slow.
-        let probe_started = Instant::now();
-        let mut prefetching = false;
-        let mut out = Vec::with_capacity(keys.len());
-        for (k, &(_, key)) in keys.iter().enumerate() {
-            if k == PROBE_KEYS && probe_started.elapsed() >= COLD_LEASE * PROBE_KEYS as u32 {
-                prefetching = true;
-                // The steps the keys just ahead would have had already.
-                for (ahead, what) in steps {
-                    for &hash in hashes.iter().skip(k).take(ahead * PREFETCH_STRIDE) {
-                        prefetch(hash, what);
-                    }
-                }
-            }
-            if prefetching {
-                for (ahead, what) in steps {
-                    if let Some(&hash) = hashes.get(k + ahead * PREFETCH_STRIDE) {
-                        prefetch(hash, what);
-                    }
-                }
-            }
-            out.push(self.lease_published_at(key, hashes[k]));
-        }
-        out
-    }
-
     fn lease_published_at(
         &self,
         key: &[u8],

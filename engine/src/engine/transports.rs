@@ -85,19 +85,13 @@ impl Engine {
                 fanout::map_chunks(
                     lists,
                     |list| list.len(),
-                    fanout::MIN_PAGES_PER_THREAD,
                     |chunk, _| {
                         chunk.iter().map(|list| kvtide_transport::memcpy::check_host_list(list, writable)).collect()
                     },
                 )
             } else {
                 let transport = transports.get(route);
-                fanout::map_chunks(
-                    lists,
-                    |list| list.len(),
-                    fanout::MIN_PAGES_PER_THREAD,
-                    |chunk, _| transport.check(chunk, writable),
-                )
+                fanout::map_chunks(lists, |list| list.len(), |chunk, _| transport.check(chunk, writable))
             };
             for (error, checked) in out.iter_mut().zip(checked) {
                 *error = checked.map(Error::from);
