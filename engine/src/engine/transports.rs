@@ -2,9 +2,9 @@
 //!
 //! Owns the routing rule (a region list that names GPU memory goes to the GPU transport, which
 //! also copies its host pieces; anything else is CPU copies), the checks of region lists before
-//! anything is submitted (a large call's over a few threads, `fanout`), and the keep-awake count that makes shards poll while an asynchronous
-//! transfer holds their leases. It never moves bytes and never chooses staged or direct: the
-//! transports do.
+//! anything is submitted (a large call's over a few threads, `fanout`), and the keep-awake count
+//! that makes shards poll while an asynchronous transfer holds their leases. It never moves
+//! bytes and never chooses staged or direct: the transports do.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;

@@ -842,11 +842,7 @@ unsafe fn submit_staged(
     let mut run = StagedRun::start(device, policy, survey.rows, prestaged.is_some())?;
     let fills = match prestaged.as_mut() {
         Some(p) => std::mem::take(&mut p.fills),
-        None => {
-            let spans: Vec<(u64, Range<u64>)> =
-                transfers.iter().zip(&survey.spans).map(|(t, span)| (t.host, span.clone())).collect();
-            plan::split_fills(&policy, direction, &spans)
-        }
+        None => plan::split_fills(&policy, direction, &survey.host_spans(transfers)),
     };
     let mut inflight = InFlight::new(transfers.len());
     inflight.staging_of = Some(Arc::clone(device));
@@ -1096,8 +1092,7 @@ impl PartsSubmission {
             PathChoice::Staged { ordinal } => match self.take_staging(ordinal, survey.rows) {
                 Ok(()) => {
                     if let Some(run) = self.run.as_mut() {
-                        let spans: Vec<(u64, Range<u64>)> =
-                            transfers.iter().zip(&survey.spans).map(|(t, span)| (t.host, span.clone())).collect();
+                        let spans = survey.host_spans(transfers);
                         let fills = plan::split_fills_from(&self.policy, self.direction, &spans, &mut run.cursor);
                         // SAFETY: forwarded contract.
                         unsafe { run.enqueue(&mut self.inflight, base, self.direction, transfers, &fills, Vec::new()) };

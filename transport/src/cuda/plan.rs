@@ -96,6 +96,13 @@ pub fn qualify(policy: StagingPolicy, direction: Direction, transfers: &[Transfe
     survey(policy, direction, transfers).choice
 }
 
+impl Survey {
+    /// Each transfer's host address and span, what `split_fills` lays a staged request out by.
+    pub fn host_spans(&self, transfers: &[Transfer]) -> Vec<(u64, Range<u64>)> {
+        transfers.iter().zip(&self.spans).map(|(t, span)| (t.host, span.clone())).collect()
+    }
+}
+
 /// `qualify`, with the spans and the row bound a staged request is planned with.
 pub fn survey(policy: StagingPolicy, direction: Direction, transfers: &[Transfer]) -> Survey {
     let direct = |reason| Survey { choice: PathChoice::Direct(reason), spans: Vec::new(), rows: 0 };
