@@ -86,7 +86,8 @@ pub struct Survey {
     pub choice: PathChoice,
     /// Each transfer's host span (`Transfer::span`); empty unless staged.
     pub spans: Vec<Range<u64>>,
-    /// An upper bound of the request's table rows (`max_rows`); 0 unless staged.
+    /// An upper bound of the request's table rows (one per started `DESCRIPTOR_CHUNK_BYTES` of
+    /// each piece, before neighbours merge), to size tables; 0 unless staged.
     pub rows: usize,
 }
 
@@ -112,6 +113,8 @@ pub fn survey(policy: StagingPolicy, direction: Direction, transfers: &[Transfer
     let mut ordinal = None;
     let (mut pieces, mut objects, mut rows) = (0usize, 0usize, 0usize);
     let mut too_large = false;
+    // Only reads check their destinations for overlap.
+    let check_overlap = direction == Direction::HostToDevice;
     let mut bounds = Bounds::default();
     let mut spans = Vec::with_capacity(transfers.len());
     for transfer in transfers {
@@ -126,7 +129,9 @@ pub fn survey(policy: StagingPolicy, direction: Direction, transfers: &[Transfer
             low = low.min(piece.host_offset);
             high = high.max(piece.host_offset + piece.len);
             rows += piece.len.div_ceil(DESCRIPTOR_CHUNK_BYTES) as usize;
-            bounds.add(piece.addr, piece.len);
+            if check_overlap {
+                bounds.add(piece.addr, piece.len);
+            }
         }
         if transfer.pieces.is_empty() {
             spans.push(0..0);
@@ -141,7 +146,7 @@ pub fn survey(policy: StagingPolicy, direction: Direction, transfers: &[Transfer
     if too_large {
         return direct(Fallback::TooLarge);
     }
-    if direction == Direction::HostToDevice && overlapping_within(transfers, &bounds) {
+    if check_overlap && overlapping_within(transfers, &bounds) {
         return direct(Fallback::Overlap);
     }
     if pieces <= objects {
@@ -285,11 +290,6 @@ fn fill_capacity(buffer_bytes: u64, largest: u64) -> u64 {
     } else {
         buffer_bytes
     }
-}
-
-/// An upper bound of the descriptor rows of a request (before merging), to size tables.
-pub fn max_rows(transfers: &[Transfer]) -> usize {
-    transfers.iter().flat_map(|t| &t.pieces).map(|p| p.len.div_ceil(DESCRIPTOR_CHUNK_BYTES) as usize).sum()
 }
 
 /// The capacity of the next fill once `placed` of the request's `total` bytes were placed.
@@ -608,6 +608,21 @@ mod tests {
 
     const GPU0: MemoryKind = MemoryKind::Device { ordinal: 0 };
 
+    /// The row bound `survey` gives, computed on its own.
+    fn max_rows(transfers: &[Transfer]) -> usize {
+        transfers.iter().flat_map(|t| &t.pieces).map(|p| p.len.div_ceil(DESCRIPTOR_CHUNK_BYTES) as usize).sum()
+    }
+
+    /// A seeded xorshift: `next(m)` is a pseudo-random number below `m`.
+    fn xorshift(mut state: u64) -> impl FnMut(u64) -> u64 {
+        move |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        }
+    }
+
     /// An object of `pages * page` bytes at `host`, scattered to `dst(i)`.
     fn object(host: u64, page: u64, pages: u64, dst: impl Fn(u64) -> u64) -> Transfer {
         Transfer {
@@ -845,13 +860,7 @@ mod tests {
 
     #[test]
     fn overlap_detection_matches_a_sort() {
-        let mut state = 12345u64;
-        let mut next = move |m: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % m
-        };
+        let mut next = xorshift(12345);
         for round in 0..400 {
             let n = 1 + next(40);
             let pieces: Vec<Piece> = (0..n)
@@ -876,16 +885,34 @@ mod tests {
 
     #[test]
     fn the_survey_agrees_with_the_passes_it_replaces() {
-        let policy = StagingPolicy { enabled: true, buffer_bytes: 1 << 20, tail_fill_bytes: 0 };
-        let mut state = 99u64;
-        let mut next = move |m: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % m
+        // Objects of up to 4 x 70,000 bytes: some do not fit the buffer.
+        let policy = StagingPolicy { enabled: true, buffer_bytes: 256 << 10, tail_fill_bytes: 0 };
+        // The qualification rules, each checked on its own pass.
+        let expected_choice = |direction: Direction, transfers: &[Transfer]| -> PathChoice {
+            let mut ordinal = None;
+            for p in transfers.iter().flat_map(|t| &t.pieces) {
+                match p.kind {
+                    MemoryKind::Device { ordinal: o } if *ordinal.get_or_insert(o) == o => {}
+                    MemoryKind::Device { .. } => return PathChoice::Direct(Fallback::SeveralDevices),
+                    MemoryKind::Host | MemoryKind::Pinned => return PathChoice::Direct(Fallback::NotDevice),
+                }
+            }
+            let Some(ordinal) = ordinal else { return PathChoice::Direct(Fallback::Empty) };
+            if transfers.iter().any(|t| t.span().end - t.span().start > policy.buffer_bytes) {
+                return PathChoice::Direct(Fallback::TooLarge);
+            }
+            if direction == Direction::HostToDevice && overlapping(transfers) {
+                return PathChoice::Direct(Fallback::Overlap);
+            }
+            let objects = transfers.iter().filter(|t| !t.pieces.is_empty()).count();
+            if transfers.iter().map(|t| t.pieces.len()).sum::<usize>() <= objects {
+                return PathChoice::Direct(Fallback::NotFragmented);
+            }
+            PathChoice::Staged { ordinal }
         };
-        let mut staged = 0;
-        for round in 0..300 {
+        let mut next = xorshift(99);
+        let mut seen: Vec<PathChoice> = Vec::new();
+        for round in 0..600 {
             let transfers: Vec<Transfer> = (0..1 + next(6))
                 .map(|o| {
                     let pages = next(5); // an empty transfer now and then
@@ -895,24 +922,36 @@ mod tests {
                     if round % 7 == 0 && pages > 0 {
                         t.pieces[0].kind = MemoryKind::Host;
                     }
+                    if round % 11 == 0 && pages > 1 {
+                        t.pieces[1].kind = MemoryKind::Device { ordinal: 1 };
+                    }
                     t
                 })
                 .collect();
             for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
                 let survey = survey(policy, direction, &transfers);
-                assert_eq!(survey.choice, qualify(policy, direction, &transfers), "round {round}");
+                assert_eq!(survey.choice, expected_choice(direction, &transfers), "round {round} {direction:?}");
+                if !seen.contains(&survey.choice) {
+                    seen.push(survey.choice);
+                }
                 if let PathChoice::Staged { .. } = survey.choice {
-                    staged += 1;
                     let spans: Vec<Range<u64>> = transfers.iter().map(Transfer::span).collect();
                     assert_eq!(survey.spans, spans, "round {round}");
                     assert_eq!(survey.rows, max_rows(&transfers), "round {round}");
-                    if direction == Direction::HostToDevice {
-                        assert!(!overlapping(&transfers));
-                    }
                 }
             }
         }
-        assert!((100..600).contains(&staged), "{staged} of 600 staged: both paths must be seen");
+        // Every rule decided some request.
+        for choice in [
+            PathChoice::Staged { ordinal: 0 },
+            PathChoice::Direct(Fallback::NotDevice),
+            PathChoice::Direct(Fallback::SeveralDevices),
+            PathChoice::Direct(Fallback::TooLarge),
+            PathChoice::Direct(Fallback::Overlap),
+            PathChoice::Direct(Fallback::NotFragmented),
+        ] {
+            assert!(seen.contains(&choice), "{choice:?} never seen: {seen:?}");
+        }
     }
 
     #[test]
