@@ -13,10 +13,10 @@ use std::sync::OnceLock;
 
 /// Pages a thread must get before a split pays for starting it (a thread start costs about as
 /// much as checking and planning a few thousand pages).
-pub(crate) const MIN_PAGES_PER_THREAD: usize = 16_384;
+const MIN_PAGES_PER_THREAD: usize = 16_384;
 
 /// At most this many threads work on one call, the caller's included.
-pub(crate) const MAX_THREADS: usize = 4;
+const MAX_THREADS: usize = 4;
 
 /// Threads one call may use: the machine's cores, at most `MAX_THREADS`.
 fn threads() -> usize {
