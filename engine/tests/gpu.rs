@@ -178,13 +178,13 @@ mod cuda {
         read_scattered(&store(true, 4 << 20), true);
     }
 
-    /// A staged read of 300 keys through a staging buffer it wraps around several times (its
-    /// early start queues the fills up to the first reused region): byte-exact, keys missing
-    /// near the start and the end fail alone and leave their pages untouched, every lease goes
-    /// back.
+    /// A staged read of enough keys to be leased in parts (its first copies start after the
+    /// first part's leases, later parts join them), through a staging buffer it wraps around
+    /// several times: byte-exact, keys missing from the first and the last part fail alone and
+    /// leave their pages untouched, every lease goes back.
     #[test]
     #[ignore = "needs a CUDA device"]
-    fn a_staged_read_of_many_keys_is_byte_exact_through_a_reused_buffer() {
+    fn a_staged_read_leased_in_parts_is_byte_exact_through_a_reused_buffer() {
         let store = store_with_tail(true, 2 << 20, 256 << 10);
         let device = gpu();
         let pool_bytes = 16 << 20;

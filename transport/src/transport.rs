@@ -42,14 +42,27 @@ pub trait Transport: Send + Sync {
 
     /// Starts moving the bytes of `objects` ((host address, length), in the order the later
     /// `submit` will name them) towards memory of `target`, before the destinations are
-    /// checked. Touches no destination. None when the transport has no early start.
+    /// checked. Touches no destination. `total_bytes`: the whole request's bytes, when more
+    /// objects will follow through `extend_early` (an estimate is enough; 0: these are all).
+    /// None when the transport has no early start.
     ///
     /// # Safety
     /// The objects' host bytes must stay valid and unchanged until the returned value was
     /// passed to `submit` (and that submission completed) or dropped.
-    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind) -> Option<EarlyStart> {
-        let _ = (objects, target);
+    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind, total_bytes: u64) -> Option<EarlyStart> {
+        let _ = (objects, target, total_bytes);
         None
+    }
+
+    /// Adds `objects` to `early`: the later `submit` names them right after the objects it has
+    /// already. False when the transport could not; `early` then matches no submission, which
+    /// discards it.
+    ///
+    /// # Safety
+    /// As `start_early`, for the added objects.
+    unsafe fn extend_early(&self, early: &mut EarlyStart, objects: &[(u64, u64)]) -> bool {
+        let _ = (early, objects);
+        false
     }
 
     /// Submits `transfers`; their results come back through the returned `InFlight`, one per
@@ -194,6 +207,11 @@ impl EarlyStart {
     /// The transport's state back (None: it was another transport's).
     pub fn take<T: Any>(self) -> Option<Box<T>> {
         self.0.downcast().ok()
+    }
+
+    /// The transport's state, in place (None: it is another transport's).
+    pub fn get_mut<T: Any>(&mut self) -> Option<&mut T> {
+        self.0.downcast_mut()
     }
 }
 
@@ -372,9 +390,14 @@ impl<T: Transport> Transport for Throttled<T> {
         self.inner.check(lists, writable)
     }
 
-    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind) -> Option<EarlyStart> {
+    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind, total_bytes: u64) -> Option<EarlyStart> {
         // SAFETY: forwarded contract.
-        unsafe { self.inner.start_early(objects, target) }
+        unsafe { self.inner.start_early(objects, target, total_bytes) }
+    }
+
+    unsafe fn extend_early(&self, early: &mut EarlyStart, objects: &[(u64, u64)]) -> bool {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.extend_early(early, objects) }
     }
 
     unsafe fn submit(

@@ -4,8 +4,8 @@
 //! Owns the part sizes: a small first part so the copies start early, later parts as large as
 //! everything before them so each one's host work (reservations, checks, planning) hides behind
 //! the copies of the parts before it. It never looks at keys or memory, only at byte counts.
-//! (Reads keep one submission: their early start already queues the first copies as soon as
-//! the leases are in, and cutting them into parts measured no faster.)
+//! (Reads keep one submission: they lease in parts and their early start queues the first
+//! copies after the first part's leases; submitting them in parts measured no faster.)
 
 /// The first part carries at least this share of a request's bytes (as a divisor).
 const FIRST_PART_SHARE: u64 = 32;

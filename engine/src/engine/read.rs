@@ -4,10 +4,12 @@
 //! object into the start of a buffer, or a byte range of it), the planning of those wants into
 //! transfers (sizes checked, pieces laid out, GPU transfers in arena order), their delivery
 //! through the transports of their routes (host slots of the store's own memcpy are copied as
-//! they are planned), and the rounds that let a batch larger than DRAM through. Every
-//! blocking read, the restore pipeline's sub-batches and the async tickets plan with the same
-//! function. It never reports a slot as done before every one of its bytes arrived, and never
-//! releases a lease before the transfers that read it completed.
+//! they are planned), the leasing in parts of a read whose first bytes move before its
+//! destinations are checked (the early start begins after the first part), and the rounds that
+//! let a batch larger than DRAM through. Every blocking read, the restore pipeline's
+//! sub-batches and the async tickets plan with the same function. It never reports a slot as
+//! done before every one of its bytes arrived, and never releases a lease before the transfers
+//! that read it completed.
 //!
 //! `get_into_ranges` semantics, the same for host and GPU buffers: each fragment is checked on
 //! its own (a bad range fails that fragment only); the fragments of one key into buffers of one
@@ -21,8 +23,9 @@ use kvtide_transport::{Direction, EarlyStart, MemoryKind, Piece, Region, Transfe
 use xxhash_rust::xxh3::Xxh3Builder;
 
 use super::gpu::Timing;
+use super::router::{by_index, ByIndex};
 use super::transports::{KeepAwake, Route, Transports};
-use super::{fanout, Engine};
+use super::{fanout, Engine, LeaseSet};
 use crate::checks::total_len;
 use crate::error::{Error, Result};
 use crate::shard::ReadGrant;
@@ -162,13 +165,22 @@ struct Planned {
 }
 
 impl Planned {
-    /// Puts the transfers in arena order, their owners following.
-    fn sort_by_host(&mut self) {
-        if self.transfers.is_sorted_by_key(|t| t.host) {
+    /// Puts the transfers in arena order within each leasing part (`part_of_slot`, the part of
+    /// each slot; empty: one part), their owners following.
+    fn sort_for_staging(&mut self, part_of_slot: &[u32]) {
+        let mut part_of = vec![0u32; self.transfers.len()];
+        if !part_of_slot.is_empty() {
+            for &(t, s, _) in &self.owners {
+                part_of[t] = part_of_slot.get(s).copied().unwrap_or(0);
+            }
+        }
+        let transfers = &self.transfers;
+        let key = |t: usize| (part_of[t], transfers[t].host);
+        if (1..transfers.len()).all(|t| key(t - 1) <= key(t)) {
             return;
         }
-        let mut order: Vec<usize> = (0..self.transfers.len()).collect();
-        order.sort_unstable_by_key(|&t| self.transfers[t].host);
+        let mut order: Vec<usize> = (0..transfers.len()).collect();
+        order.sort_unstable_by_key(|&t| key(t));
         let mut rank = vec![0; order.len()];
         let mut unsorted: Vec<Option<Transfer>> = self.transfers.drain(..).map(Some).collect();
         for (r, &t) in order.iter().enumerate() {
@@ -179,6 +191,70 @@ impl Planned {
             owner.0 = rank[owner.0];
         }
     }
+}
+
+/// Keys a read leased in parts leases before its first copies start; each later part is
+/// `LEASE_PART_GROWTH` times the one before, so it is leased while the parts before it copy.
+const FIRST_LEASE_PART_KEYS: usize = 32;
+const LEASE_PART_GROWTH: usize = 4;
+
+/// Where the parts of a round of `keys` leases end: one part below two first parts' worth.
+fn lease_part_ends(keys: usize) -> Vec<usize> {
+    if keys < 2 * FIRST_LEASE_PART_KEYS {
+        return vec![keys];
+    }
+    let mut ends = Vec::new();
+    let (mut end, mut size) = (0usize, FIRST_LEASE_PART_KEYS);
+    while end < keys {
+        end = end.saturating_add(size).min(keys);
+        ends.push(end);
+        size = size.saturating_mul(LEASE_PART_GROWTH);
+    }
+    ends
+}
+
+/// The GPU memory a read may start moving bytes towards before its destinations are checked:
+/// every GPU slot wants a whole object, they all name one GPU, and their destinations are
+/// fragmented (the reads a staging transport stages). None otherwise.
+fn early_target(targets: &ReadTargets<'_, '_>, slots: &[Slot<'_>]) -> Option<MemoryKind> {
+    let mut target: Option<MemoryKind> = None;
+    let (mut objects, mut pieces) = (0usize, 0usize);
+    for slot in slots {
+        if targets.routes[slot.list] != Route::Gpu {
+            continue;
+        }
+        if slot.want != Want::Whole {
+            return None;
+        }
+        let regions = targets.lists[slot.list];
+        let kind = regions.first()?.kind();
+        if *target.get_or_insert(kind) != kind {
+            return None;
+        }
+        objects += 1;
+        pieces += regions.len();
+    }
+    target.filter(|_| pieces > objects)
+}
+
+/// What `Engine::lease_early` needs of a read: its destinations and slots, its keys and the
+/// slot of each (one per key: reads that start early share no leases), and the GPU it reads to.
+struct PartedRead<'p, 'a, 'r, 'k> {
+    targets: &'p ReadTargets<'a, 'r>,
+    slots: &'p [Slot<'k>],
+    keys: &'p [&'k [u8]],
+    slot_of_key: &'p [usize],
+    target: MemoryKind,
+}
+
+/// One round's leases: the grants by key index, the leases that hold them, the early start of
+/// a read leased in parts, and when the (first part's) leases were sent and granted.
+struct LeaseRound<'e> {
+    grants: ByIndex<Result<ReadGrant>>,
+    leases: Vec<LeaseSet<'e>>,
+    early: Option<EarlyStart>,
+    sent_at: Option<Instant>,
+    granted_at: Option<Instant>,
 }
 
 impl Engine {
@@ -221,6 +297,8 @@ impl Engine {
             HashMap::with_capacity_and_hasher(if share { slots.len() } else { 0 }, Xxh3Builder::new());
         let mut keys: Vec<&[u8]> = Vec::with_capacity(slots.len());
         let mut key_of_slot: Vec<usize> = vec![usize::MAX; slots.len()];
+        // Without sharing, each key has one slot.
+        let mut slot_of_key: Vec<usize> = Vec::with_capacity(if share { 0 } else { slots.len() });
         for (s, slot) in slots.iter().enumerate() {
             if let Err(e) = self.validate_key(slot.key) {
                 results[s] = Err(e);
@@ -233,16 +311,30 @@ impl Engine {
                 })
             } else {
                 keys.push(slot.key);
+                slot_of_key.push(s);
                 keys.len() - 1
             };
         }
+        // A read whose first bytes may start moving before its destinations are checked leases
+        // its first round in parts, each added to the early start as it is granted.
+        let early_target = if share { None } else { early_target(targets, slots) };
+        let mut part_of_slot: Vec<u32> = Vec::new();
         let mut remaining: Vec<usize> = (0..keys.len()).collect();
         let mut first_round = true;
         while !remaining.is_empty() {
-            let pending_leases = self.send_leases(remaining.iter().map(|&k| (k, keys[k])));
-            let sent_at = now();
-            let (grants, leases) = pending_leases.wait();
-            let granted_at = now();
+            let round = match early_target.filter(|_| first_round) {
+                Some(target) => {
+                    let parted = PartedRead { targets, slots, keys: &keys, slot_of_key: &slot_of_key, target };
+                    self.lease_early(&parted, &remaining, &mut part_of_slot, gpu)
+                }
+                None => {
+                    let pending_leases = self.send_leases(remaining.iter().map(|&k| (k, keys[k])));
+                    let sent_at = now();
+                    let (grants, leases) = pending_leases.wait();
+                    LeaseRound { grants, leases: vec![leases], early: None, sent_at, granted_at: now() }
+                }
+            };
+            let LeaseRound { grants, leases, early, sent_at, granted_at } = round;
             let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; slots.len()];
             let mut in_round = vec![false; keys.len()];
             let mut retry = Vec::new();
@@ -262,8 +354,6 @@ impl Engine {
                     None => results[s] = Err(Error::Internal("key was not leased")),
                 }
             }
-            // The first bytes may start moving before the destinations are checked.
-            let early = if first_round { self.start_early(targets, slots, &grant_of) } else { None };
             let mut timing = match (started, sent_at, granted_at, now()) {
                 (Some(started), Some(sent_at), Some(granted_at), Some(early_at)) => Some(Timing {
                     started,
@@ -275,7 +365,8 @@ impl Engine {
                 }),
                 _ => None,
             };
-            let delivered = self.deliver(targets, slots, &grant_of, early, &mut results, timing.as_mut());
+            let order = if early.is_some() { part_of_slot.as_slice() } else { &[] };
+            let delivered = self.deliver(targets, slots, &grant_of, (early, order), &mut results, timing.as_mut());
             drop(leases);
             if let Some(timing) = timing.filter(|_| delivered > 0 && first_round) {
                 self.gpu.counters().record_timing(&timing);
@@ -299,42 +390,80 @@ impl Engine {
         results
     }
 
-    /// Starts moving granted whole objects towards GPU memory before the destinations are
-    /// checked, when every GPU slot wants a whole object, they all name one GPU, and their
-    /// destinations are fragmented (the reads a staging transport stages).
-    fn start_early(
-        &self,
-        targets: &ReadTargets<'_, '_>,
-        slots: &[Slot<'_>],
-        grant_of: &[Option<&Result<ReadGrant>>],
-    ) -> Option<EarlyStart> {
-        let mut target: Option<MemoryKind> = None;
+    /// Leases the keys `remaining` names in parts (`lease_part_ends`) and starts moving the
+    /// first part's objects towards the GPU before the next part is leased; each later part is
+    /// added to that early start, its objects after the earlier parts' (each part's in arena
+    /// order). `part_of_slot` gets each slot's part, the order `deliver` then submits in. The
+    /// rest goes in one part once there is no early start (refused, or nothing of the first
+    /// part for the GPU) or once a part needed messages to its shards (each part would be a
+    /// round trip).
+    fn lease_early<'e>(
+        &'e self,
+        read: &PartedRead<'_, '_, '_, '_>,
+        remaining: &[usize],
+        part_of_slot: &mut Vec<u32>,
+        clock: bool,
+    ) -> LeaseRound<'e> {
+        let now = || clock.then(Instant::now);
+        let transport = read.targets.transports.get(Route::Gpu);
+        let mut round = LeaseRound {
+            grants: by_index(remaining.len()),
+            leases: Vec::new(),
+            early: None,
+            sent_at: None,
+            granted_at: None,
+        };
+        part_of_slot.clear();
+        part_of_slot.resize(read.slots.len(), 0);
         let mut objects: Vec<(u64, u64)> = Vec::new();
-        let mut pieces = 0usize;
-        for (s, slot) in slots.iter().enumerate() {
-            if targets.routes[slot.list] != Route::Gpu {
-                continue;
+        let mut from = 0;
+        let mut by_message = false;
+        for (part, end) in lease_part_ends(remaining.len()).into_iter().enumerate() {
+            let end = if part > 0 && (round.early.is_none() || by_message) { remaining.len() } else { end };
+            if end <= from {
+                break;
             }
-            if slot.want != Want::Whole {
-                return None;
+            let pending = self.send_leases(remaining[from..end].iter().map(|&k| (k, read.keys[k])));
+            by_message |= pending.by_message();
+            if part == 0 {
+                round.sent_at = now();
             }
-            let Some(Ok(grant)) = grant_of[s] else { continue };
-            let regions = targets.lists[slot.list];
-            let kind = regions.first()?.kind();
-            if *target.get_or_insert(kind) != kind {
-                return None;
+            let (grants, leases) = pending.wait();
+            round.leases.push(leases);
+            objects.clear();
+            for (k, grant) in grants {
+                let s = read.slot_of_key[k];
+                part_of_slot[s] = part as u32;
+                if let (Route::Gpu, Ok(grant)) = (read.targets.routes[read.slots[s].list], &grant) {
+                    objects.push((grant.ptr.as_ptr() as u64, grant.len));
+                }
+                round.grants.insert(k, grant);
             }
-            objects.push((grant.ptr.as_ptr() as u64, grant.len));
-            pieces += regions.len();
+            objects.sort_unstable();
+            if part == 0 {
+                round.granted_at = now();
+                if !objects.is_empty() {
+                    // The fills are shaped for the whole read: its bytes, estimated from the
+                    // first part's.
+                    let first: u64 = objects.iter().map(|&(_, len)| len).sum();
+                    let total = u128::from(first) * remaining.len() as u128 / end as u128;
+                    let total = u64::try_from(total).unwrap_or(u64::MAX);
+                    // SAFETY: the objects stay leased (`round.leases`) until `deliver` returned,
+                    // which is after the early start was continued and completed, or dropped
+                    // (which waits for its copies). An early start writes only the transport's
+                    // own staging memory, never a destination.
+                    round.early = unsafe { transport.start_early(&objects, read.target, total) };
+                }
+            } else if let Some(early) = round.early.as_mut() {
+                // SAFETY: as for the first part; these objects are leased by `round.leases` too.
+                if !objects.is_empty() && !unsafe { transport.extend_early(early, &objects) } {
+                    // It matches no submission any more: discarded now (its copies waited for).
+                    round.early = None;
+                }
+            }
+            from = end;
         }
-        if objects.is_empty() || pieces <= objects.len() {
-            return None;
-        }
-        objects.sort_unstable();
-        // SAFETY: the objects stay leased until `deliver` returned, which is after the early
-        // start was continued and completed, or dropped (which waits for its copies). An early
-        // start writes only the transport's own staging memory, never a destination.
-        unsafe { targets.transports.get(Route::Gpu).start_early(&objects, target?) }
+        round
     }
 
     /// The pieces of every GPU slot that is planned on its own (granted, its destination
@@ -386,7 +515,7 @@ impl Engine {
         targets: &mut ReadTargets<'_, '_>,
         slots: &[Slot<'_>],
         grant_of: &[Option<&Result<ReadGrant>>],
-        mut early: Option<EarlyStart>,
+        (mut early, part_of_slot): (Option<EarlyStart>, &[u32]),
         results: &mut [Result<usize>],
         timing: Option<&mut Timing>,
     ) -> usize {
@@ -453,9 +582,10 @@ impl Engine {
                 }
             }
         }
-        // Arena order for GPU memory: a staging transport's fills then hold neighbours and its
+        // Arena order for GPU memory, by leasing part when the read was leased in parts (the
+        // order its early start has): a staging transport's fills then hold neighbours and its
         // copies merge. Host copies go in any order.
-        planned[Route::Gpu as usize].sort_by_host();
+        planned[Route::Gpu as usize].sort_for_staging(part_of_slot);
         let clock = timing.is_some();
         let planned_at = clock.then(Instant::now);
         // Submit every route first (the GPU works while the CPU copies), then wait.
@@ -501,5 +631,152 @@ impl Engine {
             }
         }
         delivered
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use kvtide_transport::{InFlight, Summary, Transport, TransportError};
+
+    use super::*;
+    use crate::api::{PutOptions, Store};
+    use crate::config::StoreBuilder;
+
+    #[test]
+    fn reads_lease_in_growing_parts_only_when_there_are_enough_keys() {
+        assert_eq!(lease_part_ends(0), vec![0]);
+        assert_eq!(lease_part_ends(1), vec![1]);
+        assert_eq!(lease_part_ends(63), vec![63]);
+        assert_eq!(lease_part_ends(64), vec![32, 64]);
+        assert_eq!(lease_part_ends(200), vec![32, 160, 200]);
+        assert_eq!(lease_part_ends(1536), vec![32, 160, 672, 1536]);
+        let ends = lease_part_ends(1_000_000);
+        assert_eq!(ends.last(), Some(&1_000_000));
+        assert!(ends.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    /// The objects an early start was given, part by part.
+    struct EarlyLog(Vec<(u64, u64)>);
+
+    /// A GPU transport for host memory labelled as a GPU's: it keeps its early starts as a log,
+    /// counts how a submission relates to its early start, and copies on the CPU.
+    #[derive(Default)]
+    struct Recording {
+        /// The objects of each `start_early` or `extend_early` call.
+        parts: Mutex<Vec<Vec<(u64, u64)>>>,
+        /// Submissions whose transfers were their early start's objects, in order; and those
+        /// that came with an early start they did not match.
+        matched: Mutex<(usize, usize)>,
+    }
+
+    impl Transport for Recording {
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+
+        fn completes_inline(&self) -> bool {
+            true
+        }
+
+        fn check(&self, lists: &[&[Region<'_>]], _writable: bool) -> Vec<Option<TransportError>> {
+            vec![None; lists.len()]
+        }
+
+        unsafe fn start_early(&self, objects: &[(u64, u64)], _: MemoryKind, total_bytes: u64) -> Option<EarlyStart> {
+            assert!(total_bytes >= objects.iter().map(|o| o.1).sum::<u64>());
+            self.parts.lock().expect("parts").push(objects.to_vec());
+            Some(EarlyStart::new(Box::new(EarlyLog(objects.to_vec()))))
+        }
+
+        unsafe fn extend_early(&self, early: &mut EarlyStart, objects: &[(u64, u64)]) -> bool {
+            self.parts.lock().expect("parts").push(objects.to_vec());
+            early.get_mut::<EarlyLog>().expect("our early start").0.extend_from_slice(objects);
+            true
+        }
+
+        unsafe fn submit(
+            &self,
+            _: Direction,
+            transfers: &[Transfer],
+            early: Option<EarlyStart>,
+        ) -> std::result::Result<InFlight, TransportError> {
+            if let Some(log) = early.and_then(EarlyStart::take::<EarlyLog>) {
+                let named: Vec<(u64, u64)> = transfers.iter().map(|t| (t.host, t.span().end)).collect();
+                let mut matched = self.matched.lock().expect("matched");
+                if named == log.0 {
+                    matched.0 += 1;
+                } else {
+                    matched.1 += 1;
+                }
+            }
+            for transfer in transfers {
+                for piece in &transfer.pieces {
+                    // SAFETY: the "GPU" pages are the test's host buffers; the object is leased.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (transfer.host + piece.host_offset) as *const u8,
+                            piece.addr as *mut u8,
+                            piece.len as usize,
+                        )
+                    };
+                }
+            }
+            Ok(InFlight::completed(vec![Ok(()); transfers.len()], Summary::default()))
+        }
+    }
+
+    /// A staged GPU read of 200 keys leases them in three parts, starts early with the first and
+    /// adds the others, and submits its transfers in the early start's order; the bytes land in
+    /// their pages, missing keys fail alone, and every lease goes back.
+    #[test]
+    fn a_read_leased_in_parts_submits_in_its_early_starts_order() {
+        let store = StoreBuilder::new().dram_bytes(64 << 20).shards(2).pin_threads(false).open().expect("open store");
+        const KEYS: usize = 200;
+        const PAGE: usize = 2048;
+        let names: Vec<Vec<u8>> = (0..KEYS).map(|i| format!("parted-{i}").into_bytes()).collect();
+        let value = |i: usize| -> Vec<u8> { (0..2 * PAGE).map(|b| (i * 7 + b * 13) as u8).collect() };
+        // Missing: one key of the first part and one of the last.
+        let missing = [5, 190];
+        for (i, name) in names.iter().enumerate().filter(|(i, _)| !missing.contains(i)) {
+            store.put(name, &value(i), PutOptions::default()).expect("put");
+        }
+        // Two pages per object, the pages of all objects interleaved backwards over one pool.
+        let mut pool = vec![0u8; KEYS * 2 * PAGE];
+        let base = pool.as_mut_ptr() as u64;
+        let page = |i: usize, half: usize| base + (((KEYS - 1 - i) * 2 + (1 - half)) * PAGE) as u64;
+        let gpu = MemoryKind::Device { ordinal: 0 };
+        let lists: Vec<Vec<Region<'static>>> = (0..KEYS)
+            // SAFETY: each page lies inside `pool`, which outlives the read.
+            .map(|i| (0..2).map(|h| unsafe { Region::from_raw(page(i, h), PAGE, gpu) }).collect())
+            .collect();
+        let list_refs: Vec<&[Region<'_>]> = lists.iter().map(Vec::as_slice).collect();
+        let slots: Vec<Slot<'_>> =
+            names.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        let recording = Arc::new(Recording::default());
+        let routes = vec![Route::Gpu; KEYS];
+        let transports = store.transports_via(&routes, None, Some(Arc::clone(&recording) as Arc<dyn Transport>));
+        let mut targets = ReadTargets { lists: &list_refs, routes, transports, checks: None };
+        let results = store.read(&mut targets, &slots);
+        drop(targets);
+        for (i, result) in results.iter().enumerate() {
+            if missing.contains(&i) {
+                assert!(matches!(result, Err(Error::NotFound)), "key {i}: {result:?}");
+                continue;
+            }
+            assert_eq!(result.as_ref().ok(), Some(&(2 * PAGE)), "key {i}");
+            let want = value(i);
+            for h in 0..2 {
+                let at = (page(i, h) - base) as usize;
+                assert_eq!(&pool[at..at + PAGE], &want[h * PAGE..(h + 1) * PAGE], "key {i} page {h}");
+            }
+        }
+        let parts = recording.parts.lock().expect("parts").clone();
+        assert_eq!(parts.iter().map(Vec::len).collect::<Vec<_>>(), vec![31, 128, 39]);
+        assert!(parts.iter().all(|part| part.is_sorted()));
+        assert_eq!(*recording.matched.lock().expect("matched"), (1, 0));
+        store.sync_shards().expect("sync");
+        assert!(store.stats().held_resources().is_zero());
     }
 }

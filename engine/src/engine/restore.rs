@@ -494,7 +494,7 @@ impl Engine {
                 }
             }
             // One submission per route, waited for before the release.
-            self.deliver(&mut targets, &slots, &grant_of, None, &mut report.results, None);
+            self.deliver(&mut targets, &slots, &grant_of, (None, &[]), &mut report.results, None);
             let transfer_ended = Instant::now();
             sub.trace.transfer_end_us = us(transfer_ended);
             last_transfer = Some(transfer_ended - transfer_started);

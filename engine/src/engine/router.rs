@@ -547,6 +547,12 @@ impl<'e> PendingLeases<'e> {
         self.fanout.answered()
     }
 
+    /// True when some keys went to their shards by message (not readable through the
+    /// published indexes): `wait` is a round trip.
+    pub(crate) fn by_message(&self) -> bool {
+        !self.fanout.parts.is_empty()
+    }
+
     /// Waits for every shard's grants. The returned set releases them when dropped.
     pub(crate) fn wait(mut self) -> (ByIndex<Result<ReadGrant>>, LeaseSet<'e>) {
         let fanout = std::mem::replace(&mut self.fanout, Fanout { parts: Vec::new() });

@@ -87,12 +87,18 @@ impl Transport for CudaCopier {
         out
     }
 
-    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind) -> Option<EarlyStart> {
+    unsafe fn start_early(&self, objects: &[(u64, u64)], target: MemoryKind, total_bytes: u64) -> Option<EarlyStart> {
         let MemoryKind::Device { ordinal } = target else { return None };
         // SAFETY: forwarded contract: the objects stay valid until the prestage is continued
         // and completed, or dropped.
-        let prestaged = unsafe { device::prestage(&self.transport, ordinal, objects, self.policy) }?;
+        let prestaged = unsafe { device::prestage(&self.transport, ordinal, objects, self.policy, total_bytes) }?;
         Some(EarlyStart::new(Box::new(prestaged)))
+    }
+
+    unsafe fn extend_early(&self, early: &mut EarlyStart, objects: &[(u64, u64)]) -> bool {
+        let Some(prestaged) = early.get_mut::<Prestaged>() else { return false };
+        // SAFETY: forwarded contract, for the added objects.
+        unsafe { prestaged.extend(objects) }
     }
 
     unsafe fn submit(

@@ -424,17 +424,28 @@ pub unsafe fn copy_host_pieces(transfer: &Transfer, direction: Direction) {
 /// while the caller still checks the destinations and plans: they touch only the engine's
 /// private staging buffer, never a destination, so a request that then does not qualify simply
 /// discards them (dropping this waits for the copies' events, then frees the buffer) and takes
-/// the direct path with nothing submitted to its destinations. Holds the staging buffer (its
-/// busy flag) until dropped or continued by `submit_with`.
+/// the direct path with nothing submitted to its destinations. A caller that leases its objects
+/// in parts adds each part as it is leased (`extend`), so the first copies start after the first
+/// part's leases rather than all of them. Holds the staging buffer (its busy flag) until dropped
+/// or continued by `submit_with`.
 pub struct Prestaged {
     device: Arc<CudaDevice>,
+    policy: StagingPolicy,
+    buffer: sys::CUdeviceptr,
     /// (host address, length) of each object, in the order the transfers will have.
     objects: Vec<(u64, u64)>,
     /// The fills of the request (taken by the submission that continues this prestage).
     fills: Vec<plan::Fill>,
+    /// Where the fills stand after the objects laid out so far.
+    cursor: plan::FillCursor,
     /// One event per prestaged fill (the first `copied.len()` fills), recorded on the copy
     /// stream after that fill's bulk copies.
     copied: Vec<Event>,
+    /// Every fill so far is prestaged: none reuses an earlier fill's region yet.
+    queueing: bool,
+    /// An extension failed: the objects and fills are not the request's, so no submission
+    /// continues this prestage.
+    broken: bool,
     copy_stream: sys::CUstream,
     copy_calls: u64,
     bytes: u64,
@@ -464,10 +475,16 @@ impl Prestaged {
         self.copied.len()
     }
 
+    /// Fills laid out so far.
+    pub fn fills(&self) -> usize {
+        self.fills.len()
+    }
+
     /// True when `transfers` (whose host spans are `spans`) are the prestaged objects, whole, in
     /// the same order (their staged layout is then the one planned here).
     fn matches(&self, ordinal: u32, direction: Direction, transfers: &[Transfer], spans: &[Range<u64>]) -> bool {
-        self.device.ordinal == ordinal
+        !self.broken
+            && self.device.ordinal == ordinal
             && direction == Direction::HostToDevice
             && transfers.len() == self.objects.len()
             && spans.len() == transfers.len()
@@ -476,6 +493,81 @@ impl Prestaged {
                 .zip(spans)
                 .zip(&self.objects)
                 .all(|((t, span), &(host, len))| t.host == host && span.start == 0 && span.end == len)
+    }
+
+    /// Adds `objects` after the ones laid out so far: their fills continue the ring, and those
+    /// whose buffer region no earlier fill of the request reuses are copied now. False (and the
+    /// prestage matches no submission any more) when an object does not fit the buffer or a copy
+    /// could not be queued.
+    ///
+    /// # Safety
+    /// As `prestage`, for the added objects.
+    pub unsafe fn extend(&mut self, objects: &[(u64, u64)]) -> bool {
+        if self.broken {
+            return false;
+        }
+        if objects.iter().any(|&(_, len)| len > self.policy.buffer_bytes) || self.device.bind().is_err() {
+            self.broken = true;
+            return false;
+        }
+        // SAFETY: forwarded contract.
+        let queued = unsafe { self.lay_out(objects) };
+        self.broken |= !queued;
+        queued
+    }
+
+    /// Lays out `objects` after those laid out so far and queues the copies of each new fill
+    /// while no fill reuses an earlier one's region (a reused region must wait for the earlier
+    /// fill's scatter, which needs the checked destinations). The kernels read their row tables
+    /// from pinned host memory, so nothing but these copies is queued on the copy stream and
+    /// each fill's scatter can start as soon as its copies land. False when a copy could not be
+    /// queued (the copy stream is drained).
+    ///
+    /// # Safety
+    /// As `prestage`, for `objects`; the device's context is current.
+    unsafe fn lay_out(&mut self, objects: &[(u64, u64)]) -> bool {
+        let from = self.objects.len();
+        let first_new = self.fills.len();
+        self.objects.extend_from_slice(objects);
+        let fills = plan::split_fills_from(&self.policy, Direction::HostToDevice, objects, &mut self.cursor);
+        self.fills.extend(fills.into_iter().map(|fill| fill.shifted(from)));
+        for f in first_new..self.fills.len() {
+            let fill = &self.fills[f];
+            self.queueing &= !self.fills[..f].iter().any(|e| plan::regions_overlap(&e.region, &fill.region));
+            if !self.queueing {
+                break;
+            }
+            for copy in plan::staging_copies(fill, &self.objects) {
+                // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies
+                // inside the staging buffer this prestage holds.
+                let result = unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        self.buffer + copy.device,
+                        copy.host as *const c_void,
+                        copy.len as usize,
+                        self.copy_stream,
+                    )
+                };
+                if check(result, "cuMemcpyHtoDAsync").is_err() {
+                    drain(&self.device, &[self.copy_stream]);
+                    return false;
+                }
+                self.copy_calls += 1;
+                self.bytes += copy.len;
+            }
+            let Ok(event) = self.device.take_event() else {
+                drain(&self.device, &[self.copy_stream]);
+                return false;
+            };
+            // SAFETY: our event, the unit's live stream.
+            if check(unsafe { sys::cuEventRecord(event.0, self.copy_stream) }, "cuEventRecord").is_err() {
+                self.device.give_event(event);
+                drain(&self.device, &[self.copy_stream]);
+                return false;
+            }
+            self.copied.push(event);
+        }
+        true
     }
 }
 
@@ -513,9 +605,10 @@ impl Drop for Prestaged {
 /// Starts a read's bulk copies into GPU `ordinal`'s staging buffer for `objects` ((host address,
 /// length) of each whole object, in request order) before the request is checked and planned:
 /// every fill whose buffer region no earlier fill of the request reuses is copied now, each
-/// followed by an event. None (nothing submitted) when staging is off, the kernels, the buffer
-/// or the GPU are unavailable, an object does not fit, or another request holds the buffer.
-/// Continue it with `submit_with`, or drop it.
+/// followed by an event. `total_bytes` sizes the fills for a request whose later objects come
+/// through `Prestaged::extend` (0: `objects` are all). None (nothing submitted) when staging is
+/// off, the kernels, the buffer or the GPU are unavailable, an object does not fit, or another
+/// request holds the buffer. Continue it with `submit_with`, or drop it.
 ///
 /// # Safety
 /// The objects' host bytes must stay valid and unchanged until the returned value is dropped or
@@ -525,6 +618,7 @@ pub unsafe fn prestage(
     ordinal: u32,
     objects: &[(u64, u64)],
     policy: StagingPolicy,
+    total_bytes: u64,
 ) -> Option<Prestaged> {
     if !policy.enabled || objects.is_empty() || objects.iter().any(|&(_, len)| len > policy.buffer_bytes) {
         return None;
@@ -536,69 +630,36 @@ pub unsafe fn prestage(
     // From here the flag belongs to `prestaged` (its drop frees it).
     let mut prestaged = Prestaged {
         device: Arc::clone(&device),
-        objects: objects.to_vec(),
+        policy,
+        buffer: 0,
+        objects: Vec::with_capacity(objects.len()),
         fills: Vec::new(),
+        cursor: plan::FillCursor { total: total_bytes, ..plan::FillCursor::default() },
         copied: Vec::new(),
+        queueing: true,
+        broken: false,
         copy_stream: std::ptr::null_mut(),
         copy_calls: 0,
         bytes: 0,
         consumed: false,
         probe: None,
     };
-    // Laid out as whole objects: the layout `split_fills` gives the real transfers (it only
-    // looks at each transfer's host address and span).
-    prestaged.fills = plan::split_fills(&policy, Direction::HostToDevice, objects);
     let (buffer, copy_stream) = {
         let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
         ensure_unit(&mut guard, policy.buffer_bytes, 0).ok()?;
         let unit = guard.as_ref()?;
         (unit.buffer, unit.copy_stream)
     };
+    prestaged.buffer = buffer;
     prestaged.copy_stream = copy_stream;
-    // The leading fills whose buffer regions no earlier fill of the request reuses (a reused
-    // region must wait for the earlier fill's scatter, which needs the checked destinations).
-    // The kernels read their row tables from pinned host memory, so nothing but these copies
-    // is queued on the copy stream and each fill's scatter can start as soon as its copies land.
-    let fills = &prestaged.fills;
-    let count = (0..fills.len())
-        .find(|&f| fills[..f].iter().any(|e| plan::regions_overlap(&e.region, &fills[f].region)))
-        .unwrap_or(fills.len());
     prestaged.probe = Probe::new();
     if let Some(probe) = prestaged.probe.as_mut() {
         probe.record_start(copy_stream);
     }
-    for fill in &prestaged.fills[..count] {
-        for copy in plan::staging_copies(fill, objects) {
-            // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside
-            // the staging buffer this prestage holds.
-            let result = unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    buffer + copy.device,
-                    copy.host as *const c_void,
-                    copy.len as usize,
-                    copy_stream,
-                )
-            };
-            if check(result, "cuMemcpyHtoDAsync").is_err() {
-                drain(&device, &[copy_stream]);
-                return None;
-            }
-            prestaged.copy_calls += 1;
-            prestaged.bytes += copy.len;
-        }
-        let Ok(event) = device.take_event() else {
-            drain(&device, &[copy_stream]);
-            return None;
-        };
-        // SAFETY: our event, the unit's live stream.
-        if check(unsafe { sys::cuEventRecord(event.0, copy_stream) }, "cuEventRecord").is_err() {
-            device.give_event(event);
-            drain(&device, &[copy_stream]);
-            return None;
-        }
-        prestaged.copied.push(event);
-    }
-    Some(prestaged)
+    // Laid out as whole objects: the layout `split_fills` gives the real transfers (it only
+    // looks at each transfer's host address and span).
+    // SAFETY: forwarded contract; the context was bound above.
+    unsafe { prestaged.lay_out(objects) }.then_some(prestaged)
 }
 
 fn transfers_on(transfers: &[Transfer], ordinal: u32) -> Vec<usize> {

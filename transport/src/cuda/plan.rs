@@ -275,6 +275,18 @@ pub struct Fill {
     pub region: Range<u64>,
 }
 
+impl Fill {
+    /// This fill of a part of a request, placed in the whole request: its transfer indices
+    /// (the part's own) moved on by `by`, the part's first index.
+    pub fn shifted(mut self, by: usize) -> Fill {
+        self.transfers = self.transfers.start + by..self.transfers.end + by;
+        for placement in &mut self.placements {
+            placement.transfer += by;
+        }
+        self
+    }
+}
+
 /// Staged byte offsets keep the host address's alignment modulo this, so a page whose address
 /// agrees with its object bytes gets 16-byte vector copies.
 pub const STAGING_ALIGN_BYTES: u64 = 16;
@@ -793,6 +805,50 @@ mod tests {
             }
         }
         assert_eq!(covered, 128);
+    }
+
+    #[test]
+    fn a_read_laid_out_part_by_part_indexes_the_whole_request() {
+        // A staged read's early start lays out each leasing part as it is granted (32, 128 and
+        // 40 objects of 384 KiB over two arena slices) and shifts the part's fills into the
+        // whole request: every object once and in order, each placement inside its fill and the
+        // buffer, its copies moving exactly its bytes, and no fill reusing the one before it.
+        let policy = StagingPolicy { enabled: true, buffer_bytes: 32 << 20, tail_fill_bytes: 1 << 20 };
+        let object_bytes = 384u64 << 10;
+        let mut objects: Vec<(u64, u64)> =
+            (0..200u64).map(|k| ((k % 2) * (1 << 36) + (k / 2) * object_bytes, object_bytes)).collect();
+        let mut cursor = FillCursor { total: 200 * object_bytes, ..FillCursor::default() };
+        let mut fills: Vec<Fill> = Vec::new();
+        let mut from = 0;
+        for len in [32usize, 128, 40] {
+            let part = &mut objects[from..from + len];
+            part.sort_unstable();
+            let part: &[(u64, u64)] = part;
+            fills.extend(
+                split_fills_from(&policy, Direction::HostToDevice, part, &mut cursor)
+                    .into_iter()
+                    .map(|f| f.shifted(from)),
+            );
+            from += len;
+        }
+        let mut covered = 0;
+        for (i, fill) in fills.iter().enumerate() {
+            assert_eq!(fill.transfers.start, covered, "every object once, in order");
+            covered = fill.transfers.end;
+            assert!(fill.region.end <= policy.buffer_bytes);
+            for p in &fill.placements {
+                assert!(fill.transfers.contains(&p.transfer));
+                assert_eq!(p.span, (0, object_bytes));
+                assert!(p.staging_offset >= fill.region.start && p.staging_offset + object_bytes <= fill.region.end);
+            }
+            let copied: u64 = staging_copies(fill, &objects).iter().map(|c| c.len).sum();
+            assert_eq!(copied, fill.transfers.len() as u64 * object_bytes);
+            if i > 0 {
+                assert!(!regions_overlap(&fills[i - 1].region, &fill.region));
+            }
+        }
+        assert_eq!(covered, 200);
+        assert_eq!(cursor.placed, 200 * object_bytes);
     }
 
     #[test]
