@@ -387,7 +387,7 @@ impl PendingPuts<'_> {
     /// item: the commit's result, the reservation's error, or `Cancelled` for an item that was
     /// reserved but not filled.
     pub fn commit(self, filled: impl Fn(usize) -> bool) -> Vec<Result<()>> {
-        let PendingPuts { grants, reservations, opts } = self;
+        let PendingPuts { grants, mut reservations, opts } = self;
         let mut results: Vec<Result<()>> = grants
             .into_iter()
             .enumerate()

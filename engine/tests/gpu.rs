@@ -720,35 +720,61 @@ mod cuda {
     #[ignore = "needs a CUDA device"]
     fn a_large_gathered_write_goes_in_parts_through_one_staging_buffer_byte_exact() {
         // 24 objects of 2 MiB in 64 KiB pages laid out in reverse: 48 MiB goes in several parts,
-        // whose fills wrap a 16 MiB staging buffer many times over.
+        // whose fills wrap a 16 MiB staging buffer many times over. A reader runs alongside: a
+        // key is published as soon as its copies landed, never before.
         let store = store(true, 16 << 20);
         let device = gpu();
         let (objects, object_bytes, page) = (24usize, 2usize << 20, 64usize << 10);
         let pages = object_bytes / page;
         let buf = pool(&device, objects * object_bytes);
         let names: Vec<Vec<u8>> = (0..objects).map(|k| format!("parts/{k}").into_bytes()).collect();
-        let values: Vec<Vec<u8>> = names.iter().map(|n| value_for(n, 1, object_bytes)).collect();
+        let versions: Vec<Vec<Vec<u8>>> =
+            (1..=2).map(|v| names.iter().map(|n| value_for(n, v, object_bytes)).collect()).collect();
         let slot = |k: usize, p: usize| (objects * pages - 1 - (k * pages + p)) * page;
-        let mut image = vec![GUARD; objects * object_bytes];
-        for (k, value) in values.iter().enumerate() {
-            for p in 0..pages {
-                image[slot(k, p)..slot(k, p) + page].copy_from_slice(&value[p * page..(p + 1) * page]);
-            }
-        }
-        buf.write(0, &image).expect("upload");
         let keys: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
         let sources: Vec<Vec<Region<'_>>> =
             (0..objects).map(|k| (0..pages).map(|p| dev(&buf, slot(k, p) as u64, page as u64)).collect()).collect();
-        for opts in [PutOptions::INSERT, PutOptions::UPSERT] {
+        for (round, opts) in [PutOptions::INSERT, PutOptions::UPSERT].into_iter().enumerate() {
+            let values = &versions[round];
+            let mut image = vec![GUARD; objects * object_bytes];
+            for (k, value) in values.iter().enumerate() {
+                for p in 0..pages {
+                    image[slot(k, p)..slot(k, p) + page].copy_from_slice(&value[p * page..(p + 1) * page]);
+                }
+            }
+            buf.write(0, &image).expect("upload");
             let before = store.stats().gpu;
-            let results = store.batch_put_from_multi_buffers(&keys, &sources, opts);
+            let writing = std::sync::atomic::AtomicBool::new(true);
+            let results = std::thread::scope(|scope| {
+                let reader = scope.spawn(|| {
+                    let mut reads = 0u64;
+                    while writing.load(std::sync::atomic::Ordering::SeqCst) {
+                        for (k, name) in names.iter().enumerate() {
+                            match store.get(name) {
+                                Ok(got) => {
+                                    let whole = got == values[k] || (round > 0 && got == versions[round - 1][k]);
+                                    assert!(whole, "key {k} was readable before its bytes landed");
+                                    reads += 1;
+                                }
+                                Err(Error::NotFound) if round == 0 => {}
+                                Err(e) => panic!("key {k}: {e:?}"),
+                            }
+                        }
+                    }
+                    reads
+                });
+                let results = store.batch_put_from_multi_buffers(&keys, &sources, opts);
+                writing.store(false, std::sync::atomic::Ordering::SeqCst);
+                reader.join().expect("reader");
+                results
+            });
             assert!(results.iter().all(Result::is_ok), "{results:?}");
             let after = store.stats().gpu;
             assert_eq!(after.staged_requests, before.staged_requests + 1, "{after:?}");
             assert_eq!(after.direct_requests, before.direct_requests, "no part went direct: {after:?}");
             assert!(after.staged_fills - before.staged_fills >= 6, "{after:?}");
             assert!(after.write_first_part_us > before.write_first_part_us);
-            for (name, value) in names.iter().zip(&values) {
+            for (name, value) in names.iter().zip(values) {
                 assert_eq!(&store.get(name).expect("read back"), value, "gathered bytes differ");
             }
         }

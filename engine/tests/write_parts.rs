@@ -2,8 +2,9 @@
 //! while the last part's copies run. Driven through a simulated device (host memory behind
 //! `MemoryKind::Device`) whose copies complete only when the test's rule says so. Checks what
 //! the H200 cannot show on its own: later parts are submitted before earlier ones complete,
-//! every byte lands, a failed copy or source check in one part fails only its own key, and
-//! every reservation and counter is back at zero.
+//! keys whose copies landed are published while later parts still copy, every byte lands, a
+//! failed copy or source check in one part fails only its own key, and every reservation and
+//! counter is back at zero.
 
 mod common;
 
@@ -33,10 +34,17 @@ struct SimDevice {
     /// Pages whose check fails.
     refused: Mutex<HashSet<u64>>,
     completed: AtomicUsize,
+    /// Submissions from this one on complete only once `released` is set.
+    held_from: usize,
+    released: AtomicBool,
 }
 
 impl SimDevice {
     fn new(parts_before_completion: usize) -> Arc<SimDevice> {
+        SimDevice::holding(parts_before_completion, usize::MAX)
+    }
+
+    fn holding(parts_before_completion: usize, held_from: usize) -> Arc<SimDevice> {
         Arc::new(SimDevice {
             submissions: Mutex::new(Vec::new()),
             parts_before_completion,
@@ -44,6 +52,8 @@ impl SimDevice {
             failing: Mutex::new(HashSet::new()),
             refused: Mutex::new(HashSet::new()),
             completed: AtomicUsize::new(0),
+            held_from,
+            released: AtomicBool::new(false),
         })
     }
 }
@@ -52,6 +62,8 @@ struct Transport0(Arc<SimDevice>);
 
 struct SimInFlight {
     device: Arc<SimDevice>,
+    /// Which submission this is (from 0).
+    part: usize,
     results: Vec<Result<(), TransportError>>,
     started: Instant,
     done: bool,
@@ -63,7 +75,8 @@ impl Progress for SimInFlight {
             return true;
         }
         let seen = self.device.submissions.lock().expect("lock").len();
-        if seen >= self.device.parts_before_completion {
+        let held = self.part >= self.device.held_from && !self.device.released.load(Ordering::SeqCst);
+        if seen >= self.device.parts_before_completion && !held {
             self.done = true;
         } else if self.started.elapsed() > Duration::from_secs(5) {
             self.device.forced.store(true, Ordering::SeqCst);
@@ -127,9 +140,14 @@ impl Transport for Transport0 {
                 Ok(())
             })
             .collect();
-        self.0.submissions.lock().expect("lock").push(transfers.len());
+        let part = {
+            let mut submissions = self.0.submissions.lock().expect("lock");
+            submissions.push(transfers.len());
+            submissions.len() - 1
+        };
         Ok(InFlight::new(Box::new(SimInFlight {
             device: Arc::clone(&self.0),
+            part,
             results,
             started: Instant::now(),
             done: false,
@@ -255,6 +273,43 @@ fn a_failed_copy_or_check_in_one_part_fails_only_its_key() {
     assert!(results.iter().all(Result::is_ok));
     assert_eq!(s.get(&pool.keys[30]).expect("get"), value_of(&pool.keys[30], pool.object_bytes));
     wait_idle(&s);
+}
+
+#[test]
+fn keys_whose_copies_landed_are_published_while_later_parts_still_copy() {
+    let s = store();
+    let pool = Pool::new(48, MIB);
+    let sources = pool.sources();
+    // The first two parts complete at once; the rest wait for the test.
+    let device = SimDevice::holding(1, 2);
+    let keys = pool.key_refs();
+    let (first, last) = (&pool.keys[0], &pool.keys[47]);
+    let results = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            s.batch_put_from_via(&keys, &sources, PutOptions::INSERT, Arc::new(Transport0(Arc::clone(&device))))
+        });
+        let deadline = Instant::now() + Duration::from_secs(4);
+        while s.get(first).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let early = s.get(first);
+        let held = s.get(last);
+        device.released.store(true, Ordering::SeqCst);
+        let results = writer.join().expect("writer");
+        assert_eq!(early.expect("a key of the first part, published before the write returned"), value_of(first, MIB));
+        assert_eq!(held, Err(Error::NotFound), "a key whose copy is still running is not published");
+        results
+    });
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    assert!(!device.forced.load(Ordering::SeqCst), "the held parts completed when released");
+    assert!(device.submissions.lock().expect("lock").len() > 2);
+    for key in &pool.keys {
+        assert_eq!(s.get(key).expect("get"), value_of(key, pool.object_bytes), "{}", String::from_utf8_lossy(key));
+    }
+    wait_idle(&s);
+    let total = s.stats().total;
+    assert_eq!(total.writes_in_flight, 0);
+    assert_eq!(total.objects, 48);
 }
 
 #[test]

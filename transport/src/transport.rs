@@ -91,7 +91,7 @@ pub trait Transport: Send + Sync {
     /// default submits each part on its own.
     fn submit_parts<'t>(&'t self, direction: Direction, hint: PartsHint) -> Box<dyn Parts + 't> {
         let _ = hint;
-        Box::new(EachPart { transport: self, direction, parts: Vec::new() })
+        Box::new(EachPart { transport: self, direction, parts: Vec::new(), settled: 0 })
     }
 }
 
@@ -115,6 +115,12 @@ pub trait Parts {
     /// this was dropped).
     unsafe fn push(&mut self, transfers: &[Transfer]);
 
+    /// Results of pushed transfers that completed since the last call, in push order: a
+    /// leading run (none after a transfer still in flight), so the caller can act on what has
+    /// landed while later parts still move. Never blocks; called again and again, it reports
+    /// every pushed transfer once it completed. `finish` still reports every transfer.
+    fn take_settled(&mut self) -> Vec<Result<(), TransportError>>;
+
     /// One result per pushed transfer, in push order, once the returned `InFlight` completes.
     fn finish(self: Box<Self>) -> InFlight;
 }
@@ -124,11 +130,15 @@ struct EachPart<'t, T: ?Sized> {
     transport: &'t T,
     direction: Direction,
     parts: Vec<Part>,
+    /// Leading parts whose results `take_settled` reported.
+    settled: usize,
 }
 
-/// One part of `EachPart`: submitted, or failed with its transfer count.
+/// One part of `EachPart`: submitted, completed (its results and summary kept for `finish`),
+/// or failed with its transfer count.
 enum Part {
     Submitted(InFlight),
+    Completed(Vec<Result<(), TransportError>>, Summary),
     Failed(TransportError, usize),
 }
 
@@ -141,6 +151,26 @@ impl<T: Transport + ?Sized> Parts for EachPart<'_, T> {
             Err(e) => Part::Failed(e, transfers.len()),
         };
         self.parts.push(part);
+    }
+
+    fn take_settled(&mut self) -> Vec<Result<(), TransportError>> {
+        let mut out = Vec::new();
+        while let Some(part) = self.parts.get_mut(self.settled) {
+            match part {
+                Part::Submitted(inflight) => {
+                    if !inflight.poll() {
+                        break;
+                    }
+                    let results = inflight.take_results();
+                    out.extend(results.iter().cloned());
+                    *part = Part::Completed(results, inflight.summary());
+                }
+                Part::Completed(results, _) => out.extend(results.iter().cloned()),
+                Part::Failed(e, n) => out.extend(std::iter::repeat_n(Err(e.clone()), *n)),
+            }
+            self.settled += 1;
+        }
+        out
     }
 
     fn finish(self: Box<Self>) -> InFlight {
@@ -169,6 +199,7 @@ impl Progress for Joined {
         for part in &mut self.parts {
             match part {
                 Part::Submitted(inflight) => out.extend(inflight.take_results()),
+                Part::Completed(results, _) => out.append(results),
                 Part::Failed(e, n) => out.extend(std::iter::repeat_n(Err(e.clone()), *n)),
             }
         }
@@ -178,8 +209,10 @@ impl Progress for Joined {
     fn summary(&self) -> Summary {
         let mut summary = Summary::default();
         for part in &self.parts {
-            if let Part::Submitted(inflight) = part {
-                summary.absorb(&inflight.summary());
+            match part {
+                Part::Submitted(inflight) => summary.absorb(&inflight.summary()),
+                Part::Completed(_, part_summary) => summary.absorb(part_summary),
+                Part::Failed(..) => {}
             }
         }
         summary
@@ -450,6 +483,9 @@ impl Progress for Paced {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
     use super::*;
     use crate::memcpy::MemcpyTransport;
     use crate::transfer::Piece;
@@ -504,6 +540,85 @@ mod tests {
                 assert!(dst.iter().all(|&b| b == 0));
             }
         }
+    }
+
+    /// A transport whose `n`th submission completes once `open[n]` is set; its second
+    /// submission fails at once.
+    struct Gated {
+        open: Arc<Vec<AtomicBool>>,
+        submitted: AtomicUsize,
+    }
+
+    struct GatedInFlight {
+        open: Arc<Vec<AtomicBool>>,
+        n: usize,
+        results: Vec<Result<(), TransportError>>,
+    }
+
+    impl Progress for GatedInFlight {
+        fn poll(&mut self) -> bool {
+            self.open[self.n].load(Ordering::SeqCst)
+        }
+
+        fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
+            std::mem::take(&mut self.results)
+        }
+    }
+
+    impl Transport for Gated {
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+
+        fn completes_inline(&self) -> bool {
+            false
+        }
+
+        fn check(&self, lists: &[&[Region<'_>]], _writable: bool) -> Vec<Option<TransportError>> {
+            vec![None; lists.len()]
+        }
+
+        unsafe fn submit(
+            &self,
+            _: Direction,
+            transfers: &[Transfer],
+            _: Option<EarlyStart>,
+        ) -> Result<InFlight, TransportError> {
+            let n = self.submitted.fetch_add(1, Ordering::SeqCst);
+            if n == 1 {
+                return Err(TransportError::Io("the second submission fails".into()));
+            }
+            let results = vec![Ok(()); transfers.len()];
+            Ok(InFlight::new(Box::new(GatedInFlight { open: Arc::clone(&self.open), n, results })))
+        }
+    }
+
+    #[test]
+    fn parts_through_submit_report_settled_transfers_as_a_leading_run() {
+        let open: Arc<Vec<_>> = Arc::new((0..3).map(|_| AtomicBool::new(false)).collect());
+        let gated = Gated { open: Arc::clone(&open), submitted: AtomicUsize::new(0) };
+        let transfer = Transfer { host: 1, host_len: 0, pieces: Vec::new() };
+        let mut parts = gated.submit_parts(Direction::DeviceToHost, PartsHint::default());
+        // SAFETY: nothing is touched: the transport only counts.
+        unsafe {
+            parts.push(&[transfer.clone(), transfer.clone()]);
+            parts.push(std::slice::from_ref(&transfer));
+            parts.push(std::slice::from_ref(&transfer));
+        }
+        assert!(parts.take_settled().is_empty(), "the first part is still in flight");
+        open[0].store(true, Ordering::SeqCst);
+        let settled = parts.take_settled();
+        assert_eq!(settled.len(), 3, "the first part and the failed second: {settled:?}");
+        assert!(settled[..2].iter().all(Result::is_ok));
+        assert!(matches!(settled[2], Err(TransportError::Io(_))));
+        assert!(parts.take_settled().is_empty(), "reported once; the third part is in flight");
+        open[2].store(true, Ordering::SeqCst);
+        assert_eq!(parts.take_settled(), vec![Ok(())]);
+        assert!(parts.take_settled().is_empty());
+        let results = parts.finish().wait();
+        assert_eq!(results.len(), 4, "finish still reports every transfer");
+        assert!(results[..2].iter().all(Result::is_ok) && results[3].is_ok());
+        assert!(matches!(results[2], Err(TransportError::Io(_))));
     }
 
     #[test]

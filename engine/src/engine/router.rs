@@ -589,8 +589,9 @@ impl Reservations<'_> {
         }
     }
 
-    /// Commits the reservations whose index `keep` accepts; the rest are aborted on drop.
-    pub(crate) fn commit(mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> ByIndex<Result<()>> {
+    /// Commits the reservations whose index `keep` accepts; the rest stay, to be committed by
+    /// a later call or aborted on drop.
+    pub(crate) fn commit(&mut self, opts: PutOptions, keep: impl Fn(usize) -> bool) -> ByIndex<Result<()>> {
         let (upsert, pin) = (opts.upsert, opts.pin);
         let mut out = by_index(self.by_shard.iter().map(Vec::len).sum());
         let mut pending = Vec::new();

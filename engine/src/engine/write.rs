@@ -4,8 +4,9 @@
 //! laid end to end into a reservation of exactly their total length, through the transport of
 //! their route. A write from GPU memory goes in parts (`parts`): the next part's keys
 //! are reserved, their sources checked and their transfers built while the last part's copies
-//! run. Only keys whose every byte arrived are published; the others' reservations are aborted
-//! once no transfer can touch them any more. It never publishes a partly written object.
+//! run, and keys are committed as their copies land while later ones still copy. Only keys
+//! whose every byte arrived are published; the others' reservations are aborted once no
+//! transfer can touch them any more. It never publishes a partly written object.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -192,31 +193,59 @@ impl Engine {
             phases.lap(2);
             phases.submitted();
         }
-        let mut copied = vec![false; keys.len()];
+        // Keys whose every byte landed are committed while later copies still run, so only
+        // the last copies' keys are committed after the last copy.
+        let mut settled = [0usize; Route::ALL.len()];
+        let mut waiting_since = Instant::now();
+        loop {
+            let mut landed: Vec<usize> = Vec::new();
+            let mut in_flight = false;
+            for route in Route::ALL {
+                let Some((submission, keys_of)) = submissions[route as usize].as_mut() else { continue };
+                let done = &mut settled[route as usize];
+                for outcome in submission.take_settled() {
+                    let Some(&i) = keys_of.get(*done) else { break };
+                    *done += 1;
+                    match outcome {
+                        Ok(()) => landed.push(i),
+                        Err(e) => results[i] = Err(Error::from(e)),
+                    }
+                }
+                in_flight |= *done < keys_of.len();
+            }
+            if !in_flight {
+                phases.lap(3);
+            }
+            if let (false, Some(reservations)) = (landed.is_empty(), reservations.as_mut()) {
+                landed.sort_unstable();
+                for (i, result) in reservations.commit(opts, |i| landed.binary_search(&i).is_ok()) {
+                    results[i] = result;
+                }
+                waiting_since = Instant::now();
+            }
+            if !in_flight {
+                break;
+            }
+            if waiting_since.elapsed() < SPIN_BEFORE_YIELD {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
         for route in Route::ALL {
             let Some((submission, keys_of)) = submissions[route as usize].take() else { continue };
             let inflight = submission.finish();
             let summary = inflight.summary();
-            let outcomes: Vec<Result<()>> = inflight.wait().into_iter().map(|r| r.map_err(Error::from)).collect();
+            let outcomes = inflight.wait();
             if route == Route::Gpu {
                 let failed = outcomes.iter().filter(|r| r.is_err()).count() as u64;
                 self.gpu.counters().record(Some(&summary), Direction::DeviceToHost, failed);
             }
-            for (i, outcome) in keys_of.into_iter().zip(outcomes) {
-                match outcome {
-                    Ok(()) => copied[i] = true,
-                    Err(e) => results[i] = Err(e),
-                }
-            }
+            // Every transfer settled above, with the result `finish` reports.
+            debug_assert_eq!(settled[route as usize], keys_of.len());
         }
-        phases.lap(3);
-        // Only keys whose bytes all arrived are published; the rest are aborted when the
-        // reservations drop.
-        if let Some(reservations) = reservations {
-            for (i, result) in reservations.commit(opts, |i| copied[i]) {
-                results[i] = result;
-            }
-        }
+        // Keys whose copies failed are aborted when the reservations drop.
+        drop(reservations);
         phases.lap(4);
         if let Some((spent, first_part)) = phases.spent() {
             self.gpu.counters().record_write(spent, first_part);
@@ -224,6 +253,9 @@ impl Engine {
         results
     }
 }
+
+/// How long a write waiting for its copies spins after its last commit before it yields.
+const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
 
 /// A route's submission in parts, and the keys of its transfers in push order.
 type RouteSubmission<'t> = (Box<dyn Parts + 't>, Vec<usize>);

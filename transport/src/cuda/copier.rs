@@ -134,6 +134,10 @@ impl Parts for device::PartsSubmission {
         unsafe { device::PartsSubmission::push(self, transfers) }
     }
 
+    fn take_settled(&mut self) -> Vec<Result<(), TransportError>> {
+        device::PartsSubmission::take_settled(self)
+    }
+
     fn finish(self: Box<Self>) -> InFlight {
         InFlight::new(Box::new((*self).finish()))
     }

@@ -136,6 +136,39 @@ pub(crate) struct Stage {
 // SAFETY: see Stream/Event; the stream handles are only used to wait on error paths.
 unsafe impl Send for Stage {}
 
+impl Stage {
+    /// Queries the stage's event; true once it completed or failed (a failure is recorded for
+    /// each of its transfers in `errors`, after its streams were drained).
+    fn poll(&mut self, errors: &mut [Option<TransportError>]) -> bool {
+        if self.done {
+            return true;
+        }
+        let Some(event) = &self.event else {
+            self.done = true;
+            return true;
+        };
+        if self.device.bind().is_err() {
+            return false;
+        }
+        // SAFETY: the event is ours until the stage is finished.
+        let status = unsafe { sys::cuEventQuery(event.0) };
+        if status == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return false;
+        }
+        if status != sys::CUresult::CUDA_SUCCESS {
+            let error = TransportError::Cuda { op: "cuEventQuery", detail: super::driver::error_name(status) };
+            for &t in &self.transfers {
+                if let Some(slot) = errors.get_mut(t) {
+                    slot.get_or_insert_with(|| error.clone());
+                }
+            }
+            drain(&self.device, &self.streams);
+        }
+        self.done = true;
+        true
+    }
+}
+
 /// Work submitted to the GPU. Poll it (or `wait`) until complete; the host memory and the pages
 /// it names must stay valid until then (the engine keeps its leases alive with it).
 pub struct InFlight {
@@ -185,32 +218,36 @@ impl InFlight {
             return true;
         }
         for stage in self.stages.iter_mut().filter(|s| !s.done) {
-            let Some(event) = &stage.event else {
-                stage.done = true;
-                continue;
-            };
-            if stage.device.bind().is_err() {
+            if !stage.poll(&mut self.errors) {
                 return false;
             }
-            // SAFETY: the event is ours until the stage is finished.
-            let status = unsafe { sys::cuEventQuery(event.0) };
-            if status == sys::CUresult::CUDA_ERROR_NOT_READY {
-                return false;
-            }
-            if status != sys::CUresult::CUDA_SUCCESS {
-                let error = TransportError::Cuda { op: "cuEventQuery", detail: super::driver::error_name(status) };
-                for &t in &stage.transfers {
-                    self.errors[t].get_or_insert_with(|| error.clone());
-                }
-                drain(&stage.device, &stage.streams);
-            }
-            stage.done = true;
         }
         if let Some(probe) = self.probe.take() {
             probe.finish(Instant::now());
         }
         self.finish();
         true
+    }
+
+    /// The results of the transfers from `from` on whose every stage completed, up to the first
+    /// transfer that still has a stage in flight. Never blocks (except to drain streams after a
+    /// failure); the results stay for `take_results`.
+    pub fn settled_from(&mut self, from: usize) -> Vec<Result<(), TransportError>> {
+        let mut first_pending = self.errors.len();
+        // Stages mostly complete in the order they were queued: querying stops at the first one
+        // still running, and every stage not known complete holds its transfers back.
+        let mut querying = true;
+        for stage in self.stages.iter_mut().filter(|s| !s.done) {
+            if querying && stage.poll(&mut self.errors) {
+                continue;
+            }
+            querying = false;
+            if let Some(&t) = stage.transfers.iter().min() {
+                first_pending = first_pending.min(t);
+            }
+        }
+        let settled = self.errors.get(from..first_pending).unwrap_or_default();
+        settled.iter().map(|e| e.clone().map_or(Ok(()), Err)).collect()
     }
 
     /// Polls until complete (spinning briefly, then yielding the CPU) and returns one result per
@@ -1109,6 +1146,8 @@ pub struct PartsSubmission {
     /// Why staging could not be had; later parts go direct.
     no_staging: Option<Fallback>,
     probe: Option<Probe>,
+    /// Leading transfers whose results `take_settled` reported.
+    settled: usize,
 }
 
 impl std::fmt::Debug for PartsSubmission {
@@ -1137,6 +1176,7 @@ impl PartsSubmission {
             run: None,
             no_staging: None,
             probe: None,
+            settled: 0,
         }
     }
 
@@ -1204,6 +1244,13 @@ impl PartsSubmission {
             return Err(Fallback::NoBuffer);
         }
         Ok(())
+    }
+
+    /// The results of pushed transfers that completed since the last call (a leading run).
+    pub fn take_settled(&mut self) -> Vec<Result<(), TransportError>> {
+        let settled = self.inflight.settled_from(self.settled);
+        self.settled += settled.len();
+        settled
     }
 
     /// Every pushed transfer's result, in push order, once the returned `InFlight` completed.
