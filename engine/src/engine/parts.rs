@@ -8,7 +8,7 @@
 //! copies after the first part's leases; submitting them in parts measured no faster.)
 
 /// The first part carries at least this share of a request's bytes (as a divisor).
-const FIRST_PART_SHARE: u64 = 32;
+const FIRST_PART_SHARE: u64 = 128;
 /// The largest part's share of a request's bytes (as a divisor): the last part's host work then
 /// hides behind the copies of the parts before it.
 const LARGEST_PART_SHARE: u64 = 8;
@@ -87,8 +87,13 @@ mod tests {
         assert_eq!(parts.last().map(|r| r.end), Some(128));
         assert_eq!(
             sizes(&lens, &parts),
-            vec![8 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB]
+            vec![4 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB]
         );
+        // 1536 KV blocks of 384 KiB: the first part is a 128th (12 blocks), then as much as all
+        // before it, up to an eighth (192 blocks).
+        let lens = vec![384 << 10; 1536];
+        let counts: Vec<usize> = part_ranges(&lens, true).iter().map(|r| r.len()).collect();
+        assert_eq!(counts, vec![12, 12, 24, 48, 96, 192, 192, 192, 192, 192, 192, 192]);
     }
 
     #[test]
