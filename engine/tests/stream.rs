@@ -657,3 +657,20 @@ fn ssd_chunks_start_before_their_object_finished_loading() {
     drop(h);
     wait_idle(&store);
 }
+
+#[test]
+fn a_key_whose_chunks_all_settled_is_no_longer_leased_by_its_handle() {
+    // A caller that saw every chunk settle removes the key at once: the handle's lease went back
+    // before the last chunk was reported, so the remove never finds it `Leased`.
+    let store = stream_store(|b| b);
+    let value = value_for(b"settled", 1, 10_000);
+    for round in 0..2000 {
+        store.put(b"settled", &value, PutOptions::UPSERT).expect("put");
+        let h = store.progressive_get(b"settled", Region::host(buffer(10_000, 0)), 4096).expect("progressive_get");
+        h.wait_all().expect("every chunk");
+        if let Err(e) = store.remove(b"settled", false) {
+            panic!("round {round}: the remove right after the chunks settled failed: {e:?}");
+        }
+    }
+    wait_idle(&store);
+}

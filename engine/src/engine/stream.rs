@@ -272,8 +272,16 @@ impl ReadDriver {
         self.settle(c, result);
     }
 
-    /// Settles chunk `c`; the key's lease goes back with its last chunk.
+    /// Settles chunk `c`; the key's lease goes back with its last chunk, before that chunk is
+    /// reported, so a caller that saw every chunk of a key settle finds it leased by this
+    /// handle no more (the release is ahead of the caller's next request in the shard's inbox).
     fn settle(&mut self, c: usize, result: Result<()>) {
+        let k = self.chunks[c].key;
+        let key = &mut self.keys[k];
+        key.chunks_left = key.chunks_left.saturating_sub(1);
+        if key.chunks_left == 0 {
+            self.release(k);
+        }
         match result {
             Ok(()) => {
                 self.counters.chunks_delivered.fetch_add(1, Ordering::Relaxed);
@@ -283,12 +291,6 @@ impl ReadDriver {
                 self.counters.chunks_failed.fetch_add(1, Ordering::Relaxed);
                 self.sink.fail(c, e);
             }
-        }
-        let k = self.chunks[c].key;
-        let key = &mut self.keys[k];
-        key.chunks_left = key.chunks_left.saturating_sub(1);
-        if key.chunks_left == 0 {
-            self.release(k);
         }
     }
 
