@@ -21,6 +21,9 @@ const GPU: MemoryKind = MemoryKind::Device { ordinal: 0 };
 const MIB: usize = 1 << 20;
 /// Page size of the simulated device pool.
 const PAGE: usize = 64 << 10;
+/// How long a held submission waits for the test before it completes anyway (and marks the run
+/// as forced).
+const HELD_BACKSTOP: Duration = Duration::from_secs(60);
 
 /// A device whose memory is host memory; copies are made at submission but reported complete
 /// only once `parts_before_completion` submissions were seen (or after a backstop that marks
@@ -78,7 +81,7 @@ impl Progress for SimInFlight {
         let held = self.part >= self.device.held_from && !self.device.released.load(Ordering::SeqCst);
         if seen >= self.device.parts_before_completion && !held {
             self.done = true;
-        } else if self.started.elapsed() > Duration::from_secs(5) {
+        } else if self.started.elapsed() > if held { HELD_BACKSTOP } else { Duration::from_secs(5) } {
             self.device.forced.store(true, Ordering::SeqCst);
             self.done = true;
         }
@@ -288,7 +291,8 @@ fn keys_whose_copies_landed_are_published_while_later_parts_still_copy() {
         let writer = scope.spawn(|| {
             s.batch_put_from_via(&keys, &sources, PutOptions::INSERT, Arc::new(Transport0(Arc::clone(&device))))
         });
-        let deadline = Instant::now() + Duration::from_secs(4);
+        // Well inside the held parts' backstop, however slow the machine.
+        let deadline = Instant::now() + HELD_BACKSTOP / 2;
         while s.get(first).is_err() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
