@@ -245,6 +245,10 @@ impl InFlight {
             if let Some(&t) = stage.transfers.iter().min() {
                 first_pending = first_pending.min(t);
             }
+            if first_pending <= from {
+                // Nothing from `from` on has settled.
+                break;
+            }
         }
         let settled = self.errors.get(from..first_pending).unwrap_or_default();
         settled.iter().map(|e| e.clone().map_or(Ok(()), Err)).collect()
@@ -510,11 +514,6 @@ impl Prestaged {
     /// Fills whose bulk copies are already queued.
     pub fn prestaged_fills(&self) -> usize {
         self.copied.len()
-    }
-
-    /// Fills laid out so far.
-    pub fn fills(&self) -> usize {
-        self.fills.len()
     }
 
     /// True when `transfers` (whose host spans are `spans`) are the prestaged objects, whole, in
