@@ -168,14 +168,16 @@ impl Planned {
     /// Puts the transfers in arena order within each leasing part (`part_of_slot`, the part of
     /// each slot; empty: one part), their owners following.
     fn sort_for_staging(&mut self, part_of_slot: &[u32]) {
-        let mut part_of = vec![0u32; self.transfers.len()];
+        // Without parts every transfer is in part 0 (no table).
+        let mut part_of = Vec::new();
         if !part_of_slot.is_empty() {
+            part_of.resize(self.transfers.len(), 0u32);
             for &(t, s, _) in &self.owners {
                 part_of[t] = part_of_slot.get(s).copied().unwrap_or(0);
             }
         }
         let transfers = &self.transfers;
-        let key = |t: usize| (part_of[t], transfers[t].host);
+        let key = |t: usize| (part_of.get(t).copied().unwrap_or(0), transfers[t].host);
         if (1..transfers.len()).all(|t| key(t - 1) <= key(t)) {
             return;
         }
