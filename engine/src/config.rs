@@ -71,7 +71,8 @@ crate::settings_group! {
         /// Bytes of restore sub-batches one request may keep requested per shard ahead of its
         /// transfers (loading or loaded, not yet transferred; at least one sub-batch). A request
         /// starts two sub-batches deep and deepens while its loads lag its transfers.
-        /// Default: `budget_bytes`, the disk queue a whole-batch request gets.
+        /// Default: twice `budget_bytes`, room for the disk queue a whole-batch request gets
+        /// beside loaded sub-batches waiting for their transfer.
         ahead_bytes: Option<u64> = None, Bytes, eg "32MiB";
         /// Staging bytes all restores may hold at once (per shard: at most half a slice).
         /// Default: a quarter of `[dram] bytes`.
@@ -541,7 +542,7 @@ impl StoreBuilder {
             restore_pipeline: self.restore.pipeline,
             restore_sub_batch_bytes: self.restore.sub_batch_bytes,
             restore_sub_batch_keys: self.restore.sub_batch_keys,
-            restore_ahead_bytes: self.restore.ahead_bytes.unwrap_or(self.restore.budget_bytes).max(1),
+            restore_ahead_bytes: self.restore.ahead_bytes.unwrap_or(self.restore.budget_bytes.saturating_mul(2)).max(1),
             restore_staging_bytes: self.restore.staging_bytes.unwrap_or(self.dram.bytes / 4).max(1),
             ssd,
             gpu_staging: self.gpu.staging,

@@ -112,24 +112,36 @@ fn loads_overlap_transfers_and_every_mode_agrees() {
     );
 }
 
-#[test]
-fn a_disk_bound_restore_deepens_its_loads_up_to_ahead_bytes() {
-    // Loads (4 ms per MiB) far slower than transfers (CPU copies): the transfer stage keeps
-    // finding its next sub-batch still loading, so the request deepens its queue, up to the
-    // bytes it may keep ahead per shard.
-    let store = store(SimFaults { latency_us: 200, us_per_mib: 4000, ..SimFaults::default() }, 16 << 20);
-    let n = 24;
+/// A store on a simulated disk of `us_per_mib` per MiB, `n` SSD-resident 1 MiB objects restored
+/// through `link` (None: CPU copies) in 1 MiB sub-batches (one object and its record header
+/// each), four of which fit in the 5 MiB each shard may keep ahead; every key checked.
+fn restore_mib_objects(us_per_mib: u64, n: usize, link: Option<Arc<dyn Transport>>) -> (Engine, kvtide::RestoreReport) {
+    let store = store(SimFaults { latency_us: 200, us_per_mib, ..SimFaults::default() }, 16 << 20);
     fill(&store, n, MIB);
     let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
-    // 1 MiB sub-batches (one object and its record header each): four fit in 5 MiB ahead.
-    let opts =
-        RestoreOptions { target_bytes: MIB as u64, ahead_bytes: 5 << 20, trace: true, ..store.restore_options() };
+    let opts = RestoreOptions {
+        target_bytes: MIB as u64,
+        ahead_bytes: 5 << 20,
+        trace: true,
+        host_transport: link,
+        ..store.restore_options()
+    };
     let mut bufs = buffers(n, MIB);
     let report = restore(&store, &keys, &mut bufs, &opts);
     for i in 0..n {
         assert_eq!(report.results[i], Ok(MIB), "key {i}");
         assert_eq!(bufs[i], value_for(&keys[i], 0, MIB), "key {i} bytes");
     }
+    (store, report)
+}
+
+#[test]
+fn a_disk_bound_restore_deepens_its_loads_up_to_ahead_bytes() {
+    // Loads (4 ms per MiB) far slower than transfers (CPU copies): the transfer stage keeps
+    // finding its next sub-batch still loading, so the request deepens its queue, up to the
+    // bytes it may keep ahead per shard.
+    let n = 24;
+    let (store, report) = restore_mib_objects(4000, n, None);
     let trace = &report.sub_batches;
     assert_eq!(trace.len(), n, "one object per sub-batch: {}", lines(trace));
     // It starts two deep (the first transfer starts as early as it can) ...
@@ -137,6 +149,73 @@ fn a_disk_bound_restore_deepens_its_loads_up_to_ahead_bytes() {
     // ... and ends four deep: as deep as 5 MiB allows, never deeper.
     let deepest = trace.iter().map(|t| depth_at(trace, t)).max().unwrap_or(0);
     assert_eq!(deepest, 4, "four 1 MiB loads ahead per shard at most: {}", lines(trace));
+    assert_idle(&store);
+}
+
+#[test]
+fn a_disk_far_behind_its_link_gets_the_whole_window_after_the_first_transfer() {
+    // Loads of 50 ms per MiB against CPU copies of a fraction of a millisecond (a GPU restore
+    // from a slow disk): the first sub-batch's wait alone shows it, so the sub-batches requested
+    // right after its transfer already fill the 5 MiB window (four per shard), instead of
+    // deepening two at a time over later waits.
+    let (store, report) = restore_mib_objects(50_000, 16, None);
+    let trace = &report.sub_batches;
+    let loaded: Vec<&kvtide::SubBatchTrace> = trace.iter().filter(|t| t.staging_bytes > 0).collect();
+    assert!(loaded.len() >= 2, "{}", lines(trace));
+    // Two deep at first ...
+    assert!(loaded.iter().take(4).all(|t| depth_at(trace, t) <= 2), "{}", lines(trace));
+    // ... and four deep among those requested before the second transfer ended.
+    let second_done = loaded[1].transfer_end_us;
+    let early = loaded.iter().filter(|t| t.load_start_us < second_done).map(|t| depth_at(trace, t)).max();
+    assert_eq!(early, Some(4), "the whole window after the first transfer: {}", lines(trace));
+    assert_idle(&store);
+}
+
+/// CPU copies, but the second submission stalls for `stall`: the loads requested meanwhile land.
+struct StallSecond {
+    submissions: std::sync::atomic::AtomicUsize,
+    stall: Duration,
+}
+
+impl Transport for StallSecond {
+    fn name(&self) -> &'static str {
+        "stall-second"
+    }
+
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
+    unsafe fn submit(
+        &self,
+        direction: Direction,
+        transfers: &[Transfer],
+        _early: Option<EarlyStart>,
+    ) -> Result<InFlight, TransportError> {
+        if self.submissions.fetch_add(1, Ordering::SeqCst) == 1 {
+            std::thread::sleep(self.stall);
+        }
+        // SAFETY: forwarded contract.
+        unsafe { MemcpyTransport.submit(direction, transfers, None) }
+    }
+}
+
+#[test]
+fn a_request_at_full_depth_transfers_the_sub_batches_that_landed_in_one_submission() {
+    // The disk far behind the link (50 ms per MiB against CPU copies): full depth after the
+    // first transfer. The second transfer stalls while the loads in flight land; the transfer
+    // stage then takes those that landed behind the oldest in one submission, not one each.
+    let n = 16;
+    let link = Arc::new(StallSecond { submissions: Default::default(), stall: Duration::from_millis(600) });
+    let (store, report) = restore_mib_objects(50_000, n, Some(link.clone()));
+    let trace = &report.sub_batches;
+    assert_eq!(trace.len(), n, "one object per sub-batch: {}", lines(trace));
+    let mut starts: Vec<u64> = trace.iter().map(|t| t.transfer_start_us).collect();
+    starts.dedup();
+    let most = starts.iter().map(|s| trace.iter().filter(|t| t.transfer_start_us == *s).count()).max();
+    assert!(most >= Some(3), "landed sub-batches share a submission: {}", lines(trace));
+    // Fewer submissions than sub-batches, every key delivered once, nothing held after.
+    assert!(link.submissions.load(Ordering::SeqCst) < n, "{}", lines(trace));
     assert_idle(&store);
 }
 

@@ -3,8 +3,8 @@
 //! Owns planning (whole-object sub-batches per shard, by bytes and count), the two stages (the
 //! shards load the next sub-batches from SSD into DRAM while the calling thread transfers the
 //! oldest loaded one to its destinations), admission (two sub-batches per shard ahead of the
-//! transfers, doubled whenever the transfer stage waits for a load longer than a transfer takes,
-//! up to `ahead_bytes` per shard: the disk queue one whole-batch request gets), the credit broker
+//! transfers, deepened whenever the transfer stage waits for loads longer than a transfer takes,
+//! up to `ahead_bytes` per shard: room for the disk queue one whole-batch request gets), the credit broker
 //! that bounds staging per shard and process-wide, and the per-sub-batch lifecycle trace. It
 //! never reports a key whose bytes were not all delivered, and never returns credits or leases
 //! before nothing can touch them.
@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use kvtide_transport::{Region, Transport};
 
 use super::read::{check_fits, ReadTargets, Slot, Want};
+use super::router::ByIndex;
 use super::transports::Route;
 use super::{Engine, LeaseSet, PendingLeases};
 use crate::checks::total_len;
@@ -73,7 +74,9 @@ pub struct RestoreOptions {
     /// Pipelined: bytes of sub-batches per shard this request may keep requested ahead of its
     /// transfers (loading or loaded, not yet transferred); at least one sub-batch. The request
     /// starts two sub-batches deep and deepens while its loads lag its transfers. Staging
-    /// credits bound it further.
+    /// credits bound it further. Default 128 MiB: twice the shard's loads in flight
+    /// (`restore_budget_bytes`), so loaded sub-batches waiting for their turn at the transfer
+    /// stage never shrink a disk-bound request's queue below the barrier's.
     pub ahead_bytes: u64,
     /// Set to stop: no new loads; in-flight ones drain; undelivered keys report `Cancelled`.
     pub cancel: Option<Arc<AtomicBool>>,
@@ -101,7 +104,7 @@ impl Default for RestoreOptions {
             mode: RestoreMode::Pipelined,
             target_bytes: 2 << 20,
             max_keys: 64,
-            ahead_bytes: 64 << 20,
+            ahead_bytes: 128 << 20,
             cancel: None,
             trace: false,
             host_transport: None,
@@ -315,7 +318,24 @@ struct InFlight<'e> {
     trace: SubBatchTrace,
     keys: Vec<usize>,
     pending: PendingLeases<'e>,
-    _credits: Option<Credits<'e>>,
+    credits: Option<Credits<'e>>,
+}
+
+/// A sub-batch whose loads are done: its grants, the leases they hold and its credits.
+struct Landed<'e> {
+    trace: SubBatchTrace,
+    keys: Vec<usize>,
+    grants: ByIndex<Result<ReadGrant>>,
+    leases: LeaseSet<'e>,
+    credits: Option<Credits<'e>>,
+}
+
+impl<'e> InFlight<'e> {
+    /// Waits for its loads.
+    fn land(self) -> Landed<'e> {
+        let (grants, leases) = self.pending.wait();
+        Landed { trace: self.trace, keys: self.keys, grants, leases, credits: self.credits }
+    }
 }
 
 impl Engine {
@@ -387,12 +407,12 @@ impl Engine {
         let mut retry_alone: Vec<usize> = Vec::new();
         // This request's sub-batches requested and not yet transferred, per shard: bytes and
         // count. The count may reach `depth`: two at first (one loading, one being transferred:
-        // the first transfer starts as early as it can), doubled whenever the transfer stage
-        // waits for its next sub-batch longer than its last transfer took, so a disk-bound
-        // restore soon keeps `ahead_bytes` requested while a transfer-bound one stays shallow.
+        // the first transfer starts as early as it can), deepened after each transfer that had
+        // to wait for its loads (`deepen`), so a disk-bound restore soon keeps `ahead_bytes`
+        // requested while a transfer-bound one stays shallow.
         let mut ahead = vec![(0u64, 0usize); self.shards.len()];
         let mut depth = 2usize;
-        let mut last_transfer: Option<Duration> = None;
+        let mut transferred_any = false;
         let mut next_index = 0;
         loop {
             // Load stage: request sub-batches in plan order while admission allows, without
@@ -450,7 +470,7 @@ impl Engine {
                     },
                     keys: planned.keys,
                     pending,
-                    _credits: credits,
+                    credits,
                 });
                 next_index += 1;
             }
@@ -461,57 +481,69 @@ impl Engine {
                     report.results[slot.list] = result;
                 }
             }
-            // Transfer stage: the oldest sub-batch, once its loads are done.
-            let Some(mut sub) = inflight.pop_front() else { break };
-            let waiting_since = (!sub.pending.answered()).then(Instant::now);
-            let (grants, leases) = sub.pending.wait();
-            // Loads far behind transfers: the transfer stage idled for this sub-batch longer than
-            // its last transfer took, so the disk is the bottleneck: deepen its queue. Shorter
-            // waits are left alone: a deeper queue serves the sub-batches side by side, so the
-            // oldest one, which the transfer stage needs next, lands later, and a restore
-            // limited by its transfers would then wait more, not less. The first sub-batch
-            // always waits.
-            if let (Some(since), Some(last)) = (waiting_since, last_transfer) {
-                if since.elapsed() > last && sub.trace.staging_bytes > 0 {
-                    depth = depth.saturating_mul(2).min(MAX_DEPTH);
+            // Transfer stage: the oldest sub-batch, once its loads are done. At full depth (the
+            // disk far behind the link) it takes every sub-batch behind it whose loads are done
+            // too, up to `MAX_MERGED`, into the same submission: a deep queue lands its loads in
+            // bursts, and a submission per sub-batch paid its fixed cost for each (0.3 ms for a
+            // GPU one), so the burst at the end took longer than the barrier's one transfer.
+            let Some(oldest) = inflight.pop_front() else { break };
+            // This one and those requested after it.
+            let in_flight = inflight.len() + 1;
+            let waiting_since = (!oldest.pending.answered()).then(Instant::now);
+            let mut landed = vec![oldest.land()];
+            let waited = waiting_since.map(|since| since.elapsed());
+            if depth >= MAX_DEPTH {
+                while landed.len() < MAX_MERGED && inflight.front().is_some_and(|next| next.pending.answered()) {
+                    let Some(next) = inflight.pop_front() else { break };
+                    landed.push(next.land());
                 }
             }
-            sub.trace.ready_us = us(Instant::now());
-            sub.trace.state = SubBatchState::Ready;
             let stop = cancelled();
             let transfer_started = Instant::now();
-            sub.trace.transfer_start_us = us(transfer_started);
-            if !stop {
-                sub.trace.state = SubBatchState::Transferring;
+            for sub in &mut landed {
+                sub.trace.ready_us = us(transfer_started);
+                sub.trace.transfer_start_us = us(transfer_started);
+                sub.trace.state = if stop { SubBatchState::Ready } else { SubBatchState::Transferring };
             }
             let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; keys.len()];
-            for &i in &sub.keys {
-                match grants.get(&i) {
-                    Some(Err(Error::NoSpace)) => retry_alone.push(i),
-                    Some(Ok(_)) if stop => report.results[i] = Err(Error::Cancelled),
-                    Some(grant) => grant_of[i] = Some(grant),
-                    None => report.results[i] = Err(Error::Internal("sub-batch key without a grant")),
+            for sub in &landed {
+                for &i in &sub.keys {
+                    match sub.grants.get(&i) {
+                        Some(Err(Error::NoSpace)) => retry_alone.push(i),
+                        Some(Ok(_)) if stop => report.results[i] = Err(Error::Cancelled),
+                        Some(grant) => grant_of[i] = Some(grant),
+                        None => report.results[i] = Err(Error::Internal("sub-batch key without a grant")),
+                    }
                 }
             }
             // One submission per route, waited for before the release.
             self.deliver(&mut targets, &slots, &grant_of, (None, &[]), &mut report.results, None);
+            drop(grant_of);
             let transfer_ended = Instant::now();
-            sub.trace.transfer_end_us = us(transfer_ended);
-            last_transfer = Some(transfer_ended - transfer_started);
-            // Copies are synchronous here (GPU ones waited for their events), so every byte of a
-            // key reported Ok has landed.
-            sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
-            release(leases);
-            if let Some((bytes, count)) = ahead.get_mut(sub.trace.shard) {
-                *bytes -= sub.trace.staging_bytes;
-                *count -= 1;
+            if landed[0].trace.staging_bytes > 0 {
+                // Judged by the oldest one's wait against one sub-batch's share of the transfer.
+                let took = (transfer_ended - transfer_started) / u32::try_from(landed.len()).unwrap_or(u32::MAX);
+                depth = deepen(depth, Pace { waited, took, in_flight, first: !transferred_any });
+                transferred_any = true;
             }
-            sub.trace.release_us = us(Instant::now());
-            if sub.trace.state == SubBatchState::Verifying {
-                sub.trace.state = SubBatchState::Released;
-            }
-            if opts.trace {
-                report.sub_batches.push(sub.trace);
+            for mut sub in landed {
+                sub.trace.transfer_end_us = us(transfer_ended);
+                // Copies are synchronous here (GPU ones waited for their events), so every byte
+                // of a key reported Ok has landed.
+                sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
+                release(sub.leases);
+                if let Some((bytes, count)) = ahead.get_mut(sub.trace.shard) {
+                    *bytes -= sub.trace.staging_bytes;
+                    *count -= 1;
+                }
+                drop(sub.credits);
+                sub.trace.release_us = us(Instant::now());
+                if sub.trace.state == SubBatchState::Verifying {
+                    sub.trace.state = SubBatchState::Released;
+                }
+                if opts.trace {
+                    report.sub_batches.push(sub.trace);
+                }
             }
         }
         // Keys that did not fit in DRAM beside their sub-batch run alone, after the pipeline.
@@ -562,9 +594,9 @@ impl Engine {
         let mut opts = self.restore_options();
         opts.mode = RestoreMode::Pipelined;
         // Such a caller holds two parts at most and takes no staging credits: a shard's
-        // sub-batch stays within a quarter of its slice (`sub_batch_size` caps at a quarter of
+        // sub-batch stays within a quarter of its slice (`sub_batch_size` caps at an eighth of
         // `ahead_bytes`), so the two leave half of it to make room in.
-        opts.ahead_bytes = opts.ahead_bytes.min(self.arena.slice_bytes() as u64);
+        opts.ahead_bytes = opts.ahead_bytes.min(2 * self.arena.slice_bytes() as u64);
         // One key is one part: nothing to look up unless it may be refused.
         let (mut parts, refused) = if valid.len() <= 1 && misfit.is_none() {
             let shard = valid.first().map_or(0, |&i| self.shard_of(keys[i]));
@@ -706,6 +738,50 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
 /// (`ahead_bytes` bounds them first for all but tiny objects).
 const MAX_DEPTH: usize = 64;
 
+/// Sub-batches whose loads are done that one submission of a request at full depth takes at
+/// most: their leases and credits go back only once it ends.
+const MAX_MERGED: usize = 16;
+
+/// A wait for loads this many times the sub-batch's transfer (or more, see `deepen`) means the
+/// disk is far behind the link.
+const FAR_BEHIND: usize = 8;
+
+/// How one sub-batch went through the transfer stage.
+#[derive(Clone, Copy, Debug)]
+struct Pace {
+    /// How long the transfer stage waited for its loads (None: they had landed).
+    waited: Option<Duration>,
+    /// How long its transfer took.
+    took: Duration,
+    /// Sub-batches of the request requested and not transferred when the stage took it up
+    /// (itself included).
+    in_flight: usize,
+    /// The request's first sub-batch with bytes to load: its wait is a whole load's latency,
+    /// whatever the disk's pace.
+    first: bool,
+}
+
+/// The depth (sub-batches per shard requested ahead) after a sub-batch went as `pace` says.
+/// - A wait longer than transferring every sub-batch in flight would take (and at least
+///   `FAR_BEHIND` transfers): even served side by side, the disk delivers slower than the link,
+///   so the request gets the whole window at once, as the barrier gives the disk its whole
+///   queue. Ramping up by doubling cost a disk-bound restore several percent of its time.
+/// - A wait longer than the transfer (not the first's): loads lag, the depth doubles.
+/// - Otherwise it stays: a deeper queue serves the sub-batches side by side, so the oldest one,
+///   which the transfer stage needs next, lands later, and a restore limited by its transfers
+///   would wait more, not less.
+fn deepen(depth: usize, pace: Pace) -> usize {
+    let Some(waited) = pace.waited else { return depth };
+    let far = pace.took.saturating_mul(u32::try_from(FAR_BEHIND.max(pace.in_flight)).unwrap_or(u32::MAX));
+    if waited > far {
+        MAX_DEPTH
+    } else if waited > pace.took && !pace.first {
+        depth.saturating_mul(2).min(MAX_DEPTH)
+    } else {
+        depth
+    }
+}
+
 /// Sub-batches one shard's part of a request is cut into at most, unless `ahead_bytes` caps
 /// their size: enough to overlap loads with transfers at a fine grain, few enough that the
 /// per-sub-batch costs (a lease message, a reply, a transport submission) stay small.
@@ -713,14 +789,15 @@ pub const MAX_SUB_BATCHES_PER_SHARD: u64 = 16;
 
 /// Sub-batch target bytes and keys for one shard's SSD-resident `objects` (key, staging bytes):
 /// the configured minimums, grown so the shard's part is at most `MAX_SUB_BATCHES_PER_SHARD`
-/// sub-batches, the bytes never past a quarter of `ahead_bytes`, so at least four sub-batches of
-/// a shard load at once. Many small objects get more keys per sub-batch (fewer messages); a few
-/// large ones stay one object each.
+/// sub-batches, the bytes never past an eighth of `ahead_bytes` (a quarter of the loads in
+/// flight that the default window leaves room for), so at least four sub-batches of a shard
+/// load at once. Many small objects get more keys per sub-batch (fewer messages); a few large
+/// ones stay one object each.
 fn sub_batch_size(objects: &[(usize, u64)], opts: &RestoreOptions) -> (u64, usize) {
     let min_bytes = opts.target_bytes.max(1);
     let min_keys = opts.max_keys.max(1);
     let total: u64 = objects.iter().map(|&(_, b)| b).sum();
-    let cap = (opts.ahead_bytes / 4).max(min_bytes);
+    let cap = (opts.ahead_bytes / 8).max(min_bytes);
     let bytes = total.div_ceil(MAX_SUB_BATCHES_PER_SHARD).clamp(min_bytes, cap);
     let keys = objects.len().div_ceil(MAX_SUB_BATCHES_PER_SHARD as usize).max(min_keys);
     (bytes, keys)
@@ -739,13 +816,14 @@ mod tests {
     }
 
     #[test]
-    fn sub_batches_grow_with_the_shards_part_up_to_a_quarter_of_ahead() {
-        let opts = RestoreOptions { target_bytes: 2 << 20, max_keys: 64, ahead_bytes: 64 << 20, ..Default::default() };
+    fn sub_batches_grow_with_the_shards_part_up_to_an_eighth_of_ahead() {
+        let opts = RestoreOptions { target_bytes: 2 << 20, max_keys: 64, ahead_bytes: 128 << 20, ..Default::default() };
         // A small part keeps the configured minimums.
         assert_eq!(sub_batch_size(&objects(8, 1 << 20), &opts), (2 << 20, 64));
         // 64 MiB on one shard: 16 sub-batches of 4 MiB.
         assert_eq!(sub_batch_size(&objects(64, 1 << 20), &opts), (4 << 20, 64));
-        // 576 MiB of 384 KiB objects: capped at a quarter of ahead_bytes, so four load at once.
+        // 576 MiB of 384 KiB objects: capped at an eighth of ahead_bytes, so four load at once
+        // within the shard's 64 MiB of loads in flight.
         assert_eq!(sub_batch_size(&objects(1536, 384 << 10), &opts), (16 << 20, 96));
         // Many tiny objects: more keys per sub-batch, not more sub-batches.
         assert_eq!(sub_batch_size(&objects(16_000, 4 << 10), &opts).1, 1000);
@@ -753,5 +831,29 @@ mod tests {
         let tight = RestoreOptions { ahead_bytes: 1 << 20, ..opts.clone() };
         assert_eq!(sub_batch_size(&objects(64, 1 << 20), &tight), (2 << 20, 64));
         assert_eq!(sub_batch_size(&[], &opts), (2 << 20, 64));
+    }
+
+    fn pace(waited_us: Option<u64>, took_us: u64, in_flight: usize, first: bool) -> Pace {
+        Pace { waited: waited_us.map(Duration::from_micros), took: Duration::from_micros(took_us), in_flight, first }
+    }
+
+    #[test]
+    fn depth_jumps_when_the_disk_is_far_behind_doubles_when_it_lags_and_stays_otherwise() {
+        // No wait: the loads are ahead.
+        assert_eq!(deepen(2, pace(None, 200, 8, false)), 2);
+        // A GPU link: the first sub-batch waited 5 ms for loads it transfers in 0.2 ms, with 8
+        // in flight (1.6 ms of transfers): the whole window at once, even for the first.
+        assert_eq!(deepen(2, pace(Some(5_000), 200, 8, true)), MAX_DEPTH);
+        // A link about as fast as the disk: the first wait is a load's latency, not a lag.
+        assert_eq!(deepen(2, pace(Some(9_000), 4_000, 4, true)), 2);
+        // Later, a wait longer than the transfer doubles the depth, up to the most.
+        assert_eq!(deepen(2, pace(Some(9_000), 4_000, 4, false)), 4);
+        assert_eq!(deepen(MAX_DEPTH, pace(Some(9_000), 4_000, 4, false)), MAX_DEPTH);
+        // Far behind is judged against every transfer in flight: 8 ms is more than eight 0.5 ms
+        // transfers but fewer than twenty.
+        assert_eq!(deepen(4, pace(Some(8_000), 500, 8, false)), MAX_DEPTH);
+        assert_eq!(deepen(4, pace(Some(8_000), 500, 20, false)), 8);
+        // A wait shorter than the transfer leaves it.
+        assert_eq!(deepen(4, pace(Some(300), 400, 8, false)), 4);
     }
 }
