@@ -22,14 +22,12 @@ use std::time::{Duration, Instant};
 
 use kvtide::cuda::plan::BulkCopy;
 use kvtide::cuda::{BaselineMode, CudaTransport, DeviceBuffer};
-use kvtide::{
-    EvictionPolicy, PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, StoreBuilder, Transport,
-};
+use kvtide::{PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, Transport};
 
 use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
 use crate::gpu::{expected_pool, page_regions, shuffled_slots};
-use crate::restore::{push_to_ssd, NullTransfer, FILLER_BYTES};
+use crate::restore::{demoting_store, push_to_ssd, NullTransfer};
 use crate::util::{fmt_bytes, parse_size};
 
 /// Arguments of `kvtide-bench gpu-restore`.
@@ -50,8 +48,9 @@ pub struct GpuRestoreArgs {
     /// Sub-batch target bytes of the serialized and pipelined modes.
     #[arg(long, default_value = "2MiB", value_parser = parse_size)]
     pub target_bytes: u64,
-    /// Pipelined: bytes per shard one request keeps loading ahead of its transfers.
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    /// Pipelined: bytes per shard one request keeps requested ahead of its transfers (the
+    /// store's default: twice the 64 MiB of loads in flight per shard).
+    #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     pub ahead_bytes: u64,
     /// DRAM pool.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
@@ -74,6 +73,10 @@ pub struct GpuRestoreArgs {
     /// Draw one pipelined restore's sub-batch timeline (the first object size) into this SVG.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Write every sub-batch of every timed restore (the SSD-resident modes through the engine)
+    /// to this file as JSON lines, each with its object size, mode, call and elapsed time.
+    #[arg(long)]
+    pub trace_file: Option<PathBuf>,
 }
 
 /// One timed restore of a mode.
@@ -121,9 +124,15 @@ pub fn run(args: &GpuRestoreArgs) -> Result<(), String> {
         }
     );
     let mut table = Vec::new();
+    let mut trace_out = match &args.trace_file {
+        Some(path) => {
+            Some(std::io::BufWriter::new(std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?))
+        }
+        None => None,
+    };
     let bar = crate::util::steps(args.object_bytes.len() as u64, "gpu-restore: object sizes");
     for &object_bytes in &args.object_bytes {
-        let (rows, sub_batches, paired) = run_size(args, &device, object_bytes)?;
+        let (rows, sub_batches, paired) = run_size(args, &device, object_bytes, trace_out.as_mut())?;
         table.push((object_bytes, rows, sub_batches, paired));
         bar.inc(1);
     }
@@ -191,29 +200,16 @@ fn run_size(
     args: &GpuRestoreArgs,
     device: &Arc<kvtide::cuda::CudaDevice>,
     object_bytes: u64,
+    trace_out: Option<&mut std::io::BufWriter<std::fs::File>>,
 ) -> Result<(Vec<Row>, usize, Paired), String> {
     let objects = (args.batch_bytes / object_bytes).max(1) as usize;
     let total = objects as u64 * object_bytes;
     let pages_per_object = object_bytes / args.page_bytes;
     let pages = objects as u64 * pages_per_object;
     let label = fmt_bytes(object_bytes);
-    let filler_keys = (args.dram_bytes * 3 / 2).div_ceil(FILLER_BYTES);
-    let segment_bytes = 64u64 << 20;
-    let ssd_bytes = ((total + filler_keys * FILLER_BYTES) * 2 / args.shards as u64 + 4 * segment_bytes)
-        .div_ceil(segment_bytes)
-        * segment_bytes
-        * args.shards as u64;
-    let mut builder = StoreBuilder::new()
-        .dram_bytes(args.dram_bytes)
-        .shards(args.shards)
-        .max_value_bytes(object_bytes.max(FILLER_BYTES))
-        .eviction(EvictionPolicy::Lru)
-        .ssd_bytes(ssd_bytes)
-        .ssd_segment_bytes(segment_bytes)
-        .promote_on_hit(false)
-        .restore_sub_batch_bytes(args.target_bytes)
-        .restore_ahead_bytes(args.ahead_bytes)
-        .gpu_staging(true);
+    let (builder, filler_keys) = demoting_store(args.dram_bytes, args.shards, object_bytes, total);
+    let mut builder =
+        builder.restore_sub_batch_bytes(args.target_bytes).restore_ahead_bytes(args.ahead_bytes).gpu_staging(true);
     let dir = args.dir.join(format!("store-{object_bytes}"));
     if args.simulated {
         let faults = SimFaults { latency_us: 50, us_per_mib: args.sim_us_per_mib, ..SimFaults::default() };
@@ -268,14 +264,20 @@ fn run_size(
     };
     let base =
         RestoreOptions { target_bytes: args.target_bytes, ahead_bytes: args.ahead_bytes, ..store.restore_options() };
+    // (mode, load-only, elapsed, sub-batches) of each traced restore.
+    let traced = std::cell::RefCell::new(Vec::new());
     let restore = |mode: RestoreMode, dsts: &[Vec<Region<'_>>], transport: Option<Arc<dyn Transport>>| {
-        let mut opts = RestoreOptions { mode, ..base.clone() };
+        let mut opts = RestoreOptions { mode, trace: args.trace_file.is_some(), ..base.clone() };
+        let load_only = transport.is_some();
         if let Some(t) = transport {
             opts.host_transport = Some(t);
         }
         let started = Instant::now();
-        let report = store.restore_batch(&key_refs, dsts, &opts);
+        let mut report = store.restore_batch(&key_refs, dsts, &opts);
         let elapsed = started.elapsed();
+        if opts.trace {
+            traced.borrow_mut().push((mode, load_only, elapsed, std::mem::take(&mut report.sub_batches)));
+        }
         match report.results.iter().find(|r| r.is_err()) {
             Some(Err(e)) => Err(format!("[{label}] {mode:?} restore: {e}")),
             _ => Ok(elapsed),
@@ -297,6 +299,7 @@ fn run_size(
     pool.fill(0).map_err(|e| e.to_string())?;
     rows.push(timed("transfer-only", Box::new(|| restore(RestoreMode::Pipelined, &regions, None)))?);
     verify("transfer-only")?;
+    traced.borrow_mut().clear(); // DRAM-resident restores: not the pipeline's loads
     let dram_loads = store.stats().total.loads;
 
     // Demote the batch: filler pushes it out (LRU) and goes away.
@@ -377,6 +380,23 @@ fn run_size(
         rows.push(summarize(name, taken));
     }
     drop(modes);
+    if let Some(out) = trace_out {
+        use std::io::Write;
+        for (call, (mode, load_only, elapsed, sub_batches)) in traced.take().into_iter().enumerate() {
+            let mode = if load_only { "load-only".to_string() } else { format!("{mode:?}").to_lowercase() };
+            for t in sub_batches {
+                let line = t.to_json_line();
+                writeln!(
+                    out,
+                    "{{\"object_bytes\":{object_bytes},\"mode\":\"{mode}\",\"call\":{call},\"elapsed_us\":{},{}",
+                    elapsed.as_micros(),
+                    &line[1..]
+                )
+                .map_err(|e| e.to_string())?;
+            }
+        }
+        out.flush().map_err(|e| e.to_string())?;
+    }
     // Releases are fire-and-forget: let the shards handle them before reading the gauges.
     store.sync_shards().map_err(|e| e.to_string())?;
     let after = store.stats();

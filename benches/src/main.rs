@@ -70,6 +70,7 @@ mod pycall;
 mod reads;
 mod remote;
 mod restore;
+mod restore_rounds;
 mod ssd;
 mod start;
 mod stream;
@@ -100,6 +101,9 @@ enum Command {
     Ssd(ssd::SsdArgs),
     /// SSD-resident batch restored barrier / serialized / pipelined vs load-only and transfer-only.
     Restore(restore::RestoreArgs),
+    /// The same SSD-resident batch restored barrier vs pipelined through a modeled GPU-like
+    /// link, in rotating rounds with paired ratios (no GPU needed).
+    RestoreRounds(restore_rounds::RestoreRoundsArgs),
     /// GPU reads and gathered writes vs raw CUDA copies (build with `--features kvtide-benches/cuda`).
     #[cfg(feature = "cuda")]
     Gpu(gpu::GpuArgs),
@@ -145,6 +149,7 @@ fn main() {
         Command::AllocChurn(args) => alloc_churn::run(&args),
         Command::Ssd(args) => ssd::run(&args),
         Command::Restore(args) => restore::run(&args),
+        Command::RestoreRounds(args) => restore_rounds::run(&args),
         Command::Remote(args) => remote::run(&args),
         Command::Cluster(args) => cluster::run(&args),
         Command::Stream(args) => stream::run(&args),

@@ -73,8 +73,9 @@ pub struct RestoreArgs {
     /// Keys per sub-batch at most.
     #[arg(long, default_value_t = 64)]
     pub max_keys: usize,
-    /// Pipelined: bytes per shard one request keeps loading ahead of its transfers.
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    /// Pipelined: bytes per shard one request keeps requested ahead of its transfers (the
+    /// store's default: twice the 64 MiB of loads in flight per shard).
+    #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     pub ahead_bytes: u64,
     /// DRAM pool.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
@@ -217,18 +218,8 @@ impl Transport for SharedLink {
         };
         // SAFETY: forwarded contract.
         let results = unsafe { MemcpyTransport.submit(direction, transfers, None) }?.wait();
-        loop {
-            let now = Instant::now();
-            if now >= end {
-                return Ok(InFlight::completed(results, Summary::default()));
-            }
-            let left = end - now;
-            if left > Duration::from_micros(200) {
-                std::thread::sleep(left - Duration::from_micros(100));
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        wait_until(end);
+        Ok(InFlight::completed(results, Summary::default()))
     }
 }
 
@@ -687,6 +678,44 @@ pub(crate) fn push_to_ssd(store: &Engine, wanted: u64, filler_keys: u64) -> Resu
     }
     settle(store)?;
     Ok(put_filler)
+}
+
+/// A store for restoring one `total`-byte batch of `object_bytes` objects from the SSD: LRU and
+/// `promote_on_hit = false` (every restore reads the SSD), SSD room for the batch and the filler
+/// that demotes it (`push_to_ssd`) twice over. Returns the builder and the filler count.
+pub(crate) fn demoting_store(dram_bytes: u64, shards: usize, object_bytes: u64, total: u64) -> (StoreBuilder, u64) {
+    let filler_keys = (dram_bytes * 3 / 2).div_ceil(FILLER_BYTES);
+    let segment_bytes = 64u64 << 20;
+    let per_shard = shards.max(1) as u64;
+    let ssd_bytes = ((total + filler_keys * FILLER_BYTES) * 2 / per_shard + 4 * segment_bytes).div_ceil(segment_bytes)
+        * segment_bytes
+        * per_shard;
+    let builder = StoreBuilder::new()
+        .dram_bytes(dram_bytes)
+        .shards(shards)
+        .max_value_bytes(object_bytes.max(FILLER_BYTES))
+        .eviction(EvictionPolicy::Lru)
+        .ssd_bytes(ssd_bytes)
+        .ssd_segment_bytes(segment_bytes)
+        .promote_on_hit(false);
+    (builder, filler_keys)
+}
+
+/// Sleeps, then spins the last stretch, until `end`: a paced transfer's wake-up jitter stays
+/// under a few microseconds.
+pub(crate) fn wait_until(end: Instant) {
+    loop {
+        let now = Instant::now();
+        if now >= end {
+            return;
+        }
+        let left = end - now;
+        if left > Duration::from_micros(200) {
+            std::thread::sleep(left - Duration::from_micros(100));
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// Polls `stats()` until `done` holds (true) or `timeout` passes (false).
