@@ -518,10 +518,9 @@ impl Engine {
             }
             // One submission per route, waited for before the release.
             self.deliver(&mut targets, &slots, &grant_of, (None, &[]), &mut report.results, None);
-            drop(grant_of);
             let transfer_ended = Instant::now();
             if landed[0].trace.staging_bytes > 0 {
-                // Judged by the oldest one's wait against one sub-batch's share of the transfer.
+                // The oldest one's wait against one sub-batch's share of the submission.
                 let took = (transfer_ended - transfer_started) / u32::try_from(landed.len()).unwrap_or(u32::MAX);
                 depth = deepen(depth, Pace { waited, took, in_flight, first: !transferred_any });
                 transferred_any = true;
@@ -751,7 +750,7 @@ const FAR_BEHIND: usize = 8;
 struct Pace {
     /// How long the transfer stage waited for its loads (None: they had landed).
     waited: Option<Duration>,
-    /// How long its transfer took.
+    /// How long its transfer took: the submission's time over the sub-batches it carried.
     took: Duration,
     /// Sub-batches of the request requested and not transferred when the stage took it up
     /// (itself included).
