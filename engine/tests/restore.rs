@@ -165,7 +165,9 @@ fn a_disk_far_behind_its_link_gets_the_whole_window_after_the_first_transfer() {
     // Two deep at first ...
     assert!(loaded.iter().take(4).all(|t| depth_at(trace, t) <= 2), "{}", lines(trace));
     // ... and four deep among those requested before the second transfer ended.
-    let second_done = loaded[1].transfer_end_us;
+    let mut ends: Vec<u64> = loaded.iter().map(|t| t.transfer_end_us).collect();
+    ends.sort_unstable();
+    let second_done = ends[1];
     let early = loaded.iter().filter(|t| t.load_start_us < second_done).map(|t| depth_at(trace, t)).max();
     assert_eq!(early, Some(4), "the whole window after the first transfer: {}", lines(trace));
     assert_idle(&store);
@@ -216,6 +218,54 @@ fn a_request_at_full_depth_transfers_the_sub_batches_that_landed_in_one_submissi
     assert!(most >= Some(3), "landed sub-batches share a submission: {}", lines(trace));
     // Fewer submissions than sub-batches, every key delivered once, nothing held after.
     assert!(link.submissions.load(Ordering::SeqCst) < n, "{}", lines(trace));
+    assert_idle(&store);
+}
+
+#[test]
+fn a_sub_batch_that_lands_before_the_oldest_is_transferred_first() {
+    // Shard 0's disk is busy with another request's loads (320 ms of them), shard 1's is idle.
+    // The restore's oldest sub-batch is shard 0's; shard 1's lands long before it, and the
+    // transfer stage takes it first instead of idling the link behind the oldest.
+    let store = store(SimFaults { latency_us: 200, us_per_mib: 40_000, ..SimFaults::default() }, 16 << 20);
+    let on_shard = |shard: usize, skip: usize| (0..).map(key).filter(|k| store.shard_of(k) == shard).nth(skip);
+    let busy: Vec<Vec<u8>> = (0..8).filter_map(|i| on_shard(0, i)).collect();
+    let keys: Vec<Vec<u8>> = [on_shard(0, 8), on_shard(1, 0)].into_iter().flatten().collect();
+    assert_eq!((busy.len(), keys.len()), (8, 2));
+    for k in busy.iter().chain(&keys) {
+        store.put(k, &value_for(k, 0, MIB), PutOptions::INSERT).expect("put");
+    }
+    for f in 0..48 {
+        store.put(format!("filler/{f}").as_bytes(), &vec![1u8; MIB], PutOptions::INSERT).expect("filler");
+    }
+    store.sync_shards().expect("sync");
+    let loads_before = store.stats().shards[0].loads;
+    std::thread::scope(|scope| {
+        let busy_restore = scope.spawn(|| {
+            let mut bufs = buffers(busy.len(), MIB);
+            let opts = RestoreOptions { mode: RestoreMode::Barrier, ..store.restore_options() };
+            restore(&store, &busy, &mut bufs, &opts).results
+        });
+        // Shard 0 has the other request's loads queued before this request's.
+        let queued = std::time::Instant::now();
+        while store.stats().shards[0].loads < loads_before + busy.len() as u64 {
+            assert!(queued.elapsed() < Duration::from_secs(10), "the other request's loads never started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let opts = RestoreOptions { target_bytes: MIB as u64, trace: true, ..store.restore_options() };
+        let mut bufs = buffers(keys.len(), MIB);
+        let report = restore(&store, &keys, &mut bufs, &opts);
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(report.results[i], Ok(MIB), "key {i}");
+            assert_eq!(bufs[i], value_for(k, 0, MIB), "key {i} bytes");
+        }
+        let trace = &report.sub_batches;
+        // The trace is in plan order: shard 0's sub-batch is the oldest.
+        assert_eq!(trace.iter().map(|t| (t.index, t.shard)).collect::<Vec<_>>(), [(0, 0), (1, 1)]);
+        let start_of = |shard: usize| trace.iter().find(|t| t.shard == shard).map(|t| t.transfer_start_us);
+        assert!(start_of(1) < start_of(0), "shard 1's sub-batch went first: {}", lines(trace));
+        let busy_results = busy_restore.join().expect("the other request");
+        assert!(busy_results.iter().all(|r| *r == Ok(MIB)), "{busy_results:?}");
+    });
     assert_idle(&store);
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Owns planning (whole-object sub-batches per shard, by bytes and count), the two stages (the
 //! shards load the next sub-batches from SSD into DRAM while the calling thread transfers the
-//! oldest loaded one to its destinations), admission (two sub-batches per shard ahead of the
+//! oldest loaded one, or else the first to land, to its destinations), admission (two sub-batches per shard ahead of the
 //! transfers, deepened whenever the transfer stage waits for loads longer than a transfer takes,
 //! up to `ahead_bytes` per shard: room for the disk queue one whole-batch request gets), the credit broker
 //! that bounds staging per shard and process-wide, and the per-sub-batch lifecycle trace. It
@@ -54,7 +54,7 @@ pub struct LeasePlan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RestoreMode {
     /// Load the next sub-batches (up to `RestoreOptions::ahead_bytes` per shard) while
-    /// transferring the oldest loaded one.
+    /// transferring loaded ones: the oldest whose loads are done, else the first to land.
     Pipelined,
     /// Sub-batches one after another: load, transfer, load, transfer.
     Serialized,
@@ -481,21 +481,38 @@ impl Engine {
                     report.results[slot.list] = result;
                 }
             }
-            // Transfer stage: the oldest sub-batch, once its loads are done. At full depth (the
-            // disk far behind the link) it takes every sub-batch behind it whose loads are done
-            // too, up to `MAX_MERGED`, into the same submission: a deep queue lands its loads in
-            // bursts, and a submission per sub-batch paid its fixed cost for each (0.3 ms for a
-            // GPU one), so the burst at the end took longer than the barrier's one transfer.
-            let Some(oldest) = inflight.pop_front() else { break };
-            // This one and those requested after it.
-            let in_flight = inflight.len() + 1;
-            let waiting_since = (!oldest.pending.answered()).then(Instant::now);
-            let mut landed = vec![oldest.land()];
+            // Transfer stage: the oldest sub-batch whose loads are done, or else the first to
+            // land. The shards share one disk and each serves its own queue, so another shard's
+            // sub-batch often lands well before the oldest: taking it keeps the link busy
+            // instead of idling behind the oldest (a transfer-bound restore's whole first
+            // wait). At full depth (the disk far behind the link) it takes every sub-batch whose
+            // loads are done, up to `MAX_MERGED`, into the same submission: a deep queue lands
+            // its loads in bursts, and a submission per sub-batch paid its fixed cost for each
+            // (0.3 ms for a GPU one), so the burst at the end took longer than the barrier's one
+            // transfer.
+            if inflight.is_empty() {
+                break;
+            }
+            // The sub-batches requested and not yet transferred.
+            let in_flight = inflight.len();
+            let done = inflight.iter().position(|f| f.pending.answered());
+            let waiting_since = done.is_none().then(Instant::now);
+            let next = done.unwrap_or_else(|| {
+                let pending: Vec<&PendingLeases<'_>> = inflight.iter().map(|f| &f.pending).collect();
+                PendingLeases::first_answered(&pending)
+            });
+            let Some(first) = inflight.remove(next) else { break };
+            let mut landed = vec![first.land()];
             let waited = waiting_since.map(|since| since.elapsed());
             if depth >= MAX_DEPTH {
-                while landed.len() < MAX_MERGED && inflight.front().is_some_and(|next| next.pending.answered()) {
-                    let Some(next) = inflight.pop_front() else { break };
-                    landed.push(next.land());
+                let mut k = 0;
+                while landed.len() < MAX_MERGED && k < inflight.len() {
+                    if !inflight[k].pending.answered() {
+                        k += 1;
+                        continue;
+                    }
+                    let Some(more) = inflight.remove(k) else { break };
+                    landed.push(more.land());
                 }
             }
             let stop = cancelled();
@@ -520,7 +537,7 @@ impl Engine {
             self.deliver(&mut targets, &slots, &grant_of, (None, &[]), &mut report.results, None);
             let transfer_ended = Instant::now();
             if landed[0].trace.staging_bytes > 0 {
-                // The oldest one's wait against one sub-batch's share of the submission.
+                // The first one's wait against one sub-batch's share of the submission.
                 let took = (transfer_ended - transfer_started) / u32::try_from(landed.len()).unwrap_or(u32::MAX);
                 depth = deepen(depth, Pace { waited, took, in_flight, first: !transferred_any });
                 transferred_any = true;
@@ -553,6 +570,8 @@ impl Engine {
             }
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
+        // In plan order: sub-batches are transferred in the order they landed.
+        report.sub_batches.sort_by_key(|t| t.index);
         report.elapsed_us = us(Instant::now());
         report
     }

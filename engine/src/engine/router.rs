@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Select, Sender};
 
 use super::Engine;
 use crate::api::PutOptions;
@@ -545,6 +545,26 @@ impl<'e> PendingLeases<'e> {
     /// True when every grant is in: `wait` would not block.
     pub(crate) fn answered(&self) -> bool {
         self.fanout.answered()
+    }
+
+    /// Blocks until one of `pending` has every grant in, or a reply of one came (its shard
+    /// answered or went away); that one's position. Without a wait when one is answered already.
+    pub(crate) fn first_answered(pending: &[&PendingLeases<'_>]) -> usize {
+        if let Some(p) = pending.iter().position(|p| p.answered()) {
+            return p;
+        }
+        let mut select = Select::new();
+        let mut owners = Vec::new();
+        for (p, leases) in pending.iter().enumerate() {
+            for rx in leases.fanout.parts.iter().filter_map(|part| part.reply.as_ref().ok()) {
+                select.recv(rx);
+                owners.push(p);
+            }
+        }
+        if owners.is_empty() {
+            return 0;
+        }
+        owners.get(select.ready()).copied().unwrap_or(0)
     }
 
     /// True when some keys went to their shards by message (not readable through the
