@@ -540,7 +540,7 @@ fn run_size(
         remove_path(&dir)?;
         builder = builder.ssd_dir(&dir);
     }
-    let store = builder.open().map_err(|e| format!("open kvtide: {e}"))?;
+    let store = builder.with_env().map_err(|e| e.to_string())?.open().map_err(|e| format!("open kvtide: {e}"))?;
 
     // The batches, stamped.
     let keys: Vec<Vec<Vec<u8>>> = (0..max_c).map(|b| (0..keys_per_batch).map(|i| key_of(b, i)).collect()).collect();
