@@ -2,12 +2,12 @@
 //!
 //! Owns planning (whole-object sub-batches per shard, by bytes and count), the two stages (the
 //! shards load the next sub-batches from SSD into DRAM while the calling thread transfers the
-//! oldest loaded one, or else the first to land, to its destinations), admission (two sub-batches per shard ahead of the
-//! transfers, deepened whenever the transfer stage waits for loads longer than a transfer takes,
-//! up to `ahead_bytes` per shard: room for the disk queue one whole-batch request gets), the credit broker
-//! that bounds staging per shard and process-wide, and the per-sub-batch lifecycle trace. It
-//! never reports a key whose bytes were not all delivered, and never returns credits or leases
-//! before nothing can touch them.
+//! oldest loaded one, or else the first to land, to its destinations), admission (two
+//! sub-batches per shard ahead of the transfers, deepened whenever the transfer stage waits for
+//! loads longer than a transfer takes, up to `ahead_bytes` per shard: room for the disk queue one
+//! whole-batch request gets), the credit broker that bounds staging per shard and process-wide,
+//! and the per-sub-batch lifecycle trace. It never reports a key whose bytes were not all
+//! delivered, and never returns credits or leases before nothing can touch them.
 //!
 //! Every destination is checked up front by the transport of its route; a sub-batch is then
 //! delivered by the read path (one submission per route, waited for before its leases go).
@@ -505,13 +505,9 @@ impl Engine {
             let mut landed = vec![first.land()];
             let waited = waiting_since.map(|since| since.elapsed());
             if depth >= MAX_DEPTH {
-                let mut k = 0;
-                while landed.len() < MAX_MERGED && k < inflight.len() {
-                    if !inflight[k].pending.answered() {
-                        k += 1;
-                        continue;
-                    }
-                    let Some(more) = inflight.remove(k) else { break };
+                while landed.len() < MAX_MERGED {
+                    let Some(more) = inflight.iter().position(|f| f.pending.answered()) else { break };
+                    let Some(more) = inflight.remove(more) else { break };
                     landed.push(more.land());
                 }
             }

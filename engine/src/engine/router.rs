@@ -547,12 +547,9 @@ impl<'e> PendingLeases<'e> {
         self.fanout.answered()
     }
 
-    /// Blocks until one of `pending` has every grant in, or a reply of one came (its shard
-    /// answered or went away); that one's position. Without a wait when one is answered already.
+    /// For callers that found none of `pending` answered: blocks until a reply of one comes (its
+    /// shard answered, or went away) and gives that one's position.
     pub(crate) fn first_answered(pending: &[&PendingLeases<'_>]) -> usize {
-        if let Some(p) = pending.iter().position(|p| p.answered()) {
-            return p;
-        }
         let mut select = Select::new();
         let mut owners = Vec::new();
         for (p, leases) in pending.iter().enumerate() {
