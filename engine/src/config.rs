@@ -102,7 +102,7 @@ crate::settings_group! {
         /// Device buffer of each stream-bound staging unit. Default 32 MiB.
         stream_unit_bytes: u64 = 32 << 20, Bytes, eg "64MiB";
         /// Backstop for a stream-bound read whose stream never passes its copies: after this
-        /// long its leases are released and the read reported failed (`Timeout`). Default 60 s.
+        /// long its leases are released and the read reported failed (`StreamExpired`). Default 60 s.
         stream_ttl_ms: u64 = 60_000, Count, eg "10000";
     }
 }

@@ -5,8 +5,11 @@
 //! directly, and it never reports a key as done before every one of its bytes was copied. The
 //! concerns live in submodules: `open` (start-up), `router` (fan-out to shards, lease and
 //! reservation guards), `transports` (which transport reaches which memory), `read` and `write`
-//! (the one read and one write path), `restore` (pipelined SSD restores), `store` (the `Store`
-//! API over them) and `gpu` (GPU setup and counters).
+//! (the one read and one write path), `parts` (how a gathered GPU write is cut into parts),
+//! `fanout` (a large call's per-page host work spread over a few threads), `restore` (pipelined
+//! SSD restores), `stream` (chunked reads behind a `ChunkHandle`), `progressive` (puts published
+//! after their chunks landed), `on_stream` (reads on the caller's device stream), `store` (the
+//! `Store` API over them) and `gpu` (GPU setup and counters).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
