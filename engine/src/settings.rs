@@ -73,6 +73,7 @@ pub const NON_SETTING_VARIABLES: &[(&str, &str)] = &[
     ("KVTIDE_TOKEN_FILE", "token file RemoteStore::connect authenticates with"),
     ("KVTIDE_TIMEOUT_MS", "RemoteStore::connect's request deadline"),
     ("KVTIDE_SHARED_MEMORY", "whether RemoteStore::connect maps the owner's arena"),
+    ("KVTIDE_ADDRESS", "the owner the SGLang and vLLM adapters connect to"),
     ("KVTIDE_CUDA_PROFILE", "GPU timelines of staged transfers (benchmarks)"),
     ("KVTIDE_FUZZ_RUNS", "runs per fuzz target in CI"),
     ("KVTIDE_WRITE_FUZZ_SEEDS", "regenerates the protocol fuzz seeds (ignored test)"),
@@ -411,6 +412,7 @@ mod tests {
         assert_eq!(closest("KVTIDE_SHARDS", "_SHARDS", names), Some("KVTIDE_RUNTIME_SHARDS"));
         assert_eq!(closest("KVTIDE_DRAM_BYTE", "_BYTE", names), Some("KVTIDE_DRAM_BYTES"));
         assert!(is_non_setting_variable("KVTIDE_SIM_SEEDS") && is_non_setting_variable("KVTIDE_LOG"));
+        assert!(is_non_setting_variable("KVTIDE_ADDRESS"), "the adapters' variable is never refused");
         assert!(!is_non_setting_variable("KVTIDE_LOGS"));
     }
 }

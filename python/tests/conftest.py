@@ -48,7 +48,9 @@ class Owner:
                 "--shards", "2", *extra]
         args += ["--ssd-bytes", ssd] if ssd else ["--no-ssd"]
         env = dict(os.environ, KVTIDE_LOG="warn", KVTIDE_RUNTIME_PIN_THREADS="false")
-        env.pop("KVTIDE_OWNER_BIN", None)  # the owner refuses KVTIDE_* variables it does not know
+        # These two are this file's, not the owner's: it refuses KVTIDE_OWNER_* variables it does not know.
+        env.pop("KVTIDE_OWNER_BIN", None)
+        env.pop("KVTIDE_OWNER_FROM_PATH", None)
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL)
         self.unix = f"unix:{self.dir / 'owner.sock'}"
         self.tcp = f"127.0.0.1:{self.port}"

@@ -340,3 +340,29 @@ def test_stream_bound_needs_cuda(store, k):
         t = store.get_into_ranges_on_stream([dst], [[(k("gpu"), 0, 0, 3)]], stream)
         assert t.results() == [3] and dst.tobytes() == b"abc"
     store.remove(k("gpu"))
+
+
+def test_client_variables_are_not_refused_as_settings(monkeypatch, owner):
+    """KVTIDE_ADDRESS (the adapters' variable) and this suite's own variables are not settings:
+    neither the embedded engine nor the owner refuses to start because they are set."""
+    monkeypatch.setenv("KVTIDE_ADDRESS", owner.unix)
+    monkeypatch.setenv("KVTIDE_OWNER_FROM_PATH", "1")
+    with kvtide.Store(env=True, dram_bytes="16MiB", shards=1, pin_threads=False) as s:
+        s.put("k", b"v")
+        assert s.get("k") == b"v"
+    monkeypatch.setenv("KVTIDE_DRAM_BYTEZ", "1GiB")
+    with pytest.raises(kvtide.InvalidArgument, match="KVTIDE_DRAM_BYTEZ"):
+        kvtide.Store(env=True, dram_bytes="16MiB", shards=1, pin_threads=False)
+
+
+def test_the_owner_starts_with_the_adapters_variable_set(monkeypatch):
+    from conftest import Owner
+
+    monkeypatch.setenv("KVTIDE_ADDRESS", "unix:/nonexistent/owner.sock")
+    o = Owner(dram="16MiB")
+    try:
+        with kvtide.connect(o.unix) as s:
+            s.put("k", b"v")
+            assert s.get("k") == b"v"
+    finally:
+        o.stop()
