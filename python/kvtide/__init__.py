@@ -16,6 +16,7 @@ from kvtide._kvtide import (  # noqa: F401
     Busy,
     Cancelled,
     ChunkHandle,
+    Hold,
     Corrupted,
     CudaError,
     CudaUnavailable,

@@ -7,6 +7,7 @@ mod buffers;
 mod errors;
 mod gpu;
 mod handles;
+mod hold;
 mod ops;
 mod store;
 
@@ -26,6 +27,7 @@ fn _kvtide(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handles::ChunkHandle>()?;
     m.add_class::<handles::PutStream>()?;
     m.add_class::<handles::StreamTicket>()?;
+    m.add_class::<hold::Hold>()?;
     m.add_function(wrap_pyfunction!(store::connect, m)?)?;
     m.add_function(wrap_pyfunction!(store::connect_cluster, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;

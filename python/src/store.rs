@@ -14,6 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use crate::buffers::{self, Buf, Use};
 use crate::errors::{self, invalid, to_py};
 use crate::handles::{ChunkHandle, Handle, PutStream, PutStreamInner, StreamTicket, Ticket};
+use crate::hold::{EmbeddedHolds, Hold};
 
 /// The store behind a `kvtide.Store`.
 pub enum Backend {
@@ -23,7 +24,7 @@ pub enum Backend {
 }
 
 /// The error of an operation a cluster store does not route (it spans owners).
-fn not_on_cluster(what: &str) -> R {
+pub fn not_on_cluster(what: &str) -> R {
     R::Store(kvtide::Error::InvalidArgument(format!(
         "{what} is not available through a cluster store (kvtide.connect_cluster); connect to one owner with \
          kvtide.connect for it"
@@ -63,9 +64,15 @@ pub fn lift_all<T, E: Into<R>>(rs: Vec<Result<T, E>>) -> Vec<Result<T, R>> {
 pub struct PyStore {
     backend: RwLock<Option<Arc<Backend>>>,
     remote: bool,
+    /// The embedded store's holds (`hold`): their bound and count.
+    holds: Arc<EmbeddedHolds>,
 }
 
 impl PyStore {
+    fn with(backend: Backend, remote: bool) -> PyStore {
+        PyStore { backend: RwLock::new(Some(Arc::new(backend))), remote, holds: Arc::default() }
+    }
+
     /// The store, or `ShuttingDown` once closed.
     pub fn backend(&self) -> PyResult<Arc<Backend>> {
         let guard = self.backend.read().unwrap_or_else(|p| p.into_inner());
@@ -199,7 +206,7 @@ impl PyStore {
     #[pyo3(signature = (config=None, *, env=false, **settings))]
     fn new(config: Option<String>, env: bool, settings: Option<&Bound<'_, PyDict>>) -> PyResult<PyStore> {
         let engine = open_embedded(config, env, settings)?;
-        Ok(PyStore { backend: RwLock::new(Some(Arc::new(Backend::Embedded(Box::new(engine))))), remote: false })
+        Ok(PyStore::with(Backend::Embedded(Box::new(engine)), false))
     }
 
     /// True when this store is served by an owner process.
@@ -536,20 +543,47 @@ impl PyStore {
     /// credits, chunk handles, stream-bound reads), as a dict.
     fn held_resources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let b = self.backend()?;
-        let held = py
-            .detach(move || {
-                // Leases given back through the shards are one-way messages: read the gauges
-                // once the shards handled what this store sent them (a remote owner does the
-                // same before it answers).
-                if let Backend::Embedded(e) = &*b {
+        let registry = Arc::clone(&self.holds);
+        let (held, (holds, held_keys)) = py.detach(move || {
+            // Leases given back through the shards, and hold releases on the owner's hold
+            // connection, are one-way messages: read the gauges once they were handled (a
+            // remote owner syncs its shards before it answers).
+            let holds = match &*b {
+                Backend::Embedded(e) => {
                     let _ = e.sync_shards();
+                    registry.count()
                 }
-                with_store!(b, |s| s.stats())
-            })
-            .held_resources();
-        // Every gauge of `HeldResources`, by its field name.
-        let json = serde_json::to_string(&held).map_err(|e| invalid(format!("held resources: {e}")))?;
-        py.import("json")?.call_method1("loads", (json,))
+                Backend::Remote(r) => {
+                    r.confirm_hold_releases();
+                    r.holds_held()
+                }
+                Backend::Cluster(_) => (0, 0),
+            };
+            (with_store!(b, |s| s.stats()).held_resources(), holds)
+        });
+        // Every gauge of `HeldResources`, by its field name, and this store's holds.
+        let mut json = serde_json::to_value(held).map_err(|e| invalid(format!("held resources: {e}")))?;
+        if let Some(map) = json.as_object_mut() {
+            map.insert("holds".into(), holds.into());
+            map.insert("held_keys".into(), held_keys.into());
+        }
+        py.import("json")?.call_method1("loads", (json.to_string(),))
+    }
+
+    /// Takes read leases on the present keys of `keys` and keeps them until `Hold.release()`,
+    /// `ttl_ms`, `close()` or (through an owner) the loss of the connection holding them:
+    /// while held, an object stays in place and cannot be evicted. Returns a `Hold` with one
+    /// result per key (the object's size, or the exception: `NotFound`, `Busy` past the bound).
+    /// Embedded: at most 65,536 keys held per store. Through an owner: needs its Unix socket
+    /// with shared memory (else `InvalidArgument`), at most its `max_leases_per_connection`
+    /// keys, and the TTL is capped by its `lease_ttl_ms`. A cluster store raises
+    /// `InvalidArgument`. `hold([])` only checks that holds are possible.
+    #[pyo3(signature = (keys, ttl_ms=30_000))]
+    fn hold(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, ttl_ms: u64) -> PyResult<Hold> {
+        let keys = buffers::keys(keys)?;
+        let b = self.backend()?;
+        let registry = Arc::clone(&self.holds);
+        py.detach(move || Hold::take(b, &registry, keys, ttl_ms)).map_err(|e| to_py(&e))
     }
 
     /// Non-blocking `batch_get_into_multi_buffers`: returns a `Ticket` at once. The
@@ -724,9 +758,16 @@ impl PyStore {
     fn close(&self, py: Python<'_>) {
         let taken = self.backend.write().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(b) = taken {
+            let registry = Arc::clone(&self.holds);
             py.detach(move || {
-                if let Backend::Embedded(e) = &*b {
-                    e.shutdown();
+                // Holds end with the store (a `Hold` may outlive it).
+                match &*b {
+                    Backend::Embedded(e) => {
+                        registry.close();
+                        e.shutdown();
+                    }
+                    Backend::Remote(r) => r.close_holds(),
+                    Backend::Cluster(_) => {}
                 }
                 drop(b);
             });
@@ -933,7 +974,7 @@ pub fn connect_cluster(
         o.etcd.timeout_ms = v;
     }
     let store = py.detach(move || ClusterStore::connect(o)).map_err(cluster_error)?;
-    Ok(PyStore { backend: RwLock::new(Some(Arc::new(Backend::Cluster(Box::new(store))))), remote: true })
+    Ok(PyStore::with(Backend::Cluster(Box::new(store)), true))
 }
 
 /// `connect(address, *, token=None, token_file=None, timeout_ms=30000, ...)`: a store served by
@@ -996,5 +1037,5 @@ pub fn connect(
         o.gpu.staging = v;
     }
     let store = py.detach(move || RemoteStore::connect_with(&address, o)).map_err(|e| to_py(&e))?;
-    Ok(PyStore { backend: RwLock::new(Some(Arc::new(Backend::Remote(store)))), remote: true })
+    Ok(PyStore::with(Backend::Remote(store), true))
 }

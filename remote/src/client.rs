@@ -1,8 +1,9 @@
 //! `RemoteStore`: the `Store` API over a connection to a `kvtide-owner`, so code written
 //! against the embedded engine runs unchanged against a shared one.
 //!
-//! It owns a pool of connections (reused across calls, one per concurrent caller), the
-//! read-only mapping of the owner's arena (Unix socket), and the client half of the protocol.
+//! It owns a pool of connections (reused across calls, one per concurrent caller; holds keep a
+//! connection of their own, `client/hold.rs`), the read-only mapping of the owner's arena (Unix
+//! socket), and the client half of the protocol.
 //! Gets over a Unix socket are one copy: the owner leases the object and names its offset in
 //! the shared arena, the client copies it into the caller's buffer and releases the lease.
 //! Elsewhere values stream in chunks straight into the caller's buffers. Every request has a
@@ -37,6 +38,8 @@ use crate::error::{Error, Result};
 
 mod batch;
 mod gpu;
+mod hold;
+pub use hold::HoldGranted;
 mod on_stream;
 mod stream;
 use batch::PutSource;
@@ -191,6 +194,8 @@ struct Inner {
     last_max_leases: AtomicU64,
     /// Lease releases sent and not yet known applied by the owner.
     releases: Arc<Releases>,
+    /// Leases callers keep across calls (`RemoteStore::hold`), on a connection of their own.
+    holds: hold::Holds,
 }
 
 /// Lease releases this client sent that the owner may not have applied yet. A release has no
@@ -335,6 +340,7 @@ impl RemoteStore {
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
             releases: Arc::default(),
+            holds: hold::Holds::default(),
         });
         let conn = inner.open()?;
         inner.checkin(conn);
@@ -397,6 +403,8 @@ impl Inner {
         if through == 0 {
             return false;
         }
+        // The hold connection is never pooled: confirm its releases here.
+        self.holds.confirm(self);
         let flagged: Vec<Conn> = {
             let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
             let (flagged, rest): (Vec<Conn>, Vec<Conn>) = pool.drain(..).partition(|c| !c.unconfirmed.is_empty());

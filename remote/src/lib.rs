@@ -23,7 +23,7 @@ mod sock;
 mod wire;
 
 pub use auth::Token;
-pub use client::{ClientOptions, RemotePutStream, RemoteStore};
+pub use client::{ClientOptions, HoldGranted, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
 pub use metrics::{MetricsServer, RequestLatency};

@@ -467,7 +467,7 @@ impl RemoteStore {
 impl Conn {
     /// One `Get` in lease mode for every item, answered by one `Grants` frame.
     #[allow(clippy::type_complexity)]
-    fn lease_all(
+    pub(super) fn lease_all(
         &mut self,
         rid: u64,
         items: Vec<GetItem<'_>>,
