@@ -33,8 +33,8 @@ batches past the owner's item limit), which leases every rank's object of each c
 step's lookups answer from that result: a chunk is a ``HIT`` only when every rank's object is
 held. The hold keeps the objects in place until vLLM's ``complete_load`` (or the request ends,
 or ``kvtide_hold_ttl_ms`` passes), so an eviction between lookup and load cannot fail the load.
-Stores without holds (TCP, cluster stores) fall back to one ``batch_exists``; then a chunk
-evicted before its load fails that load, which is reported, never hidden.
+Stores without holds (cluster stores) fall back to one ``batch_exists``; then a chunk evicted
+before its load fails that load, which is reported, never hidden.
 
 Stores are whole chunks only; an object that already exists counts as stored only when its
 size is the size this worker would have written (``settle_puts``). Loads check every object's
@@ -114,7 +114,7 @@ _KVTIDE_KEYS = {
     "kvtide_cache_tag": "string naming the model's KV instead of the model name and revision",
     "kvtide_hold_ttl_ms": "how long a lookup's hold keeps chunks in place (1000..3600000, default 30000)",
     "kvtide_threads": "worker transfer threads (1..64, default 4)",
-    "kvtide_require_hold": "refuse stores that cannot hold chunks (TCP, clusters) (default false)",
+    "kvtide_require_hold": "refuse stores that cannot hold chunks (cluster stores) (default false)",
 }
 # A HIT is answered only this long before its hold ends; later the chunk is looked up again.
 _HOLD_MARGIN_S = 2.0
@@ -355,8 +355,8 @@ class KvtideOffloadingSpec(OffloadingSpec):
             if settings.require_hold:
                 self.close()
                 raise ConfigError("kvtide.vllm: kvtide_require_hold is set but this store cannot hold chunks "
-                                  "(holds need an embedded store or the owner's Unix socket with shared memory)")
-            logger.warning("kvtide.vllm: this store cannot hold chunks (TCP or cluster): a chunk evicted between "
+                                  "(holds need an embedded store or a kvtide-owner; a cluster store has none)")
+            logger.warning("kvtide.vllm: this store cannot hold chunks (a cluster store): a chunk evicted between "
                            "lookup and load fails that load (reported, and recomputed by vLLM)")
 
     def _use(self):

@@ -1,5 +1,5 @@
 """Store.hold, the read leases kvtide.vllm keeps from a lookup to its load, on the embedded
-store and through an owner (Unix socket with shared memory; TCP refuses with a typed error):
+store and through an owner (Unix socket with shared memory, and TCP):
 per-key results, partial and whole release, a held object surviving a flood and a forced-free
 remove attempt, the TTL, close, and held_resources counting holds and back to zero."""
 
@@ -11,9 +11,9 @@ import kvtide
 from conftest import embedded_store, wait_idle
 
 
-@pytest.fixture(params=["embedded", "unix"])
+@pytest.fixture(params=["embedded", "unix", "tcp"])
 def holder(request, owner):
-    s = embedded_store() if request.param == "embedded" else owner.connect("unix")
+    s = embedded_store() if request.param == "embedded" else owner.connect(request.param)
     yield s
     held = wait_idle(s)
     s.close()
@@ -88,9 +88,31 @@ def test_a_held_object_survives_a_flood():
     s.close()
 
 
-def test_tcp_refuses_holds(owner, k):
-    s = owner.connect("tcp")
-    for keys in ([k("a")], []):
-        with pytest.raises(kvtide.InvalidArgument, match="shared memory"):
-            s.hold(keys)
-    s.close()
+def test_a_held_object_survives_another_clients_flood_over_tcp(k):
+    """A TCP client cannot map the arena, yet its hold keeps objects in place as well."""
+    from conftest import Owner
+
+    o = Owner(dram="8MiB")
+    try:
+        s, flooder = o.connect("tcp"), o.connect("unix")
+        value = b"v" * (256 << 10)
+        keep = [k(f"keep/{i}") for i in range(8)]
+        for key in keep:
+            s.put(key, value)
+        h = s.hold(keep[:4], ttl_ms=30_000)
+        assert h.results == [len(value)] * 4
+        for i in range(128):  # 32 MiB through 8 MiB of DRAM
+            try:
+                flooder.put(k(f"flood/{i}"), value)
+            except kvtide.KvtideError:
+                pass
+        present = s.batch_exists(keep)
+        assert present[:4] == [True] * 4, "held objects stay"
+        assert present[4:] == [False] * 4, "the flood evicted the others"
+        assert s.get(keep[0]) == value
+        h.release()
+        assert all(v == 0 for v in wait_idle(s).values())
+        s.close()
+        flooder.close()
+    finally:
+        o.stop()

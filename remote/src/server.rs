@@ -1235,13 +1235,19 @@ impl Connection<'_> {
     }
 
     /// `Get` in lease mode: one grant (or error) per key; the client copies from its mapping.
+    /// A lease-mode `Get`: the items leased to this connection until released. On a connection
+    /// with the arena mapped, the client copies from the granted ranges; elsewhere (TCP, or a
+    /// Unix client without the mapping) a lease only holds the object in place (a client's hold,
+    /// bounded like every lease) and its grant carries the length with offset 0: a connection
+    /// that cannot map the arena learns nothing of where objects lie in it.
     fn grant(&mut self, rid: u64, items: &[GetItem<'_>]) {
-        if let Err(e) = self.check_shared() {
-            self.push_error(Op::Error, rid, WHOLE_REQUEST, &e.into());
-            return;
-        }
+        let mapped = self.check_shared().is_ok();
         let all: Vec<usize> = (0..items.len()).collect();
-        let grants: Vec<Result<Grant>> = self.lease_items(items, &all).into_iter().map(|(_, g)| g).collect();
+        let grants: Vec<Result<Grant>> = self
+            .lease_items(items, &all)
+            .into_iter()
+            .map(|(_, g)| g.map(|g| if mapped { g } else { Grant { offset: 0, ..g } }))
+            .collect();
         let ttl_ms = self.config().lease_ttl_ms;
         let start = self.io.begin(Op::Grants, rid);
         encode_grants(self.io.out(), ttl_ms, &grants);

@@ -1,7 +1,8 @@
 //! `RemoteStore::hold` through a real owner on loopback: held objects survive a flood of other
 //! writes that evicts everything else; per-key results (missing, bad and past-the-limit keys);
 //! partial and whole releases; the TTL (the reaper gives the leases back); `close_holds`, a
-//! dropped client and a restarted owner end every hold; TCP refuses holds with a typed error.
+//! dropped client and a restarted owner end every hold; holds over TCP and without the arena
+//! mapping.
 //! After each, the owner and its engine hold no lease.
 
 #[path = "../../engine/tests/common/mod.rs"]
@@ -254,26 +255,43 @@ fn close_a_dropped_client_and_a_restarted_owner_end_every_hold() {
 }
 
 #[test]
-fn tcp_refuses_holds_with_a_typed_error() {
+fn holds_work_without_the_arena_mapping_over_tcp_and_unix() {
+    // A client that cannot map the arena (TCP, or a Unix client with shared memory off) holds
+    // objects in place just the same; its grants carry lengths only.
     let dir = temp_dir("tcp");
-    let engine = engine(16 << 20);
+    let engine = engine(8 << 20);
     let owner = owner_with(&engine, &dir, |_| {});
     let addr = owner.tcp_addr().expect("tcp");
-    let store = RemoteStore::connect_with(&addr.to_string(), options()).expect("connect tcp");
-    write(&store, 0, 1);
-    for keys in [vec![key(0)], vec![]] {
-        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-        match store.hold(&refs, 30_000) {
-            Err(Error::Store(StoreError::InvalidArgument(msg))) => assert!(msg.contains("shared memory"), "{msg}"),
-            other => panic!("expected InvalidArgument, got {other:?}"),
-        }
-    }
+    let tcp = RemoteStore::connect_with(&addr.to_string(), options()).expect("connect tcp");
     let unix_no_shm = RemoteStore::connect_with(
         &owner.unix_path().expect("unix").display().to_string(),
         ClientOptions { shared_memory: false, ..options() },
     )
     .expect("connect");
-    assert!(matches!(unix_no_shm.hold(&[&key(0)], 30_000), Err(Error::Store(StoreError::InvalidArgument(_)))));
+    assert!(!tcp.uses_shared_memory() && !unix_no_shm.uses_shared_memory());
+    write(&tcp, 0, 8);
+    let held_keys: Vec<Vec<u8>> = (0..4).map(key).collect();
+    let free_keys: Vec<Vec<u8>> = (4..8).map(key).collect();
+    let tcp_refs: Vec<&[u8]> = held_keys[..2].iter().map(Vec::as_slice).collect();
+    let unix_refs: Vec<&[u8]> = held_keys[2..].iter().map(Vec::as_slice).collect();
+    let tcp_hold = tcp.hold(&tcp_refs, 30_000).expect("hold over tcp");
+    let unix_hold = unix_no_shm.hold(&unix_refs, 30_000).expect("hold over unix without the mapping");
+    for hold in [&tcp_hold, &unix_hold] {
+        assert!(hold.results.iter().all(|r| matches!(r, Ok(n) if *n == VALUE as u64)), "{:?}", hold.results);
+    }
+    owner.engine().sync_shards().expect("sync");
+    assert_eq!(outstanding(&owner), 4);
+
+    let other = unix_client(&owner);
+    write(&other, 100, 4 * (8 << 20) / VALUE);
+    assert_eq!(present(&tcp, &free_keys), 0, "the flood evicted the objects nobody held");
+    assert_eq!(present(&tcp, &held_keys), 4, "held objects stay");
+    for (i, k) in held_keys.iter().enumerate() {
+        assert_eq!(tcp.get(k).expect("held object reads"), value_for(k, i as u64, VALUE));
+    }
+    assert_eq!(tcp.release_hold(tcp_hold.id, None), 2);
+    tcp.confirm_hold_releases();
+    drop(unix_no_shm);
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }

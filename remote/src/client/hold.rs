@@ -5,8 +5,8 @@
 //! owner keeps a connection's leases until they are released or the connection closes), the
 //! lease-mode `Get` that takes a hold's leases on it, the one-way `Release` that gives them back
 //! (`release_hold`, the TTL, `close_holds`), the reaper thread that releases holds whose TTL
-//! passed, and the count of what is held. Holds need the owner's shared memory (a Unix socket):
-//! the owner grants leases only there. It never reports a key held after the hold's TTL, after
+//! passed, and the count of what is held. Holds work on every connection to an owner: one that
+//! cannot map the arena (TCP) gets grants with lengths only. It never reports a key held after the hold's TTL, after
 //! its release, or after the connection that held it was lost (then every hold on it is lost
 //! at once, and the owner has dropped their leases).
 
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use kvtide::Error as StoreError;
 
 use super::{batches, Conn, Inner, RemoteStore, LEASE_MARGIN};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::protocol::{GetItem, LenCheck};
 use crate::wire::WireError;
 
@@ -157,9 +157,9 @@ impl RemoteStore {
     /// `ttl_ms` (at most the owner's `lease_ttl_ms` less a margin), `close_holds` or the loss of
     /// the connection holding them: while held, an object stays in place (the owner cannot
     /// evict it). One result per key: the object's length, or why it is not held (`NotFound`,
-    /// `Busy` past the owner's `max_leases_per_connection`, ...). Needs the owner's shared
-    /// memory (a Unix socket with `shared_memory` on); elsewhere the whole call fails with
-    /// `InvalidArgument`. An empty `keys` only checks that holds are possible.
+    /// `Busy` past the owner's `max_leases_per_connection`, ...). Works over TCP and Unix
+    /// sockets alike (an owner of an earlier version refuses it without the arena mapped). An
+    /// empty `keys` only checks that holds are possible.
     pub fn hold(&self, keys: &[&[u8]], ttl_ms: u64) -> Result<HoldGranted> {
         if ttl_ms == 0 || ttl_ms > MAX_HOLD_TTL_MS {
             return Err(StoreError::InvalidArgument(format!(
@@ -188,11 +188,8 @@ impl RemoteStore {
                 Some(c) => (c, true),
                 None => (self.inner.open()?, false),
             };
-            let Some(mapping) = conn.shm.clone() else {
-                // Kept: a later hold fails the same way without reconnecting.
-                st.conn = Some(conn);
-                return Err(no_shared_memory());
-            };
+            // Without the arena mapped the grants carry lengths only (offset 0).
+            let arena_bytes = conn.shm.as_ref().map_or(u64::MAX, |m| m.len());
             let owner_ttl = Duration::from_millis(u64::from(conn.hello.lease_ttl_ms)).saturating_sub(LEASE_MARGIN);
             let ttl = Duration::from_millis(ttl_ms).min(owner_ttl);
             if ttl.is_zero() {
@@ -208,7 +205,7 @@ impl RemoteStore {
                 let items: Vec<GetItem<'_>> =
                     valid[start..end].iter().map(|&i| GetItem { key: keys[i], check: LenCheck::Any }).collect();
                 let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
-                match conn.lease_all(rid, items, mapping.len()) {
+                match conn.lease_all(rid, items, arena_bytes) {
                     Ok(Ok((_, grants))) => {
                         for (&i, grant) in valid[start..end].iter().zip(grants) {
                             match grant {
@@ -345,13 +342,4 @@ impl RemoteStore {
         st.closed = true;
         holds.wake.notify_all();
     }
-}
-
-fn no_shared_memory() -> Error {
-    StoreError::InvalidArgument(
-        "holds need the owner's shared memory: the owner leases objects only to clients on its Unix socket with \
-         shared memory (connect with \"unix:/path\" and shared_memory on); over TCP nothing can be held"
-            .into(),
-    )
-    .into()
 }
