@@ -1234,7 +1234,6 @@ impl Connection<'_> {
         Ok(Flow::Continue)
     }
 
-    /// `Get` in lease mode: one grant (or error) per key; the client copies from its mapping.
     /// A lease-mode `Get`: the items leased to this connection until released. On a connection
     /// with the arena mapped, the client copies from the granted ranges; elsewhere (TCP, or a
     /// Unix client without the mapping) a lease only holds the object in place (a client's hold,

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use common::value_for;
 use kvtide::{Engine, Error as StoreError, Fragment, PutOptions, Region, RegionError, Store, StoreBuilder};
 use kvtide_remote::protocol::{
-    decode_error_frame, decode_object, decode_statuses, frame, FrameHeader, GetItem, Hello, HelloOk, LenCheck, Limits,
-    Op, PutHead, PutItem, RangeItem, Request, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES,
-    PROTOCOL_VERSION,
+    decode_error_frame, decode_grants, decode_object, decode_statuses, frame, FrameHeader, GetItem, Hello, HelloOk,
+    LenCheck, Limits, Op, PutHead, PutItem, RangeItem, Request, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
+    MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
 
@@ -1338,12 +1338,19 @@ fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
     };
     let owner = Owner::start(Arc::clone(&engine), config).expect("owner");
 
-    // A client that asks for the arena gets no descriptor, and lease-mode gets are refused.
+    // A client that asks for the arena gets no descriptor. A lease-mode get only holds the
+    // object (a client's hold): its grant carries the length, never where the object lies.
     let (mut raw, hello, fd) = shm_handshake(&owner);
     assert!(fd.is_none(), "no descriptor crosses the socket");
     assert_eq!((hello.flags & HELLO_SHM_ATTACHED, hello.arena_bytes), (0, 0));
-    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"k", check: LenCheck::Any }] }, 1);
-    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    engine.put(b"held", &[7u8; 4096], PutOptions::INSERT).expect("put");
+    raw.request(&Request::Get { lease: true, items: vec![GetItem { key: b"held", check: LenCheck::Any }] }, 1);
+    let (h, payload) = raw.recv().expect("a reply");
+    assert_eq!(h.op, Op::Grants);
+    let (_, grants) = decode_grants(&payload, 16, u64::MAX).expect("grants");
+    let grant = grants[0].as_ref().expect("held");
+    assert_eq!((grant.offset, grant.len), (0, 4096), "no arena offset for a connection without the arena");
+    raw.request(&Request::Release { leases: vec![grant.lease] }, 2);
     drop(raw);
 
     // RemoteStore notices and streams: every read and write still works.
@@ -1360,7 +1367,7 @@ fn with_the_arena_unshared_unix_clients_get_no_descriptor_and_socket_copies() {
     let r = store.get_into_ranges(&[Region::host(&mut part)], &[vec![Fragment::new(b"k".to_vec(), 1000, 0, 100)]]);
     assert_eq!(r, vec![vec![Ok(100)]]);
     assert_eq!(part, value[1000..1100]);
-    assert_eq!(owner.counters().leases_granted.load(Ordering::SeqCst), 0, "nothing was read through the arena");
+    assert_eq!(owner.counters().leases_granted.load(Ordering::SeqCst), 1, "only the hold leased: reads streamed");
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }
