@@ -3,6 +3,7 @@ Mooncake's setup with an etcd:// address. Skipped without an etcd binary, except
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -41,32 +42,46 @@ def cluster():
     env = dict(os.environ, KVTIDE_LOG="warn", KVTIDE_RUNTIME_PIN_THREADS="false")
     env.pop("KVTIDE_OWNER_BIN", None)
     owners = []
-    for oid in ("a", "b"):
-        owners.append(subprocess.Popen(
-            [owner_binary(), "--data-dir", str(root / oid), "--tcp", f"127.0.0.1:{free_port()}", "--token-file",
-             str(token), "--dram-bytes", "64MiB", "--no-ssd", "--shards", "1", "--cluster", endpoint,
-             "--cluster-name", "py", "--cluster-id", oid, "--cluster-lease-ttl-s", "2"],
-            env=env, stdout=subprocess.DEVNULL))
-    deadline = time.time() + 60
-    while True:
-        try:
-            store = kvtide.connect_cluster(endpoint, "py", token_file=str(token))
-            if len(store.cluster_info()["members"]) == 2:
-                store.close()
+    try:
+        # An owner refuses to start while etcd does not answer: wait for etcd first.
+        etcd_deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", client), timeout=1).close()
                 break
-            store.close()
-        except kvtide.KvtideError:
-            pass
-        assert time.time() < deadline, "the cluster did not come up"
-        assert all(o.poll() is None for o in owners), "an owner exited"
-        time.sleep(0.1)
-    yield endpoint, str(token)
-    for o in owners:
-        o.terminate()
-        o.wait()
-    etcd.kill()
-    etcd.wait()
-    shutil.rmtree(root, ignore_errors=True)
+            except OSError:
+                assert etcd.poll() is None, "etcd exited at start"
+                assert time.time() < etcd_deadline, "etcd did not start listening"
+                time.sleep(0.05)
+        for oid in ("a", "b"):
+            owners.append(subprocess.Popen(
+                [owner_binary(), "--data-dir", str(root / oid), "--tcp", f"127.0.0.1:{free_port()}", "--token-file",
+                 str(token), "--dram-bytes", "64MiB", "--no-ssd", "--shards", "1", "--cluster", endpoint,
+                 "--cluster-name", "py", "--cluster-id", oid, "--cluster-lease-ttl-s", "2"],
+                env=env, stdout=subprocess.DEVNULL, stderr=open(root / f"owner-{oid}.log", "wb")))
+        deadline = time.time() + 60
+        while True:
+            try:
+                store = kvtide.connect_cluster(endpoint, "py", token_file=str(token))
+                if len(store.cluster_info()["members"]) == 2:
+                    store.close()
+                    break
+                store.close()
+            except kvtide.KvtideError:
+                pass
+            assert time.time() < deadline, "the cluster did not come up"
+            for oid, o in zip("ab", owners):
+                # The owner's own words say why (a port taken meanwhile, etcd not up yet, ...).
+                assert o.poll() is None, f"owner {oid} exited: {(root / f'owner-{oid}.log').read_text()[-2000:]}"
+            time.sleep(0.1)
+        yield endpoint, str(token)
+    finally:
+        for o in owners:
+            o.terminate()
+            o.wait()
+        etcd.kill()
+        etcd.wait()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])
