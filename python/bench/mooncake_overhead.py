@@ -29,7 +29,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +36,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "python" / "bench"))
 
-import kvtide  # noqa: E402
 from kvtide.mooncake import MooncakeDistributedStore  # noqa: E402
+from owner_process import OwnerProcess  # noqa: E402
 
 VALUE = 4096
 
@@ -55,6 +55,8 @@ def owner_binary(given):
 
 
 class Owner:
+    """A kvtide-owner (DRAM only) on a temporary directory, on a Unix socket and on TCP."""
+
     def __init__(self, binary):
         self.dir = Path(tempfile.mkdtemp(prefix="kvtide-bench-owner-"))
         with socket.socket() as s:
@@ -65,21 +67,12 @@ class Owner:
         self.token_file = str(self.dir / "token")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIDE_")}
         env.update(KVTIDE_LOG="warn")
-        self.proc = subprocess.Popen([binary, "--data-dir", str(self.dir), "--tcp", self.tcp, "--dram-bytes", "1GiB",
-                                      "--shards", "2", "--no-ssd"], env=env, stdout=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while True:
-            try:
-                kvtide.connect(self.unix).close()
-                return
-            except kvtide.KvtideError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    raise SystemExit("kvtide-owner did not start")
-                time.sleep(0.05)
+        self.process = OwnerProcess(binary, str(self.dir), ["--tcp", self.tcp, "--dram-bytes", "1GiB", "--shards",
+                                                            "2", "--no-ssd"], env=env)
+        self.process.connect(self.unix).close()
 
     def stop(self):
-        self.proc.terminate()
-        self.proc.wait()
+        self.process.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -11,21 +11,23 @@ import kvtide
 class OwnerProcess:
     """`binary` serving `data` (mode 0700) with `args` (flags after `--data-dir`)."""
 
-    def __init__(self, binary, data, args):
+    def __init__(self, binary, data, args, env=None):
         self.binary, self.data = binary, data
-        self.proc = subprocess.Popen([binary, "--data-dir", data, *args],
+        self.proc = subprocess.Popen([binary, "--data-dir", data, *args], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def connect(self, address):
-        """A client of `address` (a socket path or host:port; TCP uses the owner's token), once
-        the owner listens there (20 s at most)."""
+        """A client of `address` (a socket path, "unix:PATH" or host:port; TCP uses the owner's
+        token), once the owner listens there (20 s at most)."""
         token = os.path.join(self.data, "token")
         for _ in range(400):
             try:
-                if ":" in address and not address.startswith("/"):
+                if ":" in address and not address.startswith(("/", "unix:")):
                     return kvtide.connect(address, token_file=token)
                 return kvtide.connect(address)
             except Exception:
+                if self.proc.poll() is not None:
+                    break
                 time.sleep(0.05)
         self.proc.kill()
         raise SystemExit(f"{self.binary} did not start")

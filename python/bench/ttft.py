@@ -60,7 +60,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,9 @@ import time
 import torch
 
 import kvtide
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from owner_process import OwnerProcess  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -582,31 +584,17 @@ class Owner:
 
     def __init__(self, binary, dram_bytes, shards):
         self.dir = tempfile.mkdtemp(prefix="kvtide-ttft-owner-")
-        args = [binary, "--data-dir", self.dir, "--dram-bytes", str(dram_bytes), "--no-ssd", "--shards", str(shards),
-                "--tcp", "off", "--max-leases-per-connection", "65536"]
-        env = dict(os.environ, KVTIDE_LOG="warn")
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL)
         self.address = f"unix:{os.path.join(self.dir, 'owner.sock')}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                kvtide.connect(self.address).close()
-                break
-            except kvtide.KvtideError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"kvtide-owner did not start (exit {self.proc.poll()})")
-                time.sleep(0.05)
+        self.process = OwnerProcess(binary, self.dir, ["--dram-bytes", str(dram_bytes), "--no-ssd", "--shards",
+                                                       str(shards), "--tcp", "off", "--max-leases-per-connection",
+                                                       "65536"], env=dict(os.environ, KVTIDE_LOG="warn"))
+        self.process.connect(self.address).close()
 
     def connect(self, **kw):
         return kvtide.connect(self.address, **kw)
 
     def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.process.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
