@@ -7,41 +7,22 @@
 
 #[path = "../../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::value_for;
-use kvtide::{Engine, Error as StoreError, PutOptions, Store, StoreBuilder};
-use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, RemoteStore, Token};
+use kvtide::{Engine, Error as StoreError, PutOptions, Store};
+use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, RemoteStore};
+use support::{options, temp_dir, token, unix_client, wait_idle};
 
-const TOKEN: &[u8] = b"test-token-0123456789abcdef";
 const VALUE: usize = 256 << 10;
 
 fn engine(dram_bytes: u64) -> Arc<Engine> {
-    Arc::new(
-        StoreBuilder::new()
-            .dram_bytes(dram_bytes)
-            .shards(1)
-            .pin_threads(false)
-            .idle_spin_us(20)
-            .register_fixed_buffers(false)
-            .open()
-            .expect("open store"),
-    )
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvtide-holds-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn token() -> Token {
-    Token::new(TOKEN).expect("token")
+    support::engine(dram_bytes, 1)
 }
 
 fn owner_with(engine: &Arc<Engine>, dir: &Path, tune: impl FnOnce(&mut OwnerConfig)) -> Owner {
@@ -54,32 +35,6 @@ fn owner_with(engine: &Arc<Engine>, dir: &Path, tune: impl FnOnce(&mut OwnerConf
     };
     tune(&mut config);
     Owner::start(Arc::clone(engine), config).expect("start owner")
-}
-
-fn options() -> ClientOptions {
-    ClientOptions { token: Some(token()), timeout_ms: 10_000, ..ClientOptions::default() }
-}
-
-fn unix_client(owner: &Owner) -> RemoteStore {
-    let path = owner.unix_path().expect("unix").display().to_string();
-    let store = RemoteStore::connect_with(&format!("unix:{path}"), options()).expect("connect unix");
-    assert!(store.uses_shared_memory());
-    store
-}
-
-/// Waits until the engine holds no lease and the owner no outstanding lease.
-fn wait_idle(owner: &Owner) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        owner.engine().sync_shards().expect("sync");
-        let held = owner.engine().stats().held_resources();
-        let outstanding = owner.counters().leases_outstanding.load(Ordering::SeqCst);
-        if held.is_zero() && outstanding == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "still held: {held:?}, owner leases {outstanding}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn outstanding(owner: &Owner) -> u64 {

@@ -5,12 +5,13 @@
 
 #[path = "../../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,31 +25,10 @@ use kvtide_remote::protocol::{
     MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
-
-const TOKEN: &[u8] = b"test-token-0123456789abcdef";
+use support::{options, temp_dir, token, unix_client, wait_idle};
 
 fn engine(dram_bytes: u64) -> Arc<Engine> {
-    Arc::new(
-        StoreBuilder::new()
-            .dram_bytes(dram_bytes)
-            .shards(2)
-            .pin_threads(false)
-            .idle_spin_us(20)
-            .register_fixed_buffers(false)
-            .open()
-            .expect("open store"),
-    )
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvtide-remote-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn token() -> Token {
-    Token::new(TOKEN).expect("token")
+    support::engine(dram_bytes, 2)
 }
 
 /// An owner on `dir/owner.sock` and TCP `tcp` (port 0: any), token-authenticated.
@@ -65,17 +45,6 @@ fn owner(engine: &Arc<Engine>, dir: &Path, tcp: SocketAddr) -> Owner {
 
 fn any_port() -> SocketAddr {
     "127.0.0.1:0".parse().expect("addr")
-}
-
-fn options() -> ClientOptions {
-    ClientOptions { token: Some(token()), timeout_ms: 10_000, ..ClientOptions::default() }
-}
-
-fn unix_client(owner: &Owner) -> RemoteStore {
-    let path = owner.unix_path().expect("unix").display().to_string();
-    let store = RemoteStore::connect_with(&format!("unix:{path}"), options()).expect("connect unix");
-    assert!(store.uses_shared_memory(), "Unix clients map the arena");
-    store
 }
 
 fn tcp_client(owner: &Owner) -> RemoteStore {
@@ -125,21 +94,6 @@ fn assert_batch_get_into(what: &str, store: &RemoteStore, keys: &[Vec<u8>], len:
     for (i, r) in got.iter().enumerate() {
         assert_eq!(r, &Ok(len), "{what}: key {i}");
         assert!(bufs[i] == value_for(&keys[i], i as u64, len), "{what}: bytes of {i}");
-    }
-}
-
-/// Waits until the engine holds no lease and the owner no outstanding lease.
-fn wait_idle(owner: &Owner) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        owner.engine().sync_shards().expect("sync");
-        let held = owner.engine().stats().held_resources();
-        let outstanding = owner.counters().leases_outstanding.load(Ordering::SeqCst);
-        if held.is_zero() && outstanding == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "still held: {held:?}, owner leases {outstanding}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

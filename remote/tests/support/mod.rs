@@ -1,0 +1,67 @@
+//! Helpers shared by the owner's integration tests (`remote.rs`, `holds.rs`): the test token, a
+//! small engine, a per-test directory, clients of an owner, and the wait until the owner and its
+//! engine hold nothing.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtide::{Engine, Store, StoreBuilder};
+use kvtide_remote::{ClientOptions, Owner, RemoteStore, Token};
+
+pub const TOKEN: &[u8] = b"test-token-0123456789abcdef";
+
+/// An engine of `dram_bytes` over `shards` shards, no CPU pinning, short idle spin.
+pub fn engine(dram_bytes: u64, shards: usize) -> Arc<Engine> {
+    Arc::new(
+        StoreBuilder::new()
+            .dram_bytes(dram_bytes)
+            .shards(shards)
+            .pin_threads(false)
+            .idle_spin_us(20)
+            .register_fixed_buffers(false)
+            .open()
+            .expect("open store"),
+    )
+}
+
+/// A fresh directory for one test of this process.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvtide-remote-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+pub fn token() -> Token {
+    Token::new(TOKEN).expect("token")
+}
+
+pub fn options() -> ClientOptions {
+    ClientOptions { token: Some(token()), timeout_ms: 10_000, ..ClientOptions::default() }
+}
+
+/// A client on the owner's Unix socket, with the arena mapped.
+pub fn unix_client(owner: &Owner) -> RemoteStore {
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let store = RemoteStore::connect_with(&format!("unix:{path}"), options()).expect("connect unix");
+    assert!(store.uses_shared_memory(), "Unix clients map the arena");
+    store
+}
+
+/// Waits until the engine holds no lease and the owner no outstanding lease.
+pub fn wait_idle(owner: &Owner) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        owner.engine().sync_shards().expect("sync");
+        let held = owner.engine().stats().held_resources();
+        let outstanding = owner.counters().leases_outstanding.load(Ordering::SeqCst);
+        if held.is_zero() && outstanding == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "still held: {held:?}, owner leases {outstanding}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
