@@ -12,9 +12,9 @@ use kvtide_remote::{Error as R, RemotePutStream};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::backend::{lift, lift_all, Backend};
 use crate::buffers::{self, Buf, Use};
 use crate::errors::{self, invalid, to_py};
-use crate::store::{lift, lift_all, Backend};
 
 // SAFETY: a `Buf`'s Python references and exported view are only touched with the interpreter
 // attached (its drop attaches); the address and length it carries are plain numbers.

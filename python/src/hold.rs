@@ -17,8 +17,8 @@ use kvtide::ObjectLease;
 use kvtide_remote::Error as R;
 use pyo3::prelude::*;
 
+use crate::backend::{not_on_cluster, Backend};
 use crate::errors;
-use crate::store::Backend;
 
 /// Longest TTL a hold may ask for.
 pub const MAX_HOLD_TTL_MS: u64 = 3_600_000;
@@ -169,7 +169,7 @@ impl Hold {
                 let (id, results, expires_at) = (granted.id, granted.results, granted.expires_at);
                 Ok(Hold { held: Held::Remote { backend: Arc::downgrade(&backend), id }, keys, results, expires_at })
             }
-            Backend::Cluster(_) => Err(crate::store::not_on_cluster("hold")),
+            Backend::Cluster(_) => Err(not_on_cluster("hold")),
         }
     }
 

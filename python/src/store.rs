@@ -11,25 +11,11 @@ use kvtide_remote::{ClientOptions, ClusterOptions, ClusterStore, Error as R, Rem
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::backend::{lift, lift_all, not_on_cluster, Backend};
 use crate::buffers::{self, Buf, Use};
 use crate::errors::{self, invalid, to_py};
 use crate::handles::{ChunkHandle, Handle, PutStream, PutStreamInner, StreamTicket, Ticket};
 use crate::hold::{EmbeddedHolds, Hold};
-
-/// The store behind a `kvtide.Store`.
-pub enum Backend {
-    Embedded(Box<Engine>),
-    Remote(RemoteStore),
-    Cluster(Box<ClusterStore>),
-}
-
-/// The error of an operation a cluster store does not route (it spans owners).
-pub fn not_on_cluster(what: &str) -> R {
-    R::Store(kvtide::Error::InvalidArgument(format!(
-        "{what} is not available through a cluster store (kvtide.connect_cluster); connect to one owner with \
-         kvtide.connect for it"
-    )))
-}
 
 /// Runs `$body` with `$s` bound to the store, whichever it is (the body's errors convert into
 /// the remote error, which wraps the engine's).
@@ -47,16 +33,6 @@ macro_rules! with_store {
             }
         }
     };
-}
-
-/// Lifts one result into the remote error type.
-pub fn lift<T, E: Into<R>>(r: Result<T, E>) -> Result<T, R> {
-    r.map_err(Into::into)
-}
-
-/// Lifts per-key results.
-pub fn lift_all<T, E: Into<R>>(rs: Vec<Result<T, E>>) -> Vec<Result<T, R>> {
-    rs.into_iter().map(lift).collect()
 }
 
 /// A kvtide store: embedded (`kvtide.Store(...)`) or served by an owner (`kvtide.connect(...)`).
