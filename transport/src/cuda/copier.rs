@@ -12,10 +12,11 @@ use super::bound::{self, CudaGate, StreamStaging};
 use super::device::{self, Prestaged};
 use super::driver::{CudaTransport, RangeChecker};
 use super::plan::StagingPolicy;
+use crate::inflight::{InFlight, Progress};
 use crate::region::{MemoryKind, Region};
 use crate::stream::{Gate, StreamHandle, StreamSubmit};
 use crate::transfer::{Direction, Summary, Transfer};
-use crate::transport::{EarlyStart, InFlight, Parts, PartsHint, Progress, Transport};
+use crate::transport::{EarlyStart, Parts, PartsHint, Transport};
 use crate::TransportError;
 
 /// GPU memory through the CUDA driver, with one store's staging policy.

@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use crate::region::MemoryKind;
 
-pub use crate::transfer::{Direction, Piece, Transfer};
+pub use crate::transfer::{Direction, Fallback, Piece, Transfer};
 
 /// A store's staging settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,49 +24,6 @@ pub struct StagingPolicy {
     /// object), so little kernel work is left once the last copy lands. 0 keeps every fill at
     /// the quarter/half/whole-buffer fill size.
     pub tail_fill_bytes: u64,
-}
-
-/// Why a request takes the direct path instead of the staged one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fallback {
-    /// Staging is off for this store.
-    Disabled,
-    /// Nothing to move.
-    Empty,
-    /// A page is host memory.
-    NotDevice,
-    /// Pages on more than one GPU.
-    SeveralDevices,
-    /// Two destination pages overlap.
-    Overlap,
-    /// An object does not fit the buffer.
-    TooLarge,
-    /// Every object goes to one contiguous page: staging would only add a pass.
-    NotFragmented,
-    /// Another request holds the staging buffer.
-    Busy,
-    /// The scatter/gather kernel could not be compiled or loaded (no NVRTC, say).
-    KernelUnavailable,
-    /// The staging buffer could not be allocated.
-    NoBuffer,
-}
-
-impl Fallback {
-    /// Short name for logs and stats.
-    pub fn name(self) -> &'static str {
-        match self {
-            Fallback::Disabled => "disabled",
-            Fallback::Empty => "empty",
-            Fallback::NotDevice => "not-device",
-            Fallback::SeveralDevices => "several-devices",
-            Fallback::Overlap => "overlap",
-            Fallback::TooLarge => "too-large",
-            Fallback::NotFragmented => "not-fragmented",
-            Fallback::Busy => "busy",
-            Fallback::KernelUnavailable => "kernel-unavailable",
-            Fallback::NoBuffer => "no-buffer",
-        }
-    }
 }
 
 /// The outcome of qualification (before the busy check, which the executor makes).
