@@ -6,6 +6,8 @@
 //! benchmarks. It never looks up objects or takes leases: the engine hands it regions it has
 //! already validated and keeps the host bytes valid until each submission completed.
 
+#![warn(clippy::too_many_lines)]
+
 pub mod cuda;
 pub mod inflight;
 pub mod memcpy;

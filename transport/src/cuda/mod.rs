@@ -17,34 +17,49 @@ pub mod plan;
 #[cfg(feature = "cuda")]
 mod bound;
 #[cfg(feature = "cuda")]
+mod bound_state;
+#[cfg(feature = "cuda")]
 mod copier;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
+mod events;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(feature = "cuda")]
 mod graph;
 #[cfg(feature = "cuda")]
 mod kernel;
 #[cfg(feature = "cuda")]
+mod memory;
+#[cfg(feature = "cuda")]
 pub mod profile;
+#[cfg(feature = "cuda")]
+mod staging;
+#[cfg(feature = "cuda")]
+mod submission;
 
 pub use crate::transfer::Summary;
 #[cfg(feature = "cuda")]
-pub use bound::StreamStaging;
+pub use bound_state::StreamStaging;
 #[cfg(feature = "cuda")]
 pub use copier::CudaCopier;
 #[cfg(feature = "cuda")]
 pub use device::{
-    copy_host_pieces, inject_fault, prestage, submit, submit_with, BaselineMode, InFlight, InjectedFault,
-    PartsSubmission, Prestaged, StagingHold,
+    inject_fault, prestage, submit, submit_with, BaselineMode, InjectedFault, PartsSubmission, Prestaged, StagingHold,
 };
 #[cfg(feature = "cuda")]
-pub use driver::{CudaDevice, CudaTransport, DeviceBuffer, HostRegistration, PinnedBuffer, RangeChecker};
+pub use gpu::{CudaDevice, CudaTransport};
 #[cfg(feature = "cuda")]
 pub use graph::{CudaEvent, CudaGraph, CudaStream};
 #[cfg(feature = "cuda")]
 pub use kernel::{SCATTER_SOURCE, WORKLOAD_SOURCE};
+#[cfg(feature = "cuda")]
+pub use memory::{DeviceBuffer, HostRegistration, PinnedBuffer, RangeChecker};
+#[cfg(feature = "cuda")]
+pub use submission::{copy_host_pieces, InFlight};
 
 /// True when this build has the CUDA transport (the `cuda` feature).
 pub const BUILT_WITH_CUDA: bool = cfg!(feature = "cuda");
