@@ -28,13 +28,18 @@ pub trait Progress: Send {
     }
     /// Blocks until `poll` would return true. The default spins briefly, then yields.
     fn block(&mut self) {
-        let started = Instant::now();
-        while !self.poll() {
-            if started.elapsed() < SPIN_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+        poll_until_done(SPIN_BEFORE_YIELD, || self.poll());
+    }
+}
+
+/// Calls `poll` until it returns true: spinning between calls for `spin`, then yielding the CPU.
+pub(crate) fn poll_until_done(spin: Duration, mut poll: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !poll() {
+        if started.elapsed() < spin {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }

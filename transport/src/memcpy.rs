@@ -1,7 +1,8 @@
 //! The same-process transport: CPU copies between host regions.
 //!
-//! It copies exactly the bytes a validated descriptor names and nothing else. It refuses device
-//! memory with `CudaUnavailable` (the CUDA transport handles that) instead of dereferencing it.
+//! Owns every host copy of object bytes (`copy_bytes`) and the transport that makes them: it
+//! copies exactly the bytes a validated descriptor names and nothing else. It never dereferences
+//! device memory: it refuses it with `CudaUnavailable` (the CUDA transport handles that).
 
 use crate::inflight::InFlight;
 pub use crate::region::check_host_list;

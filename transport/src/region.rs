@@ -2,7 +2,9 @@
 //!
 //! A `Region` is a descriptor, like Dynamo KVBM's typed regions: safe constructors borrow host
 //! slices (the borrow lasts as long as the region), `from_raw` is the unsafe door for device or
-//! foreign memory. Bounds are checked here, with overflow-safe arithmetic, before any byte moves.
+//! foreign memory. Owns the checks a region passes before any byte moves: bounds, with
+//! overflow-safe arithmetic, and a host-only list's kinds and writability (`check_host_list`, the
+//! default `Transport::check`). It never moves bytes.
 
 use std::marker::PhantomData;
 

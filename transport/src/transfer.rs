@@ -4,7 +4,9 @@
 //! (leased or reserved DRAM) and the `Piece`s they map to (GPU pages, caller buffers, later
 //! remote memory), each piece one (source, destination, length) descriptor. A transport reports
 //! one completion per transfer; a caller that wants finer completions submits finer transfers
-//! (`Transfer::split`). It never validates memory: the engine and the transports do that.
+//! (`Transfer::split`). Also owns what a submission reports back (`Summary`, with the `Fallback`
+//! that sent a GPU request down the direct path). It never validates memory: the engine and the
+//! transports do that.
 
 use std::ops::Range;
 

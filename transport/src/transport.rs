@@ -2,7 +2,8 @@
 //!
 //! Owns the contract between the engine and a transport: the engine checks regions through
 //! `check`, may start moving bytes early (`start_early`), submits a batch of `Transfer`s and
-//! then polls (or waits for) the returned `InFlight`, which reports one result per transfer.
+//! then polls (or waits for) the returned `InFlight` (`inflight`), which reports one result per
+//! transfer.
 //! A CPU copy completes inside `submit`; the CUDA transport completes on events; a transport
 //! whose completions arrive from a NIC or a socket implements `Progress` the same way. It never
 //! takes leases or looks up objects: the caller keeps the host bytes valid until completion.

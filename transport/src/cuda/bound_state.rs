@@ -8,13 +8,12 @@
 //! object still loading. A unit goes back to the idle units when its last share drops, a gate
 //! word to the free words when its gate drops. It never enqueues work on a stream: `bound` does.
 
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 
-use super::driver::{check, Context};
+use super::driver::{alloc_mapped_host, check, Context};
 use super::plan::Descriptor;
 use crate::stream::{Gate, StreamHandle};
 use crate::TransportError;
@@ -114,7 +113,7 @@ struct BoundUnit {
 
 /// A GPU's stream-bound staging units.
 #[derive(Default)]
-pub(crate) struct StreamUnits {
+struct StreamUnits {
     idle: Vec<StreamUnit>,
     bound: Vec<BoundUnit>,
     made: u32,
@@ -217,21 +216,8 @@ impl BoundState {
             }
             context.bind()?;
             let bytes = GATES_PER_BLOCK * std::mem::size_of::<u32>();
-            let mut host: *mut c_void = std::ptr::null_mut();
             let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-            // SAFETY: writes one host pointer.
-            check(unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) }, "cuMemHostAlloc")?;
-            let mut device_addr: sys::CUdeviceptr = 0;
-            // SAFETY: a live mapped pinned allocation; writes one device pointer.
-            let mapped = check(
-                unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_addr, host, 0) },
-                "cuMemHostGetDevicePointer",
-            );
-            if let Err(e) = mapped {
-                // SAFETY: allocated above, never used.
-                let _ = unsafe { sys::cuMemFreeHost(host) };
-                return Err(e);
-            }
+            let (host, device_addr) = alloc_mapped_host(bytes, flags)?;
             let block = slab.blocks.len();
             slab.blocks.push((host as usize, device_addr));
             slab.free.extend((0..GATES_PER_BLOCK).rev().map(|i| (block, i)));
@@ -265,29 +251,15 @@ fn make_unit(context: &Context, staging: StreamStaging) -> Result<StreamUnit, Tr
         // SAFETY: allocated above, never used.
         let _ = unsafe { sys::cuMemFree_v2(buffer) };
     };
-    let mut rows_host: *mut c_void = std::ptr::null_mut();
     let row_bytes = rows_capacity * std::mem::size_of::<Descriptor>();
-    let allocated = check(
-        // SAFETY: writes one host pointer; DEVICEMAP lets the kernels read the rows in place.
-        unsafe { sys::cuMemHostAlloc(&mut rows_host, row_bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) },
-        "cuMemHostAlloc",
-    );
-    if let Err(e) = allocated {
-        free_buffer();
-        return Err(e);
-    }
-    let mut rows_device: sys::CUdeviceptr = 0;
-    let mapped = check(
-        // SAFETY: a live mapped pinned allocation; writes one device pointer.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut rows_device, rows_host, 0) },
-        "cuMemHostGetDevicePointer",
-    );
-    if let Err(e) = mapped {
-        free_buffer();
-        // SAFETY: allocated above, never used.
-        let _ = unsafe { sys::cuMemFreeHost(rows_host) };
-        return Err(e);
-    }
+    // DEVICEMAP lets the kernels read the rows in place.
+    let (rows_host, rows_device) = match alloc_mapped_host(row_bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) {
+        Ok(rows) => rows,
+        Err(e) => {
+            free_buffer();
+            return Err(e);
+        }
+    };
     tracing::info!(gpu = context.ordinal, unit_bytes = staging.unit_bytes, "stream-bound staging unit allocated");
     Ok(StreamUnit {
         buffer,
@@ -302,7 +274,7 @@ fn make_unit(context: &Context, staging: StreamStaging) -> Result<StreamUnit, Tr
 
 /// Gate words of one GPU: blocks of mapped pinned host memory and the free slots.
 #[derive(Default)]
-pub(crate) struct GateSlab {
+struct GateSlab {
     /// (host address, device address) of each block.
     blocks: Vec<(usize, sys::CUdeviceptr)>,
     free: Vec<(usize, usize)>,

@@ -314,6 +314,24 @@ impl Context {
     }
 }
 
+/// Allocates `bytes` of pinned host memory mapped into the GPU's address space (`flags`
+/// include `CU_MEMHOSTALLOC_DEVICEMAP`), so kernels read it in place: (host address, device
+/// address). Nothing stays allocated on failure. The context must be current.
+pub(crate) fn alloc_mapped_host(bytes: usize, flags: u32) -> Result<(*mut c_void, sys::CUdeviceptr), TransportError> {
+    let mut host: *mut c_void = std::ptr::null_mut();
+    // SAFETY: writes one host pointer.
+    check(unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) }, "cuMemHostAlloc")?;
+    let mut device: sys::CUdeviceptr = 0;
+    // SAFETY: a live mapped pinned allocation; writes one device pointer.
+    let mapped = check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }, "cuMemHostGetDevicePointer");
+    if let Err(e) = mapped {
+        // SAFETY: allocated above, never used.
+        let _ = unsafe { sys::cuMemFreeHost(host) };
+        return Err(e);
+    }
+    Ok((host, device))
+}
+
 /// What `Context::lookup` learned about an address.
 pub(crate) struct PointerInfo {
     pub(crate) memory_type: u32,

@@ -12,102 +12,108 @@ use cudarc::driver::sys;
 use super::driver::{check, Context};
 use crate::TransportError;
 
-struct RawEvent(sys::CUevent);
-struct RawStream(sys::CUstream);
-// SAFETY: event and stream handles are driver handles usable from any thread with the context
-// current; each is owned by one pool slot or one taker at a time.
-unsafe impl Send for RawEvent {}
-// SAFETY: as above.
-unsafe impl Send for RawStream {}
-
-/// A GPU's idle events (created without timing).
-#[derive(Default)]
-pub(crate) struct EventPool {
-    idle: Mutex<Vec<RawEvent>>,
+/// A kind of driver handle a pool keeps, and how to make one.
+pub(crate) trait HandleKind {
+    type Raw: Copy;
+    /// A new handle. The GPU's context must be current.
+    fn create() -> Result<Self::Raw, TransportError>;
 }
 
-impl EventPool {
-    /// An idle event, or a new one. The GPU's context must be current.
-    pub(crate) fn take(self: &Arc<Self>) -> Result<Event, TransportError> {
-        if let Some(event) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
-            return Ok(Event { raw: event.0, pool: Arc::clone(self) });
-        }
+/// Events created without timing.
+pub(crate) enum EventKind {}
+
+impl HandleKind for EventKind {
+    type Raw = sys::CUevent;
+
+    fn create() -> Result<sys::CUevent, TransportError> {
         let mut event: sys::CUevent = std::ptr::null_mut();
         check(
             // SAFETY: writes one event handle; the context is current.
             unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
             "cuEventCreate",
         )?;
-        Ok(Event { raw: event, pool: Arc::clone(self) })
+        Ok(event)
     }
 }
 
-/// An event of a GPU's pool; back to the pool when dropped. Whatever a stream captured of its
-/// latest record (a `cuStreamWaitEvent`) stays valid after it went back.
-pub(crate) struct Event {
-    raw: sys::CUevent,
-    pool: Arc<EventPool>,
-}
+/// Non-blocking streams.
+pub(crate) enum StreamKind {}
 
-// SAFETY: see `RawEvent`; the handle belongs to this value until it drops.
-unsafe impl Send for Event {}
+impl HandleKind for StreamKind {
+    type Raw = sys::CUstream;
 
-impl Event {
-    /// The driver handle.
-    pub(crate) fn raw(&self) -> sys::CUevent {
-        self.raw
-    }
-}
-
-impl Drop for Event {
-    fn drop(&mut self) {
-        self.pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(RawEvent(self.raw));
-    }
-}
-
-/// A GPU's idle non-blocking streams.
-#[derive(Default)]
-pub(crate) struct StreamPool {
-    idle: Mutex<Vec<RawStream>>,
-}
-
-impl StreamPool {
-    /// An idle stream, or a new one. The GPU's context must be current.
-    pub(crate) fn take(self: &Arc<Self>) -> Result<PooledStream, TransportError> {
-        if let Some(stream) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
-            return Ok(PooledStream { raw: stream.0, pool: Arc::clone(self) });
-        }
+    fn create() -> Result<sys::CUstream, TransportError> {
         let mut stream: sys::CUstream = std::ptr::null_mut();
         check(
             // SAFETY: writes one stream handle; the context is current (callers bind first).
             unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
             "cuStreamCreate",
         )?;
-        Ok(PooledStream { raw: stream, pool: Arc::clone(self) })
+        Ok(stream)
     }
 }
 
-/// A stream of a GPU's pool; back to the pool when dropped.
-pub(crate) struct PooledStream {
-    raw: sys::CUstream,
-    pool: Arc<StreamPool>,
+/// An idle handle in its pool.
+struct Idle<K: HandleKind>(K::Raw);
+
+// SAFETY: event and stream handles are driver handles usable from any thread with the context
+// current; each is owned by one pool slot or one taker at a time.
+unsafe impl<K: HandleKind> Send for Idle<K> {}
+
+/// A GPU's idle handles of one kind.
+pub(crate) struct Pool<K: HandleKind> {
+    idle: Mutex<Vec<Idle<K>>>,
 }
 
-// SAFETY: see `RawStream`; the handle belongs to this value until it drops.
-unsafe impl Send for PooledStream {}
+impl<K: HandleKind> Default for Pool<K> {
+    fn default() -> Self {
+        Pool { idle: Mutex::new(Vec::new()) }
+    }
+}
 
-impl PooledStream {
+impl<K: HandleKind> Pool<K> {
+    /// An idle handle, or a new one. The GPU's context must be current.
+    pub(crate) fn take(self: &Arc<Self>) -> Result<Pooled<K>, TransportError> {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let raw = match idle {
+            Some(Idle(raw)) => raw,
+            None => K::create()?,
+        };
+        Ok(Pooled { raw, pool: Arc::clone(self) })
+    }
+}
+
+/// A handle of a GPU's pool; back to the pool when dropped. For an event, whatever a stream
+/// captured of its latest record (a `cuStreamWaitEvent`) stays valid after it went back.
+pub(crate) struct Pooled<K: HandleKind> {
+    raw: K::Raw,
+    pool: Arc<Pool<K>>,
+}
+
+// SAFETY: see `Idle`; the handle belongs to this value until it drops.
+unsafe impl<K: HandleKind> Send for Pooled<K> {}
+
+impl<K: HandleKind> Pooled<K> {
     /// The driver handle.
-    pub(crate) fn raw(&self) -> sys::CUstream {
+    pub(crate) fn raw(&self) -> K::Raw {
         self.raw
     }
 }
 
-impl Drop for PooledStream {
+impl<K: HandleKind> Drop for Pooled<K> {
     fn drop(&mut self) {
-        self.pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(RawStream(self.raw));
+        self.pool.idle.lock().unwrap_or_else(|p| p.into_inner()).push(Idle(self.raw));
     }
 }
+
+/// A GPU's idle events.
+pub(crate) type EventPool = Pool<EventKind>;
+/// An event of a GPU's pool.
+pub(crate) type Event = Pooled<EventKind>;
+/// A GPU's idle streams.
+pub(crate) type StreamPool = Pool<StreamKind>;
+/// A stream of a GPU's pool.
+pub(crate) type PooledStream = Pooled<StreamKind>;
 
 /// Waits for streams (error and drop paths only).
 pub(crate) fn drain(context: &Context, streams: &[sys::CUstream]) {

@@ -4,9 +4,25 @@
 //! the staged path moves whole objects into one contiguous device staging buffer and runs ONE
 //! scatter (reads) or gather (writes) kernel per buffer fill; the direct path issues one copy per
 //! piece, contiguous neighbours merged, through `cuMemcpyBatchAsync` where the driver has it.
-//! Behind the `cuda` feature, `driver` loads libcuda at run time (cudarc, dynamic loading),
-//! `kernel` compiles `scatter.cu` with NVRTC at first use and `device` submits work on
-//! engine-owned streams and reports completion through CUDA events the caller polls.
+//!
+//! Behind the `cuda` feature the rest is a stack; each module imports only modules listed
+//! before it, and `plan` and `profile` (which import no other module here):
+//! - `driver`: libcuda, loaded at run time (cudarc, dynamic loading), and each GPU's primary
+//!   `Context`; knows no device, pool, kernel or path.
+//! - `kernel`: compiles `scatter.cu` and `workload.cu` with NVRTC at first use.
+//! - `events`: a GPU's pooled events and streams, back to their pool when dropped.
+//! - `staging` and `bound_state`: the per-GPU state of the engine-stream path (the staging unit
+//!   and its busy flag) and of stream-bound reads (units bound to callers' streams, gate words).
+//! - `gpu`: `CudaDevice`, which composes a GPU's context, kernels, pools and the paths' state,
+//!   and `CudaTransport`, the process-wide set of GPUs.
+//! - `submission`: the `InFlight` of a submission, completing on the events the caller polls.
+//! - `memory`: device and pinned buffers, host registrations, device-pointer checks.
+//! - the paths, which never import each other: `device` submits on engine-owned streams (staged
+//!   or direct, whole or in parts, with an early start), `bound` on a caller's stream, and
+//!   `graph` gives tests and benchmarks the streams, events and graphs an inference worker has.
+//! - `copier`: `CudaCopier`, the `Transport` and `StreamSubmit` implementation on top.
+//!
+//! `profile` (opt-in timelines of staged requests, `KVTIDE_CUDA_PROFILE=1`) only calls libcuda.
 //!
 //! It never looks up objects or takes leases: the engine hands it validated transfers whose host
 //! bytes it keeps leased (or reserved) until the returned `InFlight` has completed. Without the

@@ -5,7 +5,7 @@
 //! buffer fill) and the direct path (one copy per piece, contiguous neighbours merged), splits a
 //! staged batch into fills at object boundaries, places objects in the buffer and builds the
 //! kernel's descriptor table and the bulk copies. It never touches memory or the driver: the
-//! executor in `cuda::device` submits what this module describes.
+//! paths in `cuda::device` and `cuda::bound` submit what this module describes.
 
 use std::ops::Range;
 

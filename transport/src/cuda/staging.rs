@@ -4,14 +4,13 @@
 //! growth, and the busy flag that gives it to one request at a time. It never enqueues work:
 //! the path that claimed the unit does, and releases the flag once its request completed.
 
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
 use cudarc::driver::sys;
 
-use super::driver::check;
+use super::driver::{alloc_mapped_host, check};
 use super::plan::Descriptor;
 use crate::TransportError;
 
@@ -104,21 +103,9 @@ pub(crate) fn ensure_unit(
         }
         unit.rows_capacity = 0;
         unit.rows_device = 0;
-        let mut host_rows: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer; DEVICEMAP maps the pinned pages into the GPU's
-        // address space so the kernels read the rows in place.
-        check(unsafe { sys::cuMemHostAlloc(&mut host_rows, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) }, "cuMemHostAlloc")?;
-        let mut device_rows: sys::CUdeviceptr = 0;
-        // SAFETY: host_rows is a live mapped pinned allocation; writes one device pointer.
-        let mapped = check(
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_rows, host_rows, 0) },
-            "cuMemHostGetDevicePointer",
-        );
-        if let Err(e) = mapped {
-            // SAFETY: allocated just above, never used.
-            let _ = unsafe { sys::cuMemFreeHost(host_rows) };
-            return Err(e);
-        }
+        // DEVICEMAP maps the pinned pages into the GPU's address space so the kernels read the
+        // rows in place.
+        let (host_rows, device_rows) = alloc_mapped_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP)?;
         unit.rows_host = host_rows.cast();
         unit.rows_device = device_rows;
         unit.rows_capacity = capacity;

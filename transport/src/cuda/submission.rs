@@ -19,6 +19,7 @@ use super::events::{drain, Event, PooledStream};
 use super::gpu::CudaDevice;
 use super::plan::{Direction, Transfer};
 use super::profile::Probe;
+use crate::inflight::poll_until_done;
 use crate::transfer::Summary;
 use crate::TransportError;
 
@@ -165,14 +166,7 @@ impl InFlight {
 
     /// Polls until complete, spinning briefly, then yielding the CPU.
     pub fn block(&mut self) {
-        let started = Instant::now();
-        while !self.poll() {
-            if started.elapsed() < SPIN_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        poll_until_done(SPIN_BEFORE_YIELD, || self.poll());
     }
 
     /// The per-transfer results (after `poll` returned true).
