@@ -4,7 +4,7 @@
 //! `CudaDevice`, which composes a GPU's per-GPU state from the layers that own it: the primary
 //! context (`driver`), the compiled kernels (`kernel`), the event and stream pools (`events`),
 //! the staging unit of engine-owned streams (`staging`) and the stream-bound units and gate
-//! words (`bound_state`). It never submits a transfer: the paths above (`device`, `bound`,
+//! words (`bound_state`). It never enqueues work on a GPU: the modules above (`device`, `bound`,
 //! `graph`) do, through a `CudaDevice`.
 
 use std::sync::{Arc, OnceLock};

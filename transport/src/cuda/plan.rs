@@ -26,7 +26,7 @@ pub struct StagingPolicy {
     pub tail_fill_bytes: u64,
 }
 
-/// The outcome of qualification (before the busy check, which the executor makes).
+/// The outcome of qualification (before the busy check, which `cuda::device` makes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PathChoice {
     /// Staged through the buffer of this GPU.
@@ -318,7 +318,7 @@ impl HostSpan for (u64, u64) {
 }
 
 /// Splits a qualified request into fills at object boundaries, in order, and places each object
-/// in the buffer. Fills take turns over the buffer like a ring; the executor makes a fill wait
+/// in the buffer. Fills take turns over the buffer like a ring; `cuda::device` makes a fill wait
 /// for the earlier fills whose regions it reuses. Objects larger than the buffer must have been
 /// sent down the direct path by `qualify`; here they get a fill of their own and are clamped.
 pub fn split_fills<T: HostSpan>(policy: &StagingPolicy, direction: Direction, transfers: &[T]) -> Vec<Fill> {
