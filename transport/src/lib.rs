@@ -6,18 +6,22 @@
 //! benchmarks. It never looks up objects or takes leases: the engine hands it regions it has
 //! already validated and keeps the host bytes valid until each submission completed.
 
+#![warn(clippy::too_many_lines)]
+
 pub mod cuda;
+pub mod inflight;
 pub mod memcpy;
 pub mod region;
 pub mod stream;
 pub mod transfer;
 pub mod transport;
 
+pub use inflight::{InFlight, Progress};
 pub use memcpy::{copy_regions, MemcpyTransport};
 pub use region::{MemoryKind, Region, RegionError};
 pub use stream::{Gate, StreamHandle, StreamSubmit};
 pub use transfer::{Direction, Piece, Summary, Transfer};
-pub use transport::{EarlyStart, InFlight, Parts, PartsHint, Progress, Throttled, Transport, Unreachable};
+pub use transport::{EarlyStart, Parts, PartsHint, Throttled, Transport, Unreachable};
 
 /// Errors a transport reports for one descriptor.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,11 +1,14 @@
 //! The same-process transport: CPU copies between host regions.
 //!
-//! It copies exactly the bytes a validated descriptor names and nothing else. It refuses device
-//! memory with `CudaUnavailable` (the CUDA transport handles that) instead of dereferencing it.
+//! Owns every host copy of object bytes (`copy_bytes`) and the transport that makes them: it
+//! copies exactly the bytes a validated descriptor names and nothing else. It never dereferences
+//! device memory: it refuses it with `CudaUnavailable` (the CUDA transport handles that).
 
+use crate::inflight::InFlight;
+pub use crate::region::check_host_list;
 use crate::region::{MemoryKind, Region, RegionError};
 use crate::transfer::{Direction, Piece, Summary, Transfer};
-use crate::transport::{EarlyStart, InFlight, Transport};
+use crate::transport::{EarlyStart, Transport};
 use crate::TransportError;
 
 /// Objects at least this large are copied with non-temporal stores (pieces of at least
@@ -144,20 +147,6 @@ impl MemcpyTransport {
     pub fn supports(src: MemoryKind, dst: MemoryKind) -> bool {
         src.is_host() && dst.is_host()
     }
-}
-
-/// The first problem of a list of host regions: device memory, or (for destinations) a
-/// read-only region.
-pub fn check_host_list(regions: &[Region<'_>], writable: bool) -> Option<TransportError> {
-    regions.iter().find_map(|r| {
-        if !r.kind().is_host() {
-            return Some(TransportError::CudaUnavailable("device regions need the cuda transport"));
-        }
-        if writable {
-            return r.check_writable().err().map(TransportError::from);
-        }
-        None
-    })
 }
 
 impl Transport for MemcpyTransport {

@@ -2,9 +2,13 @@
 //!
 //! A `Region` is a descriptor, like Dynamo KVBM's typed regions: safe constructors borrow host
 //! slices (the borrow lasts as long as the region), `from_raw` is the unsafe door for device or
-//! foreign memory. Bounds are checked here, with overflow-safe arithmetic, before any byte moves.
+//! foreign memory. Owns the checks a region passes before any byte moves: bounds, with
+//! overflow-safe arithmetic, and a host-only list's kinds and writability (`check_host_list`, the
+//! default `Transport::check`). It never moves bytes.
 
 use std::marker::PhantomData;
+
+use crate::TransportError;
 
 /// What kind of memory a region is in. It decides which transport can reach it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -142,6 +146,20 @@ pub fn check_range(what: &'static str, offset: u64, len: u64, bound: u64) -> Res
         Some(end) if end <= bound => Ok(()),
         _ => Err(RegionError::OutOfBounds { what, offset, len, bound }),
     }
+}
+
+/// The first problem of a list of host regions: device memory, or (for destinations) a
+/// read-only region.
+pub fn check_host_list(regions: &[Region<'_>], writable: bool) -> Option<TransportError> {
+    regions.iter().find_map(|r| {
+        if !r.kind().is_host() {
+            return Some(TransportError::CudaUnavailable("device regions need the cuda transport"));
+        }
+        if writable {
+            return r.check_writable().err().map(TransportError::from);
+        }
+        None
+    })
 }
 
 #[cfg(test)]

@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
+use crate::inflight::InFlight;
 use crate::transfer::Transfer;
-use crate::transport::InFlight;
 use crate::TransportError;
 
 /// A device stream handle as the caller's runtime gives it (`CUstream`, `cudaStream_t`,

@@ -4,11 +4,12 @@
 //! (leased or reserved DRAM) and the `Piece`s they map to (GPU pages, caller buffers, later
 //! remote memory), each piece one (source, destination, length) descriptor. A transport reports
 //! one completion per transfer; a caller that wants finer completions submits finer transfers
-//! (`Transfer::split`). It never validates memory: the engine and the transports do that.
+//! (`Transfer::split`). Also owns what a submission reports back (`Summary`, with the `Fallback`
+//! that sent a GPU request down the direct path). It never validates memory: the engine and the
+//! transports do that.
 
 use std::ops::Range;
 
-use crate::cuda::plan::Fallback;
 use crate::region::{MemoryKind, Region};
 
 /// Which way the bytes of a transfer move.
@@ -116,6 +117,49 @@ impl Transfer {
             out.push(current);
         }
         out
+    }
+}
+
+/// Why a request takes the direct path instead of the staged one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fallback {
+    /// Staging is off for this store.
+    Disabled,
+    /// Nothing to move.
+    Empty,
+    /// A page is host memory.
+    NotDevice,
+    /// Pages on more than one GPU.
+    SeveralDevices,
+    /// Two destination pages overlap.
+    Overlap,
+    /// An object does not fit the buffer.
+    TooLarge,
+    /// Every object goes to one contiguous page: staging would only add a pass.
+    NotFragmented,
+    /// Another request holds the staging buffer.
+    Busy,
+    /// The scatter/gather kernel could not be compiled or loaded (no NVRTC, say).
+    KernelUnavailable,
+    /// The staging buffer could not be allocated.
+    NoBuffer,
+}
+
+impl Fallback {
+    /// Short name for logs and stats.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fallback::Disabled => "disabled",
+            Fallback::Empty => "empty",
+            Fallback::NotDevice => "not-device",
+            Fallback::SeveralDevices => "several-devices",
+            Fallback::Overlap => "overlap",
+            Fallback::TooLarge => "too-large",
+            Fallback::NotFragmented => "not-fragmented",
+            Fallback::Busy => "busy",
+            Fallback::KernelUnavailable => "kernel-unavailable",
+            Fallback::NoBuffer => "no-buffer",
+        }
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Owns the contract between the engine and a transport: the engine checks regions through
 //! `check`, may start moving bytes early (`start_early`), submits a batch of `Transfer`s and
-//! then polls (or waits for) the returned `InFlight`, which reports one result per transfer.
+//! then polls (or waits for) the returned `InFlight` (`inflight`), which reports one result per
+//! transfer.
 //! A CPU copy completes inside `submit`; the CUDA transport completes on events; a transport
 //! whose completions arrive from a NIC or a socket implements `Progress` the same way. It never
 //! takes leases or looks up objects: the caller keeps the host bytes valid until completion.
@@ -16,12 +17,11 @@
 use std::any::Any;
 use std::time::{Duration, Instant};
 
+pub use crate::inflight::{InFlight, Progress};
 use crate::region::{MemoryKind, Region};
+use crate::stream::StreamSubmit;
 use crate::transfer::{Direction, Summary, Transfer};
 use crate::TransportError;
-
-/// How long `InFlight::wait` spins on `poll` before it yields the CPU between polls.
-const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(50);
 
 /// A way to move bytes between DRAM objects and some kind of memory.
 pub trait Transport: Send + Sync {
@@ -37,7 +37,7 @@ pub trait Transport: Send + Sync {
     /// (None: good). Nothing is ever submitted for an owner that failed here. The default
     /// accepts host memory only (writable for destinations): right for any CPU-copy transport.
     fn check(&self, lists: &[&[Region<'_>]], writable: bool) -> Vec<Option<TransportError>> {
-        lists.iter().map(|regions| crate::memcpy::check_host_list(regions, writable)).collect()
+        lists.iter().map(|regions| crate::region::check_host_list(regions, writable)).collect()
     }
 
     /// Starts moving the bytes of `objects` ((host address, length), in the order the later
@@ -81,7 +81,7 @@ pub trait Transport: Send + Sync {
     ) -> Result<InFlight, TransportError>;
 
     /// The transport's stream-bound submissions, when it has them (the CUDA transport).
-    fn on_stream(&self) -> Option<&dyn crate::stream::StreamSubmit> {
+    fn on_stream(&self) -> Option<&dyn StreamSubmit> {
         None
     }
 
@@ -254,110 +254,6 @@ impl std::fmt::Debug for EarlyStart {
     }
 }
 
-/// How a transport's submission advances. Dropping it before it completed must wait for (or
-/// stop) everything that can still touch the submitted memory.
-pub trait Progress: Send {
-    /// Checks for completion without blocking (a failure path may drain); true once every
-    /// transfer has its result and every resource the submission held went back.
-    fn poll(&mut self) -> bool;
-    /// The per-transfer results, once `poll` returned true.
-    fn take_results(&mut self) -> Vec<Result<(), TransportError>>;
-    /// What was submitted.
-    fn summary(&self) -> Summary {
-        Summary::default()
-    }
-    /// Blocks until `poll` would return true. The default spins briefly, then yields.
-    fn block(&mut self) {
-        let started = Instant::now();
-        while !self.poll() {
-            if started.elapsed() < SPIN_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    }
-}
-
-/// A submitted batch of transfers.
-pub struct InFlight {
-    progress: Box<dyn Progress>,
-    done: bool,
-}
-
-impl std::fmt::Debug for InFlight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InFlight").field("done", &self.done).finish()
-    }
-}
-
-impl InFlight {
-    /// A submission that advances through `progress`.
-    pub fn new(progress: Box<dyn Progress>) -> InFlight {
-        InFlight { progress, done: false }
-    }
-
-    /// A submission that completed inside `submit`.
-    pub fn completed(results: Vec<Result<(), TransportError>>, summary: Summary) -> InFlight {
-        InFlight::new(Box::new(Completed { results, summary }))
-    }
-
-    /// Checks for completion without blocking; true once every result is in.
-    pub fn poll(&mut self) -> bool {
-        if !self.done {
-            self.done = self.progress.poll();
-        }
-        self.done
-    }
-
-    /// Blocks until complete and returns one result per transfer, in submission order.
-    pub fn wait(mut self) -> Vec<Result<(), TransportError>> {
-        if !self.done {
-            self.progress.block();
-            self.done = true;
-        }
-        self.progress.take_results()
-    }
-
-    /// The per-transfer results (after `poll` returned true).
-    pub fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
-        self.progress.take_results()
-    }
-
-    /// Blocks until complete, leaving the results to `take_results`.
-    pub fn block(&mut self) {
-        if !self.done {
-            self.progress.block();
-            self.done = true;
-        }
-    }
-
-    /// What was submitted.
-    pub fn summary(&self) -> Summary {
-        self.progress.summary()
-    }
-}
-
-/// Results known at submission.
-struct Completed {
-    results: Vec<Result<(), TransportError>>,
-    summary: Summary,
-}
-
-impl Progress for Completed {
-    fn poll(&mut self) -> bool {
-        true
-    }
-
-    fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
-        std::mem::take(&mut self.results)
-    }
-
-    fn summary(&self) -> Summary {
-        self.summary.clone()
-    }
-}
-
 /// Memory no transport of this build or machine reaches (GPU memory without CUDA): every
 /// check of a list that names such memory fails with the reason, and nothing is submitted.
 #[derive(Clone, Debug)]
@@ -381,7 +277,7 @@ impl Transport for Unreachable {
                 if regions.iter().any(|r| !r.kind().is_host()) {
                     return Some(self.error.clone());
                 }
-                crate::memcpy::check_host_list(regions, writable)
+                crate::region::check_host_list(regions, writable)
             })
             .collect()
     }

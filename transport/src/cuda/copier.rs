@@ -1,21 +1,26 @@
 //! The CUDA transport behind the `Transport` trait.
 //!
-//! Owns the glue between the trait and the CUDA executor: region checks against each GPU
-//! (one `cuPointerGetAttributes` per allocation), the early start into the staging buffer and
-//! submissions on engine-owned streams that complete on CUDA events. The staged-or-direct
-//! decision stays in `plan`. It never blocks in `poll` (except to drain streams after a
-//! failure) and never returns an unfinished submission's resources.
+//! Owns the glue between the traits (`Transport`, `StreamSubmit`) and the paths below: region
+//! checks against each GPU (one `cuPointerGetAttributes` per allocation), the early start into
+//! the staging buffer, submissions on engine-owned streams (`device`) and on callers' streams
+//! (`bound`), all completing on CUDA events. The staged-or-direct decision stays in `plan`. It
+//! never blocks in `poll` (except to drain streams after a failure) and never returns an
+//! unfinished submission's resources.
 
 use std::sync::Arc;
 
-use super::bound::{self, CudaGate, StreamStaging};
-use super::device::{self, Prestaged};
-use super::driver::{CudaTransport, RangeChecker};
+use super::bound;
+use super::bound_state::{CudaGate, StreamStaging};
+use super::device::{self, PartsSubmission, Prestaged};
+use super::gpu::CudaTransport;
+use super::memory::RangeChecker;
 use super::plan::StagingPolicy;
+use super::submission;
+use crate::inflight::{InFlight, Progress};
 use crate::region::{MemoryKind, Region};
 use crate::stream::{Gate, StreamHandle, StreamSubmit};
 use crate::transfer::{Direction, Summary, Transfer};
-use crate::transport::{EarlyStart, InFlight, Parts, PartsHint, Progress, Transport};
+use crate::transport::{EarlyStart, Parts, PartsHint, Transport};
 use crate::TransportError;
 
 /// GPU memory through the CUDA driver, with one store's staging policy.
@@ -118,24 +123,18 @@ impl Transport for CudaCopier {
     }
 
     fn submit_parts<'t>(&'t self, direction: Direction, hint: PartsHint) -> Box<dyn Parts + 't> {
-        Box::new(device::PartsSubmission::new(
-            Arc::clone(&self.transport),
-            direction,
-            self.policy,
-            hint.bytes,
-            hint.pieces,
-        ))
+        Box::new(PartsSubmission::new(Arc::clone(&self.transport), direction, self.policy, hint.bytes, hint.pieces))
     }
 }
 
-impl Parts for device::PartsSubmission {
+impl Parts for PartsSubmission {
     unsafe fn push(&mut self, transfers: &[Transfer]) {
         // SAFETY: forwarded contract.
-        unsafe { device::PartsSubmission::push(self, transfers) }
+        unsafe { PartsSubmission::push(self, transfers) }
     }
 
     fn take_settled(&mut self) -> Vec<Result<(), TransportError>> {
-        device::PartsSubmission::take_settled(self)
+        PartsSubmission::take_settled(self)
     }
 
     fn finish(self: Box<Self>) -> InFlight {
@@ -149,11 +148,12 @@ impl StreamSubmit for CudaCopier {
     }
 
     fn gate(&self, ordinal: u32) -> Result<Arc<dyn Gate>, TransportError> {
-        Ok(Arc::new(self.transport.device(ordinal)?.gate()?))
+        let device = self.transport.device(ordinal)?;
+        Ok(Arc::new(device.bound.gate(&device.context)?))
     }
 
     fn prepare(&self, ordinal: u32) -> Result<(), TransportError> {
-        self.transport.device(ordinal)?.prepare_stream_bound(self.stream_staging)
+        bound::prepare(&*self.transport.device(ordinal)?, self.stream_staging)
     }
 
     unsafe fn submit_on_stream(
@@ -184,20 +184,20 @@ impl StreamSubmit for CudaCopier {
     }
 }
 
-impl Progress for device::InFlight {
+impl Progress for submission::InFlight {
     fn poll(&mut self) -> bool {
-        device::InFlight::poll(self)
+        submission::InFlight::poll(self)
     }
 
     fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
-        device::InFlight::take_results(self)
+        submission::InFlight::take_results(self)
     }
 
     fn summary(&self) -> Summary {
-        device::InFlight::summary(self).clone()
+        submission::InFlight::summary(self).clone()
     }
 
     fn block(&mut self) {
-        device::InFlight::block(self)
+        submission::InFlight::block(self)
     }
 }

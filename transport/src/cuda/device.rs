@@ -1,77 +1,32 @@
-//! The GPU executor: submits planned transfers on engine-owned streams and reports completion
-//! through CUDA events that the caller polls.
+//! Submissions on engine-owned streams: the staged path (whole objects through the GPU's
+//! staging unit, one scatter or gather kernel per fill) and the direct path (one copy per
+//! piece, contiguous neighbours merged), whole or in parts, and the early start of a read's
+//! bulk copies into the staging buffer (`prestage`).
 //!
-//! It owns, per GPU, a pool of streams and events and the staging unit (the device buffer, its
-//! descriptor tables and two streams). It never blocks in `cuStreamSynchronize` on the normal
-//! path: completion is `cuEventQuery`. Only when a submission failed half-way, or an `InFlight`
-//! is dropped unfinished, does it wait for the streams, so no DMA can still touch leased or
-//! reserved host bytes once it reports.
+//! Owns the queueing of a planned request on the GPU's pooled streams and its staging unit.
+//! It never decides the path or the layout (`plan` does), never blocks in
+//! `cuStreamSynchronize` on the normal path (completion is the `InFlight`'s events), and
+//! never touches a caller's stream (`bound` does).
 
 use std::ffi::c_void;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use super::driver::{check, CudaDevice, CudaTransport};
-use super::kernel::{self, Kernels};
+use super::driver::check;
+use super::events::{drain, Event};
+use super::gpu::{CudaDevice, CudaTransport};
+use super::kernel::{Kernels, BLOCKS_PER_SM, KERNEL_THREADS, ROWS_PER_BLOCK};
 use super::plan::{self, Descriptor, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
 use super::profile::Probe;
+use super::staging::ensure_unit;
+use super::submission::{copy_host_pieces, InFlight, Stage};
 use crate::region::MemoryKind;
 use crate::transfer::Summary;
 use crate::TransportError;
-
-/// Threads per block of the scatter/gather kernels.
-pub(crate) const KERNEL_THREADS: u32 = 256;
-/// Blocks per multiprocessor at most (a grid-stride loop over warps covers any table).
-pub(crate) const BLOCKS_PER_SM: u32 = 8;
-/// Rows per block at one row per warp.
-pub(crate) const ROWS_PER_BLOCK: u32 = KERNEL_THREADS / 32;
-/// How long a waiter spins on an event before it starts yielding its CPU.
-const SPIN_BEFORE_YIELD: Duration = Duration::from_micros(200);
-
-struct Stream(sys::CUstream);
-pub(crate) struct Event(pub(crate) sys::CUevent);
-// SAFETY: stream and event handles are driver handles usable from any thread with the context
-// current; each is owned by one pool slot or one in-flight request at a time.
-unsafe impl Send for Stream {}
-// SAFETY: as above.
-unsafe impl Send for Event {}
-
-/// Per-GPU executor state (inside `CudaDevice`).
-#[derive(Default)]
-pub(crate) struct Executor {
-    streams: Mutex<Vec<Stream>>,
-    events: Mutex<Vec<Event>>,
-    staging: Mutex<Option<StagingUnit>>,
-    staging_busy: AtomicBool,
-    kernels: OnceLock<Result<Kernels, TransportError>>,
-    /// Staging units of stream-bound reads (`bound`).
-    pub(crate) stream_units: Mutex<super::bound::StreamUnits>,
-    /// Gate words of stream-bound reads (`bound`).
-    pub(crate) gates: Mutex<super::bound::GateSlab>,
-    /// The workload kernels of tests and benchmarks (`graph`).
-    pub(crate) workload: OnceLock<Result<super::graph::Workload, TransportError>>,
-}
-
-/// The staging buffer and what it needs; held by one request at a time (`staging_busy`).
-struct StagingUnit {
-    buffer: sys::CUdeviceptr,
-    buffer_bytes: u64,
-    /// The row tables: pinned host memory the kernels read in place (through `rows_device`,
-    /// its device-side address), so no table copy queues behind the bulk copies.
-    rows_host: *mut Descriptor,
-    rows_device: sys::CUdeviceptr,
-    rows_capacity: usize,
-    copy_stream: sys::CUstream,
-    kernel_stream: sys::CUstream,
-}
-
-// SAFETY: raw handles and a pinned host pointer owned by this unit; guarded by the executor's
-// mutex and busy flag.
-unsafe impl Send for StagingUnit {}
 
 /// Test hooks: make the next staged fills or direct submissions fail at submission, as a
 /// failed copy or kernel launch would.
@@ -113,246 +68,13 @@ pub struct StagingHold(Arc<CudaDevice>);
 
 impl std::fmt::Debug for StagingHold {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StagingHold").field("gpu", &self.0.ordinal).finish()
+        f.debug_struct("StagingHold").field("gpu", &self.0.ordinal()).finish()
     }
 }
 
 impl Drop for StagingHold {
     fn drop(&mut self) {
-        self.0.exec.staging_busy.store(false, Ordering::Release);
-    }
-}
-
-/// A stage of a submission: transfers whose bytes are done when `event` has fired.
-pub(crate) struct Stage {
-    pub(crate) device: Arc<CudaDevice>,
-    pub(crate) event: Option<Event>,
-    pub(crate) transfers: Vec<usize>,
-    /// Streams to wait on if the event cannot tell us (error paths).
-    pub(crate) streams: Vec<sys::CUstream>,
-    pub(crate) done: bool,
-}
-
-// SAFETY: see Stream/Event; the stream handles are only used to wait on error paths.
-unsafe impl Send for Stage {}
-
-impl Stage {
-    /// Queries the stage's event; true once it completed or failed (a failure is recorded for
-    /// each of its transfers in `errors`, after its streams were drained).
-    fn poll(&mut self, errors: &mut [Option<TransportError>]) -> bool {
-        if self.done {
-            return true;
-        }
-        let Some(event) = &self.event else {
-            self.done = true;
-            return true;
-        };
-        if self.device.bind().is_err() {
-            return false;
-        }
-        // SAFETY: the event is ours until the stage is finished.
-        let status = unsafe { sys::cuEventQuery(event.0) };
-        if status == sys::CUresult::CUDA_ERROR_NOT_READY {
-            return false;
-        }
-        if status != sys::CUresult::CUDA_SUCCESS {
-            let error = TransportError::Cuda { op: "cuEventQuery", detail: super::driver::error_name(status) };
-            for &t in &self.transfers {
-                if let Some(slot) = errors.get_mut(t) {
-                    slot.get_or_insert_with(|| error.clone());
-                }
-            }
-            drain(&self.device, &self.streams);
-        }
-        self.done = true;
-        true
-    }
-}
-
-/// Work submitted to the GPU. Poll it (or `wait`) until complete; the host memory and the pages
-/// it names must stay valid until then (the engine keeps its leases alive with it).
-pub struct InFlight {
-    pub(crate) stages: Vec<Stage>,
-    errors: Vec<Option<TransportError>>,
-    /// Stream-bound staging units this submission shares until it completed.
-    pub(crate) unit_shares: Vec<super::bound::UnitShare>,
-    /// Streams borrowed from device pools, returned at completion.
-    pooled_streams: Vec<(Arc<CudaDevice>, Stream)>,
-    /// The device whose staging unit this request holds.
-    staging_of: Option<Arc<CudaDevice>>,
-    pub(crate) summary: Summary,
-    finished: bool,
-    /// Timing events (`KVTIDE_CUDA_PROFILE`), staged requests only.
-    probe: Option<Probe>,
-}
-
-impl std::fmt::Debug for InFlight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InFlight").field("stages", &self.stages.len()).field("summary", &self.summary).finish()
-    }
-}
-
-impl InFlight {
-    pub(crate) fn new(transfers: usize) -> InFlight {
-        InFlight {
-            stages: Vec::new(),
-            errors: vec![None; transfers],
-            unit_shares: Vec::new(),
-            pooled_streams: Vec::new(),
-            staging_of: None,
-            summary: Summary::default(),
-            finished: false,
-            probe: None,
-        }
-    }
-
-    /// What was submitted.
-    pub fn summary(&self) -> &Summary {
-        &self.summary
-    }
-
-    /// Checks the events; true once every stage has completed (or failed) and every resource
-    /// went back. Never blocks, except to drain streams after a failure.
-    pub fn poll(&mut self) -> bool {
-        if self.finished {
-            return true;
-        }
-        for stage in self.stages.iter_mut().filter(|s| !s.done) {
-            if !stage.poll(&mut self.errors) {
-                return false;
-            }
-        }
-        if let Some(probe) = self.probe.take() {
-            probe.finish(Instant::now());
-        }
-        self.finish();
-        true
-    }
-
-    /// The results of the transfers from `from` on whose every stage completed, up to the first
-    /// transfer that still has a stage in flight. Never blocks (except to drain streams after a
-    /// failure); the results stay for `take_results`.
-    pub fn settled_from(&mut self, from: usize) -> Vec<Result<(), TransportError>> {
-        let mut first_pending = self.errors.len();
-        // Stages mostly complete in the order they were queued: querying stops at the first one
-        // still running, and every stage not known complete holds its transfers back.
-        let mut querying = true;
-        for stage in self.stages.iter_mut().filter(|s| !s.done) {
-            if querying && stage.poll(&mut self.errors) {
-                continue;
-            }
-            querying = false;
-            if let Some(&t) = stage.transfers.iter().min() {
-                first_pending = first_pending.min(t);
-            }
-            if first_pending <= from {
-                // Nothing from `from` on has settled.
-                break;
-            }
-        }
-        let settled = self.errors.get(from..first_pending).unwrap_or_default();
-        settled.iter().map(|e| e.clone().map_or(Ok(()), Err)).collect()
-    }
-
-    /// Polls until complete (spinning briefly, then yielding the CPU) and returns one result per
-    /// transfer, in submission order.
-    pub fn wait(mut self) -> Vec<Result<(), TransportError>> {
-        self.block();
-        self.take_results()
-    }
-
-    /// Polls until complete, spinning briefly, then yielding the CPU.
-    pub fn block(&mut self) {
-        let started = Instant::now();
-        while !self.poll() {
-            if started.elapsed() < SPIN_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    /// The per-transfer results (after `poll` returned true).
-    pub fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
-        std::mem::take(&mut self.errors).into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
-    }
-
-    /// Takes over `part`, a submission of the transfers from `base` on: its stages, results
-    /// and resources become this one's.
-    fn absorb(&mut self, mut part: InFlight, base: usize) {
-        for mut stage in part.stages.drain(..) {
-            stage.transfers.iter_mut().for_each(|t| *t += base);
-            self.stages.push(stage);
-        }
-        for (i, error) in part.errors.drain(..).enumerate() {
-            if let (Some(slot), Some(e)) = (self.errors.get_mut(base + i), error) {
-                slot.get_or_insert(e);
-            }
-        }
-        self.unit_shares.append(&mut part.unit_shares);
-        self.pooled_streams.append(&mut part.pooled_streams);
-        if let Some(device) = part.staging_of.take() {
-            if self.staging_of.is_none() {
-                self.staging_of = Some(device);
-            } else {
-                device.exec.staging_busy.store(false, Ordering::Release);
-            }
-        }
-        self.summary.absorb(&part.summary);
-        // Everything it held is ours now: its drop has nothing left to wait for or give back.
-        part.finished = true;
-    }
-
-    pub(crate) fn fail(&mut self, transfers: impl IntoIterator<Item = usize>, error: &TransportError) {
-        for t in transfers {
-            if let Some(slot) = self.errors.get_mut(t) {
-                slot.get_or_insert_with(|| error.clone());
-            }
-        }
-    }
-
-    fn finish(&mut self) {
-        if self.finished {
-            return;
-        }
-        for stage in &mut self.stages {
-            if let Some(event) = stage.event.take() {
-                stage.device.exec.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
-            }
-        }
-        for (device, stream) in self.pooled_streams.drain(..) {
-            device.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).push(stream);
-        }
-        if let Some(device) = self.staging_of.take() {
-            device.exec.staging_busy.store(false, Ordering::Release);
-        }
-        self.unit_shares.clear();
-        self.finished = true;
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if self.finished {
-            return;
-        }
-        // Dropped before completion (a panic, say): the GPU may still use the memory the caller
-        // is about to release, so wait for every stream before giving anything back.
-        for stage in &self.stages {
-            drain(&stage.device, &stage.streams);
-        }
-        self.finish();
-    }
-}
-
-/// Waits for streams (error and drop paths only).
-pub(crate) fn drain(device: &CudaDevice, streams: &[sys::CUstream]) {
-    if device.bind().is_ok() {
-        for &stream in streams {
-            // SAFETY: a stream this request used; it is still alive (pooled or staging-owned).
-            let _ = unsafe { sys::cuStreamSynchronize(stream) };
-        }
+        self.0.staging.release();
     }
 }
 
@@ -443,24 +165,6 @@ unsafe fn submit_direct_all(
     inflight
 }
 
-/// Copies the host-memory pieces of `transfer` on the CPU; device pieces are left alone.
-///
-/// # Safety
-/// The transfer's host bytes and its host pieces must be valid for the copy and must not
-/// overlap (leased or reserved arena bytes and caller memory).
-pub unsafe fn copy_host_pieces(transfer: &Transfer, direction: Direction) {
-    for piece in transfer.pieces.iter().filter(|p| p.kind.is_host() && p.len > 0) {
-        let host = (transfer.host + piece.host_offset) as *mut u8;
-        let page = piece.addr as *mut u8;
-        let (src, dst) = match direction {
-            Direction::HostToDevice => (host.cast_const(), page),
-            Direction::DeviceToHost => (page.cast_const(), host),
-        };
-        // SAFETY: the caller vouches for both ranges; they never overlap.
-        unsafe { crate::memcpy::copy_bytes(dst, src, piece.len as usize) };
-    }
-}
-
 /// A read's bulk copies into the staging buffer, started as soon as its objects are leased,
 /// while the caller still checks the destinations and plans: they touch only the engine's
 /// private staging buffer, never a destination, so a request that then does not qualify simply
@@ -502,7 +206,7 @@ unsafe impl Send for Prestaged {}
 impl std::fmt::Debug for Prestaged {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Prestaged")
-            .field("gpu", &self.device.ordinal)
+            .field("gpu", &self.device.ordinal())
             .field("objects", &self.objects.len())
             .field("fills", &self.fills.len())
             .field("prestaged_fills", &self.copied.len())
@@ -520,7 +224,7 @@ impl Prestaged {
     /// the same order (their staged layout is then the one planned here).
     fn matches(&self, ordinal: u32, direction: Direction, transfers: &[Transfer], spans: &[Range<u64>]) -> bool {
         !self.broken
-            && self.device.ordinal == ordinal
+            && self.device.ordinal() == ordinal
             && direction == Direction::HostToDevice
             && transfers.len() == self.objects.len()
             && spans.len() == transfers.len()
@@ -585,20 +289,20 @@ impl Prestaged {
                     )
                 };
                 if check(result, "cuMemcpyHtoDAsync").is_err() {
-                    drain(&self.device, &[self.copy_stream]);
+                    drain(&self.device.context, &[self.copy_stream]);
                     return false;
                 }
                 self.copy_calls += 1;
                 self.bytes += copy.len;
             }
             let Ok(event) = self.device.take_event() else {
-                drain(&self.device, &[self.copy_stream]);
+                drain(&self.device.context, &[self.copy_stream]);
                 return false;
             };
             // SAFETY: our event, the unit's live stream.
-            if check(unsafe { sys::cuEventRecord(event.0, self.copy_stream) }, "cuEventRecord").is_err() {
-                self.device.give_event(event);
-                drain(&self.device, &[self.copy_stream]);
+            if check(unsafe { sys::cuEventRecord(event.raw(), self.copy_stream) }, "cuEventRecord").is_err() {
+                drop(event);
+                drain(&self.device.context, &[self.copy_stream]);
                 return false;
             }
             self.copied.push(event);
@@ -619,7 +323,7 @@ impl Drop for Prestaged {
             for event in &self.copied {
                 loop {
                     // SAFETY: our recorded event.
-                    let status = unsafe { sys::cuEventQuery(event.0) };
+                    let status = unsafe { sys::cuEventQuery(event.raw()) };
                     if status != sys::CUresult::CUDA_ERROR_NOT_READY {
                         failed |= status != sys::CUresult::CUDA_SUCCESS;
                         break;
@@ -628,13 +332,12 @@ impl Drop for Prestaged {
                 }
             }
             if failed {
-                drain(&self.device, &[self.copy_stream]);
+                drain(&self.device.context, &[self.copy_stream]);
             }
         }
-        for event in std::mem::take(&mut self.copied) {
-            self.device.give_event(event);
-        }
-        self.device.exec.staging_busy.store(false, Ordering::Release);
+        // Back to their pool.
+        self.copied.clear();
+        self.device.staging.release();
     }
 }
 
@@ -662,7 +365,7 @@ pub unsafe fn prestage(
     let device = transport.device(ordinal).ok()?;
     device.bind().ok()?;
     device.kernels().ok()?;
-    device.exec.staging_busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).ok()?;
+    device.staging.claim().then_some(())?;
     // From here the flag belongs to `prestaged` (its drop frees it).
     let mut prestaged = Prestaged {
         device: Arc::clone(&device),
@@ -681,7 +384,7 @@ pub unsafe fn prestage(
         probe: None,
     };
     let (buffer, copy_stream) = {
-        let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = device.staging.unit.lock().unwrap_or_else(|p| p.into_inner());
         ensure_unit(&mut guard, policy.buffer_bytes, 0).ok()?;
         let unit = guard.as_ref()?;
         (unit.buffer, unit.copy_stream)
@@ -708,54 +411,11 @@ fn transfers_on(transfers: &[Transfer], ordinal: u32) -> Vec<usize> {
 }
 
 impl CudaDevice {
-    pub(crate) fn kernels(&self) -> Result<&Kernels, TransportError> {
-        self.exec.kernels.get_or_init(|| kernel::load(self)).as_ref().map_err(Clone::clone)
-    }
-
     /// Holds the staging buffer as an in-flight request would, until the guard drops (tests of
     /// the busy fallback). None when it is already held.
     #[doc(hidden)]
     pub fn hold_staging(self: &Arc<Self>) -> Option<StagingHold> {
-        self.exec
-            .staging_busy
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .ok()
-            .map(|_| StagingHold(Arc::clone(self)))
-    }
-
-    /// Compiles the staged kernels now (otherwise at first staged use). For warm-up and tests.
-    pub fn prepare_kernels(&self) -> Result<(), TransportError> {
-        self.kernels().map(|_| ())
-    }
-
-    fn take_stream(&self) -> Result<Stream, TransportError> {
-        if let Some(stream) = self.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).pop() {
-            return Ok(stream);
-        }
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        check(
-            // SAFETY: writes one stream handle; the context is current (callers bind first).
-            unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-            "cuStreamCreate",
-        )?;
-        Ok(Stream(stream))
-    }
-
-    pub(crate) fn take_event(&self) -> Result<Event, TransportError> {
-        if let Some(event) = self.exec.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
-            return Ok(event);
-        }
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        check(
-            // SAFETY: writes one event handle; the context is current.
-            unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
-            "cuEventCreate",
-        )?;
-        Ok(Event(event))
-    }
-
-    pub(crate) fn give_event(&self, event: Event) {
-        self.exec.events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
+        self.staging.claim().then(|| StagingHold(Arc::clone(self)))
     }
 }
 
@@ -783,13 +443,8 @@ impl CudaDevice {
     ) -> Result<Duration, TransportError> {
         self.bind()?;
         let stream = self.take_stream()?;
-        let event = match self.take_event() {
-            Ok(e) => e,
-            Err(e) => {
-                self.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).push(stream);
-                return Err(e);
-            }
-        };
+        // On failure the stream goes back to its pool.
+        let event = self.take_event()?;
         let started = Instant::now();
         let submitted = (|| {
             match mode {
@@ -798,7 +453,7 @@ impl CudaDevice {
                         copies.iter().map(|c| if to_device { (c.device, c.host) } else { (c.host, c.device) }).unzip();
                     let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
                     // SAFETY: forwarded contract.
-                    if !unsafe { self.batch_copy(&mut dsts, &mut srcs, &mut sizes, to_device, stream.0) }? {
+                    if !unsafe { self.context.batch_copy(&mut dsts, &mut srcs, &mut sizes, to_device, stream.raw()) }? {
                         return Err(TransportError::CudaUnavailable("the driver has no cuMemcpyBatchAsync"));
                     }
                 }
@@ -807,9 +462,14 @@ impl CudaDevice {
                         // SAFETY: forwarded contract.
                         let result = unsafe {
                             if to_device {
-                                sys::cuMemcpyHtoDAsync_v2(c.device, c.host as *const c_void, c.len as usize, stream.0)
+                                sys::cuMemcpyHtoDAsync_v2(
+                                    c.device,
+                                    c.host as *const c_void,
+                                    c.len as usize,
+                                    stream.raw(),
+                                )
                             } else {
-                                sys::cuMemcpyDtoHAsync_v2(c.host as *mut c_void, c.device, c.len as usize, stream.0)
+                                sys::cuMemcpyDtoHAsync_v2(c.host as *mut c_void, c.device, c.len as usize, stream.raw())
                             }
                         };
                         check(result, "cuMemcpyAsync")?;
@@ -817,21 +477,22 @@ impl CudaDevice {
                 }
             }
             // SAFETY: our event and stream.
-            check(unsafe { sys::cuEventRecord(event.0, stream.0) }, "cuEventRecord")
+            check(unsafe { sys::cuEventRecord(event.raw(), stream.raw()) }, "cuEventRecord")
         })();
         let result = submitted.and_then(|()| loop {
             // SAFETY: our recorded event.
-            let status = unsafe { sys::cuEventQuery(event.0) };
+            let status = unsafe { sys::cuEventQuery(event.raw()) };
             if status != sys::CUresult::CUDA_ERROR_NOT_READY {
                 break check(status, "cuEventQuery").map(|()| started.elapsed());
             }
             std::hint::spin_loop();
         });
         if result.is_err() {
-            drain(self, &[stream.0]);
+            drain(&self.context, &[stream.raw()]);
         }
-        self.give_event(event);
-        self.exec.streams.lock().unwrap_or_else(|p| p.into_inner()).push(stream);
+        // Both back to their pools.
+        drop(event);
+        drop(stream);
         result
     }
 }
@@ -847,7 +508,7 @@ unsafe fn submit_direct(
     transfers: &[Transfer],
     inflight: &mut InFlight,
 ) {
-    let ordinal = device.ordinal;
+    let ordinal = device.ordinal();
     let touched = transfers_on(transfers, ordinal);
     let prepared = device.bind().and_then(|()| device.take_stream());
     let stream = match prepared {
@@ -857,8 +518,8 @@ unsafe fn submit_direct(
             return;
         }
     };
-    let raw_stream = stream.0;
-    inflight.pooled_streams.push((Arc::clone(device), stream));
+    let raw_stream = stream.raw();
+    inflight.pooled_streams.push(stream);
     let copies = plan::direct_copies(transfers, ordinal);
     let to_device = direction == Direction::HostToDevice;
     let mut submitted = Ok(());
@@ -868,7 +529,8 @@ unsafe fn submit_direct(
             copies.iter().map(|c| if to_device { (c.device, c.host) } else { (c.host, c.device) }).unzip();
         let mut sizes: Vec<usize> = copies.iter().map(|c| c.len as usize).collect();
         // SAFETY: forwarded contract; the arrays describe exactly the planned copies.
-        submitted = unsafe { device.batch_copy(&mut dsts, &mut srcs, &mut sizes, to_device, raw_stream) }.map(|_| ());
+        submitted =
+            unsafe { device.context.batch_copy(&mut dsts, &mut srcs, &mut sizes, to_device, raw_stream) }.map(|_| ());
         inflight.summary.batch_calls += 1;
     } else {
         for (i, copy) in copies.iter().enumerate() {
@@ -902,7 +564,7 @@ unsafe fn submit_direct(
     }
     let event = device.take_event().and_then(|event| {
         // SAFETY: our event and stream; the context is current.
-        check(unsafe { sys::cuEventRecord(event.0, raw_stream) }, "cuEventRecord").map(|()| event)
+        check(unsafe { sys::cuEventRecord(event.raw(), raw_stream) }, "cuEventRecord").map(|()| event)
     });
     match event {
         Ok(event) => inflight.stages.push(Stage {
@@ -914,7 +576,7 @@ unsafe fn submit_direct(
         }),
         Err(e) => {
             inflight.fail(touched.iter().copied(), &e);
-            drain(device, &[raw_stream]);
+            drain(&device.context, &[raw_stream]);
         }
     }
 }
@@ -1001,22 +663,21 @@ impl StagedRun {
             tracing::debug!(error = %e, "staged kernels unavailable; direct path");
             return Err(Fallback::KernelUnavailable);
         }
-        if !held && device.exec.staging_busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err()
-        {
+        if !held && !device.staging.claim() {
             return Err(Fallback::Busy);
         }
-        let mut guard = device.exec.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = device.staging.unit.lock().unwrap_or_else(|p| p.into_inner());
         if let Err(e) = ensure_unit(&mut guard, policy.buffer_bytes, rows) {
             drop(guard);
             if !held {
-                device.exec.staging_busy.store(false, Ordering::Release);
+                device.staging.release();
             }
             tracing::warn!(error = %e, "staging buffer unavailable; direct path");
             return Err(Fallback::NoBuffer);
         }
         let Some(unit) = guard.as_ref() else {
             if !held {
-                device.exec.staging_busy.store(false, Ordering::Release);
+                device.staging.release();
             }
             return Err(Fallback::NoBuffer);
         };
@@ -1058,7 +719,7 @@ impl StagedRun {
     ) {
         let device = Arc::clone(&self.device);
         let streams = vec![self.copy_stream, self.kernel_stream];
-        let grid_cap = device.multiprocessors * BLOCKS_PER_SM;
+        let grid_cap = device.context.multiprocessors * BLOCKS_PER_SM;
         let to_device = direction == Direction::HostToDevice;
         let mut failure: Option<(usize, TransportError)> = None;
         let kernels = match device.kernels() {
@@ -1081,28 +742,29 @@ impl StagedRun {
                 .filter(|(region, _)| plan::regions_overlap(region, &fill.region))
                 .map(|(_, e)| *e)
                 .collect();
+            let job = FillJob {
+                kernels,
+                to_device,
+                buffer: self.buffer,
+                rows_device: rows_ptr,
+                // SAFETY: `row_base` never passes `rows_total`, the rows of the pinned table.
+                rows_host: unsafe { self.rows_host.add(self.row_base) },
+                rows_left: self.rows_left(),
+                write_rows: &|rows: &mut [Descriptor]| plan::descriptors_into(fill, transfers, rows),
+                copies: &copies,
+                waits: &waits,
+                copy_stream: self.copy_stream,
+                kernel_stream: self.kernel_stream,
+                grid_cap,
+            };
             // SAFETY: forwarded contract for host bytes and pages; the buffer and row tables belong
             // to the staging unit this request holds, and rows from `row_base` on are unused.
-            let result = unsafe {
-                enqueue_fill(
-                    &device,
-                    kernels,
-                    to_device,
-                    (self.buffer, rows_ptr, self.rows_host.add(self.row_base), self.rows_left()),
-                    &|rows: &mut [Descriptor]| plan::descriptors_into(fill, transfers, rows),
-                    &copies,
-                    &waits,
-                    (self.copy_stream, self.kernel_stream),
-                    grid_cap,
-                    &mut inflight.summary,
-                    already,
-                )
-            };
+            let result = unsafe { enqueue_fill(&device, &job, &mut inflight.summary, already) };
             match result {
                 Ok((done, rows)) => {
                     self.row_base += rows;
                     // The fill's completion event is also the moment its region may be reused.
-                    self.reusable.push((fill.region.clone(), done.0));
+                    self.reusable.push((fill.region.clone(), done.raw()));
                     inflight.stages.push(Stage {
                         device: Arc::clone(&device),
                         event: Some(done),
@@ -1119,11 +781,10 @@ impl StagedRun {
             let failed: Vec<usize> =
                 fills[f..].iter().flat_map(|fill| fill.transfers.clone()).map(|t| base + t).collect();
             inflight.fail(failed.iter().copied(), &error);
-            drain(&device, &streams);
-            // Prestaged fills never reached: their copies are drained with the copy stream.
-            for event in copied.into_iter().flatten() {
-                device.give_event(event);
-            }
+            drain(&device.context, &streams);
+            // Prestaged fills never reached: their copies are drained with the copy stream, and
+            // their events go back to the pool.
+            drop(copied);
             inflight.stages.push(Stage { device, event: None, transfers: failed, streams, done: true });
         }
     }
@@ -1236,7 +897,7 @@ impl PartsSubmission {
         let Some(run) = self.run.as_mut() else { return Err(Fallback::NoBuffer) };
         // The unit is this request's already: a part on another GPU, or with more rows than
         // the request said it would have, goes direct.
-        if run.device.ordinal != ordinal {
+        if run.device.ordinal() != ordinal {
             return Err(Fallback::Busy);
         }
         if rows > run.rows_left() {
@@ -1264,43 +925,138 @@ impl PartsSubmission {
     }
 }
 
+/// One fill of a staged request, ready to enqueue (`enqueue_fill`), in the staging unit the
+/// request holds.
+struct FillJob<'a> {
+    kernels: &'a Kernels,
+    to_device: bool,
+    /// The unit's staging buffer.
+    buffer: sys::CUdeviceptr,
+    /// Device address of this fill's rows in the unit's pinned table.
+    rows_device: sys::CUdeviceptr,
+    /// Host address of this fill's rows, and the rows left in the table from there.
+    rows_host: *mut Descriptor,
+    rows_left: usize,
+    /// Writes the fill's rows; None when they do not fit.
+    write_rows: &'a dyn Fn(&mut [Descriptor]) -> Option<usize>,
+    /// Bulk copies between the host and the buffer (none for a prestaged fill: queued already).
+    copies: &'a [plan::BulkCopy],
+    /// Events after which earlier fills of the request left this fill's buffer region.
+    waits: &'a [sys::CUevent],
+    copy_stream: sys::CUstream,
+    kernel_stream: sys::CUstream,
+    /// Blocks per kernel launch at most.
+    grid_cap: u32,
+}
+
 /// Enqueues one fill and returns the event after which its buffer region is free again, and the
 /// number of table rows it used. The fill's rows are written into its own slice of the pinned
 /// host table, which the kernel reads in place.
 ///
 /// # Safety
-/// As `submit`; `tables` are (buffer, device address of this fill's rows, host address of this
-/// fill's rows, rows left) of the held unit, and no queued kernel reads those rows.
-#[allow(clippy::too_many_arguments)]
+/// As `submit`; the job's buffer and rows are the held unit's, and no queued kernel reads those
+/// rows.
 unsafe fn enqueue_fill(
     device: &CudaDevice,
-    kernels: &Kernels,
-    to_device: bool,
-    tables: (sys::CUdeviceptr, sys::CUdeviceptr, *mut Descriptor, usize),
-    write_rows: &dyn Fn(&mut [Descriptor]) -> Option<usize>,
-    copies: &[plan::BulkCopy],
-    waits: &[sys::CUevent],
-    (copy_stream, kernel_stream): (sys::CUstream, sys::CUstream),
-    grid_cap: u32,
+    job: &FillJob<'_>,
     summary: &mut Summary,
     prestaged: Option<Event>,
 ) -> Result<(Event, usize), TransportError> {
-    let (buffer, rows_device, rows_host, rows_left) = tables;
     // SAFETY: rows_host has room for rows_left rows (the caller's contract) and no kernel reads
-    // them until the launch below, which is issued after these writes.
-    let table = unsafe { std::slice::from_raw_parts_mut(rows_host, rows_left) };
-    let Some(row_count) = write_rows(table) else {
-        if let Some(copied) = prestaged {
-            device.give_event(copied);
-        }
+    // them until the launch `enqueue_ordered` issues after these writes.
+    let table = unsafe { std::slice::from_raw_parts_mut(job.rows_host, job.rows_left) };
+    let Some(row_count) = (job.write_rows)(table) else {
+        drop(prestaged);
         return Err(TransportError::Cuda { op: "scatter table", detail: "more rows than planned".into() });
     };
-    let bulk = |summary: &mut Summary| -> Result<(), TransportError> {
-        for copy in copies {
+    // On failure `prestaged` goes back to its pool.
+    let done = device.take_event()?;
+    // SAFETY: forwarded contract; the rows are written.
+    let result = unsafe { job.enqueue_ordered(device, row_count, &done, prestaged.as_ref(), summary) };
+    // The waits captured `prestaged`'s record: the handle may go back to the pool now.
+    drop(prestaged);
+    match result {
+        Ok(()) => Ok((done, row_count)),
+        Err(e) => {
+            drop(done);
+            Err(e)
+        }
+    }
+}
+
+impl FillJob<'_> {
+    /// Enqueues the fill's operations in stream order, `done` recorded after the last one.
+    ///
+    /// # Safety
+    /// As `enqueue_fill`, with the fill's `row_count` rows written.
+    unsafe fn enqueue_ordered(
+        &self,
+        device: &CudaDevice,
+        row_count: usize,
+        done: &Event,
+        prestaged: Option<&Event>,
+        summary: &mut Summary,
+    ) -> Result<(), TransportError> {
+        let (copy_stream, kernel_stream) = (self.copy_stream, self.kernel_stream);
+        if let Some(copied) = prestaged {
+            // Reads whose bulk copies `prestage` queued (on the copy stream, before `copied`
+            // was recorded): the kernel stream waits for them and scatters.
+            for &w in self.waits {
+                wait(kernel_stream, w)?;
+            }
+            wait(kernel_stream, copied.raw())?;
+            // SAFETY: forwarded contract.
+            unsafe { self.launch(self.kernels.scatter, kernel_stream, row_count, summary)? };
+            return record(done, kernel_stream);
+        }
+        let handoff = device.take_event()?;
+        let queued = if self.to_device {
+            // copy stream: wait until earlier fills of this region were scattered, then fill it.
+            // kernel stream: scatter once the fill is in.
+            (|| {
+                for &w in self.waits {
+                    wait(copy_stream, w)?;
+                }
+                // SAFETY: forwarded contract.
+                unsafe { self.bulk(summary)? };
+                record(&handoff, copy_stream)?;
+                wait(kernel_stream, handoff.raw())?;
+                // SAFETY: forwarded contract.
+                unsafe { self.launch(self.kernels.scatter, kernel_stream, row_count, summary)? };
+                record(done, kernel_stream)
+            })()
+        } else {
+            // kernel stream: gather once earlier fills of the region drained to the host.
+            // copy stream: drain this fill once gathered.
+            (|| {
+                for &w in self.waits {
+                    wait(kernel_stream, w)?;
+                }
+                // SAFETY: forwarded contract.
+                unsafe { self.launch(self.kernels.gather, kernel_stream, row_count, summary)? };
+                record(&handoff, kernel_stream)?;
+                wait(copy_stream, handoff.raw())?;
+                // SAFETY: forwarded contract.
+                unsafe { self.bulk(summary)? };
+                record(done, copy_stream)
+            })()
+        };
+        // The waits captured the handoff's record: the handle may go back to the pool now.
+        drop(handoff);
+        queued
+    }
+
+    /// Enqueues the bulk copies between the host and the buffer on the copy stream.
+    ///
+    /// # Safety
+    /// As `enqueue_fill`.
+    unsafe fn bulk(&self, summary: &mut Summary) -> Result<(), TransportError> {
+        let (buffer, copy_stream) = (self.buffer, self.copy_stream);
+        for copy in self.copies {
             // SAFETY: host bytes per the caller's contract; [buffer + device, +len) lies inside
             // the staging buffer (the planner keeps fills inside it).
             let result = unsafe {
-                if to_device {
+                if self.to_device {
                     sys::cuMemcpyHtoDAsync_v2(
                         buffer + copy.device,
                         copy.host as *const c_void,
@@ -1318,26 +1074,37 @@ unsafe fn enqueue_fill(
             };
             summary.copy_calls += 1;
             summary.bytes += copy.len;
-            check(result, if to_device { "cuMemcpyHtoDAsync" } else { "cuMemcpyDtoHAsync" })?;
+            check(result, if self.to_device { "cuMemcpyHtoDAsync" } else { "cuMemcpyDtoHAsync" })?;
         }
         Ok(())
-    };
-    let launch = |function: sys::CUfunction, stream: sys::CUstream, summary: &mut Summary| {
+    }
+
+    /// Launches `function` (scatter or gather) over the fill's `row_count` rows on `stream`.
+    ///
+    /// # Safety
+    /// As `enqueue_ordered`.
+    unsafe fn launch(
+        &self,
+        function: sys::CUfunction,
+        stream: sys::CUstream,
+        row_count: usize,
+        summary: &mut Summary,
+    ) -> Result<(), TransportError> {
         if take_fault(&FAIL_STAGED) {
             return Err(injected("cuLaunchKernel"));
         }
         if row_count == 0 {
             return Ok(());
         }
-        let mut staging_arg = buffer;
-        let mut rows_arg = rows_device;
+        let mut staging_arg = self.buffer;
+        let mut rows_arg = self.rows_device;
         let mut count_arg = row_count as u32;
         let mut params: [*mut c_void; 3] = [
             (&mut staging_arg as *mut u64).cast(),
             (&mut rows_arg as *mut u64).cast(),
             (&mut count_arg as *mut u32).cast(),
         ];
-        let grid = (row_count as u32).div_ceil(ROWS_PER_BLOCK).min(grid_cap).max(1);
+        let grid = (row_count as u32).div_ceil(ROWS_PER_BLOCK).min(self.grid_cap).max(1);
         // SAFETY: the kernel takes (pointer, pointer, unsigned int), matching `params`; the
         // driver copies the arguments during the call.
         let result = unsafe {
@@ -1357,147 +1124,17 @@ unsafe fn enqueue_fill(
         };
         summary.kernel_launches += 1;
         check(result, "cuLaunchKernel")
-    };
-    let record = |event: &Event, stream: sys::CUstream| {
-        // SAFETY: our event, a live stream of the current context.
-        check(unsafe { sys::cuEventRecord(event.0, stream) }, "cuEventRecord")
-    };
-    let wait = |stream: sys::CUstream, event: sys::CUevent| {
-        // SAFETY: both handles are alive; the wait is enqueued device-side (the host does not block).
-        check(unsafe { sys::cuStreamWaitEvent(stream, event, 0) }, "cuStreamWaitEvent")
-    };
-    let done = match device.take_event() {
-        Ok(e) => e,
-        Err(e) => {
-            if let Some(copied) = prestaged {
-                device.give_event(copied);
-            }
-            return Err(e);
-        }
-    };
-    let result = (|| {
-        if let Some(copied) = &prestaged {
-            // Reads whose bulk copies `prestage` queued (on the copy stream, before `copied`
-            // was recorded): the kernel stream waits for them and scatters.
-            for &w in waits {
-                wait(kernel_stream, w)?;
-            }
-            wait(kernel_stream, copied.0)?;
-            launch(kernels.scatter, kernel_stream, summary)?;
-            return record(&done, kernel_stream);
-        }
-        let handoff = device.take_event()?;
-        let queued = if to_device {
-            // copy stream: wait until earlier fills of this region were scattered, then fill it.
-            // kernel stream: scatter once the fill is in.
-            (|| {
-                for &w in waits {
-                    wait(copy_stream, w)?;
-                }
-                bulk(summary)?;
-                record(&handoff, copy_stream)?;
-                wait(kernel_stream, handoff.0)?;
-                launch(kernels.scatter, kernel_stream, summary)?;
-                record(&done, kernel_stream)
-            })()
-        } else {
-            // kernel stream: gather once earlier fills of the region drained to the host.
-            // copy stream: drain this fill once gathered.
-            (|| {
-                for &w in waits {
-                    wait(kernel_stream, w)?;
-                }
-                launch(kernels.gather, kernel_stream, summary)?;
-                record(&handoff, kernel_stream)?;
-                wait(copy_stream, handoff.0)?;
-                bulk(summary)?;
-                record(&done, copy_stream)
-            })()
-        };
-        // The waits captured the handoff's record: the handle may go back to the pool now.
-        device.give_event(handoff);
-        queued
-    })();
-    if let Some(copied) = prestaged {
-        // As above: the wait captured its record.
-        device.give_event(copied);
-    }
-    match result {
-        Ok(()) => Ok((done, row_count)),
-        Err(e) => {
-            device.give_event(done);
-            Err(e)
-        }
     }
 }
 
-/// Allocates (or grows) the staging unit: a buffer of at least `buffer_bytes` and row tables
-/// for `rows` descriptors. Called only while holding the busy flag, so nothing uses the old
-/// allocations.
-fn ensure_unit(slot: &mut Option<StagingUnit>, buffer_bytes: u64, rows: usize) -> Result<(), TransportError> {
-    if slot.is_none() {
-        let mut copy_stream: sys::CUstream = std::ptr::null_mut();
-        let mut kernel_stream: sys::CUstream = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: each call writes one stream handle; the context is current.
-        check(unsafe { sys::cuStreamCreate(&mut copy_stream, flags) }, "cuStreamCreate")?;
-        // SAFETY: as above.
-        check(unsafe { sys::cuStreamCreate(&mut kernel_stream, flags) }, "cuStreamCreate")?;
-        *slot = Some(StagingUnit {
-            buffer: 0,
-            buffer_bytes: 0,
-            rows_device: 0,
-            rows_host: std::ptr::null_mut(),
-            rows_capacity: 0,
-            copy_stream,
-            kernel_stream,
-        });
-    }
-    let Some(unit) = slot.as_mut() else { return Err(TransportError::CudaUnavailable("no staging unit")) };
-    if unit.buffer_bytes < buffer_bytes {
-        if unit.buffer != 0 {
-            // SAFETY: the old buffer is idle (we hold the busy flag and every earlier request
-            // completed before releasing it).
-            let _ = unsafe { sys::cuMemFree_v2(unit.buffer) };
-            unit.buffer = 0;
-            unit.buffer_bytes = 0;
-        }
-        let mut ptr: sys::CUdeviceptr = 0;
-        let started = Instant::now();
-        // SAFETY: writes one device pointer.
-        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, buffer_bytes as usize) }, "cuMemAlloc")?;
-        unit.buffer = ptr;
-        unit.buffer_bytes = buffer_bytes;
-        tracing::info!(buffer_bytes, elapsed_us = started.elapsed().as_micros() as u64, "GPU staging buffer allocated");
-    }
-    if unit.rows_capacity < rows {
-        let capacity = rows.next_power_of_two().max(4096);
-        let bytes = capacity * std::mem::size_of::<Descriptor>();
-        if !unit.rows_host.is_null() {
-            // SAFETY: idle pinned allocation of ours.
-            let _ = unsafe { sys::cuMemFreeHost(unit.rows_host.cast()) };
-            unit.rows_host = std::ptr::null_mut();
-        }
-        unit.rows_capacity = 0;
-        unit.rows_device = 0;
-        let mut host_rows: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer; DEVICEMAP maps the pinned pages into the GPU's
-        // address space so the kernels read the rows in place.
-        check(unsafe { sys::cuMemHostAlloc(&mut host_rows, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) }, "cuMemHostAlloc")?;
-        let mut device_rows: sys::CUdeviceptr = 0;
-        // SAFETY: host_rows is a live mapped pinned allocation; writes one device pointer.
-        let mapped = check(
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_rows, host_rows, 0) },
-            "cuMemHostGetDevicePointer",
-        );
-        if let Err(e) = mapped {
-            // SAFETY: allocated just above, never used.
-            let _ = unsafe { sys::cuMemFreeHost(host_rows) };
-            return Err(e);
-        }
-        unit.rows_host = host_rows.cast();
-        unit.rows_device = device_rows;
-        unit.rows_capacity = capacity;
-    }
-    Ok(())
+/// Records `event` on `stream`.
+fn record(event: &Event, stream: sys::CUstream) -> Result<(), TransportError> {
+    // SAFETY: our event, a live stream of the current context.
+    check(unsafe { sys::cuEventRecord(event.raw(), stream) }, "cuEventRecord")
+}
+
+/// Makes `stream` wait for `event`'s latest record.
+fn wait(stream: sys::CUstream, event: sys::CUevent) -> Result<(), TransportError> {
+    // SAFETY: both handles are alive; the wait is enqueued device-side (the host does not block).
+    check(unsafe { sys::cuStreamWaitEvent(stream, event, 0) }, "cuStreamWaitEvent")
 }

@@ -1,16 +1,15 @@
-//! The CUDA driver, loaded at run time: the process-wide handle, per-GPU primary contexts, the
-//! arena registrar (`cuMemHostRegister`) and device-pointer checks.
+//! The CUDA driver, loaded at run time: libcuda itself, each GPU's primary context and the calls
+//! every layer above shares (batched copies, pointer attributes).
 //!
-//! It owns every call into libcuda. It never lets cudarc panic: libcuda's presence is checked
-//! before the first call, optional symbols (`cuMemcpyBatchAsync`) are looked up without cudarc's
-//! panicking loader, and every failure becomes a `TransportError`.
+//! Owns every call that loads libcuda or asks it about a GPU or a pointer. It never lets cudarc
+//! panic: libcuda's presence is checked before the first call, optional symbols
+//! (`cuMemcpyBatchAsync`) are looked up without cudarc's panicking loader, and every failure
+//! becomes a `TransportError`. It never knows devices, pools, kernels or paths: those are built
+//! on a `Context` by the layers above.
 
 use std::ffi::c_void;
-use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
-use kvtide_tiers::dram::{MemoryRegistrar, RegistrationHandle};
 
 use crate::TransportError;
 
@@ -75,8 +74,8 @@ pub(crate) struct MemcpyAttributes {
 const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: i32 = 1;
 const CU_MEM_LOCATION_TYPE_DEVICE: i32 = 1;
 const CU_MEM_LOCATION_TYPE_HOST: i32 = 2;
-const CU_MEMHOSTREGISTER_PORTABLE: u32 = 1;
-const CU_MEMHOSTREGISTER_READ_ONLY: u32 = 8;
+pub(crate) const CU_MEMHOSTREGISTER_PORTABLE: u32 = 1;
+pub(crate) const CU_MEMHOSTREGISTER_READ_ONLY: u32 = 8;
 
 /// Whichever batched-copy entry point the driver has.
 #[derive(Clone, Copy)]
@@ -85,31 +84,17 @@ enum BatchCopy {
     V2(BatchV2),
 }
 
-/// The loaded driver. One per process (`CudaTransport::get`).
-pub struct CudaTransport {
-    devices: Vec<OnceLock<Result<Arc<CudaDevice>, TransportError>>>,
+/// libcuda, loaded and initialised (`Driver::load`, once per process by `CudaTransport::get`).
+#[derive(Clone, Copy)]
+pub(crate) struct Driver {
+    pub(crate) device_count: usize,
     batch_copy: Option<BatchCopy>,
 }
 
-impl std::fmt::Debug for CudaTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaTransport")
-            .field("devices", &self.devices.len())
-            .field("batch_copy", &self.batch_copy.is_some())
-            .finish()
-    }
-}
-
-static TRANSPORT: OnceLock<Result<Arc<CudaTransport>, TransportError>> = OnceLock::new();
-
-impl CudaTransport {
-    /// Loads libcuda and initialises the driver once per process. Without libcuda, a driver or a
-    /// GPU, this (and so every CUDA entry point) returns `CudaUnavailable`, never panics.
-    pub fn get() -> Result<Arc<CudaTransport>, TransportError> {
-        TRANSPORT.get_or_init(Self::load).clone()
-    }
-
-    fn load() -> Result<Arc<CudaTransport>, TransportError> {
+impl Driver {
+    /// Loads libcuda and initialises the driver. Without libcuda, a driver or a GPU this returns
+    /// `CudaUnavailable`, never panics.
+    pub(crate) fn load() -> Result<Driver, TransportError> {
         // SAFETY: only tries to dlopen the library names; nothing from it is called.
         if !unsafe { sys::is_culib_present() } {
             return Err(TransportError::CudaUnavailable("libcuda was not found (no NVIDIA driver)"));
@@ -130,88 +115,12 @@ impl CudaTransport {
         }
         let batch_copy = load_batch_copy();
         tracing::info!(devices = count, batch_copy = batch_copy.is_some(), "CUDA driver loaded");
-        Ok(Arc::new(CudaTransport { devices: (0..count).map(|_| OnceLock::new()).collect(), batch_copy }))
-    }
-
-    /// Number of GPUs.
-    pub fn device_count(&self) -> usize {
-        self.devices.len()
+        Ok(Driver { device_count: count as usize, batch_copy })
     }
 
     /// True when the driver has `cuMemcpyBatchAsync` (CUDA 12.8+).
-    pub fn has_batch_copy(&self) -> bool {
+    pub(crate) fn has_batch_copy(&self) -> bool {
         self.batch_copy.is_some()
-    }
-
-    /// GPU `ordinal`, its primary context retained on first use.
-    pub fn device(&self, ordinal: u32) -> Result<Arc<CudaDevice>, TransportError> {
-        let slot = self.devices.get(ordinal as usize).ok_or(TransportError::NoSuchDevice { ordinal })?;
-        slot.get_or_init(|| CudaDevice::open(ordinal, self.batch_copy).map(Arc::new)).clone()
-    }
-
-    /// The GPU whose memory `addr` is, or None for host memory (pageable, pinned or unknown to
-    /// CUDA): how raw addresses from other languages are classified.
-    pub fn device_of(&self, addr: u64) -> Result<Option<u32>, TransportError> {
-        let device = self.device(0)?;
-        device.bind()?;
-        let info = device.lookup(addr)?;
-        let is_device = info.memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
-        Ok(if is_device { u32::try_from(info.ordinal).ok() } else { None })
-    }
-
-    /// A registrar that pins host memory for every context (`CU_MEMHOSTREGISTER_PORTABLE`).
-    pub fn registrar(&self) -> Result<Arc<dyn MemoryRegistrar>, TransportError> {
-        let device = self.device(0)?;
-        Ok(Arc::new(CudaRegistrar { device }))
-    }
-
-    /// Pins `[base, base + len)` for every context until the returned guard drops, so copies
-    /// from (and, unless `read_only`, to) it run at DMA speed. `read_only` registers a mapping
-    /// this process may only read (`CU_MEMHOSTREGISTER_READ_ONLY`): another process's shared
-    /// arena, mapped read-only.
-    ///
-    /// # Safety
-    /// The range must stay mapped until the guard drops.
-    pub unsafe fn register_host(
-        &self,
-        base: NonNull<u8>,
-        len: usize,
-        read_only: bool,
-    ) -> Result<HostRegistration, TransportError> {
-        let device = self.device(0)?;
-        device.bind()?;
-        let flags = CU_MEMHOSTREGISTER_PORTABLE | if read_only { CU_MEMHOSTREGISTER_READ_ONLY } else { 0 };
-        // SAFETY: the caller keeps the range mapped until the guard drops (contract).
-        check(unsafe { sys::cuMemHostRegister_v2(base.as_ptr().cast(), len, flags) }, "cuMemHostRegister")?;
-        Ok(HostRegistration { device, base })
-    }
-}
-
-/// Host memory pinned by `CudaTransport::register_host`; unpinned when dropped.
-pub struct HostRegistration {
-    device: Arc<CudaDevice>,
-    base: NonNull<u8>,
-}
-
-impl std::fmt::Debug for HostRegistration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostRegistration").field("base", &self.base).finish()
-    }
-}
-
-// SAFETY: the guard only names the registered range (never dereferenced); unregistering works
-// from any thread once the context is bound.
-unsafe impl Send for HostRegistration {}
-// SAFETY: as above; no method reads through the pointer.
-unsafe impl Sync for HostRegistration {}
-
-impl Drop for HostRegistration {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: the base of a registration made by `register_host`, still mapped (its
-            // caller's contract).
-            let _ = unsafe { sys::cuMemHostUnregister(self.base.as_ptr().cast()) };
-        }
     }
 }
 
@@ -230,34 +139,24 @@ fn load_batch_copy() -> Option<BatchCopy> {
     None
 }
 
-/// One GPU: its primary context and attributes. Executors (`cuda::device`) hang off it.
-pub struct CudaDevice {
+/// One GPU's primary context and attributes, retained for the life of the process.
+pub(crate) struct Context {
     pub(crate) ordinal: u32,
     pub(crate) ctx: sys::CUcontext,
     pub(crate) multiprocessors: u32,
     pub(crate) compute_capability: (i32, i32),
     batch_copy: Option<BatchCopy>,
-    pub(crate) exec: super::device::Executor,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread (each thread makes it current first);
-// the executor's mutable state is behind its own locks.
-unsafe impl Send for CudaDevice {}
-// SAFETY: as above.
-unsafe impl Sync for CudaDevice {}
+// the other fields are plain values.
+unsafe impl Send for Context {}
+// SAFETY: as above; nothing here is mutated after `open`.
+unsafe impl Sync for Context {}
 
-impl std::fmt::Debug for CudaDevice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaDevice")
-            .field("ordinal", &self.ordinal)
-            .field("multiprocessors", &self.multiprocessors)
-            .field("compute_capability", &self.compute_capability)
-            .finish()
-    }
-}
-
-impl CudaDevice {
-    fn open(ordinal: u32, batch_copy: Option<BatchCopy>) -> Result<CudaDevice, TransportError> {
+impl Context {
+    /// Retains GPU `ordinal`'s primary context and reads its attributes.
+    pub(crate) fn open(ordinal: u32, driver: &Driver) -> Result<Context, TransportError> {
         let mut dev: sys::CUdevice = 0;
         // SAFETY: writes one device handle; the ordinal is below the device count.
         check(unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }, "cuDeviceGet")?;
@@ -274,19 +173,13 @@ impl CudaDevice {
         let multiprocessors = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        Ok(CudaDevice {
+        Ok(Context {
             ordinal,
             ctx,
             multiprocessors: multiprocessors.max(1) as u32,
             compute_capability: (major, minor),
-            batch_copy,
-            exec: super::device::Executor::default(),
+            batch_copy: driver.batch_copy,
         })
-    }
-
-    /// GPU ordinal.
-    pub fn ordinal(&self) -> u32 {
-        self.ordinal
     }
 
     /// Makes this GPU's context current on the calling thread (cheap; every entry point does it).
@@ -296,7 +189,7 @@ impl CudaDevice {
     }
 
     /// True when the driver has `cuMemcpyBatchAsync`.
-    pub fn has_batch_copy(&self) -> bool {
+    pub(crate) fn has_batch_copy(&self) -> bool {
         self.batch_copy.is_some()
     }
 
@@ -363,27 +256,7 @@ impl CudaDevice {
         check(result, "cuMemcpyBatchAsync").map(|()| true)
     }
 
-    /// Checks that every `(addr, len)` lies inside device memory of this GPU (see
-    /// `RangeChecker`). Returns the failures as (index, error); empty when all are good.
-    pub fn check_device_ranges(
-        self: &Arc<Self>,
-        ranges: &[(u64, u64)],
-    ) -> Result<Vec<(usize, TransportError)>, TransportError> {
-        let mut checker = self.range_checker();
-        Ok(ranges
-            .iter()
-            .enumerate()
-            .filter_map(|(i, &(addr, len))| checker.check(addr, len).err().map(|e| (i, e)))
-            .collect())
-    }
-
-    /// A checker for many device ranges of one call: one `cuPointerGetAttributes` per
-    /// allocation, the allocations already confirmed remembered for the rest of the call.
-    pub fn range_checker(self: &Arc<Self>) -> RangeChecker {
-        RangeChecker { device: Arc::clone(self), known: Vec::new(), bound: false }
-    }
-
-    fn judge(&self, addr: u64, len: u64, end: u64, info: &PointerInfo) -> Result<(), TransportError> {
+    pub(crate) fn judge(&self, addr: u64, len: u64, end: u64, info: &PointerInfo) -> Result<(), TransportError> {
         let bad = |why: String| Err(TransportError::DevicePointer { addr, len, why });
         if info.memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
             return bad(format!("not device memory (memory type {})", info.memory_type));
@@ -406,7 +279,7 @@ impl CudaDevice {
         }
     }
 
-    fn lookup(&self, addr: u64) -> Result<PointerInfo, TransportError> {
+    pub(crate) fn lookup(&self, addr: u64) -> Result<PointerInfo, TransportError> {
         let mut memory_type: u32 = 0;
         let mut ordinal: i32 = -1;
         let mut start: u64 = 0;
@@ -432,236 +305,36 @@ impl CudaDevice {
         Ok(PointerInfo { memory_type, ordinal, range })
     }
 
-    /// Allocates `bytes` of device memory (`cuMemAlloc`).
-    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer, TransportError> {
-        self.bind()?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: writes one device pointer.
-        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }, "cuMemAlloc")?;
-        Ok(DeviceBuffer { device: Arc::clone(self), ptr, len: bytes })
-    }
-
-    /// Allocates `bytes` of pinned host memory (`cuMemAllocHost`).
-    pub fn alloc_pinned(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuffer, TransportError> {
-        self.bind()?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one host pointer.
-        check(unsafe { sys::cuMemAllocHost_v2(&mut ptr, bytes.max(1)) }, "cuMemAllocHost")?;
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or(TransportError::Cuda { op: "cuMemAllocHost", detail: "returned null".into() })?;
-        Ok(PinnedBuffer { device: Arc::clone(self), ptr, len: bytes })
-    }
-
     /// Blocks until all work in this GPU's context is done (tests and benchmarks only; the
     /// engine observes completion through events).
-    pub fn synchronize(&self) -> Result<(), TransportError> {
+    pub(crate) fn synchronize(&self) -> Result<(), TransportError> {
         self.bind()?;
         // SAFETY: no arguments; the context is current.
         check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 }
 
-/// Checks device ranges against their GPU (`CudaDevice::range_checker`).
-pub struct RangeChecker {
-    device: Arc<CudaDevice>,
-    /// Allocations confirmed during this call, most recent last.
-    known: Vec<(u64, u64)>,
-    bound: bool,
+/// Allocates `bytes` of pinned host memory mapped into the GPU's address space (`flags`
+/// include `CU_MEMHOSTALLOC_DEVICEMAP`), so kernels read it in place: (host address, device
+/// address). Nothing stays allocated on failure. The context must be current.
+pub(crate) fn alloc_mapped_host(bytes: usize, flags: u32) -> Result<(*mut c_void, sys::CUdeviceptr), TransportError> {
+    let mut host: *mut c_void = std::ptr::null_mut();
+    // SAFETY: writes one host pointer.
+    check(unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) }, "cuMemHostAlloc")?;
+    let mut device: sys::CUdeviceptr = 0;
+    // SAFETY: a live mapped pinned allocation; writes one device pointer.
+    let mapped = check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }, "cuMemHostGetDevicePointer");
+    if let Err(e) = mapped {
+        // SAFETY: allocated above, never used.
+        let _ = unsafe { sys::cuMemFreeHost(host) };
+        return Err(e);
+    }
+    Ok((host, device))
 }
 
-impl std::fmt::Debug for RangeChecker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RangeChecker").field("gpu", &self.device.ordinal).field("known", &self.known.len()).finish()
-    }
+/// What `Context::lookup` learned about an address.
+pub(crate) struct PointerInfo {
+    pub(crate) memory_type: u32,
+    pub(crate) ordinal: i32,
+    pub(crate) range: Option<(u64, u64)>,
 }
-
-impl RangeChecker {
-    /// Ok when `[addr, addr+len)` lies inside one device allocation of this GPU; a
-    /// `DevicePointer` error otherwise. The common case, a page inside the allocation confirmed
-    /// last, costs a compare.
-    pub fn check(&mut self, addr: u64, len: u64) -> Result<(), TransportError> {
-        let end = match addr.checked_add(len) {
-            Some(end) if addr != 0 => end,
-            _ => return Err(TransportError::DevicePointer { addr, len, why: "null or overflowing range".into() }),
-        };
-        if let Some(&(s, e)) = self.known.last() {
-            if s <= addr && end <= e {
-                return Ok(());
-            }
-        }
-        if self.known.iter().any(|&(s, e)| s <= addr && end <= e) {
-            return Ok(());
-        }
-        let pointer = |e: TransportError| match e {
-            e @ TransportError::DevicePointer { .. } => e,
-            other => TransportError::DevicePointer { addr, len, why: other.to_string() },
-        };
-        if !self.bound {
-            self.device.bind().map_err(pointer)?;
-            self.bound = true;
-        }
-        let info = self.device.lookup(addr).map_err(pointer)?;
-        self.device.judge(addr, len, end, &info).map_err(pointer)?;
-        if let Some(range) = info.range {
-            if self.known.len() >= 64 {
-                self.known.remove(0);
-            }
-            self.known.push(range);
-        }
-        Ok(())
-    }
-}
-
-struct PointerInfo {
-    memory_type: u32,
-    ordinal: i32,
-    range: Option<(u64, u64)>,
-}
-
-/// Device memory owned by the caller (tests, benchmarks, examples).
-pub struct DeviceBuffer {
-    device: Arc<CudaDevice>,
-    ptr: sys::CUdeviceptr,
-    len: usize,
-}
-
-impl std::fmt::Debug for DeviceBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceBuffer").field("ptr", &self.ptr).field("len", &self.len).finish()
-    }
-}
-
-impl DeviceBuffer {
-    /// Device address of the first byte.
-    pub fn addr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for a zero-length buffer.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The GPU it lives on.
-    pub fn device(&self) -> &Arc<CudaDevice> {
-        &self.device
-    }
-
-    /// Copies `src` into the buffer at `offset` and waits (synchronous; setup code only).
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        crate::region::check_range("device buffer", offset as u64, src.len() as u64, self.len as u64)?;
-        self.device.bind()?;
-        check(
-            // SAFETY: the range was checked against this allocation; src is a live slice.
-            unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr().cast(), src.len()) },
-            "cuMemcpyHtoD",
-        )
-    }
-
-    /// Copies `dst.len()` bytes from `offset` into `dst` and waits.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        crate::region::check_range("device buffer", offset as u64, dst.len() as u64, self.len as u64)?;
-        self.device.bind()?;
-        check(
-            // SAFETY: the range was checked against this allocation; dst is a live, exclusive slice.
-            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + offset as u64, dst.len()) },
-            "cuMemcpyDtoH",
-        )
-    }
-
-    /// Sets every byte to `value` and waits.
-    pub fn fill(&self, value: u8) -> Result<(), TransportError> {
-        self.device.bind()?;
-        // SAFETY: the whole allocation; the default stream, then a context-wide wait.
-        check(unsafe { sys::cuMemsetD8Async(self.ptr, value, self.len, std::ptr::null_mut()) }, "cuMemsetD8Async")?;
-        self.device.synchronize()
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: our own allocation; the owner guarantees nothing still uses it.
-            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
-        }
-    }
-}
-
-/// Pinned host memory owned by the caller (benchmark baselines).
-pub struct PinnedBuffer {
-    device: Arc<CudaDevice>,
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: plain host memory; access goes through &self / &mut self.
-unsafe impl Send for PinnedBuffer {}
-// SAFETY: as above.
-unsafe impl Sync for PinnedBuffer {}
-
-impl std::fmt::Debug for PinnedBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinnedBuffer").field("len", &self.len).finish()
-    }
-}
-
-impl PinnedBuffer {
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `len` bytes allocated by cuMemAllocHost, alive until drop.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    /// The bytes, writable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: our own allocation, no longer borrowed.
-            let _ = unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) };
-        }
-    }
-}
-
-/// Registers DRAM arena slices with `cuMemHostRegister` so copies from and to them run at full
-/// DMA speed.
-struct CudaRegistrar {
-    device: Arc<CudaDevice>,
-}
-
-impl MemoryRegistrar for CudaRegistrar {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn register(&self, _slice: usize, base: NonNull<u8>, len: usize) -> Result<RegistrationHandle, String> {
-        self.device.bind().map_err(|e| e.to_string())?;
-        check(
-            // SAFETY: [base, base+len) is a live arena slice that stays mapped until `unregister`.
-            unsafe { sys::cuMemHostRegister_v2(base.as_ptr().cast(), len, CU_MEMHOSTREGISTER_PORTABLE) },
-            "cuMemHostRegister",
-        )
-        .map_err(|e| e.to_string())?;
-        Ok(RegistrationHandle { token: base.as_ptr() as u64 })
-    }
-
-    fn unregister(&self, handle: RegistrationHandle) {
-        if self.device.bind().is_ok() {
-            // SAFETY: the token is the base of a registration made by `register`.
-            let _ = unsafe { sys::cuMemHostUnregister(handle.token as *mut c_void) };
-        }
-    }
-}
-
-/// Serialises first-use work that must happen once per process (kernel compilation).
-pub(crate) static COMPILE_LOCK: Mutex<()> = Mutex::new(());

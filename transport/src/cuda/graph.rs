@@ -2,17 +2,17 @@
 //! inference worker does: the tests, the `layerwise` benchmark and the examples. A worker
 //! running PyTorch has all of these already; kvtide only ever receives a stream handle.
 //!
-//! Owns their lifetimes (destroyed on drop) and the workload stand-in kernel (`workload.cu`: a
-//! kernel that runs for a set time, as a layer's compute would). The store itself never uses
-//! this module.
+//! Owns their lifetimes (destroyed on drop) and the launches of the workload stand-in kernel
+//! (`workload.cu`: a kernel that runs for a set time, as a layer's compute would; compiled by
+//! `kernel`, kept by the device). The store itself never uses this module.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::driver::{check, CudaDevice};
-use super::kernel::{self, WORKLOAD_SOURCE};
+use super::driver::check;
+use super::gpu::CudaDevice;
 use crate::stream::StreamHandle;
 use crate::TransportError;
 
@@ -21,32 +21,6 @@ use crate::TransportError;
 const CU_EVENT_WAIT_EXTERNAL: u32 = 1;
 /// `CU_STREAM_WAIT_VALUE_EQ`.
 const CU_STREAM_WAIT_VALUE_EQ: u32 = 1;
-
-/// The workload kernels, loaded once per GPU.
-pub(crate) struct Workload {
-    _module: sys::CUmodule,
-    spin: sys::CUfunction,
-}
-
-// SAFETY: driver handles usable from any thread with the context current; never unloaded.
-unsafe impl Send for Workload {}
-// SAFETY: as above.
-unsafe impl Sync for Workload {}
-
-impl CudaDevice {
-    fn workload(&self) -> Result<&Workload, TransportError> {
-        self.exec
-            .workload
-            .get_or_init(|| {
-                let (module, functions) =
-                    kernel::compile(self, WORKLOAD_SOURCE, "kvtide_workload.cu", &[c"kvtide_spin"])?;
-                let spin = functions.first().copied().ok_or(TransportError::CudaUnavailable("no spin kernel"))?;
-                Ok(Workload { _module: module, spin })
-            })
-            .as_ref()
-            .map_err(Clone::clone)
-    }
-}
 
 /// A non-blocking stream of one GPU.
 pub struct CudaStream {
@@ -61,7 +35,7 @@ unsafe impl Sync for CudaStream {}
 
 impl std::fmt::Debug for CudaStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaStream").field("gpu", &self.device.ordinal).field("handle", &self.handle()).finish()
+        f.debug_struct("CudaStream").field("gpu", &self.device.ordinal()).field("handle", &self.handle()).finish()
     }
 }
 
@@ -196,7 +170,7 @@ unsafe impl Sync for CudaEvent {}
 
 impl std::fmt::Debug for CudaEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaEvent").field("gpu", &self.device.ordinal).finish()
+        f.debug_struct("CudaEvent").field("gpu", &self.device.ordinal()).finish()
     }
 }
 
@@ -266,7 +240,7 @@ unsafe impl Send for CudaGraph {}
 
 impl std::fmt::Debug for CudaGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaGraph").field("gpu", &self.device.ordinal).finish()
+        f.debug_struct("CudaGraph").field("gpu", &self.device.ordinal()).finish()
     }
 }
 

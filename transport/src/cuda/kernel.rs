@@ -1,14 +1,28 @@
 //! Kernels compiled with NVRTC at first use and loaded into a GPU's context: the staged-copy
 //! kernels (`scatter.cu`) and the workload stand-ins of tests and benchmarks (`workload.cu`).
-//! Without NVRTC (or when compilation fails) the staged path is unavailable and requests take
-//! the direct path; nothing panics.
+//!
+//! Owns the kernel sources, their compilation (one at a time per process), the loaded entry
+//! points and the launch geometry the staged paths share. Without NVRTC (or when compilation
+//! fails) the staged path is unavailable and requests take the direct path; nothing panics. It
+//! never launches a kernel or keeps per-GPU state: the device keeps what `load` returns.
 
 use std::ffi::{c_void, CStr};
+use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
-use super::driver::{check, CudaDevice};
+use super::driver::{check, Context};
 use crate::TransportError;
+
+/// Threads per block of the scatter/gather kernels.
+pub(crate) const KERNEL_THREADS: u32 = 256;
+/// Blocks per multiprocessor at most (a grid-stride loop over warps covers any table).
+pub(crate) const BLOCKS_PER_SM: u32 = 8;
+/// Rows per block at one row per warp.
+pub(crate) const ROWS_PER_BLOCK: u32 = KERNEL_THREADS / 32;
+
+/// Serialises kernel compilation: it happens once per GPU and source, at first use.
+static COMPILE_LOCK: Mutex<()> = Mutex::new(());
 
 /// The staged-copy kernel source, committed next to this file.
 pub const SCATTER_SOURCE: &str = include_str!("scatter.cu");
@@ -30,7 +44,7 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 /// Compiles `scatter.cu` for `device` and loads it.
-pub(crate) fn load(device: &CudaDevice) -> Result<Kernels, TransportError> {
+pub(crate) fn load(device: &Context) -> Result<Kernels, TransportError> {
     let (module, mut functions) = compile(
         device,
         SCATTER_SOURCE,
@@ -43,10 +57,28 @@ pub(crate) fn load(device: &CudaDevice) -> Result<Kernels, TransportError> {
     Ok(Kernels { _module: module, scatter, scatter_gated, gather })
 }
 
+/// The workload kernels, loaded once per GPU.
+pub(crate) struct Workload {
+    _module: sys::CUmodule,
+    pub(crate) spin: sys::CUfunction,
+}
+
+// SAFETY: driver handles usable from any thread with the context current; never unloaded.
+unsafe impl Send for Workload {}
+// SAFETY: as above.
+unsafe impl Sync for Workload {}
+
+/// Compiles `workload.cu` for `device` and loads it.
+pub(crate) fn load_workload(device: &Context) -> Result<Workload, TransportError> {
+    let (module, functions) = compile(device, WORKLOAD_SOURCE, "kvtide_workload.cu", &[c"kvtide_spin"])?;
+    let spin = functions.first().copied().ok_or(TransportError::CudaUnavailable("no spin kernel"))?;
+    Ok(Workload { _module: module, spin })
+}
+
 /// Compiles `source` with NVRTC for `device`, loads it into its context and looks up `entries`
 /// (in order). The module stays loaded for the life of the process.
-pub(crate) fn compile(
-    device: &CudaDevice,
+fn compile(
+    device: &Context,
     source: &str,
     name: &str,
     entries: &[&CStr],
@@ -55,7 +87,7 @@ pub(crate) fn compile(
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(TransportError::CudaUnavailable("NVRTC (libnvrtc) was not found: no kernels"));
     }
-    let _serial = super::driver::COMPILE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = COMPILE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let (major, minor) = device.compute_capability;
     let started = std::time::Instant::now();
     let options = cudarc::nvrtc::CompileOptions {

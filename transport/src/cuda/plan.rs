@@ -5,13 +5,13 @@
 //! buffer fill) and the direct path (one copy per piece, contiguous neighbours merged), splits a
 //! staged batch into fills at object boundaries, places objects in the buffer and builds the
 //! kernel's descriptor table and the bulk copies. It never touches memory or the driver: the
-//! executor in `cuda::device` submits what this module describes.
+//! paths in `cuda::device` and `cuda::bound` submit what this module describes.
 
 use std::ops::Range;
 
 use crate::region::MemoryKind;
 
-pub use crate::transfer::{Direction, Piece, Transfer};
+pub use crate::transfer::{Direction, Fallback, Piece, Transfer};
 
 /// A store's staging settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,50 +26,7 @@ pub struct StagingPolicy {
     pub tail_fill_bytes: u64,
 }
 
-/// Why a request takes the direct path instead of the staged one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fallback {
-    /// Staging is off for this store.
-    Disabled,
-    /// Nothing to move.
-    Empty,
-    /// A page is host memory.
-    NotDevice,
-    /// Pages on more than one GPU.
-    SeveralDevices,
-    /// Two destination pages overlap.
-    Overlap,
-    /// An object does not fit the buffer.
-    TooLarge,
-    /// Every object goes to one contiguous page: staging would only add a pass.
-    NotFragmented,
-    /// Another request holds the staging buffer.
-    Busy,
-    /// The scatter/gather kernel could not be compiled or loaded (no NVRTC, say).
-    KernelUnavailable,
-    /// The staging buffer could not be allocated.
-    NoBuffer,
-}
-
-impl Fallback {
-    /// Short name for logs and stats.
-    pub fn name(self) -> &'static str {
-        match self {
-            Fallback::Disabled => "disabled",
-            Fallback::Empty => "empty",
-            Fallback::NotDevice => "not-device",
-            Fallback::SeveralDevices => "several-devices",
-            Fallback::Overlap => "overlap",
-            Fallback::TooLarge => "too-large",
-            Fallback::NotFragmented => "not-fragmented",
-            Fallback::Busy => "busy",
-            Fallback::KernelUnavailable => "kernel-unavailable",
-            Fallback::NoBuffer => "no-buffer",
-        }
-    }
-}
-
-/// The outcome of qualification (before the busy check, which the executor makes).
+/// The outcome of qualification (before the busy check, which `cuda::device` makes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PathChoice {
     /// Staged through the buffer of this GPU.
@@ -361,7 +318,7 @@ impl HostSpan for (u64, u64) {
 }
 
 /// Splits a qualified request into fills at object boundaries, in order, and places each object
-/// in the buffer. Fills take turns over the buffer like a ring; the executor makes a fill wait
+/// in the buffer. Fills take turns over the buffer like a ring; `cuda::device` makes a fill wait
 /// for the earlier fills whose regions it reuses. Objects larger than the buffer must have been
 /// sent down the direct path by `qualify`; here they get a fill of their own and are clamped.
 pub fn split_fills<T: HostSpan>(policy: &StagingPolicy, direction: Direction, transfers: &[T]) -> Vec<Fill> {
