@@ -26,8 +26,8 @@ pub use auth::Token;
 pub use client::{ClientOptions, HoldGranted, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
-pub use metrics::{MetricsServer, RequestLatency};
-pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
+pub use metrics::{MetricsServer, OwnerCounters, RequestLatency};
+pub use server::{Owner, OwnerConfig, OwnerError};
 pub use settings::{
     configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, Invocation,
     OwnerGroup, OwnerSettings, ResolvedOwner, Source,

@@ -20,11 +20,11 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use crate::protocol::Op;
-use crate::server::OwnerCounters;
+use crate::protocol::{Op, OpKind};
 
-/// Request kinds the latency histograms are kept for (the `kind` label).
-const KINDS: [&str; 5] = ["get", "put", "remove", "exists", "other"];
+/// Request kinds the latency histograms are kept for (the `kind` label): one per `OpKind`,
+/// as the operation table in `protocol` assigns them.
+const KINDS: [OpKind; OpKind::ALL.len()] = OpKind::ALL;
 
 /// A scraper's request head larger than this is refused.
 const MAX_REQUEST_HEAD: usize = 8 << 10;
@@ -58,7 +58,7 @@ impl RequestLatency {
     /// Records one request of operation `op` that took `took`.
     pub fn record(&self, op: Op, took: Duration) {
         let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        let k = &self.kinds[kind_of(op)];
+        let k = &self.kinds[op.kind() as usize];
         k.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
         k.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
@@ -79,7 +79,9 @@ impl RequestLatency {
                 .collect();
             let count = buckets.iter().map(|b| b.1).sum();
             let sum = k.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-            family.encode_family(&[("kind", *kind)])?.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+            family
+                .encode_family(&[("kind", kind.label())])?
+                .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
         }
         Ok(())
     }
@@ -94,15 +96,48 @@ fn bucket_of(ns: u64) -> usize {
     ((64 - (us - 1).leading_zeros()) as usize).min(LATENCY_BUCKETS)
 }
 
-/// The index in `KINDS` of a request operation.
-fn kind_of(op: Op) -> usize {
-    match op {
-        Op::Get | Op::GetParts | Op::GetRanges | Op::GetFollow => 0,
-        Op::Put | Op::PutBatch | Op::PutOpen | Op::PutChunk | Op::PutSeal | Op::PutAbort | Op::PutWindow => 1,
-        Op::Remove | Op::RemoveBatch => 2,
-        Op::Exists => 3,
-        _ => 4,
-    }
+/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`,
+/// `buffered_bytes`) return to zero when the clients are gone.
+#[derive(Debug, Default)]
+pub struct OwnerCounters {
+    pub connections_accepted: AtomicU64,
+    /// Refused with `Busy` (no free slot), at accept or when a TCP peer authenticated.
+    pub connections_refused: AtomicU64,
+    /// Connections holding a connection slot (gauge).
+    pub connections_open: AtomicU64,
+    /// TCP connections in their handshake, holding an unauthenticated slot (gauge).
+    pub handshakes_open: AtomicU64,
+    /// Handshakes that did not finish within `handshake_timeout_ms`.
+    pub handshake_timeouts: AtomicU64,
+    /// Connections closed because a frame did not arrive within `payload_timeout_ms`.
+    pub payload_timeouts: AtomicU64,
+    /// Connections closed after `idle_timeout_ms` without a request.
+    pub idle_closed: AtomicU64,
+    /// Request bytes buffered now (gauge).
+    pub buffered_bytes: AtomicU64,
+    pub requests: AtomicU64,
+    pub protocol_errors: AtomicU64,
+    pub auth_failures: AtomicU64,
+    pub leases_granted: AtomicU64,
+    pub leases_outstanding: AtomicU64,
+    pub unknown_releases: AtomicU64,
+    pub busy_replies: AtomicU64,
+    /// Bytes of the put windows that connections hold now (gauge).
+    pub put_window_bytes: AtomicU64,
+    /// Put windows refused because `max_put_window_bytes` was reached.
+    pub put_windows_refused: AtomicU64,
+    /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
+    pub batch_requests: AtomicU64,
+    pub batch_items: AtomicU64,
+    /// Time to serve each request (from its first byte to its reply flushed), by kind.
+    pub latency: RequestLatency,
+    /// Threads serving connections now (gauge): connections in a request, their handshake, or
+    /// shortly after their last request.
+    pub connection_threads: Arc<AtomicU64>,
+    /// Connections parked without a thread between requests (gauge).
+    pub connections_parked: Arc<AtomicU64>,
+    /// Cluster membership (all zero unless the owner registered in a cluster).
+    pub cluster: Arc<crate::cluster::RegistrationCounters>,
 }
 
 /// Reads the engine's statistics and the owner's counters at each scrape.

@@ -24,6 +24,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::auth::Token;
+use crate::metrics::OwnerCounters;
 use crate::park::{Parkable, Parker, Workers};
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_key_page, encode_object, encode_statuses,
@@ -165,50 +166,6 @@ pub enum OwnerError {
     Bind { what: String, source: std::io::Error },
     #[error("{0}")]
     Io(String),
-}
-
-/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`,
-/// `buffered_bytes`) return to zero when the clients are gone.
-#[derive(Debug, Default)]
-pub struct OwnerCounters {
-    pub connections_accepted: AtomicU64,
-    /// Refused with `Busy` (no free slot), at accept or when a TCP peer authenticated.
-    pub connections_refused: AtomicU64,
-    /// Connections holding a connection slot (gauge).
-    pub connections_open: AtomicU64,
-    /// TCP connections in their handshake, holding an unauthenticated slot (gauge).
-    pub handshakes_open: AtomicU64,
-    /// Handshakes that did not finish within `handshake_timeout_ms`.
-    pub handshake_timeouts: AtomicU64,
-    /// Connections closed because a frame did not arrive within `payload_timeout_ms`.
-    pub payload_timeouts: AtomicU64,
-    /// Connections closed after `idle_timeout_ms` without a request.
-    pub idle_closed: AtomicU64,
-    /// Request bytes buffered now (gauge).
-    pub buffered_bytes: AtomicU64,
-    pub requests: AtomicU64,
-    pub protocol_errors: AtomicU64,
-    pub auth_failures: AtomicU64,
-    pub leases_granted: AtomicU64,
-    pub leases_outstanding: AtomicU64,
-    pub unknown_releases: AtomicU64,
-    pub busy_replies: AtomicU64,
-    /// Bytes of the put windows that connections hold now (gauge).
-    pub put_window_bytes: AtomicU64,
-    /// Put windows refused because `max_put_window_bytes` was reached.
-    pub put_windows_refused: AtomicU64,
-    /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
-    pub batch_requests: AtomicU64,
-    pub batch_items: AtomicU64,
-    /// Time to serve each request (from its first byte to its reply flushed), by kind.
-    pub latency: crate::metrics::RequestLatency,
-    /// Threads serving connections now (gauge): connections in a request, their handshake, or
-    /// within `PARK_AFTER` of their last request.
-    pub connection_threads: Arc<AtomicU64>,
-    /// Connections parked without a thread between requests (gauge).
-    pub connections_parked: Arc<AtomicU64>,
-    /// Cluster membership (all zero unless the owner registered in a cluster).
-    pub cluster: Arc<crate::cluster::RegistrationCounters>,
 }
 
 struct Shared {
