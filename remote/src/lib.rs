@@ -9,6 +9,8 @@
 //! `Error` is this crate's, which wraps `kvtide::Error`). `protocol` is the wire format and its
 //! validation, pure so the fuzz targets can drive it. The binary is `kvtide-owner`.
 
+#![warn(clippy::too_many_lines)]
+
 mod auth;
 mod client;
 pub mod cluster;

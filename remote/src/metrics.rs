@@ -174,6 +174,22 @@ fn emit(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, kind: Kind,
 
 impl Collector for OwnerCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        self.encode_engine(&mut encoder)?;
+        self.encode_owner(&mut encoder)?;
+        self.encode_cluster(&mut encoder)?;
+        self.encode_rejected(&mut encoder)?;
+        self.counters.latency.encode(&mut encoder)
+    }
+}
+
+/// A counter's or gauge's current value.
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+impl OwnerCollector {
+    /// The engine's statistics.
+    fn encode_engine(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use Kind::{Counter, Gauge};
         let stats = self.engine.stats();
         let t = &stats.total;
@@ -228,10 +244,15 @@ impl Collector for OwnerCollector {
             ("kvtide_stream_unsealed_bytes", "bytes of unsealed puts", Gauge, st.unsealed_bytes),
         ];
         for (name, help, kind, value) in engine {
-            emit(&mut encoder, name, help, kind, value)?;
+            emit(encoder, name, help, kind, value)?;
         }
-        let c = &self.counters;
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The owner's own counters and gauges.
+    fn encode_owner(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use Kind::{Counter, Gauge};
+        let (c, r) = (&self.counters, load);
         let owner: [(&str, &str, Kind, u64); 12] = [
             ("kvtide_owner_connection_threads", "threads serving connections now", Gauge, r(&c.connection_threads)),
             (
@@ -252,9 +273,15 @@ impl Collector for OwnerCollector {
             ("kvtide_owner_batch_items", "items of batched requests", Counter, r(&c.batch_items)),
         ];
         for (name, help, kind, value) in owner {
-            emit(&mut encoder, name, help, kind, value)?;
+            emit(encoder, name, help, kind, value)?;
         }
-        let k = &c.cluster;
+        Ok(())
+    }
+
+    /// The owner's cluster membership.
+    fn encode_cluster(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use Kind::{Counter, Gauge};
+        let (k, r) = (&self.counters.cluster, load);
         let cluster: [(&str, &str, Kind, u64); 5] = [
             ("kvtide_cluster_registered", "1 while this owner's cluster record is kept alive", Gauge, r(&k.registered)),
             ("kvtide_cluster_keepalives", "lease keep-alives etcd accepted", Counter, r(&k.keepalives)),
@@ -273,8 +300,14 @@ impl Collector for OwnerCollector {
             ("kvtide_cluster_lease_ttl_seconds", "the lease TTL etcd granted", Gauge, r(&k.lease_ttl_s)),
         ];
         for (name, help, kind, value) in cluster {
-            emit(&mut encoder, name, help, kind, value)?;
+            emit(encoder, name, help, kind, value)?;
         }
+        Ok(())
+    }
+
+    /// Requests and connections refused or closed, one family labelled by reason.
+    fn encode_rejected(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        let (c, r) = (&self.counters, load);
         let rejected = [
             ("busy", r(&c.busy_replies)),
             ("connection_limit", r(&c.connections_refused)),
@@ -296,7 +329,7 @@ impl Collector for OwnerCollector {
         for (reason, value) in rejected {
             ConstCounter::new(value).encode(family.encode_family(&[("reason", reason)])?)?;
         }
-        c.latency.encode(&mut encoder)
+        Ok(())
     }
 }
 

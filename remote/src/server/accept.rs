@@ -8,11 +8,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use kvtide::Error as StoreError;
 
 use super::connection::{Connection, Job};
 use super::reply::Reply;
-use super::{OwnerError, Shared};
+use super::{OwnerConfig, OwnerError, Shared};
 use crate::error::Error;
 use crate::protocol::{
     Hello, HelloOk, Limits, Op, ProtocolError, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES,
@@ -52,7 +52,35 @@ pub(super) struct ConnTable {
     pub(super) unauthenticated: usize,
 }
 
-pub(super) fn bind_unix(path: &Path) -> std::result::Result<UnixListener, OwnerError> {
+/// The configured listeners, bound.
+pub(super) struct Bound {
+    pub(super) listeners: Vec<Listener>,
+    /// The Unix socket's path, when serving one.
+    pub(super) unix_path: Option<PathBuf>,
+    /// The TCP address actually bound (the real port when 0 was asked for).
+    pub(super) tcp_addr: Option<SocketAddr>,
+}
+
+/// Binds the configured listeners: the Unix socket (0600, a stale file replaced) and the TCP
+/// address.
+pub(super) fn bind_listeners(config: &OwnerConfig) -> std::result::Result<Bound, OwnerError> {
+    let mut listeners = Vec::new();
+    let mut unix_path = None;
+    if let Some(path) = &config.unix_socket {
+        listeners.push(Listener::Unix(bind_unix(path)?));
+        unix_path = Some(path.clone());
+    }
+    let mut tcp_addr = None;
+    if let Some(addr) = config.tcp {
+        let listener =
+            TcpListener::bind(addr).map_err(|source| OwnerError::Bind { what: format!("tcp {addr}"), source })?;
+        tcp_addr = Some(listener.local_addr().map_err(|e| OwnerError::Io(e.to_string()))?);
+        listeners.push(Listener::Tcp(listener));
+    }
+    Ok(Bound { listeners, unix_path, tcp_addr })
+}
+
+fn bind_unix(path: &Path) -> std::result::Result<UnixListener, OwnerError> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
             return Err(OwnerError::AlreadyRunning(path.to_path_buf()));

@@ -21,7 +21,7 @@ mod get;
 mod put;
 mod reply;
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvtide::Engine;
 
-use self::accept::{accept_loop, bind_unix, ConnTable, Listener};
+use self::accept::{accept_loop, bind_listeners, Bound, ConnTable};
 use self::budget::Budget;
 use self::config::validate;
 pub use self::config::{OwnerConfig, OwnerError};
@@ -81,88 +81,9 @@ impl Owner {
     /// Binds the configured sockets and starts serving `engine`.
     pub fn start(engine: Arc<Engine>, config: OwnerConfig) -> std::result::Result<Owner, OwnerError> {
         validate(&config)?;
-        let arena = engine.arena();
-        let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
-        let arena_bytes = arena.len_bytes() as u64;
-        let shm_fd = if config.share_arena && config.unix_socket.is_some() {
-            // A descriptor of an unsealed memfd could be reopened for writing: never share one.
-            match crate::shm::check_sealed(arena.memfd(), arena_bytes)
-                .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
-            {
-                Ok(fd) => Some(fd),
-                Err(e) => {
-                    tracing::warn!(
-                        error = %e,
-                        "NOT sharing the DRAM arena with Unix clients (they get socket copies instead)"
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let mut id = [0u8; 8];
-        sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
-        let limits = Limits {
-            max_payload_bytes: config.max_payload_bytes,
-            max_items: config.max_items,
-            max_key_bytes: engine.max_key_bytes().min(crate::protocol::MAX_WIRE_KEY_BYTES) as u32,
-            max_value_bytes: engine.max_value_bytes(),
-        };
-        let wake = WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?;
-        let counters = Arc::new(OwnerCounters::default());
-        let parker = Parker::new(wake.fd(), Arc::clone(&counters.connections_parked))
-            .map_err(|e| OwnerError::Io(format!("epoll: {e}")))?;
-        let workers = Workers::new("kvtide-conn", 512 << 10, run_job, Arc::clone(&counters.connection_threads));
-        let shared = Arc::new(Shared {
-            wake,
-            workers,
-            parker,
-            budget: Budget::new(&config),
-            engine,
-            limits,
-            shutting_down: AtomicBool::new(false),
-            conns: Mutex::new(ConnTable::default()),
-            conns_changed: Condvar::new(),
-            next_conn: AtomicU64::new(1),
-            instance_id: u64::from_le_bytes(id),
-            arena_base,
-            arena_bytes,
-            shm_fd,
-            counters,
-            config,
-        });
-        let poller = {
-            let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("kvtide-park".into())
-                .spawn(move || {
-                    shared.parker.run(
-                        |parked| {
-                            if let Err(e) = shared.workers.submit(Job::Resume(Box::new(parked))) {
-                                tracing::warn!(error = %e, "cannot start a connection thread; connection closed");
-                            }
-                        },
-                        |_| {
-                            shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
-                        },
-                    )
-                })
-                .map_err(|e| OwnerError::Io(format!("spawn poller: {e}")))?
-        };
-        let mut listeners = Vec::new();
-        let mut unix_path = None;
-        if let Some(path) = &shared.config.unix_socket {
-            listeners.push(Listener::Unix(bind_unix(path)?));
-            unix_path = Some(path.clone());
-        }
-        let mut tcp_addr = None;
-        if let Some(addr) = shared.config.tcp {
-            let listener =
-                TcpListener::bind(addr).map_err(|source| OwnerError::Bind { what: format!("tcp {addr}"), source })?;
-            tcp_addr = Some(listener.local_addr().map_err(|e| OwnerError::Io(e.to_string()))?);
-            listeners.push(Listener::Tcp(listener));
-        }
+        let shared = Shared::new(engine, config)?;
+        let poller = spawn_poller(&shared)?;
+        let Bound { listeners, unix_path, tcp_addr } = bind_listeners(&shared.config)?;
         let mut acceptors = Vec::new();
         for listener in listeners {
             let shared = Arc::clone(&shared);
@@ -177,7 +98,7 @@ impl Owner {
             tcp = ?tcp_addr,
             tcp_auth = shared.config.tcp_token.is_some(),
             share_arena = shared.shm_fd.is_some(),
-            arena_bytes,
+            arena_bytes = shared.arena_bytes,
             max_connections = shared.config.max_connections,
             "kvtide owner serving"
         );
@@ -264,4 +185,83 @@ impl Drop for Owner {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+impl Shared {
+    /// Everything the connections share: the engine and its arena, the limits, the counters,
+    /// the connection threads and the parking poller's state.
+    fn new(engine: Arc<Engine>, config: OwnerConfig) -> std::result::Result<Arc<Shared>, OwnerError> {
+        let arena = engine.arena();
+        let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
+        let arena_bytes = arena.len_bytes() as u64;
+        let shm_fd = if config.share_arena && config.unix_socket.is_some() { shared_arena_fd(&engine) } else { None };
+        let mut id = [0u8; 8];
+        sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
+        let limits = Limits {
+            max_payload_bytes: config.max_payload_bytes,
+            max_items: config.max_items,
+            max_key_bytes: engine.max_key_bytes().min(crate::protocol::MAX_WIRE_KEY_BYTES) as u32,
+            max_value_bytes: engine.max_value_bytes(),
+        };
+        let wake = WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?;
+        let counters = Arc::new(OwnerCounters::default());
+        let parker = Parker::new(wake.fd(), Arc::clone(&counters.connections_parked))
+            .map_err(|e| OwnerError::Io(format!("epoll: {e}")))?;
+        let workers = Workers::new("kvtide-conn", 512 << 10, run_job, Arc::clone(&counters.connection_threads));
+        Ok(Arc::new(Shared {
+            wake,
+            workers,
+            parker,
+            budget: Budget::new(&config),
+            engine,
+            limits,
+            shutting_down: AtomicBool::new(false),
+            conns: Mutex::new(ConnTable::default()),
+            conns_changed: Condvar::new(),
+            next_conn: AtomicU64::new(1),
+            instance_id: u64::from_le_bytes(id),
+            arena_base,
+            arena_bytes,
+            shm_fd,
+            counters,
+            config,
+        }))
+    }
+}
+
+/// A read-only descriptor of the engine's arena to hand Unix clients, or None (with a warning)
+/// when the arena's memfd is not sealed: a descriptor of an unsealed memfd could be reopened
+/// for writing, so none is ever shared.
+fn shared_arena_fd(engine: &Engine) -> Option<OwnedFd> {
+    let arena = engine.arena();
+    match crate::shm::check_sealed(arena.memfd(), arena.len_bytes() as u64)
+        .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
+    {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            tracing::warn!(error = %e, "NOT sharing the DRAM arena with Unix clients (they get socket copies instead)");
+            None
+        }
+    }
+}
+
+/// Starts the thread that watches parked connections: one whose next request arrives goes back
+/// to a connection thread, one past its deadline is closed.
+fn spawn_poller(shared: &Arc<Shared>) -> std::result::Result<JoinHandle<()>, OwnerError> {
+    let shared = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name("kvtide-park".into())
+        .spawn(move || {
+            shared.parker.run(
+                |parked| {
+                    if let Err(e) = shared.workers.submit(Job::Resume(Box::new(parked))) {
+                        tracing::warn!(error = %e, "cannot start a connection thread; connection closed");
+                    }
+                },
+                |_| {
+                    shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                },
+            )
+        })
+        .map_err(|e| OwnerError::Io(format!("spawn poller: {e}")))
 }
