@@ -22,6 +22,7 @@ use kvtide::Error as StoreError;
 use super::connection::{Connection, Job};
 use super::reply::Reply;
 use super::{OwnerConfig, OwnerError, Shared};
+use crate::auth::Token;
 use crate::error::Error;
 use crate::protocol::{
     Hello, HelloOk, Limits, Op, ProtocolError, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAC_BYTES,
@@ -304,7 +305,37 @@ impl Connection<'_> {
         self.io.set_read_deadline(Some(accepted_at + timeout));
         self.io.stream().set_timeouts(Some(timeout))?;
         let hello_limits = Limits { max_payload_bytes: 4096, ..self.shared.limits };
-        let header = match self.io.read_header(&hello_limits) {
+        let (request_id, hello) = self.read_hello(&hello_limits)?;
+        let mut server_nonce = [0u8; NONCE_BYTES];
+        sock::random_bytes(&mut server_nonce)?;
+        let auth = if self.unix { None } else { self.config().tcp_token.clone() };
+        if auth.is_none() && !self.slot.promote() {
+            return self.refuse_slot(request_id);
+        }
+        let shm = self.unix && hello.flags & HELLO_WANT_SHM != 0 && self.shared.shm_fd.is_some();
+        let reply = self.hello_ok(auth.is_some(), shm, server_nonce);
+        self.reply(request_id, Reply::HelloOk(&reply));
+        match auth {
+            None => {
+                let fd = if shm { self.shared.shm_fd.as_ref().map(|fd| fd.as_fd()) } else { None };
+                self.io.flush_with_fd(fd)?;
+            }
+            Some(token) => {
+                self.io.flush()?;
+                self.authenticate(&token, &hello_limits, &server_nonce, &hello.client_nonce)?;
+            }
+        }
+        self.io.set_read_deadline(None);
+        let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
+        self.io.stream().set_timeouts(Some(io_timeout))?;
+        self.io.set_spin(Duration::from_micros(self.config().spin_us));
+        Ok(())
+    }
+
+    /// The client's `Hello` and its request id; anything else is answered and ends the
+    /// connection.
+    fn read_hello(&mut self, hello_limits: &Limits) -> WResult<(u64, Hello)> {
+        let header = match self.io.read_header(hello_limits) {
             Ok(h) => h,
             Err(WireError::Protocol(p)) => {
                 self.fatal(0, &p.clone().into());
@@ -318,74 +349,69 @@ impl Connection<'_> {
             return Err(e.into());
         }
         let payload = self.io.read_payload(header.payload_len)?;
-        let hello = match Hello::decode(&payload) {
-            Ok(h) => h,
+        match Hello::decode(&payload) {
+            Ok(hello) => Ok((header.request_id, hello)),
             Err(e) => {
                 self.fatal(header.request_id, &e.clone().into());
-                return Err(e.into());
+                Err(e.into())
             }
-        };
-        let mut server_nonce = [0u8; NONCE_BYTES];
-        sock::random_bytes(&mut server_nonce)?;
-        let auth = if self.unix { None } else { self.config().tcp_token.clone() };
-        if auth.is_none() && !self.slot.promote() {
-            return self.refuse_slot(header.request_id);
         }
-        let shm = self.unix && hello.flags & HELLO_WANT_SHM != 0 && self.shared.shm_fd.is_some();
+    }
+
+    /// The owner's answer to a hello: its limits, its challenge, and the arena when it rides
+    /// along (`shm`).
+    fn hello_ok(&self, auth_required: bool, shm: bool, server_nonce: [u8; NONCE_BYTES]) -> HelloOk {
         let mut flags = 0;
-        if auth.is_some() {
+        if auth_required {
             flags |= HELLO_AUTH_REQUIRED;
         }
         if shm {
             flags |= HELLO_SHM_ATTACHED;
         }
-        let reply = HelloOk {
+        let config = self.config();
+        HelloOk {
             flags,
-            max_payload_bytes: self.config().max_payload_bytes,
-            chunk_bytes: self.config().chunk_bytes,
-            max_items: self.config().max_items,
-            max_leases: self.config().max_leases_per_connection,
-            lease_ttl_ms: self.config().lease_ttl_ms,
+            max_payload_bytes: config.max_payload_bytes,
+            chunk_bytes: config.chunk_bytes,
+            max_items: config.max_items,
+            max_leases: config.max_leases_per_connection,
+            lease_ttl_ms: config.lease_ttl_ms,
             max_key_bytes: self.shared.limits.max_key_bytes,
             max_value_bytes: self.shared.limits.max_value_bytes,
             server_nonce,
             instance_id: self.shared.instance_id,
             arena_bytes: if shm { self.shared.arena_bytes } else { 0 },
-        };
-        self.reply(header.request_id, Reply::HelloOk(&reply));
-        match auth {
-            None => {
-                let fd = if shm { self.shared.shm_fd.as_ref().map(|fd| fd.as_fd()) } else { None };
-                self.io.flush_with_fd(fd)?;
-            }
-            Some(token) => {
-                self.io.flush()?;
-                let h = self.io.read_header(&hello_limits)?;
-                if h.op != Op::Auth || h.payload_len as usize != MAC_BYTES {
-                    self.shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
-                    self.fatal(h.request_id, &Error::Unauthorized("expected an authentication proof".into()));
-                    return Err(WireError::Closed("no authentication".into()));
-                }
-                let mut proof = [0u8; MAC_BYTES];
-                self.io.read_exact(&mut proof)?;
-                if !token.verify_client(&server_nonce, &hello.client_nonce, &proof) {
-                    self.shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!("TCP client failed authentication (wrong token)");
-                    self.fatal(h.request_id, &Error::Unauthorized("wrong token".into()));
-                    return Err(WireError::Closed("wrong token".into()));
-                }
-                if !self.slot.promote() {
-                    return self.refuse_slot(h.request_id);
-                }
-                let owner_proof = token.owner_proof(&hello.client_nonce, &server_nonce);
-                self.reply(h.request_id, Reply::AuthOk(&owner_proof));
-                self.io.flush()?;
-            }
         }
-        self.io.set_read_deadline(None);
-        let io_timeout = Duration::from_millis(self.config().io_timeout_ms);
-        self.io.stream().set_timeouts(Some(io_timeout))?;
-        self.io.set_spin(Duration::from_micros(self.config().spin_us));
-        Ok(())
+    }
+
+    /// A TCP client's proof that it knows `token`, then a connection slot and the owner's own
+    /// proof; a missing or wrong proof is answered and ends the connection.
+    fn authenticate(
+        &mut self,
+        token: &Token,
+        hello_limits: &Limits,
+        server_nonce: &[u8; NONCE_BYTES],
+        client_nonce: &[u8; NONCE_BYTES],
+    ) -> WResult<()> {
+        let h = self.io.read_header(hello_limits)?;
+        if h.op != Op::Auth || h.payload_len as usize != MAC_BYTES {
+            self.shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            self.fatal(h.request_id, &Error::Unauthorized("expected an authentication proof".into()));
+            return Err(WireError::Closed("no authentication".into()));
+        }
+        let mut proof = [0u8; MAC_BYTES];
+        self.io.read_exact(&mut proof)?;
+        if !token.verify_client(server_nonce, client_nonce, &proof) {
+            self.shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("TCP client failed authentication (wrong token)");
+            self.fatal(h.request_id, &Error::Unauthorized("wrong token".into()));
+            return Err(WireError::Closed("wrong token".into()));
+        }
+        if !self.slot.promote() {
+            return self.refuse_slot(h.request_id);
+        }
+        let owner_proof = token.owner_proof(client_nonce, server_nonce);
+        self.reply(h.request_id, Reply::AuthOk(&owner_proof));
+        self.io.flush()
     }
 }

@@ -205,6 +205,19 @@ impl Connection<'_> {
         let _ = self.io.flush();
     }
 
+    /// Reads the next frame's header in the middle of request `rid`; None after a protocol
+    /// violation, answered with a fatal error (the connection then closes).
+    pub(super) fn read_header_or_close(&mut self, rid: u64) -> WResult<Option<FrameHeader>> {
+        match self.io.read_header(&self.shared.limits) {
+            Ok(h) => Ok(Some(h)),
+            Err(WireError::Protocol(p)) => {
+                self.fatal(rid, &p.into());
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Re-arms the read deadline: what is read next must arrive within `payload_timeout_ms`.
     pub(super) fn arm_read_deadline(&mut self) {
         let timeout = Duration::from_millis(self.config().payload_timeout_ms);

@@ -19,7 +19,7 @@ use super::connection::{Connection, Flow};
 use super::reply::Reply;
 use crate::error::{Error, Result};
 use crate::protocol::{GetItem, Grant, GrantsPart, LenCheck, NextPart, Op, RangeItem, Request};
-use crate::wire::{WResult, WireError, FLUSH_BYTES};
+use crate::wire::{WResult, FLUSH_BYTES};
 
 /// How long a follower's wait for a producer's chunk lasts before it looks again.
 const FOLLOW_WAIT_MS: u64 = 100;
@@ -192,14 +192,7 @@ impl Connection<'_> {
     pub(super) fn await_release(&mut self, rid: u64, held: &mut VecDeque<(Vec<u64>, bool)>) -> WResult<bool> {
         // A client that neither copies nor goes away keeps its parts at most a lease TTL.
         self.io.set_read_deadline(Some(Instant::now() + self.ttl()));
-        let h = match self.io.read_header(&self.shared.limits) {
-            Ok(h) => h,
-            Err(WireError::Protocol(p)) => {
-                self.fatal(rid, &p.into());
-                return Ok(false);
-            }
-            Err(e) => return Err(e),
-        };
+        let Some(h) = self.read_header_or_close(rid)? else { return Ok(false) };
         if h.op != Op::Release {
             self.fatal(rid, &Error::Protocol("a request arrived before the parts of a get were released".into()));
             return Ok(false);

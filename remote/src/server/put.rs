@@ -179,14 +179,7 @@ impl Connection<'_> {
     /// None after a protocol violation (already answered).
     pub(super) fn next_data(&mut self, rid: u64, left: u64) -> WResult<Option<u64>> {
         self.arm_read_deadline();
-        let h = match self.io.read_header(&self.shared.limits) {
-            Ok(h) => h,
-            Err(WireError::Protocol(p)) => {
-                self.fatal(rid, &p.into());
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        };
+        let Some(h) = self.read_header_or_close(rid)? else { return Ok(None) };
         if h.op != Op::Data || h.request_id != rid || h.payload_len == 0 || u64::from(h.payload_len) > left {
             self.fatal(rid, &Error::Protocol("put value frames out of order or too long".into()));
             return Ok(None);
