@@ -1,8 +1,10 @@
-//! The owner's Prometheus endpoint: `GET /metrics` on a loopback address.
+//! The owner's counters and its Prometheus endpoint: `GET /metrics` on a loopback address.
 //!
-//! Owns the request latency histograms the connections record into, the mapping from the
-//! engine's `Stats` and the owner's `OwnerCounters` to metric names and types (read at each
-//! scrape, nothing copied in between), and the endpoint's listener and thread. It never answers
+//! Owns `OwnerCounters` (the service's own counters, which the owner's connections update), the
+//! request latency histograms they record into (kinds from the operation table in `protocol`),
+//! the mapping from the engine's `Stats` and those counters to metric names and types (read at
+//! each scrape, nothing copied in between), and the endpoint's listener and thread. It never
+//! depends on the owner service that feeds it (`server` imports it, not the reverse), never answers
 //! anything but `GET /metrics` (other paths: 404), serves one scraper at a time with a short
 //! deadline per connection, and never takes a lock of the data path while it encodes. Loopback
 //! only is enforced where the address is configured (`[owner] metrics_addr`).

@@ -7,6 +7,10 @@
 //! configured limits before anything is allocated or touched. It never sizes an allocation from
 //! a count it has not checked against the bytes that carry the counted items.
 //!
+//! Every operation is declared once, in the `wire_ops!` table below: its code, what the owner's
+//! metrics count it as and, for a request read whole, its `Request` variant and decoder. `Op`,
+//! its code lookup and names, `Request::op` and `Request::decode`'s dispatch all come from it.
+//!
 //! A frame is a 20-byte header and `payload_len` payload bytes (all integers little endian):
 //!
 //! ```text
@@ -1517,6 +1521,23 @@ pub fn decode_error(r: &mut Reader<'_>) -> PResult<Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_declared_op_has_one_code_and_one_name() {
+        let mut codes = std::collections::HashSet::new();
+        let mut names = std::collections::HashSet::new();
+        for &op in Op::ALL {
+            assert_eq!(Op::from_u8(op as u8), Some(op), "{}", op.name());
+            assert!(codes.insert(op as u8) && names.insert(op.name()), "{} declared twice", op.name());
+        }
+        assert_eq!((0..=u8::MAX).filter_map(Op::from_u8).count(), Op::ALL.len());
+        assert_eq!(Op::GetParts.kind(), OpKind::Get);
+        assert_eq!(Op::PutChunk.kind(), OpKind::Put);
+        assert_eq!(Op::Grants.kind(), OpKind::Other);
+        let request = Request::Exists { keys: vec![b"k"] };
+        assert_eq!(request.op(), Op::Exists);
+        assert_eq!(request.op().name(), "Exists");
+    }
 
     #[test]
     fn header_round_trip_and_checks() {

@@ -1,12 +1,13 @@
-//! Accepting connections and their handshake: the listeners, the accept loop, the registry of
-//! connections and the slots they hold (`Slot`), refusals with `Busy`, and the hello and token
-//! authentication every connection starts with.
+//! Accepting connections and their handshake: the listeners, the accept loop, admission (a
+//! slot, or a refusal with `Busy`), and the hello and token authentication every connection
+//! starts with.
 //!
-//! Owns connection admission: slots (TCP peers that have not authenticated yet get their own
-//! few), the handshake deadline, and what the arena mapping is offered to. Never blocks the
-//! accept loop on a peer (refusals are non-blocking sends) and never serves a request.
+//! Owns connection admission: which slots a peer may take (TCP peers that have not
+//! authenticated yet get their own few), the handshake deadline, and what the arena mapping is
+//! offered to. Never blocks the accept loop on a peer (refusals are non-blocking sends) and never
+//! serves a request.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd};
@@ -19,9 +20,10 @@ use std::time::{Duration, Instant};
 
 use kvtide::Error as StoreError;
 
-use super::connection::{Connection, Job};
+use super::config::{OwnerConfig, OwnerError};
+use super::connection::Connection;
 use super::reply::Reply;
-use super::{OwnerConfig, OwnerError, Shared};
+use super::shared::{Job, Shared, Slot};
 use crate::auth::Token;
 use crate::error::Error;
 use crate::protocol::{
@@ -40,17 +42,6 @@ const MAX_LINGERING: usize = 64;
 pub(super) enum Listener {
     Unix(UnixListener),
     Tcp(TcpListener),
-}
-
-/// Every open connection (so shutdown can close them) and the slots they hold.
-#[derive(Default)]
-pub(super) struct ConnTable {
-    /// A duplicate of each connection's socket, to shut it when the grace runs out (None while
-    /// it is parked: the poller closes parked connections itself, and an idle connection then
-    /// costs one descriptor, not two).
-    pub(super) streams: HashMap<u64, Option<Stream>>,
-    pub(super) authenticated: usize,
-    pub(super) unauthenticated: usize,
 }
 
 /// The configured listeners, bound.
@@ -209,69 +200,6 @@ fn admit(shared: &Arc<Shared>, stream: Stream) -> Option<Stream> {
         tracing::warn!(error = %e, "cannot start a connection thread");
     }
     None
-}
-
-/// A connection's place in the registry and the slot it holds, given back however its thread
-/// ends.
-pub(super) struct Slot {
-    pub(super) shared: Arc<Shared>,
-    pub(super) id: u64,
-    /// Holds a connection slot (else an unauthenticated one).
-    pub(super) authenticated: bool,
-}
-
-impl Slot {
-    /// Trades the unauthenticated slot of a peer that just authenticated for a connection slot;
-    /// false (keeping the old one) when none is free.
-    pub(super) fn promote(&mut self) -> bool {
-        if self.authenticated {
-            return true;
-        }
-        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        if conns.authenticated >= self.shared.config.max_connections {
-            return false;
-        }
-        conns.unauthenticated -= 1;
-        conns.authenticated += 1;
-        self.shared.counters.handshakes_open.fetch_sub(1, Ordering::Relaxed);
-        self.shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
-        self.authenticated = true;
-        true
-    }
-}
-
-impl Slot {
-    /// Closes the registry's duplicate of a connection's socket while it is parked.
-    pub(super) fn park_handle(&self) {
-        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(handle) = conns.streams.get_mut(&self.id) {
-            *handle = None;
-        }
-    }
-
-    /// Gives the registry a duplicate of a resumed connection's socket again.
-    pub(super) fn unpark_handle(&self, stream: &Stream) {
-        let clone = stream.try_clone().ok();
-        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(handle) = conns.streams.get_mut(&self.id) {
-            *handle = clone;
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.streams.remove(&self.id);
-        if self.authenticated {
-            conns.authenticated -= 1;
-            self.shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
-        } else {
-            conns.unauthenticated -= 1;
-            self.shared.counters.handshakes_open.fetch_sub(1, Ordering::Relaxed);
-        }
-        self.shared.conns_changed.notify_all();
-    }
 }
 
 /// Tells a connection it cannot be served, without blocking: the error goes out with a

@@ -2,8 +2,9 @@
 //! waiting for the next request (parking an idle connection without a thread), reading each
 //! request within the budget and decoding it, and the dispatch of each request to its handler.
 //!
-//! Owns the order of a connection's requests and its deadlines between them. Never writes a
-//! reply frame itself (`reply` does) and never holds a request past its reply.
+//! Owns the order of a connection's requests, its deadlines between them and where it waits
+//! (its thread, or parked). Never writes a reply frame itself (`reply` does) and never reads a
+//! value's bytes (the put handlers read them into their reservations).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -12,50 +13,17 @@ use std::time::{Duration, Instant};
 
 use kvtide::{Error as StoreError, ObjectLease, PutOptions, PutStream, Store};
 
-use super::accept::Slot;
 use super::budget::{HeldLeases, OwnedWindow, Permit};
 use super::config::OwnerConfig;
 use super::reply::Reply;
-use super::Shared;
-use crate::error::Error;
-use crate::park::Parkable;
-use crate::protocol::{FrameHeader, Op, Request};
-use crate::sock::{self, Stream};
+use super::shared::{Job, Parked, Shared, Slot};
+use crate::error::{Error, Result};
+use crate::protocol::{FrameHeader, Op, Request, WHOLE_REQUEST};
+use crate::sock;
 use crate::wire::{FrameIo, WResult, WireError};
 
 /// A connection that waited this long for its next request gives its thread back (parks).
 const PARK_AFTER: Duration = Duration::from_millis(50);
-
-/// Work for a connection thread.
-pub(super) enum Job {
-    /// A connection just accepted: handshake, then requests.
-    New { slot: Slot, stream: Stream, accepted_at: Instant },
-    /// A parked connection whose next request arrived.
-    Resume(Box<Parked>),
-}
-
-/// A connection parked between requests: everything it holds, without a thread.
-pub(super) struct Parked {
-    // In drop order: leases and window back first, then the socket, then the slot.
-    leases: HeldLeases,
-    window: Option<OwnedWindow>,
-    io: FrameIo,
-    next_lease: u64,
-    unix: bool,
-    /// Closed if no request arrives by then.
-    deadline: Instant,
-    slot: Slot,
-}
-
-impl Parkable for Parked {
-    fn fd(&self) -> std::os::fd::RawFd {
-        self.io.stream().fd()
-    }
-
-    fn deadline(&self) -> Instant {
-        self.deadline
-    }
-}
 
 /// Serves a connection on a worker thread until it ends or goes idle (then it is parked).
 pub(super) fn run_job(job: Job) {
@@ -189,6 +157,24 @@ impl<'s> Connection<'s> {
 }
 
 impl Connection<'_> {
+    /// Queues `reply` to request `request_id`: every reply frame goes through here.
+    pub(super) fn reply(&mut self, request_id: u64, reply: Reply<'_>) {
+        reply.push(&mut self.io, request_id);
+    }
+
+    /// `Ok`, or the `Error` of the whole request.
+    pub(super) fn reply_result(&mut self, request_id: u64, result: Result<()>) {
+        match result {
+            Ok(()) => self.reply(request_id, Reply::Ok),
+            Err(error) => self.reply_error(request_id, &error),
+        }
+    }
+
+    /// The `Error` of the whole request.
+    pub(super) fn reply_error(&mut self, request_id: u64, error: &Error) {
+        self.reply(request_id, Reply::Error { index: WHOLE_REQUEST, error });
+    }
+
     pub(super) fn config(&self) -> &OwnerConfig {
         &self.shared.config
     }

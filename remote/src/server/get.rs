@@ -4,8 +4,8 @@
 //!
 //! Owns the leases a get takes and how long they may live while their bytes are sent: a chunk
 //! send starts only while its lease surely outlives it. Never hands a client an address, only
-//! offsets of objects leased to that connection, and never grants them to a connection that
-//! cannot map the arena.
+//! offsets of objects leased to that connection, and never tells a connection that cannot map
+//! the arena where an object lies (its grants carry offset 0).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;

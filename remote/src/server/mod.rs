@@ -2,16 +2,17 @@
 //! arena shared read-only for one-copy gets) and over TCP (token-authenticated).
 //!
 //! This module owns the owner's lifecycle: `Owner::start` (the shared state, the parking poller,
-//! the listeners and their accept threads), its public API and `shutdown`. The rooms below
-//! each own one concern: `config` (settings and their checks), `accept` (admission and the
-//! handshake), `connection` (the connection loop and dispatch), `get` and `put` (the request
-//! families), `budget` (what a connection holds against the owner's limits) and `reply` (the
-//! one place reply frames are written). A slow or broken client only ever stalls its own thread
-//! and holds its own share: deadlines bound every read and socket timeouts every write, and
-//! refusing a connection never blocks the accept loop. A malformed frame costs that client an
-//! error reply or its connection, never the owner. It never hands a client an address: only
-//! offsets of objects it has leased to that connection, released when the client says so or
-//! when the connection closes.
+//! the listeners and their accept threads), its public API and `shutdown`; it never serves a
+//! request itself. The rooms below each own one concern: `config` (settings and their checks),
+//! `shared` (the state the threads share, the registry of connections and their slots), `accept`
+//! (admission and the handshake), `connection` (the connection loop and dispatch), `get` and `put`
+//! (the request families), `budget` (what a connection holds against the owner's limits) and
+//! `reply` (the one place reply frames are written). A slow or broken client only ever stalls its
+//! own thread and holds its own share: deadlines bound every read and socket timeouts every write,
+//! and refusing a connection never blocks the accept loop. A malformed frame costs that client an
+//! error reply or its connection, never the owner. It never hands a client an address: only offsets
+//! of objects it has leased to that connection, released when the client says so or when the
+//! connection closes.
 
 mod accept;
 mod budget;
@@ -20,6 +21,7 @@ mod connection;
 mod get;
 mod put;
 mod reply;
+mod shared;
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -31,36 +33,16 @@ use std::time::{Duration, Instant};
 
 use kvtide::Engine;
 
-use self::accept::{accept_loop, bind_listeners, Bound, ConnTable};
+use self::accept::{accept_loop, bind_listeners, Bound};
 use self::budget::Budget;
 use self::config::validate;
 pub use self::config::{OwnerConfig, OwnerError};
-use self::connection::{run_job, Job, Parked};
+use self::connection::run_job;
+use self::shared::{ConnTable, Job, Shared};
 use crate::metrics::OwnerCounters;
 use crate::park::{Parker, Workers};
 use crate::protocol::Limits;
 use crate::sock::{self, Stream, WakeFlag};
-
-struct Shared {
-    engine: Arc<Engine>,
-    config: OwnerConfig,
-    limits: Limits,
-    wake: WakeFlag,
-    shutting_down: AtomicBool,
-    conns: Mutex<ConnTable>,
-    conns_changed: Condvar,
-    next_conn: AtomicU64,
-    budget: Budget,
-    instance_id: u64,
-    arena_base: usize,
-    arena_bytes: u64,
-    shm_fd: Option<OwnedFd>,
-    counters: Arc<OwnerCounters>,
-    /// Threads that serve connections while they are active.
-    workers: Workers<Job>,
-    /// Idle connections, without a thread, until their next request.
-    parker: Parker<Parked>,
-}
 
 /// A running owner service. Dropping it shuts it down (not the engine).
 pub struct Owner {

@@ -15,7 +15,7 @@ use kvtide::{Engine, Error as StoreError, PutOptions, Store};
 use super::budget::OwnedWindow;
 use super::connection::{Connection, Flow};
 use super::reply::Reply;
-use super::Shared;
+use super::shared::Shared;
 use crate::error::{Error, Result};
 use crate::protocol::{FrameHeader, Op, PutChunkHead, PutHead, PutItem, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES};
 use crate::shm::PutWindow;

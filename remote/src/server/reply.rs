@@ -1,17 +1,18 @@
 //! The one place the owner writes reply frames: a handler names its answer (`Reply`) and
-//! `Connection::reply` queues it on the connection's write buffer; `Reply::frame` builds the
-//! same bytes for a socket that has no connection yet (a refusal at accept).
+//! `Connection::reply` queues it (`Reply::push`) on the connection's write buffer;
+//! `Reply::frame` builds the same bytes for a socket that has no connection yet (a refusal at
+//! accept).
 //!
 //! Owns the mapping from an answer to its operation code and payload encoder. Never flushes
 //! (the connection loop and the handlers that must flush do) and never sends value bytes (`Data`
 //! frames go out through `FrameIo::push_data` as their chunks are ready).
 
-use super::connection::Connection;
 use crate::error::{Error, Result};
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_key_page, encode_object, encode_statuses,
-    end_frame, Grant, GrantsPart, HelloOk, Op, MAC_BYTES, WHOLE_REQUEST,
+    end_frame, Grant, GrantsPart, HelloOk, Op, MAC_BYTES,
 };
+use crate::wire::FrameIo;
 
 /// An answer to a request, as the handler decided it.
 pub(super) enum Reply<'r> {
@@ -84,34 +85,19 @@ impl Reply<'_> {
         }
     }
 
-    /// This answer to request `request_id` as a whole frame.
+    /// Queues this answer to request `request_id` on `io`'s write buffer (`Connection::reply`).
+    pub(super) fn push(&self, io: &mut FrameIo, request_id: u64) {
+        let start = io.begin(self.op(), request_id);
+        self.encode(io.out());
+        io.end(start);
+    }
+
+    /// This answer to request `request_id` as a whole frame, for a socket without a connection.
     pub(super) fn frame(&self, request_id: u64) -> Vec<u8> {
         let mut frame = Vec::new();
         let start = begin_frame(&mut frame, self.op(), request_id);
         self.encode(&mut frame);
         end_frame(&mut frame, start);
         frame
-    }
-}
-
-impl Connection<'_> {
-    /// Queues `reply` to request `request_id` on the write buffer.
-    pub(super) fn reply(&mut self, request_id: u64, reply: Reply<'_>) {
-        let start = self.io.begin(reply.op(), request_id);
-        reply.encode(self.io.out());
-        self.io.end(start);
-    }
-
-    /// `Ok`, or the `Error` of the whole request.
-    pub(super) fn reply_result(&mut self, request_id: u64, result: Result<()>) {
-        match result {
-            Ok(()) => self.reply(request_id, Reply::Ok),
-            Err(error) => self.reply_error(request_id, &error),
-        }
-    }
-
-    /// The `Error` of the whole request.
-    pub(super) fn reply_error(&mut self, request_id: u64, error: &Error) {
-        self.reply(request_id, Reply::Error { index: WHOLE_REQUEST, error });
     }
 }
