@@ -31,66 +31,73 @@ pub(super) fn run_job(job: Job) {
         Job::New { slot, .. } => Arc::clone(&slot.shared),
         Job::Resume(parked) => Arc::clone(&parked.slot.shared),
     };
-    let mut conn = match job {
-        Job::New { slot, stream, accepted_at } => {
-            let unix = stream.is_unix();
-            let mut conn = Connection {
-                leases: HeldLeases { map: HashMap::new(), counters: Arc::clone(&shared.counters) },
-                window: None,
-                shared: &shared,
-                io: FrameIo::new(stream),
-                next_lease: 1,
-                puts: HashMap::new(),
-                unix,
-                slot,
-            };
-            let handshake = match conn.handshake(accepted_at) {
-                Err(WireError::Deadline) => {
-                    shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
-                    Err(WireError::Deadline)
+    let Some(mut conn) = Connection::open(job, &shared) else { return };
+    let outcome = conn.run();
+    conn.park_or_end(outcome);
+}
+
+impl<'s> Connection<'s> {
+    /// The connection a job serves: a new one once its handshake is done (None when it failed
+    /// and the connection ended), or a parked one resumed.
+    fn open(job: Job, shared: &'s Arc<Shared>) -> Option<Connection<'s>> {
+        match job {
+            Job::New { slot, stream, accepted_at } => {
+                let unix = stream.is_unix();
+                let mut conn = Connection {
+                    leases: HeldLeases { map: HashMap::new(), counters: Arc::clone(&shared.counters) },
+                    window: None,
+                    shared,
+                    io: FrameIo::new(stream),
+                    next_lease: 1,
+                    puts: HashMap::new(),
+                    unix,
+                    slot,
+                };
+                match conn.handshake(accepted_at) {
+                    Ok(()) => Some(conn),
+                    Err(e) => {
+                        if matches!(e, WireError::Deadline) {
+                            shared.counters.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+                        }
+                        end(conn, Err(e));
+                        None
+                    }
                 }
-                other => other,
-            };
-            if let Err(e) = handshake {
-                end(conn, Err(e));
-                return;
             }
-            conn
-        }
-        Job::Resume(p) => {
-            p.slot.unpark_handle(p.io.stream());
-            Connection {
-                leases: p.leases,
-                window: p.window,
-                shared: &shared,
-                io: p.io,
-                next_lease: p.next_lease,
-                puts: HashMap::new(),
-                unix: p.unix,
-                slot: p.slot,
+            Job::Resume(p) => {
+                p.slot.unpark_handle(p.io.stream());
+                Some(Connection {
+                    leases: p.leases,
+                    window: p.window,
+                    shared,
+                    io: p.io,
+                    next_lease: p.next_lease,
+                    puts: HashMap::new(),
+                    unix: p.unix,
+                    slot: p.slot,
+                })
             }
         }
-    };
-    match conn.run() {
-        Ok(Outcome::Idle { since }) if conn.puts.is_empty() => {
-            let Connection { leases, window, io, next_lease, unix, slot, .. } = conn;
-            let idle = Duration::from_millis(shared.config.idle_timeout_ms);
-            // Closing releases the leases; the client trusts them until their TTL.
-            let idle = if leases.is_empty() {
-                idle
-            } else {
-                idle.max(Duration::from_millis(u64::from(shared.config.lease_ttl_ms)))
-            };
-            slot.park_handle();
-            let parked = Parked { leases, window, io, next_lease, unix, deadline: since + idle, slot };
-            shared.parker.park(parked);
+    }
+
+    /// After `run`: a connection that went idle without open puts is parked (until its next
+    /// request or its idle deadline); any other ends.
+    fn park_or_end(self, outcome: WResult<Outcome>) {
+        match outcome {
+            Ok(Outcome::Idle { since }) if self.puts.is_empty() => {
+                let deadline = since + self.idle_timeout();
+                let shared = self.shared;
+                let Connection { leases, window, io, next_lease, unix, slot, .. } = self;
+                slot.park_handle();
+                shared.parker.park(Parked { leases, window, io, next_lease, unix, deadline, slot });
+            }
+            Ok(_) => end(self, Ok(())),
+            Err(WireError::Deadline) => {
+                self.shared.counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
+                end(self, Err(WireError::Deadline));
+            }
+            Err(e) => end(self, Err(e)),
         }
-        Ok(_) => end(conn, Ok(())),
-        Err(WireError::Deadline) => {
-            shared.counters.payload_timeouts.fetch_add(1, Ordering::Relaxed);
-            end(conn, Err(WireError::Deadline));
-        }
-        Err(e) => end(conn, Err(e)),
     }
 }
 
