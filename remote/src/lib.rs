@@ -9,6 +9,8 @@
 //! `Error` is this crate's, which wraps `kvtide::Error`). `protocol` is the wire format and its
 //! validation, pure so the fuzz targets can drive it. The binary is `kvtide-owner`.
 
+#![warn(clippy::too_many_lines)]
+
 mod auth;
 mod client;
 pub mod cluster;
@@ -26,8 +28,8 @@ pub use auth::Token;
 pub use client::{ClientOptions, HoldGranted, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
-pub use metrics::{MetricsServer, RequestLatency};
-pub use server::{Owner, OwnerConfig, OwnerCounters, OwnerError};
+pub use metrics::{MetricsServer, OwnerCounters, RequestLatency};
+pub use server::{Owner, OwnerConfig, OwnerError};
 pub use settings::{
     configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, Invocation,
     OwnerGroup, OwnerSettings, ResolvedOwner, Source,

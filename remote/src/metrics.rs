@@ -1,8 +1,10 @@
-//! The owner's Prometheus endpoint: `GET /metrics` on a loopback address.
+//! The owner's counters and its Prometheus endpoint: `GET /metrics` on a loopback address.
 //!
-//! Owns the request latency histograms the connections record into, the mapping from the
-//! engine's `Stats` and the owner's `OwnerCounters` to metric names and types (read at each
-//! scrape, nothing copied in between), and the endpoint's listener and thread. It never answers
+//! Owns `OwnerCounters` (the service's own counters, which the owner's connections update), the
+//! request latency histograms they record into (kinds from the operation table in `protocol`),
+//! the mapping from the engine's `Stats` and those counters to metric names and types (read at
+//! each scrape, nothing copied in between), and the endpoint's listener and thread. It never
+//! depends on the owner service that feeds it (`server` imports it, not the reverse), never answers
 //! anything but `GET /metrics` (other paths: 404), serves one scraper at a time with a short
 //! deadline per connection, and never takes a lock of the data path while it encodes. Loopback
 //! only is enforced where the address is configured (`[owner] metrics_addr`).
@@ -20,11 +22,11 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 
-use crate::protocol::Op;
-use crate::server::OwnerCounters;
+use crate::protocol::{Op, OpKind};
 
-/// Request kinds the latency histograms are kept for (the `kind` label).
-const KINDS: [&str; 5] = ["get", "put", "remove", "exists", "other"];
+/// Request kinds the latency histograms are kept for (the `kind` label): one per `OpKind`,
+/// as the operation table in `protocol` assigns them.
+const KINDS: [OpKind; OpKind::ALL.len()] = OpKind::ALL;
 
 /// A scraper's request head larger than this is refused.
 const MAX_REQUEST_HEAD: usize = 8 << 10;
@@ -58,7 +60,7 @@ impl RequestLatency {
     /// Records one request of operation `op` that took `took`.
     pub fn record(&self, op: Op, took: Duration) {
         let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        let k = &self.kinds[kind_of(op)];
+        let k = &self.kinds[op.kind() as usize];
         k.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
         k.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
@@ -79,7 +81,9 @@ impl RequestLatency {
                 .collect();
             let count = buckets.iter().map(|b| b.1).sum();
             let sum = k.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-            family.encode_family(&[("kind", *kind)])?.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+            family
+                .encode_family(&[("kind", kind.label())])?
+                .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
         }
         Ok(())
     }
@@ -94,15 +98,48 @@ fn bucket_of(ns: u64) -> usize {
     ((64 - (us - 1).leading_zeros()) as usize).min(LATENCY_BUCKETS)
 }
 
-/// The index in `KINDS` of a request operation.
-fn kind_of(op: Op) -> usize {
-    match op {
-        Op::Get | Op::GetParts | Op::GetRanges | Op::GetFollow => 0,
-        Op::Put | Op::PutBatch | Op::PutOpen | Op::PutChunk | Op::PutSeal | Op::PutAbort | Op::PutWindow => 1,
-        Op::Remove | Op::RemoveBatch => 2,
-        Op::Exists => 3,
-        _ => 4,
-    }
+/// Counters of the service itself (the engine's are in `Store::stats`). Gauges (`*_open`,
+/// `buffered_bytes`) return to zero when the clients are gone.
+#[derive(Debug, Default)]
+pub struct OwnerCounters {
+    pub connections_accepted: AtomicU64,
+    /// Refused with `Busy` (no free slot), at accept or when a TCP peer authenticated.
+    pub connections_refused: AtomicU64,
+    /// Connections holding a connection slot (gauge).
+    pub connections_open: AtomicU64,
+    /// TCP connections in their handshake, holding an unauthenticated slot (gauge).
+    pub handshakes_open: AtomicU64,
+    /// Handshakes that did not finish within `handshake_timeout_ms`.
+    pub handshake_timeouts: AtomicU64,
+    /// Connections closed because a frame did not arrive within `payload_timeout_ms`.
+    pub payload_timeouts: AtomicU64,
+    /// Connections closed after `idle_timeout_ms` without a request.
+    pub idle_closed: AtomicU64,
+    /// Request bytes buffered now (gauge).
+    pub buffered_bytes: AtomicU64,
+    pub requests: AtomicU64,
+    pub protocol_errors: AtomicU64,
+    pub auth_failures: AtomicU64,
+    pub leases_granted: AtomicU64,
+    pub leases_outstanding: AtomicU64,
+    pub unknown_releases: AtomicU64,
+    pub busy_replies: AtomicU64,
+    /// Bytes of the put windows that connections hold now (gauge).
+    pub put_window_bytes: AtomicU64,
+    /// Put windows refused because `max_put_window_bytes` was reached.
+    pub put_windows_refused: AtomicU64,
+    /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
+    pub batch_requests: AtomicU64,
+    pub batch_items: AtomicU64,
+    /// Time to serve each request (from its first byte to its reply flushed), by kind.
+    pub latency: RequestLatency,
+    /// Threads serving connections now (gauge): connections in a request, their handshake, or
+    /// shortly after their last request.
+    pub connection_threads: Arc<AtomicU64>,
+    /// Connections parked without a thread between requests (gauge).
+    pub connections_parked: Arc<AtomicU64>,
+    /// Cluster membership (all zero unless the owner registered in a cluster).
+    pub cluster: Arc<crate::cluster::RegistrationCounters>,
 }
 
 /// Reads the engine's statistics and the owner's counters at each scrape.
@@ -139,6 +176,22 @@ fn emit(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, kind: Kind,
 
 impl Collector for OwnerCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        self.encode_engine(&mut encoder)?;
+        self.encode_owner(&mut encoder)?;
+        self.encode_cluster(&mut encoder)?;
+        self.encode_rejected(&mut encoder)?;
+        self.counters.latency.encode(&mut encoder)
+    }
+}
+
+/// A counter's or gauge's current value.
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+impl OwnerCollector {
+    /// The engine's statistics.
+    fn encode_engine(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use Kind::{Counter, Gauge};
         let stats = self.engine.stats();
         let t = &stats.total;
@@ -193,10 +246,15 @@ impl Collector for OwnerCollector {
             ("kvtide_stream_unsealed_bytes", "bytes of unsealed puts", Gauge, st.unsealed_bytes),
         ];
         for (name, help, kind, value) in engine {
-            emit(&mut encoder, name, help, kind, value)?;
+            emit(encoder, name, help, kind, value)?;
         }
-        let c = &self.counters;
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The owner's own counters and gauges.
+    fn encode_owner(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use Kind::{Counter, Gauge};
+        let (c, r) = (&self.counters, load);
         let owner: [(&str, &str, Kind, u64); 12] = [
             ("kvtide_owner_connection_threads", "threads serving connections now", Gauge, r(&c.connection_threads)),
             (
@@ -217,9 +275,15 @@ impl Collector for OwnerCollector {
             ("kvtide_owner_batch_items", "items of batched requests", Counter, r(&c.batch_items)),
         ];
         for (name, help, kind, value) in owner {
-            emit(&mut encoder, name, help, kind, value)?;
+            emit(encoder, name, help, kind, value)?;
         }
-        let k = &c.cluster;
+        Ok(())
+    }
+
+    /// The owner's cluster membership.
+    fn encode_cluster(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        use Kind::{Counter, Gauge};
+        let (k, r) = (&self.counters.cluster, load);
         let cluster: [(&str, &str, Kind, u64); 5] = [
             ("kvtide_cluster_registered", "1 while this owner's cluster record is kept alive", Gauge, r(&k.registered)),
             ("kvtide_cluster_keepalives", "lease keep-alives etcd accepted", Counter, r(&k.keepalives)),
@@ -238,8 +302,14 @@ impl Collector for OwnerCollector {
             ("kvtide_cluster_lease_ttl_seconds", "the lease TTL etcd granted", Gauge, r(&k.lease_ttl_s)),
         ];
         for (name, help, kind, value) in cluster {
-            emit(&mut encoder, name, help, kind, value)?;
+            emit(encoder, name, help, kind, value)?;
         }
+        Ok(())
+    }
+
+    /// Requests and connections refused or closed, one family labelled by reason.
+    fn encode_rejected(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        let (c, r) = (&self.counters, load);
         let rejected = [
             ("busy", r(&c.busy_replies)),
             ("connection_limit", r(&c.connections_refused)),
@@ -261,7 +331,7 @@ impl Collector for OwnerCollector {
         for (reason, value) in rejected {
             ConstCounter::new(value).encode(family.encode_family(&[("reason", reason)])?)?;
         }
-        c.latency.encode(&mut encoder)
+        Ok(())
     }
 }
 

@@ -7,6 +7,10 @@
 //! configured limits before anything is allocated or touched. It never sizes an allocation from
 //! a count it has not checked against the bytes that carry the counted items.
 //!
+//! Every operation is declared once, in the `wire_ops!` table below: its code, what the owner's
+//! metrics count it as and, for a request read whole, its `Request` variant and decoder. `Op`,
+//! its code lookup and names, `Request::op` and `Request::decode`'s dispatch all come from it.
+//!
 //! A frame is a 20-byte header and `payload_len` payload bytes (all integers little endian):
 //!
 //! ```text
@@ -48,108 +52,168 @@ pub const HELLO_AUTH_REQUIRED: u32 = 1;
 /// `HelloOk` flag: the arena memfd rides on this frame (`SCM_RIGHTS`).
 pub const HELLO_SHM_ATTACHED: u32 = 2;
 
-/// Operations. Requests are below 64, replies from 64.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Op {
-    Hello = 1,
-    Auth = 2,
-    Put = 10,
-    Get = 11,
-    GetRanges = 12,
-    Exists = 13,
-    Remove = 14,
-    Pin = 15,
-    Unpin = 16,
-    Stats = 17,
-    /// Releases leases granted by `Get` in lease mode. No reply.
-    Release = 18,
-    /// Opens a progressive put on this connection (its stream id is this request's id).
-    PutOpen = 19,
-    /// One chunk of an open progressive put; its bytes follow in `Data` frames.
-    PutChunk = 20,
-    /// Publishes an open progressive put.
-    PutSeal = 21,
-    /// Gives up an open progressive put.
-    PutAbort = 22,
-    /// Reads a key as its unsealed progressive put lands (a plain streamed get without one).
-    GetFollow = 23,
-    /// Many puts in one request, one `Statuses` reply: the values follow in `Data` frames or lie
-    /// in the connection's put window.
-    PutBatch = 24,
-    /// Many removes in one request, one `Statuses` reply.
-    RemoveBatch = 25,
-    /// Asks for this connection's put window (Unix socket only): a `Window` reply carries it.
-    PutWindow = 26,
-    /// `Get` in lease mode, answered in parts (`GrantsPart` frames): the client copies each
-    /// part and releases it before the owner leases more than two parts ahead.
-    GetParts = 27,
-    /// One page of the keys that start with a prefix: a `KeyPage` reply.
-    ScanKeys = 28,
-    /// A chunk of a value (either direction).
-    Data = 30,
-    HelloOk = 64,
-    AuthOk = 65,
-    Ok = 66,
-    Error = 67,
-    Object = 68,
-    Abort = 69,
-    End = 70,
-    Grants = 71,
-    ExistsReply = 72,
-    StatsReply = 73,
-    /// One status per item of a batch.
-    Statuses = 74,
-    /// The put window: its size, its memfd attached (`SCM_RIGHTS`).
-    Window = 75,
-    /// One part of the grants of a `GetParts` (the last one says so).
-    GrantsPart = 76,
-    /// Keys of a `ScanKeys` and the cursor of the next page.
-    KeyPage = 77,
+/// Declares every wire operation once: its code, what the owner's metrics count it as, and
+/// for a request decoded whole, its `Request` variant (of the same name) and the function that
+/// decodes its payload. From this table come `Op`, `Op::from_u8`, `Op::name`, `Op::kind`,
+/// `Request::op` and `Request::decode`'s dispatch; adding an operation is one line here, its
+/// variant and decoder (or reply encoder), and its handler.
+macro_rules! wire_ops {
+    (
+        requests { $( $(#[$rdoc:meta])* $request:ident = $rcode:literal, $rkind:ident, $decode:ident; )* }
+        streamed { $( $(#[$sdoc:meta])* $streamed:ident = $scode:literal, $skind:ident; )* }
+        replies { $( $(#[$pdoc:meta])* $reply:ident = $pcode:literal; )* }
+    ) => {
+        /// Operations. Requests are below 64, replies from 64.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum Op {
+            $( $(#[$rdoc])* $request = $rcode, )*
+            $( $(#[$sdoc])* $streamed = $scode, )*
+            $( $(#[$pdoc])* $reply = $pcode, )*
+        }
+
+        impl Op {
+            /// Every operation, in code order within requests, streamed frames and replies.
+            pub const ALL: &'static [Op] = &[$( Op::$request, )* $( Op::$streamed, )* $( Op::$reply, )*];
+
+            /// The operation with this code.
+            pub fn from_u8(code: u8) -> Option<Op> {
+                Some(match code {
+                    $( $rcode => Op::$request, )*
+                    $( $scode => Op::$streamed, )*
+                    $( $pcode => Op::$reply, )*
+                    _ => return None,
+                })
+            }
+
+            /// The operation's name, as declared.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( Op::$request => stringify!($request), )*
+                    $( Op::$streamed => stringify!($streamed), )*
+                    $( Op::$reply => stringify!($reply), )*
+                }
+            }
+
+            /// What the owner's metrics count this operation as (replies: `Other`).
+            pub fn kind(self) -> OpKind {
+                match self {
+                    $( Op::$request => OpKind::$rkind, )*
+                    $( Op::$streamed => OpKind::$skind, )*
+                    $( Op::$reply => OpKind::Other, )*
+                }
+            }
+        }
+
+        impl<'a> Request<'a> {
+            /// Decodes the payload of a request frame of operation `op`.
+            pub fn decode(op: Op, payload: &'a [u8], limits: &Limits) -> PResult<Request<'a>> {
+                let mut r = Reader::new(payload);
+                let request = match op {
+                    $( Op::$request => $decode(&mut r, limits)?, )*
+                    other => return Err(ProtocolError::Unexpected { expected: "a request", got: other }),
+                };
+                r.finish("request")?;
+                Ok(request)
+            }
+
+            /// The operation code of this request.
+            pub fn op(&self) -> Op {
+                match self {
+                    $( Request::$request { .. } => Op::$request, )*
+                }
+            }
+        }
+    };
 }
 
-impl Op {
-    /// The operation with this code.
-    pub fn from_u8(code: u8) -> Option<Op> {
-        Some(match code {
-            1 => Op::Hello,
-            2 => Op::Auth,
-            10 => Op::Put,
-            11 => Op::Get,
-            12 => Op::GetRanges,
-            13 => Op::Exists,
-            14 => Op::Remove,
-            15 => Op::Pin,
-            16 => Op::Unpin,
-            17 => Op::Stats,
-            18 => Op::Release,
-            19 => Op::PutOpen,
-            20 => Op::PutChunk,
-            21 => Op::PutSeal,
-            22 => Op::PutAbort,
-            23 => Op::GetFollow,
-            24 => Op::PutBatch,
-            25 => Op::RemoveBatch,
-            26 => Op::PutWindow,
-            27 => Op::GetParts,
-            28 => Op::ScanKeys,
-            30 => Op::Data,
-            64 => Op::HelloOk,
-            65 => Op::AuthOk,
-            66 => Op::Ok,
-            67 => Op::Error,
-            68 => Op::Object,
-            69 => Op::Abort,
-            70 => Op::End,
-            71 => Op::Grants,
-            72 => Op::ExistsReply,
-            73 => Op::StatsReply,
-            74 => Op::Statuses,
-            75 => Op::Window,
-            76 => Op::GrantsPart,
-            77 => Op::KeyPage,
-            _ => return None,
-        })
+wire_ops! {
+    requests {
+        Hello = 1, Other, decode_hello;
+        Auth = 2, Other, decode_auth;
+        Get = 11, Get, decode_get;
+        GetRanges = 12, Get, decode_get_ranges;
+        Exists = 13, Exists, decode_exists_request;
+        Remove = 14, Remove, decode_remove;
+        Pin = 15, Other, decode_pin;
+        Unpin = 16, Other, decode_unpin;
+        Stats = 17, Other, decode_stats;
+        /// Releases leases granted by `Get` in lease mode. No reply.
+        Release = 18, Other, decode_release;
+        /// Opens a progressive put on this connection (its stream id is this request's id).
+        PutOpen = 19, Put, decode_put_open;
+        /// Publishes an open progressive put.
+        PutSeal = 21, Put, decode_put_seal;
+        /// Gives up an open progressive put.
+        PutAbort = 22, Put, decode_put_abort;
+        /// Reads a key as its unsealed progressive put lands (a plain streamed get without one).
+        GetFollow = 23, Get, decode_get_follow;
+        /// Many puts in one request, one `Statuses` reply: the values follow in `Data` frames or lie
+        /// in the connection's put window.
+        PutBatch = 24, Put, decode_put_batch;
+        /// Many removes in one request, one `Statuses` reply.
+        RemoveBatch = 25, Remove, decode_remove_batch;
+        /// Asks for this connection's put window (Unix socket only): a `Window` reply carries it.
+        PutWindow = 26, Put, decode_put_window;
+        /// `Get` in lease mode, answered in parts (`GrantsPart` frames): the client copies each
+        /// part and releases it before the owner leases more than two parts ahead.
+        GetParts = 27, Get, decode_get_parts;
+        /// One page of the keys that start with a prefix: a `KeyPage` reply.
+        ScanKeys = 28, Other, decode_scan_keys;
+    }
+    streamed {
+        /// A put whose head (`PutHead`) and key the owner reads itself, then its value.
+        Put = 10, Put;
+        /// One chunk of an open progressive put; its bytes follow in `Data` frames.
+        PutChunk = 20, Put;
+        /// A chunk of a value (either direction).
+        Data = 30, Other;
+    }
+    replies {
+        HelloOk = 64;
+        AuthOk = 65;
+        Ok = 66;
+        Error = 67;
+        Object = 68;
+        Abort = 69;
+        End = 70;
+        Grants = 71;
+        ExistsReply = 72;
+        StatsReply = 73;
+        /// One status per item of a batch.
+        Statuses = 74;
+        /// The put window: its size, its memfd attached (`SCM_RIGHTS`).
+        Window = 75;
+        /// One part of the grants of a `GetParts` (the last one says so).
+        GrantsPart = 76;
+        /// Keys of a `ScanKeys` and the cursor of the next page.
+        KeyPage = 77;
+    }
+}
+
+/// What an operation counts as in the owner's metrics (the `kind` label of its latency).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    Get,
+    Put,
+    Remove,
+    Exists,
+    Other,
+}
+
+impl OpKind {
+    /// Every kind, in the order of its index (`kind as usize`).
+    pub const ALL: [OpKind; 5] = [OpKind::Get, OpKind::Put, OpKind::Remove, OpKind::Exists, OpKind::Other];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            OpKind::Get => "get",
+            OpKind::Put => "put",
+            OpKind::Remove => "remove",
+            OpKind::Exists => "exists",
+            OpKind::Other => "other",
+        }
     }
 }
 
@@ -694,150 +758,6 @@ pub struct PutItem<'a> {
 }
 
 impl<'a> Request<'a> {
-    /// Decodes the payload of a request frame of operation `op`.
-    pub fn decode(op: Op, payload: &'a [u8], limits: &Limits) -> PResult<Request<'a>> {
-        let mut r = Reader::new(payload);
-        let request = match op {
-            Op::Hello => return Hello::decode(payload).map(Request::Hello),
-            Op::Auth => return decode_mac(payload).map(|mac| Request::Auth { mac }),
-            Op::Get => {
-                let flags = r.u8()?;
-                if flags & !GET_LEASE != 0 {
-                    return Err(ProtocolError::Invalid { what: "get flags" });
-                }
-                let count = r.count(GET_ITEM_BYTES, limits.max_items, "keys")?;
-                let mut items = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let key = r.key(limits.max_key_bytes)?;
-                    let check = LenCheck::decode(&mut r)?;
-                    items.push(GetItem { key, check });
-                }
-                Request::Get { lease: flags & GET_LEASE != 0, items }
-            }
-            Op::GetRanges => {
-                let keys = decode_keys(&mut r, limits)?;
-                let count = r.count(RANGE_ITEM_BYTES, limits.max_items, "fragments")?;
-                let mut fragments = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let item = RangeItem { key_index: r.u32()?, src_offset: r.u64()?, len: r.u64()? };
-                    if item.key_index as usize >= keys.len() {
-                        return Err(ProtocolError::Invalid { what: "fragment key index" });
-                    }
-                    // Ranges are checked against the object (overflow-safe) when it is leased, so
-                    // a bad one fails only its own fragment.
-                    fragments.push(item);
-                }
-                Request::GetRanges { keys, fragments }
-            }
-            Op::Exists => Request::Exists { keys: decode_keys(&mut r, limits)? },
-            Op::Remove => {
-                let flags = r.u8()?;
-                if flags & !REMOVE_FORCE != 0 {
-                    return Err(ProtocolError::Invalid { what: "remove flags" });
-                }
-                Request::Remove { key: r.key(limits.max_key_bytes)?, force: flags & REMOVE_FORCE != 0 }
-            }
-            Op::Pin => Request::Pin { key: r.key(limits.max_key_bytes)? },
-            Op::Unpin => Request::Unpin { key: r.key(limits.max_key_bytes)? },
-            Op::Stats => Request::Stats,
-            Op::PutOpen => {
-                let flags = r.u8()?;
-                if flags & !(PUT_UPSERT | PUT_PIN) != 0 {
-                    return Err(ProtocolError::Invalid { what: "put flags" });
-                }
-                let key = r.key(limits.max_key_bytes)?;
-                let total_len = r.u64()?;
-                let chunk_bytes = r.u64()?;
-                if total_len > limits.max_value_bytes {
-                    return Err(ProtocolError::FrameTooLarge { len: total_len, max: limits.max_value_bytes });
-                }
-                if chunk_bytes == 0 {
-                    return Err(ProtocolError::Invalid { what: "chunk size" });
-                }
-                Request::PutOpen {
-                    key,
-                    total_len,
-                    chunk_bytes,
-                    upsert: flags & PUT_UPSERT != 0,
-                    pin: flags & PUT_PIN != 0,
-                }
-            }
-            Op::PutSeal => Request::PutSeal { stream: r.u64()? },
-            Op::GetFollow => Request::GetFollow { key: r.key(limits.max_key_bytes)? },
-            Op::PutAbort => Request::PutAbort { stream: r.u64()? },
-            Op::PutBatch => {
-                let flags = r.u8()?;
-                if flags & !(PUT_UPSERT | PUT_PIN) != 0 {
-                    return Err(ProtocolError::Invalid { what: "put flags" });
-                }
-                let window = match r.u8()? {
-                    PUT_SOURCE_STREAM => false,
-                    PUT_SOURCE_WINDOW => true,
-                    _ => return Err(ProtocolError::Invalid { what: "put source" }),
-                };
-                let count = r.count(PUT_ITEM_BYTES, limits.max_items, "puts")?;
-                let mut items = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let item = PutItem { key: r.key(limits.max_key_bytes)?, len: r.u64()?, window_offset: r.u64()? };
-                    if item.len > limits.max_value_bytes {
-                        return Err(ProtocolError::FrameTooLarge { len: item.len, max: limits.max_value_bytes });
-                    }
-                    // Window ranges are checked against the window by the owner, which knows it.
-                    if !window && item.window_offset != 0 {
-                        return Err(ProtocolError::Invalid { what: "window offset of a streamed value" });
-                    }
-                    items.push(item);
-                }
-                Request::PutBatch { upsert: flags & PUT_UPSERT != 0, pin: flags & PUT_PIN != 0, window, items }
-            }
-            Op::RemoveBatch => {
-                let flags = r.u8()?;
-                if flags & !REMOVE_FORCE != 0 {
-                    return Err(ProtocolError::Invalid { what: "remove flags" });
-                }
-                Request::RemoveBatch { keys: decode_keys(&mut r, limits)?, force: flags & REMOVE_FORCE != 0 }
-            }
-            Op::PutWindow => Request::PutWindow,
-            Op::GetParts => {
-                let count = r.count(GET_ITEM_BYTES, limits.max_items, "keys")?;
-                let mut items = Vec::with_capacity(count);
-                for _ in 0..count {
-                    let key = r.key(limits.max_key_bytes)?;
-                    let check = LenCheck::decode(&mut r)?;
-                    items.push(GetItem { key, check });
-                }
-                Request::GetParts { items }
-            }
-            Op::ScanKeys => {
-                let cursor = r.u64()?;
-                let limit = r.u32()?;
-                if limit == 0 || limit > limits.max_items {
-                    return Err(ProtocolError::TooMany {
-                        what: "scan limit",
-                        count: limit.into(),
-                        max: limits.max_items.into(),
-                    });
-                }
-                let len = r.u16()? as usize;
-                if len > limits.max_key_bytes as usize {
-                    return Err(ProtocolError::Invalid { what: "prefix length" });
-                }
-                Request::ScanKeys { prefix: r.take(len, "prefix")?, cursor, limit }
-            }
-            Op::Release => {
-                let count = r.count(8, limits.max_items, "leases")?;
-                let mut leases = Vec::with_capacity(count);
-                for _ in 0..count {
-                    leases.push(r.u64()?);
-                }
-                Request::Release { leases }
-            }
-            other => return Err(ProtocolError::Unexpected { expected: "a request", got: other }),
-        };
-        r.finish("request")?;
-        Ok(request)
-    }
-
     /// Appends this request's payload (the inverse of `decode`).
     pub fn encode(&self, buf: &mut Vec<u8>) {
         match self {
@@ -908,31 +828,176 @@ impl<'a> Request<'a> {
             }
         }
     }
+}
 
-    /// The operation code of this request.
-    pub fn op(&self) -> Op {
-        match self {
-            Request::Hello(_) => Op::Hello,
-            Request::Auth { .. } => Op::Auth,
-            Request::Get { .. } => Op::Get,
-            Request::GetRanges { .. } => Op::GetRanges,
-            Request::Exists { .. } => Op::Exists,
-            Request::Remove { .. } => Op::Remove,
-            Request::Pin { .. } => Op::Pin,
-            Request::Unpin { .. } => Op::Unpin,
-            Request::Stats => Op::Stats,
-            Request::Release { .. } => Op::Release,
-            Request::PutOpen { .. } => Op::PutOpen,
-            Request::PutSeal { .. } => Op::PutSeal,
-            Request::PutAbort { .. } => Op::PutAbort,
-            Request::GetFollow { .. } => Op::GetFollow,
-            Request::PutBatch { .. } => Op::PutBatch,
-            Request::RemoveBatch { .. } => Op::RemoveBatch,
-            Request::PutWindow => Op::PutWindow,
-            Request::GetParts { .. } => Op::GetParts,
-            Request::ScanKeys { .. } => Op::ScanKeys,
-        }
+// ---- request decoders (one per request of the `wire_ops!` table) ---------------------------------
+
+fn decode_hello<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    let payload = r.take(r.remaining(), "hello")?;
+    Hello::decode(payload).map(Request::Hello)
+}
+
+fn decode_auth<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    let payload = r.take(r.remaining(), "mac")?;
+    decode_mac(payload).map(|mac| Request::Auth { mac })
+}
+
+fn decode_get_items<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Vec<GetItem<'a>>> {
+    let count = r.count(GET_ITEM_BYTES, limits.max_items, "keys")?;
+    let mut items = Vec::with_capacity(count);
+    for _ in 0..count {
+        let key = r.key(limits.max_key_bytes)?;
+        let check = LenCheck::decode(r)?;
+        items.push(GetItem { key, check });
     }
+    Ok(items)
+}
+
+fn decode_get<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let flags = r.u8()?;
+    if flags & !GET_LEASE != 0 {
+        return Err(ProtocolError::Invalid { what: "get flags" });
+    }
+    Ok(Request::Get { lease: flags & GET_LEASE != 0, items: decode_get_items(r, limits)? })
+}
+
+fn decode_get_parts<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::GetParts { items: decode_get_items(r, limits)? })
+}
+
+fn decode_get_ranges<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let keys = decode_keys(r, limits)?;
+    let count = r.count(RANGE_ITEM_BYTES, limits.max_items, "fragments")?;
+    let mut fragments = Vec::with_capacity(count);
+    for _ in 0..count {
+        let item = RangeItem { key_index: r.u32()?, src_offset: r.u64()?, len: r.u64()? };
+        if item.key_index as usize >= keys.len() {
+            return Err(ProtocolError::Invalid { what: "fragment key index" });
+        }
+        // Ranges are checked against the object (overflow-safe) when it is leased, so a bad one
+        // fails only its own fragment.
+        fragments.push(item);
+    }
+    Ok(Request::GetRanges { keys, fragments })
+}
+
+fn decode_exists_request<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::Exists { keys: decode_keys(r, limits)? })
+}
+
+/// The flags byte of a remove: whether it is forced.
+fn decode_remove_flags(r: &mut Reader<'_>) -> PResult<bool> {
+    let flags = r.u8()?;
+    if flags & !REMOVE_FORCE != 0 {
+        return Err(ProtocolError::Invalid { what: "remove flags" });
+    }
+    Ok(flags & REMOVE_FORCE != 0)
+}
+
+fn decode_remove<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let force = decode_remove_flags(r)?;
+    Ok(Request::Remove { key: r.key(limits.max_key_bytes)?, force })
+}
+
+fn decode_remove_batch<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let force = decode_remove_flags(r)?;
+    Ok(Request::RemoveBatch { keys: decode_keys(r, limits)?, force })
+}
+
+fn decode_pin<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::Pin { key: r.key(limits.max_key_bytes)? })
+}
+
+fn decode_unpin<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::Unpin { key: r.key(limits.max_key_bytes)? })
+}
+
+fn decode_get_follow<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::GetFollow { key: r.key(limits.max_key_bytes)? })
+}
+
+fn decode_stats<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::Stats)
+}
+
+fn decode_put_window<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::PutWindow)
+}
+
+/// The flags byte of a put: (upsert, pin).
+fn decode_put_flags(r: &mut Reader<'_>) -> PResult<(bool, bool)> {
+    let flags = r.u8()?;
+    if flags & !(PUT_UPSERT | PUT_PIN) != 0 {
+        return Err(ProtocolError::Invalid { what: "put flags" });
+    }
+    Ok((flags & PUT_UPSERT != 0, flags & PUT_PIN != 0))
+}
+
+fn decode_put_open<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let (upsert, pin) = decode_put_flags(r)?;
+    let key = r.key(limits.max_key_bytes)?;
+    let total_len = r.u64()?;
+    let chunk_bytes = r.u64()?;
+    if total_len > limits.max_value_bytes {
+        return Err(ProtocolError::FrameTooLarge { len: total_len, max: limits.max_value_bytes });
+    }
+    if chunk_bytes == 0 {
+        return Err(ProtocolError::Invalid { what: "chunk size" });
+    }
+    Ok(Request::PutOpen { key, total_len, chunk_bytes, upsert, pin })
+}
+
+fn decode_put_seal<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::PutSeal { stream: r.u64()? })
+}
+
+fn decode_put_abort<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::PutAbort { stream: r.u64()? })
+}
+
+fn decode_put_batch<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let (upsert, pin) = decode_put_flags(r)?;
+    let window = match r.u8()? {
+        PUT_SOURCE_STREAM => false,
+        PUT_SOURCE_WINDOW => true,
+        _ => return Err(ProtocolError::Invalid { what: "put source" }),
+    };
+    let count = r.count(PUT_ITEM_BYTES, limits.max_items, "puts")?;
+    let mut items = Vec::with_capacity(count);
+    for _ in 0..count {
+        let item = PutItem { key: r.key(limits.max_key_bytes)?, len: r.u64()?, window_offset: r.u64()? };
+        if item.len > limits.max_value_bytes {
+            return Err(ProtocolError::FrameTooLarge { len: item.len, max: limits.max_value_bytes });
+        }
+        // Window ranges are checked against the window by the owner, which knows it.
+        if !window && item.window_offset != 0 {
+            return Err(ProtocolError::Invalid { what: "window offset of a streamed value" });
+        }
+        items.push(item);
+    }
+    Ok(Request::PutBatch { upsert, pin, window, items })
+}
+
+fn decode_scan_keys<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let cursor = r.u64()?;
+    let limit = r.u32()?;
+    if limit == 0 || limit > limits.max_items {
+        return Err(ProtocolError::TooMany { what: "scan limit", count: limit.into(), max: limits.max_items.into() });
+    }
+    let len = r.u16()? as usize;
+    if len > limits.max_key_bytes as usize {
+        return Err(ProtocolError::Invalid { what: "prefix length" });
+    }
+    Ok(Request::ScanKeys { prefix: r.take(len, "prefix")?, cursor, limit })
+}
+
+fn decode_release<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let count = r.count(8, limits.max_items, "leases")?;
+    let mut leases = Vec::with_capacity(count);
+    for _ in 0..count {
+        leases.push(r.u64()?);
+    }
+    Ok(Request::Release { leases })
 }
 
 fn decode_keys<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Vec<&'a [u8]>> {
@@ -1456,6 +1521,23 @@ pub fn decode_error(r: &mut Reader<'_>) -> PResult<Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_declared_op_has_one_code_and_one_name() {
+        let mut codes = std::collections::HashSet::new();
+        let mut names = std::collections::HashSet::new();
+        for &op in Op::ALL {
+            assert_eq!(Op::from_u8(op as u8), Some(op), "{}", op.name());
+            assert!(codes.insert(op as u8) && names.insert(op.name()), "{} declared twice", op.name());
+        }
+        assert_eq!((0..=u8::MAX).filter_map(Op::from_u8).count(), Op::ALL.len());
+        assert_eq!(Op::GetParts.kind(), OpKind::Get);
+        assert_eq!(Op::PutChunk.kind(), OpKind::Put);
+        assert_eq!(Op::Grants.kind(), OpKind::Other);
+        let request = Request::Exists { keys: vec![b"k"] };
+        assert_eq!(request.op(), Op::Exists);
+        assert_eq!(request.op().name(), "Exists");
+    }
 
     #[test]
     fn header_round_trip_and_checks() {

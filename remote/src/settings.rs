@@ -496,38 +496,7 @@ impl OwnerSettings {
             .create(&data_dir)
             .map_err(|e| format!("cannot create data directory {}: {e}", data_dir.display()))?;
 
-        let mut store = self.store.clone();
-        if !self.is_given("dram", "bytes") {
-            store.dram.bytes = derived_dram_bytes();
-        }
-        if o.ssd && store.ssd.dir.is_none() {
-            let ssd_dir = data_dir.join("ssd");
-            // A directory made by an earlier start keeps its layout: sizes derived from today's
-            // free space would differ and refuse it.
-            let recorded = RecordedLayout::read(&ssd_dir).map_err(|e| e.to_string())?;
-            if let Some(layout) = recorded {
-                if !self.is_given("ssd", "segment_bytes") {
-                    store.ssd.segment_bytes = layout.segment_bytes;
-                }
-                if !self.is_given("runtime", "shards") {
-                    store.runtime.shards = Some(layout.shards);
-                }
-            }
-            let bytes = match (self.is_given("ssd", "bytes"), recorded) {
-                (true, _) => Some(store.ssd.bytes),
-                (false, Some(layout)) => Some(layout.ssd_bytes()),
-                (false, None) => derived_ssd_bytes(&data_dir),
-            };
-            if let Some(bytes) = bytes {
-                store.ssd.bytes = bytes;
-                store.ssd.dir = Some(ssd_dir);
-            } else {
-                tracing::warn!(dir = %data_dir.display(), "too little free disk space for an SSD tier; DRAM only");
-            }
-        } else if !o.ssd {
-            store.ssd.dir = None;
-        }
-
+        let store = self.derived_store(&data_dir)?;
         let off = |v: &str| v.eq_ignore_ascii_case("off");
         let unix_socket = match o.unix_socket.as_deref() {
             Some(v) if off(v) => None,
@@ -573,6 +542,56 @@ impl OwnerSettings {
                 token_file = Some((path, created));
             }
         }
+        let metrics = self.metrics_addr()?;
+        self.cluster.check()?;
+        Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
+    }
+}
+
+impl OwnerSettings {
+    /// The store's settings with what was left out derived: the DRAM size, and unless the SSD
+    /// tier is off, its directory under `data_dir` and its size (an earlier start's recorded
+    /// layout kept).
+    fn derived_store(&self, data_dir: &Path) -> Result<StoreBuilder, String> {
+        let o = &self.owner;
+        let mut store = self.store.clone();
+        if !self.is_given("dram", "bytes") {
+            store.dram.bytes = derived_dram_bytes();
+        }
+        if o.ssd && store.ssd.dir.is_none() {
+            let ssd_dir = data_dir.join("ssd");
+            // A directory made by an earlier start keeps its layout: sizes derived from today's
+            // free space would differ and refuse it.
+            let recorded = RecordedLayout::read(&ssd_dir).map_err(|e| e.to_string())?;
+            if let Some(layout) = recorded {
+                if !self.is_given("ssd", "segment_bytes") {
+                    store.ssd.segment_bytes = layout.segment_bytes;
+                }
+                if !self.is_given("runtime", "shards") {
+                    store.runtime.shards = Some(layout.shards);
+                }
+            }
+            let bytes = match (self.is_given("ssd", "bytes"), recorded) {
+                (true, _) => Some(store.ssd.bytes),
+                (false, Some(layout)) => Some(layout.ssd_bytes()),
+                (false, None) => derived_ssd_bytes(data_dir),
+            };
+            if let Some(bytes) = bytes {
+                store.ssd.bytes = bytes;
+                store.ssd.dir = Some(ssd_dir);
+            } else {
+                tracing::warn!(dir = %data_dir.display(), "too little free disk space for an SSD tier; DRAM only");
+            }
+        } else if !o.ssd {
+            store.ssd.dir = None;
+        }
+        Ok(store)
+    }
+
+    /// The metrics endpoint's address: None when off, refused unless loopback.
+    fn metrics_addr(&self) -> Result<Option<SocketAddr>, String> {
+        let o = &self.owner;
+        let off = |v: &str| v.eq_ignore_ascii_case("off");
         let metrics = if off(&o.metrics_addr) {
             None
         } else {
@@ -586,8 +605,7 @@ impl OwnerSettings {
             }
             Some(addr)
         };
-        self.cluster.check()?;
-        Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
+        Ok(metrics)
     }
 }
 

@@ -160,6 +160,7 @@ impl RemoteStore {
     /// `Busy` past the owner's `max_leases_per_connection`, ...). Works over TCP and Unix
     /// sockets alike (an owner of an earlier version refuses it without the arena mapped). An
     /// empty `keys` only checks that holds are possible.
+    #[allow(clippy::too_many_lines)] // split on the client branch
     pub fn hold(&self, keys: &[&[u8]], ttl_ms: u64) -> Result<HoldGranted> {
         if ttl_ms == 0 || ttl_ms > MAX_HOLD_TTL_MS {
             return Err(StoreError::InvalidArgument(format!(

@@ -343,6 +343,7 @@ impl RemoteStore {
     /// # Safety
     /// As `batch_get_into_multi_buffers_on_stream`.
     #[allow(clippy::type_complexity)]
+    #[allow(clippy::too_many_lines)] // split on the client branch
     unsafe fn lease_and_submit(
         &self,
         todo: &[Wanted<'_, '_>],

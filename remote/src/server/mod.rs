@@ -1,0 +1,249 @@
+//! The owner service: serves one `Engine` to other processes over a Unix socket (with the DRAM
+//! arena shared read-only for one-copy gets) and over TCP (token-authenticated).
+//!
+//! This module owns the owner's lifecycle: `Owner::start` (the shared state, the parking poller,
+//! the listeners and their accept threads), its public API and `shutdown`; it never serves a
+//! request itself. The rooms below each own one concern: `config` (settings and their checks),
+//! `shared` (the state the threads share, the registry of connections and their slots), `accept`
+//! (admission and the handshake), `connection` (the connection loop and dispatch), `get` and `put`
+//! (the request families), `budget` (what a connection holds against the owner's limits) and
+//! `reply` (the one place reply frames are written). A slow or broken client only ever stalls its
+//! own thread and holds its own share: deadlines bound every read and socket timeouts every write,
+//! and refusing a connection never blocks the accept loop. A malformed frame costs that client an
+//! error reply or its connection, never the owner. It never hands a client an address: only offsets
+//! of objects it has leased to that connection, released when the client says so or when the
+//! connection closes.
+
+mod accept;
+mod budget;
+mod config;
+mod connection;
+mod get;
+mod put;
+mod reply;
+mod shared;
+
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvtide::Engine;
+
+use self::accept::{accept_loop, bind_listeners, Bound};
+use self::budget::Budget;
+use self::config::validate;
+pub use self::config::{OwnerConfig, OwnerError};
+use self::connection::run_job;
+use self::shared::{ConnTable, Job, Shared};
+use crate::metrics::OwnerCounters;
+use crate::park::{Parker, Workers};
+use crate::protocol::Limits;
+use crate::sock::{self, Stream, WakeFlag};
+
+/// A running owner service. Dropping it shuts it down (not the engine).
+pub struct Owner {
+    shared: Arc<Shared>,
+    acceptors: Mutex<Vec<JoinHandle<()>>>,
+    poller: Mutex<Option<JoinHandle<()>>>,
+    unix_path: Option<PathBuf>,
+    tcp_addr: Option<SocketAddr>,
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Owner").field("unix", &self.unix_path).field("tcp", &self.tcp_addr).finish()
+    }
+}
+
+impl Owner {
+    /// Binds the configured sockets and starts serving `engine`.
+    pub fn start(engine: Arc<Engine>, config: OwnerConfig) -> std::result::Result<Owner, OwnerError> {
+        validate(&config)?;
+        let shared = Shared::new(engine, config)?;
+        let poller = spawn_poller(&shared)?;
+        let Bound { listeners, unix_path, tcp_addr } = bind_listeners(&shared.config)?;
+        let mut acceptors = Vec::new();
+        for listener in listeners {
+            let shared = Arc::clone(&shared);
+            let handle = std::thread::Builder::new()
+                .name("kvtide-accept".into())
+                .spawn(move || accept_loop(&shared, listener))
+                .map_err(|e| OwnerError::Io(format!("spawn acceptor: {e}")))?;
+            acceptors.push(handle);
+        }
+        tracing::info!(
+            unix = ?unix_path,
+            tcp = ?tcp_addr,
+            tcp_auth = shared.config.tcp_token.is_some(),
+            share_arena = shared.shm_fd.is_some(),
+            arena_bytes = shared.arena_bytes,
+            max_connections = shared.config.max_connections,
+            "kvtide owner serving"
+        );
+        Ok(Owner { shared, acceptors: Mutex::new(acceptors), poller: Mutex::new(Some(poller)), unix_path, tcp_addr })
+    }
+
+    /// The Unix socket path, when serving one.
+    pub fn unix_path(&self) -> Option<&Path> {
+        self.unix_path.as_deref()
+    }
+
+    /// The bound TCP address (with the real port when 0 was asked for).
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp_addr
+    }
+
+    /// The served engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.shared.engine
+    }
+
+    /// Service counters.
+    pub fn counters(&self) -> &OwnerCounters {
+        &self.shared.counters
+    }
+
+    /// Serves this owner's and its engine's metrics in Prometheus text on `addr` (loopback).
+    pub fn serve_metrics(&self, addr: SocketAddr) -> std::io::Result<crate::metrics::MetricsServer> {
+        crate::metrics::MetricsServer::start(addr, Arc::clone(&self.shared.engine), Arc::clone(&self.shared.counters))
+    }
+
+    /// Stops accepting, lets in-flight requests finish (new ones get `ShuttingDown`), closes
+    /// idle connections, and after `shutdown_grace_ms` closes whatever is left. Idempotent; the
+    /// engine keeps running (shut it down afterwards).
+    pub fn shutdown(&self) {
+        let shared = &self.shared;
+        let first = !shared.shutting_down.swap(true, Ordering::SeqCst);
+        shared.wake.signal();
+        let acceptors = std::mem::take(&mut *self.acceptors.lock().unwrap_or_else(|p| p.into_inner()));
+        for a in acceptors {
+            let _ = a.join();
+        }
+        if first {
+            if let Some(path) = &self.unix_path {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        self.wait_for_connections();
+        self.shared.parker.stop();
+        if let Some(poller) = self.poller.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = poller.join();
+        }
+        if first {
+            tracing::info!("kvtide owner stopped serving");
+        }
+    }
+
+    /// Waits until every connection ended, closing what is left after `shutdown_grace_ms`.
+    fn wait_for_connections(&self) {
+        let shared = &self.shared;
+        let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
+        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = Instant::now() + grace;
+        while !conns.streams.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    connections = conns.streams.len(),
+                    "shutdown grace passed; closing remaining connections"
+                );
+                conns.streams.values().flatten().for_each(Stream::shutdown);
+                let _ = shared
+                    .conns_changed
+                    .wait_timeout_while(conns, Duration::from_secs(5), |c| !c.streams.is_empty())
+                    .unwrap_or_else(|p| p.into_inner());
+                break;
+            }
+            conns = shared.conns_changed.wait_timeout(conns, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Shared {
+    /// Everything the connections share: the engine and its arena, the limits, the counters,
+    /// the connection threads and the parking poller's state.
+    fn new(engine: Arc<Engine>, config: OwnerConfig) -> std::result::Result<Arc<Shared>, OwnerError> {
+        let arena = engine.arena();
+        let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
+        let arena_bytes = arena.len_bytes() as u64;
+        let shm_fd = if config.share_arena && config.unix_socket.is_some() { shared_arena_fd(&engine) } else { None };
+        let mut id = [0u8; 8];
+        sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
+        let limits = Limits {
+            max_payload_bytes: config.max_payload_bytes,
+            max_items: config.max_items,
+            max_key_bytes: engine.max_key_bytes().min(crate::protocol::MAX_WIRE_KEY_BYTES) as u32,
+            max_value_bytes: engine.max_value_bytes(),
+        };
+        let wake = WakeFlag::new().map_err(|e| OwnerError::Io(format!("eventfd: {e}")))?;
+        let counters = Arc::new(OwnerCounters::default());
+        let parker = Parker::new(wake.fd(), Arc::clone(&counters.connections_parked))
+            .map_err(|e| OwnerError::Io(format!("epoll: {e}")))?;
+        let workers = Workers::new("kvtide-conn", 512 << 10, run_job, Arc::clone(&counters.connection_threads));
+        Ok(Arc::new(Shared {
+            wake,
+            workers,
+            parker,
+            budget: Budget::new(&config),
+            engine,
+            limits,
+            shutting_down: AtomicBool::new(false),
+            conns: Mutex::new(ConnTable::default()),
+            conns_changed: Condvar::new(),
+            next_conn: AtomicU64::new(1),
+            instance_id: u64::from_le_bytes(id),
+            arena_base,
+            arena_bytes,
+            shm_fd,
+            counters,
+            config,
+        }))
+    }
+}
+
+/// A read-only descriptor of the engine's arena to hand Unix clients, or None (with a warning)
+/// when the arena's memfd is not sealed: a descriptor of an unsealed memfd could be reopened
+/// for writing, so none is ever shared.
+fn shared_arena_fd(engine: &Engine) -> Option<OwnedFd> {
+    let arena = engine.arena();
+    match crate::shm::check_sealed(arena.memfd(), arena.len_bytes() as u64)
+        .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
+    {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            tracing::warn!(error = %e, "NOT sharing the DRAM arena with Unix clients (they get socket copies instead)");
+            None
+        }
+    }
+}
+
+/// Starts the thread that watches parked connections: one whose next request arrives goes back
+/// to a connection thread, one past its deadline is closed.
+fn spawn_poller(shared: &Arc<Shared>) -> std::result::Result<JoinHandle<()>, OwnerError> {
+    let shared = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name("kvtide-park".into())
+        .spawn(move || {
+            shared.parker.run(
+                |parked| {
+                    if let Err(e) = shared.workers.submit(Job::Resume(Box::new(parked))) {
+                        tracing::warn!(error = %e, "cannot start a connection thread; connection closed");
+                    }
+                },
+                |_| {
+                    shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                },
+            )
+        })
+        .map_err(|e| OwnerError::Io(format!("spawn poller: {e}")))
+}
