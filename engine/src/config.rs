@@ -1,14 +1,14 @@
 //! `StoreBuilder`: what users fill in (in code, from a TOML file or from `KVTIDE_*` variables),
 //! grouped as `[dram]`, `[ssd]`, `[restore]`, `[gpu]`, `[runtime]` and `[stream]`, each setting declared once
 //! (`settings_group!`). Owns validating everything before any memory is mapped and deriving the
-//! engine's configuration; never maps memory or starts shards itself (`Engine::open` does).
+//! engine's configuration; never maps memory or starts shards itself (`StoreBuilder::open`, in
+//! `engine/open.rs`, does).
 
 use std::path::Path;
 use std::time::Duration;
 
 use kvtide_tiers::eviction::EvictionPolicy;
 
-use crate::engine::Engine;
 use crate::error::OpenError;
 pub use crate::settings::parse_bytes;
 use crate::settings::{self, Field, Settings};
@@ -571,11 +571,6 @@ impl StoreBuilder {
             max_objects_per_shard: self.dram.max_objects_per_shard,
             max_leases_per_shard: self.dram.max_leases_per_shard,
         })
-    }
-
-    /// Maps the arena, starts the shards and returns the engine.
-    pub fn open(self) -> Result<Engine, OpenError> {
-        Engine::open(self.validate()?)
     }
 }
 

@@ -24,6 +24,7 @@ use crate::shard::core::RecoveryReport;
 use crate::shard::published::{FastLease, PublishedIndex};
 use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
+mod batch_get;
 mod fanout;
 pub(crate) mod gpu;
 mod on_stream;
@@ -64,7 +65,7 @@ pub struct Engine {
     /// Non-zero while GPU transfers are in flight: shards then poll instead of parking.
     keep_awake: Arc<AtomicUsize>,
     gpu: gpu::GpuState,
-    streams: Arc<stream::StreamCounters>,
+    streams: Arc<crate::stats::StreamCounters>,
     unsealed: Arc<progressive::UnsealedPuts>,
     /// The shard that watches the next stream-bound read (round robin).
     next_watch_shard: std::sync::atomic::AtomicU64,

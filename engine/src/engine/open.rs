@@ -12,12 +12,19 @@ use kvtide_tiers::dram::Arena;
 use kvtide_tiers::ssd::{DataDir, SimDisk};
 
 use super::{gpu, progressive, restore, Engine, OBJECT_ALIGN_BYTES};
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, StoreBuilder};
 use crate::error::OpenError;
 use crate::shard::core::SsdConfig;
 use crate::shard::published::IndexWriter;
 use crate::shard::{spawn_shard, DiskBackend, RuntimeConfig, ShardConfig, ShardCore, ShardThread};
 use crate::stats::ShardCounters;
+
+impl StoreBuilder {
+    /// Maps the arena, starts the shards and returns the engine.
+    pub fn open(self) -> Result<Engine, OpenError> {
+        Engine::open(self.validate()?)
+    }
+}
 
 impl Engine {
     pub(crate) fn open(config: EngineConfig) -> Result<Engine, OpenError> {

@@ -11,13 +11,13 @@ use std::sync::Arc;
 use kvtide_tiers::dram::PageBacking;
 use kvtide_transport::Region;
 
+use super::batch_get::{BatchGetItem, BatchGetTask};
 use super::read::{ReadTargets, Slot, Want};
 use super::transports::Route;
 use super::Engine;
 use crate::api::{Fragment, KeyPage, PutOptions, Store, MAX_SCAN_KEYS};
 use crate::checks::{self, total_len};
 use crate::error::{Error, Result};
-use crate::shard::task::{BatchGetItem, BatchGetTask};
 use crate::shard::Request;
 use crate::stats::Stats;
 use crate::ticket::{pending, BatchCollector, Ticket};

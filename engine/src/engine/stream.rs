@@ -16,7 +16,7 @@
 //! chunks that need it; the chunks before it were checked and stay good.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,59 +31,13 @@ use crate::api::Fragment;
 use crate::chunks::{check_chunk_count, chunk_count, chunk_pair, cut, ChunkHandle, ChunkPlace, ChunkSink};
 use crate::error::{Error, Result};
 use crate::shard::{Inbox, ReadGrant, Request};
-use crate::stats::StreamStats;
+use crate::stats::StreamCounters;
 
 /// Distinct keys leased ahead of the chunk being started (one lease message per shard for
 /// them), at least the window.
 const LEASE_AHEAD_KEYS: usize = 16;
 /// How often a reader that follows a producer checks for cancellation while it waits.
 const FOLLOW_POLL: Duration = Duration::from_millis(20);
-
-/// Counters of the progressive and streaming paths.
-#[derive(Default)]
-pub(crate) struct StreamCounters {
-    pub(crate) handles_open: AtomicU64,
-    pub(crate) handles: AtomicU64,
-    pub(crate) chunks_delivered: AtomicU64,
-    pub(crate) chunks_failed: AtomicU64,
-    pub(crate) chunks_ahead_of_load: AtomicU64,
-    pub(crate) chunks_in_flight: AtomicU64,
-    pub(crate) peak_chunks_in_flight: AtomicU64,
-    pub(crate) leased_bytes: AtomicU64,
-    pub(crate) peak_leased_bytes: AtomicU64,
-    pub(crate) unsealed_objects: AtomicU64,
-    pub(crate) unsealed_bytes: AtomicU64,
-    pub(crate) sealed: AtomicU64,
-    pub(crate) producer_aborts: AtomicU64,
-    pub(crate) unsealed_expired: AtomicU64,
-}
-
-impl StreamCounters {
-    pub(crate) fn snapshot(&self) -> StreamStats {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        StreamStats {
-            handles_open: get(&self.handles_open),
-            handles: get(&self.handles),
-            chunks_delivered: get(&self.chunks_delivered),
-            chunks_failed: get(&self.chunks_failed),
-            chunks_ahead_of_load: get(&self.chunks_ahead_of_load),
-            chunks_in_flight: get(&self.chunks_in_flight),
-            peak_chunks_in_flight: get(&self.peak_chunks_in_flight),
-            leased_bytes: get(&self.leased_bytes),
-            peak_leased_bytes: get(&self.peak_leased_bytes),
-            unsealed_objects: get(&self.unsealed_objects),
-            unsealed_bytes: get(&self.unsealed_bytes),
-            sealed: get(&self.sealed),
-            producer_aborts: get(&self.producer_aborts),
-            unsealed_expired: get(&self.unsealed_expired),
-        }
-    }
-
-    fn add(&self, counter: &AtomicU64, peak: &AtomicU64, n: u64) {
-        let now = counter.fetch_add(n, Ordering::Relaxed) + n;
-        peak.fetch_max(now, Ordering::Relaxed);
-    }
-}
 
 /// Where a key's bytes come from.
 enum Source {
