@@ -25,7 +25,7 @@ pub use self::core::{
 pub(crate) use hash::{index_hash, key_hash, key_index_hash};
 pub(crate) use inbox::Inbox;
 pub(crate) use lend::{lend, serve_on_caller};
-pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
+pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread, StartingShard};
 
 /// CPUs this process may run on (the default shard count).
 pub(crate) fn allowed_cpu_count() -> usize {
