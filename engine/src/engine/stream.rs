@@ -315,6 +315,25 @@ impl Drop for ReadDriver {
     }
 }
 
+/// Bytes of one key that go to one destination buffer (a fragment, or a whole object).
+struct ChunkSpan {
+    /// The key's index in the plan.
+    key: usize,
+    /// The destination buffer's index.
+    buffer: usize,
+    route: Route,
+    src_offset: u64,
+    dst_offset: u64,
+    len: u64,
+}
+
+impl ChunkSpan {
+    /// A whole object of `len` bytes, the plan's only key, at the start of buffer 0.
+    fn whole(route: Route, len: u64) -> ChunkSpan {
+        ChunkSpan { key: 0, buffer: 0, route, src_offset: 0, dst_offset: 0, len }
+    }
+}
+
 /// What a streaming read wants: keys (with how each is sourced) and chunks over them.
 struct ReadPlan {
     keys: Vec<KeyState>,
@@ -327,20 +346,10 @@ impl ReadPlan {
         ReadPlan { keys: Vec::new(), chunks: Vec::new(), places: Vec::new() }
     }
 
-    /// Adds chunks for `len` bytes at `src_offset` of key `k` into `region` at `dst_offset`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_chunks(
-        &mut self,
-        k: usize,
-        buffer: usize,
-        region: &Region<'_>,
-        route: Route,
-        src_offset: u64,
-        dst_offset: u64,
-        len: u64,
-        chunk_bytes: u64,
-        error: Option<Error>,
-    ) {
+    /// Adds chunks for `span.len` bytes at `span.src_offset` of key `span.key` into `region` at
+    /// `span.dst_offset`.
+    fn add_chunks(&mut self, region: &Region<'_>, span: ChunkSpan, chunk_bytes: u64, error: Option<Error>) {
+        let ChunkSpan { key: k, buffer, route, src_offset, dst_offset, len } = span;
         // A fragment that failed its checks is one chunk that reports the error.
         let len = if error.is_some() { 0 } else { len };
         for place in cut(buffer, dst_offset, len, chunk_bytes) {
@@ -395,7 +404,7 @@ impl Engine {
             error: None,
             chunks_left: 0,
         });
-        plan.add_chunks(0, 0, &dst, route, 0, 0, len, chunk_bytes, None);
+        plan.add_chunks(&dst, ChunkSpan::whole(route, len), chunk_bytes, None);
         Ok(self.start_driver(plan, transports, slot))
     }
 
@@ -432,7 +441,7 @@ impl Engine {
             error: None,
             chunks_left: 0,
         });
-        plan.add_chunks(0, 0, &dst, route, 0, 0, len, chunk_bytes, None);
+        plan.add_chunks(&dst, ChunkSpan::whole(route, len), chunk_bytes, None);
         Ok(self.start_driver(plan, transports, slot))
     }
 
@@ -494,7 +503,15 @@ impl Engine {
                         })
                     })
                     .err();
-                plan.add_chunks(k, b, region, routes[b], f.src_offset, f.dst_offset, f.len, chunk_bytes, error);
+                let span = ChunkSpan {
+                    key: k,
+                    buffer: b,
+                    route: routes[b],
+                    src_offset: f.src_offset,
+                    dst_offset: f.dst_offset,
+                    len: f.len,
+                };
+                plan.add_chunks(region, span, chunk_bytes, error);
             }
         }
         // Keys whose every chunk failed its checks are never leased.
