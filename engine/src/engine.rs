@@ -25,10 +25,10 @@ use crate::shard::published::{FastLease, PublishedIndex};
 use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
 mod batch_get;
-mod fanout;
 pub(crate) mod gpu;
 mod on_stream;
 mod open;
+mod parallel;
 mod parts;
 mod progressive;
 pub(crate) mod read;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use kvtide_transport::{Gate, InFlight, Region, StreamHandle, Transfer, Transport};
 
 use super::gpu::GpuCounters;
-use super::read::{plan_pieces, ReadTargets, Slot, Want};
+use super::read::{plan_pieces, KeyRead, ReadTargets, Want};
 use super::router::{ByIndex, HeldLeases};
 use super::transports::{KeepAwake, Route};
 use super::Engine;
@@ -238,8 +238,8 @@ impl Engine {
     ) -> Result<StreamTicket> {
         checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
-        let slots: Vec<Slot<'_>> =
-            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        let slots: Vec<KeyRead<'_>> =
+            keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: i, want: Want::Whole }).collect();
         // SAFETY: forwarded contract.
         unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
     }
@@ -283,7 +283,7 @@ impl Engine {
         for (b, frags) in fragments.iter().enumerate() {
             for frag in frags {
                 let want = Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
-                slots.push(Slot { key: &frag.key, list: b, want });
+                slots.push(KeyRead { key: &frag.key, list: b, want });
             }
         }
         // SAFETY: forwarded contract.
@@ -309,7 +309,7 @@ impl Engine {
     unsafe fn read_on_stream(
         &self,
         lists: &[&[Region<'_>]],
-        slots: &[Slot<'_>],
+        slots: &[KeyRead<'_>],
         stream: StreamHandle,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<StreamTicket> {
@@ -401,13 +401,13 @@ impl Engine {
     fn read_host_slots(
         &self,
         lists: &[&[Region<'_>]],
-        slots: &[Slot<'_>],
+        slots: &[KeyRead<'_>],
         routes: &[Route],
         results: &mut [Result<usize>],
     ) {
         let host: Vec<usize> = (0..slots.len()).filter(|&s| routes[slots[s].list] == Route::Host).collect();
         if !host.is_empty() {
-            let sub: Vec<Slot<'_>> = host.iter().map(|&s| slots[s]).collect();
+            let sub: Vec<KeyRead<'_>> = host.iter().map(|&s| slots[s]).collect();
             let mut targets = ReadTargets::new(self, lists, None);
             for (&s, r) in host.iter().zip(self.read(&mut targets, &sub)) {
                 results[s] = r;
@@ -419,7 +419,7 @@ impl Engine {
     /// (`usize::MAX`: not a GPU slot, or its key failed its check, in `results`).
     fn gpu_keys<'k>(
         &self,
-        slots: &[Slot<'k>],
+        slots: &[KeyRead<'k>],
         routes: &[Route],
         results: &mut [Result<usize>],
     ) -> (Vec<&'k [u8]>, Vec<usize>) {
@@ -448,7 +448,7 @@ impl Engine {
 fn check_gpu_lists(
     transport: &dyn Transport,
     lists: &[&[Region<'_>]],
-    slots: &[Slot<'_>],
+    slots: &[KeyRead<'_>],
     key_of: &[usize],
 ) -> HashMap<usize, Error> {
     let mut used: Vec<usize> = (0..slots.len()).filter(|&s| key_of[s] != usize::MAX).map(|s| slots[s].list).collect();
@@ -480,7 +480,7 @@ struct GatedTransfers {
 fn plan_gated(
     new_gate: impl Fn() -> Result<Arc<dyn Gate>>,
     lists: &[&[Region<'_>]],
-    slots: &[Slot<'_>],
+    slots: &[KeyRead<'_>],
     key_of: &[usize],
     grants: &ByIndex<Result<ReadGrant>>,
     list_error: &HashMap<usize, Error>,

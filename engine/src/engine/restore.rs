@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use kvtide_transport::{Region, Transport};
 
-use super::read::{check_fits, ReadTargets, Slot, Want};
+use super::read::{check_fits, KeyRead, ReadTargets, Want};
 use super::router::ByIndex;
 use super::transports::Route;
 use super::{Engine, LeaseSet, PendingLeases};
@@ -305,7 +305,7 @@ impl BrokerState {
 }
 
 /// A planned sub-batch: whole objects of one shard (or the DRAM-resident keys of the batch).
-struct Planned {
+struct SubBatchPlan {
     shard: usize,
     keys: Vec<usize>,
     staging_bytes: u64,
@@ -314,7 +314,7 @@ struct Planned {
 }
 
 /// A sub-batch whose loads were requested.
-struct InFlight<'e> {
+struct LoadingSubBatch<'e> {
     trace: SubBatchTrace,
     keys: Vec<usize>,
     pending: PendingLeases<'e>,
@@ -330,7 +330,7 @@ struct Landed<'e> {
     credits: Option<Credits<'e>>,
 }
 
-impl<'e> InFlight<'e> {
+impl<'e> LoadingSubBatch<'e> {
     /// Waits for its loads.
     fn land(self) -> Landed<'e> {
         let (grants, leases) = self.pending.wait();
@@ -341,8 +341,8 @@ impl<'e> InFlight<'e> {
 /// One restore's pipeline between its load and transfer stages.
 struct RestorePipeline<'e> {
     started: Instant,
-    queue: VecDeque<Planned>,
-    inflight: VecDeque<InFlight<'e>>,
+    queue: VecDeque<SubBatchPlan>,
+    inflight: VecDeque<LoadingSubBatch<'e>>,
     /// Keys that did not fit in DRAM beside their sub-batch: read alone after the pipeline.
     retry_alone: Vec<usize>,
     /// This request's sub-batches requested and not yet transferred, per shard: bytes and
@@ -357,7 +357,7 @@ struct RestorePipeline<'e> {
 }
 
 impl<'e> RestorePipeline<'e> {
-    fn new(started: Instant, shards: usize, plan: Vec<Planned>) -> Self {
+    fn new(started: Instant, shards: usize, plan: Vec<SubBatchPlan>) -> Self {
         RestorePipeline {
             started,
             queue: plan.into(),
@@ -423,7 +423,7 @@ impl<'e> RestorePipeline<'e> {
             let staging_now = self.ahead.iter().map(|&(bytes, _)| bytes).sum::<u64>();
             report.peak_staging_bytes = report.peak_staging_bytes.max(staging_now);
             engine.restore.sub_batches.fetch_add(1, Ordering::Relaxed);
-            self.inflight.push_back(InFlight {
+            self.inflight.push_back(LoadingSubBatch {
                 trace: SubBatchTrace {
                     index: self.next_index,
                     shard: planned.shard,
@@ -456,7 +456,7 @@ impl<'e> RestorePipeline<'e> {
         &mut self,
         engine: &Engine,
         targets: &mut ReadTargets<'_, '_>,
-        slots: &[Slot<'_>],
+        slots: &[KeyRead<'_>],
         opts: &RestoreOptions,
         report: &mut RestoreReport,
         cancelled: &dyn Fn() -> bool,
@@ -569,7 +569,7 @@ impl Engine {
         self.restore.requests.fetch_add(1, Ordering::Relaxed);
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
         let mut targets = ReadTargets::new(self, &lists, opts.host_transport.clone());
-        let slots: Vec<Slot<'_>> = keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want }).collect();
+        let slots: Vec<KeyRead<'_>> = keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: i, want }).collect();
         let (plan, mut dram_gpu) = self.plan_checked(keys, dsts, opts, want, &mut targets, &mut report.results);
         let cancelled = || opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire));
         let mut pipeline = RestorePipeline::new(started, self.shards.len(), plan);
@@ -577,7 +577,7 @@ impl Engine {
             pipeline.request_loads(self, keys, opts, &mut report, &cancelled);
             if !dram_gpu.is_empty() && !cancelled() {
                 // While the first SSD sub-batches load.
-                let some: Vec<Slot<'_>> = std::mem::take(&mut dram_gpu).into_iter().map(|i| slots[i]).collect();
+                let some: Vec<KeyRead<'_>> = std::mem::take(&mut dram_gpu).into_iter().map(|i| slots[i]).collect();
                 for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
                     report.results[slot.list] = result;
                 }
@@ -590,7 +590,7 @@ impl Engine {
         }
         // Keys that did not fit in DRAM beside their sub-batch run alone, after the pipeline.
         if !pipeline.retry_alone.is_empty() && !cancelled() {
-            let some: Vec<Slot<'_>> = pipeline.retry_alone.iter().map(|&i| slots[i]).collect();
+            let some: Vec<KeyRead<'_>> = pipeline.retry_alone.iter().map(|&i| slots[i]).collect();
             for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
                 report.results[slot.list] = result;
             }
@@ -614,7 +614,7 @@ impl Engine {
         want: Want,
         targets: &mut ReadTargets<'_, '_>,
         results: &mut [Result<usize>],
-    ) -> (Vec<Planned>, Vec<usize>) {
+    ) -> (Vec<SubBatchPlan>, Vec<usize>) {
         let checks = targets.check_now(self).to_vec();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
@@ -718,7 +718,7 @@ impl Engine {
         valid: &[usize],
         opts: &RestoreOptions,
         misfit: &dyn Fn(usize, u64) -> Option<Error>,
-    ) -> (Vec<Planned>, Vec<(usize, Error)>) {
+    ) -> (Vec<SubBatchPlan>, Vec<(usize, Error)>) {
         self.plan_restore_with(keys, valid, opts, false, misfit)
     }
 
@@ -731,7 +731,7 @@ impl Engine {
         opts: &RestoreOptions,
         spin: bool,
         misfit: &dyn Fn(usize, u64) -> Option<Error>,
-    ) -> (Vec<Planned>, Vec<(usize, Error)>) {
+    ) -> (Vec<SubBatchPlan>, Vec<(usize, Error)>) {
         let locations = self.locate(keys, valid, spin);
         let mut dram = Vec::new();
         let mut refused = Vec::new();
@@ -768,7 +768,7 @@ impl Engine {
 
 /// `Engine::plan_restore`'s sub-batches of the DRAM-resident keys and of each shard's
 /// SSD-resident ones (index, staging bytes).
-fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &RestoreOptions) -> Vec<Planned> {
+fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &RestoreOptions) -> Vec<SubBatchPlan> {
     if opts.mode == RestoreMode::Barrier {
         let mut all = dram;
         let mut bytes = 0;
@@ -777,15 +777,15 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
             bytes += b;
         }
         all.sort_unstable();
-        return vec![Planned { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
+        return vec![SubBatchPlan { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
     }
-    let mut chunks: Vec<VecDeque<Planned>> = per_shard
+    let mut chunks: Vec<VecDeque<SubBatchPlan>> = per_shard
         .into_iter()
         .enumerate()
         .map(|(shard, objects)| {
             let (target_bytes, max_keys) = sub_batch_size(&objects, opts);
             let mut out = VecDeque::new();
-            let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
+            let mut current = SubBatchPlan { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
             for (i, bytes) in objects {
                 // Close a sub-batch once it reaches the target (so 4 MiB of 1 MiB values is 4
                 // objects despite their 4 KiB record headers).
@@ -793,7 +793,7 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
                 if full {
                     out.push_back(std::mem::replace(
                         &mut current,
-                        Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
+                        SubBatchPlan { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
                     ));
                 }
                 current.keys.push(i);
@@ -807,7 +807,7 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
         .collect();
     let mut plan = Vec::new();
     if !dram.is_empty() {
-        plan.push(Planned { shard: 0, keys: dram, staging_bytes: 0, dram: true });
+        plan.push(SubBatchPlan { shard: 0, keys: dram, staging_bytes: 0, dram: true });
     }
     // Round-robin across shards so every shard's loads run in parallel.
     loop {

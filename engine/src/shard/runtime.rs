@@ -16,7 +16,7 @@ use super::core::{RecoveryReport, ShardCore};
 use super::inbox::Inbox;
 use super::lend::{CoreCell, LoopCore};
 use super::published::PublishedIndex;
-use super::ring::{Completion, Ring};
+use super::ring::{Ring, RingEvent};
 use super::serve::serve;
 use super::task::TaskPoll;
 use super::{Request, ShardTask};
@@ -478,14 +478,14 @@ impl ShardLoop {
     fn reap(&mut self) {
         let counters = Arc::clone(self.core.counters());
         self.ring.reap_cq(|completion, result| match completion {
-            Completion::Wake => {
+            RingEvent::Wake => {
                 counters.wakeups.fetch_add(1, Relaxed);
                 if result < 0 && result != -libc::EAGAIN {
                     tracing::warn!(result, "eventfd read failed");
                 }
             }
             // The loop checks timers itself; a timeout only ends a park.
-            Completion::Timer => {}
+            RingEvent::Timer => {}
         });
     }
 
