@@ -1,4 +1,5 @@
-//! Opening an engine: the arena, the data directory, one shard thread per slice, recovery.
+//! Opening an engine (`StoreBuilder::open`): the arena, the data directory, one shard thread
+//! per slice, recovery.
 //!
 //! Owns the derivation of each shard's settings (watermarks, object table size, SSD segments,
 //! the largest storable value) from the validated configuration, and the start-up order: every

@@ -2,6 +2,9 @@
 //! of the index. This module owns the messages callers send and the inbox they go through; it
 //! never lets a caller touch a shard's state except by a message, which a caller handles itself
 //! (on the shard's core, under its lock) only when the shard is idle (`lend`).
+//!
+//! `shard/` is the floor below the engine: it never imports `crate::engine`. Work the engine
+//! wants a shard to advance comes as a `ShardTask` (`task`), whose code lives with the engine.
 
 pub mod core;
 mod hash;

@@ -1,6 +1,6 @@
 //! A shard's io_uring ring and its table of in-flight operations.
 //!
-//! Every SQE's `user_data` is a key into `ops`; the entry owns whatever memory the kernel may
+//! Owns the ring and the memory of every operation in flight. Every SQE's `user_data` is a key into `ops`; the entry owns whatever memory the kernel may
 //! write until the CQE arrives (the eventfd read buffer, the timeout's timespec, SSD
 //! buffers), so nothing the kernel can touch is freed early. The ring never
 //! decides what an operation means: `reap` hands each completion back to the loop.

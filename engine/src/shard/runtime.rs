@@ -2,7 +2,9 @@
 //! the low watermark, reaps io_uring completions and fires timers, then spins briefly and parks
 //! in `submit_and_wait` with an eventfd read outstanding. It never blocks while it has work.
 //! It holds its core through each turn and lets go of it while it yields or parks, when
-//! callers may run requests that touch only the core on it themselves (`lend`).
+//! callers may run requests that touch only the core on it themselves (`lend`). Owns the
+//! thread, its start-up and shutdown and the order of a turn; what each request does on the
+//! core is `serve`'s.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
