@@ -1,14 +1,14 @@
 //! `StoreBuilder`: what users fill in (in code, from a TOML file or from `KVTIDE_*` variables),
 //! grouped as `[dram]`, `[ssd]`, `[restore]`, `[gpu]`, `[runtime]` and `[stream]`, each setting declared once
 //! (`settings_group!`). Owns validating everything before any memory is mapped and deriving the
-//! engine's configuration; never maps memory or starts shards itself (`Engine::open` does).
+//! engine's configuration; never maps memory or starts shards itself (`StoreBuilder::open`, in
+//! `engine/open.rs`, does).
 
 use std::path::Path;
 use std::time::Duration;
 
 use kvtide_tiers::eviction::EvictionPolicy;
 
-use crate::engine::Engine;
 use crate::error::OpenError;
 pub use crate::settings::parse_bytes;
 use crate::settings::{self, Field, Settings};
@@ -413,10 +413,21 @@ impl StoreBuilder {
         Ok(self)
     }
 
-    /// Validates and derives the engine's configuration.
+    /// Validates and derives the engine's configuration. The groups are checked in a fixed
+    /// order, so the first problem reported does not depend on how the checks are split.
     pub(crate) fn validate(&self) -> Result<EngineConfig, OpenError> {
+        let shards = self.shard_count()?;
+        let policy = self.check_dram_and_runtime()?;
+        self.check_gpu_and_spins()?;
+        let ssd = self.ssd_settings(shards)?;
+        self.check_restore_and_stream()?;
+        Ok(self.engine_config(shards, policy, ssd))
+    }
+
+    /// The shard count: as set, else the SSD directory's recorded layout, else the CPUs.
+    fn shard_count(&self) -> Result<usize, OpenError> {
         let err = |m: String| Err(OpenError::Config(m));
-        let shards = match self.runtime.shards {
+        Ok(match self.runtime.shards {
             Some(0) => return err("[runtime] shards must be at least 1".into()),
             Some(n) if n > 1024 => return err(format!("[runtime] shards = {n}: at most 1024")),
             Some(n) => n,
@@ -429,7 +440,12 @@ impl StoreBuilder {
                 .filter(|_| self.simulated_ssd.is_none())
                 .and_then(|dir| kvtide_tiers::ssd::RecordedLayout::read(dir).ok().flatten())
                 .map_or_else(crate::shard::allowed_cpu_count, |layout| layout.shards),
-        };
+        })
+    }
+
+    /// Checks the `[dram]` and `[runtime]` limits and parses the eviction policy.
+    fn check_dram_and_runtime(&self) -> Result<EvictionPolicy, OpenError> {
+        let err = |m: String| Err(OpenError::Config(m));
         if !(self.dram.low_watermark > 0.0
             && self.dram.low_watermark < self.dram.high_watermark
             && self.dram.high_watermark <= 1.0)
@@ -468,6 +484,12 @@ impl StoreBuilder {
         if self.dram.bytes > isize::MAX as u64 {
             return err(format!("[dram] bytes = {} does not fit this address space", self.dram.bytes));
         }
+        Ok(policy)
+    }
+
+    /// Checks the `[gpu]` sizes and the `[runtime]` spins.
+    fn check_gpu_and_spins(&self) -> Result<(), OpenError> {
+        let err = |m: String| Err(OpenError::Config(m));
         // Staging offsets are 32-bit in the kernel's row table.
         if !(4096..=(1 << 32)).contains(&self.gpu.staging_bytes) {
             return err(format!("[gpu] staging_bytes = {}: must be 4 KiB..=4 GiB", self.gpu.staging_bytes));
@@ -491,6 +513,12 @@ impl StoreBuilder {
         if self.runtime.idle_spin_us > 1_000_000 || self.runtime.reply_spin_us > 1_000_000 {
             return err("[runtime] idle_spin_us and reply_spin_us must be at most 1 s".into());
         }
+        Ok(())
+    }
+
+    /// The SSD tier's settings (None without one), segments sized for `shards`.
+    fn ssd_settings(&self, shards: usize) -> Result<Option<SsdSettings>, OpenError> {
+        let err = |m: String| Err(OpenError::Config(m));
         let dir = match (&self.ssd.dir, &self.simulated_ssd) {
             (Some(dir), _) => Some(dir.clone()),
             (None, Some(_)) => Some(std::path::PathBuf::from("<simulated>")),
@@ -520,6 +548,12 @@ impl StoreBuilder {
                 })
             }
         };
+        Ok(ssd)
+    }
+
+    /// Checks the `[restore]` and `[stream]` limits.
+    fn check_restore_and_stream(&self) -> Result<(), OpenError> {
+        let err = |m: String| Err(OpenError::Config(m));
         if self.restore.ahead_bytes == Some(0) || self.restore.sub_batch_bytes == 0 || self.restore.sub_batch_keys == 0
         {
             return err("[restore] ahead_bytes and the sub-batch limits must be positive".into());
@@ -530,7 +564,12 @@ impl StoreBuilder {
         if self.stream.unsealed_ttl_ms == 0 || self.stream.unsealed_bytes_per_shard == Some(0) {
             return err("[stream] unsealed_ttl_ms and unsealed_bytes_per_shard must be positive".into());
         }
-        Ok(EngineConfig {
+        Ok(())
+    }
+
+    /// The engine's configuration from checked settings.
+    fn engine_config(&self, shards: usize, policy: EvictionPolicy, ssd: Option<SsdSettings>) -> EngineConfig {
+        EngineConfig {
             stream_window_chunks: self.stream.window_chunks,
             stream_max_handles: self.stream.max_handles,
             unsealed_ttl: Duration::from_millis(self.stream.unsealed_ttl_ms),
@@ -570,12 +609,7 @@ impl StoreBuilder {
             max_tickets_in_flight: self.runtime.max_tickets_in_flight,
             max_objects_per_shard: self.dram.max_objects_per_shard,
             max_leases_per_shard: self.dram.max_leases_per_shard,
-        })
-    }
-
-    /// Maps the arena, starts the shards and returns the engine.
-    pub fn open(self) -> Result<Engine, OpenError> {
-        Engine::open(self.validate()?)
+        }
     }
 }
 

@@ -2,14 +2,16 @@
 //! phase, and moves bytes on the calling thread under the leases the shards grant.
 //!
 //! It owns the shard threads and the arena. It never touches a shard's index or allocator
-//! directly, and it never reports a key as done before every one of its bytes was copied. The
-//! concerns live in submodules: `open` (start-up), `router` (fan-out to shards, lease and
+//! directly, and it never reports a key as done before every one of its bytes was copied. It sits
+//! above `shard/`: it imports the shards, never the other way round. The concerns live in
+//! submodules: `open` (start-up, `StoreBuilder::open`), `router` (fan-out to shards, lease and
 //! reservation guards), `transports` (which transport reaches which memory), `read` and `write`
 //! (the one read and one write path), `parts` (how a gathered GPU write is cut into parts),
-//! `fanout` (a large call's per-page host work spread over a few threads), `restore` (pipelined
-//! SSD restores), `stream` (chunked reads behind a `ChunkHandle`), `progressive` (puts published
-//! after their chunks landed), `on_stream` (reads on the caller's device stream), `store` (the
-//! `Store` API over them) and `gpu` (GPU setup and counters).
+//! `parallel` (a large call's per-page host work spread over a few threads), `batch_get` (the
+//! async batch read, a task the shards drive), `restore` (pipelined SSD restores), `stream`
+//! (chunked reads behind a `ChunkHandle`), `progressive` (puts published after their chunks
+//! landed), `on_stream` (reads on the caller's device stream), `store` (the `Store` API over
+//! them) and `gpu` (GPU setup and counters).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,10 +26,11 @@ use crate::shard::core::RecoveryReport;
 use crate::shard::published::{FastLease, PublishedIndex};
 use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
-mod fanout;
+mod batch_get;
 pub(crate) mod gpu;
 mod on_stream;
 mod open;
+mod parallel;
 mod parts;
 mod progressive;
 pub(crate) mod read;
@@ -64,7 +67,7 @@ pub struct Engine {
     /// Non-zero while GPU transfers are in flight: shards then poll instead of parking.
     keep_awake: Arc<AtomicUsize>,
     gpu: gpu::GpuState,
-    streams: Arc<stream::StreamCounters>,
+    streams: Arc<crate::stats::StreamCounters>,
     unsealed: Arc<progressive::UnsealedPuts>,
     /// The shard that watches the next stream-bound read (round robin).
     next_watch_shard: std::sync::atomic::AtomicU64,

@@ -1,4 +1,5 @@
 //! Typed errors. One enum for per-key results (what users match on) and one for opening a store.
+//! Owns the variants and their conversion from transport errors; never logs or retries.
 
 use kvtide_transport::{RegionError, TransportError};
 

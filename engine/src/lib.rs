@@ -15,6 +15,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#![warn(clippy::too_many_lines)]
+
 mod api;
 pub mod checks;
 mod chunks;

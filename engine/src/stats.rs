@@ -1,6 +1,8 @@
 //! Counters: each shard publishes relaxed atomics that only it writes, and readers of its
 //! published index count their reads in stripes of their own (`ReaderCounters`); `stats()` sums
-//! them without messaging the shards, so reading stats never waits behind work.
+//! them without messaging the shards, so reading stats never waits behind work. Also owns the
+//! counters of the streaming and progressive paths (`StreamCounters`), which both of those
+//! paths bump. Never counts anything itself: the code that does the work bumps the counters.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
@@ -521,5 +523,51 @@ mod tests {
         assert_eq!(stats.hits, 21);
         assert_eq!(stats.misses, 2);
         assert_eq!(stats.bytes_read, 205);
+    }
+}
+
+/// Counters of the progressive and streaming paths.
+#[derive(Default)]
+pub(crate) struct StreamCounters {
+    pub(crate) handles_open: AtomicU64,
+    pub(crate) handles: AtomicU64,
+    pub(crate) chunks_delivered: AtomicU64,
+    pub(crate) chunks_failed: AtomicU64,
+    pub(crate) chunks_ahead_of_load: AtomicU64,
+    pub(crate) chunks_in_flight: AtomicU64,
+    pub(crate) peak_chunks_in_flight: AtomicU64,
+    pub(crate) leased_bytes: AtomicU64,
+    pub(crate) peak_leased_bytes: AtomicU64,
+    pub(crate) unsealed_objects: AtomicU64,
+    pub(crate) unsealed_bytes: AtomicU64,
+    pub(crate) sealed: AtomicU64,
+    pub(crate) producer_aborts: AtomicU64,
+    pub(crate) unsealed_expired: AtomicU64,
+}
+
+impl StreamCounters {
+    pub(crate) fn snapshot(&self) -> StreamStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StreamStats {
+            handles_open: get(&self.handles_open),
+            handles: get(&self.handles),
+            chunks_delivered: get(&self.chunks_delivered),
+            chunks_failed: get(&self.chunks_failed),
+            chunks_ahead_of_load: get(&self.chunks_ahead_of_load),
+            chunks_in_flight: get(&self.chunks_in_flight),
+            peak_chunks_in_flight: get(&self.peak_chunks_in_flight),
+            leased_bytes: get(&self.leased_bytes),
+            peak_leased_bytes: get(&self.peak_leased_bytes),
+            unsealed_objects: get(&self.unsealed_objects),
+            unsealed_bytes: get(&self.unsealed_bytes),
+            sealed: get(&self.sealed),
+            producer_aborts: get(&self.producer_aborts),
+            unsealed_expired: get(&self.unsealed_expired),
+        }
+    }
+
+    pub(crate) fn add(&self, counter: &AtomicU64, peak: &AtomicU64, n: u64) {
+        let now = counter.fetch_add(n, Ordering::Relaxed) + n;
+        peak.fetch_max(now, Ordering::Relaxed);
     }
 }

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use kvtide_transport::{Gate, InFlight, Region, StreamHandle, Transfer, Transport};
 
 use super::gpu::GpuCounters;
-use super::read::{plan_pieces, ReadTargets, Slot, Want};
-use super::router::HeldLeases;
+use super::read::{plan_pieces, KeyRead, ReadTargets, Want};
+use super::router::{ByIndex, HeldLeases};
 use super::transports::{KeepAwake, Route};
 use super::Engine;
 use crate::api::Fragment;
@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::shard::core::ShardCore;
 use crate::shard::landing::Landing;
 use crate::shard::task::{ShardTask, TaskPoll};
-use crate::shard::Request;
+use crate::shard::{ReadGrant, Request};
 use crate::ticket::pending;
 
 /// Where a stream-bound read stands (`StreamTicket::status`).
@@ -238,8 +238,8 @@ impl Engine {
     ) -> Result<StreamTicket> {
         checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
-        let slots: Vec<Slot<'_>> =
-            keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        let slots: Vec<KeyRead<'_>> =
+            keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: i, want: Want::Whole }).collect();
         // SAFETY: forwarded contract.
         unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
     }
@@ -283,7 +283,7 @@ impl Engine {
         for (b, frags) in fragments.iter().enumerate() {
             for frag in frags {
                 let want = Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
-                slots.push(Slot { key: &frag.key, list: b, want });
+                slots.push(KeyRead { key: &frag.key, list: b, want });
             }
         }
         // SAFETY: forwarded contract.
@@ -309,7 +309,7 @@ impl Engine {
     unsafe fn read_on_stream(
         &self,
         lists: &[&[Region<'_>]],
-        slots: &[Slot<'_>],
+        slots: &[KeyRead<'_>],
         stream: StreamHandle,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<StreamTicket> {
@@ -327,119 +327,15 @@ impl Engine {
         let counters = Arc::clone(self.gpu.counters());
         let mut results: Vec<Result<usize>> = (0..slots.len()).map(|_| pending()).collect();
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
-        // Host destinations: written by the CPU before this returns.
-        let host: Vec<usize> = (0..slots.len()).filter(|&s| routes[slots[s].list] == Route::Host).collect();
-        if !host.is_empty() {
-            let sub: Vec<Slot<'_>> = host.iter().map(|&s| slots[s]).collect();
-            let mut targets = ReadTargets::new(self, lists, None);
-            for (&s, r) in host.iter().zip(self.read(&mut targets, &sub)) {
-                results[s] = r;
-            }
-        }
+        self.read_host_slots(lists, slots, &routes, &mut results);
         // Device destinations: one lease per key, granted early for objects still loading.
-        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-        let mut keys: Vec<&[u8]> = Vec::new();
-        let mut key_of: Vec<usize> = vec![usize::MAX; slots.len()];
-        for (s, slot) in slots.iter().enumerate() {
-            if routes[slot.list] != Route::Gpu {
-                continue;
-            }
-            if let Err(e) = self.validate_key(slot.key) {
-                results[s] = Err(e);
-                continue;
-            }
-            key_of[s] = *key_index.entry(slot.key).or_insert_with(|| {
-                keys.push(slot.key);
-                keys.len() - 1
-            });
-        }
+        let (keys, key_of) = self.gpu_keys(slots, &routes, &mut results);
         let checked_at = Instant::now();
         let (grants, leases) = self.send_leases_with(keys.iter().enumerate().map(|(k, key)| (k, *key)), true).wait();
         let leased_at = Instant::now();
-        // Destinations: each GPU list checked once, before anything is submitted.
-        let used: Vec<usize> = {
-            let mut used: Vec<usize> =
-                (0..slots.len()).filter(|&s| key_of[s] != usize::MAX).map(|s| slots[s].list).collect();
-            used.sort_unstable();
-            used.dedup();
-            used
-        };
-        let checked: Vec<&[Region<'_>]> = used.iter().map(|&l| lists[l]).collect();
-        let mut list_error: HashMap<usize, Error> = HashMap::new();
-        for (&l, e) in used.iter().zip(transport.check(&checked, true)) {
-            if let Some(e) = e {
-                list_error.insert(l, e.into());
-            }
-        }
-        // Plan: one transfer per (key, slot); range slots of one key share its gate.
-        let mut transfers: Vec<Transfer> = Vec::new();
-        let mut gates: Vec<Option<Arc<dyn Gate>>> = Vec::new();
-        let mut owners: Vec<(usize, usize)> = Vec::new();
-        let mut key_gate: HashMap<usize, Arc<dyn Gate>> = HashMap::new();
-        let mut loading: HashMap<usize, Loading> = HashMap::new();
-        for (s, slot) in slots.iter().enumerate() {
-            let k = key_of[s];
-            if k == usize::MAX {
-                continue;
-            }
-            if let Some(e) = list_error.get(&slot.list) {
-                results[s] = Err(e.clone());
-                continue;
-            }
-            let grant = match grants.get(&k) {
-                Some(Ok(grant)) => grant,
-                Some(Err(e)) => {
-                    results[s] = Err(e.clone());
-                    continue;
-                }
-                None => {
-                    results[s] = Err(Error::Internal("key was not leased"));
-                    continue;
-                }
-            };
-            let (mut pieces, reported) = match plan_pieces(grant.len, lists[slot.list], slot.want) {
-                Ok(planned) => planned,
-                Err(e) => {
-                    results[s] = Err(e);
-                    continue;
-                }
-            };
-            let mut host = grant.ptr.as_ptr() as u64;
-            let mut gate = None;
-            if let Some(landing) = &grant.landing {
-                // The value's place in the record image being loaded (this build's format; a
-                // record of an older format fails the key: read it again once it is in DRAM).
-                let value_offset = kvtide_tiers::ssd::record::value_offset(slot.key.len(), grant.len);
-                host += value_offset;
-                let made = match key_gate.get(&k) {
-                    Some(g) => Ok(Arc::clone(g)),
-                    None => submitter.gate(ordinal).map_err(Error::from),
-                };
-                match made {
-                    Ok(g) => {
-                        key_gate.entry(k).or_insert_with(|| Arc::clone(&g));
-                        loading
-                            .entry(k)
-                            .or_insert_with(|| Loading {
-                                landing: Arc::clone(landing),
-                                value_offset,
-                                slots: Vec::new(),
-                            })
-                            .slots
-                            .push(s);
-                        gate = Some(g);
-                    }
-                    Err(e) => {
-                        results[s] = Err(e);
-                        continue;
-                    }
-                }
-            }
-            pieces.retain(|p| p.len > 0);
-            transfers.push(Transfer { host, host_len: grant.len, pieces });
-            gates.push(gate);
-            owners.push((s, reported));
-        }
+        let list_error = check_gpu_lists(transport.as_ref(), lists, slots, &key_of);
+        let GatedTransfers { transfers, gates, owners, key_gate, loading } =
+            plan_gated(|| Ok(submitter.gate(ordinal)?), lists, slots, &key_of, &grants, &list_error, &mut results);
         let pinned = leases.len();
         counters.bound_reads.fetch_add(1, Relaxed);
         counters.bound_gated_keys.fetch_add(loading.len() as u64, Relaxed);
@@ -498,6 +394,165 @@ impl Engine {
         drop(self.shards[shard].inbox.send(Request::Task(Box::new(watch))));
         Ok(ticket)
     }
+}
+
+impl Engine {
+    /// Reads the slots whose destinations are host memory, on the CPU, before the call returns.
+    fn read_host_slots(
+        &self,
+        lists: &[&[Region<'_>]],
+        slots: &[KeyRead<'_>],
+        routes: &[Route],
+        results: &mut [Result<usize>],
+    ) {
+        let host: Vec<usize> = (0..slots.len()).filter(|&s| routes[slots[s].list] == Route::Host).collect();
+        if !host.is_empty() {
+            let sub: Vec<KeyRead<'_>> = host.iter().map(|&s| slots[s]).collect();
+            let mut targets = ReadTargets::new(self, lists, None);
+            for (&s, r) in host.iter().zip(self.read(&mut targets, &sub)) {
+                results[s] = r;
+            }
+        }
+    }
+
+    /// The distinct keys of the slots bound for GPU memory, and each slot's index among them
+    /// (`usize::MAX`: not a GPU slot, or its key failed its check, in `results`).
+    fn gpu_keys<'k>(
+        &self,
+        slots: &[KeyRead<'k>],
+        routes: &[Route],
+        results: &mut [Result<usize>],
+    ) -> (Vec<&'k [u8]>, Vec<usize>) {
+        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
+        let mut keys: Vec<&'k [u8]> = Vec::new();
+        let mut key_of: Vec<usize> = vec![usize::MAX; slots.len()];
+        for (s, slot) in slots.iter().enumerate() {
+            if routes[slot.list] != Route::Gpu {
+                continue;
+            }
+            if let Err(e) = self.validate_key(slot.key) {
+                results[s] = Err(e);
+                continue;
+            }
+            key_of[s] = *key_index.entry(slot.key).or_insert_with(|| {
+                keys.push(slot.key);
+                keys.len() - 1
+            });
+        }
+        (keys, key_of)
+    }
+}
+
+/// Checks each GPU destination list once, before anything is submitted: the error of each list
+/// that failed.
+fn check_gpu_lists(
+    transport: &dyn Transport,
+    lists: &[&[Region<'_>]],
+    slots: &[KeyRead<'_>],
+    key_of: &[usize],
+) -> HashMap<usize, Error> {
+    let mut used: Vec<usize> = (0..slots.len()).filter(|&s| key_of[s] != usize::MAX).map(|s| slots[s].list).collect();
+    used.sort_unstable();
+    used.dedup();
+    let checked: Vec<&[Region<'_>]> = used.iter().map(|&l| lists[l]).collect();
+    let mut list_error: HashMap<usize, Error> = HashMap::new();
+    for (&l, e) in used.iter().zip(transport.check(&checked, true)) {
+        if let Some(e) = e {
+            list_error.insert(l, e.into());
+        }
+    }
+    list_error
+}
+
+/// A stream-bound read's transfers, each with the gate it waits on (objects still loading) and
+/// its owner; the gate of each loading key and its load.
+struct GatedTransfers {
+    transfers: Vec<Transfer>,
+    gates: Vec<Option<Arc<dyn Gate>>>,
+    /// (result slot, bytes it reports) of each transfer.
+    owners: Vec<(usize, usize)>,
+    key_gate: HashMap<usize, Arc<dyn Gate>>,
+    loading: HashMap<usize, Loading>,
+}
+
+/// Plans one transfer per (key, slot); range slots of one key share its gate. A slot that
+/// cannot be planned gets its error in `results`.
+fn plan_gated(
+    new_gate: impl Fn() -> Result<Arc<dyn Gate>>,
+    lists: &[&[Region<'_>]],
+    slots: &[KeyRead<'_>],
+    key_of: &[usize],
+    grants: &ByIndex<Result<ReadGrant>>,
+    list_error: &HashMap<usize, Error>,
+    results: &mut [Result<usize>],
+) -> GatedTransfers {
+    let mut plan = GatedTransfers {
+        transfers: Vec::new(),
+        gates: Vec::new(),
+        owners: Vec::new(),
+        key_gate: HashMap::new(),
+        loading: HashMap::new(),
+    };
+    for (s, slot) in slots.iter().enumerate() {
+        let k = key_of[s];
+        if k == usize::MAX {
+            continue;
+        }
+        if let Some(e) = list_error.get(&slot.list) {
+            results[s] = Err(e.clone());
+            continue;
+        }
+        let grant = match grants.get(&k) {
+            Some(Ok(grant)) => grant,
+            Some(Err(e)) => {
+                results[s] = Err(e.clone());
+                continue;
+            }
+            None => {
+                results[s] = Err(Error::Internal("key was not leased"));
+                continue;
+            }
+        };
+        let (mut pieces, reported) = match plan_pieces(grant.len, lists[slot.list], slot.want) {
+            Ok(planned) => planned,
+            Err(e) => {
+                results[s] = Err(e);
+                continue;
+            }
+        };
+        let mut host = grant.ptr.as_ptr() as u64;
+        let mut gate = None;
+        if let Some(landing) = &grant.landing {
+            // The value's place in the record image being loaded (this build's format; a
+            // record of an older format fails the key: read it again once it is in DRAM).
+            let value_offset = kvtide_tiers::ssd::record::value_offset(slot.key.len(), grant.len);
+            host += value_offset;
+            let made = match plan.key_gate.get(&k) {
+                Some(g) => Ok(Arc::clone(g)),
+                None => new_gate(),
+            };
+            match made {
+                Ok(g) => {
+                    plan.key_gate.entry(k).or_insert_with(|| Arc::clone(&g));
+                    plan.loading
+                        .entry(k)
+                        .or_insert_with(|| Loading { landing: Arc::clone(landing), value_offset, slots: Vec::new() })
+                        .slots
+                        .push(s);
+                    gate = Some(g);
+                }
+                Err(e) => {
+                    results[s] = Err(e);
+                    continue;
+                }
+            }
+        }
+        pieces.retain(|p| p.len > 0);
+        plan.transfers.push(Transfer { host, host_len: grant.len, pieces });
+        plan.gates.push(gate);
+        plan.owners.push((s, reported));
+    }
+    plan
 }
 
 /// A ticket for a read that submitted nothing to a stream.

@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use kvtide_transport::{Direction, Piece, Region, Transfer};
 
-use super::stream::StreamCounters;
 use super::transports::Route;
 use super::Engine;
 use crate::api::PutOptions;
 use crate::chunks::{check_chunk_count, chunk_count, cut, ChunkPlace};
 use crate::error::{Error, Result};
 use crate::shard::{Inbox, ObjectRef, Request};
+use crate::stats::StreamCounters;
 
 /// The longest the reaper sleeps between looks (so it notices a closed registry).
 const REAPER_NAP: Duration = Duration::from_millis(200);

@@ -25,7 +25,7 @@ use xxhash_rust::xxh3::Xxh3Builder;
 use super::gpu::Timing;
 use super::router::{by_index, ByIndex};
 use super::transports::{KeepAwake, Route, Transports};
-use super::{fanout, Engine, LeaseSet};
+use super::{parallel, Engine, LeaseSet};
 use crate::checks::total_len;
 use crate::error::{Error, Result};
 use crate::shard::ReadGrant;
@@ -44,7 +44,7 @@ pub(crate) enum Want {
 
 /// One result of a read: a key, the destination list it reads into, and what it wants.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Slot<'k> {
+pub(crate) struct KeyRead<'k> {
     pub(crate) key: &'k [u8],
     pub(crate) list: usize,
     pub(crate) want: Want,
@@ -159,12 +159,12 @@ impl<'a, 'r> ReadTargets<'a, 'r> {
 /// One route's transfers and the slots they deliver: (transfer, slot, bytes reported), one
 /// per slot (range slots of one key share a transfer).
 #[derive(Default)]
-struct Planned {
+struct RouteTransfers {
     transfers: Vec<Transfer>,
     owners: Vec<(usize, usize, usize)>,
 }
 
-impl Planned {
+impl RouteTransfers {
     /// Puts the transfers in arena order within each leasing part (`part_of_slot`, the part of
     /// each slot; empty: one part), their owners following.
     fn sort_for_staging(&mut self, part_of_slot: &[u32]) {
@@ -218,7 +218,7 @@ fn lease_part_ends(keys: usize) -> Vec<usize> {
 /// The GPU memory a read may start moving bytes towards before its destinations are checked:
 /// every GPU slot wants a whole object, they all name one GPU, and their destinations are
 /// fragmented (the reads a staging transport stages). None otherwise.
-fn early_target(targets: &ReadTargets<'_, '_>, slots: &[Slot<'_>]) -> Option<MemoryKind> {
+fn early_target(targets: &ReadTargets<'_, '_>, slots: &[KeyRead<'_>]) -> Option<MemoryKind> {
     let mut target: Option<MemoryKind> = None;
     let (mut objects, mut pieces) = (0usize, 0usize);
     for slot in slots {
@@ -243,7 +243,7 @@ fn early_target(targets: &ReadTargets<'_, '_>, slots: &[Slot<'_>]) -> Option<Mem
 /// slot of each (one per key: reads that start early share no leases), and the GPU it reads to.
 struct PartedRead<'p, 'a, 'r, 'k> {
     targets: &'p ReadTargets<'a, 'r>,
-    slots: &'p [Slot<'k>],
+    slots: &'p [KeyRead<'k>],
     keys: &'p [&'k [u8]],
     slot_of_key: &'p [usize],
     target: MemoryKind,
@@ -285,7 +285,7 @@ impl Engine {
 
     /// Reads `slots` into `targets` (lease, plan, deliver, release), in rounds while a batch
     /// does not fit in DRAM at once. One result per slot.
-    pub(crate) fn read(&self, targets: &mut ReadTargets<'_, '_>, slots: &[Slot<'_>]) -> Vec<Result<usize>> {
+    pub(crate) fn read(&self, targets: &mut ReadTargets<'_, '_>, slots: &[KeyRead<'_>]) -> Vec<Result<usize>> {
         // Phase times are kept for GPU reads only (the clock costs a host read of 4 KiB a tenth).
         let gpu = targets.routes.contains(&Route::Gpu);
         let now = || gpu.then(Instant::now);
@@ -474,7 +474,7 @@ impl Engine {
     #[allow(clippy::type_complexity)]
     fn plan_gpu_slots(
         targets: &ReadTargets<'_, '_>,
-        slots: &[Slot<'_>],
+        slots: &[KeyRead<'_>],
         grant_of: &[Option<&Result<ReadGrant>>],
         checks: &[Option<Error>],
     ) -> Vec<Option<Result<(Vec<Piece>, usize)>>> {
@@ -497,7 +497,7 @@ impl Engine {
             })
             .collect();
         let lists = targets.lists;
-        let planned = fanout::map_chunks(
+        let planned = parallel::map_chunks(
             &jobs,
             |&(s, _)| lists[slots[s].list].len(),
             |chunk, _| chunk.iter().map(|&(s, len)| plan_pieces(len, lists[slots[s].list], slots[s].want)).collect(),
@@ -515,7 +515,7 @@ impl Engine {
     pub(crate) fn deliver(
         &self,
         targets: &mut ReadTargets<'_, '_>,
-        slots: &[Slot<'_>],
+        slots: &[KeyRead<'_>],
         grant_of: &[Option<&Result<ReadGrant>>],
         (mut early, part_of_slot): (Option<EarlyStart>, &[u32]),
         results: &mut [Result<usize>],
@@ -523,7 +523,7 @@ impl Engine {
     ) -> usize {
         targets.check_now(self);
         let checks = targets.checks.as_deref().unwrap_or(&[]);
-        let mut planned: Vec<Planned> = Route::ALL.iter().map(|_| Planned::default()).collect();
+        let mut planned: Vec<RouteTransfers> = Route::ALL.iter().map(|_| RouteTransfers::default()).collect();
         // Host slots copied by the store's own memcpy are copied here, as they are planned, with
         // one reused piece list: no transfer, owner list or submission per key. Not when GPU
         // slots come too: their submission goes first, so the GPU works while the CPU copies.
@@ -593,7 +593,7 @@ impl Engine {
         // Submit every route first (the GPU works while the CPU copies), then wait.
         let mut inflight = Vec::new();
         for route in Route::ALL {
-            let Planned { transfers, owners } = std::mem::take(&mut planned[route as usize]);
+            let RouteTransfers { transfers, owners } = std::mem::take(&mut planned[route as usize]);
             if transfers.is_empty() {
                 continue;
             }
@@ -754,8 +754,8 @@ mod tests {
             .map(|i| (0..2).map(|h| unsafe { Region::from_raw(page(i, h), PAGE, gpu) }).collect())
             .collect();
         let list_refs: Vec<&[Region<'_>]> = lists.iter().map(Vec::as_slice).collect();
-        let slots: Vec<Slot<'_>> =
-            names.iter().enumerate().map(|(i, key)| Slot { key, list: i, want: Want::Whole }).collect();
+        let slots: Vec<KeyRead<'_>> =
+            names.iter().enumerate().map(|(i, key)| KeyRead { key, list: i, want: Want::Whole }).collect();
         let recording = Arc::new(Recording::default());
         let routes = vec![Route::Gpu; KEYS];
         let transports = store.transports_via(&routes, None, Some(Arc::clone(&recording) as Arc<dyn Transport>));

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use kvtide_transport::{Region, Transport};
 
-use super::read::{check_fits, ReadTargets, Slot, Want};
+use super::read::{check_fits, KeyRead, ReadTargets, Want};
 use super::router::ByIndex;
 use super::transports::Route;
 use super::{Engine, LeaseSet, PendingLeases};
@@ -305,7 +305,7 @@ impl BrokerState {
 }
 
 /// A planned sub-batch: whole objects of one shard (or the DRAM-resident keys of the batch).
-struct Planned {
+struct SubBatchPlan {
     shard: usize,
     keys: Vec<usize>,
     staging_bytes: u64,
@@ -314,7 +314,7 @@ struct Planned {
 }
 
 /// A sub-batch whose loads were requested.
-struct InFlight<'e> {
+struct LoadingSubBatch<'e> {
     trace: SubBatchTrace,
     keys: Vec<usize>,
     pending: PendingLeases<'e>,
@@ -330,11 +330,214 @@ struct Landed<'e> {
     credits: Option<Credits<'e>>,
 }
 
-impl<'e> InFlight<'e> {
+impl<'e> LoadingSubBatch<'e> {
     /// Waits for its loads.
     fn land(self) -> Landed<'e> {
         let (grants, leases) = self.pending.wait();
         Landed { trace: self.trace, keys: self.keys, grants, leases, credits: self.credits }
+    }
+}
+
+/// One restore's pipeline between its load and transfer stages.
+struct RestorePipeline<'e> {
+    started: Instant,
+    queue: VecDeque<SubBatchPlan>,
+    inflight: VecDeque<LoadingSubBatch<'e>>,
+    /// Keys that did not fit in DRAM beside their sub-batch: read alone after the pipeline.
+    retry_alone: Vec<usize>,
+    /// This request's sub-batches requested and not yet transferred, per shard: bytes and
+    /// count. The count may reach `depth`: two at first (one loading, one being transferred:
+    /// the first transfer starts as early as it can), deepened after each transfer that had
+    /// to wait for its loads (`deepen`), so a disk-bound restore soon keeps `ahead_bytes`
+    /// requested while a transfer-bound one stays shallow.
+    ahead: Vec<(u64, usize)>,
+    depth: usize,
+    transferred_any: bool,
+    next_index: usize,
+}
+
+impl<'e> RestorePipeline<'e> {
+    fn new(started: Instant, shards: usize, plan: Vec<SubBatchPlan>) -> Self {
+        RestorePipeline {
+            started,
+            queue: plan.into(),
+            inflight: VecDeque::new(),
+            retry_alone: Vec::new(),
+            ahead: vec![(0u64, 0usize); shards],
+            depth: 2,
+            transferred_any: false,
+            next_index: 0,
+        }
+    }
+
+    /// Microseconds since the restore started.
+    fn us(&self, t: Instant) -> u64 {
+        t.duration_since(self.started).as_micros() as u64
+    }
+
+    /// Load stage: requests sub-batches in plan order while admission allows, without
+    /// blocking while a loaded one waits to be transferred.
+    fn request_loads(
+        &mut self,
+        engine: &'e Engine,
+        keys: &[&[u8]],
+        opts: &RestoreOptions,
+        report: &mut RestoreReport,
+        cancelled: &dyn Fn() -> bool,
+    ) {
+        while !cancelled() {
+            let Some(planned) = self.queue.front() else { break };
+            let admitted = match opts.mode {
+                // Always one sub-batch ahead; then the depth and the bytes decide.
+                RestoreMode::Pipelined => {
+                    let (bytes, count) = self.ahead.get(planned.shard).copied().unwrap_or((0, 0));
+                    count == 0 || (count < self.depth && bytes + planned.staging_bytes <= opts.ahead_bytes)
+                }
+                RestoreMode::Serialized | RestoreMode::Barrier => self.inflight.is_empty(),
+            };
+            if !admitted {
+                break;
+            }
+            let credits = if planned.staging_bytes == 0 {
+                None
+            } else if let Some(c) = engine.credits.try_acquire(planned.shard, planned.staging_bytes) {
+                Some(c)
+            } else if self.inflight.is_empty() {
+                report.credit_waits += 1;
+                engine.restore.credit_waits.fetch_add(1, Ordering::Relaxed);
+                match engine.credits.acquire(planned.shard, planned.staging_bytes, opts.cancel.as_deref()) {
+                    Some(c) => Some(c),
+                    None => break,
+                }
+            } else {
+                report.credit_waits += 1;
+                engine.restore.credit_waits.fetch_add(1, Ordering::Relaxed);
+                break;
+            };
+            let Some(planned) = self.queue.pop_front() else { break };
+            let pending = engine.send_leases(planned.keys.iter().map(|&i| (i, keys[i])));
+            if let Some((bytes, count)) = self.ahead.get_mut(planned.shard) {
+                *bytes += planned.staging_bytes;
+                *count += 1;
+            }
+            let staging_now = self.ahead.iter().map(|&(bytes, _)| bytes).sum::<u64>();
+            report.peak_staging_bytes = report.peak_staging_bytes.max(staging_now);
+            engine.restore.sub_batches.fetch_add(1, Ordering::Relaxed);
+            self.inflight.push_back(LoadingSubBatch {
+                trace: SubBatchTrace {
+                    index: self.next_index,
+                    shard: planned.shard,
+                    keys: planned.keys.len(),
+                    staging_bytes: planned.staging_bytes,
+                    load_start_us: self.us(Instant::now()),
+                    ready_us: 0,
+                    transfer_start_us: 0,
+                    transfer_end_us: 0,
+                    release_us: 0,
+                    state: SubBatchState::Loading,
+                },
+                keys: planned.keys,
+                pending,
+                credits,
+            });
+            self.next_index += 1;
+        }
+    }
+
+    /// Transfer stage: the oldest sub-batch whose loads are done, or else the first to land.
+    /// The shards share one disk and each serves its own queue, so another shard's sub-batch
+    /// often lands well before the oldest: taking it keeps the link busy instead of idling
+    /// behind the oldest (a transfer-bound restore's whole first wait). At full depth (the disk
+    /// far behind the link) it takes every sub-batch whose loads are done, up to `MAX_MERGED`,
+    /// into the same submission: a deep queue lands its loads in bursts, and a submission per
+    /// sub-batch paid its fixed cost for each (0.3 ms for a GPU one), so the burst at the end
+    /// took longer than the barrier's one transfer. False when there was none to take.
+    fn transfer_next(
+        &mut self,
+        engine: &Engine,
+        targets: &mut ReadTargets<'_, '_>,
+        slots: &[KeyRead<'_>],
+        opts: &RestoreOptions,
+        report: &mut RestoreReport,
+        cancelled: &dyn Fn() -> bool,
+    ) -> bool {
+        // The sub-batches requested and not yet transferred.
+        let in_flight = self.inflight.len();
+        let done = self.inflight.iter().position(|f| f.pending.answered());
+        let waiting_since = done.is_none().then(Instant::now);
+        let next = done.unwrap_or_else(|| {
+            let pending: Vec<&PendingLeases<'_>> = self.inflight.iter().map(|f| &f.pending).collect();
+            PendingLeases::first_answered(&pending)
+        });
+        let Some(first) = self.inflight.remove(next) else { return false };
+        let mut landed = vec![first.land()];
+        let waited = waiting_since.map(|since| since.elapsed());
+        if self.depth >= MAX_DEPTH {
+            while landed.len() < MAX_MERGED {
+                let Some(more) = self.inflight.iter().position(|f| f.pending.answered()) else { break };
+                let Some(more) = self.inflight.remove(more) else { break };
+                landed.push(more.land());
+            }
+        }
+        let stop = cancelled();
+        let transfer_started = Instant::now();
+        for sub in &mut landed {
+            sub.trace.ready_us = self.us(transfer_started);
+            sub.trace.transfer_start_us = self.us(transfer_started);
+            sub.trace.state = if stop { SubBatchState::Ready } else { SubBatchState::Transferring };
+        }
+        let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; slots.len()];
+        for sub in &landed {
+            for &i in &sub.keys {
+                match sub.grants.get(&i) {
+                    Some(Err(Error::NoSpace)) => self.retry_alone.push(i),
+                    Some(Ok(_)) if stop => report.results[i] = Err(Error::Cancelled),
+                    Some(grant) => grant_of[i] = Some(grant),
+                    None => report.results[i] = Err(Error::Internal("sub-batch key without a grant")),
+                }
+            }
+        }
+        // One submission per route, waited for before the release.
+        engine.deliver(targets, slots, &grant_of, (None, &[]), &mut report.results, None);
+        let transfer_ended = Instant::now();
+        if landed[0].trace.staging_bytes > 0 {
+            // The first one's wait against one sub-batch's share of the submission.
+            let took = (transfer_ended - transfer_started) / u32::try_from(landed.len()).unwrap_or(u32::MAX);
+            self.depth = deepen(self.depth, Pace { waited, took, in_flight, first: !self.transferred_any });
+            self.transferred_any = true;
+        }
+        for sub in landed {
+            self.release_landed(sub, stop, transfer_ended, opts, report);
+        }
+        true
+    }
+
+    /// Gives a transferred sub-batch's leases and credits back and records its trace.
+    fn release_landed(
+        &mut self,
+        mut sub: Landed<'_>,
+        stop: bool,
+        transfer_ended: Instant,
+        opts: &RestoreOptions,
+        report: &mut RestoreReport,
+    ) {
+        sub.trace.transfer_end_us = self.us(transfer_ended);
+        // Copies are synchronous here (GPU ones waited for their events), so every byte
+        // of a key reported Ok has landed.
+        sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
+        release(sub.leases);
+        if let Some((bytes, count)) = self.ahead.get_mut(sub.trace.shard) {
+            *bytes -= sub.trace.staging_bytes;
+            *count -= 1;
+        }
+        drop(sub.credits);
+        sub.trace.release_us = self.us(Instant::now());
+        if sub.trace.state == SubBatchState::Verifying {
+            sub.trace.state = SubBatchState::Released;
+        }
+        if opts.trace {
+            report.sub_batches.push(sub.trace);
+        }
     }
 }
 
@@ -357,7 +560,6 @@ impl Engine {
         want: Want,
     ) -> RestoreReport {
         let started = Instant::now();
-        let us = |t: Instant| t.duration_since(started).as_micros() as u64;
         let mut report =
             RestoreReport { results: (0..keys.len()).map(|_| Err(Error::Cancelled)).collect(), ..Default::default() };
         if let Err(e) = crate::checks::one_list_per_key(keys.len(), dsts.len(), "destination") {
@@ -365,11 +567,55 @@ impl Engine {
             return report;
         }
         self.restore.requests.fetch_add(1, Ordering::Relaxed);
-        // Every destination is checked by its route's transport before anything loads.
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
         let mut targets = ReadTargets::new(self, &lists, opts.host_transport.clone());
+        let slots: Vec<KeyRead<'_>> = keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: i, want }).collect();
+        let (plan, mut dram_gpu) = self.plan_checked(keys, dsts, opts, want, &mut targets, &mut report.results);
+        let cancelled = || opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire));
+        let mut pipeline = RestorePipeline::new(started, self.shards.len(), plan);
+        loop {
+            pipeline.request_loads(self, keys, opts, &mut report, &cancelled);
+            if !dram_gpu.is_empty() && !cancelled() {
+                // While the first SSD sub-batches load.
+                let some: Vec<KeyRead<'_>> = std::mem::take(&mut dram_gpu).into_iter().map(|i| slots[i]).collect();
+                for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
+                    report.results[slot.list] = result;
+                }
+            }
+            if pipeline.inflight.is_empty()
+                || !pipeline.transfer_next(self, &mut targets, &slots, opts, &mut report, &cancelled)
+            {
+                break;
+            }
+        }
+        // Keys that did not fit in DRAM beside their sub-batch run alone, after the pipeline.
+        if !pipeline.retry_alone.is_empty() && !cancelled() {
+            let some: Vec<KeyRead<'_>> = pipeline.retry_alone.iter().map(|&i| slots[i]).collect();
+            for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
+                report.results[slot.list] = result;
+            }
+        }
+        self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
+        // In plan order: sub-batches are transferred in the order they landed.
+        report.sub_batches.sort_by_key(|t| t.index);
+        report.elapsed_us = pipeline.us(Instant::now());
+        report
+    }
+
+    /// Checks every key and destination (each by its route's transport) before anything loads,
+    /// then plans the sub-batches. Returns the plan and the DRAM-resident GPU keys, which the
+    /// plain read path serves after the first loads went out. A key that fails gets its error
+    /// in `results`.
+    fn plan_checked(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        opts: &RestoreOptions,
+        want: Want,
+        targets: &mut ReadTargets<'_, '_>,
+        results: &mut [Result<usize>],
+    ) -> (Vec<SubBatchPlan>, Vec<usize>) {
         let checks = targets.check_now(self).to_vec();
-        let slots: Vec<Slot<'_>> = keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want }).collect();
         let mut valid = Vec::with_capacity(keys.len());
         for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
             let checked = self
@@ -378,16 +624,15 @@ impl Engine {
                 .and_then(|()| total_len(regions));
             match checked {
                 Ok(_) => valid.push(i),
-                Err(e) => report.results[i] = Err(e),
+                Err(e) => results[i] = Err(e),
             }
         }
         // A key whose object cannot fit its destination fails now, before its load.
         let misfit = |i: usize, object_len: u64| check_fits(object_len, &dsts[i], want).err();
         let (mut plan, refused) = self.plan_restore(keys, &valid, opts, &misfit);
         for (i, e) in refused {
-            report.results[i] = Err(e);
+            results[i] = Err(e);
         }
-        // DRAM-resident GPU keys: served by the plain read path (after the first loads went out).
         let mut dram_gpu: Vec<usize> = Vec::new();
         if opts.mode != RestoreMode::Barrier {
             if let Some(first) = plan.first_mut().filter(|p| p.dram) {
@@ -401,175 +646,7 @@ impl Engine {
             }
             plan.retain(|p| !p.keys.is_empty());
         }
-        let cancelled = || opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire));
-        let mut queue: VecDeque<Planned> = plan.into();
-        let mut inflight: VecDeque<InFlight<'_>> = VecDeque::new();
-        let mut retry_alone: Vec<usize> = Vec::new();
-        // This request's sub-batches requested and not yet transferred, per shard: bytes and
-        // count. The count may reach `depth`: two at first (one loading, one being transferred:
-        // the first transfer starts as early as it can), deepened after each transfer that had
-        // to wait for its loads (`deepen`), so a disk-bound restore soon keeps `ahead_bytes`
-        // requested while a transfer-bound one stays shallow.
-        let mut ahead = vec![(0u64, 0usize); self.shards.len()];
-        let mut depth = 2usize;
-        let mut transferred_any = false;
-        let mut next_index = 0;
-        loop {
-            // Load stage: request sub-batches in plan order while admission allows, without
-            // blocking while a loaded one waits to be transferred.
-            while !cancelled() {
-                let Some(planned) = queue.front() else { break };
-                let admitted = match opts.mode {
-                    // Always one sub-batch ahead; then the depth and the bytes decide.
-                    RestoreMode::Pipelined => {
-                        let (bytes, count) = ahead.get(planned.shard).copied().unwrap_or((0, 0));
-                        count == 0 || (count < depth && bytes + planned.staging_bytes <= opts.ahead_bytes)
-                    }
-                    RestoreMode::Serialized | RestoreMode::Barrier => inflight.is_empty(),
-                };
-                if !admitted {
-                    break;
-                }
-                let credits = if planned.staging_bytes == 0 {
-                    None
-                } else if let Some(c) = self.credits.try_acquire(planned.shard, planned.staging_bytes) {
-                    Some(c)
-                } else if inflight.is_empty() {
-                    report.credit_waits += 1;
-                    self.restore.credit_waits.fetch_add(1, Ordering::Relaxed);
-                    match self.credits.acquire(planned.shard, planned.staging_bytes, opts.cancel.as_deref()) {
-                        Some(c) => Some(c),
-                        None => break,
-                    }
-                } else {
-                    report.credit_waits += 1;
-                    self.restore.credit_waits.fetch_add(1, Ordering::Relaxed);
-                    break;
-                };
-                let Some(planned) = queue.pop_front() else { break };
-                let pending = self.send_leases(planned.keys.iter().map(|&i| (i, keys[i])));
-                if let Some((bytes, count)) = ahead.get_mut(planned.shard) {
-                    *bytes += planned.staging_bytes;
-                    *count += 1;
-                }
-                let staging_now = ahead.iter().map(|&(bytes, _)| bytes).sum::<u64>();
-                report.peak_staging_bytes = report.peak_staging_bytes.max(staging_now);
-                self.restore.sub_batches.fetch_add(1, Ordering::Relaxed);
-                inflight.push_back(InFlight {
-                    trace: SubBatchTrace {
-                        index: next_index,
-                        shard: planned.shard,
-                        keys: planned.keys.len(),
-                        staging_bytes: planned.staging_bytes,
-                        load_start_us: us(Instant::now()),
-                        ready_us: 0,
-                        transfer_start_us: 0,
-                        transfer_end_us: 0,
-                        release_us: 0,
-                        state: SubBatchState::Loading,
-                    },
-                    keys: planned.keys,
-                    pending,
-                    credits,
-                });
-                next_index += 1;
-            }
-            if !dram_gpu.is_empty() && !cancelled() {
-                // While the first SSD sub-batches load.
-                let some: Vec<Slot<'_>> = std::mem::take(&mut dram_gpu).into_iter().map(|i| slots[i]).collect();
-                for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
-                    report.results[slot.list] = result;
-                }
-            }
-            // Transfer stage: the oldest sub-batch whose loads are done, or else the first to
-            // land. The shards share one disk and each serves its own queue, so another shard's
-            // sub-batch often lands well before the oldest: taking it keeps the link busy
-            // instead of idling behind the oldest (a transfer-bound restore's whole first
-            // wait). At full depth (the disk far behind the link) it takes every sub-batch whose
-            // loads are done, up to `MAX_MERGED`, into the same submission: a deep queue lands
-            // its loads in bursts, and a submission per sub-batch paid its fixed cost for each
-            // (0.3 ms for a GPU one), so the burst at the end took longer than the barrier's one
-            // transfer.
-            if inflight.is_empty() {
-                break;
-            }
-            // The sub-batches requested and not yet transferred.
-            let in_flight = inflight.len();
-            let done = inflight.iter().position(|f| f.pending.answered());
-            let waiting_since = done.is_none().then(Instant::now);
-            let next = done.unwrap_or_else(|| {
-                let pending: Vec<&PendingLeases<'_>> = inflight.iter().map(|f| &f.pending).collect();
-                PendingLeases::first_answered(&pending)
-            });
-            let Some(first) = inflight.remove(next) else { break };
-            let mut landed = vec![first.land()];
-            let waited = waiting_since.map(|since| since.elapsed());
-            if depth >= MAX_DEPTH {
-                while landed.len() < MAX_MERGED {
-                    let Some(more) = inflight.iter().position(|f| f.pending.answered()) else { break };
-                    let Some(more) = inflight.remove(more) else { break };
-                    landed.push(more.land());
-                }
-            }
-            let stop = cancelled();
-            let transfer_started = Instant::now();
-            for sub in &mut landed {
-                sub.trace.ready_us = us(transfer_started);
-                sub.trace.transfer_start_us = us(transfer_started);
-                sub.trace.state = if stop { SubBatchState::Ready } else { SubBatchState::Transferring };
-            }
-            let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; keys.len()];
-            for sub in &landed {
-                for &i in &sub.keys {
-                    match sub.grants.get(&i) {
-                        Some(Err(Error::NoSpace)) => retry_alone.push(i),
-                        Some(Ok(_)) if stop => report.results[i] = Err(Error::Cancelled),
-                        Some(grant) => grant_of[i] = Some(grant),
-                        None => report.results[i] = Err(Error::Internal("sub-batch key without a grant")),
-                    }
-                }
-            }
-            // One submission per route, waited for before the release.
-            self.deliver(&mut targets, &slots, &grant_of, (None, &[]), &mut report.results, None);
-            let transfer_ended = Instant::now();
-            if landed[0].trace.staging_bytes > 0 {
-                // The first one's wait against one sub-batch's share of the submission.
-                let took = (transfer_ended - transfer_started) / u32::try_from(landed.len()).unwrap_or(u32::MAX);
-                depth = deepen(depth, Pace { waited, took, in_flight, first: !transferred_any });
-                transferred_any = true;
-            }
-            for mut sub in landed {
-                sub.trace.transfer_end_us = us(transfer_ended);
-                // Copies are synchronous here (GPU ones waited for their events), so every byte
-                // of a key reported Ok has landed.
-                sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
-                release(sub.leases);
-                if let Some((bytes, count)) = ahead.get_mut(sub.trace.shard) {
-                    *bytes -= sub.trace.staging_bytes;
-                    *count -= 1;
-                }
-                drop(sub.credits);
-                sub.trace.release_us = us(Instant::now());
-                if sub.trace.state == SubBatchState::Verifying {
-                    sub.trace.state = SubBatchState::Released;
-                }
-                if opts.trace {
-                    report.sub_batches.push(sub.trace);
-                }
-            }
-        }
-        // Keys that did not fit in DRAM beside their sub-batch run alone, after the pipeline.
-        if !retry_alone.is_empty() && !cancelled() {
-            let some: Vec<Slot<'_>> = retry_alone.iter().map(|&i| slots[i]).collect();
-            for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
-                report.results[slot.list] = result;
-            }
-        }
-        self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
-        // In plan order: sub-batches are transferred in the order they landed.
-        report.sub_batches.sort_by_key(|t| t.index);
-        report.elapsed_us = us(Instant::now());
-        report
+        (plan, dram_gpu)
     }
 
     /// The restore counters for `stats`.
@@ -641,7 +718,7 @@ impl Engine {
         valid: &[usize],
         opts: &RestoreOptions,
         misfit: &dyn Fn(usize, u64) -> Option<Error>,
-    ) -> (Vec<Planned>, Vec<(usize, Error)>) {
+    ) -> (Vec<SubBatchPlan>, Vec<(usize, Error)>) {
         self.plan_restore_with(keys, valid, opts, false, misfit)
     }
 
@@ -654,7 +731,7 @@ impl Engine {
         opts: &RestoreOptions,
         spin: bool,
         misfit: &dyn Fn(usize, u64) -> Option<Error>,
-    ) -> (Vec<Planned>, Vec<(usize, Error)>) {
+    ) -> (Vec<SubBatchPlan>, Vec<(usize, Error)>) {
         let locations = self.locate(keys, valid, spin);
         let mut dram = Vec::new();
         let mut refused = Vec::new();
@@ -691,7 +768,7 @@ impl Engine {
 
 /// `Engine::plan_restore`'s sub-batches of the DRAM-resident keys and of each shard's
 /// SSD-resident ones (index, staging bytes).
-fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &RestoreOptions) -> Vec<Planned> {
+fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &RestoreOptions) -> Vec<SubBatchPlan> {
     if opts.mode == RestoreMode::Barrier {
         let mut all = dram;
         let mut bytes = 0;
@@ -700,15 +777,15 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
             bytes += b;
         }
         all.sort_unstable();
-        return vec![Planned { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
+        return vec![SubBatchPlan { shard: 0, keys: all, staging_bytes: bytes, dram: false }];
     }
-    let mut chunks: Vec<VecDeque<Planned>> = per_shard
+    let mut chunks: Vec<VecDeque<SubBatchPlan>> = per_shard
         .into_iter()
         .enumerate()
         .map(|(shard, objects)| {
             let (target_bytes, max_keys) = sub_batch_size(&objects, opts);
             let mut out = VecDeque::new();
-            let mut current = Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
+            let mut current = SubBatchPlan { shard, keys: Vec::new(), staging_bytes: 0, dram: false };
             for (i, bytes) in objects {
                 // Close a sub-batch once it reaches the target (so 4 MiB of 1 MiB values is 4
                 // objects despite their 4 KiB record headers).
@@ -716,7 +793,7 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
                 if full {
                     out.push_back(std::mem::replace(
                         &mut current,
-                        Planned { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
+                        SubBatchPlan { shard, keys: Vec::new(), staging_bytes: 0, dram: false },
                     ));
                 }
                 current.keys.push(i);
@@ -730,7 +807,7 @@ fn cut_sub_batches(dram: Vec<usize>, per_shard: Vec<Vec<(usize, u64)>>, opts: &R
         .collect();
     let mut plan = Vec::new();
     if !dram.is_empty() {
-        plan.push(Planned { shard: 0, keys: dram, staging_bytes: 0, dram: true });
+        plan.push(SubBatchPlan { shard: 0, keys: dram, staging_bytes: 0, dram: true });
     }
     // Round-robin across shards so every shard's loads run in parallel.
     loop {

@@ -11,13 +11,13 @@ use std::sync::Arc;
 use kvtide_tiers::dram::PageBacking;
 use kvtide_transport::Region;
 
-use super::read::{ReadTargets, Slot, Want};
+use super::batch_get::{BatchGetItem, BatchGetTask};
+use super::read::{KeyRead, ReadTargets, Want};
 use super::transports::Route;
 use super::Engine;
 use crate::api::{Fragment, KeyPage, PutOptions, Store, MAX_SCAN_KEYS};
 use crate::checks::{self, total_len};
 use crate::error::{Error, Result};
-use crate::shard::task::{BatchGetItem, BatchGetTask};
 use crate::shard::Request;
 use crate::stats::Stats;
 use crate::ticket::{pending, BatchCollector, Ticket};
@@ -71,7 +71,7 @@ impl Store for Engine {
         }
         let lists = [std::slice::from_ref(&dst)];
         let mut targets = ReadTargets::new(self, &lists, None);
-        let slots = [Slot { key, list: 0, want: Want::Prefix }];
+        let slots = [KeyRead { key, list: 0, want: Want::Prefix }];
         self.read(&mut targets, &slots).pop().unwrap_or(Err(Error::Internal("no read result")))
     }
 
@@ -109,7 +109,7 @@ impl Store for Engine {
                     continue;
                 }
                 let want = Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
-                slots.push(Slot { key: &frag.key, list: b, want });
+                slots.push(KeyRead { key: &frag.key, list: b, want });
                 placed.push((b, f));
             }
         }
@@ -269,7 +269,7 @@ impl Engine {
         }
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
         let mut targets = ReadTargets::new(self, &lists, None);
-        let slots: Vec<Slot<'_>> = keys.iter().enumerate().map(|(i, key)| Slot { key, list: i, want }).collect();
+        let slots: Vec<KeyRead<'_>> = keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: i, want }).collect();
         self.read(&mut targets, &slots)
     }
 }

@@ -16,7 +16,7 @@
 //! chunks that need it; the chunks before it were checked and stay good.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,59 +31,13 @@ use crate::api::Fragment;
 use crate::chunks::{check_chunk_count, chunk_count, chunk_pair, cut, ChunkHandle, ChunkPlace, ChunkSink};
 use crate::error::{Error, Result};
 use crate::shard::{Inbox, ReadGrant, Request};
-use crate::stats::StreamStats;
+use crate::stats::StreamCounters;
 
 /// Distinct keys leased ahead of the chunk being started (one lease message per shard for
 /// them), at least the window.
 const LEASE_AHEAD_KEYS: usize = 16;
 /// How often a reader that follows a producer checks for cancellation while it waits.
 const FOLLOW_POLL: Duration = Duration::from_millis(20);
-
-/// Counters of the progressive and streaming paths.
-#[derive(Default)]
-pub(crate) struct StreamCounters {
-    pub(crate) handles_open: AtomicU64,
-    pub(crate) handles: AtomicU64,
-    pub(crate) chunks_delivered: AtomicU64,
-    pub(crate) chunks_failed: AtomicU64,
-    pub(crate) chunks_ahead_of_load: AtomicU64,
-    pub(crate) chunks_in_flight: AtomicU64,
-    pub(crate) peak_chunks_in_flight: AtomicU64,
-    pub(crate) leased_bytes: AtomicU64,
-    pub(crate) peak_leased_bytes: AtomicU64,
-    pub(crate) unsealed_objects: AtomicU64,
-    pub(crate) unsealed_bytes: AtomicU64,
-    pub(crate) sealed: AtomicU64,
-    pub(crate) producer_aborts: AtomicU64,
-    pub(crate) unsealed_expired: AtomicU64,
-}
-
-impl StreamCounters {
-    pub(crate) fn snapshot(&self) -> StreamStats {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        StreamStats {
-            handles_open: get(&self.handles_open),
-            handles: get(&self.handles),
-            chunks_delivered: get(&self.chunks_delivered),
-            chunks_failed: get(&self.chunks_failed),
-            chunks_ahead_of_load: get(&self.chunks_ahead_of_load),
-            chunks_in_flight: get(&self.chunks_in_flight),
-            peak_chunks_in_flight: get(&self.peak_chunks_in_flight),
-            leased_bytes: get(&self.leased_bytes),
-            peak_leased_bytes: get(&self.peak_leased_bytes),
-            unsealed_objects: get(&self.unsealed_objects),
-            unsealed_bytes: get(&self.unsealed_bytes),
-            sealed: get(&self.sealed),
-            producer_aborts: get(&self.producer_aborts),
-            unsealed_expired: get(&self.unsealed_expired),
-        }
-    }
-
-    fn add(&self, counter: &AtomicU64, peak: &AtomicU64, n: u64) {
-        let now = counter.fetch_add(n, Ordering::Relaxed) + n;
-        peak.fetch_max(now, Ordering::Relaxed);
-    }
-}
 
 /// Where a key's bytes come from.
 enum Source {
@@ -361,6 +315,25 @@ impl Drop for ReadDriver {
     }
 }
 
+/// Bytes of one key that go to one destination buffer (a fragment, or a whole object).
+struct ChunkSpan {
+    /// The key's index in the plan.
+    key: usize,
+    /// The destination buffer's index.
+    buffer: usize,
+    route: Route,
+    src_offset: u64,
+    dst_offset: u64,
+    len: u64,
+}
+
+impl ChunkSpan {
+    /// A whole object of `len` bytes, the plan's only key, at the start of buffer 0.
+    fn whole(route: Route, len: u64) -> ChunkSpan {
+        ChunkSpan { key: 0, buffer: 0, route, src_offset: 0, dst_offset: 0, len }
+    }
+}
+
 /// What a streaming read wants: keys (with how each is sourced) and chunks over them.
 struct ReadPlan {
     keys: Vec<KeyState>,
@@ -373,20 +346,10 @@ impl ReadPlan {
         ReadPlan { keys: Vec::new(), chunks: Vec::new(), places: Vec::new() }
     }
 
-    /// Adds chunks for `len` bytes at `src_offset` of key `k` into `region` at `dst_offset`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_chunks(
-        &mut self,
-        k: usize,
-        buffer: usize,
-        region: &Region<'_>,
-        route: Route,
-        src_offset: u64,
-        dst_offset: u64,
-        len: u64,
-        chunk_bytes: u64,
-        error: Option<Error>,
-    ) {
+    /// Adds chunks for `span.len` bytes at `span.src_offset` of key `span.key` into `region` at
+    /// `span.dst_offset`.
+    fn add_chunks(&mut self, region: &Region<'_>, span: ChunkSpan, chunk_bytes: u64, error: Option<Error>) {
+        let ChunkSpan { key: k, buffer, route, src_offset, dst_offset, len } = span;
         // A fragment that failed its checks is one chunk that reports the error.
         let len = if error.is_some() { 0 } else { len };
         for place in cut(buffer, dst_offset, len, chunk_bytes) {
@@ -441,7 +404,7 @@ impl Engine {
             error: None,
             chunks_left: 0,
         });
-        plan.add_chunks(0, 0, &dst, route, 0, 0, len, chunk_bytes, None);
+        plan.add_chunks(&dst, ChunkSpan::whole(route, len), chunk_bytes, None);
         Ok(self.start_driver(plan, transports, slot))
     }
 
@@ -478,7 +441,7 @@ impl Engine {
             error: None,
             chunks_left: 0,
         });
-        plan.add_chunks(0, 0, &dst, route, 0, 0, len, chunk_bytes, None);
+        plan.add_chunks(&dst, ChunkSpan::whole(route, len), chunk_bytes, None);
         Ok(self.start_driver(plan, transports, slot))
     }
 
@@ -540,7 +503,15 @@ impl Engine {
                         })
                     })
                     .err();
-                plan.add_chunks(k, b, region, routes[b], f.src_offset, f.dst_offset, f.len, chunk_bytes, error);
+                let span = ChunkSpan {
+                    key: k,
+                    buffer: b,
+                    route: routes[b],
+                    src_offset: f.src_offset,
+                    dst_offset: f.dst_offset,
+                    len: f.len,
+                };
+                plan.add_chunks(region, span, chunk_bytes, error);
             }
         }
         // Keys whose every chunk failed its checks are never leased.

@@ -2,7 +2,7 @@
 //!
 //! Owns the routing rule (a region list that names GPU memory goes to the GPU transport, which
 //! also copies its host pieces; anything else is CPU copies), the checks of region lists before
-//! anything is submitted (a large call's over a few threads, `fanout`), and the keep-awake count
+//! anything is submitted (a large call's over a few threads, `parallel`), and the keep-awake count
 //! that makes shards poll while an asynchronous transfer holds their leases. It never moves
 //! bytes and never chooses staged or direct: the transports do.
 
@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kvtide_transport::{MemcpyTransport, MemoryKind, Region, Transport};
 
-use super::{fanout, Engine};
+use super::{parallel, Engine};
 use crate::error::Error;
 
 /// Where a region list's bytes go through.
@@ -82,7 +82,7 @@ impl Engine {
             // A large call's lists are checked over a few threads.
             let checked = if route == Route::Host && transports.host_is_memcpy() {
                 // The store's own memcpy transport checks each list with `check_host_list`.
-                fanout::map_chunks(
+                parallel::map_chunks(
                     lists,
                     |list| list.len(),
                     |chunk, _| {
@@ -91,7 +91,7 @@ impl Engine {
                 )
             } else {
                 let transport = transports.get(route);
-                fanout::map_chunks(lists, |list| list.len(), |chunk, _| transport.check(chunk, writable))
+                parallel::map_chunks(lists, |list| list.len(), |chunk, _| transport.check(chunk, writable))
             };
             for (error, checked) in out.iter_mut().zip(checked) {
                 *error = checked.map(Error::from);

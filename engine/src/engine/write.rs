@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 use kvtide_transport::{Direction, Parts, PartsHint, Region, Transfer, Transport};
 
 use super::parts::PartCutter;
-use super::transports::{KeepAwake, Route};
-use super::Engine;
+use super::router::ByIndex;
+use super::transports::{KeepAwake, Route, Transports};
+use super::{Engine, Reservations};
 use crate::api::PutOptions;
 use crate::checks::total_len;
 use crate::error::{Error, Result};
+use crate::shard::WriteGrant;
 
 impl Engine {
     /// `batch_put_from_multi_buffers` with `gpu` in place of the store's GPU transport (tests
@@ -88,150 +90,96 @@ impl Engine {
         // Parts only help when every copy is asynchronous: CPU copies finish as they are
         // submitted, and one part then costs the fewest round trips to the shards.
         let all_gpu = !keys.is_empty() && routes.iter().all(|r| *r == Route::Gpu);
-        let split = all_gpu && !transports.get(Route::Gpu).completes_inline();
-        // Keys are checked part by part, as their part is cut: one pass over a large write's
-        // region lists costs as long as its first copies, so none is made up front. The write's
-        // size is estimated from its first object (KV blocks are all alike); a wrong estimate
-        // only shapes the parts differently.
-        let (routes, lists) = (&routes, &lists);
-        let estimate = |first_len: u64| first_len.saturating_mul(keys.len() as u64);
-        let hint = |route: Route, first_len: u64| PartsHint {
-            bytes: estimate(first_len),
-            pieces: (0..keys.len()).filter(|&i| routes[i] == route).map(|i| lists[i].len()).sum(),
-        };
-        let mut cutter: Option<PartCutter> = None;
-        let (mut next, mut checked_bytes, mut checked_keys, mut first_len) = (0usize, 0u64, 0u64, 0u64);
+        let mut cursor = PartCursor::new(all_gpu && !transports.get(Route::Gpu).completes_inline());
         // Declared before the submissions, so they drop after them: a submission dropped
         // unfinished (a panic) waits for its copies before the reservations are aborted.
         let mut reservations = None;
         // One submission per route, opened at its first part; the keys of its transfers, in order.
         let mut submissions: Vec<Option<RouteSubmission<'_>>> = Route::ALL.iter().map(|_| None).collect();
-        while next < keys.len() {
-            let mut part_items: Vec<(usize, &[u8], u64)> = Vec::new();
-            let mut bytes = 0u64;
-            while next < keys.len() {
-                let i = next;
-                next += 1;
-                let checked = self
-                    .validate_key(keys[i])
-                    .and_then(|()| total_len(lists[i]))
-                    .and_then(|len| self.validate_value_len(len).map(|()| len));
-                let len = match checked {
-                    Ok(len) => len,
-                    Err(e) => {
-                        results[i] = Err(e);
-                        continue;
-                    }
-                };
-                part_items.push((i, keys[i], len));
-                bytes += len;
-                checked_bytes += len;
-                checked_keys += 1;
-                let cutter = cutter.get_or_insert_with(|| {
-                    first_len = len;
-                    PartCutter::new(split, estimate(len))
-                });
-                let left = (keys.len() - next) as u64 * (checked_bytes / checked_keys);
-                if cutter.cut(bytes, left) {
-                    break;
-                }
-            }
-            if part_items.is_empty() {
+        while cursor.next < keys.len() {
+            let part = self.cut_part(keys, &lists, &mut cursor, &mut results);
+            if part.is_empty() {
                 continue;
             }
-            let part_items = &part_items[..];
-            let part_lists: Vec<&[Region<'_>]> = part_items.iter().map(|(i, _, _)| lists[*i]).collect();
-            let part_routes: Vec<Route> = part_items.iter().map(|(i, _, _)| routes[*i]).collect();
             // The sources are checked while the shards reserve; a key that fails its check is
-            // never copied, so its reservation is aborted below.
+            // never copied, so its reservation is aborted with the others that did not land.
+            let part_lists: Vec<&[Region<'_>]> = part.iter().map(|(i, _, _)| lists[*i]).collect();
+            let part_routes: Vec<Route> = part.iter().map(|(i, _, _)| routes[*i]).collect();
             let mut checks = Vec::new();
-            let (grants, reserved) = self.reserve_many(part_items.iter().copied(), opts.upsert, || {
+            let (grants, reserved) = self.reserve_many(part.iter().copied(), opts.upsert, || {
                 checks = self.check_lists(&transports, &part_lists, &part_routes, false);
             });
             match reservations.as_mut() {
                 None => reservations = Some(reserved),
                 Some(all) => all.absorb(reserved),
             }
-            for ((i, _, _), check) in part_items.iter().zip(checks) {
+            for ((i, _, _), check) in part.iter().zip(checks) {
                 if let (Some(e), Ok(())) = (check, &results[*i]) {
                     results[*i] = Err(e);
                 }
             }
             phases.lap(0);
-            // Per route, in arena order (a staging transport's fills then hold neighbours).
-            let mut by_route: Vec<Vec<(u64, usize, Transfer)>> = Route::ALL.iter().map(|_| Vec::new()).collect();
-            for (i, grant) in grants {
-                match grant {
-                    // A key that failed its source check is never copied: aborted with the reservations.
-                    Ok(_) if results[i].is_err() => {}
-                    Ok(grant) => {
-                        let host = grant.ptr.as_ptr() as u64;
-                        by_route[routes[i] as usize].push((host, i, Transfer::in_order(host, grant.len, lists[i])));
-                    }
-                    Err(e) => results[i] = Err(e),
-                }
-            }
+            let by_route = transfers_by_route(grants, &lists, &routes, &mut results);
             phases.lap(1);
-            for route in Route::ALL {
-                let mut batch = std::mem::take(&mut by_route[route as usize]);
-                if batch.is_empty() {
-                    continue;
-                }
-                batch.sort_unstable_by_key(|(host, _, _)| *host);
-                let (owners, transfers): (Vec<usize>, Vec<Transfer>) =
-                    batch.into_iter().map(|(_, i, t)| (i, t)).unzip();
-                let (submission, keys_of) = submissions[route as usize].get_or_insert_with(|| {
-                    (transports.get(route).submit_parts(Direction::DeviceToHost, hint(route, first_len)), Vec::new())
-                });
-                // SAFETY: every transfer's host bytes are our reservations (exclusive until
-                // commit or abort, both after the submission completed: `wait` below, and
-                // `reservations` drops after `submissions`). Every source list passed its
-                // transport's check and the caller lends it for the call.
-                unsafe { submission.push(&transfers) };
-                keys_of.extend(owners);
-            }
+            // The write's size is estimated from its first object (KV blocks are all alike); a
+            // wrong estimate only shapes the parts differently.
+            let hint = |route: Route| PartsHint {
+                bytes: cursor.estimate(keys.len()),
+                pieces: (0..keys.len()).filter(|&i| routes[i] == route).map(|i| lists[i].len()).sum(),
+            };
+            submit_by_route(&transports, by_route, &mut submissions, hint);
             phases.lap(2);
             phases.submitted();
         }
-        // Keys whose every byte landed are committed while later copies still run, so only
-        // the last copies' keys are committed after the last copy.
-        let mut settled = [0usize; Route::ALL.len()];
-        let mut waiting_since = Instant::now();
-        loop {
-            let mut landed: Vec<usize> = Vec::new();
-            let mut in_flight = false;
-            for route in Route::ALL {
-                let Some((submission, keys_of)) = submissions[route as usize].as_mut() else { continue };
-                let done = &mut settled[route as usize];
-                for outcome in submission.take_settled() {
-                    let Some(&i) = keys_of.get(*done) else { break };
-                    *done += 1;
-                    match outcome {
-                        Ok(()) => landed.push(i),
-                        Err(e) => results[i] = Err(Error::from(e)),
-                    }
+        let settled = commit_as_landed(&mut submissions, reservations.as_mut(), opts, &mut results, &mut phases);
+        self.finish_submissions(&mut submissions, &settled);
+        // Keys whose copies failed are aborted when the reservations drop.
+        drop(reservations);
+        phases.lap(4);
+        if let Some((spent, first_part)) = phases.spent() {
+            self.gpu.counters().record_write(spent, first_part);
+        }
+        results
+    }
+
+    /// Checks keys from `cursor` on until the cutter ends the part; the checked ones are the
+    /// part, the others get their error in `results`. Keys are checked part by part, as their
+    /// part is cut: one pass over a large write's region lists costs as long as its first
+    /// copies, so none is made up front.
+    fn cut_part<'k>(
+        &self,
+        keys: &[&'k [u8]],
+        lists: &[&[Region<'_>]],
+        cursor: &mut PartCursor,
+        results: &mut [Result<()>],
+    ) -> Vec<PartItem<'k>> {
+        let mut part: Vec<PartItem<'k>> = Vec::new();
+        let mut bytes = 0u64;
+        while cursor.next < keys.len() {
+            let i = cursor.next;
+            cursor.next += 1;
+            let checked = self
+                .validate_key(keys[i])
+                .and_then(|()| total_len(lists[i]))
+                .and_then(|len| self.validate_value_len(len).map(|()| len));
+            let len = match checked {
+                Ok(len) => len,
+                Err(e) => {
+                    results[i] = Err(e);
+                    continue;
                 }
-                in_flight |= *done < keys_of.len();
-            }
-            if !in_flight {
-                phases.lap(3);
-            }
-            if let (false, Some(reservations)) = (landed.is_empty(), reservations.as_mut()) {
-                landed.sort_unstable();
-                for (i, result) in reservations.commit(opts, |i| landed.binary_search(&i).is_ok()) {
-                    results[i] = result;
-                }
-                waiting_since = Instant::now();
-            }
-            if !in_flight {
+            };
+            part.push((i, keys[i], len));
+            bytes += len;
+            if cursor.cut(len, bytes, keys.len()) {
                 break;
             }
-            if waiting_since.elapsed() < SPIN_BEFORE_YIELD {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
         }
+        part
+    }
+
+    /// Waits for every route's submission to finish and counts the GPU's copies.
+    fn finish_submissions(&self, submissions: &mut [Option<RouteSubmission<'_>>], settled: &[usize; Route::ALL.len()]) {
         for route in Route::ALL {
             let Some((submission, keys_of)) = submissions[route as usize].take() else { continue };
             let inflight = submission.finish();
@@ -241,16 +189,148 @@ impl Engine {
                 let failed = outcomes.iter().filter(|r| r.is_err()).count() as u64;
                 self.gpu.counters().record(Some(&summary), Direction::DeviceToHost, failed);
             }
-            // Every transfer settled above, with the result `finish` reports.
+            // Every transfer settled before, with the result `finish` reports.
             debug_assert_eq!(settled[route as usize], keys_of.len());
         }
-        // Keys whose copies failed are aborted when the reservations drop.
-        drop(reservations);
-        phases.lap(4);
-        if let Some((spent, first_part)) = phases.spent() {
-            self.gpu.counters().record_write(spent, first_part);
+    }
+}
+
+/// One checked key of a part: its index in the call, the key and its value's length.
+type PartItem<'k> = (usize, &'k [u8], u64);
+
+/// Where a gathered write is in cutting its keys into parts.
+struct PartCursor {
+    /// The next key to check.
+    next: usize,
+    checked_bytes: u64,
+    checked_keys: u64,
+    /// The first checked object's length, from which the write's size is estimated.
+    first_len: u64,
+    split: bool,
+    cutter: Option<PartCutter>,
+}
+
+impl PartCursor {
+    fn new(split: bool) -> PartCursor {
+        PartCursor { next: 0, checked_bytes: 0, checked_keys: 0, first_len: 0, split, cutter: None }
+    }
+
+    /// The write's estimated size: its first object's length times its keys.
+    fn estimate(&self, keys: usize) -> u64 {
+        self.first_len.saturating_mul(keys as u64)
+    }
+
+    /// Counts a checked key of `len` bytes (the part now holds `part_bytes`); true when the
+    /// part ends with it.
+    fn cut(&mut self, len: u64, part_bytes: u64, keys: usize) -> bool {
+        self.checked_bytes += len;
+        self.checked_keys += 1;
+        if self.cutter.is_none() {
+            self.first_len = len;
         }
-        results
+        let estimate = self.estimate(keys);
+        let split = self.split;
+        let left = (keys - self.next) as u64 * (self.checked_bytes / self.checked_keys);
+        self.cutter.get_or_insert_with(|| PartCutter::new(split, estimate)).cut(part_bytes, left)
+    }
+}
+
+/// A part's transfers per route, in arena order (a staging transport's fills then hold
+/// neighbours): (host address, key index, transfer). A key whose grant failed gets its error.
+fn transfers_by_route(
+    grants: ByIndex<Result<WriteGrant>>,
+    lists: &[&[Region<'_>]],
+    routes: &[Route],
+    results: &mut [Result<()>],
+) -> Vec<Vec<(u64, usize, Transfer)>> {
+    let mut by_route: Vec<Vec<(u64, usize, Transfer)>> = Route::ALL.iter().map(|_| Vec::new()).collect();
+    for (i, grant) in grants {
+        match grant {
+            // A key that failed its source check is never copied: aborted with the reservations.
+            Ok(_) if results[i].is_err() => {}
+            Ok(grant) => {
+                let host = grant.ptr.as_ptr() as u64;
+                by_route[routes[i] as usize].push((host, i, Transfer::in_order(host, grant.len, lists[i])));
+            }
+            Err(e) => results[i] = Err(e),
+        }
+    }
+    for batch in &mut by_route {
+        batch.sort_unstable_by_key(|(host, _, _)| *host);
+    }
+    by_route
+}
+
+/// Pushes a part's transfers into each route's submission, opening it at its first part.
+fn submit_by_route<'t>(
+    transports: &'t Transports,
+    by_route: Vec<Vec<(u64, usize, Transfer)>>,
+    submissions: &mut [Option<RouteSubmission<'t>>],
+    hint: impl Fn(Route) -> PartsHint,
+) {
+    for (route, batch) in Route::ALL.into_iter().zip(by_route) {
+        if batch.is_empty() {
+            continue;
+        }
+        let (owners, transfers): (Vec<usize>, Vec<Transfer>) = batch.into_iter().map(|(_, i, t)| (i, t)).unzip();
+        let (submission, keys_of) = submissions[route as usize].get_or_insert_with(|| {
+            (transports.get(route).submit_parts(Direction::DeviceToHost, hint(route)), Vec::new())
+        });
+        // SAFETY: every transfer's host bytes are the write's reservations (exclusive until
+        // commit or abort, both after the submission completed: `finish_submissions`, and the
+        // reservations drop after the submissions). Every source list passed its transport's
+        // check and the caller lends it for the call.
+        unsafe { submission.push(&transfers) };
+        keys_of.extend(owners);
+    }
+}
+
+/// Commits keys whose every byte landed while later copies still run, so only the last
+/// copies' keys are committed after the last copy. Returns how many transfers of each route
+/// settled (all of them).
+fn commit_as_landed(
+    submissions: &mut [Option<RouteSubmission<'_>>],
+    mut reservations: Option<&mut Reservations<'_>>,
+    opts: PutOptions,
+    results: &mut [Result<()>],
+    phases: &mut PhaseClock,
+) -> [usize; Route::ALL.len()] {
+    let mut settled = [0usize; Route::ALL.len()];
+    let mut waiting_since = Instant::now();
+    loop {
+        let mut landed: Vec<usize> = Vec::new();
+        let mut in_flight = false;
+        for route in Route::ALL {
+            let Some((submission, keys_of)) = submissions[route as usize].as_mut() else { continue };
+            let done = &mut settled[route as usize];
+            for outcome in submission.take_settled() {
+                let Some(&i) = keys_of.get(*done) else { break };
+                *done += 1;
+                match outcome {
+                    Ok(()) => landed.push(i),
+                    Err(e) => results[i] = Err(Error::from(e)),
+                }
+            }
+            in_flight |= *done < keys_of.len();
+        }
+        if !in_flight {
+            phases.lap(3);
+        }
+        if let (false, Some(reservations)) = (landed.is_empty(), reservations.as_deref_mut()) {
+            landed.sort_unstable();
+            for (i, result) in reservations.commit(opts, |i| landed.binary_search(&i).is_ok()) {
+                results[i] = result;
+            }
+            waiting_since = Instant::now();
+        }
+        if !in_flight {
+            return settled;
+        }
+        if waiting_since.elapsed() < SPIN_BEFORE_YIELD {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
     }
 }
 

@@ -286,8 +286,11 @@ fn ssd_copy_in(facts: &[SsdFacts], id: u32) -> Option<PackedLocation> {
 }
 
 /// The index hash of object `id`'s key (what the index and the policy were given for it).
+/// A shard's page of a key scan: the keys and the next object slot (None: the shard is done).
+pub(crate) type ScannedKeys = (Vec<Box<[u8]>>, Option<u32>);
+
 fn index_key_hash(index: &IndexWriter, id: u32) -> u64 {
-    super::key_index_hash(index.key(id))
+    super::hash::key_index_hash(index.key(id))
 }
 
 /// What `pin` and a pinned upsert answer for an object that holds `u16::MAX` pins already.
@@ -339,7 +342,7 @@ impl ShardCore {
     /// A DRAM-only shard over `slice`, publishing counters to `counters`.
     #[cfg(test)]
     pub fn new(config: ShardConfig, slice: ArenaSlice, counters: Arc<ShardCounters>) -> Result<Self, OpenError> {
-        let index = IndexWriter::new(Arc::clone(&counters), config.max_objects, super::key_index_hash);
+        let index = IndexWriter::new(Arc::clone(&counters), config.max_objects, super::hash::key_index_hash);
         Self::with_ssd(config, slice, counters, None, index)
     }
 
@@ -549,7 +552,7 @@ impl ShardCore {
     /// at most `limit` keys and `SCAN_SLOTS` slots. The next slot to look at, None once every
     /// slot was seen. A key present and not replaced for a whole scan is
     /// returned exactly once: its slot does not move while it is live.
-    pub fn scan_keys(&self, prefix: &[u8], from: u32, limit: usize) -> super::ScannedKeys {
+    pub fn scan_keys(&self, prefix: &[u8], from: u32, limit: usize) -> ScannedKeys {
         let end = self.objects.capacity();
         let mut keys = Vec::new();
         let mut slot = from as usize;
@@ -1264,7 +1267,7 @@ impl ShardCore {
 
     /// The object slot `key` is indexed at.
     fn find(&self, key: &[u8]) -> Option<u32> {
-        self.find_hashed(key, super::key_index_hash(key))
+        self.find_hashed(key, super::hash::key_index_hash(key))
     }
 
     /// `find` with the key's index hash at hand.

@@ -109,7 +109,7 @@ pub(crate) fn serve_on_caller(cell: &CoreCell, inbox: &Inbox, request: Request) 
     }
     match lend(cell, inbox) {
         Some(lent) => {
-            lent.run(|core| Some(super::runtime::serve(core, request)));
+            lent.run(|core| Some(super::serve::serve(core, request)));
             Ok(())
         }
         None => Err(request),

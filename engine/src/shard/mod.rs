@@ -2,52 +2,33 @@
 //! of the index. This module owns the messages callers send and the inbox they go through; it
 //! never lets a caller touch a shard's state except by a message, which a caller handles itself
 //! (on the shard's core, under its lock) only when the shard is idle (`lend`).
+//!
+//! `shard/` is the floor below the engine: it never imports `crate::engine`. Work the engine
+//! wants a shard to advance comes as a `ShardTask` (`task`), whose code lives with the engine.
 
 pub mod core;
+mod hash;
 pub(crate) mod inbox;
 pub mod landing;
 mod lend;
 pub(crate) mod published;
 mod ring;
 mod runtime;
+mod serve;
 pub(crate) mod task;
 
 use std::time::Duration;
 
 use crossbeam_channel::Sender;
 
-pub(crate) use self::core::largest_value_bytes;
+pub(crate) use self::core::{largest_value_bytes, ScannedKeys};
 pub use self::core::{
     LeaseId, Location, ObjectRef, ReadGrant, ShardConfig, ShardCore, WriteGrant, DEFAULT_MAX_PENDING_TOMBSTONES,
 };
+pub(crate) use hash::{index_hash, key_hash, key_index_hash};
 pub(crate) use inbox::Inbox;
 pub(crate) use lend::{lend, serve_on_caller};
-pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread};
-
-/// Seed of a key's hash (`key_hash`), which routes it to a shard.
-const ROUTING_SEED: u64 = 0x6b76_7469_6465_0001;
-
-/// A key's hash: `key_hash % shards` is the shard that holds it. Hashed once per key and call;
-/// the shard's index takes `index_hash` of it.
-pub(crate) fn key_hash(key: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(key, ROUTING_SEED)
-}
-
-/// Where a shard's index files a key of hash `key_hash`: a bijective mix (murmur3's finaliser),
-/// so the keys of one shard, which share `key_hash % shards`, share no bits in its table.
-pub(crate) fn index_hash(key_hash: u64) -> u64 {
-    let mut h = key_hash;
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    h ^ (h >> 33)
-}
-
-/// The hash a shard's index files `key` under (`index_hash` of its `key_hash`).
-pub(crate) fn key_index_hash(key: &[u8]) -> u64 {
-    index_hash(key_hash(key))
-}
+pub(crate) use runtime::{allowed_cpus, spawn_shard, DiskBackend, RuntimeConfig, ShardThread, StartingShard};
 
 /// CPUs this process may run on (the default shard count).
 pub(crate) fn allowed_cpu_count() -> usize {
@@ -56,9 +37,6 @@ pub(crate) fn allowed_cpu_count() -> usize {
 pub(crate) use task::ShardTask;
 
 use crate::error::Result;
-
-/// A shard's page of a key scan: the keys and the next object slot (None: the shard is done).
-pub(crate) type ScannedKeys = (Vec<Box<[u8]>>, Option<u32>);
 
 /// A request to one shard. Batched: one message per shard per call phase, not per key.
 pub(crate) enum Request {

@@ -1,6 +1,6 @@
 //! A shard's io_uring ring and its table of in-flight operations.
 //!
-//! Every SQE's `user_data` is a key into `ops`; the entry owns whatever memory the kernel may
+//! Owns the ring and the memory of every operation in flight. Every SQE's `user_data` is a key into `ops`; the entry owns whatever memory the kernel may
 //! write until the CQE arrives (the eventfd read buffer, the timeout's timespec, SSD
 //! buffers), so nothing the kernel can touch is freed early. The ring never
 //! decides what an operation means: `reap` hands each completion back to the loop.
@@ -35,7 +35,7 @@ pub(crate) enum RingOp {
 }
 
 /// What a completion was for.
-pub(crate) enum Completion {
+pub(crate) enum RingEvent {
     Wake,
     Timer,
 }
@@ -52,7 +52,7 @@ pub(crate) struct Ring {
     /// Without io_uring: the eventfd and timeout the next park polls, and what it saw.
     poll_fd: Option<i32>,
     poll_after: Option<Duration>,
-    polled: Vec<(Completion, i32)>,
+    polled: Vec<(RingEvent, i32)>,
     ops: Slab<RingOp>,
     wake_armed: bool,
     timer_armed: bool,
@@ -225,7 +225,7 @@ impl Ring {
     }
 
     /// Takes every available completion, frees its op entry and reports what it was.
-    pub(crate) fn reap_cq(&mut self, mut on_completion: impl FnMut(Completion, i32)) -> usize {
+    pub(crate) fn reap_cq(&mut self, mut on_completion: impl FnMut(RingEvent, i32)) -> usize {
         let mut reaped = 0;
         let Some(ring) = self.ring.as_mut() else {
             let polled = std::mem::take(&mut self.polled);
@@ -246,11 +246,11 @@ impl Ring {
             match op {
                 RingOp::Wake { .. } => {
                     self.wake_armed = false;
-                    on_completion(Completion::Wake, result);
+                    on_completion(RingEvent::Wake, result);
                 }
                 RingOp::Timer { .. } => {
                     self.timer_armed = false;
-                    on_completion(Completion::Timer, result);
+                    on_completion(RingEvent::Timer, result);
                 }
                 RingOp::Disk { token } => {
                     self.disk_in_flight -= 1;
@@ -373,10 +373,10 @@ impl Ring {
             let mut value = 0u64;
             // SAFETY: reads 8 bytes into `value` from the shard's non-blocking eventfd.
             let n = unsafe { libc::read(fd, (&mut value as *mut u64).cast(), 8) };
-            self.polled.push((Completion::Wake, n as i32));
+            self.polled.push((RingEvent::Wake, n as i32));
             self.wake_armed = false;
         } else if rc == 0 {
-            self.polled.push((Completion::Timer, -libc::ETIME));
+            self.polled.push((RingEvent::Timer, -libc::ETIME));
         }
         // A timeout is armed per park here (io_uring keeps one until it fires).
         self.timer_armed = false;

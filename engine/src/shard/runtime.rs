@@ -2,7 +2,9 @@
 //! the low watermark, reaps io_uring completions and fires timers, then spins briefly and parks
 //! in `submit_and_wait` with an eventfd read outstanding. It never blocks while it has work.
 //! It holds its core through each turn and lets go of it while it yields or parks, when
-//! callers may run requests that touch only the core on it themselves (`lend`).
+//! callers may run requests that touch only the core on it themselves (`lend`). Owns the
+//! thread, its start-up and shutdown and the order of a turn; what each request does on the
+//! core is `serve`'s.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -16,7 +18,8 @@ use super::core::{RecoveryReport, ShardCore};
 use super::inbox::Inbox;
 use super::lend::{CoreCell, LoopCore};
 use super::published::PublishedIndex;
-use super::ring::{Completion, Ring};
+use super::ring::{Ring, RingEvent};
+use super::serve::serve;
 use super::task::TaskPoll;
 use super::{Request, ShardTask};
 use crate::error::OpenError;
@@ -477,14 +480,14 @@ impl ShardLoop {
     fn reap(&mut self) {
         let counters = Arc::clone(self.core.counters());
         self.ring.reap_cq(|completion, result| match completion {
-            Completion::Wake => {
+            RingEvent::Wake => {
                 counters.wakeups.fetch_add(1, Relaxed);
                 if result < 0 && result != -libc::EAGAIN {
                     tracing::warn!(result, "eventfd read failed");
                 }
             }
             // The loop checks timers itself; a timeout only ends a park.
-            Completion::Timer => {}
+            RingEvent::Timer => {}
         });
     }
 
@@ -545,60 +548,6 @@ impl ShardLoop {
             self.tasks.push(task);
         }
     }
-}
-
-/// Handles `request` on `core`: on the shard thread, or on a caller's while the shard lends it
-/// its core (`lend`). A task is started and handed back for the loop to advance.
-pub(super) fn serve(core: &mut ShardCore, request: Request) -> Option<Box<dyn ShardTask>> {
-    // A reply whose caller gave up is simply dropped; the caller's guard cleans up.
-    match request {
-        Request::LeaseRead { keys, ttl, early, reply } => {
-            let deadline = ttl.map(|ttl| Instant::now() + ttl);
-            core.lease_read_batch(keys, deadline, early, Box::new(move |grants| drop(reply.send(grants))));
-        }
-        Request::LeaseObjects { objects, reply } => {
-            let _ = reply.send(objects.into_iter().map(|object| core.lease_object(object)).collect());
-        }
-        Request::Release { leases } => leases.into_iter().for_each(|lease| core.release(lease)),
-        Request::Reserve { items, upsert, reply } => {
-            core.reserve_batch(items, upsert, Box::new(move |grants| drop(reply.send(grants))));
-        }
-        Request::Commit { objects, upsert, pin, reply } => {
-            core.commit_batch(objects, upsert, pin, Box::new(move |results| drop(reply.send(results))));
-        }
-        Request::Abort { objects } => objects.into_iter().for_each(|object| core.abort(object)),
-        Request::Exists { keys, reply } => {
-            let found = keys.iter().map(|key| core.exists(key)).collect();
-            let _ = reply.send(found);
-        }
-        Request::Locate { keys, reply } => {
-            let found = keys.iter().map(|key| core.locate(key)).collect();
-            let _ = reply.send(found);
-        }
-        Request::Remove { key, force, reply } => {
-            core.remove_then(&key, force, Box::new(move |result| drop(reply.send(result))));
-        }
-        Request::Pin { key, reply } => {
-            let _ = reply.send(core.pin(&key));
-        }
-        Request::Unpin { key, reply } => {
-            let _ = reply.send(core.unpin(&key));
-        }
-        Request::Task(mut task) => {
-            core.counters().tasks_in_flight.fetch_add(1, Relaxed);
-            task.start(core);
-            return Some(task);
-        }
-        Request::ScanKeys { prefix, from, limit, reply } => {
-            let _ = reply.send(core.scan_keys(&prefix, from, limit));
-        }
-        Request::Barrier { reply } => {
-            // Leases given back through the published index before the barrier count too.
-            core.take_published_news();
-            let _ = reply.send(());
-        }
-    }
-    None
 }
 
 fn pin_current_thread(cpu: usize) {

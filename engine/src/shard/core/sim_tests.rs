@@ -237,172 +237,421 @@ fn clean_shutdown(core: &mut ShardCore, disk: &mut SimDisk) {
     panic!("clean shutdown never settled: {}", core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default());
 }
 
+/// One scenario's state beside the core under test: the disk, the model of every key and what
+/// was counted so far. The core stays with the caller, so a restart can drop it before its
+/// successor is made, as a restarted process would.
+struct Sim {
+    seed: u64,
+    segments: u32,
+    write_through: bool,
+    promote: bool,
+    faults: SimFaults,
+    rng: SimRng,
+    arena: Arc<Arena>,
+    disk: SimDisk,
+    model: HashMap<u32, KeyModel>,
+    version: u32,
+    /// An SSD eviction happened: durable keys may have left legitimately.
+    evicted: bool,
+    out: Outcome,
+}
+
+/// What a clean shutdown saw before the restart, to judge each key after it.
+struct BeforeRestart {
+    present: HashMap<u32, bool>,
+    /// Each key's state as `{:?}` writes it, for the failure messages.
+    states: HashMap<u32, String>,
+    /// Nothing could have been lost: faults were off and nothing was evicted or skipped.
+    lossless: bool,
+    tombstones_lost: bool,
+    report: RecoveryReport,
+}
+
+fn ctx(seed: u64, step: usize) -> String {
+    format!("seed {seed} step {step}")
+}
+
+/// The key `KVTIDE_SIM_KEY` names, traced on stderr.
+fn traced_key() -> Option<u32> {
+    std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok())
+}
+
+/// Prints every record of `key` on the disk, segment by segment.
+fn dump_records(disk: &mut SimDisk, segments: u32, key: &[u8]) {
+    for seg in 0..segments {
+        let scan = kvtide_tiers::ssd::scan_segment(disk, seg).expect("scan");
+        eprintln!("  seg {seg} epoch {:?} header seq {}", scan.epoch, scan.header_seq);
+        for r in scan.records.iter().filter(|r| r.key == key) {
+            eprintln!("    {:?} seq {} at {}", r.kind, r.seq, r.location.offset);
+        }
+    }
+}
+
 fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
     if std::env::var("KVTIDE_SIM_TRACE").is_ok() {
         eprintln!("scenario seed {seed}, {segments} segments");
     }
-    let mut rng = SimRng::new(seed);
-    let write_through = rng.below(2) == 0;
-    let promote = rng.below(4) != 0;
-    let faults = SimFaults {
-        read_eio_ppm: [0, 0, 20_000, 50_000][rng.below(4) as usize],
-        write_eio_ppm: [0, 0, 20_000, 50_000][rng.below(4) as usize],
-        sync_eio_ppm: [0, 0, 0, 30_000][rng.below(4) as usize],
-        short_ppm: [0, 100_000, 300_000][rng.below(3) as usize],
-        max_delay_polls: rng.below(4) as u32,
-        ..SimFaults::default()
-    };
-    let arena = Arena::new(2 << 20, 1).expect("arena");
-    let mut disk = SimDisk::new(segments, SEGMENT_BYTES, seed ^ 0xD15C, faults.clone());
-    let mut core = new_core(&arena, segments, write_through, promote);
-    core.recover(&mut disk).expect("recover empty");
-    let keys = 24 + rng.below(40) as u32;
-    let mut model: HashMap<u32, KeyModel> = HashMap::new();
-    let mut version = 0u32;
-    let mut durable_checked = 0;
-    let mut crashes = 0;
-    let mut clean_restarts = 0;
-    let mut evicted = false;
-    let mut compactions = 0;
-    let mut evicted_segments = 0;
-    let ctx = |seed: u64, step: usize| format!("seed {seed} step {step}");
+    let (mut sim, mut core) = Sim::new(seed, segments);
+    let keys = 24 + sim.rng.below(40) as u32;
     for step in 0..ops {
-        let k = rng.below(u64::from(keys)) as u32;
+        let k = sim.rng.below(u64::from(keys)) as u32;
         let key = format!("k{k}").into_bytes();
-        let trace = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) == Some(k);
-        match rng.below(22) {
-            0..=8 => {
-                version += 1;
-                // Now and then a value of several checksum blocks (progressive loads release it
-                // block by block).
-                let len = if rng.below(8) == 0 {
-                    (64 << 10) + rng.below(200 << 10) as usize
-                } else {
-                    1 + rng.below(40 << 10) as usize
-                };
-                let v = value(k, version, len);
-                let m = model.entry(k).or_default();
-                m.written.push(v.clone());
-                m.offered_since_restart.push(v.clone());
-                let r = put(&mut core, &mut disk, &key, &v);
-                if trace {
-                    eprintln!("step {step}: put k{k} v{version} len {len} -> {r:?}");
-                }
-                match r {
-                    Ok(()) => {
-                        m.latest = Some(v.clone());
-                        m.removed_value = None;
-                        m.durable = write_through.then_some(v);
-                        m.absent_since_restart = false;
-                        m.evicted_value = None;
-                    }
-                    // Reserve refused: the old version stays. A failed write-through commit
-                    // unlinked the old version too: the key is gone.
-                    Err(Error::NoSpace) | Err(Error::Io(_)) => {
-                        m.durable = None;
-                        if write_through {
-                            m.latest = None;
-                        }
-                    }
-                    Err(e) => panic!("{}: put: {e}", ctx(seed, step)),
+        let trace = traced_key() == Some(k);
+        match sim.rng.below(22) {
+            0..=8 => sim.put(&mut core, step, k, &key, trace),
+            9..=16 => sim.get(&mut core, step, k, &key),
+            17 | 21 => sim.remove(&mut core, step, k, &key, trace),
+            18 => pump(&mut core, &mut sim.disk),
+            20 => core = sim.clean_restart(core, step),
+            _ => core = sim.crash(core, step),
+        }
+        core.check_invariants().unwrap_or_else(|e| panic!("{}: {e}", ctx(seed, step)));
+    }
+    sim.finish(core)
+}
+
+impl Sim {
+    fn new(seed: u64, segments: u32) -> (Sim, ShardCore) {
+        let mut rng = SimRng::new(seed);
+        let write_through = rng.below(2) == 0;
+        let promote = rng.below(4) != 0;
+        let faults = SimFaults {
+            read_eio_ppm: [0, 0, 20_000, 50_000][rng.below(4) as usize],
+            write_eio_ppm: [0, 0, 20_000, 50_000][rng.below(4) as usize],
+            sync_eio_ppm: [0, 0, 0, 30_000][rng.below(4) as usize],
+            short_ppm: [0, 100_000, 300_000][rng.below(3) as usize],
+            max_delay_polls: rng.below(4) as u32,
+            ..SimFaults::default()
+        };
+        let arena = Arena::new(2 << 20, 1).expect("arena");
+        let mut disk = SimDisk::new(segments, SEGMENT_BYTES, seed ^ 0xD15C, faults.clone());
+        let mut core = new_core(&arena, segments, write_through, promote);
+        core.recover(&mut disk).expect("recover empty");
+        let out = Outcome { durable_checked: 0, crashes: 0, clean_restarts: 0, compactions: 0, evicted_segments: 0 };
+        let sim = Sim {
+            seed,
+            segments,
+            write_through,
+            promote,
+            faults,
+            rng,
+            arena,
+            disk,
+            model: HashMap::new(),
+            version: 0,
+            evicted: false,
+            out,
+        };
+        (sim, core)
+    }
+
+    /// A put of a new version of key `k`.
+    fn put(&mut self, core: &mut ShardCore, step: usize, k: u32, key: &[u8], trace: bool) {
+        self.version += 1;
+        // Now and then a value of several checksum blocks (progressive loads release it
+        // block by block).
+        let len = if self.rng.below(8) == 0 {
+            (64 << 10) + self.rng.below(200 << 10) as usize
+        } else {
+            1 + self.rng.below(40 << 10) as usize
+        };
+        let v = value(k, self.version, len);
+        let m = self.model.entry(k).or_default();
+        m.written.push(v.clone());
+        m.offered_since_restart.push(v.clone());
+        let r = put(core, &mut self.disk, key, &v);
+        if trace {
+            eprintln!("step {step}: put k{k} v{} len {len} -> {r:?}", self.version);
+        }
+        match r {
+            Ok(()) => {
+                m.latest = Some(v.clone());
+                m.removed_value = None;
+                m.durable = self.write_through.then_some(v);
+                m.absent_since_restart = false;
+                m.evicted_value = None;
+            }
+            // Reserve refused: the old version stays. A failed write-through commit
+            // unlinked the old version too: the key is gone.
+            Err(Error::NoSpace) | Err(Error::Io(_)) => {
+                m.durable = None;
+                if self.write_through {
+                    m.latest = None;
                 }
             }
-            9..=16 => {
-                let m = model.entry(k).or_default();
-                let read = match rng.below(3) {
-                    0 => early_get(&mut core, &mut disk, &key, m.latest.as_deref(), rng.below(3) == 0),
-                    _ => get(&mut core, &mut disk, &key).map(Some),
-                };
-                match read {
-                    Ok(None) => {}
-                    Ok(Some(bytes)) => {
-                        let ver =
-                            |b: &[u8]| if b.len() >= 8 { u32::from_le_bytes([b[4], b[5], b[6], b[7]]) } else { 0 };
-                        assert!(
-                            m.latest.as_ref() == Some(&bytes),
-                            "{}: read of k{k} is not its latest version: got v{} ({} bytes), model {:?}, written {:?}",
-                            ctx(seed, step),
-                            ver(&bytes),
-                            bytes.len(),
-                            m.latest.as_ref().map(|l| (ver(l), l.len())),
-                            m.written.iter().map(|w| ver(w)).collect::<Vec<_>>()
-                        );
-                    }
-                    Err(Error::NotFound) | Err(Error::Io(_)) | Err(Error::NoSpace) => {}
-                    Err(e) => panic!("{}: get: {e}", ctx(seed, step)),
-                }
+            Err(e) => panic!("{}: put: {e}", ctx(self.seed, step)),
+        }
+    }
+
+    /// A read of key `k` (now and then one granted while its object still loads).
+    fn get(&mut self, core: &mut ShardCore, step: usize, k: u32, key: &[u8]) {
+        let m = self.model.entry(k).or_default();
+        let read = match self.rng.below(3) {
+            0 => early_get(core, &mut self.disk, key, m.latest.as_deref(), self.rng.below(3) == 0),
+            _ => get(core, &mut self.disk, key).map(Some),
+        };
+        match read {
+            Ok(None) => {}
+            Ok(Some(bytes)) => {
+                let ver = |b: &[u8]| if b.len() >= 8 { u32::from_le_bytes([b[4], b[5], b[6], b[7]]) } else { 0 };
+                assert!(
+                    m.latest.as_ref() == Some(&bytes),
+                    "{}: read of k{k} is not its latest version: got v{} ({} bytes), model {:?}, written {:?}",
+                    ctx(self.seed, step),
+                    ver(&bytes),
+                    bytes.len(),
+                    m.latest.as_ref().map(|l| (ver(l), l.len())),
+                    m.written.iter().map(|w| ver(w)).collect::<Vec<_>>()
+                );
             }
-            17 | 21 => {
-                let m = model.entry(k).or_default();
-                if trace {
-                    eprintln!("step {step}: remove k{k}");
-                }
-                match core.remove(&key, false) {
-                    Ok(()) => {
-                        m.removed_value = m.latest.take();
-                        m.durable = None;
-                        m.evicted_value = None;
-                    }
-                    // The tier failed and could not keep it removed: nothing changed.
-                    Err(Error::Io(_)) => {
-                        assert!(core.ssd_failed(), "{}: remove of k{k} failed on a working tier", ctx(seed, step));
-                        assert_eq!(
-                            core.counters().snapshot().ssd_write_failed,
-                            1,
-                            "{}: the failed tier shows",
-                            ctx(seed, step)
-                        )
-                    }
-                    // Not there: evicted (it may come back with that value) or never put.
-                    Err(Error::NotFound) => {
-                        if let Some(v) = m.latest.take() {
-                            m.evicted_value = Some(v);
-                        }
-                        m.durable = None;
-                    }
-                    Err(e) => panic!("{}: remove: {e}", ctx(seed, step)),
-                }
+            Err(Error::NotFound) | Err(Error::Io(_)) | Err(Error::NoSpace) => {}
+            Err(e) => panic!("{}: get: {e}", ctx(self.seed, step)),
+        }
+    }
+
+    /// A remove of key `k`.
+    fn remove(&mut self, core: &mut ShardCore, step: usize, k: u32, key: &[u8], trace: bool) {
+        let m = self.model.entry(k).or_default();
+        if trace {
+            eprintln!("step {step}: remove k{k}");
+        }
+        match core.remove(key, false) {
+            Ok(()) => {
+                m.removed_value = m.latest.take();
+                m.durable = None;
+                m.evicted_value = None;
             }
-            18 => pump(&mut core, &mut disk),
-            20 => {
-                // Clean shutdown and restart: every key present before reads its latest value
-                // after (DRAM-only objects were written out), every absent key stays absent.
-                let faults_off = rng.below(2) == 0;
-                if faults_off {
-                    disk.set_faults(SimFaults::default());
+            // The tier failed and could not keep it removed: nothing changed.
+            Err(Error::Io(_)) => {
+                assert!(core.ssd_failed(), "{}: remove of k{k} failed on a working tier", ctx(self.seed, step));
+                assert_eq!(
+                    core.counters().snapshot().ssd_write_failed,
+                    1,
+                    "{}: the failed tier shows",
+                    ctx(self.seed, step)
+                )
+            }
+            // Not there: evicted (it may come back with that value) or never put.
+            Err(Error::NotFound) => {
+                if let Some(v) = m.latest.take() {
+                    m.evicted_value = Some(v);
                 }
-                let present: HashMap<u32, bool> =
-                    model.keys().map(|&k| (k, core.find(format!("k{k}").as_bytes()).is_some())).collect();
-                let before: HashMap<u32, String> = model
-                    .keys()
-                    .map(|&k| {
-                        let state = core.find(format!("k{k}").as_bytes()).map(|id| {
-                            let o = &core.objects[id as usize];
-                            (core.ssd_copy(id), o.dram.is_some(), core.facts(id).seq, o.io_refs, o.state)
-                        });
-                        (k, format!("{state:?}"))
-                    })
-                    .collect();
-                let evictions_before = core.counters.ssd_evictions.load(RELAXED);
-                let skipped_before = core.counters.tombstones_skipped.load(RELAXED);
-                clean_shutdown(&mut core, &mut disk);
-                let lossless = faults_off
-                    && core.counters.ssd_evictions.load(RELAXED) == evictions_before
-                    && core.counters.shutdown_flush_skipped.load(RELAXED) == 0
-                    && core.counters.tombstones_skipped.load(RELAXED) == skipped_before;
-                let tombstones_lost = core.counters.tombstones_skipped.load(RELAXED) > 0;
-                evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
-                compactions += core.counters.compactions.load(RELAXED);
-                evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
-                if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
-                    let tkey = format!("k{tk}").into_bytes();
-                    eprintln!(
-                        "step {step} clean shutdown (write-through {write_through}, faults off {faults_off}): {}",
-                        core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default()
+                m.durable = None;
+            }
+            Err(e) => panic!("{}: remove: {e}", ctx(self.seed, step)),
+        }
+    }
+
+    /// Adds what `core` reclaimed to the outcome (a core's counters start at zero).
+    fn count_reclaims(&mut self, core: &ShardCore) {
+        self.evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
+        self.out.compactions += core.counters.compactions.load(RELAXED);
+        self.out.evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
+    }
+
+    /// A fresh core recovering from the disk image.
+    fn recover(&mut self, step: usize) -> (ShardCore, RecoveryReport) {
+        let mut core = new_core(&self.arena, self.segments, self.write_through, self.promote);
+        let report = core.recover(&mut self.disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(self.seed, step)));
+        (core, report)
+    }
+
+    /// Clean shutdown and restart: every key present before reads its latest value after
+    /// (DRAM-only objects were written out), every absent key stays absent.
+    fn clean_restart(&mut self, mut core: ShardCore, step: usize) -> ShardCore {
+        let faults_off = self.rng.below(2) == 0;
+        if faults_off {
+            self.disk.set_faults(SimFaults::default());
+        }
+        let present: HashMap<u32, bool> =
+            self.model.keys().map(|&k| (k, core.find(format!("k{k}").as_bytes()).is_some())).collect();
+        let states: HashMap<u32, String> = self
+            .model
+            .keys()
+            .map(|&k| {
+                let state = core.find(format!("k{k}").as_bytes()).map(|id| {
+                    let o = &core.objects[id as usize];
+                    (core.ssd_copy(id), o.dram.is_some(), core.facts(id).seq, o.io_refs, o.state)
+                });
+                (k, format!("{state:?}"))
+            })
+            .collect();
+        let evictions_before = core.counters.ssd_evictions.load(RELAXED);
+        let skipped_before = core.counters.tombstones_skipped.load(RELAXED);
+        clean_shutdown(&mut core, &mut self.disk);
+        let lossless = faults_off
+            && core.counters.ssd_evictions.load(RELAXED) == evictions_before
+            && core.counters.shutdown_flush_skipped.load(RELAXED) == 0
+            && core.counters.tombstones_skipped.load(RELAXED) == skipped_before;
+        let tombstones_lost = core.counters.tombstones_skipped.load(RELAXED) > 0;
+        self.count_reclaims(&core);
+        if let Some(tk) = traced_key() {
+            self.trace_clean_shutdown(&core, step, tk, faults_off);
+        }
+        drop(core);
+        self.out.clean_restarts += 1;
+        self.disk.set_faults(SimFaults::default());
+        let (mut core, report) = self.recover(step);
+        let before = BeforeRestart { present, states, lossless, tombstones_lost, report };
+        let keys: Vec<u32> = self.model.keys().copied().collect();
+        for k in keys {
+            self.check_after_clean_restart(&mut core, step, k, &before);
+        }
+        core.check_invariants().unwrap_or_else(|e| panic!("{}: after clean restart: {e}", ctx(self.seed, step)));
+        self.disk.set_faults(self.faults.clone());
+        core
+    }
+
+    fn trace_clean_shutdown(&mut self, core: &ShardCore, step: usize, tk: u32, faults_off: bool) {
+        let tkey = format!("k{tk}").into_bytes();
+        eprintln!(
+            "step {step} clean shutdown (write-through {}, faults off {faults_off}): {}",
+            self.write_through,
+            core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default()
+        );
+        for seg in 0..self.segments {
+            let scan = kvtide_tiers::ssd::scan_segment(&mut self.disk, seg).expect("scan");
+            for r in scan.records.iter().filter(|r| r.key == tkey) {
+                eprintln!("  seg {seg} epoch {:?}: {:?} seq {} at {}", scan.epoch, r.kind, r.seq, r.location.offset);
+            }
+        }
+    }
+
+    /// Key `k` after a clean restart: its latest value (or, with faults, absent), never an
+    /// older one; absent before, absent after.
+    fn check_after_clean_restart(&mut self, core: &mut ShardCore, step: usize, k: u32, before: &BeforeRestart) {
+        let (seed, segments, evicted) = (self.seed, self.segments, self.evicted);
+        let Some(m) = self.model.get_mut(&k) else { return };
+        let key = format!("k{k}").into_bytes();
+        let was_present = before.present.get(&k).copied().unwrap_or(false);
+        match get(core, &mut self.disk, &key) {
+            Ok(bytes) => {
+                // An evicted object may come back (a copy of its record made by a
+                // reclaim the crash interrupted); a removed one never does.
+                assert!(
+                    was_present
+                        || before.tombstones_lost
+                        || m.latest.as_ref() == Some(&bytes)
+                        || m.evicted_value.as_ref() == Some(&bytes),
+                    "{}: k{k} was absent before a clean shutdown and came back",
+                    ctx(seed, step)
+                );
+                // A lost tombstone (counted) may let an older version win; it is
+                // still one written for this key.
+                assert!(m.written.contains(&bytes), "{}: k{k} reads bytes never written", ctx(seed, step));
+                if !before.tombstones_lost
+                    && m.latest.as_ref() != Some(&bytes)
+                    && m.evicted_value.as_ref() != Some(&bytes)
+                {
+                    dump_records(&mut self.disk, segments, &key);
+                    let ver = |b: &[u8]| u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                    panic!(
+                        "{}: k{k} reads v{} after a clean restart, latest {:?}; it was {}",
+                        ctx(seed, step),
+                        ver(&bytes),
+                        m.latest.as_ref().map(|l| ver(l)),
+                        before.states.get(&k).cloned().unwrap_or_default()
                     );
+                }
+                m.latest = Some(bytes);
+                m.absent_since_restart = false;
+            }
+            Err(Error::NotFound) => {
+                // Reads after the restart load objects, and a reclaim they start may
+                // evict (counted) in a tier that is mostly live.
+                let evicted_since = core.counters.ssd_evictions.load(RELAXED) > 0;
+                assert!(
+                    !(was_present && before.lossless && !evicted_since),
+                    "{}: k{k} was present before a clean shutdown and is lost: it was {}; recovered {:?}; now {}",
+                    ctx(seed, step),
+                    before.states.get(&k).cloned().unwrap_or_default(),
+                    before.report,
+                    core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default()
+                );
+                assert!(m.durable.is_none() || evicted, "{}: durable k{k} lost in a clean restart", ctx(seed, step));
+                if !m.absent_since_restart {
+                    m.evicted_value = m.latest.take();
+                }
+                m.latest = None;
+                m.durable = None;
+                m.absent_since_restart = true;
+            }
+            Err(e) => panic!("{}: read after a clean restart: {e}", ctx(seed, step)),
+        }
+        m.offered_since_restart.clear();
+        m.removed_value = None;
+    }
+
+    /// Crash: whatever was in flight is lost; unsynced writes survive whole, torn or not at
+    /// all. A new core recovers from the disk image.
+    fn crash(&mut self, mut core: ShardCore, step: usize) -> ShardCore {
+        pump_some(&mut core, &mut self.disk, self.rng.below(3) as usize);
+        self.count_reclaims(&core);
+        if let Some(tk) = traced_key() {
+            self.trace_crash(&core, step, tk);
+        }
+        drop(core);
+        self.disk.crash();
+        self.out.crashes += 1;
+        self.disk.set_faults(SimFaults::default());
+        let (mut core, report) = self.recover(step);
+        if let Some(tk) = traced_key() {
+            let tkey = format!("k{tk}").into_bytes();
+            eprintln!("  recovered {report:?}; traced key indexed: {}", core.find(&tkey[..]).is_some());
+        }
+        let keys: Vec<u32> = self.model.keys().copied().collect();
+        for k in keys {
+            self.check_after_crash(&mut core, step, k);
+        }
+        core.check_invariants().unwrap_or_else(|e| panic!("{}: after recovery: {e}", ctx(self.seed, step)));
+        self.disk.set_faults(self.faults.clone());
+        core
+    }
+
+    fn trace_crash(&self, core: &ShardCore, step: usize, tk: u32) {
+        let c = core.counters.snapshot();
+        let tkey = format!("k{tk}").into_bytes();
+        let loc = core.find(&tkey[..]).map(|id| {
+            let o = &core.objects[id as usize];
+            (core.ssd_copy(id), o.dram.is_some(), core.facts(id).seq)
+        });
+        let segs: Vec<_> = (0..self.segments)
+            .filter_map(|i| core.ssd.as_ref().and_then(|s| s.segments().get(i)).map(|g| (i, g.state, g.write_offset)))
+            .collect();
+        eprintln!(
+            "step {step} crash: k{tk} at {loc:?}; reclaimed {} compactions {}; segs {segs:?}",
+            c.segments_reclaimed, c.compactions
+        );
+    }
+
+    /// Key `k` after a crash: bytes written for it, an acknowledged-durable version
+    /// byte-exact, and a key a restart found absent stays absent.
+    fn check_after_crash(&mut self, core: &mut ShardCore, step: usize, k: u32) {
+        let (seed, segments) = (self.seed, self.segments);
+        let Some(m) = self.model.get_mut(&k) else { return };
+        let key = format!("k{k}").into_bytes();
+        // Reads load objects, which may reclaim segments: keys checked after an SSD
+        // eviction may have left legitimately.
+        self.evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
+        let evicted = self.evicted;
+        match get(core, &mut self.disk, &key) {
+            Ok(bytes) => {
+                assert!(m.written.contains(&bytes), "{}: k{k} recovered bytes never written", ctx(seed, step));
+                let evicted_comes_back =
+                    m.evicted_value.as_ref() == Some(&bytes) || m.offered_since_restart.contains(&bytes);
+                if m.absent_since_restart && !evicted_comes_back && core.counters.tombstones_skipped.load(RELAXED) == 0
+                {
+                    dump_records(&mut self.disk, segments, &key);
+                    panic!("{}: k{k} was absent at an earlier restart and came back", ctx(seed, step));
+                }
+                m.latest = Some(bytes);
+                m.absent_since_restart = false;
+            }
+            Err(Error::NotFound) => {
+                if m.durable.is_some() && !evicted && std::env::var("KVTIDE_SIM_KEY").is_ok() {
                     for seg in 0..segments {
-                        let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
-                        for r in scan.records.iter().filter(|r| r.key == tkey) {
+                        let scan = kvtide_tiers::ssd::scan_segment(&mut self.disk, seg).expect("scan");
+                        for r in scan.records.iter().filter(|r| r.key == key) {
                             eprintln!(
                                 "  seg {seg} epoch {:?}: {:?} seq {} at {}",
                                 scan.epoch, r.kind, r.seq, r.location.offset
@@ -410,201 +659,38 @@ fn scenario(seed: u64, segments: u32, ops: usize) -> Outcome {
                         }
                     }
                 }
-                drop(core);
-                clean_restarts += 1;
-                disk.set_faults(SimFaults::default());
-                core = new_core(&arena, segments, write_through, promote);
-                let report = core.recover(&mut disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(seed, step)));
-                for (&k, m) in model.iter_mut() {
-                    let key = format!("k{k}").into_bytes();
-                    let was_present = present.get(&k).copied().unwrap_or(false);
-                    match get(&mut core, &mut disk, &key) {
-                        Ok(bytes) => {
-                            // An evicted object may come back (a copy of its record made by a
-                            // reclaim the crash interrupted); a removed one never does.
-                            assert!(
-                                was_present
-                                    || tombstones_lost
-                                    || m.latest.as_ref() == Some(&bytes)
-                                    || m.evicted_value.as_ref() == Some(&bytes),
-                                "{}: k{k} was absent before a clean shutdown and came back",
-                                ctx(seed, step)
-                            );
-                            // A lost tombstone (counted) may let an older version win; it is
-                            // still one written for this key.
-                            assert!(m.written.contains(&bytes), "{}: k{k} reads bytes never written", ctx(seed, step));
-                            if !tombstones_lost
-                                && m.latest.as_ref() != Some(&bytes)
-                                && m.evicted_value.as_ref() != Some(&bytes)
-                            {
-                                for seg in 0..segments {
-                                    let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
-                                    eprintln!("  seg {seg} epoch {:?} header seq {}", scan.epoch, scan.header_seq);
-                                    for r in scan.records.iter().filter(|r| r.key == key) {
-                                        eprintln!("    {:?} seq {} at {}", r.kind, r.seq, r.location.offset);
-                                    }
-                                }
-                                let ver = |b: &[u8]| u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-                                panic!(
-                                    "{}: k{k} reads v{} after a clean restart, latest {:?}; it was {}",
-                                    ctx(seed, step),
-                                    ver(&bytes),
-                                    m.latest.as_ref().map(|l| ver(l)),
-                                    before.get(&k).cloned().unwrap_or_default()
-                                );
-                            }
-                            m.latest = Some(bytes);
-                            m.absent_since_restart = false;
-                        }
-                        Err(Error::NotFound) => {
-                            // Reads after the restart load objects, and a reclaim they start may
-                            // evict (counted) in a tier that is mostly live.
-                            let evicted_since = core.counters.ssd_evictions.load(RELAXED) > 0;
-                            assert!(
-                                !(was_present && lossless && !evicted_since),
-                                "{}: k{k} was present before a clean shutdown and is lost: it was {}; recovered {report:?}; now {}",
-                                ctx(seed, step),
-                                before.get(&k).cloned().unwrap_or_default(),
-                                core.ssd.as_ref().map(|s| s.describe()).unwrap_or_default()
-                            );
-                            assert!(
-                                m.durable.is_none() || evicted,
-                                "{}: durable k{k} lost in a clean restart",
-                                ctx(seed, step)
-                            );
-                            if !m.absent_since_restart {
-                                m.evicted_value = m.latest.take();
-                            }
-                            m.latest = None;
-                            m.durable = None;
-                            m.absent_since_restart = true;
-                        }
-                        Err(e) => panic!("{}: read after a clean restart: {e}", ctx(seed, step)),
-                    }
-                    m.offered_since_restart.clear();
-                    m.removed_value = None;
+                assert!(m.durable.is_none() || evicted, "{}: durable k{k} lost in the crash", ctx(seed, step));
+                if !m.absent_since_restart {
+                    // A crash may have undone a remove, and the key left again by eviction.
+                    m.evicted_value = m.latest.take().or_else(|| m.removed_value.clone());
                 }
-                core.check_invariants().unwrap_or_else(|e| panic!("{}: after clean restart: {e}", ctx(seed, step)));
-                disk.set_faults(faults.clone());
+                m.latest = None;
+                m.absent_since_restart = true;
             }
-            _ => {
-                // Crash: whatever was in flight is lost; unsynced writes survive whole, torn or
-                // not at all. A new core recovers from the disk image.
-                pump_some(&mut core, &mut disk, rng.below(3) as usize);
-                evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
-                compactions += core.counters.compactions.load(RELAXED);
-                evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
-                if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
-                    let c = core.counters.snapshot();
-                    let tkey = format!("k{tk}").into_bytes();
-                    let loc = core.find(&tkey[..]).map(|id| {
-                        let o = &core.objects[id as usize];
-                        (core.ssd_copy(id), o.dram.is_some(), core.facts(id).seq)
-                    });
-                    let segs: Vec<_> = (0..segments)
-                        .filter_map(|i| {
-                            core.ssd.as_ref().and_then(|s| s.segments().get(i)).map(|g| (i, g.state, g.write_offset))
-                        })
-                        .collect();
-                    eprintln!(
-                        "step {step} crash: k{tk} at {loc:?}; reclaimed {} compactions {}; segs {segs:?}",
-                        c.segments_reclaimed, c.compactions
-                    );
-                }
-                drop(core);
-                disk.crash();
-                crashes += 1;
-                disk.set_faults(SimFaults::default());
-                core = new_core(&arena, segments, write_through, promote);
-                let report = core.recover(&mut disk).unwrap_or_else(|e| panic!("{}: recover: {e}", ctx(seed, step)));
-                if let Some(tk) = std::env::var("KVTIDE_SIM_KEY").ok().and_then(|v| v.parse::<u32>().ok()) {
-                    let tkey = format!("k{tk}").into_bytes();
-                    eprintln!("  recovered {report:?}; traced key indexed: {}", core.find(&tkey[..]).is_some());
-                }
-                for (&k, m) in model.iter_mut() {
-                    let key = format!("k{k}").into_bytes();
-                    // Reads load objects, which may reclaim segments: keys checked after an SSD
-                    // eviction may have left legitimately.
-                    evicted |= core.counters.ssd_evictions.load(RELAXED) > 0;
-                    match get(&mut core, &mut disk, &key) {
-                        Ok(bytes) => {
-                            assert!(
-                                m.written.contains(&bytes),
-                                "{}: k{k} recovered bytes never written",
-                                ctx(seed, step)
-                            );
-                            let evicted_comes_back =
-                                m.evicted_value.as_ref() == Some(&bytes) || m.offered_since_restart.contains(&bytes);
-                            if m.absent_since_restart
-                                && !evicted_comes_back
-                                && core.counters.tombstones_skipped.load(RELAXED) == 0
-                            {
-                                for seg in 0..segments {
-                                    let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
-                                    eprintln!("  seg {seg} epoch {:?} header seq {}", scan.epoch, scan.header_seq);
-                                    for r in scan.records.iter().filter(|r| r.key == key) {
-                                        eprintln!("    {:?} seq {} at {}", r.kind, r.seq, r.location.offset);
-                                    }
-                                }
-                                panic!("{}: k{k} was absent at an earlier restart and came back", ctx(seed, step));
-                            }
-                            m.latest = Some(bytes);
-                            m.absent_since_restart = false;
-                        }
-                        Err(Error::NotFound) => {
-                            if m.durable.is_some() && !evicted && std::env::var("KVTIDE_SIM_KEY").is_ok() {
-                                for seg in 0..segments {
-                                    let scan = kvtide_tiers::ssd::scan_segment(&mut disk, seg).expect("scan");
-                                    for r in scan.records.iter().filter(|r| r.key == key) {
-                                        eprintln!(
-                                            "  seg {seg} epoch {:?}: {:?} seq {} at {}",
-                                            scan.epoch, r.kind, r.seq, r.location.offset
-                                        );
-                                    }
-                                }
-                            }
-                            assert!(
-                                m.durable.is_none() || evicted,
-                                "{}: durable k{k} lost in the crash",
-                                ctx(seed, step)
-                            );
-                            if !m.absent_since_restart {
-                                // A crash may have undone a remove, and the key left again by eviction.
-                                m.evicted_value = m.latest.take().or_else(|| m.removed_value.clone());
-                            }
-                            m.latest = None;
-                            m.absent_since_restart = true;
-                        }
-                        Err(e) => panic!("{}: read after recovery: {e}", ctx(seed, step)),
-                    }
-                    m.offered_since_restart.clear();
-                    if let (Some(d), false) = (&m.durable, evicted) {
-                        assert_eq!(
-                            m.latest.as_ref(),
-                            Some(d),
-                            "{}: durable k{k} came back as another version",
-                            ctx(seed, step)
-                        );
-                        durable_checked += 1;
-                    }
-                }
-                core.check_invariants().unwrap_or_else(|e| panic!("{}: after recovery: {e}", ctx(seed, step)));
-                disk.set_faults(faults.clone());
-            }
+            Err(e) => panic!("{}: read after recovery: {e}", ctx(seed, step)),
         }
-        core.check_invariants().unwrap_or_else(|e| panic!("{}: {e}", ctx(seed, step)));
+        m.offered_since_restart.clear();
+        if let (Some(d), false) = (&m.durable, evicted) {
+            assert_eq!(m.latest.as_ref(), Some(d), "{}: durable k{k} came back as another version", ctx(seed, step));
+            self.out.durable_checked += 1;
+        }
     }
-    pump(&mut core, &mut disk);
-    let c = core.counters.snapshot();
-    assert_eq!(
-        (c.leases_held, c.writes_in_flight, c.retired_objects),
-        (0, 0, 0),
-        "seed {seed}: held resources at the end"
-    );
-    assert!(core.is_quiet(), "seed {seed}: work still pending");
-    compactions += core.counters.compactions.load(RELAXED);
-    evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
-    Outcome { durable_checked, crashes, clean_restarts, compactions, evicted_segments }
+
+    /// The end of a scenario: every held resource given back, nothing pending.
+    fn finish(mut self, mut core: ShardCore) -> Outcome {
+        let seed = self.seed;
+        pump(&mut core, &mut self.disk);
+        let c = core.counters.snapshot();
+        assert_eq!(
+            (c.leases_held, c.writes_in_flight, c.retired_objects),
+            (0, 0, 0),
+            "seed {seed}: held resources at the end"
+        );
+        assert!(core.is_quiet(), "seed {seed}: work still pending");
+        self.out.compactions += core.counters.compactions.load(RELAXED);
+        self.out.evicted_segments += core.counters.segments_reclaimed.load(RELAXED);
+        self.out
+    }
 }
 
 /// Runs a few rounds of disk work (so crashes land mid-flight, not only at quiet points).

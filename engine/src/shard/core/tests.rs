@@ -89,6 +89,74 @@ struct Known {
     pins: u32,
 }
 
+/// `Op::Put` of `(key, len_kib, upsert)` as write `version`, checked against the model.
+fn put(
+    shard: &mut ShardCore,
+    model: &mut HashMap<u8, Known>,
+    (key, len_kib, upsert): (u8, u16, bool),
+    version: u32,
+) -> Result<(), TestCaseError> {
+    let len = usize::from(len_kib) * 1024 + usize::from(key);
+    match shard.reserve(&[key], len as u64, upsert) {
+        Ok(grant) => {
+            let bytes = fill(key, version, len);
+            // SAFETY: the reservation gives us `len` exclusive bytes at grant.ptr.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), grant.ptr.as_ptr(), len) };
+            let had = model.contains_key(&key) && shard.find(&[key][..]).is_some();
+            match shard.commit(grant.object, upsert) {
+                Ok(()) => {
+                    prop_assert!(upsert || !had);
+                    let pins = if had { model.get(&key).map_or(0, |k| k.pins) } else { 0 };
+                    model.insert(key, Known { version, len, pins });
+                }
+                Err(Error::AlreadyExists) => prop_assert!(!upsert),
+                Err(e) => return Err(TestCaseError::fail(format!("commit: {e}"))),
+            }
+        }
+        Err(Error::AlreadyExists) => prop_assert!(!upsert && shard.find(&[key][..]).is_some()),
+        Err(Error::NoSpace) => {
+            // Only when pinned + leased + reserved bytes leave no room.
+            prop_assert!(shard.policy.len() <= shard.len());
+        }
+        Err(e) => return Err(TestCaseError::fail(format!("reserve: {e}"))),
+    }
+    Ok(())
+}
+
+/// `Op::Read` (or `Op::Hold`, which keeps the lease in `held`) of `key`, checked against the model.
+fn read(
+    shard: &mut ShardCore,
+    model: &mut HashMap<u8, Known>,
+    held: &mut Vec<(u8, u32, ReadGrant)>,
+    key: u8,
+    hold: bool,
+) -> Result<(), TestCaseError> {
+    match shard.lease_read(&[key], None) {
+        Ok(grant) => {
+            let known = model.get(&key).cloned();
+            let Some(known) = known else {
+                return Err(TestCaseError::fail("read a key the model never stored"));
+            };
+            prop_assert_eq!(grant.len as usize, known.len);
+            // SAFETY: the lease keeps `len` bytes at grant.ptr in place.
+            let got = unsafe { std::slice::from_raw_parts(grant.ptr.as_ptr(), known.len) };
+            prop_assert!(got == &fill(key, known.version, known.len)[..], "wrong bytes for key {}", key);
+            if hold {
+                held.push((key, known.version, grant));
+            } else {
+                shard.release(grant.lease);
+            }
+        }
+        Err(Error::NotFound) => {
+            // Evicted or never stored; never while pinned.
+            prop_assert!(model.get(&key).is_none_or(|k| k.pins == 0), "pinned key {} vanished", key);
+            model.remove(&key);
+        }
+        Err(e) => return Err(TestCaseError::fail(format!("lease: {e}"))),
+    }
+    Ok(())
+}
+
 fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
     let mut shard = core(4 << 20, policy);
     let mut model: HashMap<u8, Known> = HashMap::new();
@@ -97,31 +165,8 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
     for op in ops {
         match op {
             Op::Put { key, len_kib, upsert } => {
-                let len = usize::from(len_kib) * 1024 + usize::from(key);
                 version += 1;
-                match shard.reserve(&[key], len as u64, upsert) {
-                    Ok(grant) => {
-                        let bytes = fill(key, version, len);
-                        // SAFETY: the reservation gives us `len` exclusive bytes at grant.ptr.
-                        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), grant.ptr.as_ptr(), len) };
-                        let had = model.contains_key(&key) && shard.find(&[key][..]).is_some();
-                        match shard.commit(grant.object, upsert) {
-                            Ok(()) => {
-                                prop_assert!(upsert || !had);
-                                let pins = if had { model.get(&key).map_or(0, |k| k.pins) } else { 0 };
-                                model.insert(key, Known { version, len, pins });
-                            }
-                            Err(Error::AlreadyExists) => prop_assert!(!upsert),
-                            Err(e) => return Err(TestCaseError::fail(format!("commit: {e}"))),
-                        }
-                    }
-                    Err(Error::AlreadyExists) => prop_assert!(!upsert && shard.find(&[key][..]).is_some()),
-                    Err(Error::NoSpace) => {
-                        // Only when pinned + leased + reserved bytes leave no room.
-                        prop_assert!(shard.policy.len() <= shard.len());
-                    }
-                    Err(e) => return Err(TestCaseError::fail(format!("reserve: {e}"))),
-                }
+                put(&mut shard, &mut model, (key, len_kib, upsert), version)?;
             }
             Op::AbortedPut { key, len_kib } => {
                 if let Ok(grant) = shard.reserve(&[key], u64::from(len_kib) * 1024, true) {
@@ -129,29 +174,10 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
                     shard.abort(grant.object); // duplicate is harmless
                 }
             }
-            Op::Read { key } | Op::Hold { key } => match shard.lease_read(&[key], None) {
-                Ok(grant) => {
-                    let known = model.get(&key).cloned();
-                    let Some(known) = known else {
-                        return Err(TestCaseError::fail("read a key the model never stored"));
-                    };
-                    prop_assert_eq!(grant.len as usize, known.len);
-                    // SAFETY: the lease keeps `len` bytes at grant.ptr in place.
-                    let got = unsafe { std::slice::from_raw_parts(grant.ptr.as_ptr(), known.len) };
-                    prop_assert!(got == &fill(key, known.version, known.len)[..], "wrong bytes for key {}", key);
-                    if matches!(op, Op::Hold { .. }) {
-                        held.push((key, known.version, grant));
-                    } else {
-                        shard.release(grant.lease);
-                    }
-                }
-                Err(Error::NotFound) => {
-                    // Evicted or never stored; never while pinned.
-                    prop_assert!(model.get(&key).is_none_or(|k| k.pins == 0), "pinned key {} vanished", key);
-                    model.remove(&key);
-                }
-                Err(e) => return Err(TestCaseError::fail(format!("lease: {e}"))),
-            },
+            Op::Read { key } | Op::Hold { key } => {
+                let hold = matches!(op, Op::Hold { .. });
+                read(&mut shard, &mut model, &mut held, key, hold)?;
+            }
             Op::Release { which } => {
                 if !held.is_empty() {
                     let (key, version, grant) = held.remove(which % held.len());

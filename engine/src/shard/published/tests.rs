@@ -32,25 +32,27 @@ impl Word for loom::sync::atomic::AtomicU64 {
 
 /// One object slot as the protocol sees it: the lease word, and the bytes it guards (the
 /// object's value, holding its generation so a reader can tell whose bytes it read).
-struct Slot {
+struct ModelSlot {
     word: LeaseWord<loom::sync::atomic::AtomicU64>,
     bytes: UnsafeCell<u64>,
 }
 
 // SAFETY: the UnsafeCell is only touched under the protocol being checked; loom reports any
 // access that the protocol fails to order.
-unsafe impl Sync for Slot {}
+unsafe impl Sync for ModelSlot {}
 
-fn open_slot(generation: u32) -> Arc<Slot> {
-    let slot =
-        Slot { word: LeaseWord(loom::sync::atomic::AtomicU64::new(0)), bytes: UnsafeCell::new(u64::from(generation)) };
+fn open_slot(generation: u32) -> Arc<ModelSlot> {
+    let slot = ModelSlot {
+        word: LeaseWord(loom::sync::atomic::AtomicU64::new(0)),
+        bytes: UnsafeCell::new(u64::from(generation)),
+    };
     slot.word.reset(generation);
     slot.word.open();
     Arc::new(slot)
 }
 
 /// A reader: lease, read the bytes, check they are the leased generation's, give back.
-fn read(slot: &Slot) -> Option<u32> {
+fn read(slot: &ModelSlot) -> Option<u32> {
     let generation = slot.word.acquire()?;
     // SAFETY: read under a lease; loom checks that no write can race with it.
     let seen = slot.bytes.with(|p| unsafe { *p });
@@ -60,7 +62,7 @@ fn read(slot: &Slot) -> Option<u32> {
 }
 
 /// `n` reader threads, each taking one lease (see `read`).
-fn spawn_readers(slot: &Arc<Slot>, n: usize) -> Vec<loom::thread::JoinHandle<Option<u32>>> {
+fn spawn_readers(slot: &Arc<ModelSlot>, n: usize) -> Vec<loom::thread::JoinHandle<Option<u32>>> {
     (0..n)
         .map(|_| {
             let slot = Arc::clone(slot);

@@ -1,4 +1,4 @@
-//! Spreading one call's per-page host work over a few threads.
+//! Spreading one call's per-page host work over a few threads (`parallel::map_chunks`).
 //!
 //! Owns when a call's per-page passes (checking destination lists, planning pieces) are large
 //! enough to split, and how: contiguous chunks of about equal page counts, one on the calling
