@@ -17,7 +17,10 @@ use std::time::{Duration, Instant};
 
 use kvtide::Error as StoreError;
 
-use super::{batches, Conn, Inner, RemoteStore, LEASE_MARGIN};
+use super::arguments::valid_keys;
+use super::conn::{Conn, LEASE_MARGIN};
+use super::pool::Inner;
+use super::{batches, RemoteStore};
 use crate::error::Result;
 use crate::protocol::{GetItem, LenCheck};
 use crate::wire::WireError;
@@ -170,13 +173,7 @@ impl RemoteStore {
         let limits = self.inner.limits()?;
         let mut results: Vec<Result<u64>> =
             (0..keys.len()).map(|_| Err(StoreError::Internal("hold: key never answered").into())).collect();
-        let mut valid = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            match self.inner.validate_key(&limits, key) {
-                Ok(()) => valid.push(i),
-                Err(e) => results[i] = Err(e),
-            }
-        }
+        let valid = valid_keys(&limits, keys, &mut results);
         let holds = &self.inner.holds;
         let mut st = holds.lock();
         if st.closed {

@@ -16,9 +16,11 @@ use std::time::{Duration, Instant};
 use kvtide::{checks, Error as StoreError, Fragment, Store, StreamCompleter, StreamHandle, StreamTicket};
 use kvtide_transport::{InFlight, Region, Transfer, Transport};
 
-use super::{Conn, Inner, RemoteStore, LEASE_MARGIN};
+use super::conn::{Conn, LEASE_MARGIN};
+use super::pool::Inner;
+use super::RemoteStore;
 use crate::error::{Error, Result};
-use crate::protocol::{decode_error_frame, decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
+use crate::protocol::{decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
 use crate::wire::WResult;
 
 /// How often the watch thread looks at the reads in flight.
@@ -474,23 +476,13 @@ impl Conn {
         arena_bytes: u64,
     ) -> WResult<Result<(u32, Vec<std::result::Result<crate::protocol::Grant, Error>>)>> {
         let count = items.len();
-        let start = self.io.begin(Op::Get, rid);
-        Request::Get { lease: true, items }.encode(self.io.out());
-        self.io.end(start);
-        self.io.flush()?;
-        let h = self.read_reply_header(rid)?;
-        let payload = self.io.read_payload(h.payload_len)?;
-        match h.op {
-            Op::Grants => {
-                let (ttl_ms, grants) = decode_grants(&payload, self.limits.max_items, arena_bytes)?;
-                if grants.len() != count {
-                    return Err(ProtocolError::Invalid { what: "grant count" }.into());
-                }
-                Ok(Ok((ttl_ms, grants)))
+        self.request(rid, &Request::Get { lease: true, items }, Op::Grants, "grants", |conn, payload| {
+            let (ttl_ms, grants) = decode_grants(payload, conn.limits.max_items, arena_bytes)?;
+            if grants.len() != count {
+                return Err(ProtocolError::Invalid { what: "grant count" }.into());
             }
-            Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
-            other => Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
-        }
+            Ok((ttl_ms, grants))
+        })
     }
 }
 
