@@ -185,8 +185,6 @@ impl RemoteStore {
                 Some(c) => (c, true),
                 None => (self.inner.open()?, false),
             };
-            // Without the arena mapped the grants carry lengths only (offset 0).
-            let arena_bytes = conn.shm.as_ref().map_or(u64::MAX, |m| m.len());
             let owner_ttl = Duration::from_millis(u64::from(conn.hello.lease_ttl_ms)).saturating_sub(LEASE_MARGIN);
             let ttl = Duration::from_millis(ttl_ms).min(owner_ttl);
             if ttl.is_zero() {
@@ -194,35 +192,7 @@ impl RemoteStore {
                 return Err(StoreError::InvalidArgument("the owner's lease TTL is too short for holds".into()).into());
             }
             let sent = Instant::now();
-            let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
-            let max_items = (conn.limits.max_items as usize).max(1);
-            let mut leases: Vec<Option<u64>> = vec![None; keys.len()];
-            let mut failed: Option<WireError> = None;
-            for (start, end) in batches(&key_lens, 11, max_items, &conn.limits) {
-                let items: Vec<GetItem<'_>> =
-                    valid[start..end].iter().map(|&i| GetItem { key: keys[i], check: LenCheck::Any }).collect();
-                let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
-                match conn.lease_all(rid, items, arena_bytes) {
-                    Ok(Ok((_, grants))) => {
-                        for (&i, grant) in valid[start..end].iter().zip(grants) {
-                            match grant {
-                                Ok(g) => {
-                                    leases[i] = Some(g.lease);
-                                    results[i] = Ok(g.len);
-                                }
-                                Err(e) => results[i] = Err(e),
-                            }
-                        }
-                    }
-                    // The owner refused the request as a whole (answered, so the connection
-                    // is still in step): its keys are not held.
-                    Ok(Err(e)) => valid[start..end].iter().for_each(|&i| results[i] = Err(e.clone())),
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
-                }
-            }
+            let (leases, failed) = self.lease_batches(&mut conn, keys, &valid, &mut results);
             match failed {
                 None => {
                     st.conn = Some(conn);
@@ -248,6 +218,53 @@ impl RemoteStore {
                 }
             }
         };
+        let id = self.record(&mut st, leases, expires_at)?;
+        Ok(HoldGranted { id, results, expires_at })
+    }
+
+    /// Takes leases on `conn` for the keys at positions `valid`, in as many requests as the
+    /// owner's limits need: per key its lease id (its length or why not in `results`), and the
+    /// failure that lost the connection midway, if one did.
+    fn lease_batches(
+        &self,
+        conn: &mut Conn,
+        keys: &[&[u8]],
+        valid: &[usize],
+        results: &mut [Result<u64>],
+    ) -> (Vec<Option<u64>>, Option<WireError>) {
+        // Without the arena mapped the grants carry lengths only (offset 0).
+        let arena_bytes = conn.shm.as_ref().map_or(u64::MAX, |m| m.len());
+        let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
+        let max_items = (conn.limits.max_items as usize).max(1);
+        let mut leases: Vec<Option<u64>> = vec![None; keys.len()];
+        for (start, end) in batches(&key_lens, 11, max_items, &conn.limits) {
+            let items: Vec<GetItem<'_>> =
+                valid[start..end].iter().map(|&i| GetItem { key: keys[i], check: LenCheck::Any }).collect();
+            let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+            match conn.lease_all(rid, items, arena_bytes) {
+                Ok(Ok((_, grants))) => {
+                    for (&i, grant) in valid[start..end].iter().zip(grants) {
+                        match grant {
+                            Ok(g) => {
+                                leases[i] = Some(g.lease);
+                                results[i] = Ok(g.len);
+                            }
+                            Err(e) => results[i] = Err(e),
+                        }
+                    }
+                }
+                // The owner refused the request as a whole (answered, so the connection is
+                // still in step): its keys are not held.
+                Ok(Err(e)) => valid[start..end].iter().for_each(|&i| results[i] = Err(e.clone())),
+                Err(e) => return (leases, Some(e)),
+            }
+        }
+        (leases, None)
+    }
+
+    /// Files a hold of `leases` until `expires_at` (when any key is held, starting the reaper
+    /// if it is not running yet); returns its id.
+    fn record(&self, st: &mut HoldState, leases: Vec<Option<u64>>, expires_at: Instant) -> Result<u64> {
         let held = leases.iter().flatten().count();
         st.next_id += 1;
         let id = st.next_id;
@@ -262,9 +279,9 @@ impl RemoteStore {
                     .map_err(|e| StoreError::Io(format!("cannot start the hold reaper thread: {e}")))?;
                 st.reaper_started = true;
             }
-            holds.wake.notify_all();
+            self.inner.holds.wake.notify_all();
         }
-        Ok(HoldGranted { id, results, expires_at })
+        Ok(id)
     }
 
     /// Releases hold `id`'s leases: all of them (`which` None) or those of the keys at these
