@@ -125,51 +125,49 @@ pub(super) fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping
 }
 
 /// `[pos, pos + n)` of the concatenation of `sources`, as slices.
-pub(super) fn source_slices<'s>(sources: &'s [Region<'_>], mut pos: u64, mut n: u64) -> Vec<IoSlice<'s>> {
-    let mut out = Vec::new();
-    for src in sources {
-        if n == 0 {
-            break;
-        }
-        let len = src.len() as u64;
-        if pos >= len {
-            pos -= len;
-            continue;
-        }
-        let take = (len - pos).min(n);
-        // SAFETY: host regions are valid for reads for the duration of the call that lent them
-        // (Region's contract); `[pos, pos + take)` lies inside this one.
-        let bytes = unsafe { std::slice::from_raw_parts((src.addr() + pos) as *const u8, take as usize) };
-        out.push(IoSlice::new(bytes));
-        n -= take;
-        pos = 0;
-    }
-    out
+pub(super) fn source_slices<'s>(sources: &'s [Region<'_>], pos: u64, n: u64) -> Vec<IoSlice<'s>> {
+    RegionParts::new(sources, pos, n)
+        .map(|(addr, len)| {
+            // SAFETY: host regions are valid for reads for the duration of the call that lent
+            // them (Region's contract); the part lies inside one of `sources`.
+            IoSlice::new(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) })
+        })
+        .collect()
 }
 
-/// Calls `f(addr, len)` for the parts of `regions` covering `[pos, pos + n)` of their
-/// concatenation (the caller checked that it lies inside).
-pub(super) fn for_region_parts(
-    regions: &[Region<'_>],
-    mut pos: u64,
-    mut n: u64,
-    mut f: impl FnMut(u64, u64) -> WResult<()>,
-) -> WResult<()> {
-    for r in regions {
-        if n == 0 {
-            break;
-        }
-        let len = r.len() as u64;
-        if pos >= len {
-            pos -= len;
-            continue;
-        }
-        let take = (len - pos).min(n);
-        f(r.addr() + pos, take)?;
-        n -= take;
-        pos = 0;
+/// The parts of `regions` covering `[pos, pos + n)` of their concatenation, as (address,
+/// length), in order (the caller checked that the range lies inside).
+pub(super) struct RegionParts<'r, 'a> {
+    regions: std::slice::Iter<'r, Region<'a>>,
+    pos: u64,
+    left: u64,
+}
+
+impl<'r, 'a> RegionParts<'r, 'a> {
+    pub(super) fn new(regions: &'r [Region<'a>], pos: u64, n: u64) -> RegionParts<'r, 'a> {
+        RegionParts { regions: regions.iter(), pos, left: n }
     }
-    Ok(())
+}
+
+impl Iterator for RegionParts<'_, '_> {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        while self.left > 0 {
+            let region = self.regions.next()?;
+            let len = region.len() as u64;
+            if self.pos >= len {
+                self.pos -= len;
+                continue;
+            }
+            let take = (len - self.pos).min(self.left);
+            let part = (region.addr() + self.pos, take);
+            self.left -= take;
+            self.pos = 0;
+            return Some(part);
+        }
+        None
+    }
 }
 
 impl Conn {
@@ -630,7 +628,7 @@ impl Conn {
             Pace::AllBy(deadline),
             || Ok(()),
             |io, pos, n| match target {
-                Target::Regions(regions) => for_region_parts(regions, pos, n, |addr, part| {
+                Target::Regions(regions) => RegionParts::new(regions, pos, n).try_for_each(|(addr, part)| {
                     // SAFETY: the region is caller memory lent writable for this call (checked by
                     // check_destination); the part lies inside it.
                     unsafe { io.read_raw(addr as *mut u8, part as usize) }

@@ -172,13 +172,23 @@ impl Inner {
         }
     }
 
-    /// Runs one request. A pooled connection that turns out dead is dropped with the rest of
-    /// the pool (the owner restarted) and the request is retried once on a new connection.
-    pub(super) fn call<T>(
+    /// Runs one request on a pooled (or new) connection, which goes back to the pool after.
+    /// A pooled connection that turns out dead is dropped with the rest of the pool (the owner
+    /// restarted) and the request is retried once on a new connection.
+    pub(super) fn call<T>(&self, op: &'static str, f: impl FnMut(&mut Conn, u64) -> WResult<Result<T>>) -> Result<T> {
+        let (conn, _, answer) = self.call_keeping(op, f)?;
+        self.checkin(conn);
+        Ok(answer)
+    }
+
+    /// `call` for a request whose connection the caller goes on using (a stream that follows
+    /// the answer): returns the connection with the request id and the answer. An answer that
+    /// is the owner's refusal checks the connection back in.
+    pub(super) fn call_keeping<T>(
         &self,
         op: &'static str,
         mut f: impl FnMut(&mut Conn, u64) -> WResult<Result<T>>,
-    ) -> Result<T> {
+    ) -> Result<(Conn, u64, T)> {
         let mut pooled = self.checkout();
         loop {
             let reused = pooled.is_some();
@@ -188,19 +198,20 @@ impl Inner {
             };
             let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
             match f(&mut conn, rid) {
-                Ok(result) => {
+                Ok(Ok(answer)) => return Ok((conn, rid, answer)),
+                Ok(Err(refused)) => {
                     self.checkin(conn);
-                    return result;
+                    return Err(refused);
                 }
                 Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
                     self.pool.lock().unwrap_or_else(|p| p.into_inner()).clear();
-                    continue;
                 }
                 Err(e) => return Err(e.into_error(op, self.options.timeout_ms)),
             }
         }
     }
 
+    /// Connects to the owner and does the handshake (`handshake`); the connection is not pooled yet.
     pub(super) fn open(&self) -> Result<Conn> {
         let connect_timeout = Duration::from_millis(self.options.connect_timeout_ms);
         let unreachable = |e: std::io::Error| Error::Disconnected(format!("cannot connect to {}: {e}", self.endpoint));

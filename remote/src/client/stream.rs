@@ -382,27 +382,9 @@ impl RemoteStore {
         self.inner.validate_key(&limits, key)?;
         let slot = StreamSlot::take(&self.inner)?;
         let inner = &self.inner;
-        // A pooled connection found dead (the owner restarted) is retried once on a new one.
-        let mut pooled = inner.checkout();
-        let (conn, rid, first) = loop {
-            let reused = pooled.is_some();
-            let mut conn = match pooled.take() {
-                Some(c) => c,
-                None => inner.open()?,
-            };
-            let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
-            match conn.start_progressive(rid, key, dst.len() as u64, follow) {
-                Ok(Ok(first)) => break (conn, rid, first),
-                Ok(Err(e)) => {
-                    inner.checkin(conn);
-                    return Err(e);
-                }
-                Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
-                    inner.pool.lock().unwrap_or_else(|p| p.into_inner()).clear();
-                }
-                Err(e) => return Err(e.into_error("progressive_get", inner.options.timeout_ms)),
-            }
-        };
+        let room = dst.len() as u64;
+        let (conn, rid, first) =
+            inner.call_keeping("progressive_get", |conn, rid| conn.start_progressive(rid, key, room, follow))?;
         let len = first.len();
         if let Err(e) = check_chunk_count(chunk_count(len, chunk_bytes)) {
             // Too many chunks. A leased object is released; a stream is left unread, so its
