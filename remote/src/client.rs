@@ -21,7 +21,7 @@
 //! dead (the owner restarted) retries once on a fresh one. It never reports a destination that
 //! was only partly written as a success, and never speaks the wire format itself (`conn.rs`).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -51,7 +51,7 @@ use batch::PutSource;
 use conn::{Placed, ReadResult, Target};
 pub use hold::HoldGranted;
 pub use options::ClientOptions;
-use pool::Inner;
+use pool::Pool;
 pub use stream::RemotePutStream;
 pub(crate) use ticket::submit_batch_get;
 
@@ -63,8 +63,24 @@ pub struct RemoteStore {
 
 impl std::fmt::Debug for RemoteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RemoteStore").field("endpoint", &self.inner.endpoint.to_string()).finish()
+        f.debug_struct("RemoteStore").field("endpoint", &self.inner.pool.endpoint.to_string()).finish()
     }
+}
+
+/// The state behind a `RemoteStore` handle, shared by its clones, tickets and threads.
+struct Inner {
+    /// The connections to the owner.
+    pool: Pool,
+    gpu: gpu::ClientGpu,
+    /// Stream-bound reads in flight and their watch thread.
+    watch: on_stream::Watch,
+    tickets_in_flight: Arc<AtomicU64>,
+    /// Chunk handles whose threads still run.
+    streams_open: Arc<AtomicU64>,
+    /// Host bytes held by stream-bound reads in flight (`max_stream_host_bytes`).
+    stream_host_bytes: Arc<AtomicU64>,
+    /// Leases callers keep across calls (`RemoteStore::hold`), on a connection of their own.
+    holds: hold::Holds,
 }
 
 impl RemoteStore {
@@ -77,13 +93,21 @@ impl RemoteStore {
     /// Connects with explicit options. One connection is made now, so a wrong address, token or
     /// protocol version is reported here.
     pub fn connect_with(address: &str, options: ClientOptions) -> Result<RemoteStore> {
-        let inner = Inner::connect(address, options)?;
+        let inner = Arc::new(Inner {
+            gpu: gpu::ClientGpu::new(options.gpu.clone()),
+            pool: Pool::connect(address, options)?,
+            watch: on_stream::Watch::default(),
+            tickets_in_flight: Arc::new(AtomicU64::new(0)),
+            streams_open: Arc::new(AtomicU64::new(0)),
+            stream_host_bytes: Arc::new(AtomicU64::new(0)),
+            holds: hold::Holds::default(),
+        });
         Ok(RemoteStore { inner })
     }
 
     /// The largest value the owner stores (its engine's `max_value_bytes`).
     pub fn max_value_bytes(&self) -> Result<u64> {
-        Ok(self.inner.limits()?.max_value_bytes)
+        Ok(self.inner.pool.limits()?.max_value_bytes)
     }
 
     /// Host bytes that stream-bound reads in flight hold (TCP: the objects wait in host memory
@@ -94,7 +118,7 @@ impl RemoteStore {
 
     /// True when gets copy straight from the owner's shared memory.
     pub fn uses_shared_memory(&self) -> bool {
-        self.inner.mapping.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        self.inner.pool.mapping.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
 
     /// The owner's statistics, or the error that prevented reading them (`Store::stats` returns
@@ -106,7 +130,7 @@ impl RemoteStore {
                 .map_err(|_| Error::Protocol("stats are not UTF-8".into()))
                 .and_then(|text| toml::from_str::<Stats>(text).map_err(|e| Error::Protocol(format!("stats: {e}"))))
         };
-        let mut stats = self.inner.call("stats", |conn, rid| {
+        let mut stats = self.inner.pool.call("stats", |conn, rid| {
             let reply = conn.request(rid, &Request::Stats, Op::StatsReply, "stats", |_, payload| Ok(parse(payload)))?;
             Ok(reply.and_then(|parsed| parsed))
         })?;
@@ -116,6 +140,22 @@ impl RemoteStore {
 }
 
 impl Inner {
+    /// Makes sure the owner applied every lease release this client sent up to `through`
+    /// (`Releases::last_sent` before a request): the hold connection's, and those of the
+    /// pooled connections (`Pool::confirm_idle_releases`). A read's release travels without a
+    /// reply, so a `remove` right after a `get`, sent on another pooled connection, could
+    /// otherwise find the object still leased by this very client. False when no release was
+    /// sent before `through`.
+    fn confirm_releases(&self, through: u64) -> bool {
+        if through == 0 {
+            return false;
+        }
+        // The hold connection is never pooled: confirm its releases here.
+        self.holds.confirm(self);
+        self.pool.confirm_idle_releases(through);
+        true
+    }
+
     // ---- reads ---------------------------------------------------------------------------------
 
     /// A batch read of object i into `dsts[i]` (one list per key, checked by the caller), each
@@ -127,7 +167,7 @@ impl Inner {
         dsts: &[Vec<Region<'_>>],
         check: impl Fn(&[Region<'_>]) -> std::result::Result<LenCheck, StoreError>,
     ) -> Vec<Result<usize>> {
-        let limits = match self.limits() {
+        let limits = match self.pool.limits() {
             Ok(l) => l,
             Err(e) => return vec![Err(e); keys.len()],
         };
@@ -157,17 +197,18 @@ impl Inner {
     /// Reads `items` (key, check, target); results in the same order.
     fn read_objects<'a>(&self, items: Vec<(&[u8], LenCheck, Target<'a>)>) -> Vec<ReadResult> {
         let mut results: Vec<Option<ReadResult>> = (0..items.len()).map(|_| None).collect();
-        let limits = match self.limits() {
+        let limits = match self.pool.limits() {
             Ok(l) => l,
             Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
         };
-        let max_items = self.max_batch(&limits);
+        let max_items = self.pool.max_batch(&limits);
         let key_lens: Vec<usize> = items.iter().map(|i| i.0.len()).collect();
         let mut items: Vec<_> = items.into_iter().map(Some).collect();
         for (start, end) in batches(&key_lens, 11, max_items, &limits) {
             let mut batch: Vec<(&[u8], LenCheck, Target<'a>)> =
                 items[start..end].iter_mut().filter_map(Option::take).collect();
-            let outcome = self.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.timeout(), &self.gpu));
+            let outcome =
+                self.pool.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.pool.timeout(), &self.gpu));
             match outcome {
                 Ok(per_key) => {
                     for (slot, r) in results[start..end].iter_mut().zip(per_key) {
@@ -209,7 +250,7 @@ fn batches(key_lens: &[usize], per_item: usize, max_items: usize, limits: &Limit
 impl RemoteStore {
     /// Removes in batches of what one request carries; one result per key.
     fn remove_in_batches(&self, keys: &[&[u8]], force: bool) -> Vec<Result<()>> {
-        let limits = match self.inner.limits() {
+        let limits = match self.inner.pool.limits() {
             Ok(l) => l,
             Err(e) => return vec![Err(e); keys.len()],
         };
@@ -220,7 +261,7 @@ impl RemoteStore {
         for (start, end) in batches(&key_lens, batch::REMOVE_ITEM_OVERHEAD, max_items, &limits) {
             let chunk = &valid[start..end];
             let batch: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
-            match self.inner.call("remove", |conn, rid| conn.remove_batch(rid, &batch, force)) {
+            match self.inner.pool.call("remove", |conn, rid| conn.remove_batch(rid, &batch, force)) {
                 Ok(statuses) => chunk.iter().zip(statuses).for_each(|(&i, r)| results[i] = r),
                 Err(e) => chunk.iter().for_each(|&i| results[i] = Err(e.clone())),
             }
@@ -241,7 +282,7 @@ impl Store for RemoteStore {
         if let Err(refused) = lists_per_key(keys.len(), sources.len(), "source") {
             return refused;
         }
-        let limits = match self.inner.limits() {
+        let limits = match self.inner.pool.limits() {
             Ok(l) => l,
             Err(e) => return vec![Err(e); keys.len()],
         };
@@ -272,7 +313,7 @@ impl Store for RemoteStore {
             return results;
         }
         let inner = &self.inner;
-        match inner.call("put", |conn, _| conn.put_batch(inner, &items, opts)) {
+        match inner.pool.call("put", |conn, _| conn.put_batch(inner, &items, opts)) {
             Ok(statuses) => valid.into_iter().zip(statuses).for_each(|(i, r)| results[i] = r),
             Err(e) => valid.into_iter().for_each(|i| results[i] = Err(e.clone())),
         }
@@ -280,7 +321,7 @@ impl Store for RemoteStore {
     }
 
     fn batch_remove(&self, keys: &[&[u8]], force: bool) -> Vec<Result<()>> {
-        let released_before = self.inner.releases.last_sent();
+        let released_before = self.inner.pool.releases.last_sent();
         let mut results = self.remove_in_batches(keys, force);
         // Keys leased perhaps only by this client's own reads whose releases are on their way.
         let leased: Vec<usize> =
@@ -295,7 +336,7 @@ impl Store for RemoteStore {
     }
 
     fn get(&self, key: &[u8]) -> Result<Vec<u8>> {
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
         let mut r = self.inner.read_objects(vec![(key, LenCheck::Any, Target::Owned(Vec::new()))]);
         let (_, owned) = r.pop().unwrap_or(Err(StoreError::Internal("no result").into()))?;
@@ -303,7 +344,7 @@ impl Store for RemoteStore {
     }
 
     fn get_into(&self, key: &[u8], dst: Region<'_>) -> Result<usize> {
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
         self.inner.check_destinations(std::slice::from_ref(&dst))?;
         let check = LenCheck::AtMost(dst.len() as u64);
@@ -331,7 +372,7 @@ impl Store for RemoteStore {
             .iter()
             .map(|f| (0..f.len()).map(|_| Err(StoreError::Internal("unset").into())).collect())
             .collect();
-        let limits = match self.inner.limits() {
+        let limits = match self.inner.pool.limits() {
             Ok(l) => l,
             Err(e) => return fragments.iter().map(|f| vec![Err(e.clone()); f.len()]).collect(),
         };
@@ -343,7 +384,7 @@ impl Store for RemoteStore {
             |key| self.inner.validate_key(&limits, key),
         );
         let shm = self.uses_shared_memory();
-        let max_items = self.inner.max_batch(&limits);
+        let max_items = self.inner.pool.max_batch(&limits);
         for chunk in todo.chunks(max_items) {
             let outcome = if shm {
                 self.ranges_via_leases(buffers, fragments, chunk)
@@ -358,7 +399,7 @@ impl Store for RemoteStore {
     }
 
     fn batch_exists(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
-        let limits = match self.inner.limits() {
+        let limits = match self.inner.pool.limits() {
             Ok(l) => l,
             Err(e) => return vec![Err(e); keys.len()],
         };
@@ -369,7 +410,7 @@ impl Store for RemoteStore {
             let chunk = &valid[start..end];
             let batch: Vec<&[u8]> = chunk.iter().map(|&i| keys[i]).collect();
             let request = Request::Exists { keys: batch };
-            let outcome = self.inner.call("exists", |conn, rid| {
+            let outcome = self.inner.pool.call("exists", |conn, rid| {
                 conn.request(rid, &request, Op::ExistsReply, "exists results", |conn, payload| {
                     let found = decode_exists(payload, conn.limits.max_items)?;
                     if found.len() != chunk.len() {
@@ -391,14 +432,14 @@ impl Store for RemoteStore {
     }
 
     fn scan_keys(&self, prefix: &[u8], cursor: u64, limit: usize) -> Result<kvtide::KeyPage> {
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         if prefix.len() > limits.max_key_bytes as usize {
             let max = u64::from(limits.max_key_bytes);
             return Err(StoreError::TooLarge { what: "prefix", len: prefix.len() as u64, max }.into());
         }
         let limit = limit.clamp(1, kvtide::MAX_SCAN_KEYS.min(limits.max_items as usize)) as u32;
         let request = Request::ScanKeys { prefix, cursor, limit };
-        self.inner.call("scan_keys", |conn, rid| {
+        self.inner.pool.call("scan_keys", |conn, rid| {
             conn.request(rid, &request, Op::KeyPage, "a key page", |conn, payload| {
                 let page = decode_key_page(payload, &conn.limits)?;
                 if page.keys.len() > limit as usize || page.keys.iter().any(|k| !k.starts_with(prefix)) {
@@ -423,21 +464,21 @@ impl Store for RemoteStore {
 
     fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<Ticket<Vec<Result<usize>>>> {
         let store = RemoteStore { inner: Arc::clone(&self.inner) };
-        let limit = self.inner.options.max_tickets_in_flight;
+        let limit = self.inner.pool.options.max_tickets_in_flight;
         submit_batch_get(store, &self.inner.tickets_in_flight, limit, "kvtide-remote-ticket", keys, dsts)
     }
 }
 
 impl RemoteStore {
     fn simple(&self, op: &'static str, request: Request<'_>) -> Result<()> {
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         let key = match &request {
             Request::Remove { key, .. } | Request::Pin { key } | Request::Unpin { key } => *key,
             _ => return Err(StoreError::Internal("not a single-key request").into()),
         };
         self.inner.validate_key(&limits, key)?;
-        let send = || self.inner.call(op, |conn, rid| conn.request_status(rid, &request));
-        let released_before = self.inner.releases.last_sent();
+        let send = || self.inner.pool.call(op, |conn, rid| conn.request_status(rid, &request));
+        let released_before = self.inner.pool.releases.last_sent();
         let result = send();
         // Leased perhaps only by this client's own read whose release is still on its way.
         if matches!(request, Request::Remove { force: false, .. })
@@ -472,7 +513,7 @@ impl RemoteStore {
         for (n, &k) in key_of.iter().enumerate() {
             frags_of[k].push(n);
         }
-        let outcome = self.inner.call("get_into_ranges", |conn, rid| {
+        let outcome = self.inner.pool.call("get_into_ranges", |conn, rid| {
             // Leased in parts, as batch gets are, so SSD-heavy ranges stream through DRAM.
             let items = keys.iter().map(|key| GetItem { key, check: LenCheck::Any }).collect();
             conn.get_in_parts(rid, items, chunk.len(), &self.inner.gpu, |k, grant, mapping| {
@@ -546,8 +587,8 @@ impl RemoteStore {
             out.extend(self.ranges_via_stream(buffers, fragments, b, limits));
             return out;
         }
-        let timeout = self.inner.timeout();
-        let outcome = self.inner.call("get_into_ranges", |conn, rid| {
+        let timeout = self.inner.pool.timeout();
+        let outcome = self.inner.pool.call("get_into_ranges", |conn, rid| {
             conn.push(rid, &Request::GetRanges { keys: keys.clone(), fragments: items.clone() });
             let sent = Instant::now();
             conn.io.flush()?;

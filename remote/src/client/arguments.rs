@@ -11,7 +11,7 @@ use kvtide::Error as StoreError;
 use kvtide_transport::Region;
 
 use super::gpu;
-use super::pool::Inner;
+use super::Inner;
 use crate::error::Result;
 use crate::protocol::Limits;
 

@@ -16,7 +16,7 @@ use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
 use super::conn::{reply_of, source_slices, Conn, WindowState};
 use super::gpu;
-use super::pool::Inner;
+use super::Inner;
 use crate::error::Result;
 use crate::protocol::{decode_statuses, decode_window, Limits, Op, ProtocolError, PutItem, Request, MIN_CHUNK_BYTES};
 use crate::shm::PutWindow;
@@ -132,7 +132,7 @@ impl Conn {
         opts: PutOptions,
     ) -> WResult<Result<Vec<Result<()>>>> {
         if self.io.stream().is_unix() && self.shm.is_some() {
-            self.ensure_window(inner.next_request.fetch_add(1, Ordering::Relaxed))?;
+            self.ensure_window(inner.pool.next_request.fetch_add(1, Ordering::Relaxed))?;
         }
         let window = match &self.window {
             WindowState::Mapped(w) => Some(w.len()),
@@ -140,7 +140,7 @@ impl Conn {
         };
         // GPU values that do not go through the window are streamed through two bounce buffers
         // of one frame each (`send_device_value`), never staged whole.
-        let groups = plan_groups(items, &self.limits, inner.max_batch(&self.limits), window);
+        let groups = plan_groups(items, &self.limits, inner.pool.max_batch(&self.limits), window);
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         let mut answered = 0usize;
         match self.put_groups(inner, items, opts, &groups, &mut results, &mut answered) {
@@ -150,7 +150,7 @@ impl Conn {
             // Earlier groups took effect: report them, fail the rest, and retire the connection.
             Err(e) => {
                 self.broken = true;
-                let why = e.into_error("put", inner.options.timeout_ms);
+                let why = e.into_error("put", inner.pool.options.timeout_ms);
                 results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
             }
         }
@@ -191,7 +191,7 @@ impl Conn {
                 self.settle(rid, &members, results)?;
                 *answered += 1;
             };
-            let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+            let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
             let members = self.send_group(inner, rid, items, group, opts, offset, results)?;
             let range = if group.windowed { (offset, group.bytes) } else { (0, 0) };
             if group.windowed {

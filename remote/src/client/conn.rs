@@ -1,16 +1,16 @@
 //! One connection to an owner and the client half of the protocol on it.
 //!
-//! Owns `Conn` (the framed socket, the owner's hello and limits, the arena mapping and put
-//! window it uses, the lease releases it has not had confirmed), the one request/reply exchange
-//! every single-reply request goes through (`Conn::request`: an unexpected reply is a protocol
-//! error, decided here only), the one reader of an object's `Data` frames
-//! (`Conn::read_data_frames`), and the reads of a `Get`: streamed into their targets, or leased
-//! in parts and copied out of the shared arena. Never pools, retries or reconnects (that is
-//! `pool.rs`), and never checks a caller's arguments (`arguments.rs`): the lists it writes were
+//! Owns `Conn` (the framed socket, the owner's hello and limits, the arena mapping and put window
+//! it uses, the lease releases it has not had confirmed; `Releases`, the store-wide ledger of
+//! those), the one request/reply exchange every single-reply request goes through (`Conn::request`:
+//! an unexpected reply is a protocol error, decided here only), the one reader of an object's
+//! `Data` frames (`Conn::read_data_frames`), and the reads of a `Get`: streamed into their targets,
+//! or leased in parts and copied out of the shared arena. Never pools, retries or reconnects (that
+//! is `pool.rs`), and never checks a caller's arguments (`arguments.rs`): the lists it writes were
 //! checked before they reach it.
 
 use std::io::IoSlice;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvtide::checks::total_len;
@@ -18,7 +18,6 @@ use kvtide::Error as StoreError;
 use kvtide_transport::{Direction, Region, Transfer};
 
 use super::gpu;
-use super::pool::Releases;
 use crate::error::{Error, Result};
 use crate::protocol::{
     decode_error_frame, decode_object, FrameHeader, GetItem, Grant, GrantsPart, HelloOk, LenCheck, Limits, NextPart,
@@ -38,6 +37,56 @@ pub(super) const GET_INITIAL_ALLOC: u64 = 64 << 20;
 /// socket"). Batches keep the arena: streamed, only batches of values under about 1 KiB measured
 /// faster, and the owner streams a batch's DRAM-resident keys one after another.
 pub(super) const STREAM_READ_BYTES: u64 = 8 << 10;
+
+/// Lease releases this client sent that the owner may not have applied yet. A release has no
+/// reply; the owner applies a connection's frames in order, so the next reply read on that
+/// connection (or its close) confirms it. `remove` waits on this before it retries a key found
+/// leased, so a read's own lease never fails the remove that follows it.
+#[derive(Default)]
+pub(super) struct Releases {
+    /// (last sequence number given, those not yet confirmed).
+    state: Mutex<(u64, std::collections::BTreeSet<u64>)>,
+    confirmed: Condvar,
+}
+
+impl Releases {
+    pub(super) fn sent(&self) -> u64 {
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        let seq = g.0;
+        g.1.insert(seq);
+        seq
+    }
+
+    pub(super) fn confirm(&self, seqs: &mut Vec<u64>) {
+        if seqs.is_empty() {
+            return;
+        }
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        for seq in seqs.drain(..) {
+            g.1.remove(&seq);
+        }
+        self.confirmed.notify_all();
+    }
+
+    /// The sequence number of the last release sent so far (0: none yet).
+    pub(super) fn last_sent(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).0
+    }
+
+    /// Waits until every release up to `seq` is confirmed, or `timeout` passed.
+    pub(super) fn wait_through(&self, seq: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while g.1.first().is_some_and(|&first| first <= seq) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            g = self.confirmed.wait_timeout(g, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
 
 pub(super) struct Conn {
     pub(super) io: FrameIo,

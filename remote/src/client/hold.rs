@@ -1,14 +1,14 @@
-//! Holds through the owner: read leases a caller keeps across calls (`RemoteStore::hold`), so
-//! the objects it found stay in place until it has read them.
+//! Holds through the owner: read leases a caller keeps across calls (`RemoteStore::hold`), so the
+//! objects it found stay in place until it has read them.
 //!
-//! Owns the client side of holds: one connection per `RemoteStore`, kept out of the pool (the
-//! owner keeps a connection's leases until they are released or the connection closes), the
-//! lease-mode `Get` that takes a hold's leases on it, the one-way `Release` that gives them back
+//! Owns the client side of holds: one connection per `RemoteStore`, kept out of the pool (the owner
+//! keeps a connection's leases until they are released or the connection closes), the lease-mode
+//! `Get` that takes a hold's leases on it, the one-way `Release` that gives them back
 //! (`release_hold`, the TTL, `close_holds`), the reaper thread that releases holds whose TTL
 //! passed, and the count of what is held. Holds work on every connection to an owner: one that
-//! cannot map the arena (TCP) gets grants with lengths only. It never reports a key held after the hold's TTL, after
-//! its release, or after the connection that held it was lost (then every hold on it is lost
-//! at once, and the owner has dropped their leases).
+//! cannot map the arena (TCP) gets grants with lengths only. It never reports a key held after the
+//! hold's TTL, after its release, or after the connection that held it was lost (then every hold on
+//! it is lost at once, and the owner has dropped their leases).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -19,7 +19,7 @@ use kvtide::Error as StoreError;
 
 use super::arguments::valid_keys;
 use super::conn::{Conn, LEASE_MARGIN};
-use super::pool::Inner;
+use super::Inner;
 use super::{batches, RemoteStore};
 use crate::error::Result;
 use crate::protocol::{GetItem, LenCheck};
@@ -93,7 +93,7 @@ impl HoldState {
             return;
         }
         let Some(conn) = self.conn.as_mut() else { return };
-        let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         if conn.send_release(rid, leases).is_err() {
             self.lose_conn();
         }
@@ -133,7 +133,7 @@ impl Holds {
         if conn.unconfirmed.is_empty() {
             return;
         }
-        let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         if conn.round_trip(rid).is_err() {
             st.lose_conn();
         }
@@ -170,7 +170,7 @@ impl RemoteStore {
             ))
             .into());
         }
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         let mut results: Vec<Result<u64>> =
             (0..keys.len()).map(|_| Err(StoreError::Internal("hold: key never answered").into())).collect();
         let valid = valid_keys(&limits, keys, &mut results);
@@ -183,7 +183,7 @@ impl RemoteStore {
         let (leases, expires_at) = loop {
             let (mut conn, reused) = match st.conn.take() {
                 Some(c) => (c, true),
-                None => (self.inner.open()?, false),
+                None => (self.inner.pool.open()?, false),
             };
             let owner_ttl = Duration::from_millis(u64::from(conn.hello.lease_ttl_ms)).saturating_sub(LEASE_MARGIN);
             let ttl = Duration::from_millis(ttl_ms).min(owner_ttl);
@@ -214,7 +214,7 @@ impl RemoteStore {
                         retried = true;
                         continue;
                     }
-                    return Err(e.into_error("hold", self.inner.options.timeout_ms));
+                    return Err(e.into_error("hold", self.inner.pool.options.timeout_ms));
                 }
             }
         };
@@ -240,7 +240,7 @@ impl RemoteStore {
         for (start, end) in batches(&key_lens, 11, max_items, &conn.limits) {
             let items: Vec<GetItem<'_>> =
                 valid[start..end].iter().map(|&i| GetItem { key: keys[i], check: LenCheck::Any }).collect();
-            let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+            let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
             match conn.lease_all(rid, items, arena_bytes) {
                 Ok(Ok((_, grants))) => {
                     for (&i, grant) in valid[start..end].iter().zip(grants) {

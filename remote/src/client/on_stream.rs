@@ -1,13 +1,13 @@
 //! Stream-bound reads through the owner: `RemoteStore::*_on_stream`, as the embedded engine's.
 //!
-//! Owns the client side of reads whose copies are enqueued on the caller's CUDA stream: the
-//! leases (over the Unix socket, the owner leases every key at once and the client keeps the
-//! connection that holds them, out of the pool, until the stream passed the copies), the copies
-//! from the arena mapping onto the stream (elsewhere, from host buffers each piece was read into
-//! first, which the read keeps until then, within `max_stream_host_bytes`), and the watch thread that sees the stream pass the
-//! copies, releases the leases and ends the ticket. It never releases a lease before the stream
-//! passed the copies that read it, except once the owner's lease TTL is near: then the read is
-//! reported `StreamExpired`, as the embedded engine does.
+//! Owns the client side of reads whose copies are enqueued on the caller's CUDA stream: the leases
+//! (over the Unix socket, the owner leases every key at once and the client keeps the connection
+//! that holds them, out of the pool, until the stream passed the copies), the copies from the arena
+//! mapping onto the stream (elsewhere, from host buffers each piece was read into first, which the
+//! read keeps until then, within `max_stream_host_bytes`), and the watch thread that sees the
+//! stream pass the copies, releases the leases and ends the ticket. It never releases a lease
+//! before the stream passed the copies that read it, except once the owner's lease TTL is near:
+//! then the read is reported `StreamExpired`, as the embedded engine does.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -17,7 +17,7 @@ use kvtide::{checks, Error as StoreError, Fragment, Store, StreamCompleter, Stre
 use kvtide_transport::{InFlight, Region, Transfer, Transport};
 
 use super::conn::{Conn, LEASE_MARGIN};
-use super::pool::Inner;
+use super::Inner;
 use super::RemoteStore;
 use crate::error::{Error, Result};
 use crate::protocol::{decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
@@ -111,7 +111,7 @@ fn finish(inner: &Inner, mut read: Bound) {
     if let Some((mut conn, rid, leases)) = read.held.take() {
         // A connection that cannot send the release is dropped, which releases everything.
         if conn.send_release(rid, leases).is_ok() {
-            inner.checkin(conn);
+            inner.pool.checkin(conn);
         }
     }
     // The host copies go back before the ticket ends, so a caller that saw it end sees them
@@ -141,7 +141,7 @@ impl HostBytes {
             .map(|p| p.regions.iter().map(|r| r.len() as u64).sum::<u64>())
             .collect();
         let total: u64 = lens.iter().sum();
-        let limit = inner.options.max_stream_host_bytes;
+        let limit = inner.pool.options.max_stream_host_bytes;
         let counter = Arc::clone(&inner.stream_host_bytes);
         let before = counter.fetch_add(total, Ordering::AcqRel);
         if before.saturating_add(total) > limit {
@@ -291,7 +291,7 @@ impl RemoteStore {
             "stream-bound reads through RemoteStore need the cuda feature of kvtide-remote",
         ))?;
         submit.check_stream(stream).map_err(|e| Error::from(StoreError::from(e)))?;
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         // Every destination list, checked once; each piece's failure lands in its slot.
         let checked = self.inner.check_destination_lists(lists);
         let mut todo: Vec<Wanted<'_, '_>> = Vec::with_capacity(wanted.len());
@@ -311,7 +311,7 @@ impl RemoteStore {
         if todo.is_empty() {
             return Ok(StreamTicket::ended(results));
         }
-        let limit = self.inner.options.max_tickets_in_flight;
+        let limit = self.inner.pool.options.max_tickets_in_flight;
         if self.inner.tickets_in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
             self.inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(StoreError::Busy { limit }.into());
@@ -353,9 +353,9 @@ impl RemoteStore {
         stream: StreamHandle,
     ) -> Result<Submitted> {
         let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable("no stream-bound transport"))?;
-        let conn = match self.inner.checkout() {
+        let conn = match self.inner.pool.checkout() {
             Some(c) => c,
-            None => self.inner.open()?,
+            None => self.inner.pool.open()?,
         };
         let mut copies = Copies::default();
         let (held, buffers, ttl_ms) = match conn.shm.clone() {
@@ -365,7 +365,7 @@ impl RemoteStore {
             }
             None => {
                 let ttl_ms = u64::from(conn.hello.lease_ttl_ms);
-                self.inner.checkin(conn);
+                self.inner.pool.checkin(conn);
                 (None, Some(self.read_into_host(todo, results, &mut copies)?), ttl_ms)
             }
         };
@@ -391,11 +391,11 @@ impl RemoteStore {
         results: &mut [std::result::Result<usize, StoreError>],
         copies: &mut Copies,
     ) -> Result<(Held, u64)> {
-        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         let items: Vec<GetItem<'_>> = todo.iter().map(|w| GetItem { key: w.key, check: w.check }).collect();
         let (ttl_ms, grants) = conn
             .lease_all(rid, items, mapping.len())
-            .map_err(|e| e.into_error("get", self.inner.options.timeout_ms))??;
+            .map_err(|e| e.into_error("get", self.inner.pool.options.timeout_ms))??;
         let mut leases = Vec::new();
         for (w, grant) in todo.iter().zip(grants) {
             let grant = match grant {

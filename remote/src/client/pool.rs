@@ -1,11 +1,12 @@
 //! The connections of one `RemoteStore` and what they share.
 //!
-//! Owns `Inner`, the state behind a `RemoteStore` handle: the pool of idle connections (checked
-//! out one per concurrent call, checked back in unless broken), connecting and the handshake
-//! (token proof, the arena mapping shared by every connection to the same owner instance), the
-//! retry of a call once on a fresh connection when its pooled one turns out dead, the owner's
-//! limits as of the last handshake, and the lease releases not yet confirmed (`Releases`).
-//! Never decides what a call sends (the facade and the connection do) and never reuses a
+//! Owns `Pool`: the idle connections (checked out one per concurrent call, checked back in
+//! unless broken), connecting and the handshake (token proof, the arena mapping shared by every
+//! connection to the same owner instance), the retry of a call once on a fresh connection when
+//! its pooled one turns out dead, the owner's limits as of the last handshake, and the
+//! confirmation of the lease releases sent on idle connections. Never decides what a call
+//! sends (the facade and the connection do), never holds a hold's or a stream-bound read's
+//! connection (those stay out of the pool while they hold leases), and never reuses a
 //! connection that failed.
 
 use std::net::{TcpStream, ToSocketAddrs};
@@ -13,11 +14,10 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::conn::{hello_conn, reply_of, Conn};
+use super::conn::{hello_conn, reply_of, Conn, Releases};
 use super::options::{ClientOptions, Endpoint};
-use super::{gpu, hold, on_stream};
 use crate::error::{Error, Result};
 use crate::protocol::{
     decode_mac, Hello, HelloOk, Limits, Op, ProtocolError, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
@@ -27,101 +27,38 @@ use crate::shm::ShmMapping;
 use crate::sock::{self, Stream};
 use crate::wire::{FrameIo, WResult, WireError};
 
-pub(super) struct Inner {
+/// The connections to one owner: the idle ones, how to make more, and what they share.
+pub(super) struct Pool {
     pub(super) endpoint: Endpoint,
     pub(super) options: ClientOptions,
-    pub(super) gpu: gpu::ClientGpu,
-    /// Stream-bound reads in flight and their watch thread.
-    pub(super) watch: on_stream::Watch,
-    pub(super) pool: Mutex<Vec<Conn>>,
+    /// Idle connections, at most `max_idle_connections`.
+    idle: Mutex<Vec<Conn>>,
+    /// The owner's arena, mapped once per owner instance and shared by its connections.
     pub(super) mapping: Mutex<Option<Arc<ShmMapping>>>,
     pub(super) next_request: AtomicU64,
-    pub(super) tickets_in_flight: Arc<AtomicU64>,
-    /// Chunk handles whose threads still run.
-    pub(super) streams_open: Arc<AtomicU64>,
-    /// Host bytes held by stream-bound reads in flight (`max_stream_host_bytes`).
-    pub(super) stream_host_bytes: Arc<AtomicU64>,
-    pub(super) last_limits: Mutex<Option<Limits>>,
-    pub(super) last_max_leases: AtomicU64,
+    last_limits: Mutex<Option<Limits>>,
+    last_max_leases: AtomicU64,
     /// Lease releases sent and not yet known applied by the owner.
     pub(super) releases: Arc<Releases>,
-    /// Leases callers keep across calls (`RemoteStore::hold`), on a connection of their own.
-    pub(super) holds: hold::Holds,
 }
 
-/// Lease releases this client sent that the owner may not have applied yet. A release has no
-/// reply; the owner applies a connection's frames in order, so the next reply read on that
-/// connection (or its close) confirms it. `remove` waits on this before it retries a key found
-/// leased, so a read's own lease never fails the remove that follows it.
-#[derive(Default)]
-pub(super) struct Releases {
-    /// (last sequence number given, those not yet confirmed).
-    state: Mutex<(u64, std::collections::BTreeSet<u64>)>,
-    confirmed: std::sync::Condvar,
-}
-
-impl Releases {
-    pub(super) fn sent(&self) -> u64 {
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        g.0 += 1;
-        let seq = g.0;
-        g.1.insert(seq);
-        seq
-    }
-
-    pub(super) fn confirm(&self, seqs: &mut Vec<u64>) {
-        if seqs.is_empty() {
-            return;
-        }
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        for seq in seqs.drain(..) {
-            g.1.remove(&seq);
-        }
-        self.confirmed.notify_all();
-    }
-
-    /// The sequence number of the last release sent so far (0: none yet).
-    pub(super) fn last_sent(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).0
-    }
-
-    /// Waits until every release up to `seq` is confirmed, or `timeout` passed.
-    pub(super) fn wait_through(&self, seq: u64, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        while g.1.first().is_some_and(|&first| first <= seq) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            g = self.confirmed.wait_timeout(g, left).unwrap_or_else(|p| p.into_inner()).0;
-        }
-    }
-}
-
-impl Inner {
-    /// The state of a new store for the owner at `address`, with one connection made (so a
-    /// wrong address, token or protocol version is reported here) and pooled.
-    pub(super) fn connect(address: &str, options: ClientOptions) -> Result<Arc<Inner>> {
-        let inner = Arc::new(Inner {
+impl Pool {
+    /// A pool for the owner at `address`, with one connection made (so a wrong address, token
+    /// or protocol version is reported here) and idle.
+    pub(super) fn connect(address: &str, options: ClientOptions) -> Result<Pool> {
+        let pool = Pool {
             endpoint: Endpoint::parse(address)?,
-            gpu: gpu::ClientGpu::new(options.gpu.clone()),
-            watch: on_stream::Watch::default(),
             options,
-            pool: Mutex::new(Vec::new()),
+            idle: Mutex::new(Vec::new()),
             mapping: Mutex::new(None),
             next_request: AtomicU64::new(1),
-            tickets_in_flight: Arc::new(AtomicU64::new(0)),
-            streams_open: Arc::new(AtomicU64::new(0)),
-            stream_host_bytes: Arc::new(AtomicU64::new(0)),
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
             releases: Arc::default(),
-            holds: hold::Holds::default(),
-        });
-        let conn = inner.open()?;
-        inner.checkin(conn);
-        Ok(inner)
+        };
+        let conn = pool.open()?;
+        pool.checkin(conn);
+        Ok(pool)
     }
 
     pub(super) fn timeout(&self) -> Duration {
@@ -129,25 +66,18 @@ impl Inner {
     }
 
     pub(super) fn checkout(&self) -> Option<Conn> {
-        self.pool.lock().unwrap_or_else(|p| p.into_inner()).pop()
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 
-    /// Makes sure the owner applied every lease release this client sent up to `through`
-    /// (`Releases::last_sent` before a request): one round trip on each idle connection that
-    /// carried one, and a wait for those other threads hold. A read's release travels without
-    /// a reply, so a `remove` right after a `get`, sent on another pooled connection, could
-    /// otherwise find the object still leased by this very client. False when no release was
-    /// sent before `through`.
-    pub(super) fn confirm_releases(&self, through: u64) -> bool {
-        if through == 0 {
-            return false;
-        }
-        // The hold connection is never pooled: confirm its releases here.
-        self.holds.confirm(self);
+    /// Confirms the releases sent up to `through` (`Releases::last_sent` before a request):
+    /// one round trip on each idle connection that carried one, and a wait for those other
+    /// threads hold (a second at most: one parked on a slow producer's stream need not hold
+    /// this up).
+    pub(super) fn confirm_idle_releases(&self, through: u64) {
         let flagged: Vec<Conn> = {
-            let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-            let (flagged, rest): (Vec<Conn>, Vec<Conn>) = pool.drain(..).partition(|c| !c.unconfirmed.is_empty());
-            *pool = rest;
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let (flagged, rest): (Vec<Conn>, Vec<Conn>) = idle.drain(..).partition(|c| !c.unconfirmed.is_empty());
+            *idle = rest;
             flagged
         };
         for mut conn in flagged {
@@ -156,19 +86,16 @@ impl Inner {
                 self.checkin(conn);
             }
         }
-        // Connections other threads hold now confirm with their next reply (a second at most:
-        // one parked on a slow producer's stream need not hold this up).
         self.releases.wait_through(through, self.timeout().min(Duration::from_secs(1)));
-        true
     }
 
     pub(super) fn checkin(&self, conn: Conn) {
         if conn.broken {
             return;
         }
-        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        if pool.len() < self.options.max_idle_connections {
-            pool.push(conn);
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < self.options.max_idle_connections {
+            idle.push(conn);
         }
     }
 
@@ -204,7 +131,7 @@ impl Inner {
                     return Err(refused);
                 }
                 Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
-                    self.pool.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                    self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
                 }
                 Err(e) => return Err(e.into_error(op, self.options.timeout_ms)),
             }

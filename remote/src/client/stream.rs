@@ -20,7 +20,7 @@ use kvtide_transport::{Direction, Region, Transfer};
 use super::arguments::{check_destination, check_source};
 use super::conn::{source_slices, Conn, Pace, LEASE_MARGIN};
 use super::gpu::{BouncePair, ClientGpu};
-use super::pool::Inner;
+use super::Inner;
 use super::RemoteStore;
 use crate::error::{Error, Result};
 use crate::protocol::{
@@ -316,7 +316,7 @@ struct StreamSlot(Arc<std::sync::atomic::AtomicU64>);
 
 impl StreamSlot {
     fn take(inner: &Inner) -> Result<StreamSlot> {
-        let limit = inner.options.max_stream_handles;
+        let limit = inner.pool.options.max_stream_handles;
         if inner.streams_open.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
             inner.streams_open.fetch_sub(1, Ordering::AcqRel);
             return Err(StoreError::Busy { limit }.into());
@@ -378,13 +378,13 @@ impl RemoteStore {
             check_destination(&dst)?;
             dst.check_writable().map_err(StoreError::from)?;
         }
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
         let slot = StreamSlot::take(&self.inner)?;
         let inner = &self.inner;
         let room = dst.len() as u64;
         let (conn, rid, first) =
-            inner.call_keeping("progressive_get", |conn, rid| conn.start_progressive(rid, key, room, follow))?;
+            inner.pool.call_keeping("progressive_get", |conn, rid| conn.start_progressive(rid, key, room, follow))?;
         let len = first.len();
         if let Err(e) = check_chunk_count(chunk_count(len, chunk_bytes)) {
             // Too many chunks. A leased object is released; a stream is left unread, so its
@@ -392,7 +392,7 @@ impl RemoteStore {
             let mut conn = conn;
             if let First::Grant { lease, .. } = &first {
                 if conn.send_release(rid, vec![*lease]).is_ok() {
-                    inner.checkin(conn);
+                    inner.pool.checkin(conn);
                 }
             }
             return Err(e.into());
@@ -400,7 +400,7 @@ impl RemoteStore {
         let places: Vec<ChunkPlace> = cut_chunks(0, 0, len, chunk_bytes).collect();
         let (handle, sink) = chunk_pair(places);
         let inner = Arc::clone(&self.inner);
-        let timeout = inner.timeout();
+        let timeout = inner.pool.timeout();
         let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
             let _slot = slot;
             let mut conn = conn;
@@ -411,9 +411,9 @@ impl RemoteStore {
                 (First::Object { len }, Some(gpu)) => conn.deliver_stream_to_gpu(rid, *len, &dst, &sink, timeout, gpu),
             };
             match outcome {
-                Ok(()) => inner.checkin(conn),
+                Ok(()) => inner.pool.checkin(conn),
                 // The connection is dropped; the chunks not delivered fail with the reason.
-                Err(e) => fail_from(&sink, 0, e.into_error("progressive_get", inner.options.timeout_ms)),
+                Err(e) => fail_from(&sink, 0, e.into_error("progressive_get", inner.pool.options.timeout_ms)),
             }
         });
         if let Err(e) = spawned {
@@ -536,12 +536,12 @@ impl RemotePutStream {
         let Some(conn) = slot.as_mut() else {
             return Err(Error::Disconnected("the progressive put's connection failed earlier".into()));
         };
-        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         match f(conn, rid) {
             Ok(result) => result,
             Err(e) => {
                 *slot = None;
-                Err(e.into_error(op, self.inner.options.timeout_ms))
+                Err(e.into_error(op, self.inner.pool.options.timeout_ms))
             }
         }
     }
@@ -606,7 +606,7 @@ impl RemotePutStream {
     fn finish(&mut self) {
         self.finished = true;
         if let Some(conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.inner.checkin(conn);
+            self.inner.pool.checkin(conn);
         }
     }
 }
@@ -633,16 +633,16 @@ impl RemoteStore {
             return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
         }
         check_chunk_count(chunk_count(total_bytes, chunk_bytes))?;
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
         if total_bytes > limits.max_value_bytes {
             return Err(StoreError::TooLarge { what: "value", len: total_bytes, max: limits.max_value_bytes }.into());
         }
-        let mut conn = match self.inner.checkout() {
+        let mut conn = match self.inner.pool.checkout() {
             Some(c) => c,
-            None => self.inner.open()?,
+            None => self.inner.pool.open()?,
         };
-        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         let open = Request::PutOpen { key, total_len: total_bytes, chunk_bytes, upsert: opts.upsert, pin: opts.pin };
         let opened = conn.request_status(rid, &open);
         match opened {
@@ -655,10 +655,10 @@ impl RemoteStore {
                 finished: false,
             }),
             Ok(Err(e)) => {
-                self.inner.checkin(conn);
+                self.inner.pool.checkin(conn);
                 Err(e)
             }
-            Err(e) => Err(e.into_error("progressive_put", self.inner.options.timeout_ms)),
+            Err(e) => Err(e.into_error("progressive_put", self.inner.pool.options.timeout_ms)),
         }
     }
 }
