@@ -2,11 +2,12 @@
 //! against the embedded engine runs unchanged against a shared one.
 //!
 //! This file is the store facade: it owns the `Store` calls (checking their arguments, cutting
-//! batches into requests the owner accepts, putting each key's result in its place) and
-//! nothing below them. One room per concern below it:
+//! batches into requests the owner accepts, putting each key's result in its place) and the
+//! state a `RemoteStore` handle shares (`Inner`), and nothing below them. One room per concern
+//! below it:
 //! - `options.rs`: `ClientOptions` and the owner's address;
 //! - `pool.rs`: the connection pool, connecting, the handshake, the retry on a fresh
-//!   connection, and lease releases not yet confirmed;
+//!   connection, and confirming the lease releases sent on idle connections;
 //! - `conn.rs`: one connection: the request/reply exchange, the data-frame reader, streamed
 //!   and leased reads;
 //! - `arguments.rs`: key and region-list checks (shared with `ClusterStore`);
@@ -19,7 +20,8 @@
 //! Elsewhere values stream in chunks straight into the caller's buffers. Every request has a
 //! deadline; a connection that failed is never reused; a call that finds its pooled connection
 //! dead (the owner restarted) retries once on a fresh one. It never reports a destination that
-//! was only partly written as a success, and never speaks the wire format itself (`conn.rs`).
+//! was only partly written as a success, and never reads or writes a frame itself (`conn.rs`
+//! does).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
