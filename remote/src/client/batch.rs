@@ -14,12 +14,11 @@ use std::sync::atomic::Ordering;
 use kvtide::{Error as StoreError, PutOptions};
 use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
-use super::{gpu, source_slices, Conn, Inner, WindowState};
+use super::conn::{reply_of, source_slices, Conn, WindowState};
+use super::gpu;
+use super::Inner;
 use crate::error::Result;
-use crate::protocol::{
-    decode_error_frame, decode_statuses, decode_window, Limits, Op, ProtocolError, PutItem, Request, MIN_CHUNK_BYTES,
-    WHOLE_REQUEST,
-};
+use crate::protocol::{decode_statuses, decode_window, Limits, Op, ProtocolError, PutItem, Request, MIN_CHUNK_BYTES};
 use crate::shm::PutWindow;
 use crate::wire::{WResult, WireError};
 
@@ -108,9 +107,9 @@ impl Conn {
             return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
         }
         let payload = self.io.read_payload(h.payload_len)?;
-        match h.op {
-            Op::Window => {
-                let bytes = decode_window(&payload, 2 * u64::from(MIN_CHUNK_BYTES), MAX_WINDOW_BYTES)?;
+        let decode = |p: &[u8]| Ok(decode_window(p, 2 * u64::from(MIN_CHUNK_BYTES), MAX_WINDOW_BYTES)?);
+        match reply_of(h.op, &payload, Op::Window, "a put window", decode)? {
+            Ok(bytes) => {
                 let Some(fd) = fd else {
                     return Err(ProtocolError::Invalid { what: "put window without a descriptor" }.into());
                 };
@@ -119,11 +118,7 @@ impl Conn {
                     Err(e) => tracing::warn!(error = %e, "cannot map the put window; putting over the socket"),
                 }
             }
-            Op::Error => {
-                let (_, e) = decode_error_frame(&payload)?;
-                tracing::debug!(error = %e, "no put window; putting over the socket");
-            }
-            other => return Err(ProtocolError::Unexpected { expected: "a put window", got: other }.into()),
+            Err(e) => tracing::debug!(error = %e, "no put window; putting over the socket"),
         }
         Ok(())
     }
@@ -137,7 +132,7 @@ impl Conn {
         opts: PutOptions,
     ) -> WResult<Result<Vec<Result<()>>>> {
         if self.io.stream().is_unix() && self.shm.is_some() {
-            self.ensure_window(inner.next_request.fetch_add(1, Ordering::Relaxed))?;
+            self.ensure_window(inner.pool.next_request.fetch_add(1, Ordering::Relaxed))?;
         }
         let window = match &self.window {
             WindowState::Mapped(w) => Some(w.len()),
@@ -145,7 +140,7 @@ impl Conn {
         };
         // GPU values that do not go through the window are streamed through two bounce buffers
         // of one frame each (`send_device_value`), never staged whole.
-        let groups = plan_groups(items, &self.limits, inner.max_batch(&self.limits), window);
+        let groups = plan_groups(items, &self.limits, inner.pool.max_batch(&self.limits), window);
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         let mut answered = 0usize;
         match self.put_groups(inner, items, opts, &groups, &mut results, &mut answered) {
@@ -155,7 +150,7 @@ impl Conn {
             // Earlier groups took effect: report them, fail the rest, and retire the connection.
             Err(e) => {
                 self.broken = true;
-                let why = e.into_error("put", inner.options.timeout_ms);
+                let why = e.into_error("put", inner.pool.options.timeout_ms);
                 results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
             }
         }
@@ -196,7 +191,7 @@ impl Conn {
                 self.settle(rid, &members, results)?;
                 *answered += 1;
             };
-            let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+            let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
             let members = self.send_group(inner, rid, items, group, opts, offset, results)?;
             let range = if group.windowed { (offset, group.bytes) } else { (0, 0) };
             if group.windowed {
@@ -373,24 +368,9 @@ impl Conn {
 
     /// Reads the `Statuses` reply of a request that carried `members` into `results`.
     fn settle(&mut self, rid: u64, members: &[usize], results: &mut [Option<Result<()>>]) -> WResult<()> {
-        let h = self.read_reply_header(rid)?;
-        let payload = self.io.read_payload(h.payload_len)?;
-        let statuses: Vec<Result<()>> = match h.op {
-            Op::Statuses => {
-                let statuses = decode_statuses(&payload, self.limits.max_items)?;
-                if statuses.len() != members.len() {
-                    return Err(ProtocolError::Invalid { what: "status count" }.into());
-                }
-                statuses
-            }
-            Op::Error => {
-                let (index, e) = decode_error_frame(&payload)?;
-                if index != WHOLE_REQUEST {
-                    return Err(ProtocolError::Invalid { what: "item error outside a status list" }.into());
-                }
-                vec![Err(e); members.len()]
-            }
-            other => return Err(ProtocolError::Unexpected { expected: "statuses", got: other }.into()),
+        let statuses = match self.read_statuses(rid, members.len())? {
+            Ok(statuses) => statuses,
+            Err(e) => vec![Err(e); members.len()],
         };
         for (&i, status) in members.iter().zip(statuses) {
             results[i] = Some(status);
@@ -400,23 +380,20 @@ impl Conn {
 
     /// One `RemoveBatch` request and its `Statuses` reply.
     pub(super) fn remove_batch(&mut self, rid: u64, keys: &[&[u8]], force: bool) -> WResult<Result<Vec<Result<()>>>> {
-        let start = self.io.begin(Op::RemoveBatch, rid);
-        Request::RemoveBatch { keys: keys.to_vec(), force }.encode(self.io.out());
-        self.io.end(start);
-        self.io.flush()?;
-        let h = self.read_reply_header(rid)?;
-        let payload = self.io.read_payload(h.payload_len)?;
-        match h.op {
-            Op::Statuses => {
-                let statuses = decode_statuses(&payload, self.limits.max_items)?;
-                if statuses.len() != keys.len() {
-                    return Err(ProtocolError::Invalid { what: "status count" }.into());
-                }
-                Ok(Ok(statuses))
+        self.send(rid, &Request::RemoveBatch { keys: keys.to_vec(), force })?;
+        self.read_statuses(rid, keys.len())
+    }
+
+    /// Reads the `Statuses` reply of a request that carried `count` items (or the owner's
+    /// refusal of the whole request).
+    fn read_statuses(&mut self, rid: u64, count: usize) -> WResult<Result<Vec<Result<()>>>> {
+        self.read_reply(rid, Op::Statuses, "statuses", |conn, payload| {
+            let statuses = decode_statuses(payload, conn.limits.max_items)?;
+            if statuses.len() != count {
+                return Err(ProtocolError::Invalid { what: "status count" }.into());
             }
-            Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
-            other => Err(ProtocolError::Unexpected { expected: "statuses", got: other }.into()),
-        }
+            Ok(statuses)
+        })
     }
 }
 

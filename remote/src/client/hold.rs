@@ -1,14 +1,14 @@
-//! Holds through the owner: read leases a caller keeps across calls (`RemoteStore::hold`), so
-//! the objects it found stay in place until it has read them.
+//! Holds through the owner: read leases a caller keeps across calls (`RemoteStore::hold`), so the
+//! objects it found stay in place until it has read them.
 //!
-//! Owns the client side of holds: one connection per `RemoteStore`, kept out of the pool (the
-//! owner keeps a connection's leases until they are released or the connection closes), the
-//! lease-mode `Get` that takes a hold's leases on it, the one-way `Release` that gives them back
+//! Owns the client side of holds: one connection per `RemoteStore`, kept out of the pool (the owner
+//! keeps a connection's leases until they are released or the connection closes), the lease-mode
+//! `Get` that takes a hold's leases on it, the one-way `Release` that gives them back
 //! (`release_hold`, the TTL, `close_holds`), the reaper thread that releases holds whose TTL
 //! passed, and the count of what is held. Holds work on every connection to an owner: one that
-//! cannot map the arena (TCP) gets grants with lengths only. It never reports a key held after the hold's TTL, after
-//! its release, or after the connection that held it was lost (then every hold on it is lost
-//! at once, and the owner has dropped their leases).
+//! cannot map the arena (TCP) gets grants with lengths only. It never reports a key held after the
+//! hold's TTL, after its release, or after the connection that held it was lost (then every hold on
+//! it is lost at once, and the owner has dropped their leases).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -17,7 +17,10 @@ use std::time::{Duration, Instant};
 
 use kvtide::Error as StoreError;
 
-use super::{batches, Conn, Inner, RemoteStore, LEASE_MARGIN};
+use super::arguments::valid_keys;
+use super::conn::{Conn, LEASE_MARGIN};
+use super::Inner;
+use super::{batches, RemoteStore};
 use crate::error::Result;
 use crate::protocol::{GetItem, LenCheck};
 use crate::wire::WireError;
@@ -90,7 +93,7 @@ impl HoldState {
             return;
         }
         let Some(conn) = self.conn.as_mut() else { return };
-        let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         if conn.send_release(rid, leases).is_err() {
             self.lose_conn();
         }
@@ -130,7 +133,7 @@ impl Holds {
         if conn.unconfirmed.is_empty() {
             return;
         }
-        let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         if conn.round_trip(rid).is_err() {
             st.lose_conn();
         }
@@ -160,7 +163,6 @@ impl RemoteStore {
     /// `Busy` past the owner's `max_leases_per_connection`, ...). Works over TCP and Unix
     /// sockets alike (an owner of an earlier version refuses it without the arena mapped). An
     /// empty `keys` only checks that holds are possible.
-    #[allow(clippy::too_many_lines)] // split on the client branch
     pub fn hold(&self, keys: &[&[u8]], ttl_ms: u64) -> Result<HoldGranted> {
         if ttl_ms == 0 || ttl_ms > MAX_HOLD_TTL_MS {
             return Err(StoreError::InvalidArgument(format!(
@@ -168,16 +170,10 @@ impl RemoteStore {
             ))
             .into());
         }
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         let mut results: Vec<Result<u64>> =
             (0..keys.len()).map(|_| Err(StoreError::Internal("hold: key never answered").into())).collect();
-        let mut valid = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            match self.inner.validate_key(&limits, key) {
-                Ok(()) => valid.push(i),
-                Err(e) => results[i] = Err(e),
-            }
-        }
+        let valid = valid_keys(&limits, keys, &mut results);
         let holds = &self.inner.holds;
         let mut st = holds.lock();
         if st.closed {
@@ -187,10 +183,8 @@ impl RemoteStore {
         let (leases, expires_at) = loop {
             let (mut conn, reused) = match st.conn.take() {
                 Some(c) => (c, true),
-                None => (self.inner.open()?, false),
+                None => (self.inner.pool.open()?, false),
             };
-            // Without the arena mapped the grants carry lengths only (offset 0).
-            let arena_bytes = conn.shm.as_ref().map_or(u64::MAX, |m| m.len());
             let owner_ttl = Duration::from_millis(u64::from(conn.hello.lease_ttl_ms)).saturating_sub(LEASE_MARGIN);
             let ttl = Duration::from_millis(ttl_ms).min(owner_ttl);
             if ttl.is_zero() {
@@ -198,35 +192,7 @@ impl RemoteStore {
                 return Err(StoreError::InvalidArgument("the owner's lease TTL is too short for holds".into()).into());
             }
             let sent = Instant::now();
-            let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
-            let max_items = (conn.limits.max_items as usize).max(1);
-            let mut leases: Vec<Option<u64>> = vec![None; keys.len()];
-            let mut failed: Option<WireError> = None;
-            for (start, end) in batches(&key_lens, 11, max_items, &conn.limits) {
-                let items: Vec<GetItem<'_>> =
-                    valid[start..end].iter().map(|&i| GetItem { key: keys[i], check: LenCheck::Any }).collect();
-                let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
-                match conn.lease_all(rid, items, arena_bytes) {
-                    Ok(Ok((_, grants))) => {
-                        for (&i, grant) in valid[start..end].iter().zip(grants) {
-                            match grant {
-                                Ok(g) => {
-                                    leases[i] = Some(g.lease);
-                                    results[i] = Ok(g.len);
-                                }
-                                Err(e) => results[i] = Err(e),
-                            }
-                        }
-                    }
-                    // The owner refused the request as a whole (answered, so the connection
-                    // is still in step): its keys are not held.
-                    Ok(Err(e)) => valid[start..end].iter().for_each(|&i| results[i] = Err(e.clone())),
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
-                }
-            }
+            let (leases, failed) = self.lease_batches(&mut conn, keys, &valid, &mut results);
             match failed {
                 None => {
                     st.conn = Some(conn);
@@ -248,10 +214,57 @@ impl RemoteStore {
                         retried = true;
                         continue;
                     }
-                    return Err(e.into_error("hold", self.inner.options.timeout_ms));
+                    return Err(e.into_error("hold", self.inner.pool.options.timeout_ms));
                 }
             }
         };
+        let id = self.record(&mut st, leases, expires_at)?;
+        Ok(HoldGranted { id, results, expires_at })
+    }
+
+    /// Takes leases on `conn` for the keys at positions `valid`, in as many requests as the
+    /// owner's limits need: per key its lease id (its length or why not in `results`), and the
+    /// failure that lost the connection midway, if one did.
+    fn lease_batches(
+        &self,
+        conn: &mut Conn,
+        keys: &[&[u8]],
+        valid: &[usize],
+        results: &mut [Result<u64>],
+    ) -> (Vec<Option<u64>>, Option<WireError>) {
+        // Without the arena mapped the grants carry lengths only (offset 0).
+        let arena_bytes = conn.shm.as_ref().map_or(u64::MAX, |m| m.len());
+        let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
+        let max_items = (conn.limits.max_items as usize).max(1);
+        let mut leases: Vec<Option<u64>> = vec![None; keys.len()];
+        for (start, end) in batches(&key_lens, 11, max_items, &conn.limits) {
+            let items: Vec<GetItem<'_>> =
+                valid[start..end].iter().map(|&i| GetItem { key: keys[i], check: LenCheck::Any }).collect();
+            let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
+            match conn.lease_all(rid, items, arena_bytes) {
+                Ok(Ok((_, grants))) => {
+                    for (&i, grant) in valid[start..end].iter().zip(grants) {
+                        match grant {
+                            Ok(g) => {
+                                leases[i] = Some(g.lease);
+                                results[i] = Ok(g.len);
+                            }
+                            Err(e) => results[i] = Err(e),
+                        }
+                    }
+                }
+                // The owner refused the request as a whole (answered, so the connection is
+                // still in step): its keys are not held.
+                Ok(Err(e)) => valid[start..end].iter().for_each(|&i| results[i] = Err(e.clone())),
+                Err(e) => return (leases, Some(e)),
+            }
+        }
+        (leases, None)
+    }
+
+    /// Files a hold of `leases` until `expires_at` (when any key is held, starting the reaper
+    /// if it is not running yet); returns its id.
+    fn record(&self, st: &mut HoldState, leases: Vec<Option<u64>>, expires_at: Instant) -> Result<u64> {
         let held = leases.iter().flatten().count();
         st.next_id += 1;
         let id = st.next_id;
@@ -266,9 +279,9 @@ impl RemoteStore {
                     .map_err(|e| StoreError::Io(format!("cannot start the hold reaper thread: {e}")))?;
                 st.reaper_started = true;
             }
-            holds.wake.notify_all();
+            self.inner.holds.wake.notify_all();
         }
-        Ok(HoldGranted { id, results, expires_at })
+        Ok(id)
     }
 
     /// Releases hold `id`'s leases: all of them (`which` None) or those of the keys at these

@@ -1,13 +1,13 @@
 //! Stream-bound reads through the owner: `RemoteStore::*_on_stream`, as the embedded engine's.
 //!
-//! Owns the client side of reads whose copies are enqueued on the caller's CUDA stream: the
-//! leases (over the Unix socket, the owner leases every key at once and the client keeps the
-//! connection that holds them, out of the pool, until the stream passed the copies), the copies
-//! from the arena mapping onto the stream (elsewhere, from host buffers each piece was read into
-//! first, which the read keeps until then, within `max_stream_host_bytes`), and the watch thread that sees the stream pass the
-//! copies, releases the leases and ends the ticket. It never releases a lease before the stream
-//! passed the copies that read it, except once the owner's lease TTL is near: then the read is
-//! reported `StreamExpired`, as the embedded engine does.
+//! Owns the client side of reads whose copies are enqueued on the caller's CUDA stream: the leases
+//! (over the Unix socket, the owner leases every key at once and the client keeps the connection
+//! that holds them, out of the pool, until the stream passed the copies), the copies from the arena
+//! mapping onto the stream (elsewhere, from host buffers each piece was read into first, which the
+//! read keeps until then, within `max_stream_host_bytes`), and the watch thread that sees the
+//! stream pass the copies, releases the leases and ends the ticket. It never releases a lease
+//! before the stream passed the copies that read it, except once the owner's lease TTL is near:
+//! then the read is reported `StreamExpired`, as the embedded engine does.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -16,9 +16,12 @@ use std::time::{Duration, Instant};
 use kvtide::{checks, Error as StoreError, Fragment, Store, StreamCompleter, StreamHandle, StreamTicket};
 use kvtide_transport::{InFlight, Region, Transfer, Transport};
 
-use super::{Conn, Inner, RemoteStore, LEASE_MARGIN};
+use super::conn::{Conn, LEASE_MARGIN};
+use super::Inner;
+use super::RemoteStore;
 use crate::error::{Error, Result};
-use crate::protocol::{decode_error_frame, decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
+use crate::protocol::{decode_grants, GetItem, LenCheck, Op, ProtocolError, Request};
+use crate::shm::ShmMapping;
 use crate::wire::WResult;
 
 /// How often the watch thread looks at the reads in flight.
@@ -32,7 +35,7 @@ struct Bound {
     results: Vec<std::result::Result<usize, StoreError>>,
     completer: Option<StreamCompleter>,
     /// The connection holding the leases, and their ids (None: the bytes are in `buffers`).
-    held: Option<(Conn, u64, Vec<u64>)>,
+    held: Option<Held>,
     /// Host copies of the pieces the copies read from (TCP, or no shared arena).
     buffers: Option<HostBytes>,
     /// When the owner may start reclaiming the leases.
@@ -108,7 +111,7 @@ fn finish(inner: &Inner, mut read: Bound) {
     if let Some((mut conn, rid, leases)) = read.held.take() {
         // A connection that cannot send the release is dropped, which releases everything.
         if conn.send_release(rid, leases).is_ok() {
-            inner.checkin(conn);
+            inner.pool.checkin(conn);
         }
     }
     // The host copies go back before the ticket ends, so a caller that saw it end sees them
@@ -138,7 +141,7 @@ impl HostBytes {
             .map(|p| p.regions.iter().map(|r| r.len() as u64).sum::<u64>())
             .collect();
         let total: u64 = lens.iter().sum();
-        let limit = inner.options.max_stream_host_bytes;
+        let limit = inner.pool.options.max_stream_host_bytes;
         let counter = Arc::clone(&inner.stream_host_bytes);
         let before = counter.fetch_add(total, Ordering::AcqRel);
         if before.saturating_add(total) > limit {
@@ -288,7 +291,7 @@ impl RemoteStore {
             "stream-bound reads through RemoteStore need the cuda feature of kvtide-remote",
         ))?;
         submit.check_stream(stream).map_err(|e| Error::from(StoreError::from(e)))?;
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         // Every destination list, checked once; each piece's failure lands in its slot.
         let checked = self.inner.check_destination_lists(lists);
         let mut todo: Vec<Wanted<'_, '_>> = Vec::with_capacity(wanted.len());
@@ -308,14 +311,14 @@ impl RemoteStore {
         if todo.is_empty() {
             return Ok(StreamTicket::ended(results));
         }
-        let limit = self.inner.options.max_tickets_in_flight;
+        let limit = self.inner.pool.options.max_tickets_in_flight;
         if self.inner.tickets_in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
             self.inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(StoreError::Busy { limit }.into());
         }
         // SAFETY: forwarded contract.
         match unsafe { self.lease_and_submit(&todo, &mut results, &*transport, stream) } {
-            Ok((inflight, slot_of, held, buffers, ttl_ms)) => {
+            Ok(Submitted { inflight, slot_of, held, buffers, ttl_ms }) => {
                 let (ticket, completer) = StreamTicket::pending(slots);
                 completer.set_pinned(held.as_ref().map_or(0, |(_, _, l)| l.len()));
                 let read = Bound {
@@ -342,126 +345,171 @@ impl RemoteStore {
     ///
     /// # Safety
     /// As `batch_get_into_multi_buffers_on_stream`.
-    #[allow(clippy::type_complexity)]
-    #[allow(clippy::too_many_lines)] // split on the client branch
     unsafe fn lease_and_submit(
         &self,
         todo: &[Wanted<'_, '_>],
         results: &mut [std::result::Result<usize, StoreError>],
         transport: &dyn Transport,
         stream: StreamHandle,
-    ) -> Result<(InFlight, Vec<usize>, Option<(Conn, u64, Vec<u64>)>, Option<HostBytes>, u64)> {
+    ) -> Result<Submitted> {
         let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable("no stream-bound transport"))?;
-        let mut conn = match self.inner.checkout() {
+        let conn = match self.inner.pool.checkout() {
             Some(c) => c,
-            None => self.inner.open()?,
+            None => self.inner.pool.open()?,
         };
-        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
-        let mut transfers = Vec::new();
-        let mut slot_of = Vec::new();
-        let mut buffers: Option<HostBytes> = None;
-        let mut held = None;
-        let ttl_ms;
-        if let Some(mapping) = conn.shm.clone() {
-            let items: Vec<GetItem<'_>> = todo.iter().map(|w| GetItem { key: w.key, check: w.check }).collect();
-            let grants = conn
-                .lease_all(rid, items, mapping.len())
-                .map_err(|e| e.into_error("get", self.inner.options.timeout_ms))??;
-            ttl_ms = u64::from(grants.0);
-            let mut leases = Vec::new();
-            for (w, grant) in todo.iter().zip(grants.1) {
-                let grant = match grant {
-                    Ok(g) => g,
-                    Err(e) => {
-                        w.pieces.iter().for_each(|p| results[p.slot] = Err(into_store(e.clone())));
-                        continue;
-                    }
-                };
-                leases.push(grant.lease);
-                if let Err(e) = w.check.check(grant.len) {
-                    w.pieces.iter().for_each(|p| results[p.slot] = Err(e.clone()));
-                    continue;
-                }
-                for piece in &w.pieces {
-                    let len: u64 = piece.regions.iter().map(|r| r.len() as u64).sum();
-                    let placed = kvtide_transport::region::check_range("object", piece.offset, len, grant.len)
-                        .map_err(StoreError::from)
-                        .and_then(|()| mapping.addr_of(grant.offset + piece.offset, len).map_err(into_store));
-                    match placed {
-                        Ok(host) => {
-                            transfers.push(Transfer::in_order(host, len, &piece.regions));
-                            slot_of.push(piece.slot);
-                            results[piece.slot] = Ok(len as usize);
-                        }
-                        Err(e) => results[piece.slot] = Err(e),
-                    }
-                }
+        let mut copies = Copies::default();
+        let (held, buffers, ttl_ms) = match conn.shm.clone() {
+            Some(mapping) => {
+                let (held, ttl_ms) = self.lease_in_arena(conn, &mapping, todo, results, &mut copies)?;
+                (Some(held), None, ttl_ms)
             }
-            self.inner.gpu.pin(mapping.memory(), true);
-            held = Some((conn, rid, leases));
-        } else {
-            // No shared arena: each piece comes over the socket into a host buffer of its own
-            // first, within `max_stream_host_bytes`.
-            ttl_ms = u64::from(conn.hello.lease_ttl_ms);
-            self.inner.checkin(conn);
-            let mut held_bytes = HostBytes::take(&self.inner, todo)?;
-            let lens: Vec<u64> = held_bytes.buffers.iter().map(|b| b.len() as u64).collect();
-            let regions: Vec<Region<'_>> = held_bytes.buffers.iter_mut().map(|b| Region::host(&mut b[..])).collect();
-            // Whole objects (their length checked) and ranges of objects, one call each.
-            let (mut whole_keys, mut whole_dsts, mut whole_at) = (Vec::new(), Vec::new(), Vec::new());
-            let (mut range_dsts, mut ranges, mut range_at) = (Vec::new(), Vec::new(), Vec::new());
-            let mut b = 0usize;
-            for w in todo {
-                for piece in &w.pieces {
-                    if let LenCheck::Exactly(_) = w.check {
-                        whole_keys.push(w.key);
-                        whole_dsts.push(vec![regions[b]]);
-                        whole_at.push((b, piece));
-                    } else {
-                        range_dsts.push(regions[b]);
-                        ranges.push(vec![Fragment::new(w.key.to_vec(), piece.offset, 0, lens[b])]);
-                        range_at.push((b, piece));
-                    }
-                    b += 1;
-                }
+            None => {
+                let ttl_ms = u64::from(conn.hello.lease_ttl_ms);
+                self.inner.pool.checkin(conn);
+                (None, Some(self.read_into_host(todo, results, &mut copies)?), ttl_ms)
             }
-            let whole = self.batch_get_into_multi_buffers(&whole_keys, &whole_dsts);
-            let ranged = self.get_into_ranges(&range_dsts, &ranges).into_iter().map(|mut r| {
-                if r.is_empty() {
-                    Err(StoreError::Internal("a range result was missing").into())
-                } else {
-                    r.remove(0)
-                }
-            });
-            let outcomes: Vec<_> = whole.into_iter().chain(ranged).collect();
-            drop((regions, whole_dsts, range_dsts));
-            for ((b, piece), outcome) in whole_at.into_iter().chain(range_at).zip(outcomes) {
-                match outcome {
-                    Ok(_) => {
-                        let host = held_bytes.buffers[b].as_ptr() as u64;
-                        transfers.push(Transfer::in_order(host, lens[b], &piece.regions));
-                        slot_of.push(piece.slot);
-                        results[piece.slot] = Ok(lens[b] as usize);
-                    }
-                    Err(e) => results[piece.slot] = Err(into_store(e)),
-                }
-            }
-            buffers = Some(held_bytes);
-        }
-        let gates = vec![None; transfers.len()];
+        };
+        let gates = vec![None; copies.transfers.len()];
         // SAFETY: the host bytes are leased to `held`'s connection (or are `buffers`), both kept
         // until the stream passed the copies; the destinations were checked and are the
         // caller's until then (this call's contract).
-        match unsafe { submit.submit_on_stream(stream, &transfers, &gates) } {
-            Ok(inflight) => Ok((inflight, slot_of, held, buffers, ttl_ms)),
-            Err(e) => {
-                // Nothing was enqueued: the leases go back with the connection.
-                if let Some((conn, _, _)) = held {
-                    drop(conn);
+        match unsafe { submit.submit_on_stream(stream, &copies.transfers, &gates) } {
+            Ok(inflight) => Ok(Submitted { inflight, slot_of: copies.slot_of, held, buffers, ttl_ms }),
+            // Nothing was enqueued: the leases go back with the connection.
+            Err(e) => Err(StoreError::from(e).into()),
+        }
+    }
+
+    /// Leases every object of `todo` in the owner's arena on `conn` and plans a copy of each
+    /// piece straight out of the arena mapping. Returns the connection holding the leases (kept
+    /// until the stream passed the copies) and the leases' TTL.
+    fn lease_in_arena(
+        &self,
+        mut conn: Conn,
+        mapping: &ShmMapping,
+        todo: &[Wanted<'_, '_>],
+        results: &mut [std::result::Result<usize, StoreError>],
+        copies: &mut Copies,
+    ) -> Result<(Held, u64)> {
+        let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
+        let items: Vec<GetItem<'_>> = todo.iter().map(|w| GetItem { key: w.key, check: w.check }).collect();
+        let (ttl_ms, grants) = conn
+            .lease_all(rid, items, mapping.len())
+            .map_err(|e| e.into_error("get", self.inner.pool.options.timeout_ms))??;
+        let mut leases = Vec::new();
+        for (w, grant) in todo.iter().zip(grants) {
+            let grant = match grant {
+                Ok(g) => g,
+                Err(e) => {
+                    w.pieces.iter().for_each(|p| results[p.slot] = Err(into_store(e.clone())));
+                    continue;
                 }
-                Err(StoreError::from(e).into())
+            };
+            leases.push(grant.lease);
+            if let Err(e) = w.check.check(grant.len) {
+                w.pieces.iter().for_each(|p| results[p.slot] = Err(e.clone()));
+                continue;
+            }
+            for piece in &w.pieces {
+                let len: u64 = piece.regions.iter().map(|r| r.len() as u64).sum();
+                let placed = kvtide_transport::region::check_range("object", piece.offset, len, grant.len)
+                    .map_err(StoreError::from)
+                    .and_then(|()| mapping.addr_of(grant.offset + piece.offset, len).map_err(into_store));
+                match placed {
+                    Ok(host) => copies.add(Transfer::in_order(host, len, &piece.regions), piece.slot, len, results),
+                    Err(e) => results[piece.slot] = Err(e),
+                }
             }
         }
+        self.inner.gpu.pin(mapping.memory(), true);
+        Ok(((conn, rid, leases), u64::from(ttl_ms)))
+    }
+
+    /// Without the shared arena: reads each piece of `todo` over the socket into a host buffer
+    /// of its own (within `max_stream_host_bytes`) and plans its copy from there. Returns the
+    /// buffers, kept until the stream passed the copies.
+    fn read_into_host(
+        &self,
+        todo: &[Wanted<'_, '_>],
+        results: &mut [std::result::Result<usize, StoreError>],
+        copies: &mut Copies,
+    ) -> Result<HostBytes> {
+        let mut held_bytes = HostBytes::take(&self.inner, todo)?;
+        let lens: Vec<u64> = held_bytes.buffers.iter().map(|b| b.len() as u64).collect();
+        let regions: Vec<Region<'_>> = held_bytes.buffers.iter_mut().map(|b| Region::host(&mut b[..])).collect();
+        // Whole objects (their length checked) and ranges of objects, one call each.
+        let (mut whole_keys, mut whole_dsts, mut whole_at) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut range_dsts, mut ranges, mut range_at) = (Vec::new(), Vec::new(), Vec::new());
+        let mut b = 0usize;
+        for w in todo {
+            for piece in &w.pieces {
+                if let LenCheck::Exactly(_) = w.check {
+                    whole_keys.push(w.key);
+                    whole_dsts.push(vec![regions[b]]);
+                    whole_at.push((b, piece));
+                } else {
+                    range_dsts.push(regions[b]);
+                    ranges.push(vec![Fragment::new(w.key.to_vec(), piece.offset, 0, lens[b])]);
+                    range_at.push((b, piece));
+                }
+                b += 1;
+            }
+        }
+        let whole = self.batch_get_into_multi_buffers(&whole_keys, &whole_dsts);
+        let ranged = self.get_into_ranges(&range_dsts, &ranges).into_iter().map(|mut r| {
+            if r.is_empty() {
+                Err(StoreError::Internal("a range result was missing").into())
+            } else {
+                r.remove(0)
+            }
+        });
+        let outcomes: Vec<_> = whole.into_iter().chain(ranged).collect();
+        drop((regions, whole_dsts, range_dsts));
+        for ((b, piece), outcome) in whole_at.into_iter().chain(range_at).zip(outcomes) {
+            match outcome {
+                Ok(_) => {
+                    let host = held_bytes.buffers[b].as_ptr() as u64;
+                    copies.add(Transfer::in_order(host, lens[b], &piece.regions), piece.slot, lens[b], results);
+                }
+                Err(e) => results[piece.slot] = Err(into_store(e)),
+            }
+        }
+        Ok(held_bytes)
+    }
+}
+
+/// The connection holding a read's leases, the request they were granted to, and their ids.
+type Held = (Conn, u64, Vec<u64>);
+
+/// What `lease_and_submit` enqueued: the copies in flight, the result slot of each, and what
+/// must stay until the stream passed them (the leases or the host buffers), with the TTL.
+struct Submitted {
+    inflight: InFlight,
+    slot_of: Vec<usize>,
+    held: Option<Held>,
+    buffers: Option<HostBytes>,
+    ttl_ms: u64,
+}
+
+/// The copies a stream-bound read plans, and the result slot of each.
+#[derive(Default)]
+struct Copies {
+    transfers: Vec<Transfer>,
+    slot_of: Vec<usize>,
+}
+
+impl Copies {
+    /// Plans `transfer` of `len` bytes for result slot `slot`, which it will fill.
+    fn add(
+        &mut self,
+        transfer: Transfer,
+        slot: usize,
+        len: u64,
+        results: &mut [std::result::Result<usize, StoreError>],
+    ) {
+        self.transfers.push(transfer);
+        self.slot_of.push(slot);
+        results[slot] = Ok(len as usize);
     }
 }
 
@@ -475,23 +523,13 @@ impl Conn {
         arena_bytes: u64,
     ) -> WResult<Result<(u32, Vec<std::result::Result<crate::protocol::Grant, Error>>)>> {
         let count = items.len();
-        let start = self.io.begin(Op::Get, rid);
-        Request::Get { lease: true, items }.encode(self.io.out());
-        self.io.end(start);
-        self.io.flush()?;
-        let h = self.read_reply_header(rid)?;
-        let payload = self.io.read_payload(h.payload_len)?;
-        match h.op {
-            Op::Grants => {
-                let (ttl_ms, grants) = decode_grants(&payload, self.limits.max_items, arena_bytes)?;
-                if grants.len() != count {
-                    return Err(ProtocolError::Invalid { what: "grant count" }.into());
-                }
-                Ok(Ok((ttl_ms, grants)))
+        self.request(rid, &Request::Get { lease: true, items }, Op::Grants, "grants", |conn, payload| {
+            let (ttl_ms, grants) = decode_grants(payload, conn.limits.max_items, arena_bytes)?;
+            if grants.len() != count {
+                return Err(ProtocolError::Invalid { what: "grant count" }.into());
             }
-            Op::Error => Ok(Err(decode_error_frame(&payload)?.1)),
-            other => Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
-        }
+            Ok((ttl_ms, grants))
+        })
     }
 }
 

@@ -17,8 +17,11 @@ use kvtide::{check_chunk_count, chunk_count, chunk_pair, cut_chunks, ChunkHandle
 use kvtide::{Error as StoreError, Fragment, Store};
 use kvtide_transport::{Direction, Region, Transfer};
 
+use super::arguments::{check_destination, check_source};
+use super::conn::{source_slices, Conn, Pace, LEASE_MARGIN};
 use super::gpu::{BouncePair, ClientGpu};
-use super::{check_destination, check_source, source_slices, Conn, Inner, RemoteStore, LEASE_MARGIN};
+use super::Inner;
+use super::RemoteStore;
 use crate::error::{Error, Result};
 use crate::protocol::{
     decode_error_frame, decode_grants, decode_object, GetItem, LenCheck, Op, ProtocolError, PutChunkHead, Request,
@@ -57,18 +60,16 @@ impl Conn {
         } else {
             Request::Get { lease, items: vec![GetItem { key, check: LenCheck::AtMost(room) }] }
         };
-        let start = self.io.begin(request.op(), rid);
-        request.encode(self.io.out());
-        self.io.end(start);
+        self.push(rid, &request);
         let sent = Instant::now();
         self.io.flush()?;
         if let (true, Some(mapping)) = (lease, self.shm.clone()) {
-            let h = self.read_reply_header(rid)?;
-            let payload = self.io.read_payload(h.payload_len)?;
-            let (ttl_ms, grants) = match h.op {
-                Op::Grants => decode_grants(&payload, self.limits.max_items, mapping.len())?,
-                Op::Error => return Ok(Err(decode_error_frame(&payload)?.1)),
-                other => return Err(ProtocolError::Unexpected { expected: "grants", got: other }.into()),
+            let granted = self.read_reply(rid, Op::Grants, "grants", |conn, payload| {
+                Ok(decode_grants(payload, conn.limits.max_items, mapping.len())?)
+            })?;
+            let (ttl_ms, grants) = match granted {
+                Ok(granted) => granted,
+                Err(e) => return Ok(Err(e)),
             };
             let mut grants = grants.into_iter();
             let (Some(grant), None) = (grants.next(), grants.next()) else {
@@ -202,8 +203,6 @@ impl Conn {
         sink: &ChunkSink<Error>,
         timeout: Duration,
     ) -> WResult<()> {
-        let mut deadline = Instant::now() + timeout;
-        let mut pos = 0u64;
         let mut next = 0usize;
         let settle_up_to = |pos: u64, next: &mut usize| {
             while *next < sink.len() && sink.place(*next).range.end <= pos {
@@ -212,37 +211,22 @@ impl Conn {
             }
         };
         settle_up_to(0, &mut next);
-        while pos < len {
-            if sink.cancelled() {
-                // Stop reading: the connection is dropped with the rest of the stream.
-                return Err(WireError::Closed("the handle was dropped".into()));
-            }
-            if Instant::now() > deadline {
-                return Err(WireError::Timeout);
-            }
-            let h = self.read_reply_header(rid)?;
-            match h.op {
-                Op::Data => {
-                    let n = u64::from(h.payload_len);
-                    if n == 0 || n > len - pos {
-                        return Err(ProtocolError::Invalid { what: "data frame length" }.into());
-                    }
-                    // SAFETY: `[pos, pos + n)` lies inside the object, which fits the
-                    // destination (checked against `room`); the destination is caller memory
-                    // lent writable while the handle runs.
-                    unsafe { self.io.read_raw((dst.addr() + pos) as *mut u8, n as usize)? };
-                    pos += n;
-                    settle_up_to(pos, &mut next);
-                    deadline = Instant::now() + timeout;
-                }
-                Op::Abort => {
-                    let payload = self.io.read_payload(h.payload_len)?;
-                    let (_, error) = decode_error_frame(&payload)?;
-                    fail_from(sink, next, error);
-                    return self.read_end(rid);
-                }
-                other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
-            }
+        let aborted = self.read_data_frames(
+            rid,
+            len,
+            Pace::EachWithin(timeout),
+            || still_wanted(sink),
+            |io, pos, n| {
+                // SAFETY: `[pos, pos + n)` lies inside the object, which fits the destination
+                // (checked against `room`); the destination is caller memory lent writable while
+                // the handle runs.
+                unsafe { io.read_raw((dst.addr() + pos) as *mut u8, n as usize)? };
+                settle_up_to(pos + n, &mut next);
+                Ok(())
+            },
+        )?;
+        if let Some(error) = aborted {
+            fail_from(sink, next, error);
         }
         self.read_end(rid)
     }
@@ -280,57 +264,51 @@ impl Conn {
         };
         settle(Some((Ok(()), 0)));
         let copy_failed = || WireError::Closed("a copy to the GPU failed".into());
-        let mut deadline = Instant::now() + timeout;
-        let mut pos = 0u64;
-        while pos < len {
-            if sink.cancelled() {
-                return Err(WireError::Closed("the handle was dropped".into()));
-            }
-            if Instant::now() > deadline {
-                return Err(WireError::Timeout);
-            }
-            let h = self.read_reply_header(rid)?;
-            match h.op {
-                Op::Data => {
-                    let n = u64::from(h.payload_len);
-                    let (buffer, room, done) = pair.next_buffer();
-                    if n == 0 || n > len - pos || n as usize > room {
-                        return Err(ProtocolError::Invalid { what: "data frame length" }.into());
-                    }
-                    if !settle(done) {
-                        return Err(copy_failed());
-                    }
-                    // SAFETY: the buffer is the pair's, at least `n` bytes, and its last copy
-                    // completed in `next_buffer`.
-                    unsafe { self.io.read_raw(buffer, n as usize)? };
-                    let pieces = super::gpu::pieces_of(std::slice::from_ref(dst), pos, n);
-                    // SAFETY: the buffer holds the frame; the device destination was checked by
-                    // the transport and is lent writable while the handle runs.
-                    if let Err(e) = unsafe { pair.submit(n, pieces, pos + n) } {
-                        fail_from(sink, next, e);
-                        return Err(copy_failed());
-                    }
-                    pos += n;
-                    deadline = Instant::now() + timeout;
+        let pace = Pace::EachWithin(timeout);
+        let aborted = self.read_data_frames(
+            rid,
+            len,
+            pace,
+            || still_wanted(sink),
+            |io, pos, n| {
+                let (buffer, room, done) = pair.next_buffer();
+                if n as usize > room {
+                    return Err(ProtocolError::Invalid { what: "data frame length" }.into());
                 }
-                Op::Abort => {
-                    let payload = self.io.read_payload(h.payload_len)?;
-                    let (_, error) = decode_error_frame(&payload)?;
-                    // The chunks whose bytes arrived still settle.
-                    for done in pair.drain() {
-                        settle(Some(done));
-                    }
-                    fail_from(sink, next, error);
-                    return self.read_end(rid);
+                if !settle(done) {
+                    return Err(copy_failed());
                 }
-                other => return Err(ProtocolError::Unexpected { expected: "data", got: other }.into()),
-            }
-        }
+                // SAFETY: the buffer is the pair's, at least `n` bytes, and its last copy completed
+                // in `next_buffer`.
+                unsafe { io.read_raw(buffer, n as usize)? };
+                let pieces = super::gpu::pieces_of(std::slice::from_ref(dst), pos, n);
+                // SAFETY: the buffer holds the frame; the device destination was checked by the
+                // transport and is lent writable while the handle runs.
+                if let Err(e) = unsafe { pair.submit(n, pieces, pos + n) } {
+                    settle(Some((Err(e), pos)));
+                    return Err(copy_failed());
+                }
+                Ok(())
+            },
+        )?;
+        // The chunks whose bytes arrived settle (before an abort's reason fails the rest).
         for done in pair.drain() {
             settle(Some(done));
         }
+        if let Some(error) = aborted {
+            fail_from(sink, next, error);
+        }
         self.read_end(rid)
     }
+}
+
+/// Stops a delivery whose handle was dropped: the connection is dropped with the rest of the
+/// stream.
+fn still_wanted(sink: &ChunkSink<Error>) -> WResult<()> {
+    if sink.cancelled() {
+        return Err(WireError::Closed("the handle was dropped".into()));
+    }
+    Ok(())
 }
 
 /// One of `ClientOptions::max_stream_handles`, held by a handle's thread until it ends.
@@ -338,7 +316,7 @@ struct StreamSlot(Arc<std::sync::atomic::AtomicU64>);
 
 impl StreamSlot {
     fn take(inner: &Inner) -> Result<StreamSlot> {
-        let limit = inner.options.max_stream_handles;
+        let limit = inner.pool.options.max_stream_handles;
         if inner.streams_open.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
             inner.streams_open.fetch_sub(1, Ordering::AcqRel);
             return Err(StoreError::Busy { limit }.into());
@@ -400,31 +378,13 @@ impl RemoteStore {
             check_destination(&dst)?;
             dst.check_writable().map_err(StoreError::from)?;
         }
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
         let slot = StreamSlot::take(&self.inner)?;
         let inner = &self.inner;
-        // A pooled connection found dead (the owner restarted) is retried once on a new one.
-        let mut pooled = inner.checkout();
-        let (conn, rid, first) = loop {
-            let reused = pooled.is_some();
-            let mut conn = match pooled.take() {
-                Some(c) => c,
-                None => inner.open()?,
-            };
-            let rid = inner.next_request.fetch_add(1, Ordering::Relaxed);
-            match conn.start_progressive(rid, key, dst.len() as u64, follow) {
-                Ok(Ok(first)) => break (conn, rid, first),
-                Ok(Err(e)) => {
-                    inner.checkin(conn);
-                    return Err(e);
-                }
-                Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
-                    inner.pool.lock().unwrap_or_else(|p| p.into_inner()).clear();
-                }
-                Err(e) => return Err(e.into_error("progressive_get", inner.options.timeout_ms)),
-            }
-        };
+        let room = dst.len() as u64;
+        let (conn, rid, first) =
+            inner.pool.call_keeping("progressive_get", |conn, rid| conn.start_progressive(rid, key, room, follow))?;
         let len = first.len();
         if let Err(e) = check_chunk_count(chunk_count(len, chunk_bytes)) {
             // Too many chunks. A leased object is released; a stream is left unread, so its
@@ -432,7 +392,7 @@ impl RemoteStore {
             let mut conn = conn;
             if let First::Grant { lease, .. } = &first {
                 if conn.send_release(rid, vec![*lease]).is_ok() {
-                    inner.checkin(conn);
+                    inner.pool.checkin(conn);
                 }
             }
             return Err(e.into());
@@ -440,7 +400,7 @@ impl RemoteStore {
         let places: Vec<ChunkPlace> = cut_chunks(0, 0, len, chunk_bytes).collect();
         let (handle, sink) = chunk_pair(places);
         let inner = Arc::clone(&self.inner);
-        let timeout = inner.timeout();
+        let timeout = inner.pool.timeout();
         let spawned = std::thread::Builder::new().name("kvtide-remote-stream".into()).spawn(move || {
             let _slot = slot;
             let mut conn = conn;
@@ -451,9 +411,9 @@ impl RemoteStore {
                 (First::Object { len }, Some(gpu)) => conn.deliver_stream_to_gpu(rid, *len, &dst, &sink, timeout, gpu),
             };
             match outcome {
-                Ok(()) => inner.checkin(conn),
+                Ok(()) => inner.pool.checkin(conn),
                 // The connection is dropped; the chunks not delivered fail with the reason.
-                Err(e) => fail_from(&sink, 0, e.into_error("progressive_get", inner.options.timeout_ms)),
+                Err(e) => fail_from(&sink, 0, e.into_error("progressive_get", inner.pool.options.timeout_ms)),
             }
         });
         if let Err(e) = spawned {
@@ -576,12 +536,12 @@ impl RemotePutStream {
         let Some(conn) = slot.as_mut() else {
             return Err(Error::Disconnected("the progressive put's connection failed earlier".into()));
         };
-        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
+        let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
         match f(conn, rid) {
             Ok(result) => result,
             Err(e) => {
                 *slot = None;
-                Err(e.into_error(op, self.inner.options.timeout_ms))
+                Err(e.into_error(op, self.inner.pool.options.timeout_ms))
             }
         }
     }
@@ -620,13 +580,7 @@ impl RemotePutStream {
     /// ones and the put stays open).
     pub fn seal(&mut self) -> Result<()> {
         let stream = self.stream;
-        let result = self.on_conn("seal", |conn, rid| {
-            let start = conn.io.begin(Op::PutSeal, rid);
-            Request::PutSeal { stream }.encode(conn.io.out());
-            conn.io.end(start);
-            conn.io.flush()?;
-            conn.read_status(rid)
-        });
+        let result = self.on_conn("seal", |conn, rid| conn.request_status(rid, &Request::PutSeal { stream }));
         if !matches!(result, Err(Error::Store(StoreError::InvalidArgument(_)))) {
             self.finish();
         }
@@ -644,13 +598,7 @@ impl RemotePutStream {
         }
         let stream = self.stream;
         // Best effort: a connection that fails here is dropped, which aborts the put too.
-        let _ = self.on_conn("abort", |conn, rid| {
-            let start = conn.io.begin(Op::PutAbort, rid);
-            Request::PutAbort { stream }.encode(conn.io.out());
-            conn.io.end(start);
-            conn.io.flush()?;
-            conn.read_status(rid)
-        });
+        let _ = self.on_conn("abort", |conn, rid| conn.request_status(rid, &Request::PutAbort { stream }));
         self.finish();
     }
 
@@ -658,7 +606,7 @@ impl RemotePutStream {
     fn finish(&mut self) {
         self.finished = true;
         if let Some(conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.inner.checkin(conn);
+            self.inner.pool.checkin(conn);
         }
     }
 }
@@ -685,24 +633,18 @@ impl RemoteStore {
             return Err(StoreError::InvalidArgument("chunk_bytes must be at least 1".into()).into());
         }
         check_chunk_count(chunk_count(total_bytes, chunk_bytes))?;
-        let limits = self.inner.limits()?;
+        let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
         if total_bytes > limits.max_value_bytes {
             return Err(StoreError::TooLarge { what: "value", len: total_bytes, max: limits.max_value_bytes }.into());
         }
-        let mut conn = match self.inner.checkout() {
+        let mut conn = match self.inner.pool.checkout() {
             Some(c) => c,
-            None => self.inner.open()?,
+            None => self.inner.pool.open()?,
         };
-        let rid = self.inner.next_request.fetch_add(1, Ordering::Relaxed);
-        let opened = (|| -> WResult<Result<()>> {
-            let start = conn.io.begin(Op::PutOpen, rid);
-            Request::PutOpen { key, total_len: total_bytes, chunk_bytes, upsert: opts.upsert, pin: opts.pin }
-                .encode(conn.io.out());
-            conn.io.end(start);
-            conn.io.flush()?;
-            conn.read_status(rid)
-        })();
+        let rid = self.inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
+        let open = Request::PutOpen { key, total_len: total_bytes, chunk_bytes, upsert: opts.upsert, pin: opts.pin };
+        let opened = conn.request_status(rid, &open);
         match opened {
             Ok(Ok(())) => Ok(RemotePutStream {
                 inner: Arc::clone(&self.inner),
@@ -713,10 +655,10 @@ impl RemoteStore {
                 finished: false,
             }),
             Ok(Err(e)) => {
-                self.inner.checkin(conn);
+                self.inner.pool.checkin(conn);
                 Err(e)
             }
-            Err(e) => Err(e.into_error("progressive_put", self.inner.options.timeout_ms)),
+            Err(e) => Err(e.into_error("progressive_put", self.inner.pool.options.timeout_ms)),
         }
     }
 }

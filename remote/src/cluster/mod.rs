@@ -3,13 +3,15 @@
 //! the background and talk to owners directly.
 //!
 //! `etcd` is the client of etcd's JSON gateway, `member` the records owners write, `placement`
-//! the hashing, `registration` an owner's side, `store` the client (`ClusterStore`).
+//! the hashing, `registration` an owner's side, `store` the client (`ClusterStore`), `view` the membership
+//! view it routes by (each member's health and connection).
 
 pub mod etcd;
 pub mod member;
 pub mod placement;
 pub mod registration;
 pub mod store;
+mod view;
 
 pub use etcd::{Etcd, EtcdConfig, EtcdError};
 pub use member::Member;

@@ -1,8 +1,10 @@
-//! `ClusterStore`: a `Store` over every owner registered in one etcd cluster. Owns the view of
-//! the membership (re-read from etcd every `refresh_ms`, the last good view kept while etcd is
-//! away), one `RemoteStore` per member (Unix socket with shared memory on the same host, TCP
-//! otherwise), the routing of each key to its rendezvous-ranked members, and the per-key
-//! merging of their answers. Never stores data itself and never asks etcd on the data path.
+//! `ClusterStore`: a `Store` over every owner registered in one etcd cluster. Owns the
+//! following of the membership (re-read from etcd every `refresh_ms`, the last good view kept
+//! while etcd is away; the view itself, with each member's health and connection, is
+//! `view.rs`'s), the routing of each key to its rendezvous-ranked members, and the per-key
+//! merging of their answers. Never stores data itself, never asks etcd on the data path, and
+//! takes no client-wide mutex there: a call reads the current view (an `Arc` behind a read
+//! lock) and each member's health and connection from the view's per-member `Link`.
 //!
 //! Routing:
 //! - a put goes to the key's first `replication` reachable members, in parallel per member, and
@@ -15,18 +17,17 @@
 //! - scans walk the members in id order, each key reported by the first-ranked member that
 //!   holds it.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use kvtide::{BatchTicket, Error as StoreError, Fragment, KeyPage, PutOptions, Region, Stats, Store, Ticket};
+use kvtide::{BatchTicket, Error as StoreError, Fragment, KeyPage, PutOptions, Region, Stats, Store};
 
 use super::etcd::{Etcd, EtcdConfig};
 use super::member::{self, Member};
-use super::placement;
 use super::registration::ClusterError;
-use crate::client::{ClientOptions, RemoteStore};
+use super::view::View;
+use crate::client::{lists_per_key, submit_batch_get, ClientOptions, RemoteStore};
 use crate::error::{Error, Result};
 
 /// Most replicas of one key.
@@ -107,36 +108,12 @@ struct Counters {
     puts_rerouted: AtomicU64,
 }
 
-/// One membership, as read at one time.
-#[derive(Debug, Default)]
-struct View {
-    /// Sorted by id.
-    members: Vec<Member>,
-    seeds: Vec<u64>,
-    /// Entries that did not parse: (key, why).
-    invalid: Vec<(String, String)>,
-}
-
-impl View {
-    fn rank(&self, key: &[u8]) -> Vec<usize> {
-        placement::ranked(placement::key_hash(key), &self.seeds)
-    }
-}
-
-/// A member's connection and health.
-struct Link {
-    generation: u64,
-    store: Option<Arc<RemoteStore>>,
-    down_until: Option<Instant>,
-}
-
 struct Inner {
     options: ClusterOptions,
     etcd: Etcd,
     prefix: String,
     host: String,
     view: RwLock<Arc<View>>,
-    links: Mutex<HashMap<String, Link>>,
     counters: Counters,
     tickets_in_flight: Arc<AtomicU64>,
     stop: Arc<(Mutex<bool>, Condvar)>,
@@ -189,7 +166,6 @@ impl ClusterStore {
             prefix,
             host: member::host_identity(),
             view: RwLock::new(Arc::new(View::default())),
-            links: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
             stop: Arc::new((Mutex::new(false), Condvar::new())),
@@ -243,13 +219,12 @@ impl ClusterStore {
         let inner = &self.inner;
         let view = inner.view();
         for m in view.rank(key) {
-            let member = &view.members[m];
-            if inner.is_down(member) {
+            if view.is_down(m) {
                 continue;
             }
-            match inner.connection(member) {
-                Ok(store) => return Ok(store),
-                Err(e) if member_failed(&e) => inner.mark_down(member, &e),
+            match inner.connection(&view, m) {
+                Ok(store) => return Ok(Arc::clone(store)),
+                Err(e) if member_failed(&e) => inner.mark_down(&view, m, &e),
                 Err(e) => return Err(e),
             }
         }
@@ -369,8 +344,8 @@ impl Inner {
         if same && current.invalid == invalid {
             if current.members != members {
                 // Only usage changed.
-                let seeds = current.seeds.clone();
-                *self.view.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(View { members, seeds, invalid });
+                let view = View::new(members, invalid, &current);
+                *self.view.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(view);
             }
             return Ok(());
         }
@@ -385,60 +360,24 @@ impl Inner {
         for (key, why) in invalid.iter().filter(|e| !current.invalid.contains(e)) {
             tracing::warn!(cluster = %self.options.name, %key, %why, "ignoring an invalid member entry");
         }
-        // Links of members that left (or restarted) are dropped: a new generation gets a new
-        // connection, and with it a new mapping of its arena.
-        {
-            let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-            links.retain(|id, link| members.iter().any(|m| &m.id == id && m.generation == link.generation));
-        }
-        let seeds = members.iter().map(|m| placement::member_seed(&m.id)).collect();
-        *self.view.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(View { members, seeds, invalid });
+        // Links of members that left (or restarted) are dropped with the old view: a new
+        // generation gets a new connection, and with it a new mapping of its arena.
+        let view = View::new(members, invalid, &current);
+        *self.view.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(view);
         Ok(())
     }
 
-    fn is_down(&self, member: &Member) -> bool {
-        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links
-            .get(&member.id)
-            .is_some_and(|l| l.generation == member.generation && l.down_until.is_some_and(|t| Instant::now() < t))
-    }
-
-    fn mark_down(&self, member: &Member, why: &Error) {
+    fn mark_down(&self, view: &View, m: usize, why: &Error) {
         self.counters.member_failures.fetch_add(1, Ordering::Relaxed);
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        let until = Instant::now() + Duration::from_millis(self.options.retry_ms);
-        let link = links.entry(member.id.clone()).or_insert(Link {
-            generation: member.generation,
-            store: None,
-            down_until: None,
-        });
-        if link.down_until.is_none_or(|t| t < Instant::now()) {
-            tracing::warn!(cluster = %self.options.name, owner = %member.id, error = %why, "owner unreachable; routing around it");
+        if view.links[m].mark_down(self.options.retry_ms) {
+            let owner = &view.members[m].id;
+            tracing::warn!(cluster = %self.options.name, %owner, error = %why, "owner unreachable; routing around it");
         }
-        link.down_until = Some(until);
     }
 
-    /// The connection to `member`, made on first use.
-    fn connection(&self, member: &Member) -> Result<Arc<RemoteStore>> {
-        {
-            let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(Link { generation, store: Some(store), .. }) = links.get(&member.id) {
-                if *generation == member.generation {
-                    return Ok(Arc::clone(store));
-                }
-            }
-        }
-        let store = Arc::new(self.open(member)?);
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        let link = links.entry(member.id.clone()).or_insert(Link {
-            generation: member.generation,
-            store: None,
-            down_until: None,
-        });
-        if link.generation != member.generation {
-            *link = Link { generation: member.generation, store: None, down_until: None };
-        }
-        Ok(Arc::clone(link.store.get_or_insert(store)))
+    /// The connection to member `m` of `view`, made on first use.
+    fn connection<'v>(&self, view: &'v View, m: usize) -> Result<&'v Arc<RemoteStore>> {
+        view.links[m].connection(|| self.open(&view.members[m]))
     }
 
     fn open(&self, member: &Member) -> Result<RemoteStore> {
@@ -463,15 +402,14 @@ impl Inner {
         call: &MemberCall<'_, T>,
     ) -> Vec<Vec<Result<T>>> {
         let one = |(m, items): &(usize, Vec<usize>)| -> Vec<Result<T>> {
-            let member = &view.members[*m];
             self.counters.member_requests.fetch_add(1, Ordering::Relaxed);
             self.counters.keys_routed.fetch_add(items.len() as u64, Ordering::Relaxed);
-            let results = match self.connection(member) {
-                Ok(store) => call(&store, items),
+            let results = match self.connection(view, *m) {
+                Ok(store) => call(store, items),
                 Err(e) => items.iter().map(|_| Err(e.clone())).collect(),
             };
             if let Some(e) = results.iter().find_map(|r| r.as_ref().err().filter(|e| member_failed(e))) {
-                self.mark_down(member, e);
+                self.mark_down(view, *m, e);
             }
             results
         };
@@ -512,7 +450,7 @@ impl Inner {
             for &i in &pending {
                 let member = loop {
                     match ranks[i].get(next[i]) {
-                        Some(&m) if self.is_down(&view.members[m]) => next[i] += 1,
+                        Some(&m) if view.is_down(m) => next[i] += 1,
                         other => break other.copied(),
                     }
                 };
@@ -566,7 +504,7 @@ impl Inner {
     fn replicas(&self, view: &View, key: &[u8]) -> Vec<usize> {
         let r = self.options.replication;
         let ranked = view.rank(key);
-        let live: Vec<usize> = ranked.iter().copied().filter(|&m| !self.is_down(&view.members[m])).take(r).collect();
+        let live: Vec<usize> = ranked.iter().copied().filter(|&m| !view.is_down(m)).take(r).collect();
         if live.iter().zip(&ranked).any(|(a, b)| a != b) {
             self.counters.puts_rerouted.fetch_add(1, Ordering::Relaxed);
         }
@@ -609,10 +547,8 @@ impl Inner {
                         Ok(()) => {}
                         Err(e) if member_failed(&e) && replace_failed => {
                             // The next reachable member not tried yet takes this replica.
-                            let next = view
-                                .rank(keys[i])
-                                .into_iter()
-                                .find(|m| !tried[i].contains(m) && !self.is_down(&view.members[*m]));
+                            let next =
+                                view.rank(keys[i]).into_iter().find(|m| !tried[i].contains(m) && !view.is_down(*m));
                             match next {
                                 Some(m) => {
                                     self.counters.failovers.fetch_add(1, Ordering::Relaxed);
@@ -656,14 +592,8 @@ impl Store for ClusterStore {
         sources: &[Vec<Region<'_>>],
         opts: PutOptions,
     ) -> Vec<Result<()>> {
-        if keys.len() != sources.len() {
-            return keys
-                .iter()
-                .map(|_| {
-                    Err(StoreError::InvalidArgument(format!("{} keys, {} source lists", keys.len(), sources.len()))
-                        .into())
-                })
-                .collect();
+        if let Err(refused) = lists_per_key(keys.len(), sources.len(), "source") {
+            return refused;
         }
         let inner = &self.inner;
         let view = inner.view();
@@ -680,9 +610,7 @@ impl Store for ClusterStore {
                     if results[i].is_err() {
                         return Vec::new();
                     }
-                    (0..view.members.len())
-                        .filter(|m| !targets[i].contains(m) && !inner.is_down(&view.members[*m]))
-                        .collect()
+                    (0..view.members.len()).filter(|m| !targets[i].contains(m) && !view.is_down(*m)).collect()
                 })
                 .collect();
             let remove = |store: &RemoteStore, items: &[usize]| {
@@ -724,10 +652,8 @@ impl Store for ClusterStore {
     }
 
     fn batch_get_into(&self, keys: &[&[u8]], dsts: &[Region<'_>]) -> Vec<Result<usize>> {
-        if keys.len() != dsts.len() {
-            let e: Error =
-                StoreError::InvalidArgument(format!("{} keys, {} destinations", keys.len(), dsts.len())).into();
-            return keys.iter().map(|_| Err(e.clone())).collect();
+        if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
+            return refused;
         }
         let call = |store: &RemoteStore, items: &[usize]| {
             let sub: Vec<Region<'_>> = items.iter().map(|&i| dsts[i]).collect();
@@ -737,14 +663,8 @@ impl Store for ClusterStore {
     }
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
-        if keys.len() != dsts.len() {
-            return keys
-                .iter()
-                .map(|_| {
-                    Err(StoreError::InvalidArgument(format!("{} keys, {} destination lists", keys.len(), dsts.len()))
-                        .into())
-                })
-                .collect();
+        if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
+            return refused;
         }
         let call = |store: &RemoteStore, items: &[usize]| {
             let sub: Vec<Vec<Region<'_>>> = items.iter().map(|&i| dsts[i].clone()).collect();
@@ -754,10 +674,8 @@ impl Store for ClusterStore {
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
-        if buffers.len() != fragments.len() {
-            let e: Error =
-                StoreError::InvalidArgument(format!("{} buffers, {} fragment lists", buffers.len(), fragments.len()))
-                    .into();
+        if let Err(e) = kvtide::checks::one_list_per_key(buffers.len(), fragments.len(), "fragment") {
+            let e = Error::from(e);
             return fragments.iter().map(|f| f.iter().map(|_| Err(e.clone())).collect()).collect();
         }
         // Items are fragments, flattened buffer-major; each member gets the buffers whole and
@@ -809,7 +727,7 @@ impl Store for ClusterStore {
         let inner = &self.inner;
         let view = inner.view();
         // Every reachable member: a copy left by an earlier membership must go too.
-        let live: Vec<usize> = (0..view.members.len()).filter(|&m| !inner.is_down(&view.members[m])).collect();
+        let live: Vec<usize> = (0..view.members.len()).filter(|&m| !view.is_down(m)).collect();
         let groups: Vec<(usize, Vec<usize>)> = live.iter().map(|&m| (m, (0..keys.len()).collect())).collect();
         let call = |store: &RemoteStore, items: &[usize]| store.batch_remove(&key_list(keys, items), force);
         let answers = inner.fan_out(&view, &groups, &call);
@@ -847,9 +765,9 @@ impl Store for ClusterStore {
         let Some(member) = view.members.get(position) else {
             return Err(StoreError::InvalidArgument(format!("scan cursor {cursor:#x} names no member")).into());
         };
-        let store = self.inner.connection(member).inspect_err(|e| {
+        let store = self.inner.connection(&view, position).inspect_err(|e| {
             if member_failed(e) {
-                self.inner.mark_down(member, e);
+                self.inner.mark_down(&view, position, e);
             }
         })?;
         let page = store.scan_keys(prefix, inner_cursor, limit)?;
@@ -910,36 +828,9 @@ impl Store for ClusterStore {
     }
 
     fn submit_batch_get(&self, keys: &[&[u8]], dsts: Vec<Vec<Region<'static>>>) -> Result<BatchTicket<Error>> {
-        if keys.len() != dsts.len() {
-            return Err(
-                StoreError::InvalidArgument(format!("{} keys, {} destination lists", keys.len(), dsts.len())).into()
-            );
-        }
-        let limit = self.inner.options.client.max_tickets_in_flight;
-        let in_flight = Arc::clone(&self.inner.tickets_in_flight);
-        if in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
-            in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(StoreError::Busy { limit }.into());
-        }
-        let (ticket, completion) = Ticket::pending();
         let store = ClusterStore { inner: Arc::clone(&self.inner), refresher: None };
-        let owned: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
-        let worker_in_flight = Arc::clone(&in_flight);
-        let spawned = std::thread::Builder::new().name("kvtide-cluster-ticket".into()).spawn(move || {
-            let results = if completion.is_cancelled() {
-                owned.iter().map(|_| Err(StoreError::Cancelled.into())).collect()
-            } else {
-                let keys: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
-                store.batch_get_into_multi_buffers(&keys, &dsts)
-            };
-            worker_in_flight.fetch_sub(1, Ordering::AcqRel);
-            completion.complete(results);
-        });
-        if let Err(e) = spawned {
-            in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(StoreError::Io(format!("cannot start a ticket thread: {e}")).into());
-        }
-        Ok(ticket)
+        let limit = self.inner.options.client.max_tickets_in_flight;
+        submit_batch_get(store, &self.inner.tickets_in_flight, limit, "kvtide-cluster-ticket", keys, dsts)
     }
 }
 

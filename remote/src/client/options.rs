@@ -1,0 +1,118 @@
+//! How a `RemoteStore` connects and behaves: `ClientOptions` (defaults, the environment, the
+//! token file) and the owner's address (`Endpoint`: a Unix socket path or TCP `host:port`).
+//!
+//! Owns the parsing and defaults of the client's settings. Never connects.
+
+use std::path::PathBuf;
+
+use kvtide::Error as StoreError;
+
+use crate::auth::Token;
+use crate::error::Result;
+
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Deadline of each request, and of each socket operation within it. Default 30 s.
+    pub timeout_ms: u64,
+    /// Deadline of connecting and the handshake. Default 5 s.
+    pub connect_timeout_ms: u64,
+    /// Token for TCP owners that require one.
+    pub token: Option<Token>,
+    /// Map the owner's arena for one-copy gets (Unix socket only). Default true.
+    pub shared_memory: bool,
+    /// Idle connections kept for reuse. Default 16.
+    pub max_idle_connections: usize,
+    /// `submit_batch_get` tickets in flight at once. Default 64.
+    pub max_tickets_in_flight: usize,
+    /// Chunk handles (`progressive_get`, `streaming_batch_get_buffer_ranges`) running at once;
+    /// more are refused with `Busy`. Default 64.
+    pub max_stream_handles: usize,
+    /// Host bytes that stream-bound reads without the owner's shared arena (TCP) hold until
+    /// their stream passes the copies; a read that would go past it is refused with `Busy`.
+    /// Default 1 GiB.
+    pub max_stream_host_bytes: u64,
+    /// How this client copies between the owner's memory and GPU memory (feature `cuda`):
+    /// staged or direct, as the embedded engine's `[gpu]` settings.
+    pub gpu: kvtide::GpuGroup,
+    /// How long a call polls for the owner's reply before it blocks, so a quick reply costs no
+    /// thread wake-up. Default 50 µs on hosts with 8 or more CPUs, else 0.
+    pub spin_us: u64,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            timeout_ms: 30_000,
+            connect_timeout_ms: 5_000,
+            token: None,
+            shared_memory: true,
+            max_idle_connections: 16,
+            max_tickets_in_flight: 64,
+            max_stream_handles: 64,
+            max_stream_host_bytes: 1 << 30,
+            gpu: kvtide::GpuGroup::default(),
+            spin_us: crate::wire::default_spin_us(),
+        }
+    }
+}
+
+impl ClientOptions {
+    /// Defaults, overridden by `KVTIDE_TOKEN_FILE` (token for TCP owners),
+    /// `KVTIDE_TIMEOUT_MS` and `KVTIDE_SHARED_MEMORY` (0/1).
+    pub fn from_env() -> Result<ClientOptions> {
+        let mut o = ClientOptions::default();
+        if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
+            o.token = Some(Token::from_file(path.as_ref()).map_err(StoreError::InvalidArgument)?);
+        }
+        if let Ok(ms) = std::env::var("KVTIDE_TIMEOUT_MS") {
+            o.timeout_ms =
+                ms.trim().parse().map_err(|_| StoreError::InvalidArgument(format!("KVTIDE_TIMEOUT_MS={ms:?}")))?;
+        }
+        if let Ok(v) = std::env::var("KVTIDE_SHARED_MEMORY") {
+            o.shared_memory = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
+        Ok(o)
+    }
+
+    /// Uses the token in `path`.
+    pub fn token_file(mut self, path: impl AsRef<std::path::Path>) -> Result<ClientOptions> {
+        self.token = Some(Token::from_file(path.as_ref()).map_err(StoreError::InvalidArgument)?);
+        Ok(self)
+    }
+}
+
+/// Where the owner listens.
+#[derive(Clone, Debug)]
+pub(super) enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl Endpoint {
+    pub(super) fn parse(address: &str) -> Result<Endpoint> {
+        let a = address.trim();
+        if let Some(path) = a.strip_prefix("unix:") {
+            return Ok(Endpoint::Unix(PathBuf::from(path)));
+        }
+        if a.starts_with('/') || a.starts_with("./") {
+            return Ok(Endpoint::Unix(PathBuf::from(a)));
+        }
+        let hostport = a.strip_prefix("tcp:").unwrap_or(a);
+        if hostport.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
+            return Err(StoreError::InvalidArgument(format!(
+                "{address:?}: expected \"unix:/path/to/owner.sock\" or \"host:port\""
+            ))
+            .into());
+        }
+        Ok(Endpoint::Tcp(hostport.to_string()))
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+            Endpoint::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! The connections of one `RemoteStore` and what they share.
+//!
+//! Owns `Pool`: the idle connections (checked out one per concurrent call, checked back in
+//! unless broken), connecting and the handshake (token proof, the arena mapping shared by every
+//! connection to the same owner instance), the retry of a call once on a fresh connection when
+//! its pooled one turns out dead, the owner's limits as of the last handshake, and the
+//! confirmation of the lease releases sent on idle connections. Never decides what a call
+//! sends (the facade and the connection do), never holds a hold's or a stream-bound read's
+//! connection (those stay out of the pool while they hold leases), and never reuses a
+//! connection that failed.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::conn::{hello_conn, reply_of, Conn, Releases};
+use super::options::{ClientOptions, Endpoint};
+use crate::error::{Error, Result};
+use crate::protocol::{
+    decode_mac, Hello, HelloOk, Limits, Op, ProtocolError, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
+    NONCE_BYTES,
+};
+use crate::shm::ShmMapping;
+use crate::sock::{self, Stream};
+use crate::wire::{FrameIo, WResult, WireError};
+
+/// The connections to one owner: the idle ones, how to make more, and what they share.
+pub(super) struct Pool {
+    pub(super) endpoint: Endpoint,
+    pub(super) options: ClientOptions,
+    /// Idle connections, at most `max_idle_connections`.
+    idle: Mutex<Vec<Conn>>,
+    /// The owner's arena, mapped once per owner instance and shared by its connections.
+    pub(super) mapping: Mutex<Option<Arc<ShmMapping>>>,
+    pub(super) next_request: AtomicU64,
+    last_limits: Mutex<Option<Limits>>,
+    last_max_leases: AtomicU64,
+    /// Lease releases sent and not yet known applied by the owner.
+    pub(super) releases: Arc<Releases>,
+}
+
+impl Pool {
+    /// A pool for the owner at `address`, with one connection made (so a wrong address, token
+    /// or protocol version is reported here) and idle.
+    pub(super) fn connect(address: &str, options: ClientOptions) -> Result<Pool> {
+        let pool = Pool {
+            endpoint: Endpoint::parse(address)?,
+            options,
+            idle: Mutex::new(Vec::new()),
+            mapping: Mutex::new(None),
+            next_request: AtomicU64::new(1),
+            last_limits: Mutex::new(None),
+            last_max_leases: AtomicU64::new(u64::MAX),
+            releases: Arc::default(),
+        };
+        let conn = pool.open()?;
+        pool.checkin(conn);
+        Ok(pool)
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        Duration::from_millis(self.options.timeout_ms)
+    }
+
+    pub(super) fn checkout(&self) -> Option<Conn> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    /// Confirms the releases sent up to `through` (`Releases::last_sent` before a request):
+    /// one round trip on each idle connection that carried one, and a wait for those other
+    /// threads hold (a second at most: one parked on a slow producer's stream need not hold
+    /// this up).
+    pub(super) fn confirm_idle_releases(&self, through: u64) {
+        let flagged: Vec<Conn> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let (flagged, rest): (Vec<Conn>, Vec<Conn>) = idle.drain(..).partition(|c| !c.unconfirmed.is_empty());
+            *idle = rest;
+            flagged
+        };
+        for mut conn in flagged {
+            let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
+            if conn.round_trip(rid).is_ok() {
+                self.checkin(conn);
+            }
+        }
+        self.releases.wait_through(through, self.timeout().min(Duration::from_secs(1)));
+    }
+
+    pub(super) fn checkin(&self, conn: Conn) {
+        if conn.broken {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < self.options.max_idle_connections {
+            idle.push(conn);
+        }
+    }
+
+    /// Runs one request on a pooled (or new) connection, which goes back to the pool after.
+    /// A pooled connection that turns out dead is dropped with the rest of the pool (the owner
+    /// restarted) and the request is retried once on a new connection.
+    pub(super) fn call<T>(&self, op: &'static str, f: impl FnMut(&mut Conn, u64) -> WResult<Result<T>>) -> Result<T> {
+        let (conn, _, answer) = self.call_keeping(op, f)?;
+        self.checkin(conn);
+        Ok(answer)
+    }
+
+    /// `call` for a request whose connection the caller goes on using (a stream that follows
+    /// the answer): returns the connection with the request id and the answer. An answer that
+    /// is the owner's refusal checks the connection back in.
+    pub(super) fn call_keeping<T>(
+        &self,
+        op: &'static str,
+        mut f: impl FnMut(&mut Conn, u64) -> WResult<Result<T>>,
+    ) -> Result<(Conn, u64, T)> {
+        let mut pooled = self.checkout();
+        loop {
+            let reused = pooled.is_some();
+            let mut conn = match pooled.take() {
+                Some(c) => c,
+                None => self.open()?,
+            };
+            let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
+            match f(&mut conn, rid) {
+                Ok(Ok(answer)) => return Ok((conn, rid, answer)),
+                Ok(Err(refused)) => {
+                    self.checkin(conn);
+                    return Err(refused);
+                }
+                Err(WireError::Closed(_) | WireError::Io(_)) if reused => {
+                    self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                }
+                Err(e) => return Err(e.into_error(op, self.options.timeout_ms)),
+            }
+        }
+    }
+
+    /// Connects to the owner and does the handshake (`handshake`); the connection is not pooled yet.
+    pub(super) fn open(&self) -> Result<Conn> {
+        let connect_timeout = Duration::from_millis(self.options.connect_timeout_ms);
+        let unreachable = |e: std::io::Error| Error::Disconnected(format!("cannot connect to {}: {e}", self.endpoint));
+        let stream = match &self.endpoint {
+            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(unreachable)?),
+            Endpoint::Tcp(addr) => {
+                let addrs: Vec<_> = addr.to_socket_addrs().map_err(unreachable)?.collect();
+                let mut last = std::io::Error::other("no address");
+                let mut connected = None;
+                for a in addrs {
+                    match TcpStream::connect_timeout(&a, connect_timeout) {
+                        Ok(s) => {
+                            connected = Some(s);
+                            break;
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                let s = connected.ok_or_else(|| unreachable(last))?;
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }
+        };
+        stream.set_timeouts(Some(connect_timeout)).map_err(unreachable)?;
+        let mut io = FrameIo::new(stream);
+        let handshake = |e: WireError| e.into_error("handshake", self.options.connect_timeout_ms);
+        let hello = self.handshake(&mut io).map_err(handshake)??;
+        io.stream().set_timeouts(Some(self.timeout())).map_err(unreachable)?;
+        io.set_spin(Duration::from_micros(self.options.spin_us));
+        *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(hello.0.limits());
+        self.last_max_leases.store(hello.0.max_leases.into(), Ordering::Relaxed);
+        Ok(hello_conn(io, hello.0, hello.1, Arc::clone(&self.releases)))
+    }
+
+    pub(super) fn handshake(&self, io: &mut FrameIo) -> WResult<Result<(HelloOk, Option<Arc<ShmMapping>>)>> {
+        let unix = io.stream().is_unix();
+        let mut client_nonce = [0u8; NONCE_BYTES];
+        sock::random_bytes(&mut client_nonce)?;
+        let flags = if unix && self.options.shared_memory { HELLO_WANT_SHM } else { 0 };
+        let mut payload = Vec::new();
+        Hello { client_nonce, flags }.encode(&mut payload);
+        io.push_frame(Op::Hello, 0, &payload);
+        io.flush()?;
+        let limits = Limits { max_payload_bytes: 4096, ..Limits::default() };
+        let mut fd: Option<OwnedFd> = None;
+        let h = io.read_header_with_fd(&limits, if unix { Some(&mut fd) } else { None })?;
+        let payload = io.read_payload(h.payload_len)?;
+        let hello = match reply_of(h.op, &payload, Op::HelloOk, "hello reply", |p| Ok(HelloOk::decode(p)?))? {
+            Ok(hello) => hello,
+            Err(e) => return Ok(Err(e)),
+        };
+        if hello.flags & HELLO_AUTH_REQUIRED != 0 {
+            let Some(token) = &self.options.token else {
+                return Ok(Err(Error::Unauthorized(format!(
+                    "{} requires a token (ClientOptions::token or KVTIDE_TOKEN_FILE)",
+                    self.endpoint
+                ))));
+            };
+            let proof = token.client_proof(&hello.server_nonce, &client_nonce);
+            io.push_frame(Op::Auth, 0, &proof);
+            io.flush()?;
+            let h = io.read_header(&limits)?;
+            let payload = io.read_payload(h.payload_len)?;
+            let owner_proof = match reply_of(h.op, &payload, Op::AuthOk, "auth reply", |p| Ok(decode_mac(p)?))? {
+                Ok(proof) => proof,
+                Err(e) => return Ok(Err(e)),
+            };
+            if !token.verify_owner(&client_nonce, &hello.server_nonce, &owner_proof) {
+                return Ok(Err(Error::Unauthorized("the owner could not prove it knows the token".into())));
+            }
+        }
+        let mut mapping = None;
+        if hello.flags & HELLO_SHM_ATTACHED != 0 {
+            let Some(fd) = fd else {
+                return Err(ProtocolError::Invalid { what: "shared memory announced without a descriptor" }.into());
+            };
+            let mut current = self.mapping.lock().unwrap_or_else(|p| p.into_inner());
+            match current.as_ref() {
+                Some(m) if m.instance_id() == hello.instance_id && m.len() == hello.arena_bytes => {
+                    mapping = Some(Arc::clone(m));
+                }
+                _ => match ShmMapping::shared(fd, hello.arena_bytes, hello.instance_id) {
+                    Ok(m) => {
+                        *current = Some(Arc::clone(&m));
+                        mapping = Some(m);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot map the owner's arena; streaming instead");
+                        *current = None;
+                    }
+                },
+            }
+        }
+        Ok(Ok((hello, mapping)))
+    }
+
+    /// The limits of the owner as of the last handshake (connecting if there was none).
+    pub(super) fn limits(&self) -> Result<Limits> {
+        if let Some(l) = *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Ok(l);
+        }
+        let conn = self.open()?;
+        let limits = conn.limits;
+        self.checkin(conn);
+        Ok(limits)
+    }
+
+    /// Most keys per request: the owner's item limit, and its lease limit when leasing.
+    pub(super) fn max_batch(&self, limits: &Limits) -> usize {
+        let leases = self.last_max_leases.load(Ordering::Relaxed).max(1) as usize;
+        (limits.max_items as usize).min(leases).min(4096)
+    }
+}
