@@ -19,7 +19,7 @@ use kvtide_tiers::ssd::RecordedLayout;
 
 use crate::auth::Token;
 use crate::cluster::EtcdConfig;
-use crate::server::OwnerConfig;
+use crate::server::{check_mode_with_group, group_id, parse_socket_mode, OwnerConfig};
 
 /// Default TCP address: loopback only.
 pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
@@ -52,8 +52,10 @@ kvtide::settings_group! {
         ssd: bool = true, Bool, eg "false";
         /// Prometheus endpoint (`GET /metrics`): a loopback address, or "off" (default).
         metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
-        /// Connections served at once (default 256).
-        max_connections: usize = OwnerConfig::default().max_connections, Count, eg "64";
+        /// Connections served at once. Default: from the open-descriptor limit (raised to its hard
+        /// limit at start): (limit - 512 - SSD segment files) / 2, within 64..=16384. An idle
+        /// connection costs about 9 KiB of the owner's memory and no thread.
+        max_connections: Option<usize> = None, Count, eg "64";
         /// TCP connections still in their handshake (default 32); they never take the slots above.
         max_unauthenticated_connections: usize = OwnerConfig::default().max_unauthenticated_connections, Count, eg "4";
         /// Leases one connection may hold (default 4096).
@@ -89,6 +91,12 @@ kvtide::settings_group! {
         spin_us: u64 = OwnerConfig::default().spin_us, Count, eg "75";
         /// How long a stop waits for in-flight requests (default 10 s).
         shutdown_grace_ms: u64 = OwnerConfig::default().shutdown_grace_ms, Count, eg "1000";
+        /// The Unix socket's mode, octal (default "0600": the owner's user only). "0660" lets
+        /// `socket_group` connect; writable by others is refused.
+        socket_mode: String = "0600".into(), Text, eg "0660";
+        /// The Unix socket's group: a name or a numeric gid (default: the owner's group). Its
+        /// directory must let the group through (a missing one is created 0710 for it).
+        socket_group: Option<String> = None, Text, eg "0";
     }
 }
 
@@ -451,6 +459,7 @@ impl OwnerSettings {
             Some(resolved.owner.unix_socket.as_ref().map_or_else(|| "off".to_string(), |p| p.display().to_string()));
         owner.token_file = resolved.token_file.as_ref().map(|(p, _)| p.clone());
         owner.connection_buffered_bytes = Some(resolved.owner.connection_share_bytes());
+        owner.max_connections = Some(resolved.owner.max_connections);
         let effective =
             OwnerSettings { store: resolved.store.clone(), owner, cluster: self.cluster.clone(), given: Vec::new() };
         let mut out =
@@ -508,11 +517,14 @@ impl OwnerSettings {
         } else {
             Some(o.tcp.parse::<SocketAddr>().map_err(|e| format!("[owner] tcp {:?}: {e}", o.tcp))?)
         };
+        let (unix_socket_mode, unix_socket_group) = self.socket_permissions()?;
         let mut owner = OwnerConfig {
             unix_socket,
             tcp,
             share_arena: o.share_arena,
-            max_connections: o.max_connections,
+            unix_socket_mode,
+            unix_socket_group,
+            max_connections: o.max_connections.unwrap_or_else(|| derived_max_connections(&store)),
             max_unauthenticated_connections: o.max_unauthenticated_connections,
             max_leases_per_connection: o.max_leases_per_connection,
             put_window_bytes: o.put_window_bytes,
@@ -546,6 +558,32 @@ impl OwnerSettings {
         self.cluster.check()?;
         Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
     }
+}
+
+impl OwnerSettings {
+    /// `[owner] socket_mode` and `socket_group` (a gid: a number as it is, a name looked up),
+    /// checked alone and together.
+    fn socket_permissions(&self) -> Result<(u32, Option<u32>), String> {
+        let o = &self.owner;
+        let mode = parse_socket_mode(&o.socket_mode).map_err(|e| format!("[owner] socket_mode: {e}"))?;
+        let group = match &o.socket_group {
+            Some(text) => Some(group_id(text).map_err(|e| format!("[owner] socket_group: {e}"))?),
+            None => None,
+        };
+        check_mode_with_group(mode, group).map_err(|e| format!("[owner] socket_group: {e}"))?;
+        Ok((mode, group))
+    }
+}
+
+/// The connection limit when none is given: what this process's descriptor limit (raised at
+/// start) leaves beside the store's files.
+fn derived_max_connections(store: &StoreBuilder) -> usize {
+    let segment_files = match &store.ssd.dir {
+        Some(_) => store.ssd.bytes / store.ssd.segment_bytes.max(1),
+        None => 0,
+    };
+    let limit = crate::sock::descriptor_limit().unwrap_or(1024);
+    OwnerConfig::connections_for_descriptors(limit, segment_files)
 }
 
 impl OwnerSettings {
@@ -741,8 +779,11 @@ mod tests {
         assert!(r.token_file.as_ref().is_some_and(|(_, created)| *created));
         assert!((DRAM_MIN_BYTES..=DRAM_MAX_BYTES).contains(&r.store.dram.bytes));
         let o = &r.owner;
-        assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
-        assert_eq!((o.max_buffered_bytes, o.connection_share_bytes()), (256 << 20, 512 << 10));
+        assert!((64..=16_384).contains(&o.max_connections), "derived from the descriptor limit: {}", o.max_connections);
+        assert_eq!(o.max_unauthenticated_connections, 32);
+        assert_eq!(o.max_buffered_bytes, 256 << 20);
+        assert_eq!(o.connection_share_bytes(), (256 << 20) / (2 * o.max_connections as u64));
+        assert_eq!((o.unix_socket_mode, o.unix_socket_group), (0o600, None), "owner-only by default");
         assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (5_000, 10_000, 600_000));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
@@ -751,6 +792,57 @@ mod tests {
         let r2 = s.resolve(&[]).expect("resolve again");
         assert_eq!(r2.owner.tcp_token, r.owner.tcp_token);
         assert!(r2.token_file.is_some_and(|(_, created)| !created));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_default_connection_limit_follows_the_descriptor_limit() {
+        assert_eq!(OwnerConfig::connections_for_descriptors(1024, 0), 256, "the usual soft limit");
+        assert_eq!(OwnerConfig::connections_for_descriptors(20_000, 0), 9_744);
+        assert_eq!(OwnerConfig::connections_for_descriptors(20_000, 2_048), 8_720, "SSD segment files count");
+        assert_eq!(OwnerConfig::connections_for_descriptors(65_536, 0), 16_384, "capped");
+        assert_eq!(OwnerConfig::connections_for_descriptors(u64::MAX, u64::MAX), 64);
+        assert_eq!(OwnerConfig::connections_for_descriptors(100, 0), 64, "never below 64");
+        // The owner resolves it from this process's limit, and a given value wins.
+        let dir = temp_dir("max-connections");
+        let base = in_dir(&dir, "tcp = \"off\"\nssd = false\n");
+        let s = OwnerSettings::layered(&[], Some(&base), &Flags::default()).expect("settings");
+        let limit = crate::sock::descriptor_limit().expect("getrlimit");
+        assert_eq!(
+            s.resolve(&[]).expect("resolve").owner.max_connections,
+            OwnerConfig::connections_for_descriptors(limit, 0)
+        );
+        let s = OwnerSettings::layered(&[], Some(&base), &flags(&["--max-connections", "300"])).expect("settings");
+        assert_eq!(s.resolve(&[]).expect("resolve").owner.max_connections, 300);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn socket_mode_and_group_are_checked_at_start() {
+        let dir = temp_dir("socket-perms");
+        let base = in_dir(&dir, "tcp = \"off\"\nssd = false\n");
+        let resolve = |extra: &str| {
+            OwnerSettings::layered(&[], Some(&format!("{base}{extra}")), &Flags::default())
+                .expect("settings")
+                .resolve(&[])
+                .map(|r| (r.owner.unix_socket_mode, r.owner.unix_socket_group))
+        };
+        assert_eq!(resolve("socket_mode = \"0660\"\nsocket_group = \"root\"\n"), Ok((0o660, Some(0))));
+        assert_eq!(resolve("socket_mode = \"0660\"\nsocket_group = \"4242\"\n"), Ok((0o660, Some(4242))));
+        assert_eq!(resolve("socket_mode = \"660\"\n"), Ok((0o660, None)));
+        for (extra, why) in [
+            ("socket_mode = \"0666\"\n", "lets every user of the host connect"),
+            ("socket_mode = \"01660\"\n", "beyond the permission bits"),
+            ("socket_mode = \"rw-rw----\"\n", "not an octal mode"),
+            ("socket_mode = \"0660\"\nsocket_group = \"kvtide-no-such-group\"\n", "unknown group"),
+            ("socket_group = \"root\"\n", "does not let the group connect"),
+        ] {
+            let e = resolve(extra).expect_err(extra);
+            assert!(e.starts_with("[owner] socket_") && e.contains(why), "{extra}: {e}");
+        }
+        let env = vars(&[("KVTIDE_OWNER_SOCKET_MODE", "0660"), ("KVTIDE_OWNER_SOCKET_GROUP", "0")]);
+        let r = OwnerSettings::layered(&env, Some(&base), &Flags::default()).expect("settings").resolve(&env);
+        assert_eq!(r.map(|r| (r.owner.unix_socket_mode, r.owner.unix_socket_group)), Ok((0o660, Some(0))));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
