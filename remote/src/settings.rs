@@ -596,7 +596,14 @@ impl OwnerSettings {
         if !self.is_given("dram", "bytes") {
             store.dram.bytes = derived_dram_bytes();
         }
-        if o.ssd && store.ssd.dir.is_none() {
+        if o.ssd && store.ssd.dir.is_none() && !self.ssd_asked_for() && !io_uring_usable(&store) {
+            tracing::warn!(
+                "io_uring is off or refused here (container seccomp profiles block io_uring_setup): the SSD tier \
+                 needs it, so this owner runs DRAM only (its shards park with poll(2)) and a restart starts empty; \
+                 for an SSD tier allow io_uring_setup, io_uring_enter and io_uring_register (see deploy/Dockerfile)"
+            );
+            store.ssd.dir = None;
+        } else if o.ssd && store.ssd.dir.is_none() {
             let ssd_dir = data_dir.join("ssd");
             // A directory made by an earlier start keeps its layout: sizes derived from today's
             // free space would differ and refuse it.
@@ -624,6 +631,12 @@ impl OwnerSettings {
             store.ssd.dir = None;
         }
         Ok(store)
+    }
+
+    /// True when the SSD tier was asked for rather than derived: `[owner] ssd` or an `[ssd]`
+    /// size given. Then a missing io_uring is an error, not a quiet fall back to DRAM only.
+    fn ssd_asked_for(&self) -> bool {
+        self.is_given("owner", "ssd") || self.is_given("ssd", "bytes") || self.is_given("ssd", "dir")
     }
 
     /// The metrics endpoint's address: None when off, refused unless loopback.
@@ -706,6 +719,28 @@ fn default_data_dir(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
     // SAFETY: getuid has no inputs and cannot fail.
     let uid = unsafe { libc::getuid() };
     std::env::temp_dir().join(format!("kvtide-{uid}"))
+}
+
+/// Whether the store's shards can have io_uring: it is on (`[runtime] io_uring`) and this
+/// process may set up a ring (a seccomp profile may refuse `io_uring_setup`).
+fn io_uring_usable(store: &StoreBuilder) -> bool {
+    if !store.runtime.io_uring {
+        return false;
+    }
+    // struct io_uring_params: 120 bytes the kernel reads (zero: no flags) and fills in.
+    let mut params = [0u64; 15];
+    // SAFETY: io_uring_setup with one entry and a zeroed, writable io_uring_params of the size the
+    // kernel expects; the descriptor it returns is ours and closed at once.
+    let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1u32, params.as_mut_ptr()) };
+    if fd < 0 {
+        let refused =
+            matches!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EPERM | libc::ENOSYS | libc::EACCES));
+        // Other errors (no memory, too many files) are the engine's to report when it opens.
+        return !refused;
+    }
+    // SAFETY: closes the ring descriptor io_uring_setup just returned, which nothing else holds.
+    unsafe { libc::close(fd as libc::c_int) };
+    true
 }
 
 /// A quarter of `MemAvailable`, within bounds (the minimum when it cannot be read).
