@@ -276,16 +276,14 @@ fn the_owner_starts_with_the_adapters_variables_set() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
-/// A field of /proc/PID/status (`VmRSS` in KiB).
-fn status_kib(pid: u32, name: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim_start_matches(':').split_whitespace().next().and_then(|n| n.parse::<u64>().ok()))
-        })
-        .unwrap_or(0)
+/// The resident memory (KiB, from /proc/PID/statm) and the thread count of process `pid`.
+fn rss_kib_and_threads(pid: u32) -> (u64, usize) {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).expect("statm");
+    let pages: u64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("resident pages");
+    // SAFETY: sysconf has no memory arguments.
+    let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).expect("tasks").count();
+    (pages * page_bytes / 1024, threads)
 }
 
 /// The default connection limit (from the descriptor limit) admits far more than the old 256
@@ -305,7 +303,7 @@ fn the_default_connection_limit_admits_thousands_of_idle_workers() {
     first.put(b"idle/value", &[3u8; 100_000], PutOptions::UPSERT).expect("put");
     std::thread::sleep(Duration::from_millis(1_500));
     let pid = owner.0.id();
-    let (rss_before, threads_before) = (status_kib(pid, "VmRSS"), status_kib(pid, "Threads"));
+    let (rss_before, threads_before) = rss_kib_and_threads(pid);
     let mut idle = Vec::with_capacity(IDLE);
     for i in 0..IDLE {
         let client =
@@ -315,7 +313,7 @@ fn the_default_connection_limit_admits_thousands_of_idle_workers() {
     }
     // Idle connections park after 50 ms; their threads end a second later.
     std::thread::sleep(Duration::from_millis(2_500));
-    let (rss_after, threads_after) = (status_kib(pid, "VmRSS"), status_kib(pid, "Threads"));
+    let (rss_after, threads_after) = rss_kib_and_threads(pid);
     let per_connection_kib = rss_after.saturating_sub(rss_before) as f64 / IDLE as f64;
     println!(
         "{IDLE} idle Unix connections (arena mapped): owner RSS {rss_before} -> {rss_after} KiB ({per_connection_kib:.1} \
