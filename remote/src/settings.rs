@@ -54,7 +54,7 @@ kvtide::settings_group! {
         metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
         /// Connections served at once. Default: from the open-descriptor limit (raised to its hard
         /// limit at start): (limit - 512 - SSD segment files) / 2, within 64..=16384. An idle
-        /// connection costs about 9 KiB of the owner's memory and no thread.
+        /// connection costs about 9.5 KiB of the owner's memory and no thread.
         max_connections: Option<usize> = None, Count, eg "64";
         /// TCP connections still in their handshake (default 32); they never take the slots above.
         max_unauthenticated_connections: usize = OwnerConfig::default().max_unauthenticated_connections, Count, eg "4";
