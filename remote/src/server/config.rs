@@ -2,7 +2,8 @@
 //! checks a configuration must pass before anything is bound, and `OwnerError`.
 //!
 //! Owns the meaning of each limit and the rules that tie them together (shares that fit the
-//! budget, a lease TTL that outlives a send). Never binds, reads or serves anything.
+//! budget, a lease TTL that outlives a send, a socket mode that never lets every user in). Never
+//! binds, reads or serves anything.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -119,7 +120,7 @@ impl Default for OwnerConfig {
     fn default() -> Self {
         OwnerConfig {
             unix_socket: None,
-            unix_socket_mode: super::socket_file::DEFAULT_SOCKET_MODE,
+            unix_socket_mode: DEFAULT_SOCKET_MODE,
             unix_socket_group: None,
             tcp: None,
             tcp_token: None,
@@ -178,7 +179,7 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
         }
     }
     if c.unix_socket.is_some() {
-        super::socket_file::check_mode_with_group(c.unix_socket_mode, c.unix_socket_group)
+        check_mode_with_group(c.unix_socket_mode, c.unix_socket_group)
             .map_err(|e| OwnerError::Config(format!("unix_socket_mode: {e}")))?;
     }
     if c.max_connections == 0 || c.max_leases_per_connection == 0 || c.max_items == 0 {
@@ -220,6 +221,44 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
             "lease_ttl_ms = {} must be at least twice io_timeout_ms = {} (a chunk send may take that long)",
             c.lease_ttl_ms, c.io_timeout_ms
         ));
+    }
+    Ok(())
+}
+
+/// The socket's mode unless `[owner] socket_mode` says otherwise: the owner's user only.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+/// A socket mode the owner accepts: permission bits only (no setuid, setgid or sticky bit), read
+/// and write for the owner's user (`kvtide-owner status` connects as that user), and never
+/// writable by others (connecting takes write permission, so that would let every user of the
+/// host in; give the clients a group instead).
+pub fn check_socket_mode(mode: u32) -> Result<(), String> {
+    if mode & !0o777 != 0 {
+        return Err(format!("{mode:04o} has bits beyond the permission bits 0777 (setuid, setgid or sticky)"));
+    }
+    if mode & 0o600 != 0o600 {
+        return Err(format!("{mode:04o} must let the owner's user read and write (0600 at least)"));
+    }
+    if mode & 0o002 != 0 {
+        return Err(format!(
+            "{mode:04o} lets every user of the host connect (others may write); give the clients a group \
+             instead: socket_mode = \"0660\" and socket_group = \"<their group>\""
+        ));
+    }
+    Ok(())
+}
+
+/// The checks a mode and group must pass together: a group is given for its members to
+/// connect, so the mode must let the group write.
+pub fn check_mode_with_group(mode: u32, group: Option<u32>) -> Result<(), String> {
+    check_socket_mode(mode)?;
+    if let Some(gid) = group {
+        if mode & 0o020 == 0 {
+            return Err(format!(
+                "socket_group {gid} is given but socket_mode {mode:04o} does not let the group connect \
+                 (connecting takes write permission): use socket_mode = \"0660\""
+            ));
+        }
     }
     Ok(())
 }

@@ -37,11 +37,12 @@ use kvtide::Engine;
 
 use self::accept::{accept_loop, bind_listeners, Bound};
 use self::budget::Budget;
+pub(crate) use self::config::check_mode_with_group;
 use self::config::validate;
 pub use self::config::{OwnerConfig, OwnerError};
 use self::connection::run_job;
 use self::shared::{ConnTable, Job, Shared};
-pub(crate) use self::socket_file::{check_mode_with_group, group_id, parse_socket_mode};
+pub(crate) use self::socket_file::{group_id, parse_socket_mode};
 use crate::metrics::OwnerCounters;
 use crate::park::{Parker, Workers};
 use crate::protocol::Limits;

@@ -1,6 +1,7 @@
 //! The owner's Unix socket file: created owner-only, then given its group and mode (`[owner]
 //! socket_mode`, `socket_group`, like Redis's `unixsocketperm`), in a directory that lets that
-//! group through; and the parsing and checks of those two settings.
+//! group through; and the reading of those two settings (which modes are acceptable is
+//! `config`'s rule).
 //!
 //! Owns who may reach the socket. Never loosens a directory it did not create (a directory that
 //! keeps the socket's group out is an error naming the fix), never removes a file that is not a
@@ -14,10 +15,7 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt}
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
-use super::config::OwnerError;
-
-/// The socket's mode unless `[owner] socket_mode` says otherwise: the owner's user only.
-pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+use super::config::{check_mode_with_group, check_socket_mode, OwnerError};
 
 /// Reads an octal mode: `0660`, `660` or `0o660`, checked by `check_socket_mode`.
 pub fn parse_socket_mode(text: &str) -> Result<u32, String> {
@@ -29,41 +27,6 @@ pub fn parse_socket_mode(text: &str) -> Result<u32, String> {
     let mode = u32::from_str_radix(digits, 8).map_err(|e| format!("{text:?}: {e}"))?;
     check_socket_mode(mode)?;
     Ok(mode)
-}
-
-/// A socket mode the owner accepts: permission bits only (no setuid, setgid or sticky bit), read
-/// and write for the owner's user (`kvtide-owner status` connects as that user), and never
-/// writable by others (connecting takes write permission, so that would let every user of the
-/// host in; give the clients a group instead).
-pub fn check_socket_mode(mode: u32) -> Result<(), String> {
-    if mode & !0o777 != 0 {
-        return Err(format!("{mode:04o} has bits beyond the permission bits 0777 (setuid, setgid or sticky)"));
-    }
-    if mode & 0o600 != 0o600 {
-        return Err(format!("{mode:04o} must let the owner's user read and write (0600 at least)"));
-    }
-    if mode & 0o002 != 0 {
-        return Err(format!(
-            "{mode:04o} lets every user of the host connect (others may write); give the clients a group \
-             instead: socket_mode = \"0660\" and socket_group = \"<their group>\""
-        ));
-    }
-    Ok(())
-}
-
-/// The checks a mode and group must pass together: a group is given for its members to
-/// connect, so the mode must let the group write.
-pub fn check_mode_with_group(mode: u32, group: Option<u32>) -> Result<(), String> {
-    check_socket_mode(mode)?;
-    if let Some(gid) = group {
-        if mode & 0o020 == 0 {
-            return Err(format!(
-                "socket_group {gid} is given but socket_mode {mode:04o} does not let the group connect \
-                 (connecting takes write permission): use socket_mode = \"0660\""
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// A group name or a numeric gid (a number is taken as it is: containers often use gids that no
@@ -307,15 +270,15 @@ mod tests {
         let dir = temp_dir("mode");
         // Owner-only (the default): the socket is 0600 and its directory is not touched.
         let private = dir.join("owner.sock");
-        let listener = bind(&private, DEFAULT_SOCKET_MODE, None).expect("bind 0600");
+        let listener = bind(&private, 0o600, None).expect("bind 0600");
         assert_eq!(mode_of(&private), 0o600);
         // A live socket is another owner; a stale one is replaced; a file that is no socket is left.
-        assert!(matches!(bind(&private, DEFAULT_SOCKET_MODE, None), Err(OwnerError::AlreadyRunning(_))));
+        assert!(matches!(bind(&private, 0o600, None), Err(OwnerError::AlreadyRunning(_))));
         drop(listener);
-        drop(bind(&private, DEFAULT_SOCKET_MODE, None).expect("a stale socket is replaced"));
+        drop(bind(&private, 0o600, None).expect("a stale socket is replaced"));
         let plain = dir.join("plain-file");
         std::fs::write(&plain, b"data").expect("file");
-        let e = bind(&plain, DEFAULT_SOCKET_MODE, None).expect_err("not a socket").to_string();
+        let e = bind(&plain, 0o600, None).expect_err("not a socket").to_string();
         assert!(e.contains("is not a socket"), "{e}");
         assert_eq!(std::fs::read(&plain).expect("still there"), b"data");
 
