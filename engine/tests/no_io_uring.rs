@@ -85,20 +85,7 @@ fn an_ssd_tier_without_io_uring_is_refused_with_the_reason() {
 /// Blocks io_uring_setup with EPERM for this process, as container seccomp profiles do.
 #[cfg(target_arch = "x86_64")]
 fn refuse_io_uring() {
-    const IO_URING_SETUP: u32 = 425;
-    // BPF: load the syscall number; io_uring_setup returns EPERM, everything else is allowed.
-    let filter = [
-        libc::sock_filter { code: 0x20, jt: 0, jf: 0, k: 0 }, // ld [nr]
-        libc::sock_filter { code: 0x15, jt: 0, jf: 1, k: IO_URING_SETUP }, // jeq io_uring_setup
-        libc::sock_filter { code: 0x06, jt: 0, jf: 0, k: 0x0005_0000 | libc::EPERM as u32 }, // ret ERRNO
-        libc::sock_filter { code: 0x06, jt: 0, jf: 0, k: 0x7fff_0000 }, // ret ALLOW
-    ];
-    let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut libc::sock_filter };
-    // SAFETY: prctl with constant arguments, then with a filter program that outlives the call.
-    unsafe {
-        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
-        assert_eq!(libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog), 0);
-    }
+    common::seccomp::refuse_io_uring_setup().expect("install the seccomp filter");
 }
 
 /// In a child process whose seccomp filter refuses io_uring (the Docker/containerd case): a

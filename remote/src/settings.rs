@@ -19,7 +19,7 @@ use kvtide_tiers::ssd::RecordedLayout;
 
 use crate::auth::Token;
 use crate::cluster::EtcdConfig;
-use crate::server::OwnerConfig;
+use crate::server::{check_mode_with_group, group_id, parse_socket_mode, OwnerConfig};
 
 /// Default TCP address: loopback only.
 pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
@@ -52,8 +52,10 @@ kvtide::settings_group! {
         ssd: bool = true, Bool, eg "false";
         /// Prometheus endpoint (`GET /metrics`): a loopback address, or "off" (default).
         metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
-        /// Connections served at once (default 256).
-        max_connections: usize = OwnerConfig::default().max_connections, Count, eg "64";
+        /// Connections served at once. Default: from the open-descriptor limit (raised to its hard
+        /// limit at start): (limit - 512 - SSD segment files) / 2, within 64..=16384. An idle
+        /// connection costs about 9.5 KiB of the owner's memory and no thread.
+        max_connections: Option<usize> = None, Count, eg "64";
         /// TCP connections still in their handshake (default 32); they never take the slots above.
         max_unauthenticated_connections: usize = OwnerConfig::default().max_unauthenticated_connections, Count, eg "4";
         /// Leases one connection may hold (default 4096).
@@ -89,6 +91,12 @@ kvtide::settings_group! {
         spin_us: u64 = OwnerConfig::default().spin_us, Count, eg "75";
         /// How long a stop waits for in-flight requests (default 10 s).
         shutdown_grace_ms: u64 = OwnerConfig::default().shutdown_grace_ms, Count, eg "1000";
+        /// The Unix socket's mode, octal (default "0600": the owner's user only). "0660" lets
+        /// `socket_group` connect; writable by others is refused.
+        socket_mode: String = "0600".into(), Text, eg "0660";
+        /// The Unix socket's group: a name or a numeric gid (default: the owner's group). Its
+        /// directory must let the group through (a missing one is created 0710 for it).
+        socket_group: Option<String> = None, Text, eg "0";
     }
 }
 
@@ -451,6 +459,7 @@ impl OwnerSettings {
             Some(resolved.owner.unix_socket.as_ref().map_or_else(|| "off".to_string(), |p| p.display().to_string()));
         owner.token_file = resolved.token_file.as_ref().map(|(p, _)| p.clone());
         owner.connection_buffered_bytes = Some(resolved.owner.connection_share_bytes());
+        owner.max_connections = Some(resolved.owner.max_connections);
         let effective =
             OwnerSettings { store: resolved.store.clone(), owner, cluster: self.cluster.clone(), given: Vec::new() };
         let mut out =
@@ -508,11 +517,14 @@ impl OwnerSettings {
         } else {
             Some(o.tcp.parse::<SocketAddr>().map_err(|e| format!("[owner] tcp {:?}: {e}", o.tcp))?)
         };
+        let (unix_socket_mode, unix_socket_group) = self.socket_permissions()?;
         let mut owner = OwnerConfig {
             unix_socket,
             tcp,
             share_arena: o.share_arena,
-            max_connections: o.max_connections,
+            unix_socket_mode,
+            unix_socket_group,
+            max_connections: o.max_connections.unwrap_or_else(|| derived_max_connections(&store)),
             max_unauthenticated_connections: o.max_unauthenticated_connections,
             max_leases_per_connection: o.max_leases_per_connection,
             put_window_bytes: o.put_window_bytes,
@@ -549,6 +561,32 @@ impl OwnerSettings {
 }
 
 impl OwnerSettings {
+    /// `[owner] socket_mode` and `socket_group` (a gid: a number as it is, a name looked up),
+    /// checked alone and together.
+    fn socket_permissions(&self) -> Result<(u32, Option<u32>), String> {
+        let o = &self.owner;
+        let mode = parse_socket_mode(&o.socket_mode).map_err(|e| format!("[owner] socket_mode: {e}"))?;
+        let group = match &o.socket_group {
+            Some(text) => Some(group_id(text).map_err(|e| format!("[owner] socket_group: {e}"))?),
+            None => None,
+        };
+        check_mode_with_group(mode, group).map_err(|e| format!("[owner] socket_group: {e}"))?;
+        Ok((mode, group))
+    }
+}
+
+/// The connection limit when none is given: what this process's descriptor limit (raised at
+/// start) leaves beside the store's files.
+fn derived_max_connections(store: &StoreBuilder) -> usize {
+    let segment_files = match &store.ssd.dir {
+        Some(_) => store.ssd.bytes / store.ssd.segment_bytes.max(1),
+        None => 0,
+    };
+    let limit = crate::sock::descriptor_limit().unwrap_or(1024);
+    OwnerConfig::connections_for_descriptors(limit, segment_files)
+}
+
+impl OwnerSettings {
     /// The store's settings with what was left out derived: the DRAM size, and unless the SSD
     /// tier is off, its directory under `data_dir` and its size (an earlier start's recorded
     /// layout kept).
@@ -558,7 +596,14 @@ impl OwnerSettings {
         if !self.is_given("dram", "bytes") {
             store.dram.bytes = derived_dram_bytes();
         }
-        if o.ssd && store.ssd.dir.is_none() {
+        if o.ssd && store.ssd.dir.is_none() && !self.ssd_asked_for() && !io_uring_usable(&store) {
+            tracing::warn!(
+                "io_uring is off or refused here (container seccomp profiles block io_uring_setup): the SSD tier \
+                 needs it, so this owner runs DRAM only (its shards park with poll(2)) and a restart starts empty; \
+                 for an SSD tier allow io_uring_setup, io_uring_enter and io_uring_register (see deploy/Dockerfile)"
+            );
+            store.ssd.dir = None;
+        } else if o.ssd && store.ssd.dir.is_none() {
             let ssd_dir = data_dir.join("ssd");
             // A directory made by an earlier start keeps its layout: sizes derived from today's
             // free space would differ and refuse it.
@@ -586,6 +631,12 @@ impl OwnerSettings {
             store.ssd.dir = None;
         }
         Ok(store)
+    }
+
+    /// True when the SSD tier was asked for rather than derived: `[owner] ssd` or an `[ssd]`
+    /// size given. Then a missing io_uring is an error, not a quiet fall back to DRAM only.
+    fn ssd_asked_for(&self) -> bool {
+        self.is_given("owner", "ssd") || self.is_given("ssd", "bytes") || self.is_given("ssd", "dir")
     }
 
     /// The metrics endpoint's address: None when off, refused unless loopback.
@@ -670,6 +721,28 @@ fn default_data_dir(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
     std::env::temp_dir().join(format!("kvtide-{uid}"))
 }
 
+/// Whether the store's shards can have io_uring: it is on (`[runtime] io_uring`) and this
+/// process may set up a ring (a seccomp profile may refuse `io_uring_setup`).
+fn io_uring_usable(store: &StoreBuilder) -> bool {
+    if !store.runtime.io_uring {
+        return false;
+    }
+    // struct io_uring_params: 120 bytes the kernel reads (zero: no flags) and fills in.
+    let mut params = [0u64; 15];
+    // SAFETY: io_uring_setup with one entry and a zeroed, writable io_uring_params of the size the
+    // kernel expects; the descriptor it returns is ours and closed at once.
+    let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 1u32, params.as_mut_ptr()) };
+    if fd < 0 {
+        let refused =
+            matches!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EPERM | libc::ENOSYS | libc::EACCES));
+        // Other errors (no memory, too many files) are the engine's to report when it opens.
+        return !refused;
+    }
+    // SAFETY: closes the ring descriptor io_uring_setup just returned, which nothing else holds.
+    unsafe { libc::close(fd as libc::c_int) };
+    true
+}
+
 /// A quarter of `MemAvailable`, within bounds (the minimum when it cannot be read).
 fn derived_dram_bytes() -> u64 {
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
@@ -741,8 +814,11 @@ mod tests {
         assert!(r.token_file.as_ref().is_some_and(|(_, created)| *created));
         assert!((DRAM_MIN_BYTES..=DRAM_MAX_BYTES).contains(&r.store.dram.bytes));
         let o = &r.owner;
-        assert_eq!((o.max_connections, o.max_unauthenticated_connections), (256, 32));
-        assert_eq!((o.max_buffered_bytes, o.connection_share_bytes()), (256 << 20, 512 << 10));
+        assert!((64..=16_384).contains(&o.max_connections), "derived from the descriptor limit: {}", o.max_connections);
+        assert_eq!(o.max_unauthenticated_connections, 32);
+        assert_eq!(o.max_buffered_bytes, 256 << 20);
+        assert_eq!(o.connection_share_bytes(), (256 << 20) / (2 * o.max_connections as u64));
+        assert_eq!((o.unix_socket_mode, o.unix_socket_group), (0o600, None), "owner-only by default");
         assert_eq!((o.handshake_timeout_ms, o.payload_timeout_ms, o.idle_timeout_ms), (5_000, 10_000, 600_000));
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("token")).expect("token").permissions().mode();
@@ -751,6 +827,57 @@ mod tests {
         let r2 = s.resolve(&[]).expect("resolve again");
         assert_eq!(r2.owner.tcp_token, r.owner.tcp_token);
         assert!(r2.token_file.is_some_and(|(_, created)| !created));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_default_connection_limit_follows_the_descriptor_limit() {
+        assert_eq!(OwnerConfig::connections_for_descriptors(1024, 0), 256, "the usual soft limit");
+        assert_eq!(OwnerConfig::connections_for_descriptors(20_000, 0), 9_744);
+        assert_eq!(OwnerConfig::connections_for_descriptors(20_000, 2_048), 8_720, "SSD segment files count");
+        assert_eq!(OwnerConfig::connections_for_descriptors(65_536, 0), 16_384, "capped");
+        assert_eq!(OwnerConfig::connections_for_descriptors(u64::MAX, u64::MAX), 64);
+        assert_eq!(OwnerConfig::connections_for_descriptors(100, 0), 64, "never below 64");
+        // The owner resolves it from this process's limit, and a given value wins.
+        let dir = temp_dir("max-connections");
+        let base = in_dir(&dir, "tcp = \"off\"\nssd = false\n");
+        let s = OwnerSettings::layered(&[], Some(&base), &Flags::default()).expect("settings");
+        let limit = crate::sock::descriptor_limit().expect("getrlimit");
+        assert_eq!(
+            s.resolve(&[]).expect("resolve").owner.max_connections,
+            OwnerConfig::connections_for_descriptors(limit, 0)
+        );
+        let s = OwnerSettings::layered(&[], Some(&base), &flags(&["--max-connections", "300"])).expect("settings");
+        assert_eq!(s.resolve(&[]).expect("resolve").owner.max_connections, 300);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn socket_mode_and_group_are_checked_at_start() {
+        let dir = temp_dir("socket-perms");
+        let base = in_dir(&dir, "tcp = \"off\"\nssd = false\n");
+        let resolve = |extra: &str| {
+            OwnerSettings::layered(&[], Some(&format!("{base}{extra}")), &Flags::default())
+                .expect("settings")
+                .resolve(&[])
+                .map(|r| (r.owner.unix_socket_mode, r.owner.unix_socket_group))
+        };
+        assert_eq!(resolve("socket_mode = \"0660\"\nsocket_group = \"root\"\n"), Ok((0o660, Some(0))));
+        assert_eq!(resolve("socket_mode = \"0660\"\nsocket_group = \"4242\"\n"), Ok((0o660, Some(4242))));
+        assert_eq!(resolve("socket_mode = \"660\"\n"), Ok((0o660, None)));
+        for (extra, why) in [
+            ("socket_mode = \"0666\"\n", "lets every user of the host connect"),
+            ("socket_mode = \"01660\"\n", "beyond the permission bits"),
+            ("socket_mode = \"rw-rw----\"\n", "not an octal mode"),
+            ("socket_mode = \"0660\"\nsocket_group = \"kvtide-no-such-group\"\n", "unknown group"),
+            ("socket_group = \"root\"\n", "does not let the group connect"),
+        ] {
+            let e = resolve(extra).expect_err(extra);
+            assert!(e.starts_with("[owner] socket_") && e.contains(why), "{extra}: {e}");
+        }
+        let env = vars(&[("KVTIDE_OWNER_SOCKET_MODE", "0660"), ("KVTIDE_OWNER_SOCKET_GROUP", "0")]);
+        let r = OwnerSettings::layered(&env, Some(&base), &Flags::default()).expect("settings").resolve(&env);
+        assert_eq!(r.map(|r| (r.owner.unix_socket_mode, r.owner.unix_socket_group)), Ok((0o660, Some(0))));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

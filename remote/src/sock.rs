@@ -346,6 +346,14 @@ pub(crate) fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// This process's soft limit on open descriptors (None when it cannot be read).
+pub(crate) fn descriptor_limit() -> Option<u64> {
+    // SAFETY: an all-zero rlimit is a valid value; getrlimit fills it.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: getrlimit writes into the live struct above.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit.rlim_cur)
+}
+
 /// Raises this process's soft limit on open descriptors to its hard limit; returns the limit.
 pub fn raise_descriptor_limit() -> io::Result<u64> {
     // SAFETY: an all-zero rlimit is a valid value; getrlimit fills it.

@@ -236,17 +236,33 @@ fn deploy_flags() -> Vec<(&'static str, Vec<String>)> {
     vec![("systemd unit", unit_args), ("container image", image_args)]
 }
 
-/// The unit's and the image's command lines start this binary: with their data directory and
-/// TCP address moved somewhere private, each serves and answers `status`.
+/// The unit's and the image's command lines start this binary: both serve the one socket path,
+/// /run/kvtide/owner.sock, mode 0660 for the kvtide group; with their data directory, socket,
+/// group and TCP address moved somewhere private, each serves and answers `status`.
 #[test]
 fn the_deploy_command_lines_start_an_owner() {
     for (what, args) in deploy_flags() {
         let dir = tmp(&format!("deploy-{}", what.replace(' ', "-")));
         std::fs::create_dir_all(&dir).expect("dir");
         let mut args = args.clone();
-        for (flag, value) in [("--data-dir", dir.display().to_string()), ("--tcp", "127.0.0.1:0".to_string())] {
+        let value_of = |args: &[String], flag: &str| {
             let at = args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("{what} sets {flag}"));
-            args[at + 1] = value;
+            (at + 1, args[at + 1].clone())
+        };
+        assert_eq!(value_of(&args, "--unix-socket").1, "/run/kvtide/owner.sock", "{what}");
+        assert_eq!(value_of(&args, "--socket-mode").1, "0660", "{what}");
+        assert_eq!(value_of(&args, "--socket-group").1, "kvtide", "{what}");
+        let socket_path = dir.join("run/owner.sock");
+        // SAFETY: getegid has no inputs and cannot fail.
+        let gid = unsafe { libc::getegid() };
+        for (flag, value) in [
+            ("--data-dir", dir.display().to_string()),
+            ("--tcp", "127.0.0.1:0".to_string()),
+            ("--unix-socket", socket_path.display().to_string()),
+            ("--socket-group", gid.to_string()),
+        ] {
+            let (at, _) = value_of(&args, flag);
+            args[at] = value;
         }
         let mut owner = Command::new(owner_binary())
             .args(&args)
@@ -256,8 +272,11 @@ fn the_deploy_command_lines_start_an_owner() {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn");
-        let socket = format!("unix:{}", dir.join("owner.sock").display());
+        let socket = format!("unix:{}", socket_path.display());
         drop(wait_served(&mut owner, &socket, 60));
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(&socket_path).expect("socket");
+        assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, gid), "{what}");
         let out = Command::new(owner_binary()).args(["status", &socket]).output().expect("status");
         assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
         stop(owner);

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod churn;
+pub mod seccomp;
 
 use kvtide::{Engine, Store, StoreBuilder};
 

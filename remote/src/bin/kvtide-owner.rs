@@ -2,9 +2,10 @@
 //! DRAM arena shared read-only) and other hosts (TCP, token-authenticated).
 //!
 //! With no flags it starts a usable owner: a DRAM pool sized from available memory (capped), an
-//! SSD tier in the data directory, a Unix socket there (0600), TCP on 127.0.0.1:7370 with a
-//! generated token. Flags and a TOML file override everything (`--help`). SIGINT/SIGTERM stop it
-//! cleanly: in-flight requests finish, new ones get `ShuttingDown`, then the engine shuts down.
+//! SSD tier in the data directory, a Unix socket there (0600 unless `socket_mode` says
+//! otherwise), TCP on 127.0.0.1:7370 with a generated token. Flags and a TOML file override
+//! everything (`--help`). SIGINT/SIGTERM stop it cleanly: in-flight requests finish, new ones get
+//! `ShuttingDown`, then the engine shuts down.
 
 use std::sync::Arc;
 
@@ -92,9 +93,12 @@ fn run() -> Result<(), String> {
             "TCP clients authenticate with this token (KVTIDE_TOKEN_FILE=<copy of it> for RemoteStore::connect)"
         );
     }
+    let (socket_mode, socket_group) = (resolved.owner.unix_socket_mode, resolved.owner.unix_socket_group);
+    let max_connections = resolved.owner.max_connections;
     let owner = Owner::start(Arc::clone(&engine), resolved.owner).map_err(|e| e.to_string())?;
     if let Some(path) = owner.unix_path() {
-        tracing::info!(socket = %path.display(), "listening (Unix socket, mode 0600)");
+        let mode = format!("{socket_mode:04o}");
+        tracing::info!(socket = %path.display(), mode, group = ?socket_group, max_connections, "listening (Unix socket)");
     }
     if let Some(addr) = owner.tcp_addr() {
         tracing::info!(%addr, "listening (TCP)");

@@ -143,7 +143,17 @@ impl Pool {
         let connect_timeout = Duration::from_millis(self.options.connect_timeout_ms);
         let unreachable = |e: std::io::Error| Error::Disconnected(format!("cannot connect to {}: {e}", self.endpoint));
         let stream = match &self.endpoint {
-            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(unreachable)?),
+            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    Error::Disconnected(format!(
+                        "cannot connect to {}: {e}: this user may not use the owner's socket (the owner's \
+                         [owner] socket_mode and socket_group say who may: the socket's group, with mode 0660)",
+                        self.endpoint
+                    ))
+                } else {
+                    unreachable(e)
+                }
+            })?),
             Endpoint::Tcp(addr) => {
                 let addrs: Vec<_> = addr.to_socket_addrs().map_err(unreachable)?.collect();
                 let mut last = std::io::Error::other("no address");

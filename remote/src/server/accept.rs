@@ -11,9 +11,8 @@ use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,13 +52,17 @@ pub(super) struct Bound {
     pub(super) tcp_addr: Option<SocketAddr>,
 }
 
-/// Binds the configured listeners: the Unix socket (0600, a stale file replaced) and the TCP
-/// address.
+/// Binds the configured listeners: the Unix socket (its mode and group, a stale file replaced)
+/// and the TCP address.
 pub(super) fn bind_listeners(config: &OwnerConfig) -> std::result::Result<Bound, OwnerError> {
     let mut listeners = Vec::new();
     let mut unix_path = None;
     if let Some(path) = &config.unix_socket {
-        listeners.push(Listener::Unix(bind_unix(path)?));
+        listeners.push(Listener::Unix(super::socket_file::bind(
+            path,
+            config.unix_socket_mode,
+            config.unix_socket_group,
+        )?));
         unix_path = Some(path.clone());
     }
     let mut tcp_addr = None;
@@ -70,21 +73,6 @@ pub(super) fn bind_listeners(config: &OwnerConfig) -> std::result::Result<Bound,
         listeners.push(Listener::Tcp(listener));
     }
     Ok(Bound { listeners, unix_path, tcp_addr })
-}
-
-fn bind_unix(path: &Path) -> std::result::Result<UnixListener, OwnerError> {
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            return Err(OwnerError::AlreadyRunning(path.to_path_buf()));
-        }
-        std::fs::remove_file(path)
-            .map_err(|source| OwnerError::Bind { what: format!("remove stale socket {}", path.display()), source })?;
-    }
-    let listener = UnixListener::bind(path)
-        .map_err(|source| OwnerError::Bind { what: format!("unix {}", path.display()), source })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|source| OwnerError::Bind { what: format!("chmod 0600 {}", path.display()), source })?;
-    Ok(listener)
 }
 
 pub(super) fn accept_loop(shared: &Arc<Shared>, listener: Listener) {

@@ -2,7 +2,8 @@
 //! checks a configuration must pass before anything is bound, and `OwnerError`.
 //!
 //! Owns the meaning of each limit and the rules that tie them together (shares that fit the
-//! budget, a lease TTL that outlives a send). Never binds, reads or serves anything.
+//! budget, a lease TTL that outlives a send, a socket mode that never lets every user in). Never
+//! binds, reads or serves anything.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,8 +13,16 @@ use crate::auth::Token;
 /// What the owner serves and its limits.
 #[derive(Clone, Debug)]
 pub struct OwnerConfig {
-    /// Unix socket path (created 0600; a stale socket file is replaced). None: no Unix socket.
+    /// Unix socket path (created with `unix_socket_mode`; a stale socket file is replaced).
+    /// None: no Unix socket.
     pub unix_socket: Option<PathBuf>,
+    /// The Unix socket's permission bits (default 0600: the owner's user only). Connecting takes
+    /// write permission, so 0660 lets `unix_socket_group` in; others may never write.
+    pub unix_socket_mode: u32,
+    /// The Unix socket's group (a gid; None: the owner's group). With a group, the socket's
+    /// directory must let the group through: a missing one is created 0710 for it, an existing
+    /// one is checked, never changed.
+    pub unix_socket_group: Option<u32>,
     /// TCP address. None: no TCP.
     pub tcp: Option<SocketAddr>,
     /// Token TCP clients must prove they know. Required for TCP unless
@@ -26,7 +35,8 @@ pub struct OwnerConfig {
     pub share_arena: bool,
     /// Connections served at once; more are refused with `Busy`. A Unix-socket peer takes a
     /// slot when it connects (the socket's permissions authenticate it); a TCP peer once it has
-    /// authenticated (or, without a token, said hello).
+    /// authenticated (or, without a token, said hello). Default 256 here; `kvtide-owner` derives
+    /// its default from the descriptor limit (`connections_for_descriptors`).
     pub max_connections: usize,
     /// TCP connections still in their handshake; more are refused with `Busy`. They never take
     /// the slots above, so unauthenticated peers cannot lock authenticated clients out.
@@ -84,10 +94,34 @@ impl OwnerConfig {
     }
 }
 
+/// Descriptors a connection may hold at once: its socket and the registry's duplicate of it
+/// (a parked connection holds one).
+const DESCRIPTORS_PER_CONNECTION: u64 = 2;
+/// Descriptors kept for everything but connections besides the SSD tier's segment files:
+/// listeners, io_uring rings, eventfds, the poller, logs, metrics and cluster clients.
+const RESERVED_DESCRIPTORS: u64 = 512;
+/// The most connections a derived default allows (about 150 MiB of parked connections).
+const MAX_DERIVED_CONNECTIONS: usize = 16_384;
+/// The fewest a derived default allows, however low the descriptor limit.
+const MIN_DERIVED_CONNECTIONS: usize = 64;
+
+impl OwnerConfig {
+    /// The default connection limit for a process allowed `descriptor_limit` open descriptors
+    /// whose engine holds `engine_files` (the SSD tier's segment files): what is left after a
+    /// reserve, two descriptors per connection, within 64..=16384.
+    pub fn connections_for_descriptors(descriptor_limit: u64, engine_files: u64) -> usize {
+        let left = descriptor_limit.saturating_sub(RESERVED_DESCRIPTORS).saturating_sub(engine_files);
+        let connections = usize::try_from(left / DESCRIPTORS_PER_CONNECTION).unwrap_or(usize::MAX);
+        connections.clamp(MIN_DERIVED_CONNECTIONS, MAX_DERIVED_CONNECTIONS)
+    }
+}
+
 impl Default for OwnerConfig {
     fn default() -> Self {
         OwnerConfig {
             unix_socket: None,
+            unix_socket_mode: DEFAULT_SOCKET_MODE,
+            unix_socket_group: None,
             tcp: None,
             tcp_token: None,
             allow_unauthenticated_loopback: false,
@@ -144,6 +178,10 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
             }
         }
     }
+    if c.unix_socket.is_some() {
+        check_mode_with_group(c.unix_socket_mode, c.unix_socket_group)
+            .map_err(|e| OwnerError::Config(format!("unix_socket_mode: {e}")))?;
+    }
     if c.max_connections == 0 || c.max_leases_per_connection == 0 || c.max_items == 0 {
         return bad("max_connections, max_leases_per_connection and max_items must be positive".into());
     }
@@ -183,6 +221,44 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
             "lease_ttl_ms = {} must be at least twice io_timeout_ms = {} (a chunk send may take that long)",
             c.lease_ttl_ms, c.io_timeout_ms
         ));
+    }
+    Ok(())
+}
+
+/// The socket's mode unless `[owner] socket_mode` says otherwise: the owner's user only.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+/// A socket mode the owner accepts: permission bits only (no setuid, setgid or sticky bit), read
+/// and write for the owner's user (`kvtide-owner status` connects as that user), and never
+/// writable by others (connecting takes write permission, so that would let every user of the
+/// host in; give the clients a group instead).
+pub fn check_socket_mode(mode: u32) -> Result<(), String> {
+    if mode & !0o777 != 0 {
+        return Err(format!("{mode:04o} has bits beyond the permission bits 0777 (setuid, setgid or sticky)"));
+    }
+    if mode & 0o600 != 0o600 {
+        return Err(format!("{mode:04o} must let the owner's user read and write (0600 at least)"));
+    }
+    if mode & 0o002 != 0 {
+        return Err(format!(
+            "{mode:04o} lets every user of the host connect (others may write); give the clients a group \
+             instead: socket_mode = \"0660\" and socket_group = \"<their group>\""
+        ));
+    }
+    Ok(())
+}
+
+/// The checks a mode and group must pass together: a group is given for its members to
+/// connect, so the mode must let the group write.
+pub fn check_mode_with_group(mode: u32, group: Option<u32>) -> Result<(), String> {
+    check_socket_mode(mode)?;
+    if let Some(gid) = group {
+        if mode & 0o020 == 0 {
+            return Err(format!(
+                "socket_group {gid} is given but socket_mode {mode:04o} does not let the group connect \
+                 (connecting takes write permission): use socket_mode = \"0660\""
+            ));
+        }
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! This module owns the owner's lifecycle: `Owner::start` (the shared state, the parking poller,
 //! the listeners and their accept threads), its public API and `shutdown`; it never serves a
 //! request itself. The rooms below each own one concern: `config` (settings and their checks),
+//! `socket_file` (the Unix socket's file, its mode, group and directory),
 //! `shared` (the state the threads share, the registry of connections and their slots), `accept`
 //! (admission and the handshake), `connection` (the connection loop and dispatch), `get` and `put`
 //! (the request families), `budget` (what a connection holds against the owner's limits) and
@@ -22,6 +23,7 @@ mod get;
 mod put;
 mod reply;
 mod shared;
+mod socket_file;
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -35,10 +37,12 @@ use kvtide::Engine;
 
 use self::accept::{accept_loop, bind_listeners, Bound};
 use self::budget::Budget;
+pub(crate) use self::config::check_mode_with_group;
 use self::config::validate;
 pub use self::config::{OwnerConfig, OwnerError};
 use self::connection::run_job;
 use self::shared::{ConnTable, Job, Shared};
+pub(crate) use self::socket_file::{group_id, parse_socket_mode};
 use crate::metrics::OwnerCounters;
 use crate::park::{Parker, Workers};
 use crate::protocol::Limits;
