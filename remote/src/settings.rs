@@ -23,6 +23,9 @@ use crate::server::OwnerConfig;
 
 /// Default TCP address: loopback only.
 pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
+/// Default HTTP listener (`/metrics`, `/health`, `/ready`, `/version`, `POST /drain`): loopback
+/// only. When its port is taken (another owner on the host) the owner runs without it.
+pub const DEFAULT_HTTP: &str = "127.0.0.1:7371";
 /// The derived DRAM pool: a quarter of available memory, within these bounds.
 const DRAM_MIN_BYTES: u64 = 256 << 20;
 const DRAM_MAX_BYTES: u64 = 16 << 30;
@@ -50,7 +53,8 @@ kvtide::settings_group! {
         share_arena: bool = true, Bool, eg "off";
         /// An SSD tier in `<data_dir>/ssd` unless `[ssd] dir` names one (default true).
         ssd: bool = true, Bool, eg "false";
-        /// Prometheus endpoint (`GET /metrics`): a loopback address, or "off" (default).
+        /// Deprecated alias of `http_addr`: an address here sets the HTTP listener (which serves
+        /// `GET /metrics` and the rest); "off" (default) leaves `http_addr` in charge.
         metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
         /// Connections served at once (default 256).
         max_connections: usize = OwnerConfig::default().max_connections, Count, eg "64";
@@ -89,6 +93,11 @@ kvtide::settings_group! {
         spin_us: u64 = OwnerConfig::default().spin_us, Count, eg "75";
         /// How long a stop waits for in-flight requests (default 10 s).
         shutdown_grace_ms: u64 = OwnerConfig::default().shutdown_grace_ms, Count, eg "1000";
+        /// HTTP listener: `GET /metrics`, `/health`, `/ready`, `/version`, `POST /drain` (drain
+        /// from loopback peers only). An address (any interface when you name one: it has no
+        /// authentication), or "off". Default 127.0.0.1:7371; if that port is taken the owner
+        /// runs without HTTP (a warning), while an address you set that cannot be bound stops it.
+        http_addr: String = DEFAULT_HTTP.into(), Text, eg "0.0.0.0:7371";
     }
 }
 
@@ -246,8 +255,16 @@ pub struct ResolvedOwner {
     pub data_dir: PathBuf,
     /// Token file in use (TCP with auth), and whether it was just created.
     pub token_file: Option<(PathBuf, bool)>,
-    /// Where to serve Prometheus metrics (a loopback address), if anywhere.
-    pub metrics: Option<SocketAddr>,
+    /// Where to serve HTTP (`/metrics`, `/health`, ...), if anywhere.
+    pub http: Option<HttpListen>,
+}
+
+/// The HTTP listener's address, and whether the operator chose it: a chosen address that
+/// cannot be bound stops the owner, the default one only turns HTTP off (with a warning).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpListen {
+    pub addr: SocketAddr,
+    pub chosen: bool,
 }
 
 /// Flags that stand for a setting besides its own flag: (flag, group, field, the value it sets;
@@ -542,9 +559,9 @@ impl OwnerSettings {
                 token_file = Some((path, created));
             }
         }
-        let metrics = self.metrics_addr()?;
+        let http = self.http_listen()?;
         self.cluster.check()?;
-        Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
+        Ok(ResolvedOwner { store, owner, data_dir, token_file, http })
     }
 }
 
@@ -588,24 +605,30 @@ impl OwnerSettings {
         Ok(store)
     }
 
-    /// The metrics endpoint's address: None when off, refused unless loopback.
-    fn metrics_addr(&self) -> Result<Option<SocketAddr>, String> {
+    /// The HTTP listener's address: `http_addr`, or the deprecated `metrics_addr` when it names
+    /// one (both naming different addresses is refused); None when off.
+    fn http_listen(&self) -> Result<Option<HttpListen>, String> {
         let o = &self.owner;
         let off = |v: &str| v.eq_ignore_ascii_case("off");
-        let metrics = if off(&o.metrics_addr) {
-            None
+        let http_given = self.is_given("owner", "http_addr");
+        let (key, text, chosen) = if off(&o.metrics_addr) {
+            ("http_addr", &o.http_addr, http_given)
         } else {
-            let addr: SocketAddr =
-                o.metrics_addr.parse().map_err(|e| format!("[owner] metrics_addr {:?}: {e}", o.metrics_addr))?;
-            if !addr.ip().is_loopback() {
+            if http_given && o.http_addr != o.metrics_addr {
                 return Err(format!(
-                    "[owner] metrics_addr {addr}: the metrics endpoint has no authentication, so it listens on loopback \
-                     only (127.0.0.1 or ::1)"
+                    "[owner] metrics_addr {:?} (deprecated) and http_addr {:?} name different listeners: set http_addr only",
+                    o.metrics_addr, o.http_addr
                 ));
             }
-            Some(addr)
+            tracing::warn!("[owner] metrics_addr is deprecated: it sets http_addr, the one HTTP listener");
+            ("metrics_addr", &o.metrics_addr, true)
         };
-        Ok(metrics)
+        if off(text) {
+            return Ok(None);
+        }
+        let addr: SocketAddr =
+            text.parse().map_err(|e| format!("[owner] {key} {text:?}: {e} (an IP:PORT, or \"off\")"))?;
+        Ok(Some(HttpListen { addr, chosen }))
     }
 }
 
