@@ -55,7 +55,7 @@ kvtide::settings_group! {
         ssd: bool = true, Bool, eg "false";
         /// Deprecated alias of `http_addr`: an address here sets the HTTP listener (which serves
         /// `GET /metrics` and the rest); "off" (default) leaves `http_addr` in charge.
-        metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
+        metrics_addr: String = "off".into(), Text, eg "0.0.0.0:7371";
         /// Connections served at once (default 256).
         max_connections: usize = OwnerConfig::default().max_connections, Count, eg "64";
         /// TCP connections still in their handshake (default 32); they never take the slots above.
@@ -891,7 +891,28 @@ mod tests {
         assert!(r.owner.unix_socket.is_none() && r.owner.allow_unauthenticated_loopback);
         assert_eq!((r.owner.max_connections, r.owner.max_items, r.owner.shutdown_grace_ms), (64, 1024, 1000));
         assert_eq!((r.owner.max_payload_bytes, r.owner.chunk_bytes), (2 << 20, 512 << 10));
+        assert_eq!(r.http, Some(HttpListen { addr: "0.0.0.0:7371".parse().expect("addr"), chosen: true }));
         let _ = std::fs::remove_dir_all("/tmp/kvtide-owner-settings-example");
+    }
+
+    /// `http_addr` by default (not chosen: a taken port only turns HTTP off), set, or off;
+    /// `metrics_addr` as its alias; the two naming different listeners, or a bad address, refused.
+    #[test]
+    fn the_http_listener_comes_from_http_addr_or_its_deprecated_alias() {
+        let listen = |env: &[(&str, &str)]| {
+            OwnerSettings::layered(&vars(env), None, &Flags::default()).expect("settings").http_listen()
+        };
+        let at = |addr: &str, chosen| Ok(Some(HttpListen { addr: addr.parse().expect("addr"), chosen }));
+        assert_eq!(listen(&[]), at(DEFAULT_HTTP, false));
+        assert_eq!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", DEFAULT_HTTP)]), at(DEFAULT_HTTP, true));
+        assert_eq!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", "0.0.0.0:9100")]), at("0.0.0.0:9100", true));
+        assert_eq!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", "OFF")]), Ok(None));
+        assert_eq!(listen(&[("KVTIDE_OWNER_METRICS_ADDR", "127.0.0.1:9464")]), at("127.0.0.1:9464", true));
+        let same = [("KVTIDE_OWNER_METRICS_ADDR", "127.0.0.1:9464"), ("KVTIDE_OWNER_HTTP_ADDR", "127.0.0.1:9464")];
+        assert_eq!(listen(&same), at("127.0.0.1:9464", true));
+        let both = [("KVTIDE_OWNER_METRICS_ADDR", "127.0.0.1:9464"), ("KVTIDE_OWNER_HTTP_ADDR", "127.0.0.1:9465")];
+        assert!(listen(&both).is_err_and(|e| e.contains("different listeners")));
+        assert!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", "localhost")]).is_err_and(|e| e.contains("http_addr")));
     }
 
     #[test]
