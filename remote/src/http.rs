@@ -120,7 +120,8 @@ impl HttpState {
     }
 
     /// Starts the drain (once) and waits for it up to the owner's shutdown grace and a little
-    /// more: Ok(true) drained, Ok(false) still draining, Err when there is nothing to drain.
+    /// more: Ok(true) drained, Ok(false) still draining, Err when there is nothing to drain (or
+    /// a stop took over).
     fn drain(self: &Arc<Self>) -> Result<bool, &'static str> {
         let Some(owner) = self.owner.get() else { return Err("the owner is still starting\n") };
         let mut phase = self.phase();
@@ -144,8 +145,11 @@ impl HttpState {
         }
         let wait = owner.shutdown_grace() + DRAIN_ANSWER_SLACK;
         let phase = self.phase_changed.wait_timeout_while(phase, wait, |p| *p == Phase::Draining);
-        let phase = phase.unwrap_or_else(|p| p.into_inner()).0;
-        Ok(*phase != Phase::Draining)
+        match *phase.unwrap_or_else(|p| p.into_inner()).0 {
+            Phase::Drained => Ok(true),
+            Phase::Stopping => Err("the owner is stopping\n"),
+            Phase::Starting | Phase::Serving | Phase::Draining => Ok(false),
+        }
     }
 }
 

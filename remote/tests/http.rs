@@ -27,6 +27,20 @@ fn tmp(name: &str) -> PathBuf {
     p
 }
 
+/// `kvtide-owner` on `dir` (Unix socket only, 2 shards, DRAM 64 MiB, info log piped) with `args`
+/// added.
+fn owner_command(dir: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(owner_binary());
+    command
+        .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--dram-bytes", "64MiB", "--shards", "2"])
+        .args(args)
+        .env("KVTIDE_LOG", "info")
+        .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    command
+}
+
 /// A running `kvtide-owner` (killed when dropped), its HTTP address (read from its log line) and
 /// its log so far.
 struct Running {
@@ -37,18 +51,10 @@ struct Running {
 }
 
 impl Running {
-    /// Starts the owner on `dir` (Unix socket only, 2 shards, DRAM `64MiB`) with `args` added
-    /// (an `--http-addr` among them) and waits for its HTTP listener's log line.
+    /// Starts the owner (`owner_command`) with `args` added (an `--http-addr` among them) and
+    /// waits for its HTTP listener's log line.
     fn start(dir: &Path, args: &[&str]) -> Running {
-        let mut child = Command::new(owner_binary())
-            .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--dram-bytes", "64MiB", "--shards", "2"])
-            .args(args)
-            .env("KVTIDE_LOG", "info")
-            .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvtide-owner");
+        let mut child = owner_command(dir, args).spawn().expect("spawn kvtide-owner");
         let log = Arc::new(Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let stderr = child.stderr.take().expect("stderr");
@@ -403,16 +409,8 @@ fn a_taken_default_address_turns_http_off_and_a_taken_chosen_one_is_an_error() {
     // Held here, or already held by another process: taken either way.
     let _held = std::net::TcpListener::bind("127.0.0.1:7371");
     let run = |args: &[&str], env: &[(&str, &str)]| {
-        let mut child = Command::new(owner_binary())
-            .args(["--data-dir", &dir.display().to_string(), "--tcp", "off", "--dram-bytes", "64MiB", "--no-ssd"])
-            .args(args)
-            .envs(env.iter().copied())
-            .env("KVTIDE_LOG", "info")
-            .env("KVTIDE_RUNTIME_PIN_THREADS", "false")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn");
+        let mut child =
+            owner_command(&dir, &[&["--no-ssd"], args].concat()).envs(env.iter().copied()).spawn().expect("spawn");
         let socket = format!("unix:{}", dir.join("owner.sock").display());
         let deadline = Instant::now() + Duration::from_secs(60);
         while RemoteStore::connect(&socket).is_err() {
