@@ -105,6 +105,16 @@ impl Running {
         }
     }
 
+    /// Waits until the owner reserved room for a put whose value has not all arrived (it is in
+    /// flight, not a connection waiting for its next request).
+    fn wait_for_a_put_in_flight(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sample(&get(&self.url("/metrics")).1, "kvtide_writes_in_flight") < Some(1.0) {
+            assert!(Instant::now() < deadline, "the owner never started the put");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// SIGTERM, and the exit status.
     fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("running");
@@ -261,6 +271,7 @@ fn every_route_answers_and_a_stop_turns_ready_off_first() {
 
     // A stop with a request in flight: the owner waits for it (up to the grace), and says so.
     let in_flight = HalfSentPut::start(&owner.socket(), b"late", 200_000);
+    owner.wait_for_a_put_in_flight();
     let pid = owner.child.as_ref().expect("running").id();
     // SAFETY: kill with a valid pid of our own child and a valid signal.
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
@@ -293,6 +304,7 @@ fn a_drain_refuses_new_connections_and_lets_in_flight_requests_finish() {
     let idle = RemoteStore::connect(&socket).expect("client");
     idle.put(b"before", b"v", PutOptions::INSERT).expect("put");
     let in_flight = HalfSentPut::start(&owner.socket(), b"in-flight", 400_000);
+    owner.wait_for_a_put_in_flight();
 
     let drain = {
         let url = owner.url("/drain");
@@ -433,5 +445,56 @@ fn a_taken_default_address_turns_http_off_and_a_taken_chosen_one_is_an_error() {
     assert!(ok && !log.contains("HTTP listening") && !log.contains("default HTTP address"), "{log}");
     let (ok, log) = run(&["--http-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:1"], &[]);
     assert!(!ok && log.contains("name different listeners"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An SSD tier that stopped taking writes (every write and sync of the simulated disk fails):
+/// `/ready` turns 503 and says why, and `kvtide_ssd_write_failed` is 1. In process: the
+/// listener and the owner of the binary, over an engine on the simulated disk.
+#[test]
+fn an_ssd_tier_that_stopped_taking_writes_makes_the_owner_unready() {
+    let dir = tmp("failed-tier");
+    let always =
+        kvtide::SimFaults { write_eio_ppm: 1_000_000, sync_eio_ppm: 1_000_000, ..kvtide::SimFaults::default() };
+    let engine = std::sync::Arc::new(
+        kvtide::StoreBuilder::new()
+            .dram_bytes(32 << 20)
+            .shards(1)
+            .pin_threads(false)
+            .ssd_bytes(64 << 20)
+            .write_through(true)
+            .simulated_ssd(3, always)
+            .open()
+            .expect("open"),
+    );
+    let config = kvtide_remote::OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        ..kvtide_remote::OwnerConfig::default()
+    };
+    let owner = Arc::new(kvtide_remote::Owner::start(Arc::clone(&engine), config).expect("owner"));
+    let http = kvtide_remote::HttpServer::start("127.0.0.1:0".parse().expect("addr"), kvtide_remote::HttpState::new())
+        .expect("listen");
+    let url = |path: &str| format!("http://{}{path}", http.addr());
+    assert_eq!(get(&url("/ready")), (503, "starting: the store is being opened\n".into()));
+    http.state().serving(Arc::clone(&owner));
+    let failed = |metrics: &str| sample(metrics, "kvtide_ssd_write_failed");
+    assert_eq!(failed(&get(&url("/metrics")).1), Some(0.0));
+    assert_eq!(get(&url("/ready")).0, 200);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for i in 0u32.. {
+        // Write-through puts fail once the tier gave up; each one tries the disk.
+        let _ = engine.put(format!("k{i}").as_bytes(), &[1u8; 100_000], PutOptions::UPSERT);
+        let (status, why) = get(&url("/ready"));
+        if status == 503 {
+            assert!(why.contains("SSD tier stopped taking writes"), "{why}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the tier never gave up: {:?}", engine.stats().total);
+    }
+    assert_eq!(failed(&get(&url("/metrics")).1), Some(1.0));
+    assert_eq!(get(&url("/health")).0, 200);
+    drop(http);
+    owner.shutdown();
+    engine.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
