@@ -368,12 +368,8 @@ struct BuildInfo;
 impl Collector for BuildInfo {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
         let metric = ConstGauge::new(1i64);
-        let mut family = encoder.encode_descriptor(
-            "kvtide_build_info",
-            "always 1; the labels say which build runs (git: the commit, when the build had one)",
-            None,
-            metric.metric_type(),
-        )?;
+        let help = "always 1; the labels say which build runs (git: the commit, when the build had one)";
+        let mut family = encoder.encode_descriptor("kvtide_build_info", help, None, metric.metric_type())?;
         let labels = [("version", VERSION), ("git", GIT_COMMIT.unwrap_or(""))];
         metric.encode(family.encode_family(&labels)?)
     }
