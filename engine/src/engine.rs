@@ -105,6 +105,11 @@ impl Engine {
         self.max_value_bytes
     }
 
+    /// The SSD tier's configured capacity in bytes (`[ssd] bytes`), or None without an SSD tier.
+    pub fn ssd_capacity_bytes(&self) -> Option<u64> {
+        self.config.ssd.as_ref().map(|ssd| ssd.bytes)
+    }
+
     /// The DRAM arena (for transports that register it).
     pub fn arena(&self) -> &Arc<Arena> {
         &self.arena

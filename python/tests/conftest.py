@@ -44,8 +44,10 @@ class Owner:
     def __init__(self, dram="64MiB", ssd=None, extra=()):
         self.dir = Path(tempfile.mkdtemp(prefix="kvtide-py-owner-"))
         self.port = free_port()
+        # Its own HTTP port: several owners run at once, and the default (7371) is one per host.
+        self.http_port = free_port()
         args = [owner_binary(), "--data-dir", str(self.dir), "--tcp", f"127.0.0.1:{self.port}", "--dram-bytes", dram,
-                "--shards", "2", *extra]
+                "--shards", "2", "--http-addr", f"127.0.0.1:{self.http_port}", *extra]
         args += ["--ssd-bytes", ssd] if ssd else ["--no-ssd"]
         env = dict(os.environ, KVTIDE_LOG="warn", KVTIDE_RUNTIME_PIN_THREADS="false")
         # These two are this file's, not the owner's: it refuses KVTIDE_OWNER_* variables it does not know.
@@ -55,6 +57,7 @@ class Owner:
         self.unix = f"unix:{self.dir / 'owner.sock'}"
         self.tcp = f"127.0.0.1:{self.port}"
         self.token_file = str(self.dir / "token")
+        self.http = f"http://127.0.0.1:{self.http_port}"
         deadline = time.time() + 60
         while True:
             try:

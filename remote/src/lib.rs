@@ -15,6 +15,7 @@ mod auth;
 mod client;
 pub mod cluster;
 mod error;
+mod http;
 mod metrics;
 mod park;
 pub mod protocol;
@@ -28,10 +29,11 @@ pub use auth::Token;
 pub use client::{ClientOptions, HoldGranted, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
-pub use metrics::{MetricsServer, OwnerCounters, RequestLatency};
+pub use http::{HttpServer, HttpState};
+pub use metrics::{OwnerCounters, RequestLatency};
 pub use server::{Owner, OwnerConfig, OwnerError};
 pub use settings::{
-    configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, Invocation,
-    OwnerGroup, OwnerSettings, ResolvedOwner, Source,
+    configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, HttpListen,
+    Invocation, OwnerGroup, OwnerSettings, ResolvedOwner, Source,
 };
 pub use sock::raise_descriptor_limit;

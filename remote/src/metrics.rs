@@ -1,19 +1,16 @@
-//! The owner's counters and its Prometheus endpoint: `GET /metrics` on a loopback address.
+//! The owner's metrics in Prometheus text: what `GET /metrics` of the HTTP listener answers.
 //!
 //! Owns `OwnerCounters` (the service's own counters, which the owner's connections update), the
 //! request latency histograms they record into (kinds from the operation table in `protocol`),
 //! the mapping from the engine's `Stats` and those counters to metric names and types (read at
-//! each scrape, nothing copied in between), and the endpoint's listener and thread. It never
-//! depends on the owner service that feeds it (`server` imports it, not the reverse), never answers
-//! anything but `GET /metrics` (other paths: 404), serves one scraper at a time with a short
-//! deadline per connection, and never takes a lock of the data path while it encodes. Loopback
-//! only is enforced where the address is configured (`[owner] metrics_addr`).
+//! each scrape, nothing copied in between), the build information and the process metrics
+//! (read from `/proc/self`). It never depends on the owner service that feeds it (`server`
+//! imports it, not the reverse), never listens itself (`http` does), and never takes a lock of
+//! the data path while it encodes.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvtide::{Engine, Store};
 use prometheus_client::collector::Collector;
@@ -27,11 +24,6 @@ use crate::protocol::{Op, OpKind};
 /// Request kinds the latency histograms are kept for (the `kind` label): one per `OpKind`,
 /// as the operation table in `protocol` assigns them.
 const KINDS: [OpKind; OpKind::ALL.len()] = OpKind::ALL;
-
-/// A scraper's request head larger than this is refused.
-const MAX_REQUEST_HEAD: usize = 8 << 10;
-/// A scraper has this long to send its request and take the reply.
-const SCRAPE_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Latency buckets: upper bounds of 1 µs doubling up to about 8 s, then +Inf.
 const LATENCY_BUCKETS: usize = 24;
@@ -177,6 +169,7 @@ fn emit(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, kind: Kind,
 impl Collector for OwnerCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
         self.encode_engine(&mut encoder)?;
+        self.encode_ssd_tier(&mut encoder)?;
         self.encode_owner(&mut encoder)?;
         self.encode_cluster(&mut encoder)?;
         self.encode_rejected(&mut encoder)?;
@@ -249,6 +242,20 @@ impl OwnerCollector {
             emit(encoder, name, help, kind, value)?;
         }
         Ok(())
+    }
+
+    /// The SSD tier's capacity, its free bytes (capacity less the bytes of the records it
+    /// holds) and whether it stopped taking writes; capacity and free only with an SSD tier.
+    fn encode_ssd_tier(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        let t = self.engine.stats().total;
+        if let Some(capacity) = self.engine.ssd_capacity_bytes() {
+            emit(encoder, "kvtide_ssd_capacity_bytes", "SSD tier capacity ([ssd] bytes)", Kind::Gauge, capacity)?;
+            let free = capacity.saturating_sub(t.ssd_bytes);
+            emit(encoder, "kvtide_ssd_free_bytes", "SSD tier bytes not held by records", Kind::Gauge, free)?;
+        }
+        let failed = u64::from(t.ssd_write_failed > 0);
+        let help = "1 when the SSD tier stopped taking writes after repeated disk failures (then /ready is 503)";
+        emit(encoder, "kvtide_ssd_write_failed", help, Kind::Gauge, failed)
     }
 
     /// The owner's own counters and gauges.
@@ -335,113 +342,142 @@ impl OwnerCollector {
     }
 }
 
-/// The running `/metrics` endpoint; dropping it stops it.
-pub struct MetricsServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for MetricsServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MetricsServer").field("addr", &self.addr).finish()
-    }
-}
-
-impl MetricsServer {
-    /// Listens on `addr` (the caller checked it is loopback) and serves the owner's metrics.
-    pub(crate) fn start(
-        addr: SocketAddr,
-        engine: Arc<Engine>,
-        counters: Arc<OwnerCounters>,
-    ) -> std::io::Result<MetricsServer> {
-        let listener = TcpListener::bind(addr)?;
-        let addr = listener.local_addr()?;
-        let mut registry = Registry::default();
+/// The owner's metrics in Prometheus text (OpenMetrics): build and process metrics always, and
+/// the engine's and the service's once the owner serves (`served`: its engine and counters).
+pub(crate) fn encode_text(served: Option<(Arc<Engine>, Arc<OwnerCounters>)>) -> Result<String, std::fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(BuildInfo));
+    registry.register_collector(Box::new(ProcessCollector));
+    if let Some((engine, counters)) = served {
         registry.register_collector(Box::new(OwnerCollector { engine, counters }));
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopping = Arc::clone(&stop);
-        let thread = std::thread::Builder::new().name("kvtide-metrics".into()).spawn(move || {
-            for conn in listener.incoming() {
-                if stopping.load(Ordering::Acquire) {
-                    return;
-                }
-                if let Ok(conn) = conn {
-                    if let Err(e) = serve_scrape(conn, &registry) {
-                        tracing::debug!(error = %e, "metrics scrape failed");
-                    }
-                }
-            }
-        })?;
-        Ok(MetricsServer { addr, stop, thread: Some(thread) })
-    }
-
-    /// The address it listens on.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Wakes the accept loop, which sees the flag.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(500));
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-/// Answers one scraper: the request head (within `MAX_REQUEST_HEAD` and `SCRAPE_DEADLINE`),
-/// then the metrics or a 404, and closes.
-fn serve_scrape(mut conn: TcpStream, registry: &Registry) -> std::io::Result<()> {
-    let deadline = Instant::now() + SCRAPE_DEADLINE;
-    conn.set_read_timeout(Some(SCRAPE_DEADLINE))?;
-    conn.set_write_timeout(Some(SCRAPE_DEADLINE))?;
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        if head.len() > MAX_REQUEST_HEAD || Instant::now() > deadline {
-            return respond(&mut conn, "431 Request Header Fields Too Large", "text/plain", b"request too large\n");
-        }
-        let n = conn.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|&b| b == b' ');
-    let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
-    if method != b"GET" {
-        return respond(&mut conn, "405 Method Not Allowed", "text/plain", b"GET only\n");
-    }
-    if path != b"/metrics" {
-        return respond(&mut conn, "404 Not Found", "text/plain", b"try /metrics\n");
     }
     let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, registry) {
-        Ok(()) => {
-            respond(&mut conn, "200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", body.as_bytes())
-        }
-        Err(_) => respond(&mut conn, "500 Internal Server Error", "text/plain", b"encoding failed\n"),
+    prometheus_client::encoding::text::encode(&mut body, &registry)?;
+    Ok(body)
+}
+
+/// The version this owner was built from: the crate version, and the git commit when the build
+/// had one (`build.rs`).
+pub(crate) const VERSION: &str = env!("CARGO_PKG_VERSION");
+pub(crate) const GIT_COMMIT: Option<&str> = option_env!("BUILD_GIT_COMMIT");
+
+/// `kvtide_build_info{version, git} 1`.
+#[derive(Debug)]
+struct BuildInfo;
+
+impl Collector for BuildInfo {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let metric = ConstGauge::new(1i64);
+        let help = "always 1; the labels say which build runs (git: the commit, when the build had one)";
+        let mut family = encoder.encode_descriptor("kvtide_build_info", help, None, metric.metric_type())?;
+        let labels = [("version", VERSION), ("git", GIT_COMMIT.unwrap_or(""))];
+        metric.encode(family.encode_family(&labels)?)
     }
 }
 
-fn respond(conn: &mut TcpStream, status: &str, content_type: &str, body: &[u8]) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    conn.write_all(head.as_bytes())?;
-    conn.write_all(body)?;
-    conn.flush()
+/// The process metrics Prometheus' own process collector exports, read from `/proc/self` at
+/// each scrape (a metric whose source cannot be read is left out).
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// What `/proc/self/stat` and its neighbours say about this process.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessStats {
+    cpu_seconds: f64,
+    resident_bytes: u64,
+    virtual_bytes: u64,
+    start_time_seconds: f64,
+}
+
+impl ProcessStats {
+    /// Parses `/proc/self/stat` (`ticks_per_second`, `page_bytes` from sysconf; `boot_time_s`
+    /// from `/proc/stat`'s btime). The command name (field 2) is in parentheses and may hold
+    /// spaces: fields are counted after its closing one.
+    fn parse(stat: &str, ticks_per_second: f64, page_bytes: u64, boot_time_s: u64) -> Option<ProcessStats> {
+        let after_name = &stat[stat.rfind(')')? + 1..];
+        // Fields from 3 (state) on: utime is field 14, stime 15, starttime 22, vsize 23, rss 24.
+        let fields: Vec<&str> = after_name.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        Some(ProcessStats {
+            cpu_seconds: (field(14)? + field(15)?) as f64 / ticks_per_second,
+            resident_bytes: field(24)? * page_bytes,
+            virtual_bytes: field(23)?,
+            start_time_seconds: boot_time_s as f64 + field(22)? as f64 / ticks_per_second,
+        })
+    }
+
+    fn read() -> Option<ProcessStats> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let boot = std::fs::read_to_string("/proc/stat").ok()?;
+        let boot_time_s = boot.lines().find_map(|l| l.strip_prefix("btime ")).and_then(|v| v.trim().parse().ok())?;
+        // SAFETY: sysconf only reads a configuration value.
+        let (ticks, page) = unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_PAGESIZE)) };
+        if ticks <= 0 || page <= 0 {
+            return None;
+        }
+        ProcessStats::parse(&stat, ticks as f64, page as u64, boot_time_s)
+    }
+}
+
+/// Descriptors open now (entries of `/proc/self/fd`, less the one reading it) and the soft limit.
+fn descriptors() -> (Option<u64>, Option<u64>) {
+    let open = std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count().saturating_sub(1) as u64);
+    // SAFETY: rlimit is plain data that getrlimit fills in.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: getrlimit writes into the valid `limit`.
+    let max = (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit.rlim_cur);
+    (open, max)
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let gauge = |encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, value: f64| {
+            let metric = ConstGauge::new(value);
+            metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+        };
+        if let Some(p) = ProcessStats::read() {
+            let cpu = ConstCounter::new(p.cpu_seconds);
+            let help = "user and system CPU time spent, in seconds";
+            cpu.encode(encoder.encode_descriptor("process_cpu_seconds", help, None, cpu.metric_type())?)?;
+            gauge(&mut encoder, "process_resident_memory_bytes", "resident memory size", p.resident_bytes as f64)?;
+            gauge(&mut encoder, "process_virtual_memory_bytes", "virtual memory size", p.virtual_bytes as f64)?;
+            let help = "start time of the process since the Unix epoch, in seconds";
+            gauge(&mut encoder, "process_start_time_seconds", help, p.start_time_seconds)?;
+        }
+        let (open, max) = descriptors();
+        if let Some(open) = open {
+            gauge(&mut encoder, "process_open_fds", "open file descriptors", open as f64)?;
+        }
+        if let Some(max) = max {
+            gauge(&mut encoder, "process_max_fds", "the open file descriptor limit (soft)", max as f64)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_stats_are_read_after_the_command_name_even_when_it_holds_spaces_and_parentheses() {
+        // Fields 1..24 of /proc/<pid>/stat: utime 300 and stime 100 ticks, starttime 5000
+        // ticks after boot, vsize 123456789, rss 1000 pages.
+        let stat = "42 (kv tide) x) S 1 42 42 0 -1 4194560 100 0 0 0 300 100 0 0 20 0 9 0 5000 123456789 1000 rest";
+        let p = ProcessStats::parse(stat, 100.0, 4096, 1_700_000_000).expect("parsed");
+        assert_eq!(
+            p,
+            ProcessStats {
+                cpu_seconds: 4.0,
+                resident_bytes: 4_096_000,
+                virtual_bytes: 123_456_789,
+                start_time_seconds: 1_700_000_050.0
+            }
+        );
+        assert_eq!(ProcessStats::parse("42 (truncated) S 1 2", 100.0, 4096, 0), None);
+        let own = ProcessStats::read().expect("this process's /proc/self/stat");
+        assert!(own.resident_bytes > 0 && own.virtual_bytes >= own.resident_bytes, "{own:?}");
+    }
 
     #[test]
     fn latencies_land_in_the_first_bucket_whose_bound_they_do_not_exceed() {

@@ -23,6 +23,9 @@ use crate::server::{check_mode_with_group, group_id, parse_socket_mode, OwnerCon
 
 /// Default TCP address: loopback only.
 pub const DEFAULT_TCP: &str = "127.0.0.1:7370";
+/// Default HTTP listener (`/metrics`, `/health`, `/ready`, `/version`, `POST /drain`): loopback
+/// only. When its port is taken (another owner on the host) the owner runs without it.
+pub const DEFAULT_HTTP: &str = "127.0.0.1:7371";
 /// The derived DRAM pool: a quarter of available memory, within these bounds.
 const DRAM_MIN_BYTES: u64 = 256 << 20;
 const DRAM_MAX_BYTES: u64 = 16 << 30;
@@ -50,8 +53,9 @@ kvtide::settings_group! {
         share_arena: bool = true, Bool, eg "off";
         /// An SSD tier in `<data_dir>/ssd` unless `[ssd] dir` names one (default true).
         ssd: bool = true, Bool, eg "false";
-        /// Prometheus endpoint (`GET /metrics`): a loopback address, or "off" (default).
-        metrics_addr: String = "off".into(), Text, eg "127.0.0.1:0";
+        /// Deprecated alias of `http_addr`: an address here sets the HTTP listener (which serves
+        /// `GET /metrics` and the rest); "off" (default) leaves `http_addr` in charge.
+        metrics_addr: String = "off".into(), Text, eg "0.0.0.0:7371";
         /// Connections served at once. Default: from the open-descriptor limit (raised to its hard
         /// limit at start): (limit - 512 - SSD segment files) / 2, within 64..=16384. An idle
         /// connection costs about 9.5 KiB of the owner's memory and no thread.
@@ -97,6 +101,11 @@ kvtide::settings_group! {
         /// The Unix socket's group: a name or a numeric gid (default: the owner's group). Its
         /// directory must let the group through (a missing one is created 0710 for it).
         socket_group: Option<String> = None, Text, eg "0";
+        /// HTTP listener: `GET /metrics`, `/health`, `/ready`, `/version`, `POST /drain` (drain
+        /// from loopback peers only). An address (any interface when you name one: it has no
+        /// authentication), or "off". Default 127.0.0.1:7371; if that port is taken the owner
+        /// runs without HTTP (a warning), while an address you set that cannot be bound stops it.
+        http_addr: String = DEFAULT_HTTP.into(), Text, eg "0.0.0.0:7371";
     }
 }
 
@@ -254,8 +263,16 @@ pub struct ResolvedOwner {
     pub data_dir: PathBuf,
     /// Token file in use (TCP with auth), and whether it was just created.
     pub token_file: Option<(PathBuf, bool)>,
-    /// Where to serve Prometheus metrics (a loopback address), if anywhere.
-    pub metrics: Option<SocketAddr>,
+    /// Where to serve HTTP (`/metrics`, `/health`, ...), if anywhere.
+    pub http: Option<HttpListen>,
+}
+
+/// The HTTP listener's address, and whether the operator chose it: a chosen address that
+/// cannot be bound stops the owner, the default one only turns HTTP off (with a warning).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpListen {
+    pub addr: SocketAddr,
+    pub chosen: bool,
 }
 
 /// Flags that stand for a setting besides its own flag: (flag, group, field, the value it sets;
@@ -554,9 +571,9 @@ impl OwnerSettings {
                 token_file = Some((path, created));
             }
         }
-        let metrics = self.metrics_addr()?;
+        let http = self.http_listen()?;
         self.cluster.check()?;
-        Ok(ResolvedOwner { store, owner, data_dir, token_file, metrics })
+        Ok(ResolvedOwner { store, owner, data_dir, token_file, http })
     }
 }
 
@@ -639,24 +656,30 @@ impl OwnerSettings {
         self.is_given("owner", "ssd") || self.is_given("ssd", "bytes") || self.is_given("ssd", "dir")
     }
 
-    /// The metrics endpoint's address: None when off, refused unless loopback.
-    fn metrics_addr(&self) -> Result<Option<SocketAddr>, String> {
+    /// The HTTP listener's address: `http_addr`, or the deprecated `metrics_addr` when it names
+    /// one (both naming different addresses is refused); None when off.
+    fn http_listen(&self) -> Result<Option<HttpListen>, String> {
         let o = &self.owner;
         let off = |v: &str| v.eq_ignore_ascii_case("off");
-        let metrics = if off(&o.metrics_addr) {
-            None
+        let http_given = self.is_given("owner", "http_addr");
+        let (key, text, chosen) = if off(&o.metrics_addr) {
+            ("http_addr", &o.http_addr, http_given)
         } else {
-            let addr: SocketAddr =
-                o.metrics_addr.parse().map_err(|e| format!("[owner] metrics_addr {:?}: {e}", o.metrics_addr))?;
-            if !addr.ip().is_loopback() {
+            if http_given && o.http_addr != o.metrics_addr {
                 return Err(format!(
-                    "[owner] metrics_addr {addr}: the metrics endpoint has no authentication, so it listens on loopback \
-                     only (127.0.0.1 or ::1)"
+                    "[owner] metrics_addr {:?} (deprecated) and http_addr {:?} name different listeners: set http_addr only",
+                    o.metrics_addr, o.http_addr
                 ));
             }
-            Some(addr)
+            tracing::warn!("[owner] metrics_addr is deprecated: it sets http_addr, the one HTTP listener");
+            ("metrics_addr", &o.metrics_addr, true)
         };
-        Ok(metrics)
+        if off(text) {
+            return Ok(None);
+        }
+        let addr: SocketAddr =
+            text.parse().map_err(|e| format!("[owner] {key} {text:?}: {e} (an IP:PORT, or \"off\")"))?;
+        Ok(Some(HttpListen { addr, chosen }))
     }
 }
 
@@ -995,7 +1018,28 @@ mod tests {
         assert!(r.owner.unix_socket.is_none() && r.owner.allow_unauthenticated_loopback);
         assert_eq!((r.owner.max_connections, r.owner.max_items, r.owner.shutdown_grace_ms), (64, 1024, 1000));
         assert_eq!((r.owner.max_payload_bytes, r.owner.chunk_bytes), (2 << 20, 512 << 10));
+        assert_eq!(r.http, Some(HttpListen { addr: "0.0.0.0:7371".parse().expect("addr"), chosen: true }));
         let _ = std::fs::remove_dir_all("/tmp/kvtide-owner-settings-example");
+    }
+
+    /// `http_addr` by default (not chosen: a taken port only turns HTTP off), set, or off;
+    /// `metrics_addr` as its alias; the two naming different listeners, or a bad address, refused.
+    #[test]
+    fn the_http_listener_comes_from_http_addr_or_its_deprecated_alias() {
+        let listen = |env: &[(&str, &str)]| {
+            OwnerSettings::layered(&vars(env), None, &Flags::default()).expect("settings").http_listen()
+        };
+        let at = |addr: &str, chosen| Ok(Some(HttpListen { addr: addr.parse().expect("addr"), chosen }));
+        assert_eq!(listen(&[]), at(DEFAULT_HTTP, false));
+        assert_eq!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", DEFAULT_HTTP)]), at(DEFAULT_HTTP, true));
+        assert_eq!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", "0.0.0.0:9100")]), at("0.0.0.0:9100", true));
+        assert_eq!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", "OFF")]), Ok(None));
+        assert_eq!(listen(&[("KVTIDE_OWNER_METRICS_ADDR", "127.0.0.1:9464")]), at("127.0.0.1:9464", true));
+        let same = [("KVTIDE_OWNER_METRICS_ADDR", "127.0.0.1:9464"), ("KVTIDE_OWNER_HTTP_ADDR", "127.0.0.1:9464")];
+        assert_eq!(listen(&same), at("127.0.0.1:9464", true));
+        let both = [("KVTIDE_OWNER_METRICS_ADDR", "127.0.0.1:9464"), ("KVTIDE_OWNER_HTTP_ADDR", "127.0.0.1:9465")];
+        assert!(listen(&both).is_err_and(|e| e.contains("different listeners")));
+        assert!(listen(&[("KVTIDE_OWNER_HTTP_ADDR", "localhost")]).is_err_and(|e| e.contains("http_addr")));
     }
 
     #[test]

@@ -3,15 +3,16 @@
 //!
 //! With no flags it starts a usable owner: a DRAM pool sized from available memory (capped), an
 //! SSD tier in the data directory, a Unix socket there (0600 unless `socket_mode` says
-//! otherwise), TCP on 127.0.0.1:7370 with a generated token. Flags and a TOML file override
-//! everything (`--help`). SIGINT/SIGTERM stop it cleanly: in-flight requests finish, new ones get
-//! `ShuttingDown`, then the engine shuts down.
+//! otherwise), TCP on 127.0.0.1:7370 with a generated token, HTTP (`/metrics`, `/health`,
+//! `/ready`, `/version`, `POST /drain`) on 127.0.0.1:7371. Flags and a TOML file override everything (`--help`). SIGINT/SIGTERM stop it
+//! cleanly: `/ready` turns 503, in-flight requests finish, new ones get `ShuttingDown`, then the
+//! engine shuts down.
 
 use std::sync::Arc;
 
 use kvtide::Store;
 use kvtide_remote::cluster::{ClusterConfig, EtcdConfig, Member, Registration};
-use kvtide_remote::{ClusterGroup, Invocation, Owner, OwnerSettings};
+use kvtide_remote::{ClusterGroup, HttpListen, HttpServer, HttpState, Invocation, Owner, OwnerSettings};
 
 fn main() {
     if let Err(e) = run() {
@@ -74,6 +75,8 @@ fn run() -> Result<(), String> {
     // SAFETY: pthread_sigmask only changes this thread's mask, from a valid set.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
 
+    // HTTP first: `/health` answers and `/ready` says "starting" while the store recovers.
+    let http = start_http(resolved.http)?;
     let engine = Arc::new(resolved.store.clone().open().map_err(|e| format!("cannot open the store: {e}"))?);
     let stats = engine.stats();
     tracing::info!(
@@ -95,7 +98,7 @@ fn run() -> Result<(), String> {
     }
     let (socket_mode, socket_group) = (resolved.owner.unix_socket_mode, resolved.owner.unix_socket_group);
     let max_connections = resolved.owner.max_connections;
-    let owner = Owner::start(Arc::clone(&engine), resolved.owner).map_err(|e| e.to_string())?;
+    let owner = Arc::new(Owner::start(Arc::clone(&engine), resolved.owner).map_err(|e| e.to_string())?);
     if let Some(path) = owner.unix_path() {
         let mode = format!("{socket_mode:04o}");
         tracing::info!(socket = %path.display(), mode, group = ?socket_group, max_connections, "listening (Unix socket)");
@@ -103,14 +106,6 @@ fn run() -> Result<(), String> {
     if let Some(addr) = owner.tcp_addr() {
         tracing::info!(%addr, "listening (TCP)");
     }
-    let metrics = match resolved.metrics {
-        Some(addr) => {
-            let server = owner.serve_metrics(addr).map_err(|e| format!("metrics endpoint on {addr}: {e}"))?;
-            tracing::info!(addr = %server.addr(), "serving Prometheus metrics at /metrics");
-            Some(server)
-        }
-        None => None,
-    };
     let registration = match settings.cluster.etcd_config()? {
         Some(etcd) => {
             let registration = join_cluster(&settings.cluster, etcd, &owner, &engine)?;
@@ -120,6 +115,9 @@ fn run() -> Result<(), String> {
         }
         None => None,
     };
+    if let Some(http) = &http {
+        http.state().serving(Arc::clone(&owner));
+    }
     notify_supervisor("READY=1\nSTATUS=serving");
 
     let mut signal: libc::c_int = 0;
@@ -127,6 +125,9 @@ fn run() -> Result<(), String> {
     let rc = unsafe { libc::sigwait(&signals, &mut signal) };
     if rc != 0 {
         return Err(format!("sigwait failed: {}", std::io::Error::from_raw_os_error(rc)));
+    }
+    if let Some(http) = &http {
+        http.state().stopping();
     }
     tracing::info!(signal, "stopping: finishing in-flight requests");
     notify_supervisor("STOPPING=1\nSTATUS=stopping: finishing in-flight requests");
@@ -143,12 +144,35 @@ fn run() -> Result<(), String> {
     if let Some(registration) = registration {
         registration.shutdown();
     }
-    drop(metrics);
     owner.shutdown();
     drop(owner);
     engine.shutdown();
+    // Last: `/health` answers (and `/ready` says "stopping") until the engine has shut down.
+    drop(http);
     tracing::info!("kvtide owner stopped");
     Ok(())
+}
+
+/// Starts the HTTP listener, if one is configured. The default address taken (another owner on
+/// this host) only turns HTTP off, with a warning; an address the operator chose must bind.
+fn start_http(listen: Option<HttpListen>) -> Result<Option<HttpServer>, String> {
+    let Some(HttpListen { addr, chosen }) = listen else { return Ok(None) };
+    match HttpServer::start(addr, HttpState::new()) {
+        Ok(server) => {
+            // Tests and tools read the bound address (port 0 asks for any) from this line.
+            tracing::info!(http_addr = %server.addr(), "HTTP listening: GET /metrics /health /ready /version, POST /drain");
+            Ok(Some(server))
+        }
+        Err(e) if !chosen && e.kind() == std::io::ErrorKind::AddrInUse => {
+            tracing::warn!(
+                %addr,
+                "the default HTTP address is taken (another owner on this host?): running without HTTP; \
+                 set --http-addr (or [owner] http_addr) to serve it elsewhere, \"off\" to silence this"
+            );
+            Ok(None)
+        }
+        Err(e) => Err(format!("cannot listen for HTTP on {addr} ([owner] http_addr): {e}")),
+    }
 }
 
 /// `kvtide-owner status [ADDRESS]`: asks a running owner (default: the default data directory's

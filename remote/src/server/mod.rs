@@ -111,14 +111,20 @@ impl Owner {
         &self.shared.counters
     }
 
-    /// Serves this owner's and its engine's metrics in Prometheus text on `addr` (loopback).
-    pub fn serve_metrics(&self, addr: SocketAddr) -> std::io::Result<crate::metrics::MetricsServer> {
-        crate::metrics::MetricsServer::start(addr, Arc::clone(&self.shared.engine), Arc::clone(&self.shared.counters))
+    /// The engine and the counters `/metrics` reads.
+    pub(crate) fn metrics_sources(&self) -> (Arc<Engine>, Arc<OwnerCounters>) {
+        (Arc::clone(&self.shared.engine), Arc::clone(&self.shared.counters))
+    }
+
+    /// How long `shutdown` waits for in-flight requests before it closes what is left.
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_millis(self.shared.config.shutdown_grace_ms)
     }
 
     /// Stops accepting, lets in-flight requests finish (new ones get `ShuttingDown`), closes
     /// idle connections, and after `shutdown_grace_ms` closes whatever is left. Idempotent; the
-    /// engine keeps running (shut it down afterwards).
+    /// engine keeps running (shut it down afterwards). `POST /drain` runs it while the process
+    /// keeps running.
     pub fn shutdown(&self) {
         let shared = &self.shared;
         let first = !shared.shutting_down.swap(true, Ordering::SeqCst);
