@@ -26,17 +26,23 @@ echo "== a fresh virtual environment ($venv, with the system site-packages) and 
 "$PY" -m venv --system-site-packages "$venv"
 pip_install() { "$venv/bin/python" -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
 start=$(date +%s%N)
-pip_install --no-deps "$wheel"
+# --ignore-installed: a kvtide installed into the system python3 (visible here) must not count.
+pip_install --no-deps --ignore-installed "$wheel"
 echo "installed $(basename "$wheel") in $(( ($(date +%s%N) - start) / 1000000 )) ms"
 "$venv/bin/python" -c 'import numpy, pytest' 2>/dev/null || pip_install pytest numpy
+(cd / && env -u PYTHONPATH "$venv/bin/python" -c '
+import sys, kvtide
+if not kvtide.__file__.startswith(sys.prefix + "/"):
+    sys.exit(f"kvtide imports from {kvtide.__file__}, not from the venv {sys.prefix}")')
 
 echo "== pytest against the installed wheel"
 cd "$here"
 args=("$@")
 (( ${#args[@]} )) || args=(-q .)
-# KVTIDE_TEST_WHEEL: test_wheel.py fails (not skips) unless kvtide is this venv's installed wheel.
+# PYTEST_KVTIDE_VENV: test_wheel.py fails (not skips) unless kvtide is this venv's installed wheel.
+# KVTIDE_* variables this script reads are unset: the owner refuses KVTIDE_* variables it does not know.
 # The base interpreter's bin folder follows the venv's: console tools the system packages installed
 # there (ninja, which SGLang's extension build runs) stay on PATH.
 base_bin="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
-env -u PYTHONPATH -u KVTIDE_OWNER_BIN KVTIDE_TEST_WHEEL=1 PATH="$venv/bin:$base_bin:$PATH" \
+env -u PYTHONPATH -u KVTIDE_OWNER_BIN -u KVTIDE_WHEEL PYTEST_KVTIDE_VENV="$venv" PATH="$venv/bin:$base_bin:$PATH" \
     "$venv/bin/python" -m pytest "${args[@]}"
