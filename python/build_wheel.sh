@@ -22,8 +22,12 @@ target_dir="$(cd "$repo" && cargo metadata --format-version 1 --no-deps |
     python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
 
 start=$(date +%s)
-echo "== building kvtide-owner (release, feature cuda: the extension's features, so both share the build)"
-(cd "$repo" && cargo build --release --locked -p kvtide-remote --bin kvtide-owner --features kvtide-remote/cuda)
+echo "== building kvtide-owner (release, CUDA in)"
+# Features resolved together with the extension's (-p kvtide-python, only the owner's binary built):
+# the libraries both link are then compiled once, not once per feature set (maturin's build below
+# reuses them).
+(cd "$repo" && cargo build --release --locked -p kvtide-remote -p kvtide-python --bin kvtide-owner \
+    --features kvtide-remote/cuda,kvtide-python/cuda)
 
 bundled="$repo/python/kvtide/bin/kvtide-owner"
 mkdir -p "$(dirname "$bundled")"

@@ -108,3 +108,14 @@ def connect_when_listening(proc, address, timeout_s=60):
             if time.monotonic() > deadline:
                 pytest.fail(f"kvtide-owner did not listen on {address} within {timeout_s} s")
             time.sleep(0.05)
+
+
+def test_owner_command_without_a_bundled_binary_says_what_to_do(monkeypatch, tmp_path, capsys):
+    """A package built without build_wheel.sh (no kvtide/bin/kvtide-owner): exit code 2 and the
+    commands that build the owner, not a traceback."""
+    from kvtide import _owner
+
+    monkeypatch.setattr(_owner, "BUNDLED", tmp_path / "bin" / "kvtide-owner")
+    assert _owner.bundled_binary() is None
+    assert _owner.main() == 2
+    assert "build_wheel.sh" in capsys.readouterr().err
