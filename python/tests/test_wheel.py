@@ -69,9 +69,13 @@ def test_kvtide_owner_console_command_serves_and_stops_on_sigterm(tmp_path):
     socket_path = data / "owner.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIDE_")}
     env.update(KVTIDE_LOG="warn", KVTIDE_RUNTIME_PIN_THREADS="false")
+    # An owner with the HTTP listener (default 127.0.0.1:7371) takes a free port instead, so this
+    # owner never collides with another test's.
+    usage = subprocess.run([command, "--help"], capture_output=True, text=True, timeout=60).stdout
+    http = ["--http-addr", "127.0.0.1:0"] if "--http-addr" in usage else []
     proc = subprocess.Popen(
         [command, "--data-dir", str(data), "--unix", str(socket_path), "--tcp", "off", "--no-ssd",
-         "--dram-bytes", "64MiB", "--shards", "2"],
+         "--dram-bytes", "64MiB", "--shards", "2", *http],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
