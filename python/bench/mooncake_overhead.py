@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "python" / "bench"))
 
 from kvtide.mooncake import MooncakeDistributedStore  # noqa: E402
-from owner_process import OwnerProcess  # noqa: E402
+from owner_process import OwnerProcess, default_owner_binary  # noqa: E402
 
 VALUE = 4096
 
@@ -47,11 +47,10 @@ VALUE = 4096
 def owner_binary(given):
     if given:
         return given, "given"
-    for kind in ("release", "debug"):
-        path = REPO / "target" / kind / "kvtide-owner"
-        if path.exists():
-            return str(path), kind
-    raise SystemExit("no kvtide-owner built; pass --owner-bin")
+    found = default_owner_binary()
+    if found is None:
+        raise SystemExit("no kvtide-owner built; pass --owner-bin")
+    return found
 
 
 class Owner:

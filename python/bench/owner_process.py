@@ -4,8 +4,30 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import kvtide
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def default_owner_binary():
+    """(path, where) of the owner to run when none is given: $KVTIDE_OWNER_BIN, else the one the
+    installed kvtide wheel carries, else this checkout's target/release, else target/debug; None
+    when there is none."""
+    if os.environ.get("KVTIDE_OWNER_BIN"):
+        return os.environ["KVTIDE_OWNER_BIN"], "KVTIDE_OWNER_BIN"
+    try:
+        from kvtide._owner import bundled_binary
+    except ImportError:  # an older installed kvtide, without the console command
+        bundled_binary = None
+    if bundled_binary and bundled_binary():
+        return bundled_binary(), "wheel"
+    for kind in ("release", "debug"):
+        path = REPO / "target" / kind / "kvtide-owner"
+        if path.exists():
+            return str(path), kind
+    return None
 
 
 class OwnerProcess:

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from owner_process import OwnerProcess  # noqa: E402
+from owner_process import OwnerProcess, default_owner_binary  # noqa: E402
 
 
 def host_pool(layout, layers, heads, head_dim, page, pages):
@@ -113,7 +113,7 @@ CASES = [  # layout, layers, heads, head_dim, tokens per page
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--owner-bin", default=os.environ.get("KVTIDE_OWNER_BIN", "target/release/kvtide-owner"))
+    p.add_argument("--owner-bin", default=(default_owner_binary() or ("target/release/kvtide-owner",))[0])
     p.add_argument("--pages", type=int, default=64)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--shards", type=int, default=2)

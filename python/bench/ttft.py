@@ -48,7 +48,7 @@ the pages up to the first missing one are used and the rest of the prefix is rec
 them as past (run at the smallest length unless `--no-evict-test`: objects removed before the
 lookup and between lookup and load).
 
-usage (GPU machine, kvtide wheel built with --features cuda):
+usage (GPU machine, the kvtide wheel: CUDA built in; --owner-bin defaults to the wheel's owner):
   python3 python/bench/ttft.py --out OUT --owner-bin .device/bin/kvtide-owner \
       [--models llama3-1b,llama3-8b] [--tokens 4096,16384,32768] [--page 64]
 Writes OUT/ttft.json, OUT/ttft.svg (and .png with matplotlib) and prints a table.
@@ -71,7 +71,7 @@ import torch
 import kvtide
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from owner_process import OwnerProcess  # noqa: E402
+from owner_process import OwnerProcess, default_owner_binary  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -1035,7 +1035,7 @@ def main():
     ap.add_argument("--ssd-dram-bytes", type=int, default=GiB)
     ap.add_argument("--ssd-layerwise-max-bytes", type=int, default=GiB,
                     help="the layerwise read from SSD only up to this much KV (it is slow: see the docs)")
-    ap.add_argument("--owner-bin", default=os.environ.get("KVTIDE_OWNER_BIN", ".device/bin/kvtide-owner"))
+    ap.add_argument("--owner-bin", default=(default_owner_binary() or (".device/bin/kvtide-owner",))[0])
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-evict-test", dest="evict_test", action="store_false")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

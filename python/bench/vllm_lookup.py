@@ -29,9 +29,8 @@ import time
 import kvtide
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from owner_process import OwnerProcess  # noqa: E402
+from owner_process import OwnerProcess, default_owner_binary  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
@@ -178,10 +177,7 @@ def old_way(store, prefix, keys):
 
 def main():
     ap = argparse.ArgumentParser()
-    default_owner = os.path.join(REPO, "target", "release", "kvtide-owner")
-    if not os.path.exists(default_owner):
-        default_owner = os.path.join(REPO, "target", "debug", "kvtide-owner")
-    ap.add_argument("--owner", default=default_owner)
+    ap.add_argument("--owner", default=(default_owner_binary() or (None,))[0])
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -1,7 +1,9 @@
 """Fixtures: an embedded store, and a kvtide-owner process reached over its Unix socket (shared
-memory) and over TCP (token). The owner binary is $KVTIDE_OWNER_BIN, else the one cargo builds
-for this checkout (`cargo build -p kvtide-remote --bin kvtide-owner`)."""
+memory) and over TCP (token). The owner binary is $KVTIDE_OWNER_BIN, else the one the installed
+wheel carries (python/tests/run.sh), else the one cargo builds for this checkout
+(`cargo build -p kvtide-remote --bin kvtide-owner`)."""
 
+import ctypes
 import json
 import os
 import shutil
@@ -22,6 +24,12 @@ def owner_binary():
     path = os.environ.get("KVTIDE_OWNER_BIN")
     if path:
         return path
+    try:
+        from kvtide._owner import bundled_binary
+    except ImportError:  # an older installed kvtide, without the console command
+        bundled_binary = None
+    if bundled_binary and bundled_binary():
+        return bundled_binary()
     found = shutil.which("kvtide-owner")
     if found and os.environ.get("KVTIDE_OWNER_FROM_PATH"):
         return found
@@ -30,6 +38,19 @@ def owner_binary():
         ["cargo", "metadata", "--format-version", "1", "--no-deps"], cwd=REPO, check=True, capture_output=True
     )
     return str(Path(json.loads(meta.stdout)["target_directory"]) / "debug" / "kvtide-owner")
+
+
+def cuda_devices():
+    """GPUs the CUDA driver sees (0 without libcuda or a GPU), asked the way kvtide asks: through
+    libcuda, loaded at run time."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def free_port():

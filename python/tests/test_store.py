@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvtide
+from conftest import cuda_devices
 
 
 def value(n, seed=0):
@@ -316,7 +317,8 @@ def test_stream_bound_needs_cuda(store, k):
     # Stream 0 is the blocking read, on any build.
     t = store.batch_get_into_multi_buffers_on_stream([k("gpu")], [[dst]], 0)
     assert t.status() == "done" and t.results() == [3] and dst.tobytes() == b"abc"
-    if not kvtide.cuda_built():
+    # Without the CUDA transport, or with it (the wheel's build) but no libcuda or no GPU.
+    if not kvtide.cuda_built() or cuda_devices() == 0:
         with pytest.raises(kvtide.CudaUnavailable):
             store.batch_get_into_multi_buffers_on_stream([k("gpu")], [[dst]], 12345)
     with pytest.raises(kvtide.InvalidArgument, match="CUDA stream"):

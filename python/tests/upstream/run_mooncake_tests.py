@@ -137,11 +137,18 @@ class Owner:
 def owner_binary(given):
     if given:
         return given
+    try:
+        from kvtide._owner import bundled_binary  # the installed wheel's owner
+    except ImportError:
+        bundled_binary = None
+    if bundled_binary and bundled_binary():
+        return bundled_binary()
     for kind in ("release", "debug"):
         path = REPO / "target" / kind / "kvtide-owner"
         if path.exists():
             return str(path)
-    raise SystemExit("no kvtide-owner: build it (cargo build -p kvtide-remote --bin kvtide-owner) or pass --owner-bin")
+    raise SystemExit("no kvtide-owner: install the wheel, build it (cargo build -p kvtide-remote --bin kvtide-owner) "
+                     "or pass --owner-bin")
 
 
 def run_pair(path, env, args):
@@ -216,7 +223,7 @@ def run_module(checkout, module, mode, shim, args, out_dir):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkout", type=Path, help="a Mooncake checkout (its repository root)")
-    p.add_argument("--owner-bin", help="kvtide-owner (default: target/release, else target/debug)")
+    p.add_argument("--owner-bin", help="kvtide-owner (default: the installed wheel's, else target/release, else target/debug)")
     p.add_argument("--only", help="run the modules whose path contains this")
     p.add_argument("-k", help="pytest -k expression")
     p.add_argument("--timeout", type=int, default=900, help="seconds per module")
