@@ -29,7 +29,7 @@ pub use client::{ClientOptions, HoldGranted, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
 pub use metrics::{MetricsServer, OwnerCounters, RequestLatency};
-pub use server::{Owner, OwnerConfig, OwnerError};
+pub use server::{Owner, OwnerConfig, OwnerError, RunTimeSettings, StopPlan, StopReport};
 pub use settings::{
     configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, Invocation,
     OwnerGroup, OwnerSettings, ResolvedOwner, Source,

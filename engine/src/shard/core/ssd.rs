@@ -1325,6 +1325,30 @@ impl ShardCore {
         self.give_up_stalled_flush()
     }
 
+    /// At the end of a clean shutdown: counts the DRAM-only objects it did not write (its
+    /// deadline passed, the flush gave up, or `demote_on_shutdown` is off) and their DRAM bytes
+    /// in `shutdown_unflushed_objects` / `_bytes`, and returns them. They are absent after
+    /// the restart. 0 without an SSD tier (nothing is kept across restarts then).
+    pub fn count_unflushed(&mut self) -> (u64, u64) {
+        if self.ssd.is_none() {
+            return (0, 0);
+        }
+        let facts = &self.ssd_facts;
+        let (mut objects, mut bytes) = (0u64, 0u64);
+        for (id, o) in self.objects.iter() {
+            if o.state != ObjectState::Live || ssd_copy_in(facts, id as u32).is_some() {
+                continue;
+            }
+            if let Some(a) = o.dram.as_ref() {
+                objects += 1;
+                bytes += self.allocator.len_of(a);
+            }
+        }
+        self.counters.shutdown_unflushed_objects.store(objects, RELAXED);
+        self.counters.shutdown_unflushed_bytes.store(bytes, RELAXED);
+        (objects, bytes)
+    }
+
     /// Dirty objects left to flush. When the queue has not got shorter while reclaims turned
     /// the log over twice, room is not coming: a tier too small for the dirty data, whose
     /// reclaims free space only by making other DRAM objects dirty again, would otherwise go
