@@ -282,7 +282,8 @@ impl CrashTest {
         for chunk in batched.chunks(8) {
             let versions: Vec<u64> = (0..chunk.len() as u64).map(|n| self.next_version + n).collect();
             self.next_version += chunk.len() as u64;
-            let values: Vec<Vec<u8>> = chunk.iter().zip(&versions).map(|(&i, &v)| value(&self.keys[i].key, v)).collect();
+            let values: Vec<Vec<u8>> =
+                chunk.iter().zip(&versions).map(|(&i, &v)| value(&self.keys[i].key, v)).collect();
             let keys: Vec<&[u8]> = chunk.iter().map(|&i| self.keys[i].key.as_slice()).collect();
             let sources: Vec<Vec<Region<'_>>> = values.iter().map(|v| vec![Region::host_readonly(v)]).collect();
             let results = store.batch_put_from_multi_buffers(&keys, &sources, PutOptions::UPSERT);
@@ -532,9 +533,10 @@ fn the_stop_fits_its_budget_and_counts_what_it_did_not_flush() {
     let (mut owner, store) = RunningOwner::start(&dir, &toml, "warn", "second");
     let found = count_objects(&store, COUNT, BYTES);
     eprintln!(
-        "stop budget 1000 ms: {COUNT} MiB of DRAM-only objects; stopped in {} ms; flushed {flushed}, not flushed \
-         {unflushed}; found after the restart {found}",
-        took.as_millis()
+        "stop budget 1000 ms: {COUNT} MiB of DRAM-only objects; SIGTERM to exit {} ms (the owner's stop_ms {:?}); \
+         flushed {flushed}, not flushed {unflushed}; found after the restart {found}",
+        took.as_millis(),
+        logged_number(&log, "stop_ms")
     );
     assert_eq!(found, COUNT as u64 - unflushed, "what the stop did not count as unflushed is back");
     drop(store);
@@ -599,7 +601,10 @@ fn sighup_applies_run_time_settings_names_the_rest_and_keeps_the_owner() {
     owner.signal(libc::SIGHUP);
     let log = owner.wait_log("SIGHUP: applied");
     let restart_line = log.lines().find(|l| l.contains("take a restart")).expect("restart-only settings logged");
-    assert!(restart_line.contains("[dram] bytes") && restart_line.contains("[owner] max_connections"), "{restart_line}");
+    assert!(
+        restart_line.contains("[dram] bytes") && restart_line.contains("[owner] max_connections"),
+        "{restart_line}"
+    );
     assert!(!restart_line.contains("idle_timeout_ms"), "{restart_line}");
     assert!(owner.child.try_wait().expect("try_wait").is_none(), "SIGHUP does not stop the owner");
 

@@ -133,10 +133,10 @@ fn run() -> Result<(), String> {
     drop(metrics);
     let report = owner.stop_within_budget(signalled);
     drop(owner);
-    engine.shutdown();
     tracing::info!(
-        stop_ms = signalled.elapsed().as_millis() as u64,
+        stop_ms = report.stopped.as_millis() as u64,
         budget_ms = running.owner.stop_budget_ms,
+        grace_ms = report.plan.grace.as_millis() as u64,
         drained_ms = report.drained.as_millis() as u64,
         flushed_objects = report.flushed_objects,
         unflushed_objects = report.unflushed_objects,
