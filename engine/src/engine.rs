@@ -295,13 +295,19 @@ impl Engine {
             }
         }
         let total = crate::Store::stats(self).total;
-        if total.shutdown_unflushed_objects > 0 {
+        if total.shutdown_unflushed_objects > 0 && !self.config.demote_on_shutdown {
+            tracing::info!(
+                objects = total.shutdown_unflushed_objects,
+                bytes = total.shutdown_unflushed_bytes,
+                "clean shutdown: DRAM-only objects not written to SSD (demote_on_shutdown off)"
+            );
+        } else if total.shutdown_unflushed_objects > 0 {
             tracing::warn!(
                 objects = total.shutdown_unflushed_objects,
                 bytes = total.shutdown_unflushed_bytes,
                 written = total.shutdown_demotions,
-                "clean shutdown: DRAM-only objects not written to SSD (deadline, no room, or demote_on_shutdown off); \
-                 they are absent after the restart"
+                "clean shutdown: DRAM-only objects not written to SSD (deadline or no room); they are absent after \
+                 the restart"
             );
         } else if total.shutdown_demotions > 0 {
             tracing::info!(written = total.shutdown_demotions, "clean shutdown: every DRAM-only object written to SSD");

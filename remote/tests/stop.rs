@@ -80,6 +80,17 @@ impl RunningOwner {
         }
     }
 
+    /// SIGTERM, and the time until the process exited (successfully) and its log.
+    fn stop(mut self) -> (Duration, String) {
+        self.signal(libc::SIGTERM);
+        let signalled = Instant::now();
+        let status = self.wait_exit(Duration::from_secs(60)).expect("SIGTERM stops the owner");
+        let took = signalled.elapsed();
+        let log = self.log_text();
+        assert!(status.success(), "a clean stop exits 0: {status}\n{log}");
+        (took, log)
+    }
+
     /// Waits (10 s at most) until the log contains `text`.
     fn wait_log(&self, text: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -434,11 +445,10 @@ fn a_sigkill_anywhere_in_the_stop_loses_nothing_promised() {
     }
     // The last round's outcome is checked by one more start.
     let toml = owner_toml(&dir, "96MiB", "128MiB", true, "");
-    let (mut owner, store) = RunningOwner::start(&dir, &toml, "warn", "last");
+    let (owner, store) = RunningOwner::start(&dir, &toml, "warn", "last");
     test.verify(&store, stop_completed);
     drop(store);
-    owner.signal(libc::SIGTERM);
-    assert!(owner.wait_exit(Duration::from_secs(30)).is_some_and(|s| s.success()));
+    owner.stop();
     let t = &test.tally;
     let [before, grace, flush, exited] = t.kills;
     eprintln!(
@@ -505,6 +515,15 @@ fn count_objects(store: &RemoteStore, count: usize, bytes: usize) -> u64 {
     found
 }
 
+/// Starts the owner on `dir` with `toml`, puts `count` objects of `bytes`, stops it: the time
+/// from SIGTERM to the exit, and the log.
+fn fill_and_stop(dir: &Path, toml: &str, count: usize, bytes: usize) -> (Duration, String) {
+    let (owner, store) = RunningOwner::start(dir, toml, "info", "fill");
+    put_objects(&store, count, bytes);
+    drop(store);
+    owner.stop()
+}
+
 /// More write-back data than a 1 s budget can flush here: SIGTERM ends the process within the
 /// budget (plus the exit), the last log line counts what was not flushed, and a restart finds
 /// exactly the others, byte-exact.
@@ -514,15 +533,7 @@ fn the_stop_fits_its_budget_and_counts_what_it_did_not_flush() {
     const BYTES: usize = 1 << 20;
     let dir = tmp("budget");
     let toml = owner_toml(&dir, "1GiB", "2GiB", false, "stop_budget_ms = 1000");
-    let (mut owner, store) = RunningOwner::start(&dir, &toml, "info", "first");
-    put_objects(&store, COUNT, BYTES);
-    drop(store);
-    owner.signal(libc::SIGTERM);
-    let signalled = Instant::now();
-    let status = owner.wait_exit(Duration::from_secs(30)).expect("the owner stops");
-    let took = signalled.elapsed();
-    let log = owner.log_text();
-    assert!(status.success(), "{status}\n{log}");
+    let (took, log) = fill_and_stop(&dir, &toml, COUNT, BYTES);
     let unflushed = logged_number(&log, "unflushed_objects").unwrap_or_else(|| panic!("no stop report:\n{log}"));
     let flushed = logged_number(&log, "flushed_objects").expect("flushed_objects");
     // The budget bounds the work; leaving the process (unmapping the pool) comes on top.
@@ -530,7 +541,7 @@ fn the_stop_fits_its_budget_and_counts_what_it_did_not_flush() {
     if unflushed > 0 {
         assert!(log.contains("DRAM-only objects not written to SSD"), "{log}");
     }
-    let (mut owner, store) = RunningOwner::start(&dir, &toml, "warn", "second");
+    let (owner, store) = RunningOwner::start(&dir, &toml, "warn", "second");
     let found = count_objects(&store, COUNT, BYTES);
     eprintln!(
         "stop budget 1000 ms: {COUNT} MiB of DRAM-only objects; SIGTERM to exit {} ms (the owner's stop_ms {:?}); \
@@ -540,8 +551,7 @@ fn the_stop_fits_its_budget_and_counts_what_it_did_not_flush() {
     );
     assert_eq!(found, COUNT as u64 - unflushed, "what the stop did not count as unflushed is back");
     drop(store);
-    owner.signal(libc::SIGTERM);
-    assert!(owner.wait_exit(Duration::from_secs(30)).is_some_and(|s| s.success()));
+    owner.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -557,15 +567,7 @@ fn stop_time_with_1gib_of_dram_only_objects() {
     for run in 0..3 {
         let dir = tmp(&format!("measure-{run}"));
         let toml = owner_toml(&dir, "1536MiB", "2GiB", false, "");
-        let (mut owner, store) = RunningOwner::start(&dir, &toml, "info", "measure");
-        put_objects(&store, COUNT, BYTES);
-        drop(store);
-        owner.signal(libc::SIGTERM);
-        let signalled = Instant::now();
-        let status = owner.wait_exit(Duration::from_secs(60)).expect("the owner stops");
-        let took = signalled.elapsed();
-        let log = owner.log_text();
-        assert!(status.success(), "{status}\n{log}");
+        let (took, log) = fill_and_stop(&dir, &toml, COUNT, BYTES);
         eprintln!(
             "run {run}: SIGTERM to exit {} ms (owner's stop_ms {:?}); flushed {:?}, not flushed {:?}",
             took.as_millis(),
@@ -618,8 +620,6 @@ fn sighup_applies_run_time_settings_names_the_rest_and_keeps_the_owner() {
     assert_eq!(first.get(b"k").expect("the owner still serves"), b"v");
 
     drop((first, second));
-    owner.signal(libc::SIGTERM);
-    let status = owner.wait_exit(Duration::from_secs(30)).expect("SIGTERM stops it");
-    assert!(status.success(), "{status}");
+    owner.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
