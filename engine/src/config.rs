@@ -50,7 +50,7 @@ crate::settings_group! {
         demote_on_shutdown: bool = true, Bool, eg "0";
         /// How long a clean shutdown spends on that at most; what is not written by then is not
         /// kept (queued tombstones are written past it too: they keep older values from
-        /// returning). Default 30 s.
+        /// returning). Default 30 s. `kvtide-owner` also ends it within `[owner] stop_budget_ms`.
         shutdown_flush_timeout_ms: u64 = 30_000, Count, eg "1500";
     }
 }

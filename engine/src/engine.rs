@@ -66,6 +66,8 @@ pub struct Engine {
     restore: restore::RestoreCounters,
     /// Non-zero while GPU transfers are in flight: shards then poll instead of parking.
     keep_awake: Arc<AtomicUsize>,
+    /// When a shutdown must end its flush (`shutdown_by`); shards read it once they quiesce.
+    stop_deadline: Arc<std::sync::OnceLock<Instant>>,
     gpu: gpu::GpuState,
     streams: Arc<crate::stats::StreamCounters>,
     unsealed: Arc<progressive::UnsealedPuts>,
@@ -268,6 +270,18 @@ impl Engine {
         PendingPuts { grants, reservations, opts }
     }
 
+    /// `shutdown`, with the flush of DRAM-only objects to SSD ending by `deadline` at the latest
+    /// (and by `shutdown_flush_timeout_ms` as always): what it did not write by then is not
+    /// kept, and is counted and logged (`shutdown_unflushed_objects` / `_bytes`). Queued
+    /// tombstones are still written past it (they keep older values from returning), so the
+    /// call can outlast `deadline` by their writes and syncs. A deadline given after the first
+    /// call to either is ignored.
+    pub fn shutdown_by(&self, deadline: Instant) {
+        // A second deadline loses the race: the first one is what the shards read.
+        let _ = self.stop_deadline.set(deadline);
+        self.shutdown();
+    }
+
     /// Stops accepting requests, lets in-flight work finish and joins the shard threads.
     /// Later calls fail with `ShuttingDown`. Idempotent; `drop` calls it.
     pub fn shutdown(&self) {
@@ -277,10 +291,31 @@ impl Engine {
             shard.inbox.close();
         }
         let joins = std::mem::take(&mut *self.joins.lock().unwrap_or_else(|p| p.into_inner()));
+        if joins.is_empty() {
+            return;
+        }
         for join in joins {
             if join.join().is_err() {
                 tracing::error!("a shard thread panicked");
             }
+        }
+        let total = crate::Store::stats(self).total;
+        if total.shutdown_unflushed_objects > 0 && !self.config.demote_on_shutdown {
+            tracing::info!(
+                objects = total.shutdown_unflushed_objects,
+                bytes = total.shutdown_unflushed_bytes,
+                "clean shutdown: DRAM-only objects not written to SSD (demote_on_shutdown off)"
+            );
+        } else if total.shutdown_unflushed_objects > 0 {
+            tracing::warn!(
+                objects = total.shutdown_unflushed_objects,
+                bytes = total.shutdown_unflushed_bytes,
+                written = total.shutdown_demotions,
+                "clean shutdown: DRAM-only objects not written to SSD (deadline or no room); they are absent after \
+                 the restart"
+            );
+        } else if total.shutdown_demotions > 0 {
+            tracing::info!(written = total.shutdown_demotions, "clean shutdown: every DRAM-only object written to SSD");
         }
     }
 

@@ -114,6 +114,10 @@ pub struct ShardCounters {
     /// Dirty objects a clean shutdown gave up writing: the tier could not make room for them
     /// (reclaims kept going without the flush getting shorter). Absent after the restart.
     pub shutdown_flush_skipped: AtomicU64,
+    /// DRAM-only objects a clean shutdown left unwritten (past its deadline, skipped above, or
+    /// `demote_on_shutdown` off), and their DRAM bytes: absent after the restart.
+    pub shutdown_unflushed_objects: AtomicU64,
+    pub shutdown_unflushed_bytes: AtomicU64,
     /// Writes that waited for a segment to be reclaimed.
     pub ssd_space_waits: AtomicU64,
     /// Tombstones queued, not yet written (a gauge).
@@ -182,6 +186,9 @@ pub struct ShardStats {
     /// Objects written to SSD by a clean shutdown.
     pub shutdown_demotions: u64,
     pub shutdown_flush_skipped: u64,
+    /// DRAM-only objects a clean shutdown left unwritten, and their DRAM bytes.
+    pub shutdown_unflushed_objects: u64,
+    pub shutdown_unflushed_bytes: u64,
     /// Writes that waited for a segment to be reclaimed.
     pub ssd_space_waits: u64,
     /// Tombstones queued, not yet written (a gauge).
@@ -253,6 +260,8 @@ impl ShardCounters {
             compacted_records: r(&self.compacted_records),
             shutdown_demotions: r(&self.shutdown_demotions),
             shutdown_flush_skipped: r(&self.shutdown_flush_skipped),
+            shutdown_unflushed_objects: r(&self.shutdown_unflushed_objects),
+            shutdown_unflushed_bytes: r(&self.shutdown_unflushed_bytes),
             ssd_space_waits: r(&self.ssd_space_waits),
             tombstones_pending: r(&self.tombstones_pending),
             removes_awaiting_tombstone: r(&self.removes_awaiting_tombstone),
@@ -376,6 +385,8 @@ impl Stats {
             t.compacted_records += s.compacted_records;
             t.shutdown_demotions += s.shutdown_demotions;
             t.shutdown_flush_skipped += s.shutdown_flush_skipped;
+            t.shutdown_unflushed_objects += s.shutdown_unflushed_objects;
+            t.shutdown_unflushed_bytes += s.shutdown_unflushed_bytes;
             t.ssd_space_waits += s.ssd_space_waits;
             t.tombstones_pending += s.tombstones_pending;
             t.removes_awaiting_tombstone += s.removes_awaiting_tombstone;

@@ -31,7 +31,7 @@ pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
 pub use http::{HttpServer, HttpState};
 pub use metrics::{OwnerCounters, RequestLatency};
-pub use server::{Owner, OwnerConfig, OwnerError};
+pub use server::{Owner, OwnerConfig, OwnerError, RunTimeSettings, StopPlan, StopReport};
 pub use settings::{
     configuration_reference, default_socket, flag_name, usage as owner_usage, ClusterGroup, Flags, HttpListen,
     Invocation, OwnerGroup, OwnerSettings, ResolvedOwner, Source,

@@ -86,14 +86,16 @@ kvtide::settings_group! {
         handshake_timeout_ms: u64 = OwnerConfig::default().handshake_timeout_ms, Count, eg "300";
         /// Each frame, from its first byte (default 10 s).
         payload_timeout_ms: u64 = OwnerConfig::default().payload_timeout_ms, Count, eg "400";
-        /// A connection without a request for this long is closed (default 10 min).
+        /// A connection without a request for this long is closed (default 10 min). SIGHUP
+        /// applies a new value to connections that go idle afterwards.
         idle_timeout_ms: u64 = OwnerConfig::default().idle_timeout_ms, Count, eg "500";
         /// How long a granted lease stays valid (default 120 s).
         lease_ttl_ms: u32 = OwnerConfig::default().lease_ttl_ms, Count, eg "60000";
         /// How long a connection polls for the next request before it sleeps (default 50 µs
         /// with 8 or more CPUs, else 0).
         spin_us: u64 = OwnerConfig::default().spin_us, Count, eg "75";
-        /// How long a stop waits for in-flight requests (default 10 s).
+        /// How long a stop waits for in-flight requests (default 10 s; at most 2/5 of
+        /// stop_budget_ms). SIGHUP applies a new value.
         shutdown_grace_ms: u64 = OwnerConfig::default().shutdown_grace_ms, Count, eg "1000";
         /// The Unix socket's mode, octal (default "0600": the owner's user only). "0660" lets
         /// `socket_group` connect; writable by others is refused.
@@ -106,6 +108,12 @@ kvtide::settings_group! {
         /// authentication), or "off". Default 127.0.0.1:7371; if that port is taken the owner
         /// runs without HTTP (a warning), while an address you set that cannot be bound stops it.
         http_addr: String = DEFAULT_HTTP.into(), Text, eg "0.0.0.0:7371";
+        /// The whole stop, from SIGTERM to the exit (default 25 s, inside Kubernetes' default
+        /// 30 s grace): in-flight requests get at most min(shutdown_grace_ms, 2/5 of it), then
+        /// DRAM-only objects go to SSD until the budget less a reserve (a tenth, at most 2 s);
+        /// what does not fit is logged and absent after the restart. At least 1000. SIGHUP
+        /// applies a new value.
+        stop_budget_ms: u64 = OwnerConfig::default().stop_budget_ms, Count, eg "15000";
     }
 }
 
@@ -501,6 +509,20 @@ impl OwnerSettings {
         out
     }
 
+    /// The settings whose value differs in `newer` (a re-read of the same sources), in
+    /// declaration order.
+    pub fn changed_settings(&self, newer: &OwnerSettings) -> Vec<(&'static str, &'static str)> {
+        let mut changed = Vec::new();
+        for (group, fields) in self.groups() {
+            for f in fields {
+                if self.show(group, f.name) != newer.show(group, f.name) {
+                    changed.push((group, f.name));
+                }
+            }
+        }
+        changed
+    }
+
     /// True when `[group] field` was given rather than left to its default.
     pub fn is_given(&self, group: &str, field: &str) -> bool {
         self.given.iter().any(|(g, f, _)| *g == group && *f == field)
@@ -557,6 +579,7 @@ impl OwnerSettings {
             idle_timeout_ms: o.idle_timeout_ms,
             lease_ttl_ms: o.lease_ttl_ms,
             shutdown_grace_ms: o.shutdown_grace_ms,
+            stop_budget_ms: o.stop_budget_ms,
             spin_us: o.spin_us,
             ..OwnerConfig::default()
         };

@@ -4,6 +4,7 @@
 
 #[path = "../../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -13,6 +14,7 @@ use common::churn::{once_key, CHURN_BYTES, CHURN_KEYS, CHURN_PUTS, HOT_BYTES, ON
 use common::value_for;
 use kvtide::{PutOptions, Store};
 use kvtide_remote::RemoteStore;
+use support::{owner_binary, wait_served};
 
 fn tmp(name: &str) -> PathBuf {
     let p = std::env::temp_dir().join(format!("kvtide-owner-durability-{name}-{}", std::process::id()));
@@ -83,35 +85,6 @@ fn through_the_owner_acknowledged_objects_survive_sigkill_and_the_maximum_is_sto
     owner.kill().expect("stop the owner");
     owner.wait().expect("reap");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// The owner binary cargo built for this test; a test binary copied to another machine (the
-/// GPU machine's pack) finds it on `PATH` instead.
-fn owner_binary() -> std::path::PathBuf {
-    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvtide-owner"));
-    if built.exists() {
-        built
-    } else {
-        "kvtide-owner".into()
-    }
-}
-
-/// Waits (`timeout_s` at most) until a client connects to the owner `child` started at
-/// `socket`; fails if the owner exits first.
-fn wait_served(child: &mut std::process::Child, socket: &str, timeout_s: u64) -> RemoteStore {
-    let deadline = Instant::now() + Duration::from_secs(timeout_s);
-    loop {
-        match RemoteStore::connect(socket) {
-            Ok(store) => return store,
-            Err(e) => {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("kvtide-owner exited with {status} before serving at {socket}");
-                }
-                assert!(Instant::now() < deadline, "the owner never served at {socket}: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
 }
 
 /// Starts `kvtide-owner` on `dir` with the SSD tier sized by default (from free disk space) and

@@ -7,8 +7,9 @@
 //! never leaves a shard running when another failed to start.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use kvtide_tiers::dram::Arena;
 use kvtide_tiers::ssd::{DataDir, SimDisk};
@@ -33,13 +34,15 @@ impl Engine {
         let arena = Arena::new(config.dram_bytes as usize, config.shards)?;
         let slice_bytes = arena.slice_bytes() as u64;
         let keep_awake = Arc::new(AtomicUsize::new(0));
+        let stop_deadline = Arc::new(OnceLock::new());
         let data_dir = match &config.ssd {
             Some(ssd) if ssd.simulated.is_none() => {
                 Some(DataDir::open(&ssd.dir, ssd.bytes, config.shards, ssd.segment_bytes)?)
             }
             _ => None,
         };
-        let (starting, max_value_bytes) = start_shards(&config, &arena, data_dir.as_ref(), &keep_awake)?;
+        let (starting, max_value_bytes) =
+            start_shards(&config, &arena, data_dir.as_ref(), &keep_awake, &stop_deadline)?;
         let Running { shards, joins, recovery } = wait_for_recovery(starting)?;
         tracing::info!(
             shards = config.shards,
@@ -64,6 +67,7 @@ impl Engine {
             credits,
             restore: restore::RestoreCounters::default(),
             keep_awake,
+            stop_deadline,
             streams: Arc::default(),
             unsealed: Arc::new(progressive::UnsealedPuts::new(
                 config.shards,
@@ -83,6 +87,7 @@ fn start_shards(
     arena: &Arc<Arena>,
     data_dir: Option<&DataDir>,
     keep_awake: &Arc<AtomicUsize>,
+    stop_deadline: &Arc<OnceLock<Instant>>,
 ) -> Result<(Vec<StartingShard>, u64), OpenError> {
     let slice_bytes = arena.slice_bytes() as u64;
     let mut max_value_bytes = config.max_value_bytes.unwrap_or(slice_bytes).min(slice_bytes);
@@ -113,6 +118,7 @@ fn start_shards(
             demote_on_shutdown: config.demote_on_shutdown,
             shutdown_flush_timeout: config.shutdown_flush_timeout,
             keep_awake: Arc::clone(keep_awake),
+            stop_deadline: Arc::clone(stop_deadline),
             pin_to_cpu: (config.pin_threads && !cpus.is_empty()).then(|| cpus[index % cpus.len()]),
             register_fixed_buffers: config.register_fixed_buffers,
             io_uring: config.io_uring,

@@ -327,6 +327,8 @@ pub struct ShardCore {
     waiters: VecDeque<Waiter>,
     /// DRAM bytes that in-flight demotions will free.
     demoting_bytes: u64,
+    /// DRAM bytes of a clean shutdown's flush writes in flight (bounded: `FLUSH_BYTES_IN_FLIGHT`).
+    flushing_bytes: u64,
     /// The last eviction found a dirty victim that must wait for SSD room.
     demotion_waiting: bool,
     /// Counts the shard loop's turns; the background eviction never takes an object committed
@@ -390,6 +392,7 @@ impl ShardCore {
             pending_commits: Slab::new(),
             waiters: VecDeque::new(),
             demoting_bytes: 0,
+            flushing_bytes: 0,
             demotion_waiting: false,
             turn: 0,
             lent_since_turn: false,

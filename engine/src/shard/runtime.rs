@@ -7,7 +7,7 @@
 //! core is `serve`'s.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -46,6 +46,9 @@ pub(crate) struct RuntimeConfig {
     /// While non-zero (GPU transfers in flight, engine-wide) an idle shard keeps polling
     /// instead of parking.
     pub(crate) keep_awake: Arc<AtomicUsize>,
+    /// Set once by `Engine::shutdown_by`: the flush ends by then even when
+    /// `shutdown_flush_timeout` would allow more.
+    pub(crate) stop_deadline: Arc<OnceLock<Instant>>,
     pub(crate) pin_to_cpu: Option<usize>,
     pub(crate) register_fixed_buffers: bool,
     /// Use io_uring; without it (off, or refused) only a DRAM-only shard can run.
@@ -347,7 +350,10 @@ impl ShardLoop {
                     self.core.counters().tasks_in_flight.fetch_sub(dropped, Relaxed);
                 }
                 if self.inbox_is_drained() && self.tasks.is_empty() {
-                    let deadline = *flush_deadline.get_or_insert(now + self.config.shutdown_flush_timeout);
+                    let deadline = *flush_deadline.get_or_insert_with(|| {
+                        let own = now + self.config.shutdown_flush_timeout;
+                        self.config.stop_deadline.get().map_or(own, |stop| own.min(*stop))
+                    });
                     let in_time = now < deadline;
                     // DRAM-only objects and queued tombstones go to SSD (bounded in time), then
                     // every completed write is made durable: a restart finds what was acknowledged.
@@ -382,6 +388,8 @@ impl ShardLoop {
             while let Some(request) = self.inbox.pop() {
                 drop(request);
             }
+        } else {
+            self.core.count_unflushed();
         }
         self.ring.drain();
     }

@@ -4,15 +4,19 @@
 //! With no flags it starts a usable owner: a DRAM pool sized from available memory (capped), an
 //! SSD tier in the data directory, a Unix socket there (0600 unless `socket_mode` says
 //! otherwise), TCP on 127.0.0.1:7370 with a generated token, HTTP (`/metrics`, `/health`,
-//! `/ready`, `/version`, `POST /drain`) on 127.0.0.1:7371. Flags and a TOML file override everything (`--help`). SIGINT/SIGTERM stop it
-//! cleanly: `/ready` turns 503, in-flight requests finish, new ones get `ShuttingDown`, then the
-//! engine shuts down.
+//! `/ready`, `/version`, `POST /drain`) on 127.0.0.1:7371. Flags and a TOML file override
+//! everything (`--help`). SIGINT/SIGTERM stop it cleanly within `stop_budget_ms`: `/ready`
+//! turns 503, in-flight requests finish, new ones get `ShuttingDown`, then the engine writes
+//! DRAM-only objects to SSD and shuts down. SIGHUP re-reads the settings.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvtide::Store;
 use kvtide_remote::cluster::{ClusterConfig, EtcdConfig, Member, Registration};
-use kvtide_remote::{ClusterGroup, HttpListen, HttpServer, HttpState, Invocation, Owner, OwnerSettings};
+use kvtide_remote::{
+    ClusterGroup, HttpListen, HttpServer, HttpState, Invocation, Owner, OwnerSettings, RunTimeSettings,
+};
 
 fn main() {
     if let Err(e) = run() {
@@ -120,37 +124,103 @@ fn run() -> Result<(), String> {
     }
     notify_supervisor("READY=1\nSTATUS=serving");
 
-    let mut signal: libc::c_int = 0;
-    // SAFETY: sigwait reads the set and writes the received signal number into `signal`.
-    let rc = unsafe { libc::sigwait(&signals, &mut signal) };
-    if rc != 0 {
-        return Err(format!("sigwait failed: {}", std::io::Error::from_raw_os_error(rc)));
-    }
+    let mut running = *settings;
+    let signal = wait_for_stop(&signals, || reload_settings(&mut running, &vars, &owner))?;
+    let signalled = Instant::now();
     if let Some(http) = &http {
         http.state().stopping();
     }
     tracing::info!(signal, "stopping: finishing in-flight requests");
     notify_supervisor("STOPPING=1\nSTATUS=stopping: finishing in-flight requests");
-    // A second signal while draining ends the process at once.
-    std::thread::spawn(move || {
-        let mut again: libc::c_int = 0;
-        // SAFETY: as above.
-        if unsafe { libc::sigwait(&signals, &mut again) } == 0 {
-            eprintln!("kvtide-owner: second signal, exiting now");
-            std::process::exit(130);
-        }
-    });
+    exit_on_second_signal(signals);
     // Leave the cluster first: clients stop routing here before requests are refused.
     if let Some(registration) = registration {
         registration.shutdown();
     }
-    owner.shutdown();
+    let report = owner.stop_within_budget(signalled);
     drop(owner);
-    engine.shutdown();
     // Last: `/health` answers (and `/ready` says "stopping") until the engine has shut down.
     drop(http);
-    tracing::info!("kvtide owner stopped");
+    tracing::info!(
+        stop_ms = report.stopped.as_millis() as u64,
+        budget_ms = running.owner.stop_budget_ms,
+        grace_ms = report.plan.grace.as_millis() as u64,
+        drained_ms = report.drained.as_millis() as u64,
+        flushed_objects = report.flushed_objects,
+        unflushed_objects = report.unflushed_objects,
+        unflushed_bytes = report.unflushed_bytes,
+        "kvtide owner stopped"
+    );
     Ok(())
+}
+
+/// Waits for SIGINT or SIGTERM (blocked in every thread, taken here synchronously) and returns
+/// it; each SIGHUP meanwhile calls `on_hangup` and waits on.
+fn wait_for_stop(signals: &libc::sigset_t, mut on_hangup: impl FnMut()) -> Result<libc::c_int, String> {
+    loop {
+        let mut signal: libc::c_int = 0;
+        // SAFETY: sigwait reads the set and writes the received signal number into `signal`.
+        let rc = unsafe { libc::sigwait(signals, &mut signal) };
+        if rc != 0 {
+            return Err(format!("sigwait failed: {}", std::io::Error::from_raw_os_error(rc)));
+        }
+        if signal != libc::SIGHUP {
+            return Ok(signal);
+        }
+        on_hangup();
+    }
+}
+
+/// While the stop runs: a second SIGINT or SIGTERM ends the process at once; SIGHUP is ignored.
+fn exit_on_second_signal(signals: libc::sigset_t) {
+    std::thread::spawn(move || {
+        let again = wait_for_stop(&signals, || tracing::info!("SIGHUP ignored: the owner is stopping"));
+        if again.is_ok() {
+            eprintln!("kvtide-owner: second signal, exiting now");
+            std::process::exit(130);
+        }
+    });
+}
+
+/// SIGHUP: re-reads the settings (the flags, the `--config` file, the variables the owner
+/// started with), applies those that change at run time (`RunTimeSettings::NAMES`) and logs by
+/// name those that changed but take a restart. Logs go to stderr only, so there is no log file
+/// to reopen. A file that no longer reads keeps everything as it was.
+fn reload_settings(running: &mut OwnerSettings, vars: &[(String, String)], owner: &Owner) {
+    let fresh = match OwnerSettings::load(std::env::args().skip(1), vars) {
+        Ok(Invocation::Serve { settings, .. }) => settings,
+        Ok(Invocation::Print(_)) => return,
+        Err(e) => {
+            tracing::warn!(error = %e, "SIGHUP: cannot re-read the settings; nothing changed");
+            return;
+        }
+    };
+    let changed = running.changed_settings(&fresh);
+    let named = |list: &[(&str, &str)]| list.iter().map(|(g, f)| format!("[{g}] {f}")).collect::<Vec<_>>().join(", ");
+    let (now, later): (Vec<_>, Vec<_>) =
+        changed.into_iter().partition(|(g, f)| *g == "owner" && RunTimeSettings::NAMES.contains(f));
+    if !later.is_empty() {
+        tracing::warn!(settings = %named(&later), "SIGHUP: changed settings that take a restart (not applied)");
+    }
+    if now.is_empty() {
+        tracing::info!("SIGHUP: settings re-read; no run-time setting changed (logs go to stderr: nothing to reopen)");
+        return;
+    }
+    let o = &fresh.owner;
+    let wanted = RunTimeSettings {
+        idle_timeout_ms: o.idle_timeout_ms,
+        shutdown_grace_ms: o.shutdown_grace_ms,
+        stop_budget_ms: o.stop_budget_ms,
+    };
+    match owner.apply_run_time_settings(wanted) {
+        Ok(()) => {
+            running.owner.idle_timeout_ms = wanted.idle_timeout_ms;
+            running.owner.shutdown_grace_ms = wanted.shutdown_grace_ms;
+            running.owner.stop_budget_ms = wanted.stop_budget_ms;
+            tracing::info!(settings = %named(&now), ?wanted, "SIGHUP: applied");
+        }
+        Err(e) => tracing::warn!(error = %e, "SIGHUP: run-time settings refused; nothing changed"),
+    }
 }
 
 /// Starts the HTTP listener, if one is configured. The default address taken (another owner on
@@ -322,6 +392,7 @@ fn notify_supervisor(state: &str) {
     }
 }
 
+/// SIGINT and SIGTERM (stop) and SIGHUP (re-read the settings).
 fn stop_signals() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset initialises it before sigaddset adds to it.
     unsafe {
@@ -329,6 +400,7 @@ fn stop_signals() -> libc::sigset_t {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         set
     }
 }

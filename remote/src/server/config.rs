@@ -80,6 +80,11 @@ pub struct OwnerConfig {
     pub lease_ttl_ms: u32,
     /// How long shutdown waits for in-flight requests before closing their connections.
     pub shutdown_grace_ms: u64,
+    /// The whole stop, from the signal to the exit (`Owner::stop_within_budget`): in-flight
+    /// requests get at most `min(shutdown_grace_ms, 2/5 of it)`, the flush of DRAM-only objects
+    /// to SSD ends by the budget less a reserve (a tenth of it, at most 2 s) for the last
+    /// syncs and the exit. At least 1000.
+    pub stop_budget_ms: u64,
     /// How long a connection polls for its client's next request before it sleeps, so a
     /// client that asks again at once costs no thread wake-up. Default 50 µs on hosts with 8
     /// or more CPUs, else 0.
@@ -142,6 +147,7 @@ impl Default for OwnerConfig {
             idle_timeout_ms: 600_000,
             lease_ttl_ms: 120_000,
             shutdown_grace_ms: 10_000,
+            stop_budget_ms: 25_000,
             spin_us: crate::wire::default_spin_us(),
         }
     }
@@ -214,6 +220,13 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
             "max_buffered_bytes = {} leaves too little beyond the connections' shares for one frame of \
              max_payload_bytes = {}",
             c.max_buffered_bytes, c.max_payload_bytes
+        ));
+    }
+    if c.stop_budget_ms < super::stop::MIN_STOP_BUDGET_MS {
+        return bad(format!(
+            "stop_budget_ms = {} must be at least {} (a stop needs time to close connections and sync)",
+            c.stop_budget_ms,
+            super::stop::MIN_STOP_BUDGET_MS
         ));
     }
     if u64::from(c.lease_ttl_ms) < 2 * c.io_timeout_ms {

@@ -219,7 +219,7 @@ impl Connection<'_> {
 
     /// How long this connection may wait for its next request.
     fn idle_timeout(&self) -> Duration {
-        let idle = Duration::from_millis(self.config().idle_timeout_ms);
+        let idle = self.shared.live.idle_timeout();
         // Closing releases the leases; the client trusts them until their TTL.
         if self.leases.is_empty() {
             idle

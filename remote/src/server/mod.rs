@@ -7,7 +7,8 @@
 //! `socket_file` (the Unix socket's file, its mode, group and directory),
 //! `shared` (the state the threads share, the registry of connections and their slots), `accept`
 //! (admission and the handshake), `connection` (the connection loop and dispatch), `get` and `put`
-//! (the request families), `budget` (what a connection holds against the owner's limits) and
+//! (the request families), `budget` (what a connection holds against the owner's limits),
+//! `stop` (a stop within its budget, and the settings that change at run time) and
 //! `reply` (the one place reply frames are written). A slow or broken client only ever stalls its
 //! own thread and holds its own share: deadlines bound every read and socket timeouts every write,
 //! and refusing a connection never blocks the accept loop. A malformed frame costs that client an
@@ -24,6 +25,7 @@ mod put;
 mod reply;
 mod shared;
 mod socket_file;
+mod stop;
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -43,6 +45,7 @@ pub use self::config::{OwnerConfig, OwnerError};
 use self::connection::run_job;
 use self::shared::{ConnTable, Job, Shared};
 pub(crate) use self::socket_file::{group_id, parse_socket_mode};
+pub use self::stop::{RunTimeSettings, StopPlan, StopReport};
 use crate::metrics::OwnerCounters;
 use crate::park::{Parker, Workers};
 use crate::protocol::Limits;
@@ -123,9 +126,14 @@ impl Owner {
 
     /// Stops accepting, lets in-flight requests finish (new ones get `ShuttingDown`), closes
     /// idle connections, and after `shutdown_grace_ms` closes whatever is left. Idempotent; the
-    /// engine keeps running (shut it down afterwards). `POST /drain` runs it while the process
-    /// keeps running.
+    /// engine keeps running (shut it down afterwards, or use `stop_within_budget`). `POST /drain`
+    /// runs it while the process keeps running.
     pub fn shutdown(&self) {
+        self.shutdown_with_grace(Duration::from_millis(self.run_time_settings().shutdown_grace_ms));
+    }
+
+    /// `shutdown`, with in-flight requests given `grace`.
+    fn shutdown_with_grace(&self, grace: Duration) {
         let shared = &self.shared;
         let first = !shared.shutting_down.swap(true, Ordering::SeqCst);
         shared.wake.signal();
@@ -138,7 +146,7 @@ impl Owner {
                 let _ = std::fs::remove_file(path);
             }
         }
-        self.wait_for_connections();
+        self.wait_for_connections(grace);
         self.shared.parker.stop();
         if let Some(poller) = self.poller.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = poller.join();
@@ -148,10 +156,9 @@ impl Owner {
         }
     }
 
-    /// Waits until every connection ended, closing what is left after `shutdown_grace_ms`.
-    fn wait_for_connections(&self) {
+    /// Waits until every connection ended, closing what is left after `grace`.
+    fn wait_for_connections(&self, grace: Duration) {
         let shared = &self.shared;
-        let grace = Duration::from_millis(shared.config.shutdown_grace_ms);
         let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + grace;
         while !conns.streams.is_empty() {
@@ -205,6 +212,7 @@ impl Shared {
             workers,
             parker,
             budget: Budget::new(&config),
+            live: stop::LiveSettings::new(&config),
             engine,
             limits,
             shutting_down: AtomicBool::new(false),
@@ -252,6 +260,7 @@ fn spawn_poller(shared: &Arc<Shared>) -> std::result::Result<JoinHandle<()>, Own
                 },
                 |_| {
                     shared.counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("closing an idle connection");
                 },
             )
         })

@@ -1,6 +1,7 @@
-//! Helpers shared by the owner's integration tests (`remote.rs`, `holds.rs`): the test token, a
-//! small engine, a per-test directory, clients of an owner, and the wait until the owner and its
-//! engine hold nothing.
+//! Helpers shared by the owner's integration tests (`remote.rs`, `holds.rs`, `owner_durability.rs`,
+//! `stop.rs`): the test token, a small engine, a per-test directory, clients of an owner, the wait
+//! until the owner and its engine hold nothing, and the `kvtide-owner` binary and the wait until
+//! it serves.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -63,5 +64,34 @@ pub fn wait_idle(owner: &Owner) {
         }
         assert!(Instant::now() < deadline, "still held: {held:?}, owner leases {outstanding}");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The owner binary cargo built for this test; a test binary copied to another machine (the
+/// GPU machine's pack) finds it on `PATH` instead.
+pub fn owner_binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvtide-owner"));
+    if built.exists() {
+        built
+    } else {
+        "kvtide-owner".into()
+    }
+}
+
+/// Waits (`timeout_s` at most) until a client connects to the owner `child` started at
+/// `socket`; fails if the owner exits first.
+pub fn wait_served(child: &mut std::process::Child, socket: &str, timeout_s: u64) -> RemoteStore {
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    loop {
+        match RemoteStore::connect(socket) {
+            Ok(store) => return store,
+            Err(e) => {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("kvtide-owner exited with {status} before serving at {socket}");
+                }
+                assert!(Instant::now() < deadline, "the owner never served at {socket}: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
     }
 }

@@ -39,6 +39,10 @@ pub const DEFAULT_MAX_PENDING_TOMBSTONES: usize = 1 << 16;
 /// in chunks, so a full DRAM never stops a reclaim).
 const MIN_STAGING_BYTES: u64 = 16 * BLOCK_BYTES;
 const MAX_STAGING_BYTES: u64 = 1 << 20;
+/// Bytes of flush writes in flight per shard past which a clean shutdown's flush starts no more
+/// (the rest wait for the next turn): writes started before the deadline all finish, so this
+/// bounds how far past it the flush runs (one larger object still goes alone).
+const FLUSH_BYTES_IN_FLIGHT: u64 = 16 << 20;
 
 /// What the builder decided for this shard's SSD tier.
 #[derive(Clone, Debug)]
@@ -1159,6 +1163,9 @@ impl ShardCore {
         if purpose == WritePurpose::Demotion {
             self.demoting_bytes -= dram_bytes;
         }
+        if purpose == WritePurpose::Flush {
+            self.flushing_bytes = self.flushing_bytes.saturating_sub(dram_bytes);
+        }
         if purpose == WritePurpose::Relocation {
             if let Some(ssd) = self.ssd.as_mut() {
                 ssd.tier.relocation_write_done(result.is_ok());
@@ -1284,6 +1291,11 @@ impl ShardCore {
         }
         let rounds = ssd.flush_queue.as_ref().map_or(0, VecDeque::len);
         for _ in 0..rounds {
+            // Writes already started finish even past the deadline: start only a few at a time,
+            // so the deadline bounds what the flush still does after it.
+            if self.flushing_bytes >= FLUSH_BYTES_IN_FLIGHT {
+                break;
+            }
             let Some((id, generation)) =
                 self.ssd.as_mut().and_then(|s| s.flush_queue.as_mut()).and_then(VecDeque::pop_front)
             else {
@@ -1310,8 +1322,10 @@ impl ShardCore {
                 queue(self, false);
                 continue;
             }
+            let dram_bytes = o.dram.as_ref().map_or(0, |a| self.allocator.len_of(a));
             match self.start_record_write(id, WritePurpose::Flush) {
                 Placement::At(_) => {
+                    self.flushing_bytes += dram_bytes;
                     self.policy.remove(id as EntryId);
                     self.counters.shutdown_demotions.fetch_add(1, RELAXED);
                 }
@@ -1323,6 +1337,30 @@ impl ShardCore {
             }
         }
         self.give_up_stalled_flush()
+    }
+
+    /// At the end of a clean shutdown: counts the DRAM-only objects it did not write (its
+    /// deadline passed, the flush gave up, or `demote_on_shutdown` is off) and their DRAM bytes
+    /// in `shutdown_unflushed_objects` / `_bytes`, and returns them. They are absent after
+    /// the restart. 0 without an SSD tier (nothing is kept across restarts then).
+    pub fn count_unflushed(&mut self) -> (u64, u64) {
+        if self.ssd.is_none() {
+            return (0, 0);
+        }
+        let facts = &self.ssd_facts;
+        let (mut objects, mut bytes) = (0u64, 0u64);
+        for (id, o) in self.objects.iter() {
+            if o.state != ObjectState::Live || ssd_copy_in(facts, id as u32).is_some() {
+                continue;
+            }
+            if let Some(a) = o.dram.as_ref() {
+                objects += 1;
+                bytes += self.allocator.len_of(a);
+            }
+        }
+        self.counters.shutdown_unflushed_objects.store(objects, RELAXED);
+        self.counters.shutdown_unflushed_bytes.store(bytes, RELAXED);
+        (objects, bytes)
     }
 
     /// Dirty objects left to flush. When the queue has not got shorter while reclaims turned
