@@ -313,16 +313,16 @@ pub fn run(args: &ClusterArgs) -> Result<(), String> {
                 println!("{}", line(&format!("cluster {n} owners get"), size, &get));
                 continue;
             }
-            // The same owner through both clients, interleaved twice (direct, cluster, direct,
-            // cluster), the better run of each counting: neither gets the warmer arena or the
-            // quieter moment by its place in the order.
+            // The same owner through both clients in the order direct, cluster, cluster, direct
+            // (each client first once and last once), the better run of each counting: neither
+            // gets the warmer arena or the quieter moment by its place in the order.
             let address =
                 if args.tcp { cluster.members()[0].tcp.clone() } else { format!("unix:{}", owners[0].1.display()) };
             let direct = RemoteStore::connect_with(&address, h.client()?).map_err(|e| e.to_string())?;
             let (dput1, dget1) = measure(&direct, args, size, "d")?;
             let (put1, get1) = measure(&cluster, args, size, "c")?;
-            let (dput2, dget2) = measure(&direct, args, size, "d")?;
             let (put2, get2) = measure(&cluster, args, size, "c")?;
+            let (dput2, dget2) = measure(&direct, args, size, "d")?;
             let (put, get) = (best(put1, put2), best(get1, get2));
             let (dput, dget) = (best(dput1, dput2), best(dget1, dget2));
             println!("{}", line("cluster 1 owner put", size, &put));
