@@ -10,6 +10,9 @@ use std::path::PathBuf;
 
 use crate::auth::Token;
 
+/// The smallest stop budget accepted.
+pub(super) const MIN_STOP_BUDGET_MS: u64 = 1_000;
+
 /// What the owner serves and its limits.
 #[derive(Clone, Debug)]
 pub struct OwnerConfig {
@@ -222,11 +225,10 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
             c.max_buffered_bytes, c.max_payload_bytes
         ));
     }
-    if c.stop_budget_ms < super::stop::MIN_STOP_BUDGET_MS {
+    if c.stop_budget_ms < MIN_STOP_BUDGET_MS {
         return bad(format!(
             "stop_budget_ms = {} must be at least {} (a stop needs time to close connections and sync)",
-            c.stop_budget_ms,
-            super::stop::MIN_STOP_BUDGET_MS
+            c.stop_budget_ms, MIN_STOP_BUDGET_MS
         ));
     }
     if u64::from(c.lease_ttl_ms) < 2 * c.io_timeout_ms {

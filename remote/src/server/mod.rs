@@ -8,7 +8,7 @@
 //! `shared` (the state the threads share, the registry of connections and their slots), `accept`
 //! (admission and the handshake), `connection` (the connection loop and dispatch), `get` and `put`
 //! (the request families), `budget` (what a connection holds against the owner's limits),
-//! `stop` (a stop within its budget, and the settings that change at run time) and
+//! `stop` (how a stop spends its budget), `live` (the settings SIGHUP may change) and
 //! `reply` (the one place reply frames are written). A slow or broken client only ever stalls its
 //! own thread and holds its own share: deadlines bound every read and socket timeouts every write,
 //! and refusing a connection never blocks the accept loop. A malformed frame costs that client an
@@ -21,6 +21,7 @@ mod budget;
 mod config;
 mod connection;
 mod get;
+mod live;
 mod put;
 mod reply;
 mod shared;
@@ -35,7 +36,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvtide::Engine;
+use kvtide::{Engine, Store};
 
 use self::accept::{accept_loop, bind_listeners, Bound};
 use self::budget::Budget;
@@ -43,9 +44,11 @@ pub(crate) use self::config::check_mode_with_group;
 use self::config::validate;
 pub use self::config::{OwnerConfig, OwnerError};
 use self::connection::run_job;
+use self::live::LiveSettings;
+pub use self::live::RunTimeSettings;
 use self::shared::{ConnTable, Job, Shared};
 pub(crate) use self::socket_file::{group_id, parse_socket_mode};
-pub use self::stop::{RunTimeSettings, StopPlan, StopReport};
+pub use self::stop::{StopPlan, StopReport};
 use crate::metrics::OwnerCounters;
 use crate::park::{Parker, Workers};
 use crate::protocol::Limits;
@@ -212,7 +215,7 @@ impl Shared {
             workers,
             parker,
             budget: Budget::new(&config),
-            live: stop::LiveSettings::new(&config),
+            live: LiveSettings::new(&config),
             engine,
             limits,
             shutting_down: AtomicBool::new(false),
@@ -265,4 +268,45 @@ fn spawn_poller(shared: &Arc<Shared>) -> std::result::Result<JoinHandle<()>, Own
             )
         })
         .map_err(|e| OwnerError::Io(format!("spawn poller: {e}")))
+}
+
+impl Owner {
+    /// The settings this owner applies at run time, as they are now.
+    pub fn run_time_settings(&self) -> RunTimeSettings {
+        self.shared.live.get()
+    }
+
+    /// Applies new run-time settings (checked first; nothing changes when they are invalid).
+    pub fn apply_run_time_settings(&self, settings: RunTimeSettings) -> Result<(), OwnerError> {
+        settings.check()?;
+        self.shared.live.set(&settings);
+        Ok(())
+    }
+
+    /// Stops serving and then the engine within `stop_budget_ms` of `signalled`: in-flight
+    /// requests get the plan's grace, then the engine flushes DRAM-only objects to SSD until the
+    /// plan's `flush_by` (what it did not write is counted; queued tombstones are still written
+    /// after it). Idempotent with `shutdown`.
+    pub fn stop_within_budget(&self, signalled: Instant) -> StopReport {
+        let live = self.shared.live.get();
+        let plan = StopPlan::new(live.stop_budget_ms, live.shutdown_grace_ms);
+        self.shutdown_with_grace(plan.grace);
+        let drained = signalled.elapsed();
+        tracing::info!(
+            drained_ms = drained.as_millis() as u64,
+            flush_until_ms = plan.flush_by.as_millis() as u64,
+            "stop: connections closed; flushing DRAM-only objects to SSD"
+        );
+        let engine = &self.shared.engine;
+        engine.shutdown_by(signalled + plan.flush_by);
+        let total = engine.stats().total;
+        StopReport {
+            plan,
+            drained,
+            stopped: signalled.elapsed(),
+            flushed_objects: total.shutdown_demotions,
+            unflushed_objects: total.shutdown_unflushed_objects,
+            unflushed_bytes: total.shutdown_unflushed_bytes,
+        }
+    }
 }

@@ -25,8 +25,8 @@ use crate::wire::FrameIo;
 pub(super) struct Shared {
     pub(super) engine: Arc<Engine>,
     pub(super) config: OwnerConfig,
-    /// The settings SIGHUP may change (`stop::RunTimeSettings`): read from here, not `config`.
-    pub(super) live: super::stop::LiveSettings,
+    /// The settings SIGHUP may change (`live::RunTimeSettings`): read from here, not `config`.
+    pub(super) live: super::live::LiveSettings,
     pub(super) limits: Limits,
     pub(super) wake: WakeFlag,
     pub(super) shutting_down: AtomicBool,
