@@ -234,7 +234,7 @@ fn accept_loop(listener: &TcpListener, state: &Arc<HttpState>, stop: &AtomicBool
             refuse_busy(&mut conn);
             continue;
         }
-        let slot = InFlight(Arc::clone(&in_flight));
+        let slot = RequestPermit(Arc::clone(&in_flight));
         let state = Arc::clone(state);
         let spawned = std::thread::Builder::new()
             .name("kvtide-http-req".into())
@@ -266,9 +266,9 @@ fn refuse_busy(conn: &mut TcpStream) {
 }
 
 /// One request slot, given back when the thread that holds it ends.
-struct InFlight(Arc<AtomicUsize>);
+struct RequestPermit(Arc<AtomicUsize>);
 
-impl Drop for InFlight {
+impl Drop for RequestPermit {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }

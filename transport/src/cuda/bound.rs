@@ -21,7 +21,7 @@ use super::events::drain;
 use super::gpu::{CudaDevice, CudaTransport};
 use super::kernel::{BLOCKS_PER_SM, KERNEL_THREADS, ROWS_PER_BLOCK};
 use super::plan::{self, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
-use super::submission::{copy_host_pieces, InFlight, Stage};
+use super::submission::{copy_host_pieces, CudaInFlight, Stage};
 use crate::region::MemoryKind;
 use crate::stream::StreamHandle;
 use crate::TransportError;
@@ -88,11 +88,11 @@ pub(crate) unsafe fn submit_bound(
     gates: &[Option<&CudaGate>],
     policy: StagingPolicy,
     staging: StreamStaging,
-) -> Result<InFlight, TransportError> {
+) -> Result<CudaInFlight, TransportError> {
     let device = transport.device(ordinal)?;
     device.bind()?;
     let raw = stream as usize as sys::CUstream;
-    let mut inflight = InFlight::new(transfers.len());
+    let mut inflight = CudaInFlight::new(transfers.len());
     // Pieces on another GPU: that transfer fails, nothing of it is enqueued.
     let mut usable = vec![true; transfers.len()];
     for (i, t) in transfers.iter().enumerate() {
@@ -157,7 +157,7 @@ struct BoundRun<'a> {
     staging: StreamStaging,
     /// The unit of the stream, once this submission took its share.
     share: Option<(sys::CUdeviceptr, u64)>,
-    inflight: &'a mut InFlight,
+    inflight: &'a mut CudaInFlight,
 }
 
 impl BoundRun<'_> {

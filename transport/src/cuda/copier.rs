@@ -184,20 +184,20 @@ impl StreamSubmit for CudaCopier {
     }
 }
 
-impl Progress for submission::InFlight {
+impl Progress for submission::CudaInFlight {
     fn poll(&mut self) -> bool {
-        submission::InFlight::poll(self)
+        submission::CudaInFlight::poll(self)
     }
 
     fn take_results(&mut self) -> Vec<Result<(), TransportError>> {
-        submission::InFlight::take_results(self)
+        submission::CudaInFlight::take_results(self)
     }
 
     fn summary(&self) -> Summary {
-        submission::InFlight::summary(self).clone()
+        submission::CudaInFlight::summary(self).clone()
     }
 
     fn block(&mut self) {
-        submission::InFlight::block(self)
+        submission::CudaInFlight::block(self)
     }
 }

@@ -5,7 +5,7 @@
 //!
 //! Owns the queueing of a planned request on the GPU's pooled streams and its staging unit.
 //! It never decides the path or the layout (`plan` does), never blocks in
-//! `cuStreamSynchronize` on the normal path (completion is the `InFlight`'s events), and
+//! `cuStreamSynchronize` on the normal path (completion is the `CudaInFlight`'s events), and
 //! never touches a caller's stream (`bound` does).
 
 use std::ffi::c_void;
@@ -23,7 +23,7 @@ use super::kernel::{Kernels, BLOCKS_PER_SM, KERNEL_THREADS, ROWS_PER_BLOCK};
 use super::plan::{self, Descriptor, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
 use super::profile::Probe;
 use super::staging::ensure_unit;
-use super::submission::{copy_host_pieces, InFlight, Stage};
+use super::submission::{copy_host_pieces, CudaInFlight, Stage};
 use crate::region::MemoryKind;
 use crate::transfer::Summary;
 use crate::TransportError;
@@ -84,14 +84,14 @@ impl Drop for StagingHold {
 ///
 /// # Safety
 /// Every transfer's host bytes and every piece's memory must stay valid, and not be touched by
-/// anyone else, until the returned `InFlight` has completed (`poll` true, `wait` returned, or
+/// anyone else, until the returned `CudaInFlight` has completed (`poll` true, `wait` returned, or
 /// dropped).
 pub unsafe fn submit(
     transport: &CudaTransport,
     direction: Direction,
     transfers: &[Transfer],
     policy: StagingPolicy,
-) -> Result<InFlight, TransportError> {
+) -> Result<CudaInFlight, TransportError> {
     // SAFETY: forwarded contract.
     unsafe { submit_with(transport, direction, transfers, policy, None) }
 }
@@ -109,7 +109,7 @@ pub unsafe fn submit_with(
     transfers: &[Transfer],
     policy: StagingPolicy,
     prestaged: Option<Prestaged>,
-) -> Result<InFlight, TransportError> {
+) -> Result<CudaInFlight, TransportError> {
     let survey = plan::survey(policy, direction, transfers);
     let prestaged = match (survey.choice, prestaged) {
         (PathChoice::Staged { ordinal }, Some(p)) if p.matches(ordinal, direction, transfers, &survey.spans) => Some(p),
@@ -143,8 +143,8 @@ unsafe fn submit_direct_all(
     direction: Direction,
     transfers: &[Transfer],
     fallback: Fallback,
-) -> InFlight {
-    let mut inflight = InFlight::new(transfers.len());
+) -> CudaInFlight {
+    let mut inflight = CudaInFlight::new(transfers.len());
     inflight.summary.fallback = Some(fallback);
     for ordinal in plan::ordinals(transfers) {
         let device = match transport.device(ordinal) {
@@ -351,7 +351,7 @@ impl Drop for Prestaged {
 ///
 /// # Safety
 /// The objects' host bytes must stay valid and unchanged until the returned value is dropped or
-/// the `InFlight` of the submission that continued it completed.
+/// the `CudaInFlight` of the submission that continued it completed.
 pub unsafe fn prestage(
     transport: &CudaTransport,
     ordinal: u32,
@@ -506,7 +506,7 @@ unsafe fn submit_direct(
     device: &Arc<CudaDevice>,
     direction: Direction,
     transfers: &[Transfer],
-    inflight: &mut InFlight,
+    inflight: &mut CudaInFlight,
 ) {
     let ordinal = device.ordinal();
     let touched = transfers_on(transfers, ordinal);
@@ -595,7 +595,7 @@ unsafe fn submit_staged(
     survey: &plan::Survey,
     policy: StagingPolicy,
     mut prestaged: Option<Prestaged>,
-) -> Result<InFlight, Fallback> {
+) -> Result<CudaInFlight, Fallback> {
     // A prestage already holds the busy flag; on failure, dropping it waits for its copies and
     // frees the flag.
     let mut run = StagedRun::start(device, policy, survey.rows, prestaged.is_some())?;
@@ -603,7 +603,7 @@ unsafe fn submit_staged(
         Some(p) => std::mem::take(&mut p.fills),
         None => plan::split_fills(&policy, direction, &survey.host_spans(transfers)),
     };
-    let mut inflight = InFlight::new(transfers.len());
+    let mut inflight = CudaInFlight::new(transfers.len());
     inflight.staging_of = Some(Arc::clone(device));
     inflight.summary.staged = true;
     // The prestaged fills: their bulk copies are queued on the copy stream already, each
@@ -631,7 +631,7 @@ unsafe fn submit_staged(
 }
 
 /// One GPU's staging unit taken by a request, and where that request's fills stand in it. The
-/// request's `InFlight` holds the busy flag (`staging_of`) and the events `reusable` names
+/// request's `CudaInFlight` holds the busy flag (`staging_of`) and the events `reusable` names
 /// (its stages'), so they outlive every fill queued here.
 struct StagedRun {
     device: Arc<CudaDevice>,
@@ -710,7 +710,7 @@ impl StagedRun {
     /// As `submit`, for `transfers`.
     unsafe fn enqueue(
         &mut self,
-        inflight: &mut InFlight,
+        inflight: &mut CudaInFlight,
         base: usize,
         direction: Direction,
         transfers: &[Transfer],
@@ -794,14 +794,14 @@ impl StagedRun {
 /// is queued as it is pushed: staged through one GPU's staging unit, taken at the first part
 /// that qualifies and held until the request completed, each part's fills continuing the ring
 /// where the last part's ended; a part that does not qualify (or finds the unit taken) goes
-/// direct. One `InFlight` reports every part's transfers in push order.
+/// direct. One `CudaInFlight` reports every part's transfers in push order.
 pub struct PartsSubmission {
     transport: Arc<CudaTransport>,
     direction: Direction,
     policy: StagingPolicy,
     /// The whole request's bounds (bytes, table rows).
     hint: (u64, usize),
-    inflight: InFlight,
+    inflight: CudaInFlight,
     run: Option<StagedRun>,
     /// Why staging could not be had; later parts go direct.
     no_staging: Option<Fallback>,
@@ -832,7 +832,7 @@ impl PartsSubmission {
             direction,
             policy,
             hint: (bytes, rows),
-            inflight: InFlight::new(0),
+            inflight: CudaInFlight::new(0),
             run: None,
             no_staging: None,
             probe: None,
@@ -843,7 +843,7 @@ impl PartsSubmission {
     /// Queues `transfers` behind the parts pushed before.
     ///
     /// # Safety
-    /// As `submit`, until the `InFlight` that `finish` returns has completed (or this was
+    /// As `submit`, until the `CudaInFlight` that `finish` returns has completed (or this was
     /// dropped).
     pub unsafe fn push(&mut self, transfers: &[Transfer]) {
         let base = self.inflight.errors.len();
@@ -913,9 +913,9 @@ impl PartsSubmission {
         settled
     }
 
-    /// Every pushed transfer's result, in push order, once the returned `InFlight` completed.
-    pub fn finish(mut self) -> InFlight {
-        let mut inflight = std::mem::replace(&mut self.inflight, InFlight::new(0));
+    /// Every pushed transfer's result, in push order, once the returned `CudaInFlight` completed.
+    pub fn finish(mut self) -> CudaInFlight {
+        let mut inflight = std::mem::replace(&mut self.inflight, CudaInFlight::new(0));
         if let (Some(mut p), Some(run)) = (self.probe.take(), self.run.as_ref()) {
             p.fills = inflight.summary.fills;
             p.record_ends(run.copy_stream, run.kernel_stream);

@@ -15,7 +15,7 @@
 //!   and its busy flag) and of stream-bound reads (units bound to callers' streams, gate words).
 //! - `gpu`: `CudaDevice`, which composes a GPU's context, kernels, pools and the paths' state,
 //!   and `CudaTransport`, the process-wide set of GPUs.
-//! - `submission`: the `InFlight` of a submission, completing on the events the caller polls.
+//! - `submission`: the `CudaInFlight` of a submission, completing on the events the caller polls.
 //! - `memory`: device and pinned buffers, host registrations, device-pointer checks.
 //! - the paths, which never import each other: `device` submits on engine-owned streams (staged
 //!   or direct, whole or in parts, with an early start), `bound` on a caller's stream, and
@@ -25,7 +25,7 @@
 //! `profile` (opt-in timelines of staged requests, `KVTIDE_CUDA_PROFILE=1`) only calls libcuda.
 //!
 //! It never looks up objects or takes leases: the engine hands it validated transfers whose host
-//! bytes it keeps leased (or reserved) until the returned `InFlight` has completed. Without the
+//! bytes it keeps leased (or reserved) until the returned `CudaInFlight` has completed. Without the
 //! feature, a driver or a GPU, every entry point returns `TransportError::CudaUnavailable`.
 
 pub mod plan;
@@ -75,7 +75,7 @@ pub use kernel::{SCATTER_SOURCE, WORKLOAD_SOURCE};
 #[cfg(feature = "cuda")]
 pub use memory::{DeviceBuffer, HostRegistration, PinnedBuffer, RangeChecker};
 #[cfg(feature = "cuda")]
-pub use submission::{copy_host_pieces, InFlight};
+pub use submission::{copy_host_pieces, CudaInFlight};
 
 /// True when this build has the CUDA transport (the `cuda` feature).
 pub const BUILT_WITH_CUDA: bool = cfg!(feature = "cuda");

@@ -4,7 +4,7 @@
 //! Owns completion: `poll` queries the stages' events (`cuEventQuery`), never blocking except
 //! to drain the streams of a stage that failed; resources (pooled events and streams, the
 //! staging unit's busy flag, stream-bound unit shares) go back once every stage completed, and
-//! an `InFlight` dropped unfinished first waits for its streams, so no DMA can still touch
+//! an `CudaInFlight` dropped unfinished first waits for its streams, so no DMA can still touch
 //! leased or reserved host bytes once it reports. It never enqueues work: the paths build the
 //! stages. `copy_host_pieces` is the CPU's share of a transfer (its host-memory pieces).
 
@@ -74,7 +74,7 @@ impl Stage {
 
 /// Work submitted to the GPU. Poll it (or `wait`) until complete; the host memory and the pages
 /// it names must stay valid until then (the engine keeps its leases alive with it).
-pub struct InFlight {
+pub struct CudaInFlight {
     pub(crate) stages: Vec<Stage>,
     pub(crate) errors: Vec<Option<TransportError>>,
     /// Stream-bound staging units this submission shares until it completed.
@@ -89,15 +89,15 @@ pub struct InFlight {
     pub(crate) probe: Option<Probe>,
 }
 
-impl std::fmt::Debug for InFlight {
+impl std::fmt::Debug for CudaInFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InFlight").field("stages", &self.stages.len()).field("summary", &self.summary).finish()
+        f.debug_struct("CudaInFlight").field("stages", &self.stages.len()).field("summary", &self.summary).finish()
     }
 }
 
-impl InFlight {
-    pub(crate) fn new(transfers: usize) -> InFlight {
-        InFlight {
+impl CudaInFlight {
+    pub(crate) fn new(transfers: usize) -> CudaInFlight {
+        CudaInFlight {
             stages: Vec::new(),
             errors: vec![None; transfers],
             unit_shares: Vec::new(),
@@ -176,7 +176,7 @@ impl InFlight {
 
     /// Takes over `part`, a submission of the transfers from `base` on: its stages, results
     /// and resources become this one's.
-    pub(crate) fn absorb(&mut self, mut part: InFlight, base: usize) {
+    pub(crate) fn absorb(&mut self, mut part: CudaInFlight, base: usize) {
         for mut stage in part.stages.drain(..) {
             stage.transfers.iter_mut().for_each(|t| *t += base);
             self.stages.push(stage);
@@ -225,7 +225,7 @@ impl InFlight {
     }
 }
 
-impl Drop for InFlight {
+impl Drop for CudaInFlight {
     fn drop(&mut self) {
         if self.finished {
             return;
