@@ -248,98 +248,38 @@ class ReplicateConfig:
         self._data_type = ObjectDataType.UNKNOWN
         self._group_ids = None
 
-    def _uint_field(name):
+    def _field(name, convert):
+        """A property stored in ``_<name>`` whose setter converts (and checks) with ``convert``."""
         def get(self):
             return getattr(self, "_" + name)
 
         def set(self, value):
-            setattr(self, "_" + name, _uint(value, name))
+            setattr(self, "_" + name, convert(value))
 
         return property(get, set)
 
-    replica_num = _uint_field("replica_num")
-    nof_replica_num = _uint_field("nof_replica_num")
-    dfs_replica_num = _uint_field("dfs_replica_num")
+    def _instance_of(kind, name, what=None):
+        def convert(value):
+            if not isinstance(value, kind):
+                raise TypeError(what or f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+            return value
+        return convert
 
-    @property
-    def soft_pin_action(self):
-        return self._soft_pin_action
+    replica_num = _field("replica_num", lambda v: _uint(v, "replica_num"))
+    nof_replica_num = _field("nof_replica_num", lambda v: _uint(v, "nof_replica_num"))
+    dfs_replica_num = _field("dfs_replica_num", lambda v: _uint(v, "dfs_replica_num"))
+    soft_pin_action = _field("soft_pin_action", _instance_of(SoftPinAction, "soft_pin_action"))
+    soft_pin_ttl_ms = _field("soft_pin_ttl_ms", lambda v: None if v is None else _uint(v, "soft_pin_ttl_ms"))
+    with_hard_pin = _field("with_hard_pin", bool)
+    preferred_segments = _field("preferred_segments", lambda v: _str_list(v, "preferred_segments"))
+    preferred_nof_segments = _field("preferred_nof_segments", lambda v: _str_list(v, "preferred_nof_segments"))
+    preferred_segment = _field("preferred_segment", _instance_of(str, "preferred_segment",
+                                                                 "preferred_segment must be a str"))
+    prefer_alloc_in_same_node = _field("prefer_alloc_in_same_node", bool)
+    data_type = _field("data_type", _instance_of(ObjectDataType, "data_type"))
+    group_ids = _field("group_ids", lambda v: None if v is None else _str_list(v, "group_ids"))
 
-    @soft_pin_action.setter
-    def soft_pin_action(self, value):
-        if not isinstance(value, SoftPinAction):
-            raise TypeError(f"soft_pin_action must be a SoftPinAction, got {type(value).__name__}")
-        self._soft_pin_action = value
-
-    @property
-    def soft_pin_ttl_ms(self):
-        return self._soft_pin_ttl_ms
-
-    @soft_pin_ttl_ms.setter
-    def soft_pin_ttl_ms(self, value):
-        self._soft_pin_ttl_ms = None if value is None else _uint(value, "soft_pin_ttl_ms")
-
-    @property
-    def with_hard_pin(self):
-        return self._with_hard_pin
-
-    @with_hard_pin.setter
-    def with_hard_pin(self, value):
-        self._with_hard_pin = bool(value)
-
-    @property
-    def preferred_segments(self):
-        return self._preferred_segments
-
-    @preferred_segments.setter
-    def preferred_segments(self, value):
-        self._preferred_segments = _str_list(value, "preferred_segments")
-
-    @property
-    def preferred_nof_segments(self):
-        return self._preferred_nof_segments
-
-    @preferred_nof_segments.setter
-    def preferred_nof_segments(self, value):
-        self._preferred_nof_segments = _str_list(value, "preferred_nof_segments")
-
-    @property
-    def preferred_segment(self):
-        return self._preferred_segment
-
-    @preferred_segment.setter
-    def preferred_segment(self, value):
-        if not isinstance(value, str):
-            raise TypeError("preferred_segment must be a str")
-        self._preferred_segment = value
-
-    @property
-    def prefer_alloc_in_same_node(self):
-        return self._prefer_alloc_in_same_node
-
-    @prefer_alloc_in_same_node.setter
-    def prefer_alloc_in_same_node(self, value):
-        self._prefer_alloc_in_same_node = bool(value)
-
-    @property
-    def data_type(self):
-        return self._data_type
-
-    @data_type.setter
-    def data_type(self, value):
-        if not isinstance(value, ObjectDataType):
-            raise TypeError(f"data_type must be an ObjectDataType, got {type(value).__name__}")
-        self._data_type = value
-
-    @property
-    def group_ids(self):
-        return self._group_ids
-
-    @group_ids.setter
-    def group_ids(self, value):
-        self._group_ids = None if value is None else _str_list(value, "group_ids")
-
-    del _uint_field
+    del _field, _instance_of
 
     def __str__(self):
         ttl = "default" if self._soft_pin_ttl_ms is None else str(self._soft_pin_ttl_ms)
