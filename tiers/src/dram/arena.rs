@@ -121,11 +121,11 @@ impl Arena {
             });
         }
         let len_bytes = slice_bytes * slices;
-        let (memfd, base, backing) = match map_memfd(len_bytes, true) {
+        let (memfd, base, backing) = match map_memfd_named(c"kvtide-arena", len_bytes, true) {
             Ok((fd, base)) => (fd, base, PageBacking::HugeTlb),
             Err(huge_err) => {
                 tracing::debug!(error = %huge_err, "explicit huge pages unavailable; using THP advice");
-                let (fd, base) = map_memfd(len_bytes, false)?;
+                let (fd, base) = map_memfd_named(c"kvtide-arena", len_bytes, false)?;
                 // SAFETY: [base, base+len_bytes) is the mapping we just created; madvise only
                 // changes paging advice, and a refusal is harmless (we ignore its result).
                 unsafe {
@@ -148,6 +148,11 @@ impl Arena {
             slice_count: slices,
             registrations: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// Where the mapping starts in this process.
+    pub fn base(&self) -> NonNull<u8> {
+        self.base
     }
 
     /// Total mapped bytes.
@@ -243,7 +248,7 @@ pub const SHARING_SEALS: libc::c_int =
 /// Makes `memfd` safe to hand to other processes: mode 0400 (reopening it for writing through
 /// `/proc/<pid>/fd` fails for other users), then seals that forbid resizing it, any new writable
 /// mapping or `write` (existing writable mappings keep working), and further seal changes.
-fn seal_read_only(memfd: &OwnedFd) -> std::io::Result<()> {
+pub(crate) fn seal_read_only(memfd: &OwnedFd) -> std::io::Result<()> {
     // SAFETY: plain syscall on a descriptor we own.
     if unsafe { libc::fchmod(memfd.as_raw_fd(), 0o400) } != 0 {
         return Err(std::io::Error::last_os_error());
@@ -255,13 +260,18 @@ fn seal_read_only(memfd: &OwnedFd) -> std::io::Result<()> {
     Ok(())
 }
 
-fn map_memfd(len_bytes: usize, huge: bool) -> Result<(OwnedFd, NonNull<u8>), ArenaError> {
+/// A new memfd named `name` of `len_bytes`, mapped shared and writable (huge pages with `huge`).
+pub(crate) fn map_memfd_named(
+    name: &std::ffi::CStr,
+    len_bytes: usize,
+    huge: bool,
+) -> Result<(OwnedFd, NonNull<u8>), ArenaError> {
     let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if huge {
         flags |= libc::MFD_HUGETLB;
     }
     // SAFETY: the name is a valid NUL-terminated C string; memfd_create has no other inputs.
-    let fd = unsafe { libc::memfd_create(c"kvtide-arena".as_ptr(), flags) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
         return Err(ArenaError::Memfd(std::io::Error::last_os_error()));
     }
@@ -418,11 +428,11 @@ mod tests {
         assert_sealed(arena.memfd(), arena.slice_base(0), arena.len_bytes());
         // Both backings explicitly: normal pages always, explicit huge pages where the host has some.
         for huge in [false, true] {
-            match map_memfd(HUGE_PAGE_BYTES, huge) {
+            match map_memfd_named(c"kvtide-test", HUGE_PAGE_BYTES, huge) {
                 Ok((fd, base)) => {
                     seal_read_only(&fd).expect("seal");
                     assert_sealed(&fd, base, HUGE_PAGE_BYTES);
-                    // SAFETY: the mapping made by map_memfd above, no longer used.
+                    // SAFETY: the mapping made by map_memfd_named above, no longer used.
                     unsafe { libc::munmap(base.as_ptr().cast(), HUGE_PAGE_BYTES) };
                 }
                 Err(e) => {

@@ -2,6 +2,7 @@
 
 pub mod alloc;
 pub mod arena;
+pub mod read_index;
 
 pub use alloc::{AllocError, AllocStats, Allocation, OffsetAllocator};
 pub use arena::{Arena, ArenaError, ArenaSlice, MemoryRegistrar, PageBacking, RegistrationHandle};
