@@ -167,6 +167,10 @@ pub struct StoreBuilder {
     /// Run the SSD tier on the in-memory fault-injecting simulator instead of files (tests and
     /// benchmarks; nothing survives the process). Set with `simulated_ssd`; never from text.
     pub simulated_ssd: Option<(u64, kvtide_tiers::ssd::SimFaults)>,
+    /// Keep a read index (`Engine::read_index`): where every DRAM-resident object lies, in a
+    /// sealed shared memfd an owner hands its same-host clients, so they read without a round
+    /// trip. Set with `read_index`; `kvtide-owner` sets it when it shares its arena.
+    pub read_index: bool,
 }
 
 /// Forwards `Settings` to the named groups of `self`.
@@ -245,6 +249,7 @@ pub(crate) struct EngineConfig {
     pub(crate) stream_max_handles: usize,
     pub(crate) unsealed_ttl: Duration,
     pub(crate) unsealed_bytes_per_shard: u64,
+    pub(crate) read_index: bool,
 }
 
 /// The SSD tier's derived settings.
@@ -362,6 +367,12 @@ impl StoreBuilder {
     /// with these faults instead of files: for tests and benchmarks of the engine above the disk.
     pub fn simulated_ssd(mut self, seed: u64, faults: kvtide_tiers::ssd::SimFaults) -> Self {
         self.simulated_ssd = Some((seed, faults));
+        self
+    }
+
+    /// Keeps a read index for an owner's same-host clients (see the field).
+    pub fn read_index(mut self, on: bool) -> Self {
+        self.read_index = on;
         self
     }
 
@@ -609,6 +620,7 @@ impl StoreBuilder {
             max_tickets_in_flight: self.runtime.max_tickets_in_flight,
             max_objects_per_shard: self.dram.max_objects_per_shard,
             max_leases_per_shard: self.dram.max_leases_per_shard,
+            read_index: self.read_index,
         }
     }
 }

@@ -57,6 +57,8 @@ pub struct Engine {
     shards: Vec<ShardThread>,
     joins: Mutex<Vec<std::thread::JoinHandle<()>>>,
     arena: Arc<Arena>,
+    /// Where DRAM-resident objects lie, for an owner's same-host clients (`StoreBuilder::read_index`).
+    read_index: Option<Arc<kvtide_tiers::dram::read_index::ReadIndex>>,
     config: EngineConfig,
     max_value_bytes: u64,
     tickets_in_flight: Arc<AtomicU64>,
@@ -79,6 +81,12 @@ impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine").field("shards", &self.shards.len()).field("arena", &self.arena).finish()
     }
+}
+
+/// The shard `key` lives on in an engine of `shards` shards (a read index's reader looks it up
+/// in that shard's region).
+pub fn shard_of_key(key: &[u8], shards: usize) -> usize {
+    (crate::shard::key_hash(key) % shards.max(1) as u64) as usize
 }
 
 impl Engine {
@@ -117,9 +125,14 @@ impl Engine {
         &self.arena
     }
 
+    /// The read index, when the engine keeps one (`StoreBuilder::read_index`).
+    pub fn read_index(&self) -> Option<&Arc<kvtide_tiers::dram::read_index::ReadIndex>> {
+        self.read_index.as_ref()
+    }
+
     /// The shard `key` lives on.
     pub fn shard_of(&self, key: &[u8]) -> usize {
-        (crate::shard::key_hash(key) % self.shards.len() as u64) as usize
+        shard_of_key(key, self.shards.len())
     }
 
     /// Heap bytes the shards' published indexes hold (key tables and object slots; the objects'

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use kvtide_tiers::dram::read_index::ReadIndex;
 use kvtide_tiers::dram::Arena;
 use kvtide_tiers::ssd::{DataDir, SimDisk};
 
@@ -41,8 +42,12 @@ impl Engine {
             }
             _ => None,
         };
+        let read_index = match config.read_index {
+            true => Some(ReadIndex::new(&arena, read_index_entries(&config, slice_bytes))?),
+            false => None,
+        };
         let (starting, max_value_bytes) =
-            start_shards(&config, &arena, data_dir.as_ref(), &keep_awake, &stop_deadline)?;
+            start_shards(&config, &arena, read_index.as_ref(), data_dir.as_ref(), &keep_awake, &stop_deadline)?;
         let Running { shards, joins, recovery } = wait_for_recovery(starting)?;
         tracing::info!(
             shards = config.shards,
@@ -60,6 +65,7 @@ impl Engine {
             shards,
             joins: Mutex::new(joins),
             arena,
+            read_index,
             max_value_bytes,
             tickets_in_flight: Arc::new(AtomicU64::new(0)),
             shutting_down: AtomicBool::new(false),
@@ -80,11 +86,20 @@ impl Engine {
     }
 }
 
+/// Entries of the read index per shard: one per 4 KiB of the shard's slice (64 bytes each, so
+/// 1/64 of the DRAM pool's address space, touched as objects are published), within the
+/// objects a shard may hold and at least 1024.
+fn read_index_entries(config: &EngineConfig, slice_bytes: u64) -> usize {
+    let per_4k = usize::try_from(slice_bytes / 4096).unwrap_or(usize::MAX);
+    per_4k.min(config.max_objects_per_shard as usize).max(1024)
+}
+
 /// Spawns one shard thread per arena slice; each starts recovering at once. Returns them and the
 /// largest value every shard can store. A shard that fails to spawn stops those already started.
 fn start_shards(
     config: &EngineConfig,
     arena: &Arc<Arena>,
+    read_index: Option<&Arc<ReadIndex>>,
     data_dir: Option<&DataDir>,
     keep_awake: &Arc<AtomicUsize>,
     stop_deadline: &Arc<OnceLock<Instant>>,
@@ -109,7 +124,11 @@ fn start_shards(
         let counters = Arc::new(ShardCounters::default());
         let core_slice = slice.clone();
         let core_counters = Arc::clone(&counters);
-        let writer = IndexWriter::new(Arc::clone(&counters), shard_config.max_objects, crate::shard::key_index_hash);
+        let mut writer =
+            IndexWriter::new(Arc::clone(&counters), shard_config.max_objects, crate::shard::key_index_hash);
+        if let Some(mirror) = read_index.and_then(|r| r.writer(index)) {
+            writer = writer.with_mirror(mirror);
+        }
         let published = Arc::clone(writer.shared());
         let make_core = move || ShardCore::with_ssd(shard_config, core_slice, core_counters, ssd_config, writer);
         let runtime = RuntimeConfig {

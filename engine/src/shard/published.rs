@@ -25,6 +25,7 @@ use crossbeam_queue::ArrayQueue;
 
 use crate::stats::ShardCounters;
 use keys::KeyArena;
+use kvtide_tiers::dram::read_index::RegionWriter;
 
 /// The lease word's open bit: readers may take leases.
 const OPEN: u64 = 1 << 31;
@@ -412,6 +413,10 @@ unsafe impl Send for PublishedIndex {}
 /// The shard's handle on its published index: the only writer. Not `Clone`.
 pub(crate) struct IndexWriter {
     index: Arc<PublishedIndex>,
+    /// The shard's region of the engine's read index (other processes' readers), kept in step:
+    /// an object is published there when it opens and taken out before it closes. A cell because
+    /// eviction closes slots through `&self`; never borrowed across a call out.
+    mirror: Option<std::cell::RefCell<RegionWriter>>,
     /// Entries in the table.
     len: usize,
     /// The hash the keys were inserted under (`insert`'s), for placing entries anew when the
@@ -437,7 +442,20 @@ impl IndexWriter {
             keys: std::cell::UnsafeCell::new(KeyArena::new()),
             key_bytes: AtomicUsize::new(0),
         };
-        IndexWriter { index: Arc::new(index), len: 0, hash }
+        IndexWriter { index: Arc::new(index), mirror: None, len: 0, hash }
+    }
+
+    /// Keeps `mirror` (this shard's region of the read index) in step with the open objects.
+    pub(crate) fn with_mirror(mut self, mirror: RegionWriter) -> IndexWriter {
+        self.mirror = Some(std::cell::RefCell::new(mirror));
+        self
+    }
+
+    /// Takes object `slot` out of the read index (before its bytes may change).
+    fn unmirror(&self, slot: u32) {
+        if let Some(mirror) = &self.mirror {
+            mirror.borrow_mut().unpublish(slot);
+        }
     }
 }
 
@@ -745,6 +763,7 @@ impl IndexWriter {
             return false;
         }
         debug_assert!(object.key.load(Ordering::Relaxed).is_null(), "slot {slot} adopted twice");
+        self.unmirror(slot);
         let entry = self.keys().alloc(key, len);
         let held = self.keys().held_bytes();
         self.index.key_bytes.store(held, Ordering::Relaxed);
@@ -757,6 +776,7 @@ impl IndexWriter {
 
     /// Frees the key of a slot whose object is gone (closed, no readers left).
     pub(crate) fn disown(&mut self, slot: u32) {
+        self.unmirror(slot);
         let Some(object) = self.index.slot(slot) else { return };
         debug_assert_eq!(object.word.readers(), 0, "slot {slot} disowned under readers");
         object.value.store(0, Ordering::Relaxed);
@@ -802,18 +822,27 @@ impl IndexWriter {
         if !open {
             object.value.store(value.as_ptr() as usize, Ordering::Relaxed);
             object.word.open();
+            if let Some(mirror) = &self.mirror {
+                let (len, key) = self.entry(slot);
+                mirror.borrow_mut().publish(slot, generation, key, value, len);
+            }
         }
         true
     }
 
     /// Keeps new readers out of a slot; the readers still holding leases.
     pub(crate) fn close(&self, slot: u32) -> u32 {
+        self.unmirror(slot);
         self.index.slot(slot).map_or(0, |o| o.word.close())
     }
 
     /// Closes a slot if nobody holds a lease on it (eviction).
     pub(crate) fn close_if_unused(&self, slot: u32) -> bool {
-        self.index.slot(slot).is_none_or(|o| o.word.close_if_unused())
+        let closed = self.index.slot(slot).is_none_or(|o| o.word.close_if_unused());
+        if closed {
+            self.unmirror(slot);
+        }
+        closed
     }
 
     /// The generation of the object that last adopted a slot (0 for a slot never adopted): the
@@ -856,6 +885,9 @@ impl IndexWriter {
     /// must then keep the objects' memory).
     pub(crate) fn shut(&mut self, timeout: std::time::Duration) -> bool {
         self.index.alive.store(false, Ordering::Release);
+        if let Some(mirror) = &self.mirror {
+            mirror.borrow_mut().close();
+        }
         let chunks: Vec<&ObjectSlot> = self
             .index
             .chunks
