@@ -83,7 +83,8 @@ pub struct RemoteOwnerArgs {
 /// Runs the owner until its stdin closes; prints `READY <tcp addr>` once serving.
 pub fn run_owner(args: &RemoteOwnerArgs) -> Result<(), String> {
     // KVTIDE_* variables tune engine settings that have no flag here (KVTIDE_RUNTIME_IDLE_SPIN_US, ...).
-    let mut builder = StoreBuilder::new().with_env().map_err(|e| e.to_string())?.dram_bytes(args.dram_bytes);
+    let mut builder =
+        StoreBuilder::new().with_env().map_err(|e| e.to_string())?.dram_bytes(args.dram_bytes).read_index(true);
     builder.runtime.shards = args.shards;
     let engine = Arc::new(builder.open().map_err(|e| format!("open: {e}"))?);
     let config = OwnerConfig {
@@ -250,7 +251,9 @@ impl System {
     fn connect(&self) -> Result<Box<dyn Client>, String> {
         Ok(match self {
             System::KvtideShm(addr) => {
-                let store = RemoteStore::connect_with(addr, ClientOptions::default()).map_err(|e| e.to_string())?;
+                // KVTIDE_READ_INDEX=0 measures the leased path alone.
+                let options = ClientOptions::from_env().map_err(|e| e.to_string())?;
+                let store = RemoteStore::connect_with(addr, options).map_err(|e| e.to_string())?;
                 if !store.uses_shared_memory() {
                     return Err("the owner did not share its arena".into());
                 }

@@ -32,6 +32,7 @@ use kvtide::{Error as StoreError, Fragment, PutOptions, Stats, Store, Ticket};
 use kvtide_transport::{Region, Transfer};
 
 use crate::error::{Error, Result};
+use crate::fast_read::{self, FastRead, FastTarget};
 use crate::protocol::{
     decode_exists, decode_key_page, GetItem, LenCheck, Limits, Op, ProtocolError, RangeItem, Request,
 };
@@ -56,6 +57,15 @@ pub use options::ClientOptions;
 use pool::Pool;
 pub use stream::RemotePutStream;
 pub(crate) use ticket::submit_batch_get;
+
+/// `RemoteStore::read_index_counts`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadIndexCounts {
+    /// Reads served by the read index.
+    pub read: u64,
+    /// Reads looked up there and then leased.
+    pub leased: u64,
+}
 
 /// A store served by a `kvtide-owner` process, over a Unix socket (with shared memory) or TCP.
 /// Cheap to share; every method takes `&self` and may be called from many threads.
@@ -83,6 +93,9 @@ struct Inner {
     stream_host_bytes: Arc<AtomicU64>,
     /// Leases callers keep across calls (`RemoteStore::hold`), on a connection of their own.
     holds: hold::Holds,
+    /// Reads the read index served, and those it sent to the leased path.
+    indexed_reads: AtomicU64,
+    indexed_misses: AtomicU64,
 }
 
 impl RemoteStore {
@@ -103,6 +116,8 @@ impl RemoteStore {
             streams_open: Arc::new(AtomicU64::new(0)),
             stream_host_bytes: Arc::new(AtomicU64::new(0)),
             holds: hold::Holds::default(),
+            indexed_reads: AtomicU64::new(0),
+            indexed_misses: AtomicU64::new(0),
         });
         Ok(RemoteStore { inner })
     }
@@ -118,9 +133,24 @@ impl RemoteStore {
         self.inner.stream_host_bytes.load(Ordering::Acquire)
     }
 
+    /// Reads of host memory this handle served through the owner's read index without a
+    /// request, and reads it looked up there but leased (not indexed, a length the leased path
+    /// must judge, or a copy that raced with a change).
+    pub fn read_index_counts(&self) -> ReadIndexCounts {
+        ReadIndexCounts {
+            read: self.inner.indexed_reads.load(Ordering::Relaxed),
+            leased: self.inner.indexed_misses.load(Ordering::Relaxed),
+        }
+    }
+
+    /// True when reads may use the owner's read index (mapped, the owner alive).
+    pub fn uses_read_index(&self) -> bool {
+        self.inner.pool.read_index().is_some()
+    }
+
     /// True when gets copy straight from the owner's shared memory.
     pub fn uses_shared_memory(&self) -> bool {
-        self.inner.pool.mapping.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        self.inner.pool.mapping.read().unwrap_or_else(|p| p.into_inner()).is_some()
     }
 
     /// The owner's statistics, or the error that prevented reading them (`Store::stats` returns
@@ -196,34 +226,65 @@ impl Inner {
         results
     }
 
-    /// Reads `items` (key, check, target); results in the same order.
+    /// Reads `items` (key, check, target); results in the same order. Those the owner's read
+    /// index has are copied without a request; the rest are asked for in batches.
     fn read_objects<'a>(&self, items: Vec<(&[u8], LenCheck, Target<'a>)>) -> Vec<ReadResult> {
         let mut results: Vec<Option<ReadResult>> = (0..items.len()).map(|_| None).collect();
-        let limits = match self.pool.limits() {
-            Ok(l) => l,
-            Err(e) => return items.iter().map(|_| Err(e.clone())).collect(),
-        };
-        let max_items = self.pool.max_batch(&limits);
-        let key_lens: Vec<usize> = items.iter().map(|i| i.0.len()).collect();
         let mut items: Vec<_> = items.into_iter().map(Some).collect();
-        for (start, end) in batches(&key_lens, 11, max_items, &limits) {
-            let mut batch: Vec<(&[u8], LenCheck, Target<'a>)> =
-                items[start..end].iter_mut().filter_map(Option::take).collect();
-            let outcome =
-                self.pool.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.pool.timeout(), &self.gpu));
-            match outcome {
-                Ok(per_key) => {
-                    for (slot, r) in results[start..end].iter_mut().zip(per_key) {
-                        *slot = Some(r);
-                    }
+        self.read_indexed(&mut items, &mut results);
+        let left: Vec<usize> = (0..items.len()).filter(|&i| items[i].is_some()).collect();
+        if !left.is_empty() {
+            let limits = match self.pool.limits() {
+                Ok(l) => l,
+                Err(e) => return results.into_iter().map(|r| r.unwrap_or_else(|| Err(e.clone()))).collect(),
+            };
+            let max_items = self.pool.max_batch(&limits);
+            let key_lens: Vec<usize> = left.iter().map(|&i| items[i].as_ref().map_or(0, |item| item.0.len())).collect();
+            for (start, end) in batches(&key_lens, 11, max_items, &limits) {
+                let slots = &left[start..end];
+                let mut batch: Vec<(&[u8], LenCheck, Target<'a>)> =
+                    slots.iter().filter_map(|&i| items[i].take()).collect();
+                let outcome =
+                    self.pool.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.pool.timeout(), &self.gpu));
+                match outcome {
+                    Ok(per_key) => slots.iter().zip(per_key).for_each(|(&i, r)| results[i] = Some(r)),
+                    Err(e) => slots.iter().for_each(|&i| results[i] = Some(Err(e.clone()))),
                 }
-                Err(e) => results[start..end].iter_mut().for_each(|slot| *slot = Some(Err(e.clone()))),
             }
         }
         results
             .into_iter()
             .map(|r| r.unwrap_or(Err(StoreError::Internal("key result never reported").into())))
             .collect()
+    }
+
+    /// Reads what it can of `items` through the owner's read index into host targets, taking
+    /// those items out and filling their results; the others stay for the leased path.
+    fn read_indexed<'a>(
+        &self,
+        items: &mut [Option<(&[u8], LenCheck, Target<'a>)>],
+        results: &mut [Option<ReadResult>],
+    ) {
+        let Some(arena) = self.pool.read_index() else { return };
+        let Some(index) = arena.read_index() else { return };
+        for (item, result) in items.iter_mut().zip(results.iter_mut()) {
+            let Some((key, check, target)) = item else { continue };
+            let target = match target {
+                Target::Regions(regions) if !gpu::names_device(regions) => FastTarget::Regions(regions),
+                Target::Regions(_) => continue,
+                Target::Owned(_) => FastTarget::Owned,
+            };
+            match fast_read::read(&arena, index, key, *check, target) {
+                FastRead::Read { len, owned } => {
+                    self.indexed_reads.fetch_add(1, Ordering::Relaxed);
+                    *result = Some(Ok((len, owned)));
+                    *item = None;
+                }
+                FastRead::Lease => {
+                    self.indexed_misses.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
     }
 }
 
@@ -386,6 +447,7 @@ impl Store for RemoteStore {
             |key| self.inner.validate_key(&limits, key),
         );
         let shm = self.uses_shared_memory();
+        let todo = if shm { self.ranges_indexed(buffers, fragments, todo, &mut results) } else { todo };
         let max_items = self.inner.pool.max_batch(&limits);
         for chunk in todo.chunks(max_items) {
             let outcome = if shm {
@@ -490,6 +552,54 @@ impl RemoteStore {
             return send();
         }
         result
+    }
+
+    /// Ranges through the owner's read index: each key's host fragments copied together, proven
+    /// the object's by one check after them. Returns the fragments left to lease.
+    fn ranges_indexed(
+        &self,
+        buffers: &[Region<'_>],
+        fragments: &[Vec<Fragment>],
+        todo: Vec<(usize, usize)>,
+        results: &mut [Vec<Result<usize>>],
+    ) -> Vec<(usize, usize)> {
+        let Some(arena) = self.inner.pool.read_index() else { return todo };
+        let Some(index) = arena.read_index() else { return todo };
+        let mut order: Vec<&[u8]> = Vec::new();
+        let mut of_key: std::collections::HashMap<&[u8], Vec<(usize, usize)>> = std::collections::HashMap::new();
+        for &(b, f) in &todo {
+            let key = fragments[b][f].key.as_slice();
+            of_key
+                .entry(key)
+                .or_insert_with(|| {
+                    order.push(key);
+                    Vec::new()
+                })
+                .push((b, f));
+        }
+        let mut left = Vec::new();
+        for key in order {
+            let frags = of_key.remove(key).unwrap_or_default();
+            let copies: Option<Vec<(u64, u64, Region<'_>)>> = frags
+                .iter()
+                .map(|&(b, f)| {
+                    let frag = &fragments[b][f];
+                    let dst = buffers[b].slice(frag.dst_offset, frag.len).ok()?;
+                    (!gpu::names_device(std::slice::from_ref(&dst))).then_some((frag.src_offset, frag.len, dst))
+                })
+                .collect();
+            let read = copies.is_some_and(|copies| {
+                fast_read::read(&arena, index, key, LenCheck::Any, FastTarget::Fragments(&copies)) != FastRead::Lease
+            });
+            if read {
+                self.inner.indexed_reads.fetch_add(1, Ordering::Relaxed);
+                frags.iter().for_each(|&(b, f)| results[b][f] = Ok(fragments[b][f].len as usize));
+            } else {
+                self.inner.indexed_misses.fetch_add(1, Ordering::Relaxed);
+                left.extend(frags);
+            }
+        }
+        left
     }
 
     /// Ranges over shared memory: lease each key once, copy each fragment out of the arena.

@@ -15,6 +15,7 @@ mod auth;
 mod client;
 pub mod cluster;
 mod error;
+mod fast_read;
 mod http;
 mod metrics;
 mod park;
@@ -26,7 +27,7 @@ mod sock;
 mod wire;
 
 pub use auth::Token;
-pub use client::{ClientOptions, HoldGranted, RemotePutStream, RemoteStore};
+pub use client::{ClientOptions, HoldGranted, ReadIndexCounts, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
 pub use http::{HttpServer, HttpState};
@@ -37,3 +38,9 @@ pub use settings::{
     Invocation, OwnerGroup, OwnerSettings, ResolvedOwner, Source,
 };
 pub use sock::raise_descriptor_limit;
+
+/// The same-host read path, for the fuzz target.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::fast_read::read_through;
+}

@@ -160,6 +160,9 @@ wire_ops! {
         GetParts = 27, Get, decode_get_parts;
         /// One page of the keys that start with a prefix: a `KeyPage` reply.
         ScanKeys = 28, Other, decode_scan_keys;
+        /// Asks for the owner's read index (Unix socket, arena shared): an `IndexMap` reply
+        /// carries it.
+        ReadIndex = 29, Other, decode_read_index;
     }
     streamed {
         /// A put whose head (`PutHead`) and key the owner reads itself, then its value.
@@ -188,6 +191,8 @@ wire_ops! {
         GrantsPart = 76;
         /// Keys of a `ScanKeys` and the cursor of the next page.
         KeyPage = 77;
+        /// The read index: its size, its memfd attached (`SCM_RIGHTS`).
+        IndexMap = 78;
     }
 }
 
@@ -737,6 +742,7 @@ pub enum Request<'a> {
         force: bool,
     },
     PutWindow,
+    ReadIndex,
     GetParts {
         items: Vec<GetItem<'a>>,
     },
@@ -812,7 +818,7 @@ impl<'a> Request<'a> {
                 buf.put_u8(if *force { REMOVE_FORCE } else { 0 });
                 encode_keys(buf, keys);
             }
-            Request::PutWindow => {}
+            Request::PutWindow | Request::ReadIndex => {}
             Request::GetParts { items } => {
                 buf.put_u32(items.len() as u32);
                 for item in items {
@@ -922,6 +928,10 @@ fn decode_stats<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
 
 fn decode_put_window<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
     Ok(Request::PutWindow)
+}
+
+fn decode_read_index<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::ReadIndex)
 }
 
 /// The flags byte of a put: (upsert, pin).
@@ -1233,6 +1243,17 @@ pub fn decode_window(payload: &[u8], min_bytes: u64, max_bytes: u64) -> PResult<
     r.finish("window")?;
     if bytes < min_bytes || bytes > max_bytes {
         return Err(ProtocolError::Invalid { what: "put window size" });
+    }
+    Ok(bytes)
+}
+
+/// Decodes an `IndexMap` payload: the read index's length in bytes, at most `max_bytes`.
+pub fn decode_index_map(payload: &[u8], max_bytes: u64) -> PResult<u64> {
+    let mut r = Reader::new(payload);
+    let bytes = r.u64()?;
+    r.finish("index map")?;
+    if bytes == 0 || bytes > max_bytes {
+        return Err(ProtocolError::Invalid { what: "read index size" });
     }
     Ok(bytes)
 }
@@ -1598,6 +1619,7 @@ mod tests {
             },
             Request::RemoveBatch { keys: vec![b"x", b"yy"], force: true },
             Request::PutWindow,
+            Request::ReadIndex,
             Request::GetParts {
                 items: vec![
                     GetItem { key: b"a", check: LenCheck::Any },

@@ -99,6 +99,8 @@ pub(crate) struct ShmMapping {
     len: usize,
     instance_id: u64,
     attachment: Attachment,
+    /// The owner's read index over this arena, once asked for (None: refused or unusable).
+    read_index: std::sync::OnceLock<Option<crate::fast_read::IndexMapping>>,
 }
 
 // SAFETY: the mapping is read-only shared memory; the pointer is only used for bounds-checked
@@ -162,7 +164,28 @@ impl ShmMapping {
             return Err(io::Error::last_os_error());
         }
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        Ok(ShmMapping { base, len, instance_id, attachment: Attachment::default() })
+        Ok(ShmMapping {
+            base,
+            len,
+            instance_id,
+            attachment: Attachment::default(),
+            read_index: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The owner's read index over this arena, if it was asked for and mapped.
+    pub(crate) fn read_index(&self) -> Option<&crate::fast_read::IndexMapping> {
+        self.read_index.get().and_then(Option::as_ref)
+    }
+
+    /// Whether the read index was asked for already (mapped or not).
+    pub(crate) fn read_index_asked(&self) -> bool {
+        self.read_index.get().is_some()
+    }
+
+    /// Keeps what asking for the read index gave (the first answer wins).
+    pub(crate) fn set_read_index(&self, index: Option<crate::fast_read::IndexMapping>) {
+        let _ = self.read_index.set(index);
     }
 
     pub(crate) fn instance_id(&self) -> u64 {

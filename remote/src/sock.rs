@@ -28,6 +28,25 @@ impl Stream {
         matches!(self, Stream::Unix(_))
     }
 
+    /// The process id of a Unix peer as the kernel recorded it at connect (`SO_PEERCRED`); None
+    /// over TCP, or when the peer's process is not visible in this pid namespace.
+    pub(crate) fn peer_pid(&self) -> Option<libc::pid_t> {
+        let Stream::Unix(s) = self else { return None };
+        let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: getsockopt fills at most `len` bytes of `cred`, a plain struct we own.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0 && cred.pid > 0).then_some(cred.pid)
+    }
+
     /// Read and write timeouts (`SO_RCVTIMEO`/`SO_SNDTIMEO`); they also bound the raw calls below.
     pub(crate) fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
         let timeout = timeout.map(|t| t.max(Duration::from_millis(1)));

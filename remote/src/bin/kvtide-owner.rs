@@ -81,7 +81,9 @@ fn run() -> Result<(), String> {
 
     // HTTP first: `/health` answers and `/ready` says "starting" while the store recovers.
     let http = start_http(resolved.http)?;
-    let engine = Arc::new(resolved.store.clone().open().map_err(|e| format!("cannot open the store: {e}"))?);
+    // Same-host clients that map the arena read DRAM-resident objects through the read index.
+    let store = resolved.store.clone().read_index(resolved.owner.share_arena && resolved.owner.unix_socket.is_some());
+    let engine = Arc::new(store.open().map_err(|e| format!("cannot open the store: {e}"))?);
     let stats = engine.stats();
     tracing::info!(
         data_dir = %resolved.data_dir.display(),

@@ -19,9 +19,10 @@ use kvtide_transport::{Direction, Region, Transfer};
 
 use super::gpu;
 use crate::error::{Error, Result};
+use crate::fast_read::{IndexMapping, OwnerWatch};
 use crate::protocol::{
-    decode_error_frame, decode_object, FrameHeader, GetItem, Grant, GrantsPart, HelloOk, LenCheck, Limits, NextPart,
-    Op, ProtocolError, Request, WHOLE_REQUEST,
+    decode_error_frame, decode_index_map, decode_object, FrameHeader, GetItem, Grant, GrantsPart, HelloOk, LenCheck,
+    Limits, NextPart, Op, ProtocolError, Request, WHOLE_REQUEST,
 };
 use crate::shm::{PutWindow, ShmMapping};
 use crate::wire::{FrameIo, WResult, WireError};
@@ -116,6 +117,10 @@ pub(super) enum WindowState {
     Unavailable,
     Mapped(PutWindow),
 }
+
+/// The largest read index a client maps (2^24 buckets of 4 entries for each of 448 shards would
+/// be more; an owner's index is 1/64 of its DRAM).
+const MAX_READ_INDEX_BYTES: u64 = 1 << 40;
 
 /// One object read: its length, and its bytes when the target was `Owned`.
 pub(super) type ReadResult = Result<(usize, Option<Vec<u8>>)>;
@@ -516,6 +521,56 @@ impl Conn {
     }
 
     /// Sends a one-way `Release` of `leases` (none: nothing).
+    /// Asks the owner once for its read index (Unix socket with the arena mapped, first
+    /// connection to this owner instance in the process) and keeps what it gives with the arena
+    /// mapping. A refusal, or an index that cannot be mapped or checked, leaves reads leased.
+    pub(super) fn ask_read_index(&mut self) -> WResult<()> {
+        let Some(arena) = self.shm.clone() else { return Ok(()) };
+        if arena.read_index_asked() {
+            return Ok(());
+        }
+        // The pid the kernel recorded at connect; the reply below proves it was still the owner's.
+        let watch = match self.io.stream().peer_pid().map(OwnerWatch::of_pid) {
+            Some(Ok(watch)) => watch,
+            other => {
+                let why = other.map_or("the owner's pid is not visible here".to_string(), |e| format!("{:?}", e.err()));
+                tracing::debug!(why, "no read index: reads lease");
+                arena.set_read_index(None);
+                return Ok(());
+            }
+        };
+        let rid = 0;
+        self.io.push_frame(Op::ReadIndex, rid, &[]);
+        self.io.flush()?;
+        let mut fd = None;
+        let h = self.io.read_header_with_fd(&self.limits, Some(&mut fd))?;
+        if h.request_id != rid {
+            return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
+        }
+        let payload = self.io.read_payload(h.payload_len)?;
+        let decode = |p: &[u8]| Ok(decode_index_map(p, MAX_READ_INDEX_BYTES)?);
+        let mapped = match reply_of(h.op, &payload, Op::IndexMap, "a read index", decode)? {
+            Ok(bytes) => {
+                let Some(fd) = fd else {
+                    return Err(ProtocolError::Invalid { what: "read index without a descriptor" }.into());
+                };
+                match IndexMapping::map(fd, bytes, arena.len(), watch) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot use the owner's read index; reads lease");
+                        None
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "no read index; reads lease");
+                None
+            }
+        };
+        arena.set_read_index(mapped);
+        Ok(())
+    }
+
     pub(super) fn send_release(&mut self, rid: u64, leases: Vec<u64>) -> WResult<()> {
         if leases.is_empty() {
             return Ok(());

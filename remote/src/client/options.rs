@@ -20,6 +20,9 @@ pub struct ClientOptions {
     pub token: Option<Token>,
     /// Map the owner's arena for one-copy gets (Unix socket only). Default true.
     pub shared_memory: bool,
+    /// Read DRAM-resident objects through the owner's read index, without a round trip, where
+    /// the owner shares one (Unix socket, arena shared). Default true; off, every read leases.
+    pub read_index: bool,
     /// Idle connections kept for reuse. Default 16.
     pub max_idle_connections: usize,
     /// `submit_batch_get` tickets in flight at once. Default 64.
@@ -46,6 +49,7 @@ impl Default for ClientOptions {
             connect_timeout_ms: 5_000,
             token: None,
             shared_memory: true,
+            read_index: true,
             max_idle_connections: 16,
             max_tickets_in_flight: 64,
             max_stream_handles: 64,
@@ -58,7 +62,7 @@ impl Default for ClientOptions {
 
 impl ClientOptions {
     /// Defaults, overridden by `KVTIDE_TOKEN_FILE` (token for TCP owners),
-    /// `KVTIDE_TIMEOUT_MS` and `KVTIDE_SHARED_MEMORY` (0/1).
+    /// `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY` and `KVTIDE_READ_INDEX` (0/1).
     pub fn from_env() -> Result<ClientOptions> {
         let mut o = ClientOptions::default();
         if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
@@ -70,6 +74,9 @@ impl ClientOptions {
         }
         if let Ok(v) = std::env::var("KVTIDE_SHARED_MEMORY") {
             o.shared_memory = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
+        if let Ok(v) = std::env::var("KVTIDE_READ_INDEX") {
+            o.read_index = !matches!(v.trim(), "0" | "false" | "no" | "off");
         }
         Ok(o)
     }

@@ -13,7 +13,7 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use super::conn::{hello_conn, reply_of, Conn, Releases};
@@ -34,7 +34,8 @@ pub(super) struct Pool {
     /// Idle connections, at most `max_idle_connections`.
     idle: Mutex<Vec<Conn>>,
     /// The owner's arena, mapped once per owner instance and shared by its connections.
-    pub(super) mapping: Mutex<Option<Arc<ShmMapping>>>,
+    /// Read-locked by every read that tries the read index.
+    pub(super) mapping: RwLock<Option<Arc<ShmMapping>>>,
     pub(super) next_request: AtomicU64,
     last_limits: Mutex<Option<Limits>>,
     last_max_leases: AtomicU64,
@@ -50,7 +51,7 @@ impl Pool {
             endpoint: Endpoint::parse(address)?,
             options,
             idle: Mutex::new(Vec::new()),
-            mapping: Mutex::new(None),
+            mapping: RwLock::new(None),
             next_request: AtomicU64::new(1),
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
@@ -59,6 +60,15 @@ impl Pool {
         let conn = pool.open()?;
         pool.checkin(conn);
         Ok(pool)
+    }
+
+    /// The arena mapping, when the owner's read index is mapped with it and reads may use it.
+    pub(super) fn read_index(&self) -> Option<Arc<ShmMapping>> {
+        if !self.options.read_index {
+            return None;
+        }
+        let current = self.mapping.read().unwrap_or_else(|p| p.into_inner());
+        current.as_ref().filter(|m| m.read_index().is_some()).map(Arc::clone)
     }
 
     pub(super) fn timeout(&self) -> Duration {
@@ -178,9 +188,13 @@ impl Pool {
         let hello = self.handshake(&mut io).map_err(handshake)??;
         io.stream().set_timeouts(Some(self.timeout())).map_err(unreachable)?;
         io.set_spin(Duration::from_micros(self.options.spin_us));
-        *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(hello.0.limits());
-        self.last_max_leases.store(hello.0.max_leases.into(), Ordering::Relaxed);
-        Ok(hello_conn(io, hello.0, hello.1, Arc::clone(&self.releases)))
+        let mut conn = hello_conn(io, hello.0, hello.1, Arc::clone(&self.releases));
+        if self.options.read_index {
+            conn.ask_read_index().map_err(|e| e.into_error("read index", self.options.connect_timeout_ms))?;
+        }
+        *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.hello.limits());
+        self.last_max_leases.store(conn.hello.max_leases.into(), Ordering::Relaxed);
+        Ok(conn)
     }
 
     pub(super) fn handshake(&self, io: &mut FrameIo) -> WResult<Result<(HelloOk, Option<Arc<ShmMapping>>)>> {
@@ -225,7 +239,7 @@ impl Pool {
             let Some(fd) = fd else {
                 return Err(ProtocolError::Invalid { what: "shared memory announced without a descriptor" }.into());
             };
-            let mut current = self.mapping.lock().unwrap_or_else(|p| p.into_inner());
+            let mut current = self.mapping.write().unwrap_or_else(|p| p.into_inner());
             match current.as_ref() {
                 Some(m) if m.instance_id() == hello.instance_id && m.len() == hello.arena_bytes => {
                     mapping = Some(Arc::clone(m));

@@ -331,6 +331,7 @@ impl Connection<'_> {
                 return self.put_batch(rid, PutOptions { upsert, pin }, window, &items);
             }
             Request::PutWindow => self.open_window(rid)?,
+            Request::ReadIndex => self.send_read_index(rid)?,
             Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {
                 self.put_open(rid, key, total_len, chunk_bytes, PutOptions { upsert, pin })
             }

@@ -9,6 +9,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
+use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -62,6 +63,21 @@ impl Connection<'_> {
             Ok(page) => self.reply(rid, Reply::KeyPage(&page)),
             Err(e) => self.reply_error(rid, &e.into()),
         }
+    }
+
+    /// `ReadIndex`: the read index's descriptor, to a Unix client that may map the arena.
+    pub(super) fn send_read_index(&mut self, rid: u64) -> WResult<()> {
+        let index = self.check_shared().and_then(|()| {
+            self.shared.index_fd.as_ref().ok_or(StoreError::InvalidArgument("this owner shares no read index".into()))
+        });
+        match index {
+            Ok((fd, bytes)) => {
+                self.reply(rid, Reply::IndexMap { bytes: *bytes });
+                self.io.flush_with_fd(Some(fd.as_fd()))?;
+            }
+            Err(e) => self.reply_error(rid, &e.into()),
+        }
+        Ok(())
     }
 
     pub(super) fn check_shared(&self) -> std::result::Result<(), StoreError> {

@@ -76,6 +76,9 @@ impl Owner {
         let shared = Shared::new(engine, config)?;
         let poller = spawn_poller(&shared)?;
         let Bound { listeners, unix_path, tcp_addr } = bind_listeners(&shared.config)?;
+        if let Some(index) = shared.engine.read_index().filter(|_| shared.index_fd.is_some()) {
+            index.serve(true);
+        }
         let mut acceptors = Vec::new();
         for listener in listeners {
             let shared = Arc::clone(&shared);
@@ -90,6 +93,7 @@ impl Owner {
             tcp = ?tcp_addr,
             tcp_auth = shared.config.tcp_token.is_some(),
             share_arena = shared.shm_fd.is_some(),
+            read_index = shared.index_fd.is_some(),
             arena_bytes = shared.arena_bytes,
             max_connections = shared.config.max_connections,
             "kvtide owner serving"
@@ -139,6 +143,10 @@ impl Owner {
     fn shutdown_with_grace(&self, grace: Duration) {
         let shared = &self.shared;
         let first = !shared.shutting_down.swap(true, Ordering::SeqCst);
+        // Reads through the read index end with the connections' service.
+        if let Some(index) = shared.engine.read_index().filter(|_| shared.index_fd.is_some()) {
+            index.serve(false);
+        }
         shared.wake.signal();
         let acceptors = std::mem::take(&mut *self.acceptors.lock().unwrap_or_else(|p| p.into_inner()));
         for a in acceptors {
@@ -197,6 +205,7 @@ impl Shared {
         let arena_base = arena.slice(0).map_err(|e| OwnerError::Io(format!("arena: {e}")))?.base().as_ptr() as usize;
         let arena_bytes = arena.len_bytes() as u64;
         let shm_fd = if config.share_arena && config.unix_socket.is_some() { shared_arena_fd(&engine) } else { None };
+        let index_fd = if shm_fd.is_some() { shared_index_fd(&engine) } else { None };
         let mut id = [0u8; 8];
         sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
         let limits = Limits {
@@ -226,6 +235,7 @@ impl Shared {
             arena_base,
             arena_bytes,
             shm_fd,
+            index_fd,
             counters,
             config,
         }))
@@ -243,6 +253,20 @@ fn shared_arena_fd(engine: &Engine) -> Option<OwnedFd> {
         Ok(fd) => Some(fd),
         Err(e) => {
             tracing::warn!(error = %e, "NOT sharing the DRAM arena with Unix clients (they get socket copies instead)");
+            None
+        }
+    }
+}
+
+/// A read-only descriptor of the engine's read index (and its length), or None: the engine keeps
+/// none, or its memfd is not sealed (warned: clients then lease every read).
+fn shared_index_fd(engine: &Engine) -> Option<(OwnedFd, u64)> {
+    let index = engine.read_index()?;
+    let bytes = index.geometry().len_bytes() as u64;
+    match crate::shm::check_sealed(index.memfd(), bytes).and_then(|()| crate::shm::reopen_read_only(index.memfd())) {
+        Ok(fd) => Some((fd, bytes)),
+        Err(e) => {
+            tracing::warn!(error = %e, "NOT sharing the read index with Unix clients (they lease every read)");
             None
         }
     }

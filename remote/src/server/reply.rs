@@ -42,6 +42,8 @@ pub(super) enum Reply<'r> {
     Statuses(&'r [Result<()>]),
     /// `Window`: the put window's size (its memfd rides on the flush).
     Window { bytes: u64 },
+    /// `IndexMap`: the read index's length (its memfd rides on the flush).
+    IndexMap { bytes: u64 },
     /// `KeyPage`: one page of a `ScanKeys`.
     KeyPage(&'r kvtide::KeyPage),
 }
@@ -63,6 +65,7 @@ impl Reply<'_> {
             Reply::Stats(_) => Op::StatsReply,
             Reply::Statuses(_) => Op::Statuses,
             Reply::Window { .. } => Op::Window,
+            Reply::IndexMap { .. } => Op::IndexMap,
             Reply::KeyPage(_) => Op::KeyPage,
         }
     }
@@ -80,7 +83,7 @@ impl Reply<'_> {
             Reply::Exists(found) => encode_exists(out, found),
             Reply::Stats(text) => out.extend_from_slice(text.as_bytes()),
             Reply::Statuses(statuses) => encode_statuses(out, statuses),
-            Reply::Window { bytes } => out.extend_from_slice(&bytes.to_le_bytes()),
+            Reply::Window { bytes } | Reply::IndexMap { bytes } => out.extend_from_slice(&bytes.to_le_bytes()),
             Reply::KeyPage(page) => encode_key_page(out, page),
         }
     }

@@ -38,6 +38,9 @@ pub(super) struct Shared {
     pub(super) arena_base: usize,
     pub(super) arena_bytes: u64,
     pub(super) shm_fd: Option<OwnedFd>,
+    /// A read-only descriptor of the engine's read index and its length, handed out only with
+    /// the arena (`ReadIndex`).
+    pub(super) index_fd: Option<(OwnedFd, u64)>,
     pub(super) counters: Arc<OwnerCounters>,
     /// Threads that serve connections while they are active.
     pub(super) workers: Workers<Job>,
