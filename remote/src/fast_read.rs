@@ -1,152 +1,19 @@
-//! Same-host reads without a round trip: the client's mapping of its owner's read index, its
-//! watch on the owner's life, and the read itself.
+//! Same-host reads without a round trip, through the owner's read index (mapped by `shm.rs`).
 //!
-//! Owns `IndexMapping` (the read index mapped read-only, checked once by `ReadIndexView`),
-//! `OwnerWatch` (a pidfd of the owner process: an index whose owner died is never used, since
-//! a new owner may have changed what its keys hold), and `read`: look a key up, copy its bytes out
-//! of the arena mapping, and keep the copy only if the index entry did not move meanwhile. Never
+//! Owns `read`: look a key up, copy its bytes out of the arena mapping, and keep the copy only if
+//! the index entry did not move meanwhile. Never
 //! sends anything to the owner, never trusts a range it did not check against the arena mapping,
 //! and never reports a copy that raced with a change: that read returns `None` and the caller
 //! leases the key as it would without the index.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Instant;
 
-use kvtide_tiers::dram::read_index::{KeyDigest, ReadIndexView};
+use kvtide_tiers::dram::read_index::KeyDigest;
 use kvtide_transport::Region;
 
 use crate::protocol::LenCheck;
-use crate::shm::ShmMapping;
-
-/// How long a check that the owner lives is trusted. An owner that died is replaced by a new
-/// process that must start, open its store and take a write before any key can hold something
-/// newer than the dead owner's index says: far longer than this.
-const OWNER_CHECK_NS: u64 = 1_000_000;
-
-/// Seals the read index must carry before it is mapped: its size is fixed, so the owner cannot
-/// shrink it under the mapping (a read past the end would kill the client with `SIGBUS`).
-const INDEX_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-
-/// Whether the owner process that shares an index still lives, checked at most every
-/// `OWNER_CHECK_NS` (a `poll` of its pidfd: readable once it exited).
-#[derive(Debug)]
-pub(crate) struct OwnerWatch {
-    pidfd: OwnedFd,
-    epoch: Instant,
-    checked_ns: AtomicU64,
-    dead: AtomicBool,
-}
-
-impl OwnerWatch {
-    /// A watch on process `pid` (the peer of the connection the index came on; the caller then
-    /// proves with a reply on that connection that the pid was still the owner's).
-    pub(crate) fn of_pid(pid: libc::pid_t) -> io::Result<OwnerWatch> {
-        if pid <= 0 {
-            return Err(io::Error::other("the owner's process id is not visible here"));
-        }
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(OwnerWatch { pidfd, epoch: Instant::now(), checked_ns: AtomicU64::new(0), dead: AtomicBool::new(false) })
-    }
-
-    pub(crate) fn alive(&self) -> bool {
-        if self.dead.load(Ordering::Relaxed) {
-            return false;
-        }
-        let now = self.epoch.elapsed().as_nanos() as u64 + OWNER_CHECK_NS;
-        if now.saturating_sub(self.checked_ns.load(Ordering::Relaxed)) < OWNER_CHECK_NS {
-            return true;
-        }
-        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one pollfd of a descriptor we own; a zero timeout never blocks.
-        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
-        if ready != 0 {
-            // Exited (readable), or the descriptor failed: either way, stop trusting the index.
-            self.dead.store(true, Ordering::Relaxed);
-            return false;
-        }
-        self.checked_ns.store(now, Ordering::Relaxed);
-        true
-    }
-}
-
-/// The owner's read index mapped read-only in this process.
-#[derive(Debug)]
-pub(crate) struct IndexMapping {
-    base: NonNull<u8>,
-    len: usize,
-    view: ReadIndexView,
-    owner: OwnerWatch,
-    /// Shards of the owner's engine (the index's regions).
-    shards: usize,
-}
-
-// SAFETY: a read-only mapping only read through the view's atomics; it lives until drop.
-unsafe impl Send for IndexMapping {}
-// SAFETY: as above.
-unsafe impl Sync for IndexMapping {}
-
-impl IndexMapping {
-    /// Maps `len` bytes of `fd` (sealed against shrinking) read-only and checks them as a read
-    /// index over an arena of `arena_bytes`.
-    pub(crate) fn map(fd: OwnedFd, len: u64, arena_bytes: u64, owner: OwnerWatch) -> io::Result<IndexMapping> {
-        let len = usize::try_from(len).map_err(|_| io::Error::other("read index larger than the address space"))?;
-        // SAFETY: fcntl reads the seals of a descriptor we own.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & INDEX_SEALS != INDEX_SEALS {
-            return Err(io::Error::other("the read index is not sealed against resizing"));
-        }
-        // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if (st.st_size as u64) < len as u64 {
-            return Err(io::Error::other("the read index descriptor is shorter than announced"));
-        }
-        // SAFETY: a new read-only shared mapping of a descriptor we own, at an address the kernel
-        // picks.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        // SAFETY: the mapping made above, page-aligned, kept until this value drops.
-        match unsafe { ReadIndexView::new(base, len, arena_bytes) } {
-            Ok(view) => {
-                let shards = view.geometry().shards;
-                Ok(IndexMapping { base, len, view, owner, shards })
-            }
-            Err(e) => {
-                // SAFETY: the mapping made above, never used.
-                unsafe { libc::munmap(base.as_ptr().cast(), len) };
-                Err(io::Error::other(e.to_string()))
-            }
-        }
-    }
-
-    /// The view, while the owner lives.
-    fn view(&self) -> Option<&ReadIndexView> {
-        self.owner.alive().then_some(&self.view)
-    }
-}
-
-impl Drop for IndexMapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`; the view is dropped with it and nothing else holds it.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
-    }
-}
+use crate::shm::{IndexMapping, OwnerWatch, ShmMapping, INDEX_SEALS};
 
 /// What a fast read did.
 #[derive(Debug, PartialEq, Eq)]
@@ -178,7 +45,7 @@ pub(crate) fn read(
     target: FastTarget<'_, '_>,
 ) -> FastRead {
     let Some(view) = index.view() else { return FastRead::Lease };
-    let shard = kvtide::shard_of_key(key, index.shards);
+    let shard = kvtide::shard_of_key(key, index.shards());
     let Some(found) = view.find(shard, &KeyDigest::of(key)) else { return FastRead::Lease };
     let len = found.len;
     let fits = match check {

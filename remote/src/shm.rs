@@ -4,13 +4,18 @@
 //! owner copies them out of.
 //!
 //! It owns the owner's check that the arena memfd is sealed before it is shared, the client's
-//! mapping and the bounds check of every copy against it, and the put windows (sealed size,
+//! mapping and the bounds check of every copy against it, the client's mapping of the owner's
+//! read index and its watch on the owner's life (`IndexMapping`, `OwnerWatch`), and the put windows (sealed size,
 //! read-only on the owner's side). It never shares a descriptor whose
 //! seals it could not confirm, never maps anything writable, and never reads outside a range the
 //! caller validated against a lease the owner granted (the grant check happens in
 //! `protocol::Grant::check` and again here).
 
 use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use kvtide_tiers::dram::read_index::ReadIndexView;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
@@ -100,7 +105,7 @@ pub(crate) struct ShmMapping {
     instance_id: u64,
     attachment: Attachment,
     /// The owner's read index over this arena, once asked for (None: refused or unusable).
-    read_index: std::sync::OnceLock<Option<crate::fast_read::IndexMapping>>,
+    read_index: std::sync::OnceLock<Option<IndexMapping>>,
 }
 
 // SAFETY: the mapping is read-only shared memory; the pointer is only used for bounds-checked
@@ -174,7 +179,7 @@ impl ShmMapping {
     }
 
     /// The owner's read index over this arena, if it was asked for and mapped.
-    pub(crate) fn read_index(&self) -> Option<&crate::fast_read::IndexMapping> {
+    pub(crate) fn read_index(&self) -> Option<&IndexMapping> {
         self.read_index.get().and_then(Option::as_ref)
     }
 
@@ -184,7 +189,7 @@ impl ShmMapping {
     }
 
     /// Keeps what asking for the read index gave (the first answer wins).
-    pub(crate) fn set_read_index(&self, index: Option<crate::fast_read::IndexMapping>) {
+    pub(crate) fn set_read_index(&self, index: Option<IndexMapping>) {
         let _ = self.read_index.set(index);
     }
 
@@ -438,5 +443,137 @@ mod tests {
         // SAFETY: a plain syscall on our descriptor.
         assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 1 << 20) }, 0);
         assert!(PutWindow::map_writable(fd, 1 << 20).is_err());
+    }
+}
+
+/// How long a check that the owner lives is trusted. An owner that died is replaced by a new
+/// process that must start, open its store and take a write before any key can hold something
+/// newer than the dead owner's index says: far longer than this.
+const OWNER_CHECK_NS: u64 = 1_000_000;
+
+/// Seals the read index must carry before it is mapped: its size is fixed, so the owner cannot
+/// shrink it under the mapping (a read past the end would kill the client with `SIGBUS`).
+pub(crate) const INDEX_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// Whether the owner process that shares an index still lives, checked at most every
+/// `OWNER_CHECK_NS` (a `poll` of its pidfd: readable once it exited).
+#[derive(Debug)]
+pub(crate) struct OwnerWatch {
+    pidfd: OwnedFd,
+    epoch: Instant,
+    checked_ns: AtomicU64,
+    dead: AtomicBool,
+}
+
+impl OwnerWatch {
+    /// A watch on process `pid` (the peer of the connection the index came on; the caller then
+    /// proves with a reply on that connection that the pid was still the owner's).
+    pub(crate) fn of_pid(pid: libc::pid_t) -> io::Result<OwnerWatch> {
+        if pid <= 0 {
+            return Err(io::Error::other("the owner's process id is not visible here"));
+        }
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(OwnerWatch { pidfd, epoch: Instant::now(), checked_ns: AtomicU64::new(0), dead: AtomicBool::new(false) })
+    }
+
+    pub(crate) fn alive(&self) -> bool {
+        if self.dead.load(Ordering::Relaxed) {
+            return false;
+        }
+        let now = self.epoch.elapsed().as_nanos() as u64 + OWNER_CHECK_NS;
+        if now.saturating_sub(self.checked_ns.load(Ordering::Relaxed)) < OWNER_CHECK_NS {
+            return true;
+        }
+        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd of a descriptor we own; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+        if ready != 0 {
+            // Exited (readable), or the descriptor failed: either way, stop trusting the index.
+            self.dead.store(true, Ordering::Relaxed);
+            return false;
+        }
+        self.checked_ns.store(now, Ordering::Relaxed);
+        true
+    }
+}
+
+/// The owner's read index mapped read-only in this process.
+#[derive(Debug)]
+pub(crate) struct IndexMapping {
+    base: NonNull<u8>,
+    len: usize,
+    view: ReadIndexView,
+    owner: OwnerWatch,
+    /// Shards of the owner's engine (the index's regions).
+    shards: usize,
+}
+
+// SAFETY: a read-only mapping only read through the view's atomics; it lives until drop.
+unsafe impl Send for IndexMapping {}
+// SAFETY: as above.
+unsafe impl Sync for IndexMapping {}
+
+impl IndexMapping {
+    /// Maps `len` bytes of `fd` (sealed against shrinking) read-only and checks them as a read
+    /// index over an arena of `arena_bytes`.
+    pub(crate) fn map(fd: OwnedFd, len: u64, arena_bytes: u64, owner: OwnerWatch) -> io::Result<IndexMapping> {
+        let len = usize::try_from(len).map_err(|_| io::Error::other("read index larger than the address space"))?;
+        // SAFETY: fcntl reads the seals of a descriptor we own.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & INDEX_SEALS != INDEX_SEALS {
+            return Err(io::Error::other("the read index is not sealed against resizing"));
+        }
+        // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if (st.st_size as u64) < len as u64 {
+            return Err(io::Error::other("the read index descriptor is shorter than announced"));
+        }
+        // SAFETY: a new read-only shared mapping of a descriptor we own, at an address the kernel
+        // picks.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        // SAFETY: the mapping made above, page-aligned, kept until this value drops.
+        match unsafe { ReadIndexView::new(base, len, arena_bytes) } {
+            Ok(view) => {
+                let shards = view.geometry().shards;
+                Ok(IndexMapping { base, len, view, owner, shards })
+            }
+            Err(e) => {
+                // SAFETY: the mapping made above, never used.
+                unsafe { libc::munmap(base.as_ptr().cast(), len) };
+                Err(io::Error::other(e.to_string()))
+            }
+        }
+    }
+
+    /// Shards of the owner's engine (the index's regions).
+    pub(crate) fn shards(&self) -> usize {
+        self.shards
+    }
+
+    /// The view, while the owner lives.
+    pub(crate) fn view(&self) -> Option<&ReadIndexView> {
+        self.owner.alive().then_some(&self.view)
+    }
+}
+
+impl Drop for IndexMapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`; the view is dropped with it and nothing else holds it.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }

@@ -19,12 +19,11 @@ use kvtide_transport::{Direction, Region, Transfer};
 
 use super::gpu;
 use crate::error::{Error, Result};
-use crate::fast_read::{IndexMapping, OwnerWatch};
 use crate::protocol::{
     decode_error_frame, decode_index_map, decode_object, FrameHeader, GetItem, Grant, GrantsPart, HelloOk, LenCheck,
     Limits, NextPart, Op, ProtocolError, Request, WHOLE_REQUEST,
 };
-use crate::shm::{PutWindow, ShmMapping};
+use crate::shm::{IndexMapping, OwnerWatch, PutWindow, ShmMapping};
 use crate::wire::{FrameIo, WResult, WireError};
 
 /// A lease is trusted only if the copy finished this long before its TTL.
