@@ -48,63 +48,31 @@ pub(crate) fn read(
     let shard = kvtide::shard_of_key(key, index.shards());
     let Some(found) = view.find(shard, &KeyDigest::of(key)) else { return FastRead::Lease };
     let len = found.len;
-    let fits = match check {
-        LenCheck::Any => true,
-        LenCheck::AtMost(n) => len <= n,
-        LenCheck::Exactly(n) => len == n,
-    };
     // A mismatch is answered by the leased path, which says why.
-    if !fits || found.offset.checked_add(len).is_none_or(|end| end > arena.len()) {
+    if check.check(len).is_err() {
         return FastRead::Lease;
     }
-    let owned = match target {
+    // Every copy below writes caller memory lent writable for this call, from a source range the
+    // mapping checks. The bytes may change under a copy; the check after it then discards them.
+    let copied = match target {
         FastTarget::Regions(regions) => {
-            let mut pos = 0;
-            for r in regions {
-                if pos == len {
-                    break;
-                }
-                let take = (r.len() as u64).min(len - pos);
-                // SAFETY: the range lies in the mapping (checked above); the destination is caller
-                // memory lent writable for this call. The bytes may change under the copy; the
-                // check below then discards them.
-                if unsafe { arena.copy_out(found.offset + pos, take, r.addr() as *mut u8) }.is_err() {
-                    return FastRead::Lease;
-                }
-                pos += take;
-            }
-            if pos != len {
-                return FastRead::Lease;
-            }
-            None
+            // SAFETY: as above.
+            unsafe { arena.copy_out_across(found.offset, len, regions) }.map(|()| None)
         }
-        FastTarget::Owned => {
-            let Ok(n) = usize::try_from(len) else { return FastRead::Lease };
-            let mut v = Vec::<u8>::with_capacity(n);
-            // SAFETY: v has room for len bytes; copy_out writes exactly those or fails before
-            // writing (then set_len is not reached). A raced copy is discarded below.
-            unsafe {
-                if arena.copy_out(found.offset, len, v.as_mut_ptr()).is_err() {
-                    return FastRead::Lease;
-                }
-                v.set_len(n);
-            }
-            Some(v)
-        }
-        FastTarget::Fragments(fragments) => {
-            for (src, n, dst) in fragments {
+        // SAFETY: as above.
+        FastTarget::Owned => unsafe { arena.copy_out_vec(found.offset, len) }.map(Some),
+        FastTarget::Fragments(fragments) => fragments
+            .iter()
+            .try_for_each(|(src, n, dst)| {
                 if src.checked_add(*n).is_none_or(|end| end > len) || dst.len() as u64 != *n {
-                    return FastRead::Lease;
+                    return Err(crate::Error::Protocol("a fragment outside the object".into()));
                 }
-                // SAFETY: within the object, so within the checked range; the destination is
-                // caller memory of `n` bytes lent writable. A raced copy is discarded below.
-                if unsafe { arena.copy_out(found.offset + src, *n, dst.addr() as *mut u8) }.is_err() {
-                    return FastRead::Lease;
-                }
-            }
-            None
-        }
+                // SAFETY: as above; `dst` holds `n` bytes (checked).
+                unsafe { arena.copy_out(found.offset + src, *n, dst.addr() as *mut u8) }
+            })
+            .map(|()| None),
     };
+    let Ok(owned) = copied else { return FastRead::Lease };
     if !view.unchanged(&found) {
         return FastRead::Lease;
     }

@@ -21,6 +21,32 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
+/// Maps `len` bytes (not zero) of `fd` read-only and shared, after checking the descriptor is
+/// that long; `what` names it in errors. The mapping is the caller's to unmap.
+fn map_read_only(fd: &OwnedFd, len: u64, what: &str) -> io::Result<(NonNull<u8>, usize)> {
+    let len = usize::try_from(len).map_err(|_| io::Error::other(format!("{what} larger than the address space")))?;
+    if len == 0 {
+        return Err(io::Error::other(format!("empty {what}")));
+    }
+    // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if (st.st_size as u64) < len as u64 {
+        return Err(io::Error::other(format!("{what} descriptor is {} bytes, the owner announced {len}", st.st_size)));
+    }
+    // SAFETY: a new read-only shared mapping of a descriptor we own, at an address the kernel
+    // picks, so no existing mapping is replaced.
+    let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+    Ok((base, len))
+}
+
 /// What must go before a mapping is unmapped (its CUDA registration), attached once.
 #[derive(Default)]
 pub(crate) struct Attachment(Mutex<Option<Box<dyn Any + Send + Sync>>>);
@@ -145,30 +171,7 @@ impl ShmMapping {
     /// Maps `len` bytes of `fd` read-only (the descriptor is closed afterwards; the mapping keeps
     /// the memory alive).
     pub(crate) fn map(fd: OwnedFd, len: u64, instance_id: u64) -> io::Result<ShmMapping> {
-        let len = usize::try_from(len).map_err(|_| io::Error::other("arena larger than the address space"))?;
-        if len == 0 {
-            return Err(io::Error::other("empty arena"));
-        }
-        // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if (st.st_size as u64) < len as u64 {
-            return Err(io::Error::other(format!(
-                "arena descriptor is {} bytes, the owner announced {len}",
-                st.st_size
-            )));
-        }
-        // SAFETY: a new read-only shared mapping of a descriptor we own, at an address the kernel
-        // picks, so no existing mapping is replaced.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        let (base, len) = map_read_only(&fd, len, "arena")?;
         Ok(ShmMapping {
             base,
             len,
@@ -237,6 +240,49 @@ impl ShmMapping {
         // the caller's (contract), and a read-only mapping cannot overlap a writable buffer.
         unsafe { kvtide_transport::memcpy::copy_bytes(dst, self.base.as_ptr().add(offset as usize), len as usize) };
         Ok(())
+    }
+    /// Copies `len` bytes at `offset` of the arena, in order, across `regions` (host memory),
+    /// after checking the range; regions past the last byte are left alone. Fails with
+    /// `BufferTooSmall` (nothing promised written) when the regions hold fewer than `len` bytes.
+    ///
+    /// # Safety
+    /// Each region must be valid for writes for the call; the source bytes are `copy_out`'s.
+    pub(crate) unsafe fn copy_out_across(
+        &self,
+        offset: u64,
+        len: u64,
+        regions: &[kvtide_transport::Region<'_>],
+    ) -> Result<(), crate::Error> {
+        let mut pos = 0;
+        for r in regions {
+            if pos == len {
+                break;
+            }
+            let take = (r.len() as u64).min(len - pos);
+            // SAFETY: the region is writable (contract); copy_out checks the source range.
+            unsafe { self.copy_out(offset + pos, take, r.addr() as *mut u8)? };
+            pos += take;
+        }
+        if pos != len {
+            return Err(kvtide::Error::BufferTooSmall { object_bytes: len, buffer_bytes: pos }.into());
+        }
+        Ok(())
+    }
+
+    /// `len` bytes at `offset` of the arena in a new vector, after checking the range.
+    ///
+    /// # Safety
+    /// The source bytes are `copy_out`'s.
+    pub(crate) unsafe fn copy_out_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>, crate::Error> {
+        let n = usize::try_from(len).map_err(|_| crate::Error::Protocol(format!("{len} bytes do not fit memory")))?;
+        let mut v = Vec::<u8>::with_capacity(n);
+        // SAFETY: v has room for len bytes; copy_out writes exactly those or fails before writing
+        // (then set_len is not reached).
+        unsafe {
+            self.copy_out(offset, len, v.as_mut_ptr())?;
+            v.set_len(n);
+        }
+        Ok(v)
     }
 }
 
@@ -461,7 +507,8 @@ pub(crate) const INDEX_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_G
 pub(crate) struct OwnerWatch {
     pidfd: OwnedFd,
     epoch: Instant,
-    checked_ns: AtomicU64,
+    /// Until when (ns since `epoch`) the last check is trusted; 0: never checked.
+    trusted_until_ns: AtomicU64,
     dead: AtomicBool,
 }
 
@@ -479,15 +526,20 @@ impl OwnerWatch {
         }
         // SAFETY: a fresh descriptor nothing else owns.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(OwnerWatch { pidfd, epoch: Instant::now(), checked_ns: AtomicU64::new(0), dead: AtomicBool::new(false) })
+        Ok(OwnerWatch {
+            pidfd,
+            epoch: Instant::now(),
+            trusted_until_ns: AtomicU64::new(0),
+            dead: AtomicBool::new(false),
+        })
     }
 
     pub(crate) fn alive(&self) -> bool {
         if self.dead.load(Ordering::Relaxed) {
             return false;
         }
-        let now = self.epoch.elapsed().as_nanos() as u64 + OWNER_CHECK_NS;
-        if now.saturating_sub(self.checked_ns.load(Ordering::Relaxed)) < OWNER_CHECK_NS {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        if now < self.trusted_until_ns.load(Ordering::Relaxed) {
             return true;
         }
         let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -498,7 +550,7 @@ impl OwnerWatch {
             self.dead.store(true, Ordering::Relaxed);
             return false;
         }
-        self.checked_ns.store(now, Ordering::Relaxed);
+        self.trusted_until_ns.store(now + OWNER_CHECK_NS, Ordering::Relaxed);
         true
     }
 }
@@ -523,29 +575,12 @@ impl IndexMapping {
     /// Maps `len` bytes of `fd` (sealed against shrinking) read-only and checks them as a read
     /// index over an arena of `arena_bytes`.
     pub(crate) fn map(fd: OwnedFd, len: u64, arena_bytes: u64, owner: OwnerWatch) -> io::Result<IndexMapping> {
-        let len = usize::try_from(len).map_err(|_| io::Error::other("read index larger than the address space"))?;
         // SAFETY: fcntl reads the seals of a descriptor we own.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
         if seals < 0 || seals & INDEX_SEALS != INDEX_SEALS {
             return Err(io::Error::other("the read index is not sealed against resizing"));
         }
-        // SAFETY: stat is plain data; fstat fills it for a descriptor we own.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if (st.st_size as u64) < len as u64 {
-            return Err(io::Error::other("the read index descriptor is shorter than announced"));
-        }
-        // SAFETY: a new read-only shared mapping of a descriptor we own, at an address the kernel
-        // picks.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        let (base, len) = map_read_only(&fd, len, "read index")?;
         // SAFETY: the mapping made above, page-aligned, kept until this value drops.
         match unsafe { ReadIndexView::new(base, len, arena_bytes) } {
             Ok(view) => {

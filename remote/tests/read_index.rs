@@ -7,7 +7,7 @@
 mod support;
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,7 +19,7 @@ use kvtide_remote::protocol::{
     NONCE_BYTES,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, ReadIndexCounts, RemoteStore};
-use support::{options, temp_dir, unix_client, wait_idle};
+use support::{options, recv_with_fd, temp_dir, unix_client, wait_idle};
 
 /// An engine keeping a read index, and an owner sharing it on `dir/owner.sock`.
 fn indexed_owner(dir: &std::path::Path, dram_bytes: u64, read_index: bool) -> Owner {
@@ -310,36 +310,6 @@ fn read_frame_with_fd(s: &UnixStream, op: Op) -> (Vec<u8>, Option<OwnedFd>) {
         got += n;
         fd = fd.or(received);
     }
-}
-
-fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> (usize, Option<OwnedFd>) {
-    #[repr(C, align(8))]
-    struct Cmsg([u8; 64]);
-    let mut cmsg = Cmsg([0; 64]);
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cmsg.0.as_mut_ptr().cast();
-    msg.msg_controllen = cmsg.0.len();
-    // SAFETY: iov and the control buffer are live and sized as described for the call.
-    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    assert!(n >= 0, "recvmsg: {}", std::io::Error::last_os_error());
-    let mut fd = None;
-    // SAFETY: the kernel filled the control buffer; CMSG_* walk only inside it, and an
-    // SCM_RIGHTS payload holds descriptors that are now ours.
-    unsafe {
-        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
-        while !hdr.is_null() {
-            if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(hdr).cast::<RawFd>());
-                fd = Some(OwnedFd::from_raw_fd(raw));
-            }
-            hdr = libc::CMSG_NXTHDR(&msg, hdr);
-        }
-    }
-    (n as usize, fd)
 }
 
 #[test]

@@ -25,7 +25,7 @@ use kvtide_remote::protocol::{
     MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
-use support::{options, temp_dir, token, unix_client, wait_idle};
+use support::{options, recv_with_fd, temp_dir, token, unix_client, wait_idle};
 
 fn engine(dram_bytes: u64) -> Arc<Engine> {
     support::engine(dram_bytes, 2)
@@ -1067,37 +1067,6 @@ fn shm_handshake(owner: &Owner) -> (Raw, HelloOk, Option<OwnedFd>) {
             fd = received;
         }
     }
-}
-
-/// One `recvmsg`, collecting a descriptor passed with the bytes.
-fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> (usize, Option<OwnedFd>) {
-    #[repr(C, align(8))]
-    struct Cmsg([u8; 64]);
-    let mut cmsg = Cmsg([0; 64]);
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cmsg.0.as_mut_ptr().cast();
-    msg.msg_controllen = cmsg.0.len();
-    // SAFETY: iov and the control buffer are live and sized as described for the call.
-    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    assert!(n >= 0, "recvmsg: {}", std::io::Error::last_os_error());
-    let mut fd = None;
-    // SAFETY: the kernel filled the control buffer; CMSG_* walk only inside it, and an
-    // SCM_RIGHTS payload holds descriptors that are now ours.
-    unsafe {
-        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
-        while !hdr.is_null() {
-            if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(hdr).cast::<RawFd>());
-                fd = Some(OwnedFd::from_raw_fd(raw));
-            }
-            hdr = libc::CMSG_NXTHDR(&msg, hdr);
-        }
-    }
-    (n as usize, fd)
 }
 
 /// Every way a holder of the arena descriptor `fd` might change arena bytes or the arena's size,

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use kvtide::{Error as StoreError, PutOptions};
 use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
-use super::conn::{reply_of, source_slices, Conn, WindowState};
+use super::conn::{source_slices, Conn, WindowState};
 use super::gpu;
 use super::Inner;
 use crate::error::Result;
@@ -99,25 +99,12 @@ impl Conn {
             return Ok(());
         }
         self.window = WindowState::Unavailable;
-        self.io.push_frame(Op::PutWindow, rid, &[]);
-        self.io.flush()?;
-        let mut fd = None;
-        let h = self.io.read_header_with_fd(&self.limits, Some(&mut fd))?;
-        if h.request_id != rid {
-            return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
-        }
-        let payload = self.io.read_payload(h.payload_len)?;
         let decode = |p: &[u8]| Ok(decode_window(p, 2 * u64::from(MIN_CHUNK_BYTES), MAX_WINDOW_BYTES)?);
-        match reply_of(h.op, &payload, Op::Window, "a put window", decode)? {
-            Ok(bytes) => {
-                let Some(fd) = fd else {
-                    return Err(ProtocolError::Invalid { what: "put window without a descriptor" }.into());
-                };
-                match PutWindow::map_writable(fd, bytes) {
-                    Ok(w) => self.window = WindowState::Mapped(w),
-                    Err(e) => tracing::warn!(error = %e, "cannot map the put window; putting over the socket"),
-                }
-            }
+        match self.request_descriptor(rid, Op::PutWindow, Op::Window, "a put window", decode)? {
+            Ok((bytes, fd)) => match PutWindow::map_writable(fd, bytes) {
+                Ok(w) => self.window = WindowState::Mapped(w),
+                Err(e) => tracing::warn!(error = %e, "cannot map the put window; putting over the socket"),
+            },
             Err(e) => tracing::debug!(error = %e, "no put window; putting over the socket"),
         }
         Ok(())

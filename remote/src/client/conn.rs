@@ -10,6 +10,7 @@
 //! checked before they reach it.
 
 use std::io::IoSlice;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -520,6 +521,34 @@ impl Conn {
     }
 
     /// Sends a one-way `Release` of `leases` (none: nothing).
+    /// Sends `op` (no payload) and reads its `reply` and the descriptor passed with it: the
+    /// decoded reply and the descriptor, or the owner's refusal. A granted reply without a
+    /// descriptor is a protocol error.
+    pub(super) fn request_descriptor<T>(
+        &mut self,
+        rid: u64,
+        op: Op,
+        reply: Op,
+        expected: &'static str,
+        decode: impl FnOnce(&[u8]) -> WResult<T>,
+    ) -> WResult<Result<(T, OwnedFd)>> {
+        self.io.push_frame(op, rid, &[]);
+        self.io.flush()?;
+        let mut fd = None;
+        let h = self.io.read_header_with_fd(&self.limits, Some(&mut fd))?;
+        if h.request_id != rid {
+            return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
+        }
+        let payload = self.io.read_payload(h.payload_len)?;
+        match reply_of(h.op, &payload, reply, expected, decode)? {
+            Ok(granted) => match fd {
+                Some(fd) => Ok(Ok((granted, fd))),
+                None => Err(ProtocolError::Invalid { what: "a descriptor reply without its descriptor" }.into()),
+            },
+            Err(e) => Ok(Err(e)),
+        }
+    }
+
     /// Asks the owner once for its read index (Unix socket with the arena mapped, first
     /// connection to this owner instance in the process) and keeps what it gives with the arena
     /// mapping. A refusal, or an index that cannot be mapped or checked, leaves reads leased.
@@ -531,36 +560,26 @@ impl Conn {
         // The pid the kernel recorded at connect; the reply below proves it was still the owner's.
         let watch = match self.io.stream().peer_pid().map(OwnerWatch::of_pid) {
             Some(Ok(watch)) => watch,
-            other => {
-                let why = other.map_or("the owner's pid is not visible here".to_string(), |e| format!("{:?}", e.err()));
-                tracing::debug!(why, "no read index: reads lease");
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "cannot watch the owner process; reads lease");
+                arena.set_read_index(None);
+                return Ok(());
+            }
+            None => {
+                tracing::debug!("the owner's pid is not visible here; reads lease");
                 arena.set_read_index(None);
                 return Ok(());
             }
         };
-        let rid = 0;
-        self.io.push_frame(Op::ReadIndex, rid, &[]);
-        self.io.flush()?;
-        let mut fd = None;
-        let h = self.io.read_header_with_fd(&self.limits, Some(&mut fd))?;
-        if h.request_id != rid {
-            return Err(ProtocolError::Invalid { what: "reply to another request" }.into());
-        }
-        let payload = self.io.read_payload(h.payload_len)?;
         let decode = |p: &[u8]| Ok(decode_index_map(p, MAX_READ_INDEX_BYTES)?);
-        let mapped = match reply_of(h.op, &payload, Op::IndexMap, "a read index", decode)? {
-            Ok(bytes) => {
-                let Some(fd) = fd else {
-                    return Err(ProtocolError::Invalid { what: "read index without a descriptor" }.into());
-                };
-                match IndexMapping::map(fd, bytes, arena.len(), watch) {
-                    Ok(m) => Some(m),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot use the owner's read index; reads lease");
-                        None
-                    }
+        let mapped = match self.request_descriptor(0, Op::ReadIndex, Op::IndexMap, "a read index", decode)? {
+            Ok((bytes, fd)) => match IndexMapping::map(fd, bytes, arena.len(), watch) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot use the owner's read index; reads lease");
+                    None
                 }
-            }
+            },
             Err(e) => {
                 tracing::debug!(error = %e, "no read index; reads lease");
                 None
@@ -800,28 +819,12 @@ pub(super) fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &m
             if len > room {
                 return Err(StoreError::BufferTooSmall { object_bytes: len, buffer_bytes: room }.into());
             }
-            let mut pos = 0;
-            for r in regions.iter() {
-                if pos == len {
-                    break;
-                }
-                let take = (r.len() as u64).min(len - pos);
-                // SAFETY: the destination is caller memory lent writable for this call; the
-                // source is leased to this connection until we release it, after this copy.
-                unsafe { mapping.copy_out(offset + pos, take, r.addr() as *mut u8)? };
-                pos += take;
-            }
+            // SAFETY: the destinations are caller memory lent writable for this call; the source
+            // is leased to this connection until we release it, after this copy.
+            unsafe { mapping.copy_out_across(offset, len, regions)? };
             Ok((len as usize, None))
         }
-        Target::Owned(_) => {
-            let mut v = Vec::<u8>::with_capacity(len as usize);
-            // SAFETY: v has capacity for len bytes; copy_out writes exactly len bytes (or fails
-            // before writing, and then set_len is not reached).
-            unsafe {
-                mapping.copy_out(offset, len, v.as_mut_ptr())?;
-                v.set_len(len as usize);
-            }
-            Ok((len as usize, Some(v)))
-        }
+        // SAFETY: as above.
+        Target::Owned(_) => Ok((len as usize, Some(unsafe { mapping.copy_out_vec(offset, len)? }))),
     }
 }

@@ -95,3 +95,34 @@ pub fn wait_served(child: &mut std::process::Child, socket: &str, timeout_s: u64
         }
     }
 }
+
+/// One `recvmsg`, collecting a descriptor passed with the bytes.
+pub fn recv_with_fd(s: &std::os::unix::net::UnixStream, buf: &mut [u8]) -> (usize, Option<std::os::fd::OwnedFd>) {
+    #[repr(C, align(8))]
+    struct Cmsg([u8; 64]);
+    let mut cmsg = Cmsg([0; 64]);
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.0.as_mut_ptr().cast();
+    msg.msg_controllen = cmsg.0.len();
+    // SAFETY: iov and the control buffer are live and sized as described for the call.
+    let n = unsafe { libc::recvmsg(std::os::fd::AsRawFd::as_raw_fd(s), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    assert!(n >= 0, "recvmsg: {}", std::io::Error::last_os_error());
+    let mut fd = None;
+    // SAFETY: the kernel filled the control buffer; CMSG_* walk only inside it, and an
+    // SCM_RIGHTS payload holds descriptors that are now ours.
+    unsafe {
+        let mut hdr = libc::CMSG_FIRSTHDR(&msg);
+        while !hdr.is_null() {
+            if (*hdr).cmsg_level == libc::SOL_SOCKET && (*hdr).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(hdr).cast::<std::os::fd::RawFd>());
+                fd = Some(std::os::fd::FromRawFd::from_raw_fd(raw));
+            }
+            hdr = libc::CMSG_NXTHDR(&msg, hdr);
+        }
+    }
+    (n as usize, fd)
+}

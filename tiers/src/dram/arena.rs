@@ -29,6 +29,8 @@ pub enum ArenaError {
     TooSmall { requested_bytes: usize, shards: usize, min_slice_bytes: usize },
     #[error("arena needs at least one slice")]
     NoSlices,
+    #[error("a read index has room for {max} shards, the arena has {slices} slices")]
+    TooManySlicesForIndex { slices: usize, max: usize },
     #[error("memfd_create failed: {0}")]
     Memfd(std::io::Error),
     #[error("could not size the arena to {bytes} bytes (ftruncate): {source}")]

@@ -150,8 +150,8 @@ impl ReadIndex {
     /// every other process.
     pub fn new(arena: &Arena, entries_per_shard: usize) -> Result<Arc<ReadIndex>, ArenaError> {
         let shards = arena.slice_count();
-        if shards == 0 || shards > MAX_SHARDS {
-            return Err(ArenaError::NoSlices);
+        if shards > MAX_SHARDS {
+            return Err(ArenaError::TooManySlicesForIndex { slices: shards, max: MAX_SHARDS });
         }
         let buckets = entries_per_shard.div_ceil(WAYS).max(1).next_power_of_two();
         let buckets_log2 = buckets.trailing_zeros().min(MAX_BUCKETS_LOG2);
@@ -328,16 +328,17 @@ impl RegionWriter {
         entry.offset.store(EMPTY, Ordering::Relaxed);
         entry.len.store(0, Ordering::Relaxed);
         entry.seq.store(seq + 2, Ordering::Release);
-        fence(Ordering::SeqCst);
     }
 
     /// Whether object `slot` is published now.
-    pub fn is_published(&self, slot: u32) -> bool {
+    #[cfg(test)]
+    fn is_published(&self, slot: u32) -> bool {
         self.location_of.get(slot as usize).is_some_and(|&l| l != 0)
     }
 
     /// Objects published now.
-    pub fn published(&self) -> usize {
+    #[cfg(test)]
+    fn published(&self) -> usize {
         self.slot_at.iter().filter(|&&s| s != 0).count()
     }
 
