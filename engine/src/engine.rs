@@ -442,6 +442,22 @@ impl PendingPuts<'_> {
         Ok(unsafe { std::slice::from_raw_parts_mut(grant.ptr.as_ptr(), grant.len as usize) })
     }
 
+    /// Every item's reserved bytes at once (or why it has none), so that several threads can
+    /// fill different items.
+    pub fn all_bytes_mut(&mut self) -> Vec<Result<&mut [u8]>> {
+        self.grants
+            .iter()
+            .map(|g| match g {
+                Err(e) => Err(e.clone()),
+                Ok(g) if g.len == 0 => Ok(&mut [][..]),
+                // SAFETY: each reservation gives this batch exclusive use of its own `len` bytes
+                // at its grant.ptr until commit or abort (drop); the reservations never overlap,
+                // and `&mut self` keeps every other borrow out while these live.
+                Ok(g) => Ok(unsafe { std::slice::from_raw_parts_mut(g.ptr.as_ptr(), g.len as usize) }),
+            })
+            .collect()
+    }
+
     /// Publishes the items `filled` accepts (one request per shard) and aborts the rest. Per
     /// item: the commit's result, the reservation's error, or `Cancelled` for an item that was
     /// reserved but not filled.

@@ -74,6 +74,7 @@ pub const NON_SETTING_VARIABLES: &[(&str, &str)] = &[
     ("KVTIDE_TIMEOUT_MS", "RemoteStore::connect's request deadline"),
     ("KVTIDE_SHARED_MEMORY", "whether RemoteStore::connect maps the owner's arena"),
     ("KVTIDE_READ_INDEX", "whether RemoteStore::connect reads through the owner's read index"),
+    ("KVTIDE_DIRECT_PUTS", "whether RemoteStore::connect lets a same-user owner read put values from its memory"),
     ("KVTIDE_ADDRESS", "the owner the SGLang and vLLM adapters connect to"),
     ("KVTIDE_CUDA_PROFILE", "GPU timelines of staged transfers (benchmarks)"),
     ("KVTIDE_FUZZ_RUNS", "runs per fuzz target in CI"),

@@ -2,10 +2,13 @@
 //! Whatever the payload, decoding never panics and never allocates from an unchecked count,
 //! and an accepted request honours every limit: item counts, key lengths (1..=max), fragment
 //! key indices, put lengths (inline <= total <= max value), batched puts (lengths, window
-//! offsets only for window values), scan prefixes and limits, progressive put heads and chunk heads. Accepted requests round-trip.
+//! offsets only for window values, client segments only for client values, at most
+//! `MAX_CLIENT_SEGMENTS` of them adding up to the value), scan prefixes and limits, progressive put heads and chunk heads. Accepted requests round-trip.
 #![no_main]
 
-use kvtide_remote::protocol::{Limits, Op, PutChunkHead, PutHead, Request, PUT_HEAD_BYTES};
+use kvtide_remote::protocol::{
+    Limits, Op, PutChunkHead, PutHead, Request, ValueSource, MAX_CLIENT_SEGMENTS, PUT_HEAD_BYTES,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -57,9 +60,17 @@ fuzz_target!(|data: &[u8]| {
         Request::PutOpen { key, total_len, chunk_bytes, .. } => {
             assert!(key_ok(key) && *total_len <= limits.max_value_bytes && *chunk_bytes >= 1);
         }
-        Request::PutBatch { window, items, .. } => {
+        Request::PutBatch { source, items, .. } => {
             assert!(items.len() <= max && items.iter().all(|i| key_ok(i.key) && i.len <= limits.max_value_bytes));
-            assert!(*window || items.iter().all(|i| i.window_offset == 0));
+            assert!(*source == ValueSource::Window || items.iter().all(|i| i.window_offset == 0));
+            for item in items {
+                if *source == ValueSource::Client {
+                    assert!(item.segments.len() <= MAX_CLIENT_SEGMENTS);
+                    assert_eq!(item.segments.iter().map(|(_, n)| u128::from(n)).sum::<u128>(), u128::from(item.len));
+                } else {
+                    assert!(item.segments.is_empty());
+                }
+            }
         }
         Request::RemoveBatch { keys, .. } => assert!(keys.len() <= max && keys.iter().all(|k| key_ok(k))),
         Request::ScanKeys { prefix, limit, .. } => {
@@ -71,7 +82,8 @@ fuzz_target!(|data: &[u8]| {
         | Request::PutSeal { .. }
         | Request::PutAbort { .. }
         | Request::PutWindow
-        | Request::ReadIndex => {}
+        | Request::ReadIndex
+        | Request::PutDirect { .. } => {}
     }
     let mut again = Vec::new();
     request.encode(&mut again);

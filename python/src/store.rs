@@ -202,6 +202,25 @@ impl PyStore {
         })
     }
 
+    /// How this client used the same-host paths of its owner: `{"index_reads": n,
+    /// "index_misses": n, "direct_put_bytes": n}` (reads served by the owner's read index
+    /// without a request, reads looked up there and then leased, put bytes the owner read
+    /// straight from this process). All zero for embedded and cluster stores.
+    fn same_host_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (reads, misses, direct) = match &*self.backend()? {
+            Backend::Remote(r) => {
+                let c = r.read_index_counts();
+                (c.read, c.leased, r.direct_put_bytes())
+            }
+            Backend::Embedded(_) | Backend::Cluster(_) => (0, 0, 0),
+        };
+        let out = PyDict::new(py);
+        out.set_item("index_reads", reads)?;
+        out.set_item("index_misses", misses)?;
+        out.set_item("direct_put_bytes", direct)?;
+        Ok(out)
+    }
+
     /// A cluster store's view: `{"members": [...], "invalid": [[key, why], ...], "routing":
     /// {...}}` (members with their address, capacity and use; routing counters). Raises
     /// `InvalidArgument` on other stores.
@@ -955,10 +974,11 @@ pub fn connect_cluster(
 
 /// `connect(address, *, token=None, token_file=None, timeout_ms=30000, ...)`: a store served by
 /// `kvtide-owner` at `address` ("unix:/path/owner.sock", a socket path, or "host:port").
-/// `KVTIDE_TOKEN_FILE`, `KVTIDE_TIMEOUT_MS` and `KVTIDE_SHARED_MEMORY` apply first.
+/// `KVTIDE_TOKEN_FILE`, `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX` and
+/// `KVTIDE_DIRECT_PUTS` apply first.
 #[pyfunction]
 #[pyo3(signature = (address, *, token=None, token_file=None, timeout_ms=None, connect_timeout_ms=None,
-    shared_memory=None, max_idle_connections=None, max_tickets_in_flight=None, max_stream_handles=None,
+    shared_memory=None, read_index=None, direct_puts=None, max_idle_connections=None, max_tickets_in_flight=None, max_stream_handles=None,
     max_stream_host_bytes=None, spin_us=None, gpu_staging=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn connect(
@@ -969,6 +989,8 @@ pub fn connect(
     timeout_ms: Option<u64>,
     connect_timeout_ms: Option<u64>,
     shared_memory: Option<bool>,
+    read_index: Option<bool>,
+    direct_puts: Option<bool>,
     max_idle_connections: Option<usize>,
     max_tickets_in_flight: Option<usize>,
     max_stream_handles: Option<usize>,
@@ -976,7 +998,7 @@ pub fn connect(
     spin_us: Option<u64>,
     gpu_staging: Option<bool>,
 ) -> PyResult<PyStore> {
-    // KVTIDE_TOKEN_FILE, KVTIDE_TIMEOUT_MS and KVTIDE_SHARED_MEMORY, then the keywords.
+    // The variables first (ClientOptions::from_env), then the keywords.
     let mut o = ClientOptions::from_env().map_err(|e| to_py(&e))?;
     if let Some(token) = token {
         let bytes = if let Ok(s) = token.extract::<String>() { s.into_bytes() } else { buffers::key(token)? };
@@ -993,6 +1015,12 @@ pub fn connect(
     }
     if let Some(v) = shared_memory {
         o.shared_memory = v;
+    }
+    if let Some(v) = read_index {
+        o.read_index = v;
+    }
+    if let Some(v) = direct_puts {
+        o.direct_puts = v;
     }
     if let Some(v) = max_idle_connections {
         o.max_idle_connections = v;

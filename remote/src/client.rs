@@ -96,6 +96,8 @@ struct Inner {
     /// Reads the read index served, and those it sent to the leased path.
     indexed_reads: AtomicU64,
     indexed_misses: AtomicU64,
+    /// Value bytes of puts the owner read from this process's memory and accepted.
+    direct_put_bytes: AtomicU64,
 }
 
 impl RemoteStore {
@@ -118,6 +120,7 @@ impl RemoteStore {
             holds: hold::Holds::default(),
             indexed_reads: AtomicU64::new(0),
             indexed_misses: AtomicU64::new(0),
+            direct_put_bytes: AtomicU64::new(0),
         });
         Ok(RemoteStore { inner })
     }
@@ -141,6 +144,12 @@ impl RemoteStore {
             read: self.inner.indexed_reads.load(Ordering::Relaxed),
             leased: self.inner.indexed_misses.load(Ordering::Relaxed),
         }
+    }
+
+    /// Value bytes of puts the owner read straight from this process's memory (one copy) and
+    /// accepted; the rest went through the put window or over the socket.
+    pub fn direct_put_bytes(&self) -> u64 {
+        self.inner.direct_put_bytes.load(Ordering::Relaxed)
     }
 
     /// True when reads may use the owner's read index (mapped, the owner alive).

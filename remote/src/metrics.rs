@@ -120,6 +120,10 @@ pub struct OwnerCounters {
     pub put_window_bytes: AtomicU64,
     /// Put windows refused because `max_put_window_bytes` was reached.
     pub put_windows_refused: AtomicU64,
+    /// Value bytes read straight from clients' memory (puts of connections that asked for it).
+    pub direct_put_bytes: AtomicU64,
+    /// Connections whose ask to put from their memory was refused (they put through the window).
+    pub direct_puts_refused: AtomicU64,
     /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
     pub batch_requests: AtomicU64,
     pub batch_items: AtomicU64,
@@ -262,7 +266,7 @@ impl OwnerCollector {
     fn encode_owner(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use Kind::{Counter, Gauge};
         let (c, r) = (&self.counters, load);
-        let owner: [(&str, &str, Kind, u64); 12] = [
+        let owner: [(&str, &str, Kind, u64); 13] = [
             ("kvtide_owner_connection_threads", "threads serving connections now", Gauge, r(&c.connection_threads)),
             (
                 "kvtide_owner_connections_parked",
@@ -278,6 +282,12 @@ impl OwnerCollector {
             ("kvtide_owner_leases_outstanding", "leases clients hold", Gauge, r(&c.leases_outstanding)),
             ("kvtide_owner_buffered_bytes", "request bytes buffered", Gauge, r(&c.buffered_bytes)),
             ("kvtide_owner_put_window_bytes", "bytes of put windows held", Gauge, r(&c.put_window_bytes)),
+            (
+                "kvtide_owner_direct_put_bytes",
+                "value bytes read straight from clients' memory",
+                Counter,
+                r(&c.direct_put_bytes),
+            ),
             ("kvtide_owner_batch_requests", "batched requests", Counter, r(&c.batch_requests)),
             ("kvtide_owner_batch_items", "items of batched requests", Counter, r(&c.batch_items)),
         ];
@@ -326,6 +336,7 @@ impl OwnerCollector {
             ("payload_timeout", r(&c.payload_timeouts)),
             ("idle", r(&c.idle_closed)),
             ("put_window_limit", r(&c.put_windows_refused)),
+            ("direct_put", r(&c.direct_puts_refused)),
             ("unknown_release", r(&c.unknown_releases)),
         ];
         let probe = ConstCounter::new(0u64);

@@ -163,6 +163,9 @@ wire_ops! {
         /// Asks for the owner's read index (Unix socket, arena shared): an `IndexMap` reply
         /// carries it.
         ReadIndex = 29, Other, decode_read_index;
+        /// Asks the owner to read this connection's put values from the client's own memory
+        /// (`process_vm_readv`): an `Ok` reply once it read the probe's nonce there.
+        PutDirect = 31, Put, decode_put_direct;
     }
     streamed {
         /// A put whose head (`PutHead`) and key the owner reads itself, then its value.
@@ -669,10 +672,65 @@ pub const PUT_PIN: u8 = 2;
 /// `Remove` flag: remove even when leased or pinned.
 pub const REMOVE_FORCE: u8 = 1;
 
-/// `PutBatch` source: the values follow in `Data` frames, in item order.
-pub const PUT_SOURCE_STREAM: u8 = 0;
-/// `PutBatch` source: each value lies in the connection's put window at its offset.
-pub const PUT_SOURCE_WINDOW: u8 = 1;
+/// Where the values of a `PutBatch` come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueSource {
+    /// The values follow in `Data` frames, in item order.
+    Stream = 0,
+    /// Each value lies in the connection's put window at its offset.
+    Window = 1,
+    /// Each value lies in the client's memory at its segments; the owner reads them there
+    /// (only on a connection whose `PutDirect` it accepted).
+    Client = 2,
+}
+
+/// Most segments one value read from the client's memory may have.
+pub const MAX_CLIENT_SEGMENTS: usize = 64;
+/// Bytes of the nonce a `PutDirect` probe reads from the client.
+pub const PROBE_BYTES: usize = 16;
+/// Wire bytes of one client segment (address, length).
+const CLIENT_SEGMENT_BYTES: usize = 16;
+
+/// Where a value lies in the client's memory: (address, length) pairs in the client's address
+/// space, kept as their wire bytes (validated: at most `MAX_CLIENT_SEGMENTS`, lengths summing
+/// to the value's). Addresses are the client's to vouch for; the kernel checks them on read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientSegments<'a>(&'a [u8]);
+
+impl<'a> ClientSegments<'a> {
+    /// Appends `segments` in wire form (without their count) to `buf`.
+    pub fn encode(segments: impl IntoIterator<Item = (u64, u64)>, buf: &mut Vec<u8>) {
+        for (addr, len) in segments {
+            buf.put_u64(addr);
+            buf.put_u64(len);
+        }
+    }
+
+    /// Segments from their wire form (as `encode` wrote them); None when `bytes` is not whole
+    /// segments.
+    pub fn from_wire(bytes: &'a [u8]) -> Option<ClientSegments<'a>> {
+        bytes.len().is_multiple_of(CLIENT_SEGMENT_BYTES).then_some(ClientSegments(bytes))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len() / CLIENT_SEGMENT_BYTES
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The (address, length) pairs.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        self.0.chunks_exact(CLIENT_SEGMENT_BYTES).map(|c| {
+            let (addr, len) = c.split_at(8);
+            (
+                u64::from_le_bytes(addr.try_into().unwrap_or_default()),
+                u64::from_le_bytes(len.try_into().unwrap_or_default()),
+            )
+        })
+    }
+}
 
 const MIN_KEY_BYTES: usize = 3; // u16 length + at least one byte
 const PUT_ITEM_BYTES: usize = MIN_KEY_BYTES + 16;
@@ -729,12 +787,12 @@ pub enum Request<'a> {
     GetFollow {
         key: &'a [u8],
     },
-    /// Puts of `items`; with `window`, each value lies in the put window, else the values follow
-    /// in `Data` frames of this request id, item after item.
+    /// Puts of `items`, their values from `source` (for `Stream`, `Data` frames of this request
+    /// id, item after item).
     PutBatch {
         upsert: bool,
         pin: bool,
-        window: bool,
+        source: ValueSource,
         items: Vec<PutItem<'a>>,
     },
     RemoveBatch {
@@ -743,6 +801,12 @@ pub enum Request<'a> {
     },
     PutWindow,
     ReadIndex,
+    /// Asks for puts read from the client's memory; the owner reads `PROBE_BYTES` at `probe`
+    /// there and expects `nonce`.
+    PutDirect {
+        probe: u64,
+        nonce: [u8; PROBE_BYTES],
+    },
     GetParts {
         items: Vec<GetItem<'a>>,
     },
@@ -759,8 +823,10 @@ pub enum Request<'a> {
 pub struct PutItem<'a> {
     pub key: &'a [u8],
     pub len: u64,
-    /// Where the value starts in the put window (0 for streamed values).
+    /// Where the value starts in the put window (0 for other sources).
     pub window_offset: u64,
+    /// Where the value lies in the client's memory (empty for other sources).
+    pub segments: ClientSegments<'a>,
 }
 
 impl<'a> Request<'a> {
@@ -804,14 +870,20 @@ impl<'a> Request<'a> {
                 buf.put_u64(*chunk_bytes);
             }
             Request::PutSeal { stream } | Request::PutAbort { stream } => buf.put_u64(*stream),
-            Request::PutBatch { upsert, pin, window, items } => {
+            Request::PutBatch { upsert, pin, source, items } => {
                 buf.put_u8(if *upsert { PUT_UPSERT } else { 0 } | if *pin { PUT_PIN } else { 0 });
-                buf.put_u8(if *window { PUT_SOURCE_WINDOW } else { PUT_SOURCE_STREAM });
+                buf.put_u8(*source as u8);
                 buf.put_u32(items.len() as u32);
                 for item in items {
                     buf.put_key(item.key);
                     buf.put_u64(item.len);
-                    buf.put_u64(item.window_offset);
+                    match source {
+                        ValueSource::Client => {
+                            buf.put_u16(item.segments.len() as u16);
+                            buf.extend_from_slice(item.segments.0);
+                        }
+                        ValueSource::Stream | ValueSource::Window => buf.put_u64(item.window_offset),
+                    }
                 }
             }
             Request::RemoveBatch { keys, force } => {
@@ -819,6 +891,10 @@ impl<'a> Request<'a> {
                 encode_keys(buf, keys);
             }
             Request::PutWindow | Request::ReadIndex => {}
+            Request::PutDirect { probe, nonce } => {
+                buf.put_u64(*probe);
+                buf.extend_from_slice(nonce);
+            }
             Request::GetParts { items } => {
                 buf.put_u32(items.len() as u32);
                 for item in items {
@@ -934,6 +1010,12 @@ fn decode_read_index<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>>
     Ok(Request::ReadIndex)
 }
 
+fn decode_put_direct<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    let probe = r.u64()?;
+    let nonce = r.array("probe nonce")?;
+    Ok(Request::PutDirect { probe, nonce })
+}
+
 /// The flags byte of a put: (upsert, pin).
 fn decode_put_flags(r: &mut Reader<'_>) -> PResult<(bool, bool)> {
     let flags = r.u8()?;
@@ -967,25 +1049,54 @@ fn decode_put_abort<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> 
 
 fn decode_put_batch<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
     let (upsert, pin) = decode_put_flags(r)?;
-    let window = match r.u8()? {
-        PUT_SOURCE_STREAM => false,
-        PUT_SOURCE_WINDOW => true,
+    let source = match r.u8()? {
+        0 => ValueSource::Stream,
+        1 => ValueSource::Window,
+        2 => ValueSource::Client,
         _ => return Err(ProtocolError::Invalid { what: "put source" }),
     };
-    let count = r.count(PUT_ITEM_BYTES, limits.max_items, "puts")?;
+    let min_item_bytes = if source == ValueSource::Client { MIN_KEY_BYTES + 10 } else { PUT_ITEM_BYTES };
+    let count = r.count(min_item_bytes, limits.max_items, "puts")?;
     let mut items = Vec::with_capacity(count);
     for _ in 0..count {
-        let item = PutItem { key: r.key(limits.max_key_bytes)?, len: r.u64()?, window_offset: r.u64()? };
-        if item.len > limits.max_value_bytes {
-            return Err(ProtocolError::FrameTooLarge { len: item.len, max: limits.max_value_bytes });
+        let key = r.key(limits.max_key_bytes)?;
+        let len = r.u64()?;
+        if len > limits.max_value_bytes {
+            return Err(ProtocolError::FrameTooLarge { len, max: limits.max_value_bytes });
         }
-        // Window ranges are checked against the window by the owner, which knows it.
-        if !window && item.window_offset != 0 {
-            return Err(ProtocolError::Invalid { what: "window offset of a streamed value" });
-        }
+        let item = match source {
+            // Window ranges are checked against the window by the owner, which knows it.
+            ValueSource::Window => PutItem { key, len, window_offset: r.u64()?, segments: ClientSegments::default() },
+            ValueSource::Stream => {
+                if r.u64()? != 0 {
+                    return Err(ProtocolError::Invalid { what: "window offset of a streamed value" });
+                }
+                PutItem { key, len, window_offset: 0, segments: ClientSegments::default() }
+            }
+            ValueSource::Client => PutItem { key, len, window_offset: 0, segments: decode_segments(r, len)? },
+        };
         items.push(item);
     }
-    Ok(Request::PutBatch { upsert, pin, window, items })
+    Ok(Request::PutBatch { upsert, pin, source, items })
+}
+
+/// A value's client segments: a u16 count (at most `MAX_CLIENT_SEGMENTS`), then the pairs,
+/// whose lengths must add up to `len`.
+fn decode_segments<'a>(r: &mut Reader<'a>, len: u64) -> PResult<ClientSegments<'a>> {
+    let count = usize::from(r.u16()?);
+    if count > MAX_CLIENT_SEGMENTS {
+        return Err(ProtocolError::TooMany {
+            what: "client segments",
+            count: count as u64,
+            max: MAX_CLIENT_SEGMENTS as u64,
+        });
+    }
+    let segments = ClientSegments(r.take(count * CLIENT_SEGMENT_BYTES, "client segments")?);
+    let total = segments.iter().try_fold(0u64, |sum, (_, n)| sum.checked_add(n));
+    if total != Some(len) {
+        return Err(ProtocolError::Invalid { what: "client segments that do not add up to the value" });
+    }
+    Ok(segments)
 }
 
 fn decode_scan_keys<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
@@ -1581,6 +1692,8 @@ mod tests {
     #[test]
     fn requests_round_trip() {
         let limits = Limits::default();
+        let mut segments = Vec::new();
+        ClientSegments::encode([(0x1000, 4), (0x2000, 8)], &mut segments);
         let requests = vec![
             Request::Get {
                 lease: true,
@@ -1605,18 +1718,28 @@ mod tests {
             Request::PutBatch {
                 upsert: true,
                 pin: false,
-                window: true,
+                source: ValueSource::Window,
                 items: vec![
-                    PutItem { key: b"a", len: 10, window_offset: 0 },
-                    PutItem { key: b"bb", len: 0, window_offset: 10 },
+                    PutItem { key: b"a", len: 10, window_offset: 0, segments: ClientSegments::default() },
+                    PutItem { key: b"bb", len: 0, window_offset: 10, segments: ClientSegments::default() },
                 ],
             },
             Request::PutBatch {
                 upsert: false,
                 pin: true,
-                window: false,
-                items: vec![PutItem { key: b"s", len: 1 << 20, window_offset: 0 }],
+                source: ValueSource::Stream,
+                items: vec![PutItem { key: b"s", len: 1 << 20, window_offset: 0, segments: ClientSegments::default() }],
             },
+            Request::PutBatch {
+                upsert: false,
+                pin: false,
+                source: ValueSource::Client,
+                items: vec![
+                    PutItem { key: b"c", len: 12, window_offset: 0, segments: ClientSegments(&segments) },
+                    PutItem { key: b"e", len: 0, window_offset: 0, segments: ClientSegments::default() },
+                ],
+            },
+            Request::PutDirect { probe: 0x7fff_0000_1000, nonce: [9; PROBE_BYTES] },
             Request::RemoveBatch { keys: vec![b"x", b"yy"], force: true },
             Request::PutWindow,
             Request::ReadIndex,
@@ -1659,31 +1782,63 @@ mod tests {
     #[test]
     fn put_batches_are_checked() {
         let limits = Limits { max_value_bytes: 1000, ..Limits::default() };
-        let encode = |window: bool, len: u64, window_offset: u64| {
+        let encode = |source: ValueSource, len: u64, window_offset: u64| {
             let mut buf = Vec::new();
+            let segments = [0u8; 0];
             Request::PutBatch {
                 upsert: false,
                 pin: false,
-                window,
-                items: vec![PutItem { key: b"k", len, window_offset }],
+                source,
+                items: vec![PutItem { key: b"k", len, window_offset, segments: ClientSegments(&segments) }],
             }
             .encode(&mut buf);
             buf
         };
-        assert!(Request::decode(Op::PutBatch, &encode(true, 1000, 5), &limits).is_ok());
-        let too_large = encode(true, 1001, 0);
+        assert!(Request::decode(Op::PutBatch, &encode(ValueSource::Window, 1000, 5), &limits).is_ok());
+        let too_large = encode(ValueSource::Window, 1001, 0);
         assert!(matches!(Request::decode(Op::PutBatch, &too_large, &limits), Err(ProtocolError::FrameTooLarge { .. })));
-        let streamed_offset = encode(false, 10, 5);
+        let streamed_offset = encode(ValueSource::Stream, 10, 5);
         assert!(matches!(Request::decode(Op::PutBatch, &streamed_offset, &limits), Err(ProtocolError::Invalid { .. })));
-        let mut bad_source = encode(true, 10, 0);
+        let mut bad_source = encode(ValueSource::Window, 10, 0);
         bad_source[1] = 7;
         assert!(matches!(Request::decode(Op::PutBatch, &bad_source, &limits), Err(ProtocolError::Invalid { .. })));
-        let mut bad_flags = encode(true, 10, 0);
+        let mut bad_flags = encode(ValueSource::Window, 10, 0);
         bad_flags[0] = 0x80;
         assert!(matches!(Request::decode(Op::PutBatch, &bad_flags, &limits), Err(ProtocolError::Invalid { .. })));
         let mut many = vec![0u8, 0];
         many.put_u32(u32::MAX);
         assert!(matches!(Request::decode(Op::PutBatch, &many, &limits), Err(ProtocolError::TooMany { .. })));
+    }
+
+    #[test]
+    fn client_segments_are_checked() {
+        let limits = Limits { max_value_bytes: 1 << 20, ..Limits::default() };
+        let encode = |len: u64, pairs: &[(u64, u64)]| {
+            let mut segments = Vec::new();
+            ClientSegments::encode(pairs.iter().copied(), &mut segments);
+            let mut buf = Vec::new();
+            Request::PutBatch {
+                upsert: false,
+                pin: false,
+                source: ValueSource::Client,
+                items: vec![PutItem { key: b"k", len, window_offset: 0, segments: ClientSegments(&segments) }],
+            }
+            .encode(&mut buf);
+            buf
+        };
+        let decoded = |buf: &[u8]| Request::decode(Op::PutBatch, buf, &limits).map(|_| ());
+        assert_eq!(decoded(&encode(12, &[(1, 4), (9, 8)])), Ok(()));
+        // Lengths that do not add up, or that overflow while adding.
+        assert!(matches!(decoded(&encode(13, &[(1, 4), (9, 8)])), Err(ProtocolError::Invalid { .. })));
+        assert!(matches!(decoded(&encode(3, &[(1, u64::MAX), (9, 4)])), Err(ProtocolError::Invalid { .. })));
+        // More segments than a value may have.
+        let many: Vec<(u64, u64)> = (0..=MAX_CLIENT_SEGMENTS as u64).map(|i| (i, 1)).collect();
+        assert!(matches!(decoded(&encode(many.len() as u64, &many)), Err(ProtocolError::TooMany { .. })));
+        // A count that promises more segments than follow.
+        let mut short = encode(12, &[(1, 4), (9, 8)]);
+        short.truncate(short.len() - 1);
+        assert!(matches!(decoded(&short), Err(ProtocolError::Truncated { .. })));
+        assert!(ClientSegments::from_wire(&[0u8; 17]).is_none());
     }
 
     #[test]

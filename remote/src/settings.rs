@@ -69,6 +69,9 @@ kvtide::settings_group! {
         put_window_bytes: u64 = OwnerConfig::default().put_window_bytes, Bytes, eg "8MiB";
         /// Put windows of all connections together (default 1 GiB).
         max_put_window_bytes: u64 = OwnerConfig::default().max_put_window_bytes, Bytes, eg "256MiB";
+        /// Read the put values of Unix clients of the owner's own user straight from their memory,
+        /// one copy (default true); other clients, and all with false, put through their window.
+        direct_puts: bool = OwnerConfig::default().direct_puts, Bool, eg "false";
         /// Largest frame payload (default 4 MiB).
         max_frame_bytes: u32 = OwnerConfig::default().max_payload_bytes, Bytes, eg "2MiB";
         /// Bytes of a value per data frame (default 1 MiB).
@@ -568,6 +571,7 @@ impl OwnerSettings {
             max_leases_per_connection: o.max_leases_per_connection,
             put_window_bytes: o.put_window_bytes,
             max_put_window_bytes: o.max_put_window_bytes,
+            direct_puts: o.direct_puts,
             max_payload_bytes: o.max_frame_bytes,
             chunk_bytes: o.chunk_bytes,
             max_items: o.max_items,

@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvtide_tiers::dram::read_index::ReadIndexView;
+
+use crate::sock::Pidfd;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
@@ -505,7 +507,7 @@ pub(crate) const INDEX_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_G
 /// `OWNER_CHECK_NS` (a `poll` of its pidfd: readable once it exited).
 #[derive(Debug)]
 pub(crate) struct OwnerWatch {
-    pidfd: OwnedFd,
+    pidfd: Pidfd,
     epoch: Instant,
     /// Until when (ns since `epoch`) the last check is trusted; 0: never checked.
     trusted_until_ns: AtomicU64,
@@ -516,18 +518,8 @@ impl OwnerWatch {
     /// A watch on process `pid` (the peer of the connection the index came on; the caller then
     /// proves with a reply on that connection that the pid was still the owner's).
     pub(crate) fn of_pid(pid: libc::pid_t) -> io::Result<OwnerWatch> {
-        if pid <= 0 {
-            return Err(io::Error::other("the owner's process id is not visible here"));
-        }
-        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         Ok(OwnerWatch {
-            pidfd,
+            pidfd: Pidfd::open(pid)?,
             epoch: Instant::now(),
             trusted_until_ns: AtomicU64::new(0),
             dead: AtomicBool::new(false),
@@ -542,10 +534,7 @@ impl OwnerWatch {
         if now < self.trusted_until_ns.load(Ordering::Relaxed) {
             return true;
         }
-        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one pollfd of a descriptor we own; a zero timeout never blocks.
-        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
-        if ready != 0 {
+        if self.pidfd.exited() {
             // Exited (readable), or the descriptor failed: either way, stop trusting the index.
             self.dead.store(true, Ordering::Relaxed);
             return false;

@@ -31,6 +31,12 @@ impl Stream {
     /// The process id of a Unix peer as the kernel recorded it at connect (`SO_PEERCRED`); None
     /// over TCP, or when the peer's process is not visible in this pid namespace.
     pub(crate) fn peer_pid(&self) -> Option<libc::pid_t> {
+        self.peer_cred().map(|c| c.pid)
+    }
+
+    /// The credentials of a Unix peer as the kernel recorded them at connect (`SO_PEERCRED`);
+    /// None over TCP, or when the peer's process is not visible in this pid namespace.
+    pub(crate) fn peer_cred(&self) -> Option<libc::ucred> {
         let Stream::Unix(s) = self else { return None };
         let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -44,7 +50,16 @@ impl Stream {
                 &mut len,
             )
         };
-        (rc == 0 && cred.pid > 0).then_some(cred.pid)
+        (rc == 0 && cred.pid > 0).then_some(cred)
+    }
+
+    /// Whether the peer shut the connection (or it failed): a zero-timeout `poll` for
+    /// `POLLRDHUP`. Bytes still unread do not hide it.
+    pub(crate) fn peer_closed(&self) -> bool {
+        let mut pfd = libc::pollfd { fd: self.fd(), events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one pollfd of a descriptor we own; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+        ready < 0 || pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
     }
 
     /// Read and write timeouts (`SO_RCVTIMEO`/`SO_SNDTIMEO`); they also bound the raw calls below.
@@ -347,6 +362,42 @@ impl WakeFlag {
     }
 }
 
+/// A process descriptor (`pidfd_open`): it names one process for its whole life, so a pid
+/// reused after that process exited is never mistaken for it.
+#[derive(Debug)]
+pub(crate) struct Pidfd {
+    fd: OwnedFd,
+    pid: libc::pid_t,
+}
+
+impl Pidfd {
+    pub(crate) fn open(pid: libc::pid_t) -> io::Result<Pidfd> {
+        if pid <= 0 {
+            return Err(io::Error::other("the process id is not visible here"));
+        }
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        Ok(Pidfd { fd: unsafe { OwnedFd::from_raw_fd(fd as i32) }, pid })
+    }
+
+    /// The pid this descriptor was opened for (it names this process while `!self.exited()`).
+    pub(crate) fn pid(&self) -> libc::pid_t {
+        self.pid
+    }
+
+    /// Whether the process has exited (a descriptor that cannot be polled counts as exited).
+    pub(crate) fn exited(&self) -> bool {
+        let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd of a descriptor we own; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+        ready != 0
+    }
+}
+
 /// Fills `buf` with random bytes from the kernel.
 pub(crate) fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;
@@ -397,6 +448,32 @@ mod tests {
     use std::io::Read;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+
+    #[test]
+    fn a_closed_peer_is_seen_behind_unread_bytes() {
+        use std::io::Write;
+        let (a, mut b) = UnixStream::pair().expect("pair");
+        let owner_side = Stream::Unix(a);
+        assert!(!owner_side.peer_closed());
+        b.write_all(b"a request not read yet").expect("write");
+        assert!(!owner_side.peer_closed(), "bytes waiting are not a close");
+        b.shutdown(Shutdown::Write).expect("shutdown");
+        assert!(owner_side.peer_closed(), "a shut peer shows behind the unread bytes");
+        let (c, d) = UnixStream::pair().expect("pair");
+        drop(d);
+        assert!(Stream::Unix(c).peer_closed());
+    }
+
+    #[test]
+    fn a_process_descriptor_sees_its_process_exit() {
+        let me = Pidfd::open(std::process::id() as libc::pid_t).expect("own pidfd");
+        assert!(!me.exited());
+        let mut child = std::process::Command::new("true").spawn().expect("spawn");
+        let pidfd = Pidfd::open(child.id() as libc::pid_t).expect("child pidfd");
+        child.wait().expect("wait");
+        assert!(pidfd.exited(), "an exited (and reaped) process reads as exited");
+        assert!(Pidfd::open(0).is_err() && Pidfd::open(-1).is_err());
+    }
 
     #[test]
     fn a_send_to_a_peer_that_trickles_stops_at_its_deadline() {

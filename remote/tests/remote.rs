@@ -20,12 +20,12 @@ use std::time::{Duration, Instant};
 use common::value_for;
 use kvtide::{Engine, Error as StoreError, Fragment, PutOptions, Region, RegionError, Store, StoreBuilder};
 use kvtide_remote::protocol::{
-    decode_error_frame, decode_grants, decode_object, decode_statuses, frame, FrameHeader, GetItem, Hello, HelloOk,
-    LenCheck, Limits, Op, PutHead, PutItem, RangeItem, Request, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    MAGIC, NONCE_BYTES, PROTOCOL_VERSION,
+    decode_error_frame, decode_grants, decode_object, decode_statuses, frame, ClientSegments, FrameHeader, GetItem,
+    Hello, HelloOk, LenCheck, Limits, Op, PutHead, PutItem, RangeItem, Request, ValueSource, HEADER_BYTES,
+    HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROBE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
-use support::{options, recv_with_fd, temp_dir, token, unix_client, wait_idle};
+use support::{options, recv_with_fd, temp_dir, token, unix_client, wait_idle, window_client};
 
 fn engine(dram_bytes: u64) -> Arc<Engine> {
     support::engine(dram_bytes, 2)
@@ -465,8 +465,20 @@ fn thirty_two_concurrent_clients_mixing_operations() {
 
 // ---- raw protocol helpers ------------------------------------------------------------------------
 
-trait Wire: Read + Write + Send {}
-impl<T: Read + Write + Send> Wire for T {}
+trait Wire: Read + Write + Send {
+    /// Shuts the write side: the owner sees the connection closed by its client.
+    fn shutdown_write(&self);
+}
+impl Wire for UnixStream {
+    fn shutdown_write(&self) {
+        self.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    }
+}
+impl Wire for TcpStream {
+    fn shutdown_write(&self) {
+        self.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    }
+}
 
 /// A hand-driven connection for feeding the owner bad frames.
 struct Raw {
@@ -2213,7 +2225,8 @@ fn batches_through_the_owner_take_one_request_per_group() {
         c.idle_timeout_ms = 60_000;
         c.payload_timeout_ms = 10_000;
     });
-    for (name, store) in [("unix", unix_client(&owner)), ("tcp", tcp_client(&owner))] {
+    let clients = [("unix", unix_client(&owner)), ("window", window_client(&owner)), ("tcp", tcp_client(&owner))];
+    for (name, store) in clients {
         // 40 values that fit a 2 MiB window half, 2 that do not (streamed), an empty one, and
         // two bad keys that fail only themselves.
         let mut keys: Vec<Vec<u8>> = (0..40).map(|i| format!("{name}-small-{i}").into_bytes()).collect();
@@ -2248,11 +2261,12 @@ fn batches_through_the_owner_take_one_request_per_group() {
         }
         assert_eq!(results[43], Err(StoreError::EmptyKey.into()), "{name}");
         assert!(matches!(results[44], Err(Error::Store(StoreError::TooLarge { what: "key", .. }))), "{name}");
-        // Unix: five window groups of small values (an eighth of the window each), the large
-        // ones streamed, the empty one; TCP: one streamed request.
-        let most = if name == "unix" { 7 } else { 1 };
+        // Unix, read from the client's memory: one request. Through the window: five groups of
+        // small values (an eighth of the window each), the large ones streamed, the empty one.
+        // TCP: one streamed request.
+        let most = if name == "window" { 7 } else { 1 };
         assert!(put_requests <= most, "{name}: {put_requests} requests for 45 puts");
-        assert_eq!(store.uses_shared_memory(), name == "unix");
+        assert_eq!(store.uses_shared_memory(), name != "tcp");
 
         let mut bufs: Vec<Vec<u8>> = lens[..43].iter().map(|&len| vec![0u8; len]).collect();
         let dsts: Vec<Vec<Region<'_>>> = bufs.iter_mut().map(|b| vec![Region::host(b)]).collect();
@@ -2289,8 +2303,14 @@ fn batches_through_the_owner_take_one_request_per_group() {
         assert_eq!(removed[44], Err(StoreError::NotFound.into()));
         assert_eq!(removed[45], Err(StoreError::EmptyKey.into()));
         assert!(store.batch_exists(&doomed[..45]).into_iter().all(|r| r == Ok(false)), "{name}: all gone");
-        if name == "unix" {
-            assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 4 << 20, "one window");
+        let windows = owner.counters().put_window_bytes.load(Ordering::SeqCst);
+        match name {
+            "unix" => {
+                assert_eq!(windows, 0, "no window for direct puts");
+                assert!(owner.counters().direct_put_bytes.load(Ordering::SeqCst) >= 40 * (64 << 10));
+            }
+            "window" => assert_eq!(windows, 4 << 20, "one window"),
+            _ => {}
         }
     }
     wait_idle(&owner);
@@ -2308,22 +2328,26 @@ fn put_windows_are_bounded_and_a_refused_client_puts_over_the_socket() {
         c.idle_timeout_ms = 60_000;
     });
     let value = value_for(b"w", 1, 100_000);
-    let first = unix_client(&owner);
+    // A client whose puts the owner reads from its memory takes no window.
+    let direct = unix_client(&owner);
+    direct.put(b"direct", &value, PutOptions::default()).expect("direct put");
+    assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 0);
+    assert_eq!(owner.counters().direct_put_bytes.load(Ordering::SeqCst), value.len() as u64);
+    let first = window_client(&owner);
     first.put(b"first", &value, PutOptions::default()).expect("first put");
     assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 1 << 20);
-    let second = unix_client(&owner);
+    let second = window_client(&owner);
     second.put(b"second", &value, PutOptions::default()).expect("second put, over the socket");
     assert_eq!(owner.counters().put_windows_refused.load(Ordering::SeqCst), 1);
     assert!(second.get(b"second").expect("second") == value);
     assert!(first.get(b"second").expect("seen by the first") == value);
-    drop(first);
-    drop(second);
+    drop((direct, first, second));
     wait_gauges_zero(&owner);
 
     // Without windows, Unix puts travel over the socket.
     drop(owner);
     let owner = guarded_owner(&engine, &dir, |c| c.put_window_bytes = 0);
-    let store = unix_client(&owner);
+    let store = window_client(&owner);
     store.put(b"no-window", &value, PutOptions::default()).expect("put");
     assert!(store.get(b"no-window").expect("get") == value);
     assert_eq!(owner.counters().put_window_bytes.load(Ordering::SeqCst), 0);
@@ -2340,13 +2364,23 @@ fn hostile_batches_fail_only_what_they_must() {
         c.put_window_bytes = 1 << 20;
         c.idle_timeout_ms = 60_000;
     });
-    let put =
-        |window: bool, items: Vec<PutItem<'static>>| Request::PutBatch { upsert: false, pin: false, window, items };
+    let put = |window: bool, items: Vec<PutItem<'static>>| Request::PutBatch {
+        upsert: false,
+        pin: false,
+        source: if window { ValueSource::Window } else { ValueSource::Stream },
+        items,
+    };
+    let item = |key: &'static [u8], len: u64, window_offset: u64| PutItem {
+        key,
+        len,
+        window_offset,
+        segments: ClientSegments::default(),
+    };
 
     // A window batch on a connection without a window: refused whole, the connection goes on.
     let mut raw = Raw::unix(&owner);
     raw.handshake(false);
-    raw.request(&put(true, vec![PutItem { key: b"a", len: 10, window_offset: 0 }]), 1);
+    raw.request(&put(true, vec![item(b"a", 10, 0)]), 1);
     assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
     raw.request(&Request::Exists { keys: vec![b"a"] }, 2);
     assert_eq!(raw.recv().expect("exists").0.op, Op::ExistsReply);
@@ -2357,11 +2391,7 @@ fn hostile_batches_fail_only_what_they_must() {
     assert_eq!((h.op, payload.len()), (Op::Window, 8));
     raw.request(&Request::PutWindow, 4);
     assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
-    let items = vec![
-        PutItem { key: b"outside", len: 10, window_offset: (1 << 20) - 5 },
-        PutItem { key: b"wrapping", len: 10, window_offset: u64::MAX - 3 },
-        PutItem { key: b"inside", len: 10, window_offset: 0 },
-    ];
+    let items = vec![item(b"outside", 10, (1 << 20) - 5), item(b"wrapping", 10, u64::MAX - 3), item(b"inside", 10, 0)];
     raw.request(&put(true, items), 5);
     let (h, payload) = raw.recv().expect("statuses");
     assert_eq!(h.op, Op::Statuses);
@@ -2391,7 +2421,7 @@ fn hostile_batches_fail_only_what_they_must() {
     // nothing of the batch is published.
     let mut raw = Raw::unix(&owner);
     raw.handshake(false);
-    raw.request(&put(false, vec![PutItem { key: b"long", len: 4, window_offset: 0 }]), 1);
+    raw.request(&put(false, vec![item(b"long", 4, 0)]), 1);
     raw.send(&frame(Op::Data, 1, &[7u8; 8]));
     assert!(matches!(raw.expect_error(), Error::Protocol(_)));
     raw.expect_closed();
@@ -2399,12 +2429,115 @@ fn hostile_batches_fail_only_what_they_must() {
     // A streamed batch cut short by a vanishing client publishes nothing either.
     let mut raw = Raw::unix(&owner);
     raw.handshake(false);
-    raw.request(&put(false, vec![PutItem { key: b"cut", len: 8192, window_offset: 0 }]), 1);
+    raw.request(&put(false, vec![item(b"cut", 8192, 0)]), 1);
     raw.send(&frame(Op::Data, 1, &[7u8; 4096]));
     drop(raw);
     wait_idle(&owner);
     wait_gauges_zero(&owner);
     assert_eq!(engine.exists(b"cut"), Ok(false));
+    assert!(engine.stats().held_resources().is_zero());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Puts whose values the owner reads from the client's memory: only after a probe showed the
+/// client's nonce, only within what the client's process can be read at, one item failing alone,
+/// and nothing published once the client shut its connection.
+#[test]
+fn direct_puts_read_only_what_the_client_named_and_fail_alone() {
+    let engine = engine(64 << 20);
+    let dir = temp_dir("direct-puts");
+    let owner = guarded_owner(&engine, &dir, |c| c.idle_timeout_ms = 60_000);
+    let direct = |items: Vec<PutItem<'_>>| {
+        let mut p = Vec::new();
+        Request::PutBatch { upsert: true, pin: false, source: ValueSource::Client, items }.encode(&mut p);
+        p
+    };
+    let segments = |pairs: &[(u64, u64)]| {
+        let mut wire = Vec::new();
+        ClientSegments::encode(pairs.iter().copied(), &mut wire);
+        wire
+    };
+    let value = b"one copy, read by the owner".to_vec();
+    let whole = segments(&[(value.as_ptr() as u64, value.len() as u64)]);
+    let item = |key: &'static [u8], wire: &'static [u8], len: u64| PutItem {
+        key,
+        len,
+        window_offset: 0,
+        segments: ClientSegments::from_wire(wire).expect("segments"),
+    };
+    let whole: &'static [u8] = Box::leak(whole.into_boxed_slice());
+
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(false);
+    // Not granted yet: the batch is refused whole, the connection goes on.
+    raw.send(&frame(Op::PutBatch, 1, &direct(vec![item(b"early", whole, value.len() as u64)])));
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    // A probe whose address does not hold the nonce is refused and counted.
+    let nonce = [0x5a_u8; PROBE_BYTES];
+    let elsewhere = [0u8; PROBE_BYTES];
+    raw.request(&Request::PutDirect { probe: elsewhere.as_ptr() as u64, nonce }, 2);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    raw.request(&Request::PutDirect { probe: 8, nonce }, 3);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    assert_eq!(owner.counters().direct_puts_refused.load(Ordering::SeqCst), 2);
+    raw.request(&Request::PutDirect { probe: nonce.as_ptr() as u64, nonce }, 4);
+    assert_eq!(raw.recv().expect("granted").0.op, Op::Ok);
+
+    // An unmapped address fails its own item; a value in two pieces is read whole.
+    let unmapped: &'static [u8] = Box::leak(segments(&[(8, 16)]).into_boxed_slice());
+    let (a, b) = value.split_at(5);
+    let pieces: &'static [u8] = Box::leak(
+        segments(&[(a.as_ptr() as u64, a.len() as u64), (b.as_ptr() as u64, b.len() as u64)]).into_boxed_slice(),
+    );
+    let items = vec![
+        item(b"unmapped", unmapped, 16),
+        item(b"whole", whole, value.len() as u64),
+        item(b"pieces", pieces, value.len() as u64),
+    ];
+    raw.send(&frame(Op::PutBatch, 5, &direct(items)));
+    let (h, payload) = raw.recv().expect("statuses");
+    assert_eq!(h.op, Op::Statuses);
+    let statuses = decode_statuses(&payload, 16).expect("statuses");
+    assert!(matches!(statuses[0], Err(Error::Store(StoreError::InvalidArgument(_)))), "{statuses:?}");
+    assert_eq!(statuses[1..], [Ok(()), Ok(())]);
+    assert_eq!(engine.exists(b"unmapped"), Ok(false), "a failed item is not published");
+    assert_eq!(engine.get(b"whole").expect("whole"), value);
+    assert_eq!(engine.get(b"pieces").expect("pieces"), value);
+    assert_eq!(owner.counters().direct_put_bytes.load(Ordering::SeqCst), 2 * value.len() as u64);
+
+    // A client that shuts its connection while the owner reads: nothing of that batch, nor of
+    // the one queued behind it, is published (the owner is still reading the first 24 MiB when
+    // the shutdown arrives).
+    let big = vec![7u8; 24 << 20];
+    let big_wire: &'static [u8] = Box::leak(segments(&[(big.as_ptr() as u64, big.len() as u64)]).into_boxed_slice());
+    raw.send(&frame(Op::PutBatch, 6, &direct(vec![item(b"big", big_wire, big.len() as u64)])));
+    raw.send(&frame(Op::PutBatch, 7, &direct(vec![item(b"after", whole, value.len() as u64)])));
+    raw.stream.shutdown_write();
+    raw.expect_closed();
+    wait_idle(&owner);
+    assert_eq!(engine.exists(b"big"), Ok(false));
+    assert_eq!(engine.exists(b"after"), Ok(false));
+    drop(raw);
+
+    // An owner with direct puts off refuses the probe; TCP connections are refused too.
+    let off = Owner::start(
+        Arc::clone(&engine),
+        OwnerConfig {
+            unix_socket: Some(dir.join("off.sock")),
+            tcp: Some(any_port()),
+            allow_unauthenticated_loopback: true,
+            direct_puts: false,
+            ..OwnerConfig::default()
+        },
+    )
+    .expect("owner");
+    for mut raw in [Raw::unix(&off), Raw::tcp(&off)] {
+        raw.handshake(false);
+        raw.request(&Request::PutDirect { probe: nonce.as_ptr() as u64, nonce }, 1);
+        assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(_))));
+    }
+    drop(off);
+    wait_gauges_zero(&owner);
     assert!(engine.stats().held_resources().is_zero());
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -2,11 +2,14 @@
 //! never one per key.
 //!
 //! Owns the grouping of a batch into requests (by item count, request payload and put-window
-//! room), the put window on a Unix connection (asked for once per connection, used as two halves:
-//! the client fills one while the owner copies the other out), the `Data` frames of streamed
-//! values elsewhere, and the matching of `Statuses` replies back to the caller's keys. It never
-//! writes a window half the owner has not answered for, and never lets a connection that failed
-//! midway go back to the pool.
+//! room) and where each value comes from: the caller's own memory, which a same-user owner reads
+//! itself (asked for once per Unix connection: one copy, no bytes on the socket); else the put
+//! window (asked for once per Unix connection, used as a ring: the client fills one range while
+//! the owner copies another out); else `Data` frames. Also the matching of `Statuses` replies
+//! back to the caller's keys. It never writes a window range the owner has not answered for,
+//! never returns while the owner may still read the caller's memory (a connection that fails
+//! with such a request unanswered is shut first), and never lets a connection that failed midway
+//! go back to the pool.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -14,11 +17,14 @@ use std::sync::atomic::Ordering;
 use kvtide::{Error as StoreError, PutOptions};
 use kvtide_transport::{Direction, InFlight, Region, Transfer};
 
-use super::conn::{source_slices, Conn, WindowState};
+use super::conn::{source_slices, Conn, DirectState, WindowState};
 use super::gpu;
 use super::Inner;
 use crate::error::Result;
-use crate::protocol::{decode_statuses, decode_window, Limits, Op, ProtocolError, PutItem, Request, MIN_CHUNK_BYTES};
+use crate::protocol::{
+    decode_statuses, decode_window, ClientSegments, Limits, Op, ProtocolError, PutItem, Request, ValueSource,
+    MAX_CLIENT_SEGMENTS, MIN_CHUNK_BYTES, PROBE_BYTES,
+};
 use crate::shm::PutWindow;
 use crate::wire::{WResult, WireError};
 
@@ -30,10 +36,12 @@ const MAX_WINDOW_BYTES: u64 = 1 << 34;
 const GROUPS_PER_WINDOW: u64 = 8;
 /// Values up to this share of the window go through it; larger ones are streamed.
 const LARGEST_WINDOWED_SHARE: u64 = 2;
-/// Requests of one streamed batch in flight on a connection.
+/// Requests of one streamed or client-memory batch in flight on a connection.
 const STREAMED_IN_FLIGHT: usize = 2;
 /// Request payload bytes per put item besides its key (key length, value length, offset).
 const PUT_ITEM_OVERHEAD: usize = 2 + 8 + 8;
+/// Request payload bytes per segment of a value read from the client's memory.
+const SEGMENT_OVERHEAD: usize = 16;
 /// Request payload bytes of a put batch besides its items.
 const PUT_BATCH_OVERHEAD: usize = 6;
 
@@ -44,31 +52,53 @@ pub(super) struct PutSource<'a, 'r> {
     pub len: u64,
 }
 
-/// A request of a batch: items `[start, end)` of the caller's list, whose values take `bytes`
-/// of the window when `windowed` (else they travel in `Data` frames).
+/// A request of a batch: items `[start, end)` of the caller's list, whose values come from
+/// `source`; windowed values take `bytes` of the window.
 struct Group {
     start: usize,
     end: usize,
-    windowed: bool,
+    source: ValueSource,
     bytes: u64,
 }
 
-/// Splits `items` (in order) into groups that fit one request each. With a window of
-/// `window` bytes, values up to half of it go through it, in groups of about an eighth.
-fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, window: Option<u64>) -> Vec<Group> {
-    let target = window.map_or(0, |w| w / GROUPS_PER_WINDOW);
-    let windowed = |i: usize| window.is_some_and(|w| items[i].len <= w / LARGEST_WINDOWED_SHARE);
+/// What a connection can take values from besides `Data` frames.
+#[derive(Clone, Copy, Default)]
+struct Sources {
+    /// The owner reads host values from this process's memory.
+    client: bool,
+    /// The put window's size.
+    window: Option<u64>,
+}
+
+/// Where item `item`'s value comes from: the client's memory for host values of few enough
+/// regions where the owner reads it; else the window for values up to half of it; else frames.
+fn source_of(item: &PutSource<'_, '_>, sources: Sources) -> ValueSource {
+    if sources.client && item.sources.len() <= MAX_CLIENT_SEGMENTS && !gpu::names_device(item.sources) {
+        ValueSource::Client
+    } else if sources.window.is_some_and(|w| item.len <= w / LARGEST_WINDOWED_SHARE) {
+        ValueSource::Window
+    } else {
+        ValueSource::Stream
+    }
+}
+
+/// Splits `items` (in order) into groups that fit one request each: runs of one source, at
+/// most `max_items` and the owner's payload limit each; windowed runs take about an eighth of
+/// the window.
+fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, sources: Sources) -> Vec<Group> {
+    let target = sources.window.map_or(0, |w| w / GROUPS_PER_WINDOW);
     let mut groups = Vec::new();
     let mut start = 0;
     while start < items.len() {
-        let via_window = windowed(start);
+        let source = source_of(&items[start], sources);
         let mut end = start;
         let mut payload = PUT_BATCH_OVERHEAD;
         let mut bytes = 0u64;
-        while end < items.len() && end - start < max_items && windowed(end) == via_window {
-            let item_payload = items[end].key.len() + PUT_ITEM_OVERHEAD;
+        while end < items.len() && end - start < max_items && source_of(&items[end], sources) == source {
+            let segments = if source == ValueSource::Client { items[end].sources.len() * SEGMENT_OVERHEAD } else { 0 };
+            let item_payload = items[end].key.len() + PUT_ITEM_OVERHEAD + segments;
             let fits_payload = payload + item_payload <= limits.max_payload_bytes as usize;
-            let fits_window = !via_window || bytes + items[end].len <= target;
+            let fits_window = source != ValueSource::Window || bytes + items[end].len <= target;
             if end > start && !(fits_payload && fits_window) {
                 break;
             }
@@ -76,7 +106,8 @@ fn plan_groups(items: &[PutSource<'_, '_>], limits: &Limits, max_items: usize, w
             bytes += items[end].len;
             end += 1;
         }
-        groups.push(Group { start, end, windowed: via_window, bytes: if via_window { bytes } else { 0 } });
+        let bytes = if source == ValueSource::Window { bytes } else { 0 };
+        groups.push(Group { start, end, source, bytes });
         start = end;
     }
     groups
@@ -110,6 +141,30 @@ impl Conn {
         Ok(())
     }
 
+    /// Asks once per connection (Unix socket, option on) that the owner read put values from
+    /// this process's memory: the owner must find a fresh random nonce at the probe's address.
+    /// A refusal (another user, a Yama ptrace scope, an owner with direct puts off or too old)
+    /// leaves the connection putting through its window.
+    fn ensure_direct(&mut self, rid: u64) -> WResult<()> {
+        if !matches!(self.direct, DirectState::Untried) {
+            return Ok(());
+        }
+        self.direct = DirectState::Unavailable;
+        let mut nonce = Box::new([0u8; PROBE_BYTES]);
+        if let Err(e) = crate::sock::random_bytes(&mut nonce[..]) {
+            tracing::debug!(error = %e, "no nonce for the direct put probe; putting through the window");
+            return Ok(());
+        }
+        let probe = nonce.as_ptr() as u64;
+        // The owner reads the nonce while this call waits for its answer: the box lives until then.
+        match self.request_status(rid, &Request::PutDirect { probe, nonce: *nonce })? {
+            Ok(()) => self.direct = DirectState::Granted,
+            Err(e) => tracing::debug!(error = %e, "no direct puts; putting through the window"),
+        }
+        drop(nonce);
+        Ok(())
+    }
+
     /// Puts `items` in as few requests as fit, several in flight, and reads one `Statuses`
     /// reply per request. Results in item order.
     pub(super) fn put_batch(
@@ -118,7 +173,12 @@ impl Conn {
         items: &[PutSource<'_, '_>],
         opts: PutOptions,
     ) -> WResult<Result<Vec<Result<()>>>> {
-        if self.io.stream().is_unix() && self.shm.is_some() {
+        if self.io.stream().is_unix() && inner.pool.options.direct_puts {
+            self.ensure_direct(inner.pool.next_request.fetch_add(1, Ordering::Relaxed))?;
+        }
+        let client = matches!(self.direct, DirectState::Granted);
+        let needs_window = !client || items.iter().any(|i| gpu::names_device(i.sources));
+        if needs_window && self.io.stream().is_unix() && self.shm.is_some() {
             self.ensure_window(inner.pool.next_request.fetch_add(1, Ordering::Relaxed))?;
         }
         let window = match &self.window {
@@ -127,10 +187,17 @@ impl Conn {
         };
         // GPU values that do not go through the window are streamed through two bounce buffers
         // of one frame each (`send_device_value`), never staged whole.
-        let groups = plan_groups(items, &self.limits, inner.pool.max_batch(&self.limits), window);
+        let groups = plan_groups(items, &self.limits, inner.pool.max_batch(&self.limits), Sources { client, window });
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         let mut answered = 0usize;
-        match self.put_groups(inner, items, opts, &groups, &mut results, &mut answered) {
+        let outcome = self.put_groups(inner, items, opts, &groups, &mut results, &mut answered);
+        if outcome.is_err() && groups.iter().any(|g| g.source == ValueSource::Client) {
+            // The owner reads the caller's memory only before it sees the connection shut:
+            // once this returns, it reads nothing of buffers the caller may reuse.
+            self.broken = true;
+            self.io.stream().shutdown();
+        }
+        match outcome {
             Ok(()) => {}
             // Nothing took effect that the caller was told of: the call may retry it.
             Err(e) if answered == 0 => return Err(e),
@@ -141,6 +208,14 @@ impl Conn {
                 results.iter_mut().filter(|r| r.is_none()).for_each(|r| *r = Some(Err(why.clone())));
             }
         }
+        let direct: u64 = groups
+            .iter()
+            .filter(|g| g.source == ValueSource::Client)
+            .flat_map(|g| g.start..g.end)
+            .filter(|&i| matches!(results[i], Some(Ok(()))))
+            .map(|i| items[i].len)
+            .sum();
+        inner.direct_put_bytes.fetch_add(direct, Ordering::Relaxed);
         Ok(Ok(results
             .into_iter()
             .map(|r| r.unwrap_or(Err(StoreError::Internal("put never answered").into())))
@@ -167,9 +242,10 @@ impl Conn {
             // Window bytes are written only once the owner answered the request that used them.
             let offset = loop {
                 let busy: VecDeque<(u64, u64)> = in_flight.iter().map(|f| f.2).collect();
+                let windowed = group.source == ValueSource::Window;
                 let streamed_room = in_flight.len() < STREAMED_IN_FLIGHT;
-                let offset = if group.windowed { ring_offset(window, head, group.bytes, &busy) } else { None };
-                if (group.windowed && offset.is_some()) || (!group.windowed && streamed_room) {
+                let offset = if windowed { ring_offset(window, head, group.bytes, &busy) } else { None };
+                if (windowed && offset.is_some()) || (!windowed && streamed_room) {
                     break offset.unwrap_or(0);
                 }
                 let Some((rid, members, _)) = in_flight.pop_front() else {
@@ -180,8 +256,9 @@ impl Conn {
             };
             let rid = inner.pool.next_request.fetch_add(1, Ordering::Relaxed);
             let members = self.send_group(inner, rid, items, group, opts, offset, results)?;
-            let range = if group.windowed { (offset, group.bytes) } else { (0, 0) };
-            if group.windowed {
+            let windowed = group.source == ValueSource::Window;
+            let range = if windowed { (offset, group.bytes) } else { (0, 0) };
+            if windowed {
                 head = offset + group.bytes;
             }
             if !members.is_empty() {
@@ -195,9 +272,10 @@ impl Conn {
         Ok(())
     }
 
-    /// Sends one group: its values into the window at `base`, or as `Data` frames after the
-    /// request. Returns the items the request carries (a GPU value whose copy into the window
-    /// failed is left out, with its error in `results`).
+    /// Sends one group: its values named by their place in this process's memory, put into the
+    /// window at `base`, or as `Data` frames after the request. Returns the items the request
+    /// carries (a GPU value whose copy into the window failed is left out, with its error in
+    /// `results`).
     #[allow(clippy::too_many_arguments)]
     fn send_group(
         &mut self,
@@ -210,9 +288,13 @@ impl Conn {
         results: &mut [Option<Result<()>>],
     ) -> WResult<Vec<usize>> {
         let mut members: Vec<usize> = (group.start..group.end).collect();
+        if group.source == ValueSource::Client {
+            self.send_client_group(rid, items, &members, opts)?;
+            return Ok(members);
+        }
         let mut put_items = Vec::with_capacity(members.len());
         let window = match &self.window {
-            WindowState::Mapped(w) if group.windowed => Some(w),
+            WindowState::Mapped(w) if group.source == ValueSource::Window => Some(w),
             _ => None,
         };
         if let Some(w) = window {
@@ -253,7 +335,12 @@ impl Conn {
             let mut kept = Vec::with_capacity(members.len());
             for (&i, offset) in members.iter().zip(offsets) {
                 if results[i].is_none() {
-                    put_items.push(PutItem { key: items[i].key, len: items[i].len, window_offset: offset });
+                    put_items.push(PutItem {
+                        key: items[i].key,
+                        len: items[i].len,
+                        window_offset: offset,
+                        segments: ClientSegments::default(),
+                    });
                     kept.push(i);
                 }
             }
@@ -266,11 +353,12 @@ impl Conn {
                 key: items[i].key,
                 len: items[i].len,
                 window_offset: 0,
+                segments: ClientSegments::default(),
             }));
         }
+        let source = if window.is_some() { ValueSource::Window } else { ValueSource::Stream };
         let start = self.io.begin(Op::PutBatch, rid);
-        Request::PutBatch { upsert: opts.upsert, pin: opts.pin, window: window.is_some(), items: put_items }
-            .encode(self.io.out());
+        Request::PutBatch { upsert: opts.upsert, pin: opts.pin, source, items: put_items }.encode(self.io.out());
         self.io.end(start);
         if window.is_none() {
             // The request goes out with the first value frame; small values are gathered into
@@ -292,6 +380,35 @@ impl Conn {
         }
         self.io.flush()?;
         Ok(members)
+    }
+
+    /// Sends a group whose values the owner reads from this process's memory: each item names
+    /// its host regions (checked by check_sources, valid until this call returns).
+    fn send_client_group(
+        &mut self,
+        rid: u64,
+        items: &[PutSource<'_, '_>],
+        members: &[usize],
+        opts: PutOptions,
+    ) -> WResult<()> {
+        let mut wire = Vec::with_capacity(members.iter().map(|&i| items[i].sources.len() * SEGMENT_OVERHEAD).sum());
+        let mut ends = Vec::with_capacity(members.len());
+        for &i in members {
+            ClientSegments::encode(items[i].sources.iter().map(|r| (r.addr(), r.len() as u64)), &mut wire);
+            ends.push(wire.len());
+        }
+        let mut put_items = Vec::with_capacity(members.len());
+        let mut from = 0;
+        for (&i, &to) in members.iter().zip(&ends) {
+            let segments =
+                ClientSegments::from_wire(&wire[from..to]).ok_or(ProtocolError::Invalid { what: "client segments" })?;
+            put_items.push(PutItem { key: items[i].key, len: items[i].len, window_offset: 0, segments });
+            from = to;
+        }
+        self.send(
+            rid,
+            &Request::PutBatch { upsert: opts.upsert, pin: opts.pin, source: ValueSource::Client, items: put_items },
+        )
     }
 
     /// Sends a value from GPU memory as `Data` frames of `chunk` bytes: each frame is copied
@@ -399,16 +516,24 @@ mod tests {
     fn groups_fit_an_eighth_of_the_window_and_large_values_stream() {
         let limits = Limits::default();
         let items = sources(&[400, 400, 400, 5000, 3000, 100, 0]);
-        let groups = plan_groups(&items, &limits, 64, Some(8000));
-        let shape: Vec<(usize, usize, bool, u64)> =
-            groups.iter().map(|g| (g.start, g.end, g.windowed, g.bytes)).collect();
+        let window = Sources { client: false, window: Some(8000) };
+        let groups = plan_groups(&items, &limits, 64, window);
+        let shape: Vec<(usize, usize, ValueSource, u64)> =
+            groups.iter().map(|g| (g.start, g.end, g.source, g.bytes)).collect();
         // Two 400s fill a 1000-byte eighth; 5000 passes half the window and streams; 3000 is a
         // group of its own.
+        use ValueSource::{Stream, Window};
         assert_eq!(
             shape,
-            vec![(0, 2, true, 800), (2, 3, true, 400), (3, 4, false, 0), (4, 5, true, 3000), (5, 7, true, 100)]
+            vec![
+                (0, 2, Window, 800),
+                (2, 3, Window, 400),
+                (3, 4, Stream, 0),
+                (4, 5, Window, 3000),
+                (5, 7, Window, 100)
+            ]
         );
-        assert!(plan_groups(&items, &limits, 64, None).iter().all(|g| !g.windowed));
+        assert!(plan_groups(&items, &limits, 64, Sources::default()).iter().all(|g| g.source == Stream));
     }
 
     #[test]
@@ -431,11 +556,32 @@ mod tests {
         let limits = Limits { max_payload_bytes: 100, ..Limits::default() };
         let items = sources(&[1; 10]);
         // 6 + 4 * (3 + 18) = 90 bytes; a fifth item would pass 100.
-        let groups = plan_groups(&items, &limits, 64, None);
+        let groups = plan_groups(&items, &limits, 64, Sources::default());
         assert!(groups.iter().all(|g| g.end - g.start == 4 || g.end == 10));
-        assert!(groups.iter().all(|g| !g.windowed));
+        assert!(groups.iter().all(|g| g.source == ValueSource::Stream));
         assert_eq!(groups.iter().map(|g| g.end - g.start).sum::<usize>(), 10);
-        let groups = plan_groups(&items, &Limits::default(), 4, None);
+        let groups = plan_groups(&items, &Limits::default(), 4, Sources::default());
         assert_eq!(groups.len(), 3);
+    }
+
+    #[test]
+    fn host_values_come_from_client_memory_in_one_request_whatever_their_size() {
+        let limits = Limits::default();
+        let mut buf = vec![0u8; 64];
+        let one = [Region::host(&mut buf)];
+        let items: Vec<PutSource<'_, '_>> =
+            [1u64 << 30, 1 << 20, 5].iter().map(|&len| PutSource { key: b"key", sources: &one, len }).collect();
+        let sources = Sources { client: true, window: Some(8000) };
+        let groups = plan_groups(&items, &limits, 64, sources);
+        assert_eq!(groups.len(), 1, "no window room bounds a group read from the client");
+        assert_eq!((groups[0].start, groups[0].end, groups[0].source, groups[0].bytes), (0, 3, ValueSource::Client, 0));
+        // Each segment costs request payload: a payload limit still splits the group.
+        let tight =
+            Limits { max_payload_bytes: (PUT_BATCH_OVERHEAD + 2 * (3 + PUT_ITEM_OVERHEAD + 16)) as u32, ..limits };
+        assert_eq!(plan_groups(&items, &tight, 64, sources).len(), 2);
+        // Too many regions for one value: that value goes through the window.
+        let many: Vec<Region<'_>> = (0..=MAX_CLIENT_SEGMENTS).map(|_| Region::host_readonly(&[])).collect();
+        let item = PutSource { key: b"k", sources: &many, len: 0 };
+        assert_eq!(source_of(&item, sources), ValueSource::Window);
     }
 }

@@ -95,6 +95,7 @@ pub(super) struct Conn {
     pub(super) limits: Limits,
     pub(super) shm: Option<Arc<ShmMapping>>,
     pub(super) window: WindowState,
+    pub(super) direct: DirectState,
     /// Failed midway through a batch whose earlier requests took effect: never reused.
     pub(super) broken: bool,
     /// Releases sent on this connection since its last reply (`Releases`).
@@ -116,6 +117,15 @@ pub(super) enum WindowState {
     /// Refused, failed or not applicable: values travel over the socket.
     Unavailable,
     Mapped(PutWindow),
+}
+
+/// Whether the owner reads this connection's put values from the client's memory.
+pub(super) enum DirectState {
+    /// Not asked yet (asked on the first put over a Unix socket).
+    Untried,
+    /// Refused or not applicable: values go through the window or over the socket.
+    Unavailable,
+    Granted,
 }
 
 /// The largest read index a client maps (2^24 buckets of 4 entries for each of 448 shards would
@@ -175,7 +185,17 @@ pub(super) fn streams_small_reads(batch: &[(&[u8], LenCheck, Target<'_>)]) -> bo
 
 pub(super) fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping>>, releases: Arc<Releases>) -> Conn {
     let limits = hello.limits();
-    Conn { io, limits, hello, shm, window: WindowState::Untried, broken: false, unconfirmed: Vec::new(), releases }
+    Conn {
+        io,
+        limits,
+        hello,
+        shm,
+        window: WindowState::Untried,
+        direct: DirectState::Untried,
+        broken: false,
+        unconfirmed: Vec::new(),
+        releases,
+    }
 }
 
 /// `[pos, pos + n)` of the concatenation of `sources`, as slices.

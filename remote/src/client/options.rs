@@ -23,6 +23,10 @@ pub struct ClientOptions {
     /// Read DRAM-resident objects through the owner's read index, without a round trip, where
     /// the owner shares one (Unix socket, arena shared). Default true; off, every read leases.
     pub read_index: bool,
+    /// Let a same-user owner read put values straight from this process's memory (one copy,
+    /// no bytes on the socket); where it may not, values go through the put window. Unix
+    /// socket only. Default true.
+    pub direct_puts: bool,
     /// Idle connections kept for reuse. Default 16.
     pub max_idle_connections: usize,
     /// `submit_batch_get` tickets in flight at once. Default 64.
@@ -50,6 +54,7 @@ impl Default for ClientOptions {
             token: None,
             shared_memory: true,
             read_index: true,
+            direct_puts: true,
             max_idle_connections: 16,
             max_tickets_in_flight: 64,
             max_stream_handles: 64,
@@ -62,7 +67,8 @@ impl Default for ClientOptions {
 
 impl ClientOptions {
     /// Defaults, overridden by `KVTIDE_TOKEN_FILE` (token for TCP owners),
-    /// `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY` and `KVTIDE_READ_INDEX` (0/1).
+    /// `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX` and `KVTIDE_DIRECT_PUTS`
+    /// (0/1).
     pub fn from_env() -> Result<ClientOptions> {
         let mut o = ClientOptions::default();
         if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
@@ -77,6 +83,9 @@ impl ClientOptions {
         }
         if let Ok(v) = std::env::var("KVTIDE_READ_INDEX") {
             o.read_index = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
+        if let Ok(v) = std::env::var("KVTIDE_DIRECT_PUTS") {
+            o.direct_puts = !matches!(v.trim(), "0" | "false" | "no" | "off");
         }
         Ok(o)
     }

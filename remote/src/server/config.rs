@@ -54,6 +54,10 @@ pub struct OwnerConfig {
     /// Put windows of all connections together; a connection that would pass it is refused one
     /// (`Busy`) and its client puts over the socket.
     pub max_put_window_bytes: u64,
+    /// Lets a Unix client of the owner's own user have its put values read straight from its
+    /// memory (`process_vm_readv`, one copy) instead of through its window; the client writes
+    /// nothing of the owner's memory either way.
+    pub direct_puts: bool,
     /// Largest frame payload accepted or sent.
     pub max_payload_bytes: u32,
     /// Bulk data travels in chunks of this size.
@@ -139,6 +143,7 @@ impl Default for OwnerConfig {
             max_leases_per_connection: 4096,
             put_window_bytes: 32 << 20,
             max_put_window_bytes: 1 << 30,
+            direct_puts: true,
             max_payload_bytes: 4 << 20,
             chunk_bytes: 1 << 20,
             max_items: 65_536,

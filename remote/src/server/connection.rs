@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use kvtide::{Error as StoreError, ObjectLease, PutOptions, PutStream, Store};
 
 use super::budget::{HeldLeases, OwnedWindow, Permit};
+use super::client_memory::ClientMemory;
 use super::config::OwnerConfig;
 use super::reply::Reply;
 use super::shared::{Job, Parked, Shared, Slot};
@@ -46,6 +47,7 @@ impl<'s> Connection<'s> {
                 let mut conn = Connection {
                     leases: HeldLeases { map: HashMap::new(), counters: Arc::clone(&shared.counters) },
                     window: None,
+                    client_memory: None,
                     shared,
                     io: FrameIo::new(stream),
                     next_lease: 1,
@@ -69,6 +71,7 @@ impl<'s> Connection<'s> {
                 Some(Connection {
                     leases: p.leases,
                     window: p.window,
+                    client_memory: p.client_memory,
                     shared,
                     io: p.io,
                     next_lease: p.next_lease,
@@ -87,9 +90,9 @@ impl<'s> Connection<'s> {
             Ok(Outcome::Idle { since }) if self.puts.is_empty() => {
                 let deadline = since + self.idle_timeout();
                 let shared = self.shared;
-                let Connection { leases, window, io, next_lease, unix, slot, .. } = self;
+                let Connection { leases, window, client_memory, io, next_lease, unix, slot, .. } = self;
                 slot.park_handle();
-                shared.parker.park(Parked { leases, window, io, next_lease, unix, deadline, slot });
+                shared.parker.park(Parked { leases, window, client_memory, io, next_lease, unix, deadline, slot });
             }
             Ok(_) => end(self, Ok(())),
             Err(WireError::Deadline) => {
@@ -115,6 +118,8 @@ pub(super) struct Connection<'s> {
     pub(super) leases: HeldLeases,
     /// The put window, once the client asked for one (its bytes count in the gauge).
     pub(super) window: Option<OwnedWindow>,
+    /// The client's process, once it let the owner read its put values (`PutDirect`).
+    pub(super) client_memory: Option<ClientMemory>,
     pub(super) shared: &'s Arc<Shared>,
     pub(super) io: FrameIo,
     pub(super) next_lease: u64,
@@ -327,9 +332,10 @@ impl Connection<'_> {
             Request::RemoveBatch { keys, force } => self.remove_batch(rid, &keys, force),
             Request::Pin { key } => self.reply_result(rid, engine.pin(key).map_err(Error::from)),
             Request::Unpin { key } => self.reply_result(rid, engine.unpin(key).map_err(Error::from)),
-            Request::PutBatch { upsert, pin, window, items } => {
-                return self.put_batch(rid, PutOptions { upsert, pin }, window, &items);
+            Request::PutBatch { upsert, pin, source, items } => {
+                return self.put_batch(rid, PutOptions { upsert, pin }, source, &items);
             }
+            Request::PutDirect { probe, nonce } => self.grant_direct(rid, probe, &nonce),
             Request::PutWindow => self.open_window(rid)?,
             Request::ReadIndex => self.send_read_index(rid)?,
             Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {

@@ -18,6 +18,7 @@
 
 mod accept;
 mod budget;
+mod client_memory;
 mod config;
 mod connection;
 mod get;

@@ -1,8 +1,10 @@
 //! The put family: streamed puts (`Put` and its `Data` frames), progressive puts (`PutOpen`,
-//! `PutChunk`, `PutSeal`, `PutAbort`), batches (`PutBatch`, from `Data` frames or the put
-//! window) and the put window itself (`PutWindow`).
+//! `PutChunk`, `PutSeal`, `PutAbort`), batches (`PutBatch`, from `Data` frames, the put window
+//! or the client's memory), the put window itself (`PutWindow`) and the leave to read the
+//! client's memory (`PutDirect`).
 //!
-//! Owns reading a value's bytes from the socket or the window straight into its reservation,
+//! Owns reading a value's bytes from the socket, the window or the client straight into its
+//! reservation,
 //! and keeping the stream in step when a value is refused (its bytes are read and dropped).
 //! Never buffers a whole value and never publishes one it has not read whole.
 
@@ -13,11 +15,14 @@ use std::sync::Arc;
 use kvtide::{Engine, Error as StoreError, PutOptions, Store};
 
 use super::budget::OwnedWindow;
+use super::client_memory::ClientMemory;
 use super::connection::{Connection, Flow};
 use super::reply::Reply;
 use super::shared::Shared;
 use crate::error::{Error, Result};
-use crate::protocol::{FrameHeader, Op, PutChunkHead, PutHead, PutItem, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES};
+use crate::protocol::{
+    FrameHeader, Op, PutChunkHead, PutHead, PutItem, ValueSource, PROBE_BYTES, PUT_CHUNK_HEAD_BYTES, PUT_HEAD_BYTES,
+};
 use crate::shm::PutWindow;
 use crate::wire::{WResult, WireError};
 
@@ -225,21 +230,48 @@ impl Connection<'_> {
         Ok(())
     }
 
+    /// `PutDirect`: lets this connection's batches name values in the client's memory, once
+    /// the owner read the probe's nonce there (see `client_memory`).
+    pub(super) fn grant_direct(&mut self, rid: u64, probe: u64, nonce: &[u8; PROBE_BYTES]) {
+        if !self.config().direct_puts {
+            let e = StoreError::InvalidArgument("this owner reads no client memory (direct puts are off)".into());
+            self.reply_error(rid, &e.into());
+            return;
+        }
+        match ClientMemory::grant(self.io.stream(), probe, nonce) {
+            Ok(memory) => {
+                self.client_memory = Some(memory);
+                self.reply_result(rid, Ok(()));
+            }
+            Err(refusal) => {
+                self.shared.counters.direct_puts_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%refusal, "no direct puts for this connection");
+                self.reply_error(rid, &StoreError::InvalidArgument(refusal.to_string()).into());
+            }
+        }
+    }
+
     /// `PutBatch`: every value reserved at once (one request per shard), filled from the put
-    /// window or from the `Data` frames that follow, and published at once; one `Statuses`
-    /// reply. A value that cannot be read fails only its own item.
+    /// window, the client's memory or the `Data` frames that follow, and published at once; one
+    /// `Statuses` reply. A value that cannot be read fails only its own item.
     pub(super) fn put_batch(
         &mut self,
         rid: u64,
         opts: PutOptions,
-        window: bool,
+        source: ValueSource,
         items: &[PutItem<'_>],
     ) -> WResult<Flow> {
         self.count_batch(items.len());
-        if window && self.window.is_none() {
-            // Nothing follows a window batch, so the stream is in sync: answer and go on.
-            let e = StoreError::InvalidArgument("no put window on this connection".into());
-            self.reply_error(rid, &e.into());
+        let missing = match source {
+            ValueSource::Window if self.window.is_none() => Some("no put window on this connection"),
+            ValueSource::Client if self.client_memory.is_none() => {
+                Some("this connection may not put from its memory (no PutDirect accepted)")
+            }
+            _ => None,
+        };
+        if let Some(why) = missing {
+            // Nothing follows such a batch, so the stream is in sync: answer and go on.
+            self.reply_error(rid, &StoreError::InvalidArgument(why.into()).into());
             return Ok(Flow::Continue);
         }
         let engine = Arc::clone(&self.shared.engine);
@@ -247,13 +279,16 @@ impl Connection<'_> {
         let mut pending = engine.reserve_puts(&sizes, opts);
         let mut failed: Vec<Option<Error>> = vec![None; items.len()];
         for (i, item) in items.iter().enumerate() {
-            if let Some(w) = self.window.as_ref().filter(|_| window) {
+            if let Some(w) = self.window.as_ref().filter(|_| source == ValueSource::Window) {
                 if let Ok(dst) = pending.bytes_mut(i) {
                     if let Err(e) = w.read(item.window_offset, dst) {
                         failed[i] = Some(e.into());
                     }
                 }
                 continue;
+            }
+            if source == ValueSource::Client {
+                continue; // read below, all at once
             }
             // The value's frames follow: into the reservation, or read and dropped.
             let mut filled = 0u64;
@@ -265,6 +300,19 @@ impl Connection<'_> {
                 }
                 filled += n;
             }
+        }
+        if let Some(memory) = self.client_memory.as_ref().filter(|_| source == ValueSource::Client) {
+            let read = memory.read_all(items, pending.all_bytes_mut());
+            self.shared.counters.direct_put_bytes.fetch_add(read.bytes, Ordering::Relaxed);
+            for (i, e) in read.failed {
+                failed[i] = Some(StoreError::InvalidArgument(e.to_string()).into());
+            }
+        }
+        if source == ValueSource::Client && self.io.stream().peer_closed() {
+            // The client gave up on this request and may reuse its buffers: what was read may
+            // not be the values it asked for. Nothing is published; the connection ends.
+            drop(pending);
+            return Ok(Flow::Close);
         }
         let statuses: Vec<Result<()>> = pending
             .commit(|i| failed[i].is_none())

@@ -15,6 +15,7 @@ use std::time::Instant;
 use kvtide::Engine;
 
 use super::budget::{Budget, HeldLeases, OwnedWindow};
+use super::client_memory::ClientMemory;
 use super::config::OwnerConfig;
 use crate::metrics::OwnerCounters;
 use crate::park::{Parkable, Parker, Workers};
@@ -135,6 +136,7 @@ pub(super) struct Parked {
     // In drop order: leases and window back first, then the socket, then the slot.
     pub(super) leases: HeldLeases,
     pub(super) window: Option<OwnedWindow>,
+    pub(super) client_memory: Option<ClientMemory>,
     pub(super) io: FrameIo,
     pub(super) next_lease: u64,
     pub(super) unix: bool,

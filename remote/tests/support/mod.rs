@@ -52,6 +52,13 @@ pub fn unix_client(owner: &Owner) -> RemoteStore {
     store
 }
 
+/// A client on the owner's Unix socket whose puts go through the put window (no direct puts).
+pub fn window_client(owner: &Owner) -> RemoteStore {
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let options = ClientOptions { direct_puts: false, ..options() };
+    RemoteStore::connect_with(&format!("unix:{path}"), options).expect("connect unix")
+}
+
 /// Waits until the engine holds no lease and the owner no outstanding lease.
 pub fn wait_idle(owner: &Owner) {
     let deadline = Instant::now() + Duration::from_secs(10);

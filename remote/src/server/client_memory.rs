@@ -1,0 +1,188 @@
+//! Put values read straight out of a same-host client's memory (`process_vm_readv`): the one
+//! copy a put needs (client buffer to arena reservation), the client writing nothing of the
+//! owner's memory.
+//!
+//! Owns the check that lets a connection put this way and the reads themselves. Never reads a
+//! process of another user (the kernel's ptrace check would let a privileged owner read anyone),
+//! one whose probe did not show the client's nonce, or one that has exited: a read that ends
+//! after the client's process exited is thrown away, since its pid may by then name another
+//! process.
+
+use std::io;
+
+use kvtide::Error as StoreError;
+
+use crate::protocol::{ClientSegments, PutItem, MAX_CLIENT_SEGMENTS, PROBE_BYTES};
+use crate::sock::{Pidfd, Stream};
+
+/// Why a connection may not put from its memory (the client then puts through its window).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Refusal {
+    #[error("puts from the client's memory need a Unix connection from a process visible here")]
+    NotLocal,
+    #[error(
+        "the client runs as user {client}, the owner as {owner}: puts from its memory are for the owner's own user"
+    )]
+    OtherUser { client: u32, owner: u32 },
+    #[error("the owner cannot read the client's memory ({0}); a Yama ptrace_scope above 0 or a non-dumpable client forbid it")]
+    Unreadable(io::Error),
+    #[error("the probe read from the client's memory did not hold its nonce")]
+    WrongNonce,
+}
+
+/// Why one value could not be read from the client's memory.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ReadFailure {
+    #[error("the value's memory in the client could not be read ({0})")]
+    Fault(io::Error),
+    #[error("the value's memory in the client ended after {read} of {len} bytes")]
+    Short { read: u64, len: u64 },
+    #[error("the client's process exited while its values were read")]
+    Exited,
+    #[error("the owner's thread reading the value failed")]
+    Helper,
+}
+
+/// A batch at least this large is read by two threads: the kernel's copy runs at about 0.7 of
+/// memcpy, and a lone client waiting for its batch leaves a core idle.
+const SPLIT_READ_BYTES: u64 = 4 << 20;
+
+/// What `ClientMemory::read_all` did: bytes read, and the items that failed with why.
+pub(super) struct BatchRead {
+    pub bytes: u64,
+    pub failed: Vec<(usize, ReadFailure)>,
+}
+
+/// A connection's client process, whose memory the owner may read put values from.
+#[derive(Debug)]
+pub(super) struct ClientMemory {
+    process: Pidfd,
+}
+
+impl ClientMemory {
+    /// Checks that the peer of `stream` runs as this process's user, opens its process and
+    /// reads `PROBE_BYTES` at `probe` there, which must be `nonce`.
+    pub(super) fn grant(stream: &Stream, probe: u64, nonce: &[u8; PROBE_BYTES]) -> Result<ClientMemory, Refusal> {
+        let cred = stream.peer_cred().ok_or(Refusal::NotLocal)?;
+        // SAFETY: geteuid cannot fail.
+        let owner = unsafe { libc::geteuid() };
+        if cred.uid != owner {
+            return Err(Refusal::OtherUser { client: cred.uid, owner });
+        }
+        let process = Pidfd::open(cred.pid).map_err(Refusal::Unreadable)?;
+        let memory = ClientMemory { process };
+        let mut seen = [0u8; PROBE_BYTES];
+        memory.read_segments(&[(probe, PROBE_BYTES as u64)], &mut seen).map_err(|e| match e {
+            ReadFailure::Fault(e) => Refusal::Unreadable(e),
+            ReadFailure::Short { .. } | ReadFailure::Exited | ReadFailure::Helper => Refusal::WrongNonce,
+        })?;
+        if memory.process.exited() || seen != *nonce {
+            return Err(Refusal::WrongNonce);
+        }
+        Ok(memory)
+    }
+
+    /// Reads a value's `segments` of the client's memory into `dst` (as long as they are);
+    /// an error when any byte could not be read or the client exited meanwhile.
+    pub(super) fn read(&self, segments: ClientSegments<'_>, dst: &mut [u8]) -> Result<(), ReadFailure> {
+        let pairs: Vec<(u64, u64)> = segments.iter().collect();
+        debug_assert!(pairs.len() <= MAX_CLIENT_SEGMENTS);
+        self.read_segments(&pairs, dst)
+    }
+
+    /// Reads every item's value into its reservation (`dsts[i]`; an item without one is skipped,
+    /// its error already known), large batches on two threads.
+    pub(super) fn read_all(&self, items: &[PutItem<'_>], dsts: Vec<Result<&mut [u8], StoreError>>) -> BatchRead {
+        let mut jobs: Vec<(usize, ClientSegments<'_>, &mut [u8])> = items
+            .iter()
+            .zip(dsts)
+            .enumerate()
+            .filter_map(|(i, (item, dst))| dst.ok().map(|dst| (i, item.segments, dst)))
+            .collect();
+        let total: u64 = jobs.iter().map(|j| j.2.len() as u64).sum();
+        let read = |jobs: &mut [(usize, ClientSegments<'_>, &mut [u8])]| {
+            let mut done = BatchRead { bytes: 0, failed: Vec::new() };
+            for (i, segments, dst) in jobs.iter_mut() {
+                match self.read(*segments, dst) {
+                    Ok(()) => done.bytes += dst.len() as u64,
+                    Err(e) => done.failed.push((*i, e)),
+                }
+            }
+            done
+        };
+        if total < SPLIT_READ_BYTES || jobs.len() < 2 {
+            return read(&mut jobs);
+        }
+        // Split where the first part holds about half the bytes (and at least one item each).
+        let mut half = 0u64;
+        let cut = jobs
+            .iter()
+            .position(|j| {
+                half += j.2.len() as u64;
+                half >= total / 2
+            })
+            .map_or(1, |p| p + 1)
+            .clamp(1, jobs.len() - 1);
+        let (first, second) = jobs.split_at_mut(cut);
+        let second_items: Vec<usize> = second.iter().map(|j| j.0).collect();
+        let (mut done, helper) = std::thread::scope(|s| {
+            let helper = s.spawn(|| read(second));
+            (read(first), helper.join())
+        });
+        match helper {
+            Ok(more) => {
+                done.bytes += more.bytes;
+                done.failed.extend(more.failed);
+            }
+            // Only a bug panics a read; its items then fail rather than publish.
+            Err(_) => done.failed.extend(second_items.into_iter().map(|i| (i, ReadFailure::Helper))),
+        }
+        done
+    }
+
+    fn read_segments(&self, pairs: &[(u64, u64)], dst: &mut [u8]) -> Result<(), ReadFailure> {
+        let len = dst.len() as u64;
+        if pairs.iter().map(|&(_, n)| n).sum::<u64>() != len {
+            return Err(ReadFailure::Short { read: 0, len });
+        }
+        let mut read = 0u64;
+        let mut at = 0usize;
+        // The kernel stops at the first fault; what was read before it is reported, then the
+        // next call starts at the fault and fails with it.
+        while read < len {
+            let mut skip = read;
+            let remote: Vec<libc::iovec> = pairs
+                .iter()
+                .filter_map(|&(addr, n)| {
+                    if skip >= n {
+                        skip -= n;
+                        return None;
+                    }
+                    let iov =
+                        libc::iovec { iov_base: (addr + skip) as *mut libc::c_void, iov_len: (n - skip) as usize };
+                    skip = 0;
+                    Some(iov)
+                })
+                .collect();
+            let local = libc::iovec { iov_base: dst[at..].as_mut_ptr().cast(), iov_len: dst.len() - at };
+            // SAFETY: the local iovec is `dst`'s unread tail, memory we own and may write; the
+            // remote iovecs name the client's memory, which the kernel checks (a bad address is
+            // EFAULT, never a write here).
+            let n = unsafe {
+                libc::process_vm_readv(self.process.pid(), &local, 1, remote.as_ptr(), remote.len() as libc::c_ulong, 0)
+            };
+            if n < 0 {
+                return Err(ReadFailure::Fault(io::Error::last_os_error()));
+            }
+            if n == 0 {
+                return Err(ReadFailure::Short { read, len });
+            }
+            read += n as u64;
+            at += n as usize;
+        }
+        if self.process.exited() {
+            return Err(ReadFailure::Exited);
+        }
+        Ok(())
+    }
+}
