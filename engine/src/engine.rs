@@ -130,6 +130,19 @@ impl Engine {
         self.read_index.as_ref()
     }
 
+    /// Reads other processes made through the read index, as `(shard, slot, generation)` of the
+    /// entries they read: each is counted as a hit and fed to that shard's eviction policy, as
+    /// the engine's own reads are. Entries of objects no longer there are skipped (the values
+    /// come from outside: nothing is trusted but the match). Returns how many counted.
+    pub fn note_index_reads(&self, reads: &[(u32, u32, u32)]) -> usize {
+        reads
+            .iter()
+            .filter(|&&(shard, slot, generation)| {
+                self.shards.get(shard as usize).is_some_and(|s| s.published.note_read(slot, generation))
+            })
+            .count()
+    }
+
     /// The shard `key` lives on.
     pub fn shard_of(&self, key: &[u8]) -> usize {
         shard_of_key(key, self.shards.len())

@@ -57,6 +57,7 @@ fuzz_target!(|data: &[u8]| {
             assert!(key_ok(key))
         }
         Request::Release { leases } => assert!(leases.len() <= max),
+        Request::IndexReads { reads } => assert!(reads.len() <= max),
         Request::PutOpen { key, total_len, chunk_bytes, .. } => {
             assert!(key_ok(key) && *total_len <= limits.max_value_bytes && *chunk_bytes >= 1);
         }

@@ -42,6 +42,7 @@ mod batch;
 mod conn;
 mod gpu;
 mod hold;
+mod index_reads;
 mod on_stream;
 mod options;
 mod pool;
@@ -98,6 +99,12 @@ struct Inner {
     indexed_misses: AtomicU64,
     /// Value bytes of puts the owner read from this process's memory and accepted.
     direct_put_bytes: AtomicU64,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.pool.report_index_reads();
+    }
 }
 
 impl RemoteStore {
@@ -276,6 +283,7 @@ impl Inner {
     ) {
         let Some(arena) = self.pool.read_index() else { return };
         let Some(index) = arena.read_index() else { return };
+        let mut read_entries = Vec::new();
         for (item, result) in items.iter_mut().zip(results.iter_mut()) {
             let Some((key, check, target)) = item else { continue };
             let target = match target {
@@ -284,8 +292,9 @@ impl Inner {
                 Target::Owned(_) => FastTarget::Owned,
             };
             match fast_read::read(&arena, index, key, *check, target) {
-                FastRead::Read { len, owned } => {
+                FastRead::Read { len, owned, entry } => {
                     self.indexed_reads.fetch_add(1, Ordering::Relaxed);
+                    read_entries.push(entry);
                     *result = Some(Ok((len, owned)));
                     *item = None;
                 }
@@ -294,6 +303,7 @@ impl Inner {
                 }
             }
         }
+        self.pool.note_index_reads(&read_entries);
     }
 }
 
@@ -587,6 +597,7 @@ impl RemoteStore {
                 .push((b, f));
         }
         let mut left = Vec::new();
+        let mut read_entries = Vec::new();
         for key in order {
             let frags = of_key.remove(key).unwrap_or_default();
             let copies: Option<Vec<(u64, u64, Region<'_>)>> = frags
@@ -597,10 +608,14 @@ impl RemoteStore {
                     (!gpu::names_device(std::slice::from_ref(&dst))).then_some((frag.src_offset, frag.len, dst))
                 })
                 .collect();
-            let read = copies.is_some_and(|copies| {
-                fast_read::read(&arena, index, key, LenCheck::Any, FastTarget::Fragments(&copies)) != FastRead::Lease
+            let read = copies.and_then(|copies| {
+                match fast_read::read(&arena, index, key, LenCheck::Any, FastTarget::Fragments(&copies)) {
+                    FastRead::Read { entry, .. } => Some(entry),
+                    FastRead::Lease => None,
+                }
             });
-            if read {
+            if let Some(entry) = read {
+                read_entries.push(entry);
                 self.inner.indexed_reads.fetch_add(1, Ordering::Relaxed);
                 frags.iter().for_each(|&(b, f)| results[b][f] = Ok(fragments[b][f].len as usize));
             } else {
@@ -608,6 +623,7 @@ impl RemoteStore {
                 left.extend(frags);
             }
         }
+        self.inner.pool.note_index_reads(&read_entries);
         left
     }
 

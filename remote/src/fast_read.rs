@@ -18,8 +18,9 @@ use crate::shm::{IndexMapping, OwnerWatch, ShmMapping, INDEX_SEALS};
 /// What a fast read did.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum FastRead {
-    /// The object's `len` bytes are in the target, proven the object's.
-    Read { len: usize, owned: Option<Vec<u8>> },
+    /// The object's `len` bytes are in the target, proven the object's; `entry` is the index
+    /// entry read, `(shard, slot, generation)`, for the owner's hit counts and eviction policy.
+    Read { len: usize, owned: Option<Vec<u8>>, entry: (u32, u32, u32) },
     /// Not done (not indexed, the length check failed, the copy raced with a change, or the
     /// owner is gone): lease it. Nothing the target holds may be trusted.
     Lease,
@@ -76,7 +77,7 @@ pub(crate) fn read(
     if !view.unchanged(&found) {
         return FastRead::Lease;
     }
-    FastRead::Read { len: len as usize, owned }
+    FastRead::Read { len: len as usize, owned, entry: (shard as u32, found.slot, found.generation) }
 }
 
 /// The client's read path over index and arena bytes given whole, for the fuzz target: both are

@@ -124,6 +124,11 @@ pub struct OwnerCounters {
     pub direct_put_bytes: AtomicU64,
     /// Connections whose ask to put from their memory was refused (they put through the window).
     pub direct_puts_refused: AtomicU64,
+    /// Reads clients made through the read index and reported (`IndexReads`), of objects still
+    /// there when the report came.
+    pub index_reads: AtomicU64,
+    /// `IndexReads` frames received (each also counts in `requests`).
+    pub index_read_reports: AtomicU64,
     /// Requests of a batch (`PutBatch`, `RemoveBatch`) and the items they carried.
     pub batch_requests: AtomicU64,
     pub batch_items: AtomicU64,
@@ -266,7 +271,7 @@ impl OwnerCollector {
     fn encode_owner(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use Kind::{Counter, Gauge};
         let (c, r) = (&self.counters, load);
-        let owner: [(&str, &str, Kind, u64); 13] = [
+        let owner: [(&str, &str, Kind, u64); 15] = [
             ("kvtide_owner_connection_threads", "threads serving connections now", Gauge, r(&c.connection_threads)),
             (
                 "kvtide_owner_connections_parked",
@@ -287,6 +292,18 @@ impl OwnerCollector {
                 "value bytes read straight from clients' memory",
                 Counter,
                 r(&c.direct_put_bytes),
+            ),
+            (
+                "kvtide_owner_index_reads",
+                "reads clients made through the read index, as they reported them",
+                Counter,
+                r(&c.index_reads),
+            ),
+            (
+                "kvtide_owner_index_read_reports",
+                "frames reporting reads through the read index",
+                Counter,
+                r(&c.index_read_reports),
             ),
             ("kvtide_owner_batch_requests", "batched requests", Counter, r(&c.batch_requests)),
             ("kvtide_owner_batch_items", "items of batched requests", Counter, r(&c.batch_items)),

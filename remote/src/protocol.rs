@@ -166,6 +166,9 @@ wire_ops! {
         /// Asks the owner to read this connection's put values from the client's own memory
         /// (`process_vm_readv`): an `Ok` reply once it read the probe's nonce there.
         PutDirect = 31, Put, decode_put_direct;
+        /// Reads this client made through the read index, for the owner's hit counts and
+        /// eviction policy. No reply.
+        IndexReads = 32, Other, decode_index_reads;
     }
     streamed {
         /// A put whose head (`PutHead`) and key the owner reads itself, then its value.
@@ -807,6 +810,10 @@ pub enum Request<'a> {
         probe: u64,
         nonce: [u8; PROBE_BYTES],
     },
+    /// `(shard, slot, generation)` of the read index entries read.
+    IndexReads {
+        reads: Vec<(u32, u32, u32)>,
+    },
     GetParts {
         items: Vec<GetItem<'a>>,
     },
@@ -894,6 +901,14 @@ impl<'a> Request<'a> {
             Request::PutDirect { probe, nonce } => {
                 buf.put_u64(*probe);
                 buf.extend_from_slice(nonce);
+            }
+            Request::IndexReads { reads } => {
+                buf.put_u32(reads.len() as u32);
+                for &(shard, slot, generation) in reads {
+                    buf.put_u32(shard);
+                    buf.put_u32(slot);
+                    buf.put_u32(generation);
+                }
             }
             Request::GetParts { items } => {
                 buf.put_u32(items.len() as u32);
@@ -1119,6 +1134,15 @@ fn decode_release<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a
         leases.push(r.u64()?);
     }
     Ok(Request::Release { leases })
+}
+
+fn decode_index_reads<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Request<'a>> {
+    let count = r.count(12, limits.max_items, "index reads")?;
+    let mut reads = Vec::with_capacity(count);
+    for _ in 0..count {
+        reads.push((r.u32()?, r.u32()?, r.u32()?));
+    }
+    Ok(Request::IndexReads { reads })
 }
 
 fn decode_keys<'a>(r: &mut Reader<'a>, limits: &Limits) -> PResult<Vec<&'a [u8]>> {
@@ -1740,6 +1764,7 @@ mod tests {
                 ],
             },
             Request::PutDirect { probe: 0x7fff_0000_1000, nonce: [9; PROBE_BYTES] },
+            Request::IndexReads { reads: vec![(0, 7, 3), (5, u32::MAX, 1)] },
             Request::RemoveBatch { keys: vec![b"x", b"yy"], force: true },
             Request::PutWindow,
             Request::ReadIndex,

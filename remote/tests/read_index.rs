@@ -38,8 +38,10 @@ fn indexed_owner(dir: &std::path::Path, dram_bytes: u64, read_index: bool) -> Ow
     Owner::start(engine, config).expect("start owner")
 }
 
+/// Requests the owner served, not counting the reports of reads made through the index.
 fn requests(owner: &Owner) -> u64 {
-    owner.counters().requests.load(Ordering::SeqCst)
+    let c = owner.counters();
+    c.requests.load(Ordering::SeqCst) - c.index_read_reports.load(Ordering::SeqCst)
 }
 
 /// A value that names its key and version in every 8-byte word, so a mix of two is visible.
@@ -119,6 +121,42 @@ fn dram_objects_are_read_with_no_request_through_every_read_call() {
     assert_eq!(requests(&owner), before, "no read sent a request");
     let counts = reader.read_index_counts();
     assert_eq!(counts, ReadIndexCounts { read: 1 + 1 + 1 + 16 + 16 + 2, leased: 0 });
+    wait_idle(&owner);
+}
+
+/// Reads through the index reach the owner as reports: they count as its hits, and they keep
+/// their objects warm, so a client that reads only through the index does not see its hot
+/// objects evicted as if nobody read them.
+#[test]
+fn index_reads_count_as_hits_and_keep_their_objects_warm() {
+    let dir = temp_dir("ri-warm");
+    let owner = indexed_owner(&dir, 16 << 20, true);
+    let engine = owner.engine();
+    let store = unix_client(&owner);
+    let value = |i: u32| versioned(i, 1, 256 << 10);
+    let hot: Vec<Vec<u8>> = (0..8).map(|i| format!("hot-{i}").into_bytes()).collect();
+    for (i, k) in hot.iter().enumerate() {
+        store.put(k, &value(i as u32), PutOptions::INSERT).expect("put hot");
+    }
+    let hits_before = engine.stats().total.hits;
+    let mut buf = vec![0u8; 256 << 10];
+    // Eight times the DRAM in cold puts, each followed by a read of every hot object through
+    // the index (reported ahead of the next put).
+    for round in 0..512u32 {
+        let cold = format!("cold-{round}").into_bytes();
+        store.put(&cold, &value(1000 + round), PutOptions::INSERT).expect("put cold");
+        for (i, k) in hot.iter().enumerate() {
+            assert_eq!(store.get_into(k, Region::host(&mut buf)).expect("hot read"), buf.len(), "round {round}");
+            assert_eq!(buf, value(i as u32));
+        }
+    }
+    let counts = store.read_index_counts();
+    assert!(counts.read >= 8 * 500, "the hot reads went through the index: {counts:?}");
+    assert!(engine.stats().total.evictions > 0, "the cold puts evicted");
+    drop(store);
+    let reported = owner.counters().index_reads.load(Ordering::SeqCst);
+    assert!(reported >= counts.read * 9 / 10, "{reported} of {} index reads reported", counts.read);
+    assert!(engine.stats().total.hits - hits_before >= reported, "reported reads count as hits");
     wait_idle(&owner);
 }
 

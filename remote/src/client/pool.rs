@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use super::conn::{hello_conn, reply_of, Conn, Releases};
+use super::index_reads::IndexReadLog;
 use super::options::{ClientOptions, Endpoint};
 use crate::error::{Error, Result};
 use crate::protocol::{
@@ -41,6 +42,8 @@ pub(super) struct Pool {
     last_max_leases: AtomicU64,
     /// Lease releases sent and not yet known applied by the owner.
     pub(super) releases: Arc<Releases>,
+    /// Reads through the read index not yet reported to the owner.
+    index_reads: IndexReadLog,
 }
 
 impl Pool {
@@ -56,6 +59,7 @@ impl Pool {
             last_limits: Mutex::new(None),
             last_max_leases: AtomicU64::new(u64::MAX),
             releases: Arc::default(),
+            index_reads: IndexReadLog::default(),
         };
         let conn = pool.open()?;
         pool.checkin(conn);
@@ -73,6 +77,24 @@ impl Pool {
 
     pub(super) fn timeout(&self) -> Duration {
         Duration::from_millis(self.options.timeout_ms)
+    }
+
+    /// Notes reads made through the read index, and reports them on an idle connection when
+    /// a report is due.
+    pub(super) fn note_index_reads(&self, entries: &[(u32, u32, u32)]) {
+        if self.index_reads.note(entries) {
+            self.report_index_reads();
+        }
+    }
+
+    /// Sends the unreported index reads on an idle connection (kept for later when none is
+    /// idle; lost with a connection that fails to send them).
+    pub(super) fn report_index_reads(&self) {
+        let Some(mut conn) = self.checkout() else { return };
+        let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
+        if !self.index_reads.push_to(&mut conn, rid) || conn.io.flush().is_ok() {
+            self.checkin(conn);
+        }
     }
 
     pub(super) fn checkout(&self) -> Option<Conn> {
@@ -134,6 +156,8 @@ impl Pool {
                 None => self.open()?,
             };
             let rid = self.next_request.fetch_add(1, Ordering::Relaxed);
+            // Reads through the index reach the owner ahead of this request, in its write.
+            self.index_reads.push_to(&mut conn, rid);
             match f(&mut conn, rid) {
                 Ok(Ok(answer)) => return Ok((conn, rid, answer)),
                 Ok(Err(refused)) => {

@@ -306,7 +306,8 @@ impl Connection<'_> {
                 return Ok(Flow::Continue);
             }
         };
-        if shutting && !matches!(request, Request::Release { .. }) {
+        // Frames without a reply are applied, never answered (the client reads no answer).
+        if shutting && !matches!(request, Request::Release { .. } | Request::IndexReads { .. }) {
             self.reply_error(rid, &StoreError::ShuttingDown.into());
             return Ok(Flow::Close);
         }
@@ -336,6 +337,11 @@ impl Connection<'_> {
                 return self.put_batch(rid, PutOptions { upsert, pin }, source, &items);
             }
             Request::PutDirect { probe, nonce } => self.grant_direct(rid, probe, &nonce),
+            Request::IndexReads { reads } => {
+                let counted = engine.note_index_reads(&reads);
+                self.shared.counters.index_reads.fetch_add(counted as u64, Ordering::Relaxed);
+                self.shared.counters.index_read_reports.fetch_add(1, Ordering::Relaxed);
+            }
             Request::PutWindow => self.open_window(rid)?,
             Request::ReadIndex => self.send_read_index(rid)?,
             Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {
