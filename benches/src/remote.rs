@@ -116,8 +116,9 @@ trait Client: Send {
     /// Reads `key` into `buf` (value-sized); returns the length.
     fn get(&mut self, key: &[u8], buf: &mut [u8]) -> Result<usize, String>;
     /// Puts `value` under every key, in one call where the system has one.
-    fn put_batch(&mut self, keys: &[&[u8]], value: &[u8]) -> Result<(), String> {
-        keys.iter().try_for_each(|k| self.put(k, value))
+    /// Puts `values[i]` under `keys[i]`, in one call where the system has one.
+    fn put_batch(&mut self, keys: &[&[u8]], values: &[Vec<u8>]) -> Result<(), String> {
+        keys.iter().zip(values).try_for_each(|(k, v)| self.put(k, v))
     }
     /// Reads `keys[i]` into `bufs[i]` (value-sized), in one call where the system has one.
     fn get_batch(&mut self, keys: &[&[u8]], bufs: &mut [Vec<u8>]) -> Result<(), String> {
@@ -134,8 +135,8 @@ impl Client for Kvtide {
     fn get(&mut self, key: &[u8], buf: &mut [u8]) -> Result<usize, String> {
         self.0.get_into(key, Region::host(buf)).map_err(|e| e.to_string())
     }
-    fn put_batch(&mut self, keys: &[&[u8]], value: &[u8]) -> Result<(), String> {
-        let sources: Vec<Vec<Region<'_>>> = keys.iter().map(|_| vec![Region::host_readonly(value)]).collect();
+    fn put_batch(&mut self, keys: &[&[u8]], values: &[Vec<u8>]) -> Result<(), String> {
+        let sources: Vec<Vec<Region<'_>>> = values.iter().map(|v| vec![Region::host_readonly(v)]).collect();
         self.0
             .batch_put_from_multi_buffers(keys, &sources, PutOptions::UPSERT)
             .into_iter()
@@ -352,11 +353,14 @@ fn measure(
     let put = drive(clients, duration, |c, deadline| {
         let mut conn = conns[c].lock().map_err(|_| "poisoned")?;
         let mine: Vec<Vec<u8>> = (c..keys).step_by(clients).map(|k| key_of(size, k)).collect();
+        // Each client's values in buffers of its own (clients are processes of their own), and a
+        // batch's in one buffer each, as a caller saving distinct blocks has them.
+        let values: Vec<Vec<u8>> = (0..batch).map(|_| value.clone()).collect();
         let (mut ops, mut hist) = (0u64, Histogram::default());
         while Instant::now() < deadline {
             let picked: Vec<&[u8]> = (0..batch).map(|j| mine[(ops as usize + j) % mine.len()].as_slice()).collect();
             let t0 = Instant::now();
-            if batch == 1 { conn.put(picked[0], &value) } else { conn.put_batch(&picked, &value) }
+            if batch == 1 { conn.put(picked[0], &values[0]) } else { conn.put_batch(&picked, &values) }
                 .map_err(|e| format!("{} put: {e}", system.name()))?;
             hist.record(t0.elapsed().as_nanos() as u64);
             ops += batch as u64;
@@ -390,21 +394,28 @@ fn measure(
     Ok(Row { size, clients, system: system.name(), put: Some(put), get })
 }
 
-/// `memcpy` of one `size`-byte value into successive slots of a working set of the systems'
-/// size (split among the threads): the one copy an embedded put makes, which a put through the
-/// owner can at best reach. The destination is touched once before the clock starts.
-fn memcpy_put_row(size: u64, clients: usize, working_set: u64, duration: Duration) -> Result<Row, String> {
+/// `memcpy` of `size`-byte values (from `batch` buffers in turn, as the systems' calls take them)
+/// into successive slots of a working set of the systems' size (split among the threads): the one
+/// copy an embedded put makes, which a put through the owner can at best reach. The destination is
+/// touched once before the clock starts.
+fn memcpy_put_row(
+    size: u64,
+    clients: usize,
+    batch: usize,
+    working_set: u64,
+    duration: Duration,
+) -> Result<Row, String> {
     let slots = (working_set / clients as u64 / size).max(2) as usize;
     let mut arenas: Vec<std::sync::Mutex<Vec<u8>>> =
         (0..clients).map(|_| std::sync::Mutex::new(vec![1u8; slots * size as usize])).collect();
     let put = drive(clients, duration, |c, deadline| {
-        let value = vec![7u8; size as usize];
+        let values: Vec<Vec<u8>> = (0..batch).map(|_| vec![7u8; size as usize]).collect();
         let mut arena = arenas[c].lock().map_err(|_| "poisoned")?;
         let (mut ops, mut hist) = (0u64, Histogram::default());
         while Instant::now() < deadline {
             let at = (ops as usize % slots) * size as usize;
             let t0 = Instant::now();
-            arena[at..at + size as usize].copy_from_slice(&value);
+            arena[at..at + size as usize].copy_from_slice(&values[ops as usize % batch]);
             std::hint::black_box(&mut arena[at]);
             hist.record(t0.elapsed().as_nanos() as u64);
             ops += 1;
@@ -563,7 +574,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
             }
             let after = memcpy_row(size, clients, args.batch, args.working_set, duration)?;
             rows.push(if after.get.ops_per_sec() > before.get.ops_per_sec() { after } else { before });
-            rows.push(memcpy_put_row(size, clients, args.working_set, duration)?);
+            rows.push(memcpy_put_row(size, clients, args.batch, args.working_set, duration)?);
             bar.inc(1);
             if let Some(r) = &redis {
                 // Free redis memory between cells.

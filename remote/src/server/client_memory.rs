@@ -43,6 +43,17 @@ pub(super) enum ReadFailure {
     Helper,
 }
 
+/// Bytes read from the client at a time into a buffer that stays in cache, then streamed into
+/// the reservation with non-temporal stores: the kernel's copy straight into the reservation
+/// reads every destination line before writing it, which made it 1.5x slower on this project's
+/// machines (docs/benchmarks.md).
+const BOUNCE_BYTES: usize = 128 << 10;
+
+std::thread_local! {
+    /// Each reading thread's bounce buffer.
+    static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A batch at least this large is read by two threads: the kernel's copy runs at about 0.7 of
 /// memcpy, and a lone client waiting for its batch leaves a core idle.
 const SPLIT_READ_BYTES: u64 = 4 << 20;
@@ -72,7 +83,7 @@ impl ClientMemory {
         let process = Pidfd::open(cred.pid).map_err(Refusal::Unreadable)?;
         let memory = ClientMemory { process };
         let mut seen = [0u8; PROBE_BYTES];
-        memory.read_segments(&[(probe, PROBE_BYTES as u64)], &mut seen).map_err(|e| match e {
+        memory.read_range(&[(probe, PROBE_BYTES as u64)], 0, &mut seen).map_err(|e| match e {
             ReadFailure::Fault(e) => Refusal::Unreadable(e),
             ReadFailure::Short { .. } | ReadFailure::Exited | ReadFailure::Helper => Refusal::WrongNonce,
         })?;
@@ -87,12 +98,37 @@ impl ClientMemory {
     pub(super) fn read(&self, segments: ClientSegments<'_>, dst: &mut [u8]) -> Result<(), ReadFailure> {
         let pairs: Vec<(u64, u64)> = segments.iter().collect();
         debug_assert!(pairs.len() <= MAX_CLIENT_SEGMENTS);
-        self.read_segments(&pairs, dst)
+        let len = dst.len() as u64;
+        if pairs.iter().try_fold(0u64, |sum, &(_, n)| sum.checked_add(n)) != Some(len) {
+            return Err(ReadFailure::Short { read: 0, len });
+        }
+        BOUNCE.with_borrow_mut(|bounce| {
+            if bounce.len() < BOUNCE_BYTES {
+                bounce.resize(BOUNCE_BYTES, 0);
+            }
+            let mut pos = 0u64;
+            for chunk in dst.chunks_mut(BOUNCE_BYTES) {
+                let staged = &mut bounce[..chunk.len()];
+                self.read_range(&pairs, pos, staged)?;
+                stream_copy(chunk, staged);
+                pos += chunk.len() as u64;
+            }
+            Ok(())
+        })?;
+        if self.process.exited() {
+            return Err(ReadFailure::Exited);
+        }
+        Ok(())
     }
 
     /// Reads every item's value into its reservation (`dsts[i]`; an item without one is skipped,
-    /// its error already known), large batches on two threads.
-    pub(super) fn read_all(&self, items: &[PutItem<'_>], dsts: Vec<Result<&mut [u8], StoreError>>) -> BatchRead {
+    /// its error already known), large batches on two threads when `split`.
+    pub(super) fn read_all(
+        &self,
+        items: &[PutItem<'_>],
+        dsts: Vec<Result<&mut [u8], StoreError>>,
+        split: bool,
+    ) -> BatchRead {
         let mut jobs: Vec<(usize, ClientSegments<'_>, &mut [u8])> = items
             .iter()
             .zip(dsts)
@@ -110,7 +146,7 @@ impl ClientMemory {
             }
             done
         };
-        if total < SPLIT_READ_BYTES || jobs.len() < 2 {
+        if !split || total < SPLIT_READ_BYTES || jobs.len() < 2 {
             return read(&mut jobs);
         }
         // Split where the first part holds about half the bytes (and at least one item each).
@@ -140,17 +176,14 @@ impl ClientMemory {
         done
     }
 
-    fn read_segments(&self, pairs: &[(u64, u64)], dst: &mut [u8]) -> Result<(), ReadFailure> {
-        let len = dst.len() as u64;
-        if pairs.iter().map(|&(_, n)| n).sum::<u64>() != len {
-            return Err(ReadFailure::Short { read: 0, len });
-        }
+    /// Reads bytes `[start, start + out.len())` of the concatenated `pairs` into `out`.
+    fn read_range(&self, pairs: &[(u64, u64)], start: u64, out: &mut [u8]) -> Result<(), ReadFailure> {
+        let len = out.len() as u64;
         let mut read = 0u64;
-        let mut at = 0usize;
         // The kernel stops at the first fault; what was read before it is reported, then the
         // next call starts at the fault and fails with it.
         while read < len {
-            let mut skip = read;
+            let mut skip = start + read;
             let remote: Vec<libc::iovec> = pairs
                 .iter()
                 .filter_map(|&(addr, n)| {
@@ -158,16 +191,19 @@ impl ClientMemory {
                         skip -= n;
                         return None;
                     }
-                    let iov =
-                        libc::iovec { iov_base: (addr + skip) as *mut libc::c_void, iov_len: (n - skip) as usize };
+                    let iov = libc::iovec {
+                        iov_base: addr.wrapping_add(skip) as *mut libc::c_void,
+                        iov_len: (n - skip) as usize,
+                    };
                     skip = 0;
                     Some(iov)
                 })
                 .collect();
-            let local = libc::iovec { iov_base: dst[at..].as_mut_ptr().cast(), iov_len: dst.len() - at };
-            // SAFETY: the local iovec is `dst`'s unread tail, memory we own and may write; the
-            // remote iovecs name the client's memory, which the kernel checks (a bad address is
-            // EFAULT, never a write here).
+            let at = read as usize;
+            let local = libc::iovec { iov_base: out[at..].as_mut_ptr().cast(), iov_len: out.len() - at };
+            // SAFETY: the local iovec is `out`'s unread tail, memory we own and may write (the
+            // kernel writes at most its length); the remote iovecs name the client's memory,
+            // which the kernel checks (a bad address is EFAULT, never a write here).
             let n = unsafe {
                 libc::process_vm_readv(self.process.pid(), &local, 1, remote.as_ptr(), remote.len() as libc::c_ulong, 0)
             };
@@ -178,11 +214,88 @@ impl ClientMemory {
                 return Err(ReadFailure::Short { read, len });
             }
             read += n as u64;
-            at += n as usize;
-        }
-        if self.process.exited() {
-            return Err(ReadFailure::Exited);
         }
         Ok(())
+    }
+}
+
+/// Copies `src` into `dst` (as long) with non-temporal stores where the target has them, so the
+/// destination's lines are written without being read first; a store fence ends it.
+fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    debug_assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        dst[..head].copy_from_slice(&src[..head]);
+        let body = (dst.len() - head) / 64 * 64;
+        for at in (head..head + body).step_by(64) {
+            // SAFETY: `at + 64 <= dst.len() == src.len()`, so each 16-byte load and store lies
+            // inside its slice; `dst + at` is 16-byte aligned (`head` aligned it and `at - head`
+            // is a multiple of 64), as the streaming store needs; SSE2 is part of x86_64.
+            unsafe {
+                let s = src.as_ptr().add(at).cast::<__m128i>();
+                let d = dst.as_mut_ptr().add(at).cast::<__m128i>();
+                let (a, b, c, e) = (
+                    _mm_loadu_si128(s),
+                    _mm_loadu_si128(s.add(1)),
+                    _mm_loadu_si128(s.add(2)),
+                    _mm_loadu_si128(s.add(3)),
+                );
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            }
+        }
+        let tail = head + body;
+        dst[tail..].copy_from_slice(&src[tail..]);
+        // SAFETY: a store fence has no preconditions; it orders the streaming stores above
+        // before whatever publishes the value.
+        unsafe { _mm_sfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn own_memory() -> ClientMemory {
+        ClientMemory { process: Pidfd::open(std::process::id() as libc::pid_t).expect("own pidfd") }
+    }
+
+    #[test]
+    fn streamed_copies_equal_plain_ones_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dst = vec![0u8; 420];
+        for offset in 0..17 {
+            for len in [0, 1, 15, 16, 63, 64, 65, 127, 200, 333] {
+                dst.fill(0);
+                stream_copy(&mut dst[offset..offset + len], &src[..len]);
+                assert_eq!(&dst[offset..offset + len], &src[..len], "offset {offset}, length {len}");
+                assert!(dst[..offset].iter().chain(&dst[offset + len..]).all(|&b| b == 0), "nothing outside");
+            }
+        }
+    }
+
+    #[test]
+    fn values_of_several_segments_are_read_across_bounce_chunks() {
+        let memory = own_memory();
+        let parts: Vec<Vec<u8>> =
+            [100_000usize, 3, 250_000].iter().enumerate().map(|(p, &n)| vec![p as u8 + 1; n]).collect();
+        let mut wire = Vec::new();
+        ClientSegments::encode(parts.iter().map(|p| (p.as_ptr() as u64, p.len() as u64)), &mut wire);
+        let segments = ClientSegments::from_wire(&wire).expect("segments");
+        let mut dst = vec![0u8; parts.iter().map(Vec::len).sum()];
+        memory.read(segments, &mut dst).expect("read");
+        assert_eq!(dst, parts.concat());
+        // Lengths that do not add up to the destination, and an address nobody maps.
+        assert!(matches!(memory.read(segments, &mut dst[1..]), Err(ReadFailure::Short { .. })));
+        let mut bad = Vec::new();
+        ClientSegments::encode([(8, 64)], &mut bad);
+        let bad = ClientSegments::from_wire(&bad).expect("segments");
+        assert!(matches!(memory.read(bad, &mut [0u8; 64]), Err(ReadFailure::Fault(_))));
     }
 }

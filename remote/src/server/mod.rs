@@ -237,6 +237,7 @@ impl Shared {
             arena_bytes,
             shm_fd,
             index_fd,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             counters,
             config,
         }))

@@ -302,7 +302,10 @@ impl Connection<'_> {
             }
         }
         if let Some(memory) = self.client_memory.as_ref().filter(|_| source == ValueSource::Client) {
-            let read = memory.read_all(items, pending.all_bytes_mut());
+            // A second reading thread helps only where a core is free for it.
+            let busy = self.shared.counters.connection_threads.load(Ordering::Relaxed) as usize;
+            let split = busy < self.shared.cores;
+            let read = memory.read_all(items, pending.all_bytes_mut(), split);
             self.shared.counters.direct_put_bytes.fetch_add(read.bytes, Ordering::Relaxed);
             for (i, e) in read.failed {
                 failed[i] = Some(StoreError::InvalidArgument(e.to_string()).into());

@@ -42,6 +42,8 @@ pub(super) struct Shared {
     /// A read-only descriptor of the engine's read index and its length, handed out only with
     /// the arena (`ReadIndex`).
     pub(super) index_fd: Option<(OwnedFd, u64)>,
+    /// CPUs this process may run on.
+    pub(super) cores: usize,
     pub(super) counters: Arc<OwnerCounters>,
     /// Threads that serve connections while they are active.
     pub(super) workers: Workers<Job>,
