@@ -2,7 +2,8 @@
 //! and `socket_group`, and clients run as other users (numeric uids and gids, no accounts
 //! needed): one in the socket's group connects, puts and gets through the shared arena; one
 //! outside it is refused with EACCES and a clear error; neither can read the owner's data
-//! directory or token. Running processes as other users needs root: the test says so and skips
+//! directory or token. The owner reads put values straight from a client's memory only when the
+//! client runs as its own user and group. Running processes as other users needs root: the test says so and skips
 //! otherwise. Also: the owner starts with the adapters' client-side variables set, and its
 //! default connection limit admits thousands of idle workers (with what they cost measured).
 
@@ -122,6 +123,11 @@ fn start_owner(base: &Path, settings: &str, env: &[(&str, &str)], user: Option<(
 /// Runs `socket_client_child` of this test binary as `uid` (own group `uid`, plus `groups`);
 /// returns what it printed.
 fn client_as(uid: u32, groups: &[u32], socket: &str, data_dir: &Path) -> String {
+    client_as_ids(uid, uid, groups, socket, data_dir)
+}
+
+/// `client_as` with primary group `gid`.
+fn client_as_ids(uid: u32, gid: u32, groups: &[u32], socket: &str, data_dir: &Path) -> String {
     let mut command = Command::new(std::env::current_exe().expect("test binary"));
     command
         .args(["--exact", "socket_client_child", "--ignored", "--nocapture", "--test-threads=1"])
@@ -130,7 +136,7 @@ fn client_as(uid: u32, groups: &[u32], socket: &str, data_dir: &Path) -> String 
         .current_dir("/")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    as_user(&mut command, uid, uid, groups);
+    as_user(&mut command, uid, gid, groups);
     let out = command.output().expect("run the client child");
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "client child as {uid}: {text} {}", String::from_utf8_lossy(&out.stderr));
@@ -164,6 +170,8 @@ fn socket_client_child() {
                 && a == value
                 && b == value;
             println!("PUT {put:?} GET_SAME {same}");
+            // Bytes the owner read straight from this process (only for the owner's own user).
+            println!("DIRECT_PUT_BYTES {}", store.direct_put_bytes());
         }
         Err(e) => println!("REFUSED {e}"),
     }
@@ -214,6 +222,16 @@ fn a_client_in_the_socket_group_connects_and_one_outside_is_refused() {
     assert!(member.contains("LIST_DATA_DIR PermissionDenied"), "the data directory is the owner's alone: {member}");
     let put_by_member = root_client.get(format!("from-uid-{MEMBER_UID}").as_bytes()).expect("the member's object");
     assert_eq!(put_by_member.len(), 200_000);
+    // The owner reads no other user's memory: the member's values came through its window.
+    assert!(member.contains("DIRECT_PUT_BYTES 0"), "{member}");
+    // A client of the owner's own user and group: the owner reads its values from its memory.
+    let same_user = client_as_ids(OWNER_UID, SOCKET_GID, &[], &socket, &data_dir);
+    assert!(same_user.contains("PUT Ok(()) GET_SAME true"), "{same_user}");
+    assert!(same_user.contains("DIRECT_PUT_BYTES 200000"), "the owner read the value from the client: {same_user}");
+    // The owner's user in another group: the kernel refuses the read, the window serves.
+    let other_group = client_as_ids(OWNER_UID, MEMBER_UID, &[SOCKET_GID], &socket, &data_dir);
+    assert!(other_group.contains("PUT Ok(()) GET_SAME true"), "{other_group}");
+    assert!(other_group.contains("DIRECT_PUT_BYTES 0"), "{other_group}");
 
     let outsider = client_as(OUTSIDER_UID, &[], &socket, &data_dir);
     let refused = outsider.lines().find(|l| l.starts_with("REFUSED")).unwrap_or_else(|| panic!("{outsider}"));
