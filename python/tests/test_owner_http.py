@@ -46,7 +46,7 @@ def test_routes_answer_with_metrics_that_move(ssd_owner):
     assert http("GET", base + "/ready") == (200, "ready\n")
     status, body = http("GET", base + "/version")
     version = json.loads(body)
-    assert status == 200 and version["protocol_version"] == 1 and version["version"]
+    assert status == 200 and version["protocol_version"] == 2 and version["version"]
     assert version["git"] is None or isinstance(version["git"], str)
 
     store = ssd_owner.connect("unix")

@@ -29,7 +29,7 @@ use kvtide_transport::RegionError;
 /// "KVTD".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVTD");
 /// The only version this build speaks; a peer with another one gets `ProtocolVersion`.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Frame header size.
 pub const HEADER_BYTES: usize = 20;
 /// Challenge nonce size.

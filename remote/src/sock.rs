@@ -53,6 +53,34 @@ impl Stream {
         (rc == 0 && cred.pid > 0).then_some(cred)
     }
 
+    /// A process descriptor of the Unix peer that connected (`SO_PEERPIDFD`, Linux 6.5 and
+    /// later): it names that very process, never one that reused its pid. None over TCP, on older
+    /// kernels, or when the peer is gone.
+    pub(crate) fn peer_pidfd(&self) -> Option<Pidfd> {
+        /// `SO_PEERPIDFD` (asm-generic; the libc crate may not name it yet).
+        const SO_PEERPIDFD: libc::c_int = 77;
+        let Stream::Unix(s) = self else { return None };
+        let pid = self.peer_cred()?.pid;
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `fd`, an int we own.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&mut fd as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 || fd < 0 {
+            return None;
+        }
+        // SAFETY: a fresh descriptor the kernel just gave us, owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Some(Pidfd { fd, pid })
+    }
+
     /// Whether the peer shut the connection (or it failed): a zero-timeout `poll` for
     /// `POLLRDHUP`. Bytes still unread do not hide it.
     pub(crate) fn peer_closed(&self) -> bool {

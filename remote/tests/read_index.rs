@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use kvtide::{Error as StoreError, Fragment, PutOptions, Region, Store, StoreBuilder};
 use kvtide_remote::protocol::{
-    decode_index_map, frame, FrameHeader, Hello, HelloOk, Op, HEADER_BYTES, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    NONCE_BYTES,
+    decode_index_map, frame, FrameHeader, Hello, HelloOk, Op, Request, HEADER_BYTES, HELLO_SHM_ATTACHED,
+    HELLO_WANT_SHM, NONCE_BYTES,
 };
 use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, ReadIndexCounts, RemoteStore};
 use support::{options, recv_with_fd, temp_dir, unix_client, wait_idle};
@@ -157,6 +157,26 @@ fn index_reads_count_as_hits_and_keep_their_objects_warm() {
     let reported = owner.counters().index_reads.load(Ordering::SeqCst);
     assert!(reported >= counts.read * 9 / 10, "{reported} of {} index reads reported", counts.read);
     assert!(engine.stats().total.hits - hits_before >= reported, "reported reads count as hits");
+
+    // A hostile report (a shard, slot or generation that names nothing) counts nothing, gets no
+    // reply, and leaves the connection in step; reports hold nothing, so a hot object is
+    // removed at once.
+    let s = UnixStream::connect(owner.unix_path().expect("unix")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut p = Vec::new();
+    Hello { client_nonce: [5; NONCE_BYTES], flags: 0 }.encode(&mut p);
+    (&s).write_all(&frame(Op::Hello, 0, &p)).expect("hello");
+    read_frame_with_fd(&s, Op::HelloOk);
+    let mut p = Vec::new();
+    Request::IndexReads { reads: vec![(999, 0, 0), (0, u32::MAX, 7), (1, 0, 12_345)] }.encode(&mut p);
+    (&s).write_all(&frame(Op::IndexReads, 1, &p)).expect("report");
+    let mut p = Vec::new();
+    Request::Exists { keys: vec![hot[0].as_slice()] }.encode(&mut p);
+    (&s).write_all(&frame(Op::Exists, 2, &p)).expect("exists");
+    read_frame_with_fd(&s, Op::ExistsReply);
+    assert_eq!(owner.counters().index_reads.load(Ordering::SeqCst), reported, "nothing counted");
+    let remover = unix_client(&owner);
+    remover.remove(&hot[0], false).expect("a read object is removed at once");
     wait_idle(&owner);
 }
 

@@ -548,29 +548,22 @@ impl PublishedIndex {
     }
 
     /// Counts a read another process made of slot `slot` at `generation` (through the read
-    /// index, without the shard) as the index's own hits are counted, and queues it for the
-    /// eviction policy. False when that object is not open there (nothing counted).
+    /// index, without the shard) as a hit, and queues it for the eviction policy. False when
+    /// that object is not open there (nothing counted). It takes no lease, so a report never
+    /// holds an object back from a remove or eviction; its bytes are not counted (the reader's
+    /// own length is not trusted, and reading the object's needs a lease).
     pub(crate) fn note_read(&self, slot: u32, generation: u32) -> bool {
         let Some(object) = self.slot(slot) else { return false };
-        let Some(seen) = object.word.acquire() else { return false };
-        let entry = NonNull::new(object.key.load(Ordering::Relaxed));
-        let counted = match entry.filter(|_| seen == generation) {
-            Some(entry) => {
-                // SAFETY: the lease keeps the object, and so its key entry, alive and unchanged;
-                // the acquire made the shard's writes of the slot and the entry visible.
-                let (len, _) = unsafe { keys::read(entry) };
-                let counters = self.counters.readers.mine();
-                counters.reads.fetch_add(1, Ordering::Relaxed);
-                counters.hits.fetch_add(1, Ordering::Relaxed);
-                counters.bytes_read.fetch_add(len, Ordering::Relaxed);
-                // A full queue drops the record, as for the index's own reads.
-                let _ = self.accesses.push(u64::from(slot) << 32 | u64::from(generation));
-                true
-            }
-            None => false,
-        };
-        object.word.release();
-        counted
+        if object.word.state() != (generation, true) {
+            return false;
+        }
+        let counters = self.counters.readers.mine();
+        counters.reads.fetch_add(1, Ordering::Relaxed);
+        counters.hits.fetch_add(1, Ordering::Relaxed);
+        // A full queue drops the record, as for the index's own reads; the shard checks the
+        // generation again before the policy sees it.
+        let _ = self.accesses.push(u64::from(slot) << 32 | u64::from(generation));
+        true
     }
 
     /// Gives back a lease `lease` returned.

@@ -158,7 +158,7 @@ impl Conn {
         let probe = nonce.as_ptr() as u64;
         // The owner reads the nonce while this call waits for its answer: the box lives until then.
         match self.request_status(rid, &Request::PutDirect { probe, nonce: *nonce })? {
-            Ok(()) => self.direct = DirectState::Granted,
+            Ok(()) => self.direct = DirectState::Granted(std::process::id() as libc::pid_t),
             Err(e) => tracing::debug!(error = %e, "no direct puts; putting through the window"),
         }
         drop(nonce);
@@ -176,7 +176,7 @@ impl Conn {
         if self.io.stream().is_unix() && inner.pool.options.direct_puts {
             self.ensure_direct(inner.pool.next_request.fetch_add(1, Ordering::Relaxed))?;
         }
-        let client = matches!(self.direct, DirectState::Granted);
+        let client = matches!(self.direct, DirectState::Granted(pid) if pid == std::process::id() as libc::pid_t);
         let needs_window = !client || items.iter().any(|i| gpu::names_device(i.sources));
         if needs_window && self.io.stream().is_unix() && self.shm.is_some() {
             self.ensure_window(inner.pool.next_request.fetch_add(1, Ordering::Relaxed))?;

@@ -125,7 +125,9 @@ pub(super) enum DirectState {
     Untried,
     /// Refused or not applicable: values go through the window or over the socket.
     Unavailable,
-    Granted,
+    /// Granted to process `pid`: a child forked since holds the connection too, but the owner
+    /// reads its parent's memory, so the child must not name its own addresses.
+    Granted(libc::pid_t),
 }
 
 /// The largest read index a client maps (2^24 buckets of 4 entries for each of 448 shards would

@@ -16,18 +16,22 @@ use crate::protocol::{ClientSegments, PutItem, MAX_CLIENT_SEGMENTS, PROBE_BYTES}
 use crate::sock::{Pidfd, Stream};
 
 /// Why a connection may not put from its memory (the client then puts through its window).
+/// Every failure to read the client's memory gets the same message, so a refusal tells nothing
+/// of another process's address space.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum Refusal {
     #[error("puts from the client's memory need a Unix connection from a process visible here")]
     NotLocal,
     #[error(
+        "puts from the client's memory need Linux 6.5 or later (SO_PEERPIDFD), which names the connecting process"
+    )]
+    NoPeerPidfd,
+    #[error(
         "the client runs as user {client}, the owner as {owner}: puts from its memory are for the owner's own user"
     )]
     OtherUser { client: u32, owner: u32 },
-    #[error("the owner cannot read the client's memory ({0}); a Yama ptrace_scope above 0 or a non-dumpable client forbid it")]
-    Unreadable(io::Error),
-    #[error("the probe read from the client's memory did not hold its nonce")]
-    WrongNonce,
+    #[error("the owner cannot read this client's memory (it needs the owner's user and group ids in every field, a dumpable process and the probe's bytes at the probe's address)")]
+    Unreadable,
 }
 
 /// Why one value could not be read from the client's memory.
@@ -64,6 +68,20 @@ pub(super) struct BatchRead {
     pub failed: Vec<(usize, ReadFailure)>,
 }
 
+/// Whether every uid (real, effective, saved, filesystem) and every gid of process `pid` are
+/// `uid` and `gid` (`/proc/<pid>/status`; the caller checks afterwards that the process it holds
+/// a pidfd of is still alive, so the file was that process's).
+fn ids_are(pid: libc::pid_t, uid: u32, gid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return false };
+    let all = |field: &str, want: u32| {
+        status.lines().find_map(|l| l.strip_prefix(field)).is_some_and(|ids| {
+            let ids: Vec<&str> = ids.split_whitespace().collect();
+            ids.len() == 4 && ids.iter().all(|id| id.parse::<u32>() == Ok(want))
+        })
+    };
+    all("Uid:", uid) && all("Gid:", gid)
+}
+
 /// A connection's client process, whose memory the owner may read put values from.
 #[derive(Debug)]
 pub(super) struct ClientMemory {
@@ -75,20 +93,24 @@ impl ClientMemory {
     /// reads `PROBE_BYTES` at `probe` there, which must be `nonce`.
     pub(super) fn grant(stream: &Stream, probe: u64, nonce: &[u8; PROBE_BYTES]) -> Result<ClientMemory, Refusal> {
         let cred = stream.peer_cred().ok_or(Refusal::NotLocal)?;
-        // SAFETY: geteuid cannot fail.
-        let owner = unsafe { libc::geteuid() };
-        if cred.uid != owner {
-            return Err(Refusal::OtherUser { client: cred.uid, owner });
+        // SAFETY: geteuid and getegid cannot fail.
+        let (owner_uid, owner_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        if cred.uid != owner_uid {
+            return Err(Refusal::OtherUser { client: cred.uid, owner: owner_uid });
         }
-        let process = Pidfd::open(cred.pid).map_err(Refusal::Unreadable)?;
+        // The process that connected, not whichever process holds its pid now or holds the
+        // socket: a socket handed to another process still names the one that connected.
+        let process = stream.peer_pidfd().ok_or(Refusal::NoPeerPidfd)?;
+        // Every id of that process, now, is the owner's: reading it gives the owner nothing its
+        // own user and group could not read, even where the owner could read more (root).
+        if !ids_are(process.pid(), owner_uid, owner_gid) || process.exited() {
+            return Err(Refusal::Unreadable);
+        }
         let memory = ClientMemory { process };
         let mut seen = [0u8; PROBE_BYTES];
-        memory.read_range(&[(probe, PROBE_BYTES as u64)], 0, &mut seen).map_err(|e| match e {
-            ReadFailure::Fault(e) => Refusal::Unreadable(e),
-            ReadFailure::Short { .. } | ReadFailure::Exited | ReadFailure::Helper => Refusal::WrongNonce,
-        })?;
-        if memory.process.exited() || seen != *nonce {
-            return Err(Refusal::WrongNonce);
+        let read = memory.read_range(&[(probe, PROBE_BYTES as u64)], 0, &mut seen);
+        if read.is_err() || memory.process.exited() || seen != *nonce {
+            return Err(Refusal::Unreadable);
         }
         Ok(memory)
     }
@@ -162,16 +184,24 @@ impl ClientMemory {
         let (first, second) = jobs.split_at_mut(cut);
         let second_items: Vec<usize> = second.iter().map(|j| j.0).collect();
         let (mut done, helper) = std::thread::scope(|s| {
-            let helper = s.spawn(|| read(second));
-            (read(first), helper.join())
+            // No thread to be had (a process limit): this thread reads both halves.
+            match std::thread::Builder::new().name("kvtide-read".into()).spawn_scoped(s, || read(second)) {
+                Ok(helper) => (read(first), Some(helper.join())),
+                Err(_) => (read(first), None),
+            }
         });
         match helper {
-            Ok(more) => {
+            Some(Ok(more)) => {
                 done.bytes += more.bytes;
                 done.failed.extend(more.failed);
             }
             // Only a bug panics a read; its items then fail rather than publish.
-            Err(_) => done.failed.extend(second_items.into_iter().map(|i| (i, ReadFailure::Helper))),
+            Some(Err(_)) => done.failed.extend(second_items.into_iter().map(|i| (i, ReadFailure::Helper))),
+            None => {
+                let more = read(&mut jobs[cut..]);
+                done.bytes += more.bytes;
+                done.failed.extend(more.failed);
+            }
         }
         done
     }

@@ -159,6 +159,10 @@ impl<'s> Connection<'s> {
         self.arm_read_deadline();
         let Some(permit) = permit else {
             self.io.skip(header.payload_len.into())?;
+            if header.op == Op::IndexReads {
+                // A report has no reply (the client reads none): it is dropped.
+                return Ok(None);
+            }
             shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
             let limit = shared.config.max_buffered_bytes as usize;
             self.reply_error(header.request_id, &StoreError::Busy { limit }.into());
@@ -337,11 +341,13 @@ impl Connection<'_> {
                 return self.put_batch(rid, PutOptions { upsert, pin }, source, &items);
             }
             Request::PutDirect { probe, nonce } => self.grant_direct(rid, probe, &nonce),
-            Request::IndexReads { reads } => {
+            // Only a same-host client that may map the arena can have read through the index.
+            Request::IndexReads { reads } if self.unix && self.shared.index_fd.is_some() => {
                 let counted = engine.note_index_reads(&reads);
                 self.shared.counters.index_reads.fetch_add(counted as u64, Ordering::Relaxed);
                 self.shared.counters.index_read_reports.fetch_add(1, Ordering::Relaxed);
             }
+            Request::IndexReads { .. } => {}
             Request::PutWindow => self.open_window(rid)?,
             Request::ReadIndex => self.send_read_index(rid)?,
             Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {
