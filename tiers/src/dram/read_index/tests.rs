@@ -1,5 +1,5 @@
 use std::os::fd::AsRawFd;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use super::*;
 
@@ -217,6 +217,7 @@ fn a_copy_that_raced_with_a_change_is_never_called_unchanged() {
     let mut writer = index.writer(0).expect("writer");
     let view = view_of(&index);
     let stop = Arc::new(AtomicBool::new(false));
+    let goods = AtomicU64::new(0);
     let base = arena.base().as_ptr() as usize;
     let (good, torn) = std::thread::scope(|s| {
         let reader = s.spawn(|| {
@@ -241,6 +242,7 @@ fn a_copy_that_raced_with_a_change_is_never_called_unchanged() {
                 let first = buf[0];
                 if buf.iter().all(|&b| b == first) && u32::from(first) == found.generation % 256 {
                     good += 1;
+                    goods.fetch_add(1, Ordering::Relaxed);
                 } else {
                     return (good, true);
                 }
@@ -257,6 +259,12 @@ fn a_copy_that_raced_with_a_change_is_never_called_unchanged() {
             // entry naming it was taken out above.
             unsafe { std::ptr::write_bytes(place, (generation % 256) as u8, LEN) };
             writer.publish(generation, generation, b"k", at(&arena, offset), LEN as u64);
+        }
+        // The last object stays put until the reader copied it once (a loaded machine may not
+        // have run the reader during the race at all).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while goods.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
         stop.store(true, Ordering::Relaxed);
         reader.join().expect("reader")
