@@ -128,6 +128,8 @@ impl HttpState {
         match *phase {
             Phase::Stopping => return Err("the owner is stopping\n"),
             Phase::Serving => {
+                // Refused from the moment `/ready` says draining: new connections first.
+                owner.stop_accepting();
                 *phase = Phase::Draining;
                 self.phase_changed.notify_all();
                 drop(phase);

@@ -140,8 +140,10 @@ impl Owner {
         self.shutdown_with_grace(Duration::from_millis(self.run_time_settings().shutdown_grace_ms));
     }
 
-    /// `shutdown`, with in-flight requests given `grace`.
-    fn shutdown_with_grace(&self, grace: Duration) {
+    /// The first step of `shutdown`, on its own: when it returns, no new connection is accepted
+    /// (the Unix socket's file is gone) and no read goes through the read index; requests in
+    /// flight go on. Returns true for the first call. Idempotent.
+    pub fn stop_accepting(&self) -> bool {
         let shared = &self.shared;
         let first = !shared.shutting_down.swap(true, Ordering::SeqCst);
         // Reads through the read index end with the connections' service.
@@ -158,6 +160,12 @@ impl Owner {
                 let _ = std::fs::remove_file(path);
             }
         }
+        first
+    }
+
+    /// `shutdown`, with in-flight requests given `grace`.
+    fn shutdown_with_grace(&self, grace: Duration) {
+        let first = self.stop_accepting();
         self.wait_for_connections(grace);
         self.shared.parker.stop();
         if let Some(poller) = self.poller.lock().unwrap_or_else(|p| p.into_inner()).take() {
