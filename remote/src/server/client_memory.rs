@@ -11,6 +11,7 @@
 use std::io;
 
 use kvtide::Error as StoreError;
+use kvtide_transport::memcpy::copy_nontemporal;
 
 use crate::protocol::{ClientSegments, PutItem, MAX_CLIENT_SEGMENTS, PROBE_BYTES};
 use crate::sock::{Pidfd, Stream};
@@ -132,7 +133,8 @@ impl ClientMemory {
             for chunk in dst.chunks_mut(BOUNCE_BYTES) {
                 let staged = &mut bounce[..chunk.len()];
                 self.read_range(&pairs, pos, staged)?;
-                stream_copy(chunk, staged);
+                // SAFETY: `chunk` and `staged` are distinct slices of the same length.
+                unsafe { copy_nontemporal(chunk.as_mut_ptr(), staged.as_ptr(), chunk.len()) };
                 pos += chunk.len() as u64;
             }
             Ok(())
@@ -249,65 +251,12 @@ impl ClientMemory {
     }
 }
 
-/// Copies `src` into `dst` (as long) with non-temporal stores where the target has them, so the
-/// destination's lines are written without being read first; a store fence ends it.
-fn stream_copy(dst: &mut [u8], src: &[u8]) {
-    debug_assert_eq!(dst.len(), src.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        let head = dst.as_ptr().align_offset(16).min(dst.len());
-        dst[..head].copy_from_slice(&src[..head]);
-        let body = (dst.len() - head) / 64 * 64;
-        for at in (head..head + body).step_by(64) {
-            // SAFETY: `at + 64 <= dst.len() == src.len()`, so each 16-byte load and store lies
-            // inside its slice; `dst + at` is 16-byte aligned (`head` aligned it and `at - head`
-            // is a multiple of 64), as the streaming store needs; SSE2 is part of x86_64.
-            unsafe {
-                let s = src.as_ptr().add(at).cast::<__m128i>();
-                let d = dst.as_mut_ptr().add(at).cast::<__m128i>();
-                let (a, b, c, e) = (
-                    _mm_loadu_si128(s),
-                    _mm_loadu_si128(s.add(1)),
-                    _mm_loadu_si128(s.add(2)),
-                    _mm_loadu_si128(s.add(3)),
-                );
-                _mm_stream_si128(d, a);
-                _mm_stream_si128(d.add(1), b);
-                _mm_stream_si128(d.add(2), c);
-                _mm_stream_si128(d.add(3), e);
-            }
-        }
-        let tail = head + body;
-        dst[tail..].copy_from_slice(&src[tail..]);
-        // SAFETY: a store fence has no preconditions; it orders the streaming stores above
-        // before whatever publishes the value.
-        unsafe { _mm_sfence() };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    dst.copy_from_slice(src);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn own_memory() -> ClientMemory {
         ClientMemory { process: Pidfd::open(std::process::id() as libc::pid_t).expect("own pidfd") }
-    }
-
-    #[test]
-    fn streamed_copies_equal_plain_ones_at_every_alignment_and_length() {
-        let src: Vec<u8> = (0..400u32).map(|i| (i * 7 + 3) as u8).collect();
-        let mut dst = vec![0u8; 420];
-        for offset in 0..17 {
-            for len in [0, 1, 15, 16, 63, 64, 65, 127, 200, 333] {
-                dst.fill(0);
-                stream_copy(&mut dst[offset..offset + len], &src[..len]);
-                assert_eq!(&dst[offset..offset + len], &src[..len], "offset {offset}, length {len}");
-                assert!(dst[..offset].iter().chain(&dst[offset + len..]).all(|&b| b == 0), "nothing outside");
-            }
-        }
     }
 
     #[test]
