@@ -143,8 +143,8 @@ impl Conn {
 
     /// Asks once per connection (Unix socket, option on) that the owner read put values from
     /// this process's memory: the owner must find a fresh random nonce at the probe's address.
-    /// A refusal (another user, a Yama ptrace scope, an owner with direct puts off or too old)
-    /// leaves the connection putting through its window.
+    /// A refusal (another user or group, a Yama ptrace scope, a kernel without `SO_PEERPIDFD`,
+    /// an owner with direct puts off) leaves the connection putting through its window.
     fn ensure_direct(&mut self, rid: u64) -> WResult<()> {
         if !matches!(self.direct, DirectState::Untried) {
             return Ok(());

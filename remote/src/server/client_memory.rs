@@ -3,10 +3,10 @@
 //! owner's memory.
 //!
 //! Owns the check that lets a connection put this way and the reads themselves. Never reads a
-//! process of another user (the kernel's ptrace check would let a privileged owner read anyone),
-//! one whose probe did not show the client's nonce, or one that has exited: a read that ends
-//! after the client's process exited is thrown away, since its pid may by then name another
-//! process.
+//! process other than the one that connected (`SO_PEERPIDFD`), one with a uid or gid that is not
+//! the owner's (the kernel's ptrace check would let a privileged owner read anyone), one whose
+//! probe did not show the client's nonce, or one that has exited: a read that ends after the
+//! client's process exited is thrown away.
 
 use std::io;
 
@@ -59,8 +59,8 @@ std::thread_local! {
     static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// A batch at least this large is read by two threads: the kernel's copy runs at about 0.7 of
-/// memcpy, and a lone client waiting for its batch leaves a core idle.
+/// A batch at least this large is read by two threads (where a core is free): a lone client
+/// waits for its batch with its own core idle.
 const SPLIT_READ_BYTES: u64 = 4 << 20;
 
 /// What `ClientMemory::read_all` did: bytes read, and the items that failed with why.
@@ -90,8 +90,8 @@ pub(super) struct ClientMemory {
 }
 
 impl ClientMemory {
-    /// Checks that the peer of `stream` runs as this process's user, opens its process and
-    /// reads `PROBE_BYTES` at `probe` there, which must be `nonce`.
+    /// Checks that the process that connected `stream` runs with this process's user and group
+    /// ids, and reads `PROBE_BYTES` at `probe` there, which must be `nonce`.
     pub(super) fn grant(stream: &Stream, probe: u64, nonce: &[u8; PROBE_BYTES]) -> Result<ClientMemory, Refusal> {
         let cred = stream.peer_cred().ok_or(Refusal::NotLocal)?;
         // SAFETY: geteuid and getegid cannot fail.
