@@ -164,6 +164,8 @@ mod tests {
             transfer_end_us: t0 + 900,
             release_us: t0 + 950,
             state: kvtide::SubBatchState::Released,
+            path: Vec::new(),
+            failed_keys: 0,
         };
         let timeline = dir.join("timeline.svg");
         sub_batch_timeline(&timeline, "timeline", &[trace(0, 0), trace(1, 400)]).expect("timeline");

@@ -330,6 +330,14 @@ pub struct RestoreStats {
     pub credits_held_bytes: u64,
     pub peak_credits_bytes: u64,
     pub peak_request_staging_bytes: u64,
+    /// Restores cancelled before every sub-batch was transferred.
+    pub cancelled_requests: u64,
+    /// Sub-batches that ended `Failed` (a key's load or copy failed).
+    pub failed_sub_batches: u64,
+    /// Sub-batches that ended `Draining` (their restore was cancelled).
+    pub drained_sub_batches: u64,
+    /// Time loaded sub-batches waited in `Ready` for the transfer stage, summed.
+    pub ready_wait_us: u64,
 }
 
 impl Stats {

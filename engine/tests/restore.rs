@@ -98,6 +98,19 @@ fn loads_overlap_transfers_and_every_mode_agrees() {
     let trace = &pipelined.sub_batches;
     assert!(trace.len() >= 4, "several sub-batches: {trace:?}");
     assert!(trace.iter().all(|t| t.state == SubBatchState::Released));
+    // Every sub-batch went Loading -> Ready -> Transferring -> Verifying -> Released, its time
+    // in Ready inside its timeline.
+    use SubBatchState::*;
+    for t in trace {
+        let states: Vec<SubBatchState> = t.path.iter().map(|&(s, _)| s).collect();
+        assert_eq!(states, [Loading, Ready, Transferring, Verifying, Released], "{}", t.to_json_line());
+        assert!(t.path.windows(2).all(|w| w[0].1 <= w[1].1), "{}", t.to_json_line());
+        assert!(t.load_start_us <= t.ready_us && t.ready_us <= t.transfer_start_us, "{}", t.to_json_line());
+        assert_eq!(t.failed_keys, 0);
+    }
+    assert!(!pipelined.cancelled);
+    let stats = store.stats().restore;
+    assert_eq!((stats.failed_sub_batches, stats.drained_sub_batches, stats.cancelled_requests), (0, 0, 0));
     // The point of the pipeline: a sub-batch's load starts before the previous transfer ends.
     let overlapped = trace.windows(2).filter(|w| w[1].load_start_us < w[0].transfer_end_us).count();
     assert!(overlapped >= trace.len() / 2, "loads must overlap transfers: {}", lines(trace));
@@ -379,7 +392,7 @@ fn read_errors_fail_only_their_keys() {
     fill(&store, 24, 256 << 10);
     let keys: Vec<Vec<u8>> = (0..24).map(key).collect();
     let mut bufs = buffers(24, 256 << 10);
-    let report = restore(&store, &keys, &mut bufs, &store.restore_options());
+    let report = restore(&store, &keys, &mut bufs, &RestoreOptions { trace: true, ..store.restore_options() });
     let mut failed = 0;
     for (i, r) in report.results.iter().enumerate() {
         match r {
@@ -392,6 +405,15 @@ fn read_errors_fail_only_their_keys() {
         }
     }
     assert!(failed > 0 && failed < 24, "EIO hits some keys only ({failed})");
+    // The sub-batches with a failed load ended Failed (then Released), the others Verifying.
+    let failing: Vec<_> = report.sub_batches.iter().filter(|t| t.failed_keys > 0).collect();
+    assert_eq!(failing.iter().map(|t| t.failed_keys).sum::<usize>(), failed, "{}", lines(&report.sub_batches));
+    for t in &report.sub_batches {
+        let states: Vec<SubBatchState> = t.path.iter().map(|&(s, _)| s).collect();
+        let end = if t.failed_keys > 0 { SubBatchState::Failed } else { SubBatchState::Verifying };
+        assert_eq!(states[states.len() - 2..], [end, SubBatchState::Released], "{}", t.to_json_line());
+    }
+    assert_eq!(store.stats().restore.failed_sub_batches, failing.len() as u64);
     assert_idle(&store);
 }
 
@@ -424,11 +446,20 @@ fn cancellation_drains_and_releases() {
             Err(e) => panic!("key {i}: {e}"),
         }
     }
-    assert!(
-        report.sub_batches.iter().any(|t| t.state == SubBatchState::Drained)
-            || delivered == 0
-            || report.sub_batches.len() < 8
-    );
+    // The sub-batches in flight when it was cancelled drained: their loads ended, nothing was
+    // copied, then they were released. Nothing else was loaded after that.
+    assert!(report.cancelled);
+    let drained: Vec<_> =
+        report.sub_batches.iter().filter(|t| t.path.iter().any(|&(s, _)| s == SubBatchState::Draining)).collect();
+    assert!(!drained.is_empty(), "{}", lines(&report.sub_batches));
+    for t in &drained {
+        let states: Vec<SubBatchState> = t.path.iter().map(|&(s, _)| s).collect();
+        assert_eq!(states.last(), Some(&SubBatchState::Released));
+        assert!(!states.contains(&SubBatchState::Transferring), "{}", t.to_json_line());
+    }
+    let stats = store.stats().restore;
+    assert_eq!(stats.cancelled_requests, 1);
+    assert_eq!(stats.drained_sub_batches, drained.len() as u64);
     assert_idle(&store);
 }
 
@@ -542,6 +573,8 @@ fn transfer_failures_fail_only_their_keys() {
         assert_eq!(report.results[i], Ok(512 << 10));
         assert_eq!(bufs[i], value_for(&keys[i], 0, 512 << 10));
     }
+    // A failed copy fails its sub-batch (one), not the request.
+    assert_eq!(store.stats().restore.failed_sub_batches, 1);
     assert_idle(&store);
 }
 

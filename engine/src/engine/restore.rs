@@ -112,16 +112,22 @@ impl Default for RestoreOptions {
     }
 }
 
-/// Where a sub-batch is in its life.
+/// Where a sub-batch is in its life: `Loading -> Ready -> Transferring -> Verifying ->
+/// Released`, or, when a key's load or copy failed, `... -> Failed -> Released`, or, when the
+/// request was cancelled, `... -> Draining -> Released` (its loads end and nothing is copied
+/// before its leases and credits go back).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SubBatchState {
     Loading,
+    /// Loaded, waiting for the transfer stage.
     Ready,
     Transferring,
     Verifying,
+    /// Some key's load or copy failed (its error is in the key's result).
+    Failed,
+    /// Cancelled: waits for its loads, copies nothing, then releases.
+    Draining,
     Released,
-    /// Cancelled or failed: drained (its loads completed, its leases released) before release.
-    Drained,
 }
 
 /// One sub-batch's timeline, in microseconds since the request started.
@@ -132,18 +138,36 @@ pub struct SubBatchTrace {
     pub keys: usize,
     pub staging_bytes: u64,
     pub load_start_us: u64,
+    /// When the pipeline saw its loads done (checked at each step of the pipeline, so at most
+    /// one transfer late); `transfer_start_us - ready_us` is its time in `Ready`.
     pub ready_us: u64,
     pub transfer_start_us: u64,
     pub transfer_end_us: u64,
     pub release_us: u64,
+    /// The state it is in (`Released` in a report).
     pub state: SubBatchState,
+    /// Every state it entered, with when.
+    pub path: Vec<(SubBatchState, u64)>,
+    /// Keys whose load or copy failed.
+    pub failed_keys: usize,
 }
 
 impl SubBatchTrace {
+    fn enter(&mut self, state: SubBatchState, at_us: u64) {
+        self.state = state;
+        self.path.push((state, at_us));
+    }
+
+    /// Microseconds it spent loaded before its transfer (or drain) began.
+    pub fn ready_wait_us(&self) -> u64 {
+        self.transfer_start_us.saturating_sub(self.ready_us)
+    }
+
     /// One JSON object on one line.
     pub fn to_json_line(&self) -> String {
+        let path: Vec<String> = self.path.iter().map(|(s, t)| format!("[\"{s:?}\",{t}]")).collect();
         format!(
-            "{{\"index\":{},\"shard\":{},\"keys\":{},\"staging_bytes\":{},\"load_start_us\":{},\"ready_us\":{},\"transfer_start_us\":{},\"transfer_end_us\":{},\"release_us\":{},\"state\":\"{:?}\"}}",
+            "{{\"index\":{},\"shard\":{},\"keys\":{},\"staging_bytes\":{},\"load_start_us\":{},\"ready_us\":{},\"transfer_start_us\":{},\"transfer_end_us\":{},\"release_us\":{},\"state\":\"{:?}\",\"failed_keys\":{},\"path\":[{}]}}",
             self.index,
             self.shard,
             self.keys,
@@ -153,7 +177,9 @@ impl SubBatchTrace {
             self.transfer_start_us,
             self.transfer_end_us,
             self.release_us,
-            self.state
+            self.state,
+            self.failed_keys,
+            path.join(",")
         )
     }
 }
@@ -169,6 +195,8 @@ pub struct RestoreReport {
     /// Times this request waited for credits.
     pub credit_waits: u64,
     pub elapsed_us: u64,
+    /// The request was cancelled before every sub-batch was transferred.
+    pub cancelled: bool,
 }
 
 /// Engine-wide restore counters (stats).
@@ -178,6 +206,10 @@ pub(crate) struct RestoreCounters {
     pub(crate) sub_batches: AtomicU64,
     pub(crate) credit_waits: AtomicU64,
     pub(crate) peak_staging_bytes: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+    pub(crate) failed_sub_batches: AtomicU64,
+    pub(crate) drained_sub_batches: AtomicU64,
+    pub(crate) ready_wait_us: AtomicU64,
 }
 
 /// Staging credits: process-wide and per shard, granted in arrival order (FIFO tickets), so a
@@ -375,6 +407,19 @@ impl<'e> RestorePipeline<'e> {
         t.duration_since(self.started).as_micros() as u64
     }
 
+    /// Marks the sub-batches whose loads are done `Ready` (the time in `Ready` is then measured
+    /// from here to their transfer).
+    fn note_ready(&mut self) {
+        let mut now_us = None;
+        for sub in self.inflight.iter_mut() {
+            if sub.trace.state == SubBatchState::Loading && sub.pending.answered() {
+                let at = *now_us.get_or_insert_with(|| self.started.elapsed().as_micros() as u64);
+                sub.trace.ready_us = at;
+                sub.trace.enter(SubBatchState::Ready, at);
+            }
+        }
+    }
+
     /// Load stage: requests sub-batches in plan order while admission allows, without
     /// blocking while a loaded one waits to be transferred.
     fn request_loads(
@@ -423,23 +468,23 @@ impl<'e> RestorePipeline<'e> {
             let staging_now = self.ahead.iter().map(|&(bytes, _)| bytes).sum::<u64>();
             report.peak_staging_bytes = report.peak_staging_bytes.max(staging_now);
             engine.restore.sub_batches.fetch_add(1, Ordering::Relaxed);
-            self.inflight.push_back(LoadingSubBatch {
-                trace: SubBatchTrace {
-                    index: self.next_index,
-                    shard: planned.shard,
-                    keys: planned.keys.len(),
-                    staging_bytes: planned.staging_bytes,
-                    load_start_us: self.us(Instant::now()),
-                    ready_us: 0,
-                    transfer_start_us: 0,
-                    transfer_end_us: 0,
-                    release_us: 0,
-                    state: SubBatchState::Loading,
-                },
-                keys: planned.keys,
-                pending,
-                credits,
-            });
+            let load_start_us = self.us(Instant::now());
+            let mut trace = SubBatchTrace {
+                index: self.next_index,
+                shard: planned.shard,
+                keys: planned.keys.len(),
+                staging_bytes: planned.staging_bytes,
+                load_start_us,
+                ready_us: 0,
+                transfer_start_us: 0,
+                transfer_end_us: 0,
+                release_us: 0,
+                state: SubBatchState::Loading,
+                path: Vec::with_capacity(5),
+                failed_keys: 0,
+            };
+            trace.enter(SubBatchState::Loading, load_start_us);
+            self.inflight.push_back(LoadingSubBatch { trace, keys: planned.keys, pending, credits });
             self.next_index += 1;
         }
     }
@@ -463,12 +508,14 @@ impl<'e> RestorePipeline<'e> {
     ) -> bool {
         // The sub-batches requested and not yet transferred.
         let in_flight = self.inflight.len();
+        self.note_ready();
         let done = self.inflight.iter().position(|f| f.pending.answered());
         let waiting_since = done.is_none().then(Instant::now);
         let next = done.unwrap_or_else(|| {
             let pending: Vec<&PendingLeases<'_>> = self.inflight.iter().map(|f| &f.pending).collect();
             PendingLeases::first_answered(&pending)
         });
+        self.note_ready();
         let Some(first) = self.inflight.remove(next) else { return false };
         let mut landed = vec![first.land()];
         let waited = waiting_since.map(|since| since.elapsed());
@@ -481,10 +528,20 @@ impl<'e> RestorePipeline<'e> {
         }
         let stop = cancelled();
         let transfer_started = Instant::now();
+        let start_us = self.us(transfer_started);
         for sub in &mut landed {
-            sub.trace.ready_us = self.us(transfer_started);
-            sub.trace.transfer_start_us = self.us(transfer_started);
-            sub.trace.state = if stop { SubBatchState::Ready } else { SubBatchState::Transferring };
+            if sub.trace.state == SubBatchState::Loading {
+                sub.trace.ready_us = start_us;
+                sub.trace.enter(SubBatchState::Ready, start_us);
+            }
+            sub.trace.transfer_start_us = start_us;
+            sub.trace.enter(if stop { SubBatchState::Draining } else { SubBatchState::Transferring }, start_us);
+            engine.restore.ready_wait_us.fetch_add(sub.trace.ready_wait_us(), Ordering::Relaxed);
+        }
+        for sub in &mut landed {
+            let grants = &sub.grants;
+            sub.trace.failed_keys =
+                sub.keys.iter().filter(|&i| matches!(grants.get(i), Some(Err(e)) if load_failed(e))).count();
         }
         let mut grant_of: Vec<Option<&Result<ReadGrant>>> = vec![None; slots.len()];
         for sub in &landed {
@@ -500,6 +557,17 @@ impl<'e> RestorePipeline<'e> {
         // One submission per route, waited for before the release.
         engine.deliver(targets, slots, &grant_of, (None, &[]), &mut report.results, None);
         let transfer_ended = Instant::now();
+        if !stop {
+            // Copies that failed (the loads' failures are counted above).
+            for sub in &mut landed {
+                let copy_failed = sub
+                    .keys
+                    .iter()
+                    .filter(|&&i| matches!(sub.grants.get(&i), Some(Ok(_))) && report.results[i].is_err())
+                    .count();
+                sub.trace.failed_keys += copy_failed;
+            }
+        }
         if landed[0].trace.staging_bytes > 0 {
             // The first one's wait against one sub-batch's share of the submission.
             let took = (transfer_ended - transfer_started) / u32::try_from(landed.len()).unwrap_or(u32::MAX);
@@ -507,7 +575,7 @@ impl<'e> RestorePipeline<'e> {
             self.transferred_any = true;
         }
         for sub in landed {
-            self.release_landed(sub, stop, transfer_ended, opts, report);
+            self.release_landed(engine, sub, stop, transfer_ended, opts, report);
         }
         true
     }
@@ -515,26 +583,34 @@ impl<'e> RestorePipeline<'e> {
     /// Gives a transferred sub-batch's leases and credits back and records its trace.
     fn release_landed(
         &mut self,
+        engine: &Engine,
         mut sub: Landed<'_>,
         stop: bool,
         transfer_ended: Instant,
         opts: &RestoreOptions,
         report: &mut RestoreReport,
     ) {
-        sub.trace.transfer_end_us = self.us(transfer_ended);
+        let ended_us = self.us(transfer_ended);
+        sub.trace.transfer_end_us = ended_us;
         // Copies are synchronous here (GPU ones waited for their events), so every byte
         // of a key reported Ok has landed.
-        sub.trace.state = if stop { SubBatchState::Drained } else { SubBatchState::Verifying };
+        if stop {
+            engine.restore.drained_sub_batches.fetch_add(1, Ordering::Relaxed);
+        } else if sub.trace.failed_keys > 0 {
+            sub.trace.enter(SubBatchState::Failed, ended_us);
+            engine.restore.failed_sub_batches.fetch_add(1, Ordering::Relaxed);
+        } else {
+            sub.trace.enter(SubBatchState::Verifying, ended_us);
+        }
         release(sub.leases);
         if let Some((bytes, count)) = self.ahead.get_mut(sub.trace.shard) {
             *bytes -= sub.trace.staging_bytes;
             *count -= 1;
         }
         drop(sub.credits);
-        sub.trace.release_us = self.us(Instant::now());
-        if sub.trace.state == SubBatchState::Verifying {
-            sub.trace.state = SubBatchState::Released;
-        }
+        let release_us = self.us(Instant::now());
+        sub.trace.release_us = release_us;
+        sub.trace.enter(SubBatchState::Released, release_us);
         if opts.trace {
             report.sub_batches.push(sub.trace);
         }
@@ -594,6 +670,10 @@ impl Engine {
             for (slot, result) in some.iter().zip(self.read(&mut targets, &some)) {
                 report.results[slot.list] = result;
             }
+        }
+        report.cancelled = cancelled() && (!pipeline.queue.is_empty() || report.results.iter().any(is_cancelled));
+        if report.cancelled {
+            self.restore.cancelled.fetch_add(1, Ordering::Relaxed);
         }
         self.restore.peak_staging_bytes.fetch_max(report.peak_staging_bytes, Ordering::Relaxed);
         // In plan order: sub-batches are transferred in the order they landed.
@@ -658,6 +738,10 @@ impl Engine {
             credits_held_bytes: self.credits.held_bytes(),
             peak_credits_bytes: self.credits.peak_bytes(),
             peak_request_staging_bytes: self.restore.peak_staging_bytes.load(Ordering::Relaxed),
+            cancelled_requests: self.restore.cancelled.load(Ordering::Relaxed),
+            failed_sub_batches: self.restore.failed_sub_batches.load(Ordering::Relaxed),
+            drained_sub_batches: self.restore.drained_sub_batches.load(Ordering::Relaxed),
+            ready_wait_us: self.restore.ready_wait_us.load(Ordering::Relaxed),
         }
     }
 
@@ -892,6 +976,16 @@ fn sub_batch_size(objects: &[(usize, u64)], opts: &RestoreOptions) -> (u64, usiz
     let bytes = total.div_ceil(MAX_SUB_BATCHES_PER_SHARD).clamp(min_bytes, cap);
     let keys = objects.len().div_ceil(MAX_SUB_BATCHES_PER_SHARD as usize).max(min_keys);
     (bytes, keys)
+}
+
+/// A lease refused because the object's load failed (not because the key is missing or
+/// there was no room: those are not the sub-batch's failure).
+fn load_failed(e: &Error) -> bool {
+    !matches!(e, Error::NotFound | Error::NoSpace | Error::Cancelled | Error::InvalidArgument(_))
+}
+
+fn is_cancelled(r: &Result<usize>) -> bool {
+    matches!(r, Err(Error::Cancelled))
 }
 
 fn release(leases: LeaseSet<'_>) {
