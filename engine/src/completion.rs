@@ -34,6 +34,12 @@ impl<T> Completion<T> {
         self.cancel.load(Ordering::Acquire)
     }
 
+    /// The ticket's cancel flag, for work that checks it where `is_cancelled` cannot reach (a
+    /// read that runs on a connection).
+    pub fn cancel_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.cancel)
+    }
+
     /// Hands `value` to the ticket and wakes its waiters.
     pub fn complete(self, value: T) {
         self.cell.fulfil(value);

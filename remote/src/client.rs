@@ -23,7 +23,7 @@
 //! was only partly written as a success, and never reads or writes a frame itself (`conn.rs`
 //! does).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -57,7 +57,7 @@ pub use hold::HoldGranted;
 pub use options::ClientOptions;
 use pool::Pool;
 pub use stream::RemotePutStream;
-pub(crate) use ticket::submit_batch_get;
+pub(crate) use ticket::{submit_batch_get, CancellableRead};
 
 /// `RemoteStore::read_index_counts`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -214,6 +214,7 @@ impl Inner {
         keys: &[&[u8]],
         dsts: &[Vec<Region<'_>>],
         check: impl Fn(&[Region<'_>]) -> std::result::Result<LenCheck, StoreError>,
+        cancel: Option<&Arc<AtomicBool>>,
     ) -> Vec<Result<usize>> {
         let limits = match self.pool.limits() {
             Ok(l) => l,
@@ -236,7 +237,7 @@ impl Inner {
                 Err(e) => results[i] = Err(e),
             }
         }
-        for (i, r) in valid.into_iter().zip(self.read_objects(items)) {
+        for (i, r) in valid.into_iter().zip(self.read_objects(items, cancel)) {
             results[i] = r.map(|(n, _)| n);
         }
         results
@@ -244,7 +245,11 @@ impl Inner {
 
     /// Reads `items` (key, check, target); results in the same order. Those the owner's read
     /// index has are copied without a request; the rest are asked for in batches.
-    fn read_objects<'a>(&self, items: Vec<(&[u8], LenCheck, Target<'a>)>) -> Vec<ReadResult> {
+    fn read_objects<'a>(
+        &self,
+        items: Vec<(&[u8], LenCheck, Target<'a>)>,
+        cancel: Option<&Arc<AtomicBool>>,
+    ) -> Vec<ReadResult> {
         let mut results: Vec<Option<ReadResult>> = (0..items.len()).map(|_| None).collect();
         let mut items: Vec<_> = items.into_iter().map(Some).collect();
         self.read_indexed(&mut items, &mut results);
@@ -258,10 +263,18 @@ impl Inner {
             let key_lens: Vec<usize> = left.iter().map(|&i| items[i].as_ref().map_or(0, |item| item.0.len())).collect();
             for (start, end) in batches(&key_lens, 11, max_items, &limits) {
                 let slots = &left[start..end];
+                if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+                    slots.iter().for_each(|&i| results[i] = Some(Err(StoreError::Cancelled.into())));
+                    continue;
+                }
                 let mut batch: Vec<(&[u8], LenCheck, Target<'a>)> =
                     slots.iter().filter_map(|&i| items[i].take()).collect();
-                let outcome =
-                    self.pool.call("get", |conn, rid| conn.get_batch(rid, &mut batch, self.pool.timeout(), &self.gpu));
+                let outcome = self.pool.call("get", |conn, rid| {
+                    conn.cancel = cancel.cloned();
+                    let read = conn.get_batch(rid, &mut batch, self.pool.timeout(), &self.gpu);
+                    conn.cancel = None;
+                    read
+                });
                 match outcome {
                     Ok(per_key) => slots.iter().zip(per_key).for_each(|(&i, r)| results[i] = Some(r)),
                     Err(e) => slots.iter().for_each(|&i| results[i] = Some(Err(e.clone()))),
@@ -420,7 +433,7 @@ impl Store for RemoteStore {
     fn get(&self, key: &[u8]) -> Result<Vec<u8>> {
         let limits = self.inner.pool.limits()?;
         self.inner.validate_key(&limits, key)?;
-        let mut r = self.inner.read_objects(vec![(key, LenCheck::Any, Target::Owned(Vec::new()))]);
+        let mut r = self.inner.read_objects(vec![(key, LenCheck::Any, Target::Owned(Vec::new()))], None);
         let (_, owned) = r.pop().unwrap_or(Err(StoreError::Internal("no result").into()))?;
         owned.ok_or(StoreError::Internal("no value").into())
     }
@@ -430,7 +443,7 @@ impl Store for RemoteStore {
         self.inner.validate_key(&limits, key)?;
         self.inner.check_destinations(std::slice::from_ref(&dst))?;
         let check = LenCheck::AtMost(dst.len() as u64);
-        let mut r = self.inner.read_objects(vec![(key, check, Target::Regions(vec![dst]))]);
+        let mut r = self.inner.read_objects(vec![(key, check, Target::Regions(vec![dst]))], None);
         r.pop().unwrap_or(Err(StoreError::Internal("no result").into())).map(|(n, _)| n)
     }
 
@@ -439,14 +452,14 @@ impl Store for RemoteStore {
             return refused;
         }
         let lists: Vec<Vec<Region<'_>>> = dsts.iter().map(|d| vec![*d]).collect();
-        self.inner.read_batch(keys, &lists, |regions| Ok(LenCheck::AtMost(total_len(regions)?)))
+        self.inner.read_batch(keys, &lists, |regions| Ok(LenCheck::AtMost(total_len(regions)?)), None)
     }
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
         if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
             return refused;
         }
-        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)))
+        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)), None)
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
@@ -549,6 +562,20 @@ impl Store for RemoteStore {
         let store = RemoteStore { inner: Arc::clone(&self.inner) };
         let limit = self.inner.pool.options.max_tickets_in_flight;
         submit_batch_get(store, &self.inner.tickets_in_flight, limit, "kvtide-remote-ticket", keys, dsts)
+    }
+}
+
+impl CancellableRead for RemoteStore {
+    fn batch_get_cancellable(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        cancel: &Arc<AtomicBool>,
+    ) -> Vec<Result<usize>> {
+        if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
+            return refused;
+        }
+        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)), Some(cancel))
     }
 }
 

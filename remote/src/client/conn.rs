@@ -11,6 +11,7 @@
 
 use std::io::IoSlice;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -101,6 +102,10 @@ pub(super) struct Conn {
     /// Releases sent on this connection since its last reply (`Releases`).
     pub(super) unconfirmed: Vec<u64>,
     pub(super) releases: Arc<Releases>,
+    /// The cancel flag of the ticket whose batch read runs on this connection now: set, the read
+    /// stops between parts (or objects), reports the keys it has not delivered `Cancelled` and
+    /// leaves the connection broken, so the owner drops what it still holds for it.
+    pub(super) cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Drop for Conn {
@@ -197,6 +202,7 @@ pub(super) fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping
         broken: false,
         unconfirmed: Vec::new(),
         releases,
+        cancel: None,
     }
 }
 
@@ -441,6 +447,12 @@ impl Conn {
         // its GPU copies run while the owner leases (or loads) the next part.
         let mut kept: Option<PartCopies> = None;
         loop {
+            if self.cancelled() {
+                if let Some(k) = kept.take() {
+                    self.finish_part(rid, k, &mut results)?;
+                }
+                return Ok(Ok(self.stop_cancelled(results)));
+            }
             let part = self.read_reply(rid, Op::GrantsPart, "grants", |conn, payload| {
                 Ok(GrantsPart::decode(payload, conn.limits.max_items, count, mapping.len())?)
             })?;
@@ -639,6 +651,9 @@ impl Conn {
     ) -> WResult<Result<Vec<Result<usize>>>> {
         let mut results: Vec<Option<Result<usize>>> = (0..targets.len()).map(|_| None).collect();
         loop {
+            if self.cancelled() {
+                return Ok(Ok(self.stop_cancelled(results)));
+            }
             if Instant::now() > deadline {
                 return Err(WireError::Timeout);
             }
@@ -669,12 +684,18 @@ impl Conn {
                     if i >= targets.len() || results[i].is_some() {
                         return Err(ProtocolError::Invalid { what: "item index" }.into());
                     }
-                    results[i] = Some(match &*targets[i] {
+                    let read = match &*targets[i] {
                         Target::Regions(regions) if gpu::names_device(regions) => {
-                            self.read_object_to_gpu(rid, len, regions, deadline, gpu)?
+                            self.read_object_to_gpu(rid, len, regions, deadline, gpu)
                         }
-                        _ => self.read_object(rid, len, targets[i], deadline)?,
-                    });
+                        _ => self.read_object(rid, len, targets[i], deadline),
+                    };
+                    match read {
+                        Ok(result) => results[i] = Some(result),
+                        // Cancelled in the middle of the object: it was not delivered.
+                        Err(_) if self.cancelled() => return Ok(Ok(self.stop_cancelled(results))),
+                        Err(e) => return Err(e),
+                    }
                 }
                 other => {
                     return Err(
@@ -705,12 +726,13 @@ impl Conn {
             return Err(ProtocolError::Invalid { what: "object longer than its destination" }.into());
         }
         let mut pair = gpu::BouncePair::new(gpu, gpu::ordinal_of(regions), self.hello.chunk_bytes as usize);
+        let cancel = self.cancel.clone();
         let mut failed: Option<Error> = None;
         let aborted = self.read_data_frames(
             rid,
             len,
             Pace::AllBy(deadline),
-            || Ok(()),
+            || cancel_point(&cancel),
             |io, pos, n| {
                 let (buffer, room, done) = pair.next_buffer();
                 if n as usize > room {
@@ -766,11 +788,12 @@ impl Conn {
                 v.reserve(len.min(GET_INITIAL_ALLOC) as usize);
             }
         }
+        let cancel = self.cancel.clone();
         let aborted = self.read_data_frames(
             rid,
             len,
             Pace::AllBy(deadline),
-            || Ok(()),
+            || cancel_point(&cancel),
             |io, pos, n| match target {
                 Target::Regions(regions) => RegionParts::new(regions, pos, n).try_for_each(|(addr, part)| {
                     // SAFETY: the region is caller memory lent writable for this call (checked by
@@ -793,6 +816,28 @@ impl Conn {
             Some(error) => Err(error),
             None => Ok(len as usize),
         })
+    }
+}
+
+impl Conn {
+    /// Whether the ticket whose read runs here was cancelled.
+    pub(super) fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
+    /// Ends a cancelled read: the keys not answered yet report `Cancelled`, and the connection
+    /// is never reused (closing it makes the owner stop and drop its leases).
+    fn stop_cancelled<T>(&mut self, results: Vec<Option<Result<T>>>) -> Vec<Result<T>> {
+        self.broken = true;
+        results.into_iter().map(|r| r.unwrap_or(Err(StoreError::Cancelled.into()))).collect()
+    }
+}
+
+/// A data frame's stop point: a cancelled read ends in the middle of an object.
+fn cancel_point(cancel: &Option<Arc<AtomicBool>>) -> WResult<()> {
+    match cancel {
+        Some(c) if c.load(Ordering::Acquire) => Err(WireError::Closed("the read was cancelled".into())),
+        _ => Ok(()),
     }
 }
 

@@ -2,18 +2,31 @@
 //!
 //! Owns the count of tickets in flight against `max_tickets_in_flight` (refused with `Busy`
 //! past it) and the thread that runs the batch read and completes the ticket. Never reads
-//! anything itself: the store's `batch_get_into_multi_buffers` does, on that thread.
+//! anything itself: the store's `CancellableRead::batch_get_cancellable` does, on that thread,
+//! with the ticket's cancel flag.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvtide::{checks, BatchTicket, Error as StoreError, Region, Store, Ticket};
 
 use crate::error::{Error, Result};
 
-/// Starts `store.batch_get_into_multi_buffers(keys, dsts)` on a thread named `thread_name`
+/// A batch read that stops early when `cancel` is set: the keys it had delivered keep their
+/// results, the others report `Cancelled`, and nothing touches their destinations after it
+/// returned.
+pub(crate) trait CancellableRead {
+    fn batch_get_cancellable(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        cancel: &Arc<AtomicBool>,
+    ) -> Vec<Result<usize>>;
+}
+
+/// Starts `store.batch_get_cancellable(keys, dsts, cancel)` on a thread named `thread_name`
 /// and returns its ticket; `in_flight` counts the tickets running, at most `limit` (`Busy`
-/// past it). A ticket cancelled before its thread starts reading reports `Cancelled` per key.
+/// past it). Cancelling the ticket stops the read where it is.
 pub(crate) fn submit_batch_get<S>(
     store: S,
     in_flight: &Arc<AtomicU64>,
@@ -23,7 +36,7 @@ pub(crate) fn submit_batch_get<S>(
     dsts: Vec<Vec<Region<'static>>>,
 ) -> Result<BatchTicket<Error>>
 where
-    S: Store<Error = Error> + Send + 'static,
+    S: Store<Error = Error> + CancellableRead + Send + 'static,
 {
     checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
     if in_flight.fetch_add(1, Ordering::AcqRel) >= limit as u64 {
@@ -38,7 +51,7 @@ where
             owned_keys.iter().map(|_| Err(StoreError::Cancelled.into())).collect()
         } else {
             let keys: Vec<&[u8]> = owned_keys.iter().map(Vec::as_slice).collect();
-            store.batch_get_into_multi_buffers(&keys, &dsts)
+            store.batch_get_cancellable(&keys, &dsts, &completion.cancel_flag())
         };
         worker_in_flight.fetch_sub(1, Ordering::AcqRel);
         completion.complete(results);

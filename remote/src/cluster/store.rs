@@ -17,7 +17,7 @@
 //! - scans walk the members in id order, each key reported by the first-ranked member that
 //!   holds it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -27,7 +27,7 @@ use super::etcd::{Etcd, EtcdConfig};
 use super::member::{self, Member};
 use super::registration::ClusterError;
 use super::view::View;
-use crate::client::{lists_per_key, submit_batch_get, ClientOptions, RemoteStore};
+use crate::client::{lists_per_key, submit_batch_get, CancellableRead, ClientOptions, RemoteStore};
 use crate::error::{Error, Result};
 
 /// Most replicas of one key.
@@ -831,6 +831,26 @@ impl Store for ClusterStore {
         let store = ClusterStore { inner: Arc::clone(&self.inner), refresher: None };
         let limit = self.inner.options.client.max_tickets_in_flight;
         submit_batch_get(store, &self.inner.tickets_in_flight, limit, "kvtide-cluster-ticket", keys, dsts)
+    }
+}
+
+impl CancellableRead for ClusterStore {
+    /// Each member's part is read with the ticket's cancel flag; a member not reached yet when
+    /// it is set reports its keys `Cancelled`.
+    fn batch_get_cancellable(
+        &self,
+        keys: &[&[u8]],
+        dsts: &[Vec<Region<'_>>],
+        cancel: &Arc<AtomicBool>,
+    ) -> Vec<Result<usize>> {
+        if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
+            return refused;
+        }
+        let call = |store: &RemoteStore, items: &[usize]| {
+            let sub: Vec<Vec<Region<'_>>> = items.iter().map(|&i| dsts[i].clone()).collect();
+            store.batch_get_cancellable(&key_list(keys, items), &sub, cancel)
+        };
+        self.inner.read(keys, &call, &is_not_found)
     }
 }
 
