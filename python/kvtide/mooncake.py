@@ -1007,6 +1007,20 @@ class MooncakeDistributedStore:
         bounds its ranges. Mismatched list lengths, an unregistered buffer, or a range outside
         the buffer or the object answer INVALID_PARAMS for the ranges concerned; a miss answers
         OBJECT_NOT_FOUND; the other ranges are read."""
+        results, buffers, fragments, places = self._ranges_plan(buffer_ptrs, all_keys, all_dst_offsets,
+                                                                all_src_offsets, all_sizes)
+        if not buffers:
+            return results
+        try:
+            answers = self._store.get_into_ranges(buffers, fragments)
+        except (_KvtideError, TypeError, OverflowError):
+            self._ranges_type_errors(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
+            return results
+        return _place_ranges(results, places, answers)
+
+    def _ranges_plan(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
+        """``get_into_ranges``' arguments checked and flattened: the result nesting (every range
+        INVALID_PARAMS until read), kvtide's buffers and fragments, and where each answer goes."""
         n = len(buffer_ptrs)
         # Mooncake's shape for errors: one row per key, one entry per destination offset.
         results = []
@@ -1014,10 +1028,10 @@ class MooncakeDistributedStore:
             keys_b = all_keys[b] if b < len(all_keys) else [None]
             dst_b = all_dst_offsets[b] if b < len(all_dst_offsets) else []
             results.append([[INVALID_PARAMS] * (len(dst_b[j]) if j < len(dst_b) else 1) for j in range(len(keys_b))])
+        buffers, fragments, places = [], [], []
         if self._store is None or not (n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets)
                                        == len(all_sizes)):
-            return results
-        buffers, fragments, places = [], [], []
+            return results, buffers, fragments, places
         for b, ptr in enumerate(buffer_ptrs):
             capacity = self._capacity(_uint(ptr, "buffer_ptrs"))
             keys, dst, src, sizes = all_keys[b], all_dst_offsets[b], all_src_offsets[b], all_sizes[b]
@@ -1034,26 +1048,78 @@ class MooncakeDistributedStore:
                 buffers.append((ptr, capacity))
                 fragments.append(frags)
                 places.append((b, where))
-        if not buffers:
-            return results
+        return results, buffers, fragments, places
+
+    @staticmethod
+    def _ranges_type_errors(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes):
+        """Mooncake's binding raises TypeError for arguments of the wrong type."""
+        _uints(buffer_ptrs, "buffer_ptrs")
+        for ks in all_keys:
+            _keys(ks)
+        for nested, what in ((all_dst_offsets, "all_dst_offsets"), (all_src_offsets, "all_src_offsets"),
+                             (all_sizes, "all_sizes")):
+            for per in nested:
+                for r in per:
+                    _uints(r, what)
+
+    # ---- stream-bound reads (the calls Mooncake Store's stream-binding proposal names) ---------
+
+    def batch_get_into_multi_buffers_on_stream(self, keys, all_buffer_ptrs, all_sizes, stream_ptr=0,
+                                               prefer_alloc_in_same_node=False):
+        """``batch_get_into_multi_buffers`` with the copies ordered on the caller's CUDA stream
+        ``stream_ptr`` (a ``CUstream`` as an int, e.g. ``torch.cuda.Stream.cuda_stream``): when
+        it returns, an event recorded on that stream is a valid "KV ready" signal for a compute
+        stream or a captured graph, and the host never waits for the copies. The objects stay
+        leased until the stream passed them. Returns a ``StreamReadHandle`` (its ``wait`` gives
+        the per-key ints). ``stream_ptr`` 0 is the blocking call and returns its list. Unlike
+        the blocking call, each key's sizes must add up to its object's size exactly (the
+        copies are planned before they run): a larger list answers INVALID_PARAMS. A stream
+        being captured into a graph answers TRANSFER_FAIL for every key, before anything is
+        enqueued."""
+        if _uint(stream_ptr, "stream_ptr") == 0:
+            return self.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node)
+        lists = _scatter_lists(keys, all_buffer_ptrs, all_sizes)
+        if self._store is None or lists is None:
+            return StreamReadHandle.done([INVALID_PARAMS] * len(keys))
         try:
-            answers = self._store.get_into_ranges(buffers, fragments)
-        except (_KvtideError, TypeError, OverflowError):
-            # Mooncake's binding raises TypeError for arguments of the wrong type.
-            _uints(buffer_ptrs, "buffer_ptrs")
-            for ks in all_keys:
-                _keys(ks)
-            for nested, what in ((all_dst_offsets, "all_dst_offsets"), (all_src_offsets, "all_src_offsets"),
-                                 (all_sizes, "all_sizes")):
-                for per in nested:
-                    for r in per:
-                        _uints(r, what)
-            return results
-        for (b, where), got in zip(places, answers):
-            row = results[b]
-            for (j, k), r in zip(where, got):
-                row[j][k] = r if type(r) is int else error_code(r)
-        return results
+            ticket = self._store.batch_get_into_multi_buffers_on_stream(keys, lists, stream_ptr)
+        except _KvtideError as e:
+            return StreamReadHandle.done([error_code(e)] * len(keys))
+        return StreamReadHandle(ticket, _ints)
+
+    def get_into_ranges_on_stream(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes,
+                                  stream_ptr=0):
+        """``get_into_ranges`` with the copies ordered on ``stream_ptr``, as
+        ``batch_get_into_multi_buffers_on_stream``: a ``StreamReadHandle`` whose ``wait`` gives
+        ``get_into_ranges``' nesting; 0 is the blocking call."""
+        if _uint(stream_ptr, "stream_ptr") == 0:
+            return self.get_into_ranges(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
+        results, buffers, fragments, places = self._ranges_plan(buffer_ptrs, all_keys, all_dst_offsets,
+                                                                all_src_offsets, all_sizes)
+        if not buffers:
+            return StreamReadHandle.done(results)
+        try:
+            ticket = self._store.get_into_ranges_on_stream(buffers, fragments, stream_ptr)
+        except (TypeError, OverflowError):
+            self._ranges_type_errors(buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
+            return StreamReadHandle.done(results)
+        except _KvtideError as e:
+            code = error_code(e)
+            for b, where in places:
+                for j, k in where:
+                    results[b][j][k] = code
+            return StreamReadHandle.done(results)
+        # The ticket has one result per fragment, buffer after buffer: cut it back per buffer.
+        counts = [len(f) for f in fragments]
+
+        def shape(flat):
+            answers, at = [], 0
+            for c in counts:
+                answers.append(flat[at:at + c])
+                at += c
+            return _place_ranges([[list(r) for r in row] for row in results], places, answers)
+
+        return StreamReadHandle(ticket, shape)
 
     # ---- existence, size, removal -----------------------------------------------------------
 
@@ -1522,6 +1588,52 @@ def _parse_bool(text, default):
         return default
     return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
             "off": False}.get(text.strip().lower(), default)
+
+
+def _place_ranges(results, places, answers):
+    """Puts kvtide's per-buffer fragment answers into ``get_into_ranges``' nesting."""
+    for (b, where), got in zip(places, answers):
+        row = results[b]
+        for (j, k), r in zip(where, got):
+            row[j][k] = r if type(r) is int else error_code(r)
+    return results
+
+
+class StreamReadHandle:
+    """A stream-bound read (``*_on_stream`` with a stream): the copies are already ordered on
+    the caller's stream; this says how they went once kvtide saw the stream pass them, and holds
+    the read's objects leased until then. Dropping it neither blocks nor cancels anything."""
+
+    def __init__(self, ticket, shape):
+        self._ticket = ticket
+        self._shape = shape
+        self._final = None
+
+    @classmethod
+    def done(cls, results):
+        """A handle of a read that enqueued nothing: ``results`` are its answer."""
+        handle = cls(None, None)
+        handle._final = results
+        return handle
+
+    def is_done(self):
+        """True once the stream passed the copies (``wait`` returns at once)."""
+        return self._final is not None or self._ticket.status() != "pending"
+
+    def wait(self, timeout_ms=60_000):
+        """Blocks the host until the stream passed the copies (at most ``timeout_ms``): the
+        per-key (or per-range) ints, or None if the time passed first. Device-side callers wait
+        on an event recorded on the stream instead."""
+        if self._final is None:
+            got = self._ticket.wait(timeout_ms)
+            if got is None:
+                return None
+            self._final = self._shape(got)
+        return self._final
+
+    def keys_pinned(self):
+        """Objects this read holds leased now (0 once the stream passed the copies)."""
+        return 0 if self._ticket is None else self._ticket.keys_pinned()
 
 
 def _scatter_lists(keys, all_buffer_ptrs, all_sizes):

@@ -152,3 +152,45 @@ def test_mooncake_tensor_helpers(owner, k):
     assert all(torch.equal(x, t) for x in mc.batch_get_tensor([k("b1"), k("b2")]))
     mc.batch_remove([k("t"), k("g"), k("tp_tp_0"), k("tp_tp_1"), k("b1"), k("b2")])
     mc.close()
+
+
+def test_mooncake_stream_bound_reads_on_a_torch_stream(owner, k):
+    """The Mooncake class's stream-bound calls: per layer a read on a load stream and an event
+    after it; the compute stream waits on each event, then checks every byte; the handles end
+    with every key read and nothing leased."""
+    from kvtide.mooncake import MooncakeDistributedStore
+
+    mc = MooncakeDistributedStore()
+    assert mc.setup("localhost", "P2PHANDSHAKE", 1 << 30, 16 << 20, "tcp", "", owner.unix) == 0
+    layers, page = 4, 64 << 10
+    kv = [torch.zeros(2 * page, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    for layer in range(layers):
+        for half in range(2):
+            assert mc.put(k(f"mc/l{layer}/{half}"), pattern(page, 10 * layer + half).numpy().tobytes()) == 0
+    load, compute = torch.cuda.Stream(), torch.cuda.Stream()
+    events = [torch.cuda.Event() for _ in range(layers)]
+    handles = []
+    for layer in range(layers):
+        keys = [k(f"mc/l{layer}/0"), k(f"mc/l{layer}/1")]
+        ptrs = [[kv[layer].data_ptr()], [kv[layer].data_ptr() + page]]
+        handles.append(mc.batch_get_into_multi_buffers_on_stream(keys, ptrs, [[page], [page]], load.cuda_stream))
+        events[layer].record(load)
+    for layer in range(layers):
+        compute.wait_event(events[layer])
+    compute.synchronize()
+    for layer in range(layers):
+        expected = torch.cat([pattern(page, 10 * layer), pattern(page, 10 * layer + 1)]).cuda()
+        assert torch.equal(kv[layer], expected), f"layer {layer}"
+        assert handles[layer].wait(10_000) == [page, page]
+        assert handles[layer].keys_pinned() == 0
+    # Ranges: the second half of layer 0's first page into a registered device buffer.
+    dst = torch.zeros(page, dtype=torch.uint8, device="cuda")
+    assert mc.register_buffer(dst.data_ptr(), page) == 0
+    h = mc.get_into_ranges_on_stream([dst.data_ptr()], [[k("mc/l0/0")]], [[[0]]], [[[page // 2]]], [[[page // 2]]],
+                                     stream_ptr=load.cuda_stream)
+    load.synchronize()
+    assert h.wait(10_000) == [[[page // 2]]]
+    assert torch.equal(dst[:page // 2], pattern(page, 0)[page // 2:].cuda())
+    mc.unregister_buffer(dst.data_ptr())
+    mc.batch_remove([k(f"mc/l{layer}/{half}") for layer in range(layers) for half in range(2)])
+    mc.close()

@@ -301,6 +301,52 @@ def test_get_into_ranges_takes_and_returns_the_nested_shape(mc, k):
     mc.batch_remove([k("r1"), k("r2")])
 
 
+def test_stream_bound_calls_with_stream_zero_are_the_blocking_calls(mc, k):
+    """``batch_get_into_multi_buffers_on_stream`` and ``get_into_ranges_on_stream`` with stream
+    0 answer exactly as the blocking calls; a stream that cannot carry copies (no CUDA here, or
+    not a stream on a GPU machine) answers a negative code per key before anything is copied,
+    with a handle that is done and holds nothing. The copies on a real stream are checked on the
+    GPU machine (test_gpu.py)."""
+    a, ap = buf(300, 1)
+    b, bp = buf(200, 2)
+    assert mc.batch_put_from_multi_buffers([k("s")], [[ap, bp]], [[300, 200]]) == [0]
+    x, xp = buf(100)
+    y, yp = buf(600)
+    x[:] = 0
+    y[:] = 0
+    got = mc.batch_get_into_multi_buffers_on_stream([k("s"), k("absent")], [[xp, yp], [xp]], [[100, 600], [100]], 0)
+    assert got == [500, OBJECT_NOT_FOUND]
+    assert np.array_equal(np.concatenate([x, y[:400]]), np.concatenate([a, b]))
+    x[:] = 0
+    h = mc.batch_get_into_multi_buffers_on_stream([k("s"), k("absent")], [[xp, yp], [xp]], [[100, 400], [100]],
+                                                  0x5EED)
+    assert h.is_done() and h.keys_pinned() == 0
+    codes = h.wait()
+    assert len(codes) == 2 and all(c < 0 for c in codes), codes
+    assert not x.any(), "nothing copied"
+    # Mismatched lists: INVALID_PARAMS per key, as the blocking call.
+    assert mc.batch_get_into_multi_buffers_on_stream([k("s")], [[xp]], [[100, 1]], 0x5EED).wait() == [INVALID_PARAMS]
+    with pytest.raises(TypeError):
+        mc.batch_get_into_multi_buffers_on_stream([k("s")], [[xp]], [[100]], -1)
+
+    buffer = (ctypes.c_ubyte * 64)()
+    p = ctypes.addressof(buffer)
+    assert mc.register_buffer(p, 64) == 0
+    args = ([p], [[k("s"), k("absent")]], [[[0], [8]]], [[[1], [0]]], [[[4], [4]]])
+    assert mc.get_into_ranges_on_stream(*args, stream_ptr=0) == [[[4], [OBJECT_NOT_FOUND]]]
+    assert bytes(buffer[0:4]) == a[1:5].tobytes()
+    ctypes.memset(buffer, 0, 64)
+    res = mc.get_into_ranges_on_stream(*args, stream_ptr=0x5EED).wait()
+    assert len(res) == 1 and len(res[0]) == 2 and all(r[0] < 0 for r in res[0]), res
+    assert bytes(buffer) == bytes(64)
+    # Unregistered buffers answer INVALID_PARAMS without reaching the store.
+    other = (ctypes.c_ubyte * 8)()
+    assert mc.get_into_ranges_on_stream([ctypes.addressof(other)], [[k("s")]], [[[0]]], [[[0]]], [[[4]]],
+                                        stream_ptr=0x5EED).wait() == [[[INVALID_PARAMS]]]
+    mc.unregister_buffer(p)
+    mc.remove(k("s"))
+
+
 # ---- ReplicateConfig, SoftPinAction, config validation -----------------------------------------
 
 
