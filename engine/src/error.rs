@@ -87,6 +87,7 @@ impl From<TransportError> for Error {
             }
             TransportError::StreamCapturing(how) => Error::StreamCapturing(how),
             TransportError::Stream { .. } => Error::Stream(e.to_string()),
+            TransportError::Signal(_) => Error::InvalidArgument(e.to_string()),
         }
     }
 }

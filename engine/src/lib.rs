@@ -38,8 +38,8 @@ pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
     shard_of_key, Engine, Following, LeasePart, LeasePlan, ObjectLease, PendingPut, PendingPuts, PutStream,
-    RestoreMode, RestoreOptions, RestoreReport, StreamCompleter, StreamStatus, StreamTicket, SubBatchState,
-    SubBatchTrace,
+    RestoreMode, RestoreOptions, RestoreReport, StepLayer, StepReads, StreamCompleter, StreamStatus, StreamTicket,
+    SubBatchState, SubBatchTrace, MAX_STEP_LAYERS,
 };
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;
@@ -49,7 +49,9 @@ pub use kvtide_transport as transport;
 /// The CUDA transport (device buffers for tests and benchmarks, fault hooks), feature `cuda`.
 #[cfg(feature = "cuda")]
 pub use kvtide_transport::cuda;
-pub use kvtide_transport::{MemcpyTransport, MemoryKind, Region, RegionError, StreamHandle, Throttled, Transport};
+pub use kvtide_transport::{
+    MemcpyTransport, MemoryKind, Region, RegionError, StreamHandle, StreamSignal, Throttled, Transport,
+};
 pub use shard::core::RecoveryReport;
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats, StreamStats};
 pub use ticket::Ticket;

@@ -476,6 +476,10 @@ pub struct GpuStats {
     /// Stream-bound reads whose stream did not pass their copies within `[gpu] stream_ttl_ms`:
     /// their leases were released and the read reported failed.
     pub stream_bound_expired: u64,
+    /// Step calls (`step_on_stream`: every layer of a step in one call, one lease round trip)
+    /// among the stream-bound reads, and the layers they carried.
+    pub stream_steps: u64,
+    pub stream_step_layers: u64,
     /// Host time of the stream-bound calls that submitted, summed, in microseconds: [checking
     /// the stream, leasing (a round trip through the shards), checking destinations and
     /// planning, enqueueing on the stream].

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use common::{value_for, wait_idle};
 use kvtide::transport::{Direction, EarlyStart, Gate, InFlight, Progress, StreamSubmit, Transfer, TransportError};
 use kvtide::{
-    Engine, Error, Fragment, MemoryKind, PutOptions, Region, Store, StoreBuilder, StreamHandle, StreamStatus,
-    StreamTicket, Transport,
+    Engine, Error, Fragment, MemoryKind, PutOptions, Region, StepLayer, StepReads, Store, StoreBuilder, StreamHandle,
+    StreamSignal, StreamStatus, StreamTicket, Transport, MAX_STEP_LAYERS,
 };
 
 /// The stream handle the simulated transport reports as being captured.
@@ -47,6 +47,14 @@ enum Op {
     Wait(Arc<SimGate>),
     Copy { src: u64, dst: u64, len: usize, gate: Option<Arc<SimGate>> },
     Mark(Arc<AtomicBool>),
+    Signal(StreamSignal),
+}
+
+/// What a simulated stream did, in order: a copy's destination, or a signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Did {
+    Copied(u64),
+    Signalled(StreamSignal),
 }
 
 /// Streams as queues of operations, run by the test.
@@ -54,6 +62,7 @@ enum Op {
 struct SimStreams {
     queues: Mutex<HashMap<StreamHandle, VecDeque<Op>>>,
     gates_made: std::sync::atomic::AtomicUsize,
+    did: Mutex<Vec<Did>>,
 }
 
 impl SimStreams {
@@ -73,6 +82,16 @@ impl SimStreams {
                     }
                 }
                 Op::Mark(done) => done.store(true, Ordering::Release),
+                Op::Signal(StreamSignal::WriteValue { addr, value }) => {
+                    // SAFETY: the test's flag word, a live aligned u32.
+                    unsafe { (*addr as *mut u32).write_volatile(*value) };
+                }
+                Op::Signal(StreamSignal::RecordEvent(_)) => {}
+            }
+            match op {
+                Op::Copy { dst, .. } => self.did.lock().expect("lock").push(Did::Copied(*dst)),
+                Op::Signal(signal) => self.did.lock().expect("lock").push(Did::Signalled(*signal)),
+                _ => {}
             }
             queue.pop_front();
         }
@@ -186,6 +205,11 @@ impl StreamSubmit for SimTransport {
         queue.push_back(Op::Mark(Arc::clone(&done)));
         let streams = Arc::clone(&self.0);
         Ok(InFlight::new(Box::new(SimProgress { done, transfers: transfers.len(), streams, stream })))
+    }
+    unsafe fn signal(&self, stream: StreamHandle, signal: StreamSignal) -> Result<(), TransportError> {
+        signal.check()?;
+        self.0.queues.lock().expect("lock").entry(stream).or_default().push_back(Op::Signal(signal));
+        Ok(())
     }
 }
 
@@ -516,4 +540,194 @@ fn many_reads_on_many_streams_all_release_their_leases() {
     }
     wait_idle(&s);
     assert_eq!(streams.gates_made.load(Ordering::Relaxed), 0);
+}
+
+// ---- step calls: every layer of a step in one call --------------------------------------------
+
+/// Three layers of two 64 KiB objects each into one "device" buffer, per layer its signal: the
+/// first two record events, the last writes a flag word.
+struct StepFixture {
+    store: Engine,
+    streams: Arc<SimStreams>,
+    transport: Arc<dyn Transport>,
+    keys: Vec<Vec<Vec<u8>>>,
+    dev: &'static mut [u8],
+    flag: &'static mut u32,
+}
+
+const STEP_LAYERS: usize = 3;
+const STEP_KEYS: usize = 2;
+const STEP_LEN: usize = 64 << 10;
+
+fn step_fixture() -> StepFixture {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let store = store(|b| b);
+    let keys: Vec<Vec<Vec<u8>>> =
+        (0..STEP_LAYERS).map(|l| (0..STEP_KEYS).map(|k| format!("step/l{l}/k{k}").into_bytes()).collect()).collect();
+    for layer in &keys {
+        for key in layer {
+            store.put(key, &value_for(key, 7, STEP_LEN), PutOptions::INSERT).expect("put");
+        }
+    }
+    let dev = device_buffer(STEP_LAYERS * STEP_KEYS * STEP_LEN, 0xEE);
+    let flag = Box::leak(Box::new(0u32));
+    StepFixture { store, streams, transport, keys, dev, flag }
+}
+
+impl StepFixture {
+    /// Key k of layer l goes to slot l * STEP_KEYS + k of the buffer.
+    fn region(&self, l: usize, k: usize) -> Region<'static> {
+        device_region(self.dev, (l * STEP_KEYS + k) * STEP_LEN, STEP_LEN)
+    }
+
+    fn signal(&self, l: usize) -> StreamSignal {
+        if l + 1 < STEP_LAYERS {
+            StreamSignal::RecordEvent(100 + l as u64)
+        } else {
+            StreamSignal::WriteValue { addr: &*self.flag as *const u32 as u64, value: 7 }
+        }
+    }
+}
+
+#[test]
+fn a_step_enqueues_each_layer_then_its_signal_and_leases_every_key_once() {
+    let f = step_fixture();
+    let key_refs: Vec<Vec<&[u8]>> = f.keys.iter().map(|l| l.iter().map(Vec::as_slice).collect()).collect();
+    let dsts: Vec<Vec<Vec<Region<'static>>>> =
+        (0..STEP_LAYERS).map(|l| (0..STEP_KEYS).map(|k| vec![f.region(l, k)]).collect()).collect();
+    let layers: Vec<StepLayer<'_, '_>> = (0..STEP_LAYERS)
+        .map(|l| StepLayer {
+            reads: StepReads::Objects { keys: &key_refs[l], dsts: &dsts[l] },
+            done: Some(f.signal(l)),
+        })
+        .collect();
+    let stream: StreamHandle = 0x57;
+    // SAFETY: the destinations and the flag are leaked; the simulated stream is run below.
+    let ticket = unsafe { f.store.step_on_stream_via(&layers, stream, Some(Arc::clone(&f.transport))) }.expect("step");
+    assert_eq!(ticket.len(), STEP_LAYERS * STEP_KEYS);
+    assert_eq!(ticket.keys_pinned(), STEP_LAYERS * STEP_KEYS, "every key leased until the stream passed");
+    assert!(f.dev.iter().all(|&b| b == 0xEE) && *f.flag == 0, "nothing happens before the stream runs");
+    f.streams.run_to_end(stream);
+    assert_eq!(wait_ended(&ticket), vec![Ok(STEP_LEN); STEP_LAYERS * STEP_KEYS]);
+    // The stream ran layer 0's copies, its signal, layer 1's copies, its signal, ...
+    let did = f.streams.did.lock().expect("lock").clone();
+    let base = f.dev.as_ptr() as u64;
+    let mut expected_layer = 0;
+    let mut copies_in_layer = 0;
+    for d in &did {
+        match d {
+            Did::Copied(dst) => {
+                let l = ((dst - base) as usize / STEP_LEN) / STEP_KEYS;
+                assert_eq!(l, expected_layer, "a copy of layer {l} ran in layer {expected_layer}'s place: {did:?}");
+                copies_in_layer += 1;
+            }
+            Did::Signalled(signal) => {
+                assert_eq!(*signal, f.signal(expected_layer), "{did:?}");
+                assert_eq!(copies_in_layer, STEP_KEYS, "layer {expected_layer} signalled after all its copies");
+                expected_layer += 1;
+                copies_in_layer = 0;
+            }
+        }
+    }
+    assert_eq!(expected_layer, STEP_LAYERS, "every layer signalled once: {did:?}");
+    assert_eq!(*f.flag, 7);
+    for (l, layer) in f.keys.iter().enumerate() {
+        for (k, key) in layer.iter().enumerate() {
+            let at = (l * STEP_KEYS + k) * STEP_LEN;
+            assert!(f.dev[at..at + STEP_LEN] == value_for(key, 7, STEP_LEN)[..], "layer {l} key {k}");
+        }
+    }
+    let g = f.store.stats().gpu;
+    assert_eq!((g.stream_steps, g.stream_step_layers), (1, STEP_LAYERS as u64));
+    assert_eq!(g.stream_bound_reads, 1, "one read: one lease round trip for the whole step");
+    wait_idle(&f.store);
+}
+
+#[test]
+fn a_step_layer_whose_reads_fail_is_still_signalled_and_ranges_work_too() {
+    let f = step_fixture();
+    // Layer 0: a missing key beside a good one; layer 1: only missing keys; layer 2: ranges.
+    let l0_keys: Vec<&[u8]> = vec![b"step/missing", &f.keys[0][1]];
+    let l1_keys: Vec<&[u8]> = vec![b"step/gone/a", b"step/gone/b"];
+    let l0_dsts = vec![vec![f.region(0, 0)], vec![f.region(0, 1)]];
+    let l1_dsts = vec![vec![f.region(1, 0)], vec![f.region(1, 1)]];
+    let buffer = [device_region(f.dev, 2 * STEP_KEYS * STEP_LEN, STEP_KEYS * STEP_LEN)];
+    let half = (STEP_LEN / 2) as u64;
+    let frags = vec![vec![
+        Fragment::new(f.keys[2][0].clone(), half, 0, half),
+        Fragment::new(f.keys[2][1].clone(), 0, STEP_LEN as u64, half),
+    ]];
+    let layers = [
+        StepLayer { reads: StepReads::Objects { keys: &l0_keys, dsts: &l0_dsts }, done: Some(f.signal(0)) },
+        StepLayer { reads: StepReads::Objects { keys: &l1_keys, dsts: &l1_dsts }, done: Some(f.signal(1)) },
+        StepLayer { reads: StepReads::Ranges { buffers: &buffer, fragments: &frags }, done: Some(f.signal(2)) },
+    ];
+    let stream: StreamHandle = 0x58;
+    // SAFETY: as above.
+    let ticket = unsafe { f.store.step_on_stream_via(&layers, stream, Some(Arc::clone(&f.transport))) }.expect("step");
+    f.streams.run_to_end(stream);
+    let results = wait_ended(&ticket);
+    assert_eq!(results[0], Err(Error::NotFound));
+    assert_eq!(results[1], Ok(STEP_LEN));
+    assert_eq!(results[2..4], [Err(Error::NotFound), Err(Error::NotFound)]);
+    assert_eq!(results[4..6], [Ok(STEP_LEN / 2), Ok(STEP_LEN / 2)]);
+    let signals: Vec<StreamSignal> = f
+        .streams
+        .did
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter_map(|d| match d {
+            Did::Signalled(s) => Some(*s),
+            Did::Copied(_) => None,
+        })
+        .collect();
+    assert_eq!(signals, (0..STEP_LAYERS).map(|l| f.signal(l)).collect::<Vec<_>>(), "every layer signalled");
+    let at = 2 * STEP_KEYS * STEP_LEN;
+    assert!(f.dev[at..at + STEP_LEN / 2] == value_for(&f.keys[2][0], 7, STEP_LEN)[STEP_LEN / 2..]);
+    assert!(
+        f.dev[at + STEP_LEN..at + STEP_LEN + STEP_LEN / 2] == value_for(&f.keys[2][1], 7, STEP_LEN)[..STEP_LEN / 2]
+    );
+    assert!(f.dev[at + STEP_LEN / 2..at + STEP_LEN].iter().all(|&b| b == 0xEE), "nothing outside the ranges");
+    wait_idle(&f.store);
+}
+
+#[test]
+fn a_bad_step_is_refused_before_anything_is_leased_or_enqueued() {
+    let f = step_fixture();
+    let keys: Vec<&[u8]> = vec![&f.keys[0][0]];
+    let at = |l: usize| vec![vec![f.region(l, 0)]];
+    let (d0, d1) = (at(0), at(1));
+    // Layer 1's destination overlaps layer 0's by one byte.
+    let overlapping = vec![vec![device_region(f.dev, STEP_LEN - 1, STEP_LEN)]];
+    let layer = |dsts, done| StepLayer { reads: StepReads::Objects { keys: &keys, dsts }, done };
+    let stream: StreamHandle = 0x59;
+    let refused = |layers: &[StepLayer<'_, '_>], stream: StreamHandle| {
+        // SAFETY: the destinations are leaked; a refused step enqueues nothing.
+        unsafe { f.store.step_on_stream_via(layers, stream, Some(Arc::clone(&f.transport))) }.expect_err("refused")
+    };
+    let e = refused(&[layer(&d0, None), layer(&overlapping, None)], stream);
+    assert!(matches!(&e, Error::InvalidArgument(why) if why.contains("overlap")), "{e}");
+    let e = refused(&[layer(&d0, Some(StreamSignal::RecordEvent(0)))], stream);
+    assert!(matches!(&e, Error::InvalidArgument(why) if why.contains("event")), "{e}");
+    let misaligned = StreamSignal::WriteValue { addr: &*f.flag as *const u32 as u64 + 1, value: 1 };
+    assert!(matches!(refused(&[layer(&d0, Some(misaligned))], stream), Error::InvalidArgument(_)));
+    let too_many: Vec<StepLayer<'_, '_>> = (0..=MAX_STEP_LAYERS).map(|_| layer(&d1, None)).collect();
+    assert!(matches!(refused(&too_many, stream), Error::InvalidArgument(_)));
+    assert!(matches!(refused(&[layer(&d0, Some(f.signal(0)))], 0), Error::InvalidArgument(_)));
+    assert!(matches!(refused(&[layer(&d0, None), layer(&d1, None)], CAPTURING), Error::StreamCapturing(_)));
+    assert!(f.streams.queues.lock().expect("lock").values().all(VecDeque::is_empty), "nothing enqueued");
+    assert!(f.dev.iter().all(|&b| b == 0xEE));
+    assert_eq!(f.store.stats().gpu.stream_bound_reads, 0, "nothing leased");
+    // Stream 0 without signals is the blocking read of every layer (into host memory here: the
+    // blocking path has no simulated GPU).
+    let mut host = vec![0u8; STEP_LEN];
+    let host_dst = vec![vec![Region::host(&mut host)]];
+    // SAFETY: as above.
+    let ticket = unsafe { f.store.step_on_stream_via(&[layer(&host_dst, None)], 0, Some(Arc::clone(&f.transport))) };
+    assert_eq!(ticket.expect("blocking").results(), Some(vec![Ok(STEP_LEN)]));
+    drop(host_dst);
+    assert!(host == value_for(&f.keys[0][0], 7, STEP_LEN));
+    wait_idle(&f.store);
 }

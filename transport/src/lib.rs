@@ -19,7 +19,7 @@ pub mod transport;
 pub use inflight::{InFlight, Progress};
 pub use memcpy::{copy_regions, MemcpyTransport};
 pub use region::{MemoryKind, Region, RegionError};
-pub use stream::{Gate, StreamHandle, StreamSubmit};
+pub use stream::{Gate, StreamHandle, StreamSignal, StreamSubmit};
 pub use transfer::{Direction, Piece, Summary, Transfer};
 pub use transport::{EarlyStart, Parts, PartsHint, Throttled, Transport, Unreachable};
 
@@ -53,4 +53,7 @@ pub enum TransportError {
     /// context, a stream the driver rejects).
     #[error("stream {stream:#x} cannot carry the copies: {why}")]
     Stream { stream: u64, why: String },
+    /// A step's completion signal that cannot be enqueued (`StreamSignal`).
+    #[error("bad stream signal: {0}")]
+    Signal(String),
 }

@@ -5,8 +5,9 @@
 //! Owns the contract between the engine and a transport that can bind copies to a caller's
 //! stream: the stream check (which GPU, not being captured), gates (a word in host memory the
 //! device waits on before the copies of an object that is still loading; opened by the engine
-//! once the load ended, skipping those copies when it failed) and the submission, whose
-//! `InFlight` completes once the stream has passed the copies. It never takes leases: the
+//! once the load ended, skipping those copies when it failed), the submission, whose
+//! `InFlight` completes once the stream has passed the copies, and the signals a step enqueues
+//! after each layer's copies (`StreamSignal`). It never takes leases: the
 //! engine keeps the host bytes leased until that completion.
 
 use std::sync::Arc;
@@ -18,6 +19,31 @@ use crate::TransportError;
 /// A device stream handle as the caller's runtime gives it (`CUstream`, `cudaStream_t`,
 /// `torch.cuda.Stream.cuda_stream`). 0 is not a stream: callers keep the blocking path.
 pub type StreamHandle = u64;
+
+/// A completion the device can wait on, enqueued on a caller's stream after a step's layer
+/// (`StreamSubmit::signal`): the caller's event recorded, or the caller's flag word written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamSignal {
+    /// Record this event (`CUevent`, e.g. `torch.cuda.Event(external=True).cuda_event`): another
+    /// stream or a captured graph waits on it.
+    RecordEvent(u64),
+    /// Write `value` to the 4-byte word at `addr` (device memory, or host memory mapped for the
+    /// device: `cuStreamWriteValue32`): a kernel spinning on it, or a stream waiting on it.
+    WriteValue { addr: u64, value: u32 },
+}
+
+impl StreamSignal {
+    /// The checks that need no driver: a null event, or a null or unaligned word.
+    pub fn check(&self) -> Result<(), TransportError> {
+        match *self {
+            StreamSignal::RecordEvent(0) => Err(TransportError::Signal("the event is null".into())),
+            StreamSignal::WriteValue { addr, .. } if addr == 0 || !addr.is_multiple_of(4) => {
+                Err(TransportError::Signal(format!("the flag word's address {addr:#x} is null or not 4-byte aligned")))
+            }
+            _ => Ok(()),
+        }
+    }
+}
 
 /// A word in host memory that device work waits on (`Transport::on_stream` submissions of
 /// objects still loading). Opened once; dropping a gate that was never opened opens it failed,
@@ -62,4 +88,12 @@ pub trait StreamSubmit: Send + Sync {
         transfers: &[Transfer],
         gates: &[Option<Arc<dyn Gate>>],
     ) -> Result<InFlight, TransportError>;
+
+    /// Enqueues `signal` on `stream`, behind everything enqueued on it before (a step's layer's
+    /// copies): the device sees the signal only once it passed them.
+    ///
+    /// # Safety
+    /// The event must be a live event of the stream's context, or the word a live 4-byte word
+    /// the device may write, until the stream passed the signal.
+    unsafe fn signal(&self, stream: StreamHandle, signal: StreamSignal) -> Result<(), TransportError>;
 }

@@ -69,6 +69,8 @@ pub(crate) struct GpuCounters {
     pub(crate) bound_gated_keys: AtomicU64,
     pub(crate) bound_failed_keys: AtomicU64,
     pub(crate) bound_expired: AtomicU64,
+    pub(crate) bound_steps: AtomicU64,
+    pub(crate) bound_step_layers: AtomicU64,
     bound_call_us: [AtomicU64; 4],
 }
 
@@ -183,6 +185,8 @@ impl GpuState {
             stream_bound_gated_keys: c.bound_gated_keys.load(Relaxed),
             stream_bound_failed_keys: c.bound_failed_keys.load(Relaxed),
             stream_bound_expired: c.bound_expired.load(Relaxed),
+            stream_steps: c.bound_steps.load(Relaxed),
+            stream_step_layers: c.bound_step_layers.load(Relaxed),
             stream_bound_call_us: std::array::from_fn(|i| c.bound_call_us[i].load(Relaxed)),
         }
     }

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvtide_transport::{Gate, InFlight, Region, StreamHandle, Transfer, Transport};
+use kvtide_transport::{Gate, InFlight, Region, StreamHandle, StreamSignal, Transfer, Transport};
 
 use super::gpu::GpuCounters;
 use super::read::{plan_pieces, KeyRead, ReadTargets, Want};
@@ -198,6 +198,179 @@ struct Loading {
     slots: Vec<usize>,
 }
 
+/// Most layers one step call carries.
+pub const MAX_STEP_LAYERS: usize = 1024;
+
+/// What one layer of a step reads (`Engine::step_on_stream`).
+#[derive(Clone, Copy, Debug)]
+pub enum StepReads<'k, 'r> {
+    /// Object i of `keys` scattered in order across `dsts[i]`, sizes adding up to the object
+    /// (as `batch_get_into_multi_buffers_on_stream`).
+    Objects { keys: &'k [&'k [u8]], dsts: &'k [Vec<Region<'r>>] },
+    /// Byte ranges of objects into buffers (as `get_into_ranges_on_stream`).
+    Ranges { buffers: &'k [Region<'r>], fragments: &'k [Vec<Fragment>] },
+}
+
+/// One layer of a step: its reads, and the signal enqueued after its copies.
+#[derive(Clone, Copy, Debug)]
+pub struct StepLayer<'k, 'r> {
+    pub reads: StepReads<'k, 'r>,
+    /// What the device waits on for this layer (None: nothing; the caller orders its own work
+    /// on the stream).
+    pub done: Option<StreamSignal>,
+}
+
+impl<'k, 'r> StepReads<'k, 'r> {
+    /// Appends this layer's destination lists and slots to a step's.
+    fn flatten(&self, lists: &mut Vec<&'k [Region<'r>]>, slots: &mut Vec<KeyRead<'k>>) -> Result<()> {
+        let base = lists.len();
+        match *self {
+            StepReads::Objects { keys, dsts } => {
+                checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
+                lists.extend(dsts.iter().map(Vec::as_slice));
+                slots.extend(keys.iter().enumerate().map(|(i, key)| KeyRead {
+                    key,
+                    list: base + i,
+                    want: Want::Whole,
+                }));
+            }
+            StepReads::Ranges { buffers, fragments } => {
+                if fragments.len() > buffers.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "fragments for {} buffers but only {} buffers",
+                        fragments.len(),
+                        buffers.len()
+                    )));
+                }
+                lists.extend(buffers.iter().map(std::slice::from_ref));
+                for (b, frags) in fragments.iter().enumerate() {
+                    for frag in frags {
+                        let want =
+                            Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
+                        slots.push(KeyRead { key: &frag.key, list: base + b, want });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where a step's layer ends among its slots, and its signal.
+#[derive(Clone, Copy, Debug)]
+struct LayerEnd {
+    slot_end: usize,
+    signal: Option<StreamSignal>,
+}
+
+/// Refuses a step whose reads write device memory twice: two whole-object lists that overlap,
+/// or two range reads whose destination bytes overlap (ranges of one buffer may share the
+/// buffer, not bytes). Host destinations are the CPU's and are not checked here.
+fn check_disjoint(
+    lists: &[&[Region<'_>]],
+    layers: &[StepLayer<'_, '_>],
+    bounds: &[LayerEnd],
+    slots: &[KeyRead<'_>],
+) -> Result<()> {
+    // (start, end, layer) of every device byte range written.
+    let mut spans: Vec<(u64, u64, usize)> = Vec::new();
+    let mut first = 0;
+    for (l, (layer, bound)) in layers.iter().zip(bounds).enumerate() {
+        for slot in &slots[first..bound.slot_end] {
+            let list = lists[slot.list];
+            match (layer.reads, slot.want) {
+                (StepReads::Ranges { .. }, Want::Range { dst_offset, len, .. }) => {
+                    if let [region] = list {
+                        if matches!(region.kind(), kvtide_transport::MemoryKind::Device { .. }) && len > 0 {
+                            let start = region.addr().saturating_add(dst_offset);
+                            spans.push((start, start.saturating_add(len), l));
+                        }
+                    }
+                }
+                _ => {
+                    for region in
+                        list.iter().filter(|r| matches!(r.kind(), kvtide_transport::MemoryKind::Device { .. }))
+                    {
+                        if !region.is_empty() {
+                            spans.push((region.addr(), region.addr().saturating_add(region.len() as u64), l));
+                        }
+                    }
+                }
+            }
+        }
+        first = bound.slot_end;
+    }
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(Error::InvalidArgument(format!(
+                "the step's device destinations overlap: layer {}'s [{:#x}, {:#x}) and layer {}'s [{:#x}, {:#x})",
+                w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One submission of a step (a layer's copies) and the (result slot, bytes) of its transfers.
+struct WatchPart {
+    inflight: InFlight,
+    owners: Vec<(usize, usize)>,
+}
+
+/// Enqueues each layer's transfers (those whose owner slot lies in the layer) and then its
+/// signal. A layer whose copies could not be enqueued fails its slots and is still signalled
+/// (a device waiting on it must not wait forever); a signal that fails fails its layer's slots.
+///
+/// # Safety
+/// As `StreamSubmit::submit_on_stream` and `StreamSubmit::signal`.
+unsafe fn submit_layers(
+    submitter: &dyn kvtide_transport::StreamSubmit,
+    stream: StreamHandle,
+    layers: &[LayerEnd],
+    transfers: &[Transfer],
+    gates: &[Option<Arc<dyn Gate>>],
+    owners: &[(usize, usize)],
+    results: &mut [Result<usize>],
+) -> Vec<WatchPart> {
+    let mut parts = Vec::with_capacity(layers.len());
+    let mut t = 0;
+    let mut first_slot = 0;
+    for layer in layers {
+        // Transfers are planned in slot order, so a layer's are contiguous.
+        let start = t;
+        while t < transfers.len() && owners[t].0 < layer.slot_end {
+            t += 1;
+        }
+        let layer_owners = &owners[start..t];
+        if start < t {
+            // SAFETY: forwarded contract.
+            match unsafe { submitter.submit_on_stream(stream, &transfers[start..t], &gates[start..t]) } {
+                Ok(inflight) => parts.push(WatchPart { inflight, owners: layer_owners.to_vec() }),
+                Err(e) => {
+                    let e = Error::from(e);
+                    layer_owners.iter().for_each(|&(s, _)| results[s] = Err(e.clone()));
+                    // Its gates would be waited on by nothing: open them failed.
+                    gates[start..t].iter().flatten().for_each(|g| g.open(false));
+                }
+            }
+        }
+        if let Some(signal) = layer.signal {
+            // SAFETY: forwarded contract.
+            if let Err(e) = unsafe { submitter.signal(stream, signal) } {
+                let e = Error::from(e);
+                for r in &mut results[first_slot..layer.slot_end] {
+                    if r.is_ok() || matches!(r, Err(Error::Internal(_))) {
+                        *r = Err(e.clone());
+                    }
+                }
+            }
+        }
+        first_slot = layer.slot_end;
+    }
+    parts
+}
+
 impl Engine {
     /// Reads object `i` into `dsts[i]` (scattered in order, sizes adding up to the object) with
     /// the copies enqueued on `stream` (a `CUstream` of the GPU the destinations are on). When
@@ -290,6 +463,64 @@ impl Engine {
         unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
     }
 
+    /// One step's reads in one call: every layer's keys leased in one round trip through the
+    /// shards, then, in layer order, each layer's copies enqueued on `stream` followed by its
+    /// `done` signal (the caller's event recorded, or its flag word written), so a graph whose
+    /// layer i waits on signal i runs each layer as soon as its KV landed while the host is
+    /// gone. The ticket has one result per key (or fragment), layer after layer; it ends once the
+    /// engine saw the stream pass the last copies. A layer whose reads all fail is still
+    /// signalled, so nothing waits on the device forever; its keys report their errors.
+    ///
+    /// Refused before anything is leased or enqueued (`InvalidArgument`, `StreamCapturing`,
+    /// `Stream`): more than `MAX_STEP_LAYERS` layers, a null event or an unaligned flag word,
+    /// device destinations of two reads that overlap (within a layer or across layers), a
+    /// stream being captured or not of a GPU's primary context, and stream 0 with signals.
+    ///
+    /// # Safety
+    /// As `batch_get_into_multi_buffers_on_stream`; each signal's event or word must also stay
+    /// valid until the stream passed it.
+    pub unsafe fn step_on_stream(&self, layers: &[StepLayer<'_, '_>], stream: StreamHandle) -> Result<StreamTicket> {
+        // SAFETY: forwarded contract.
+        unsafe { self.step_on_stream_via(layers, stream, None) }
+    }
+
+    /// `step_on_stream` through `transport` (tests drive it with a simulated stream).
+    ///
+    /// # Safety
+    /// As `step_on_stream`, for `transport`'s streams.
+    #[doc(hidden)]
+    pub unsafe fn step_on_stream_via(
+        &self,
+        layers: &[StepLayer<'_, '_>],
+        stream: StreamHandle,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<StreamTicket> {
+        if layers.len() > MAX_STEP_LAYERS {
+            return Err(Error::InvalidArgument(format!(
+                "a step of {} layers (at most {MAX_STEP_LAYERS})",
+                layers.len()
+            )));
+        }
+        let mut lists: Vec<&[Region<'_>]> = Vec::new();
+        let mut slots: Vec<KeyRead<'_>> = Vec::new();
+        let mut bounds: Vec<LayerEnd> = Vec::with_capacity(layers.len());
+        for (l, layer) in layers.iter().enumerate() {
+            if let Some(signal) = &layer.done {
+                signal.check().map_err(|e| Error::InvalidArgument(format!("layer {l}: {e}")))?;
+            }
+            layer.reads.flatten(&mut lists, &mut slots)?;
+            bounds.push(LayerEnd { slot_end: slots.len(), signal: layer.done });
+        }
+        check_disjoint(&lists, layers, &bounds, &slots)?;
+        if stream == 0 && bounds.iter().any(|b| b.signal.is_some()) {
+            return Err(Error::InvalidArgument("stream 0 has no place for the layers' signals".into()));
+        }
+        self.gpu.counters().bound_steps.fetch_add(1, Relaxed);
+        self.gpu.counters().bound_step_layers.fetch_add(layers.len() as u64, Relaxed);
+        // SAFETY: forwarded contract.
+        unsafe { self.read_layers_on_stream(&lists, &slots, &bounds, stream, transport) }
+    }
+
     /// Makes later stream-bound reads to GPU `ordinal` allocate and compile nothing: registers
     /// the DRAM arena with CUDA, allocates the stream-bound staging units (`[gpu] stream_units`
     /// of `stream_unit_bytes`) and a block of gates, and compiles the kernels.
@@ -302,7 +533,7 @@ impl Engine {
         Ok(())
     }
 
-    /// The stream-bound read of `slots` into `lists`.
+    /// The stream-bound read of `slots` into `lists`: one layer, no signal.
     ///
     /// # Safety
     /// As `batch_get_into_multi_buffers_on_stream`.
@@ -310,6 +541,24 @@ impl Engine {
         &self,
         lists: &[&[Region<'_>]],
         slots: &[KeyRead<'_>],
+        stream: StreamHandle,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<StreamTicket> {
+        let one = [LayerEnd { slot_end: slots.len(), signal: None }];
+        // SAFETY: forwarded contract.
+        unsafe { self.read_layers_on_stream(lists, slots, &one, stream, transport) }
+    }
+
+    /// The stream-bound read of `slots` into `lists` in layers: every key leased at once, then
+    /// per layer (`layers[i].slot_end` ends its slots) its copies and its signal.
+    ///
+    /// # Safety
+    /// As `step_on_stream`.
+    unsafe fn read_layers_on_stream(
+        &self,
+        lists: &[&[Region<'_>]],
+        slots: &[KeyRead<'_>],
+        layers: &[LayerEnd],
         stream: StreamHandle,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<StreamTicket> {
@@ -339,7 +588,8 @@ impl Engine {
         let pinned = leases.len();
         counters.bound_reads.fetch_add(1, Relaxed);
         counters.bound_gated_keys.fetch_add(loading.len() as u64, Relaxed);
-        if transfers.is_empty() {
+        let signals = layers.iter().any(|l| l.signal.is_some());
+        if transfers.is_empty() && !signals {
             drop(leases);
             return Ok(finish_now(results, &counters));
         }
@@ -354,29 +604,22 @@ impl Engine {
         let planned_at = Instant::now();
         // SAFETY: every transfer's host bytes are leased until the watch below saw the stream
         // pass the copies; the destinations passed the transport's check and the caller keeps
-        // them valid for as long (this function's contract).
-        let submitted = unsafe { submitter.submit_on_stream(stream, &transfers, &gates) };
+        // them, and the signals' events and words, valid for as long (this function's contract).
+        let parts = unsafe { submit_layers(submitter, stream, layers, &transfers, &gates, &owners, &mut results) };
         counters.record_bound_call([started, checked_at, leased_at, planned_at, Instant::now()]);
-        let inflight = match submitted {
-            Ok(inflight) => inflight,
-            Err(e) => {
-                // Nothing was enqueued.
-                let e = Error::from(e);
-                for &(s, _) in &owners {
-                    results[s] = Err(e.clone());
-                }
-                key_gate.values().for_each(|g| g.open(false));
-                drop(leases);
-                return Ok(finish_now(results, &counters));
-            }
-        };
+        if parts.is_empty() {
+            // Nothing was enqueued (or only signals): the leases can go now.
+            key_gate.values().for_each(|g| g.open(false));
+            drop(leases);
+            return Ok(finish_now(results, &counters));
+        }
         let ticket = StreamTicket::new(slots.len());
         ticket.shared.pinned.store(pinned, Relaxed);
         counters.bound_in_flight.fetch_add(1, Relaxed);
         counters.bound_keys_pinned.fetch_add(pinned as u64, Relaxed);
         let watch = StreamWatch {
-            inflight: Some(inflight),
-            owners,
+            parts,
+            finished: false,
             results: Some(results),
             loading: loading.into_values().collect(),
             gates: key_gate.into_values().collect(),
@@ -564,9 +807,9 @@ fn finish_now(results: Vec<Result<usize>>, counters: &GpuCounters) -> StreamTick
 
 /// Keeps a stream-bound read's objects leased until its shard sees the stream pass the copies.
 struct StreamWatch {
-    inflight: Option<InFlight>,
-    /// (result slot, bytes it reports) of each transfer.
-    owners: Vec<(usize, usize)>,
+    /// The submissions (one per layer of a step), each with its transfers' owners.
+    parts: Vec<WatchPart>,
+    finished: bool,
     /// The results known at submission (set into the ticket at the end).
     results: Option<Vec<Result<usize>>>,
     loading: Vec<Loading>,
@@ -585,11 +828,19 @@ struct StreamWatch {
 impl StreamWatch {
     /// The stream passed the copies (or the watch is dropped): results, leases back. Once.
     fn finish(&mut self) {
-        let Some(mut inflight) = self.inflight.take() else { return };
-        let outcomes = inflight.take_results();
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        let outcomes: Vec<Vec<std::result::Result<(), kvtide_transport::TransportError>>> =
+            self.parts.iter_mut().map(|p| p.inflight.take_results()).collect();
         if let Some(mut results) = self.results.take() {
-            for (&(s, reported), outcome) in self.owners.iter().zip(outcomes) {
-                results[s] = outcome.map(|()| reported).map_err(Error::from);
+            for (part, outcomes) in self.parts.iter().zip(outcomes) {
+                for (&(s, reported), outcome) in part.owners.iter().zip(outcomes) {
+                    // A slot failed at the call (its layer's signal) keeps that error.
+                    if results[s].is_ok() || matches!(results[s], Err(Error::Internal(_))) {
+                        results[s] = outcome.map(|()| reported).map_err(Error::from);
+                    }
+                }
             }
             for l in &self.loading {
                 // A failed load (or a record of another layout) fails its slots: its gate told
@@ -639,8 +890,10 @@ impl StreamWatch {
             ttl_ms = self.ttl_ms,
             "a stream-bound read's stream did not pass its copies in time; leases released"
         );
-        for &(s, _) in &self.owners {
-            results[s] = Err(Error::StreamExpired { ttl_ms: self.ttl_ms });
+        for part in &self.parts {
+            for &(s, _) in &part.owners {
+                results[s] = Err(Error::StreamExpired { ttl_ms: self.ttl_ms });
+            }
         }
         // A stream waiting on a load that never ends is let through (the copies then skip).
         self.gates.iter().for_each(|g| g.open(false));
@@ -653,7 +906,7 @@ impl StreamWatch {
 
     /// One look at the stream; true once the watch is finished.
     fn poll_once(&mut self) -> bool {
-        let done = self.inflight.as_mut().is_none_or(InFlight::poll);
+        let done = self.finished || self.parts.iter_mut().all(|p| p.inflight.poll());
         if done {
             self.finish();
             return true;
@@ -685,12 +938,12 @@ impl ShardTask for StreamWatch {
 
 impl Drop for StreamWatch {
     fn drop(&mut self) {
-        if let Some(inflight) = self.inflight.as_mut() {
+        if !self.finished {
             // Dropped unfinished (its shard stopped, or never took it): open the gates first so
             // the stream cannot wait on a load that will never end, wait for it to pass the
             // copies, then report and release as usual.
             self.gates.iter().for_each(|g| g.open(false));
-            inflight.block();
+            self.parts.iter_mut().for_each(|p| p.inflight.block());
             self.finish();
         }
     }

@@ -23,7 +23,7 @@ use super::kernel::{BLOCKS_PER_SM, KERNEL_THREADS, ROWS_PER_BLOCK};
 use super::plan::{self, Direction, Fallback, PathChoice, StagingPolicy, Transfer};
 use super::submission::{copy_host_pieces, CudaInFlight, Stage};
 use crate::region::MemoryKind;
-use crate::stream::StreamHandle;
+use crate::stream::{StreamHandle, StreamSignal};
 use crate::TransportError;
 
 /// `CU_STREAM_WAIT_VALUE_GEQ`.
@@ -74,6 +74,35 @@ pub(crate) fn check_stream(transport: &CudaTransport, stream: StreamHandle) -> R
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Err(TransportError::StreamCapturing("active")),
         _ => Err(TransportError::StreamCapturing("invalidated")),
     }
+}
+
+/// Enqueues a step's signal on `stream`: the caller's event recorded, or its flag word written.
+///
+/// # Safety
+/// As `StreamSubmit::signal`.
+pub(crate) unsafe fn signal(
+    transport: &CudaTransport,
+    stream: StreamHandle,
+    signal: StreamSignal,
+) -> Result<(), TransportError> {
+    signal.check()?;
+    if stream == 0 {
+        return Err(TransportError::Stream { stream, why: "0 is not a stream".into() });
+    }
+    transport.device(0)?.bind()?;
+    let raw = stream as usize as sys::CUstream;
+    let status = match signal {
+        StreamSignal::RecordEvent(event) => {
+            let event = event as usize as sys::CUevent;
+            // SAFETY: the caller's live event and stream (this function's contract).
+            unsafe { sys::cuEventRecord(event, raw) }
+        }
+        StreamSignal::WriteValue { addr, value } => {
+            // SAFETY: the caller's live word and stream (this function's contract).
+            unsafe { sys::cuStreamWriteValue32_v2(raw, addr as sys::CUdeviceptr, value, 0) }
+        }
+    };
+    check(status, "cuEventRecord or cuStreamWriteValue32")
 }
 
 /// Enqueues a stream-bound read on `stream` (of GPU `ordinal`). See `StreamSubmit`.

@@ -18,7 +18,7 @@ use super::plan::StagingPolicy;
 use super::submission;
 use crate::inflight::{InFlight, Progress};
 use crate::region::{MemoryKind, Region};
-use crate::stream::{Gate, StreamHandle, StreamSubmit};
+use crate::stream::{Gate, StreamHandle, StreamSignal, StreamSubmit};
 use crate::transfer::{Direction, Summary, Transfer};
 use crate::transport::{EarlyStart, Parts, PartsHint, Transport};
 use crate::TransportError;
@@ -181,6 +181,11 @@ impl StreamSubmit for CudaCopier {
             bound::submit_bound(&self.transport, ordinal, stream, transfers, &ours, self.policy, self.stream_staging)?
         };
         Ok(InFlight::new(Box::new(inflight)))
+    }
+
+    unsafe fn signal(&self, stream: StreamHandle, signal: StreamSignal) -> Result<(), TransportError> {
+        // SAFETY: forwarded contract.
+        unsafe { bound::signal(&self.transport, stream, signal) }
     }
 }
 
