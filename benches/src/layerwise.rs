@@ -13,7 +13,10 @@
 //! - stream-bound + graph, flags: the graph (captured once; each layer waits for a flag word to
 //!   be 1, computes, and sets it back to 0) is launched first, then each layer's read is
 //!   enqueued with a `cuStreamWriteValue32` of its flag behind it, so the host's enqueueing
-//!   overlaps the GPU's work.
+//!   overlaps the GPU's work;
+//! - step + graph (`step`, `step_flg`): the same two, with every layer's read and its event
+//!   record (or flag write) in ONE `step_on_stream` call (one lease round trip for the step);
+//!   `step_us` is that call's host time per layer.
 //!
 //! Each is reported against ideal = first load + sum over layers of max(load, compute), with
 //! load the per-layer share of all layers' stream-bound loads back to back (load-only) and
@@ -25,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtide::cuda::{CudaDevice, CudaEvent, CudaStream, CudaTransport, DeviceBuffer};
-use kvtide::{Engine, MemoryKind, PutOptions, Region, Store, StoreBuilder};
+use kvtide::{Engine, MemoryKind, PutOptions, Region, StepLayer, StepReads, Store, StoreBuilder, StreamSignal};
 
 use crate::util::{fmt_bytes, json_str, parse_size, stamped};
 
@@ -246,6 +249,52 @@ impl Rig<'_> {
         Ok((took, enqueued))
     }
 
+    /// The seed's pattern with the step call: every layer's read and its event record in ONE
+    /// `step_on_stream` (one lease round trip), then one launch of the graph waiting on the
+    /// events. (step time, host time of the step call.)
+    fn graph_step(&self, graph: &kvtide::cuda::CudaGraph) -> Result<(Duration, Duration), String> {
+        let started = Instant::now();
+        let keys: Vec<Vec<&[u8]>> = (0..self.layers).map(|l| self.step.key_refs(l)).collect();
+        let dsts: Vec<Vec<Vec<Region<'static>>>> = (0..self.layers).map(|l| self.step.dsts(l, self.gpu)).collect();
+        let layers: Vec<StepLayer<'_, '_>> = (0..self.layers)
+            .map(|l| StepLayer {
+                reads: StepReads::Objects { keys: &keys[l], dsts: &dsts[l] },
+                done: Some(StreamSignal::RecordEvent(self.events[l].handle())),
+            })
+            .collect();
+        // SAFETY: the pool and the events outlive the copies (the step is synchronised below).
+        let ticket =
+            unsafe { self.store.step_on_stream(&layers, self.load.handle()) }.map_err(|e| format!("step: {e}"))?;
+        let enqueued = started.elapsed();
+        graph.launch(&self.compute).map_err(|e| e.to_string())?;
+        self.compute.synchronize().map_err(|e| e.to_string())?;
+        let took = started.elapsed();
+        check_tickets(&[ticket])?;
+        Ok((took, enqueued))
+    }
+
+    /// The flags variant with the step call: the graph is launched first, then one step call
+    /// enqueues every layer's read with its flag write behind it.
+    fn graph_flags_step(&self, graph: &kvtide::cuda::CudaGraph, flags: &DeviceBuffer) -> Result<Duration, String> {
+        let started = Instant::now();
+        graph.launch(&self.compute).map_err(|e| e.to_string())?;
+        let keys: Vec<Vec<&[u8]>> = (0..self.layers).map(|l| self.step.key_refs(l)).collect();
+        let dsts: Vec<Vec<Vec<Region<'static>>>> = (0..self.layers).map(|l| self.step.dsts(l, self.gpu)).collect();
+        let layers: Vec<StepLayer<'_, '_>> = (0..self.layers)
+            .map(|l| StepLayer {
+                reads: StepReads::Objects { keys: &keys[l], dsts: &dsts[l] },
+                done: Some(StreamSignal::WriteValue { addr: flags.addr() + 4 * l as u64, value: 1 }),
+            })
+            .collect();
+        // SAFETY: the pool and the flags outlive the copies (the step is synchronised below).
+        let ticket =
+            unsafe { self.store.step_on_stream(&layers, self.load.handle()) }.map_err(|e| format!("step: {e}"))?;
+        self.compute.synchronize().map_err(|e| e.to_string())?;
+        let took = started.elapsed();
+        check_tickets(&[ticket])?;
+        Ok(took)
+    }
+
     /// The flags variant: the graph (captured once: per layer, wait for its flag to be 1,
     /// compute, set it back to 0) is launched FIRST, then each layer's read is enqueued with a
     /// write of its flag behind it, so the host's enqueueing overlaps the GPU's work.
@@ -338,7 +387,7 @@ pub fn run(args: &LayerwiseArgs) -> Result<(), String> {
         args.reps
     );
     println!(
-        "# {:<5} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} | {:>10} {:>10} {:>10} {:>10} | {:>7} {:>7} {:>7} {:>7} | {:>8} {:>10}",
+        "# {:<5} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} | {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>8} {:>10} {:>10}",
         "src",
         "layer",
         "ratio",
@@ -350,12 +399,17 @@ pub fn run(args: &LayerwiseArgs) -> Result<(), String> {
         "host_ovl",
         "graph",
         "graph_flg",
+        "step",
+        "step_flg",
         "ser/id",
         "ovl/id",
         "gr/id",
         "gf/id",
+        "st/id",
+        "sf/id",
         "gr/load",
-        "enqueue_us"
+        "enqueue_us",
+        "step_us"
     );
     for source in &args.sources {
         let ssd = match source.as_str() {
@@ -434,7 +488,14 @@ pub fn run(args: &LayerwiseArgs) -> Result<(), String> {
                 let flag_graph = rig.capture_flags(ns, &flags)?;
                 let flagged =
                     median((0..args.reps).map(|_| rig.graph_flags(&flag_graph, &flags)).collect::<Result<_, _>>()?);
+                let step_flagged = median(
+                    (0..args.reps).map(|_| rig.graph_flags_step(&flag_graph, &flags)).collect::<Result<_, _>>()?,
+                );
                 drop(flag_graph);
+                let step_runs: Vec<(Duration, Duration)> =
+                    (0..args.reps).map(|_| rig.graph_step(&graph)).collect::<Result<_, _>>()?;
+                let stepped = median(step_runs.iter().map(|r| r.0).collect());
+                let step_host = median(step_runs.iter().map(|r| r.1).collect()) / args.layers as u32;
                 // The bytes of the last graph step.
                 let mut got = vec![0u8; pool.len()];
                 pool.read(0, &mut got).map_err(|e| e.to_string())?;
@@ -454,7 +515,7 @@ pub fn run(args: &LayerwiseArgs) -> Result<(), String> {
                 let floor = load_all + comp;
                 let r = |d: Duration| ms(d) / ms(ideal);
                 println!(
-                    "  {:<5} {:>9} {:>7.2} {:>9.3} {:>9.3} {:>9.3} {:>9.2} | {:>10.2} {:>10.2} {:>10.2} {:>10.2} | {:>7.3} {:>7.3} {:>7.3} {:>7.3} | {:>8.3} {:>10.1}",
+                    "  {:<5} {:>9} {:>7.2} {:>9.3} {:>9.3} {:>9.3} {:>9.2} | {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10.2} | {:>7.3} {:>7.3} {:>7.3} {:>7.3} {:>7.3} {:>7.3} | {:>8.3} {:>10.1} {:>10.1}",
                     source,
                     fmt_bytes(layer_bytes),
                     ratio,
@@ -466,16 +527,21 @@ pub fn run(args: &LayerwiseArgs) -> Result<(), String> {
                     ms(overlapped),
                     ms(bound),
                     ms(flagged),
+                    ms(stepped),
+                    ms(step_flagged),
                     r(serial),
                     r(overlapped),
                     r(bound),
                     r(flagged),
-                    ms(bound.min(flagged)) / ms(floor),
+                    r(stepped),
+                    r(step_flagged),
+                    ms(bound.min(flagged).min(stepped).min(step_flagged)) / ms(floor),
                     enqueue.as_secs_f64() * 1e6,
+                    step_host.as_secs_f64() * 1e6,
                 );
                 if args.json {
                     println!(
-                        "{{\"bench\":\"layerwise\",\"source\":{},\"layer_bytes\":{},\"layers\":{},\"compute_ratio\":{},\"load1_ms\":{:.4},\"load_ms\":{:.4},\"compute_ms\":{:.4},\"ideal_ms\":{:.4},\"load_only_ms\":{:.4},\"serial_ms\":{:.4},\"host_overlapped_ms\":{:.4},\"graph_ms\":{:.4},\"graph_flags_ms\":{:.4}}}",
+                        "{{\"bench\":\"layerwise\",\"source\":{},\"layer_bytes\":{},\"layers\":{},\"compute_ratio\":{},\"load1_ms\":{:.4},\"load_ms\":{:.4},\"compute_ms\":{:.4},\"ideal_ms\":{:.4},\"load_only_ms\":{:.4},\"serial_ms\":{:.4},\"host_overlapped_ms\":{:.4},\"graph_ms\":{:.4},\"graph_flags_ms\":{:.4},\"step_ms\":{:.4},\"step_flags_ms\":{:.4},\"step_host_us_per_layer\":{:.2}}}",
                         json_str(source),
                         layer_bytes,
                         args.layers,
@@ -488,7 +554,10 @@ pub fn run(args: &LayerwiseArgs) -> Result<(), String> {
                         ms(serial),
                         ms(overlapped),
                         ms(bound),
-                        ms(flagged)
+                        ms(flagged),
+                        ms(stepped),
+                        ms(step_flagged),
+                        step_host.as_secs_f64() * 1e6
                     );
                 }
             }

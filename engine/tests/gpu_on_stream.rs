@@ -15,7 +15,8 @@ mod cuda {
     use super::common::{value_for, wait_idle};
     use kvtide::cuda::{CudaDevice, CudaEvent, CudaStream, CudaTransport, DeviceBuffer};
     use kvtide::{
-        Engine, Error, Fragment, MemoryKind, PutOptions, Region, SimFaults, Store, StoreBuilder, StreamStatus,
+        Engine, Error, Fragment, MemoryKind, PutOptions, Region, SimFaults, StepLayer, StepReads, Store, StoreBuilder,
+        StreamSignal, StreamStatus,
     };
 
     const GUARD: u8 = 0xA5;
@@ -131,6 +132,82 @@ mod cuda {
             assert_eq!(g.stream_bound_reads, 1);
             wait_idle(&s);
             assert_eq!(ticket.keys_pinned(), 0);
+        }
+    }
+
+    /// One step call of four layers behind a long kernel: even layers record the caller's
+    /// event, odd ones write the caller's flag word. A second stream waits on each layer's
+    /// signal in turn and copies that layer's region right then: every copy holds the layer's
+    /// whole KV, so each signal came after its layer's copies.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_step_signals_each_layer_after_its_copies_with_events_and_flags() {
+        let device = gpu();
+        for staging in [true, false] {
+            let s = store(staging);
+            s.prepare_gpu(0).expect("prepare");
+            let (layers, per_layer, len) = (4usize, 3usize, 300_001usize);
+            let keys: Vec<Vec<Vec<u8>>> =
+                (0..layers).map(|l| (0..per_layer).map(|k| format!("step/{l}/{k}").into_bytes()).collect()).collect();
+            for key in keys.iter().flatten() {
+                s.put(key, &value_for(key, 3, len), PutOptions::INSERT).expect("put");
+            }
+            let layer_bytes = per_layer * len;
+            let out = pool(&device, layers * layer_bytes);
+            let check = pool(&device, layers * layer_bytes);
+            let flags = device.alloc(4 * layers).expect("flags");
+            flags.fill(0).expect("zero flags");
+            let events: Vec<CudaEvent> = (0..layers).map(|_| CudaEvent::new(&device, false).expect("event")).collect();
+            let key_refs: Vec<Vec<&[u8]>> = keys.iter().map(|l| l.iter().map(Vec::as_slice).collect()).collect();
+            // Each layer's objects in reverse order within its region.
+            let dsts: Vec<Vec<Vec<Region<'static>>>> = (0..layers)
+                .map(|l| {
+                    (0..per_layer).map(|k| vec![dev(&out, l * layer_bytes + (per_layer - 1 - k) * len, len)]).collect()
+                })
+                .collect();
+            let signal = |l: usize| {
+                if l.is_multiple_of(2) {
+                    StreamSignal::RecordEvent(events[l].handle())
+                } else {
+                    StreamSignal::WriteValue { addr: flags.addr() + 4 * l as u64, value: l as u32 + 1 }
+                }
+            };
+            let step: Vec<StepLayer<'_, '_>> = (0..layers)
+                .map(|l| StepLayer {
+                    reads: StepReads::Objects { keys: &key_refs[l], dsts: &dsts[l] },
+                    done: Some(signal(l)),
+                })
+                .collect();
+            let stream = CudaStream::new(&device).expect("stream");
+            let other = CudaStream::new(&device).expect("stream");
+            stream.spin(DELAY_NS).expect("spin");
+            // SAFETY: the pages, events and flags outlive the stream's work (synchronised below).
+            let ticket = unsafe { s.step_on_stream(&step, stream.handle()) }.expect("step");
+            assert_eq!(ticket.keys_pinned(), layers * per_layer);
+            for (l, event) in events.iter().enumerate() {
+                if l.is_multiple_of(2) {
+                    other.wait_event(event, false).expect("wait event");
+                } else {
+                    // SAFETY: a word of the live flags buffer.
+                    unsafe { other.wait_value(flags.addr() + 4 * l as u64, l as u32 + 1) }.expect("wait flag");
+                }
+                let at = (l * layer_bytes) as u64;
+                // SAFETY: both live allocations; the range lies inside them.
+                unsafe { other.copy_device(check.addr() + at, out.addr() + at, layer_bytes) }.expect("copy");
+            }
+            other.synchronize().expect("sync");
+            let results = ticket.wait(Duration::from_secs(10)).expect("ended");
+            assert_eq!(results, vec![Ok(len); layers * per_layer], "staging {staging}");
+            let got = read_back(&check);
+            for (l, layer) in keys.iter().enumerate() {
+                for (k, key) in layer.iter().enumerate() {
+                    let at = l * layer_bytes + (per_layer - 1 - k) * len;
+                    assert!(got[at..at + len] == value_for(key, 3, len)[..], "layer {l} key {k}, staging {staging}");
+                }
+            }
+            let g = s.stats().gpu;
+            assert_eq!((g.stream_steps, g.stream_step_layers, g.stream_bound_reads), (1, layers as u64, 1));
+            wait_idle(&s);
         }
     }
 

@@ -185,6 +185,11 @@ impl CudaEvent {
         Ok(CudaEvent { device: Arc::clone(device), raw })
     }
 
+    /// The event's handle (`CUevent`), for `StreamSignal::RecordEvent`.
+    pub fn handle(&self) -> u64 {
+        self.raw as usize as u64
+    }
+
     /// Records the event on `stream` (any stream of this GPU, by handle).
     pub fn record(&self, stream: StreamHandle) -> Result<(), TransportError> {
         self.device.bind()?;
