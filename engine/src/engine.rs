@@ -41,7 +41,7 @@ mod stream;
 pub(crate) mod transports;
 mod write;
 
-pub use on_stream::{StepLayer, StepReads, StreamCompleter, StreamStatus, StreamTicket, MAX_STEP_LAYERS};
+pub use on_stream::{StreamCompleter, StreamStatus, StreamTicket};
 pub use progressive::{Following, PutStream};
 pub use restore::{LeasePart, LeasePlan, RestoreMode, RestoreOptions, RestoreReport, SubBatchState, SubBatchTrace};
 pub(crate) use router::{LeaseSet, PendingLeases, Reservation, Reservations};

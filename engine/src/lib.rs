@@ -27,6 +27,7 @@ mod error;
 pub mod settings;
 mod shard;
 mod stats;
+mod step;
 mod ticket;
 
 pub use api::{BatchTicket, Fragment, KeyPage, PutOptions, Store, MAX_SCAN_KEYS};
@@ -38,8 +39,8 @@ pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
     shard_of_key, Engine, Following, LeasePart, LeasePlan, ObjectLease, PendingPut, PendingPuts, PutStream,
-    RestoreMode, RestoreOptions, RestoreReport, StepLayer, StepReads, StreamCompleter, StreamStatus, StreamTicket,
-    SubBatchState, SubBatchTrace, MAX_STEP_LAYERS,
+    RestoreMode, RestoreOptions, RestoreReport, StreamCompleter, StreamStatus, StreamTicket, SubBatchState,
+    SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};
 pub use kvtide_tiers::eviction::EvictionPolicy;
@@ -54,4 +55,5 @@ pub use kvtide_transport::{
 };
 pub use shard::core::RecoveryReport;
 pub use stats::{GpuStats, HeldResources, RestoreStats, ShardStats, Stats, StreamStats};
+pub use step::{check as check_step, StepLayer, StepReads, MAX_STEP_LAYERS};
 pub use ticket::Ticket;

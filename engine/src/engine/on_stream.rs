@@ -30,6 +30,7 @@ use crate::shard::core::ShardCore;
 use crate::shard::landing::Landing;
 use crate::shard::task::{ShardTask, TaskPoll};
 use crate::shard::{ReadGrant, Request};
+use crate::step::{StepLayer, StepReads};
 use crate::ticket::pending;
 
 /// Where a stream-bound read stands (`StreamTicket::status`).
@@ -198,62 +199,37 @@ struct Loading {
     slots: Vec<usize>,
 }
 
-/// Most layers one step call carries.
-pub const MAX_STEP_LAYERS: usize = 1024;
-
-/// What one layer of a step reads (`Engine::step_on_stream`).
-#[derive(Clone, Copy, Debug)]
-pub enum StepReads<'k, 'r> {
-    /// Object i of `keys` scattered in order across `dsts[i]`, sizes adding up to the object
-    /// (as `batch_get_into_multi_buffers_on_stream`).
-    Objects { keys: &'k [&'k [u8]], dsts: &'k [Vec<Region<'r>>] },
-    /// Byte ranges of objects into buffers (as `get_into_ranges_on_stream`).
-    Ranges { buffers: &'k [Region<'r>], fragments: &'k [Vec<Fragment>] },
-}
-
-/// One layer of a step: its reads, and the signal enqueued after its copies.
-#[derive(Clone, Copy, Debug)]
-pub struct StepLayer<'k, 'r> {
-    pub reads: StepReads<'k, 'r>,
-    /// What the device waits on for this layer (None: nothing; the caller orders its own work
-    /// on the stream).
-    pub done: Option<StreamSignal>,
-}
-
-impl<'k, 'r> StepReads<'k, 'r> {
-    /// Appends this layer's destination lists and slots to a step's.
-    fn flatten(&self, lists: &mut Vec<&'k [Region<'r>]>, slots: &mut Vec<KeyRead<'k>>) -> Result<()> {
-        let base = lists.len();
-        match *self {
-            StepReads::Objects { keys, dsts } => {
-                checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
-                lists.extend(dsts.iter().map(Vec::as_slice));
-                slots.extend(keys.iter().enumerate().map(|(i, key)| KeyRead {
-                    key,
-                    list: base + i,
-                    want: Want::Whole,
-                }));
+/// Appends a layer's destination lists and slots to a step's.
+fn flatten<'k, 'r>(
+    reads: &StepReads<'k, 'r>,
+    lists: &mut Vec<&'k [Region<'r>]>,
+    slots: &mut Vec<KeyRead<'k>>,
+) -> Result<()> {
+    let base = lists.len();
+    match *reads {
+        StepReads::Objects { keys, dsts } => {
+            checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
+            lists.extend(dsts.iter().map(Vec::as_slice));
+            slots.extend(keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: base + i, want: Want::Whole }));
+        }
+        StepReads::Ranges { buffers, fragments } => {
+            if fragments.len() > buffers.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "fragments for {} buffers but only {} buffers",
+                    fragments.len(),
+                    buffers.len()
+                )));
             }
-            StepReads::Ranges { buffers, fragments } => {
-                if fragments.len() > buffers.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "fragments for {} buffers but only {} buffers",
-                        fragments.len(),
-                        buffers.len()
-                    )));
-                }
-                lists.extend(buffers.iter().map(std::slice::from_ref));
-                for (b, frags) in fragments.iter().enumerate() {
-                    for frag in frags {
-                        let want =
-                            Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
-                        slots.push(KeyRead { key: &frag.key, list: base + b, want });
-                    }
+            lists.extend(buffers.iter().map(std::slice::from_ref));
+            for (b, frags) in fragments.iter().enumerate() {
+                for frag in frags {
+                    let want = Want::Range { src_offset: frag.src_offset, dst_offset: frag.dst_offset, len: frag.len };
+                    slots.push(KeyRead { key: &frag.key, list: base + b, want });
                 }
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// Where a step's layer ends among its slots, and its signal.
@@ -261,55 +237,6 @@ impl<'k, 'r> StepReads<'k, 'r> {
 struct LayerEnd {
     slot_end: usize,
     signal: Option<StreamSignal>,
-}
-
-/// Refuses a step whose reads write device memory twice: two whole-object lists that overlap,
-/// or two range reads whose destination bytes overlap (ranges of one buffer may share the
-/// buffer, not bytes). Host destinations are the CPU's and are not checked here.
-fn check_disjoint(
-    lists: &[&[Region<'_>]],
-    layers: &[StepLayer<'_, '_>],
-    bounds: &[LayerEnd],
-    slots: &[KeyRead<'_>],
-) -> Result<()> {
-    // (start, end, layer) of every device byte range written.
-    let mut spans: Vec<(u64, u64, usize)> = Vec::new();
-    let mut first = 0;
-    for (l, (layer, bound)) in layers.iter().zip(bounds).enumerate() {
-        for slot in &slots[first..bound.slot_end] {
-            let list = lists[slot.list];
-            match (layer.reads, slot.want) {
-                (StepReads::Ranges { .. }, Want::Range { dst_offset, len, .. }) => {
-                    if let [region] = list {
-                        if matches!(region.kind(), kvtide_transport::MemoryKind::Device { .. }) && len > 0 {
-                            let start = region.addr().saturating_add(dst_offset);
-                            spans.push((start, start.saturating_add(len), l));
-                        }
-                    }
-                }
-                _ => {
-                    for region in
-                        list.iter().filter(|r| matches!(r.kind(), kvtide_transport::MemoryKind::Device { .. }))
-                    {
-                        if !region.is_empty() {
-                            spans.push((region.addr(), region.addr().saturating_add(region.len() as u64), l));
-                        }
-                    }
-                }
-            }
-        }
-        first = bound.slot_end;
-    }
-    spans.sort_unstable();
-    for w in spans.windows(2) {
-        if w[1].0 < w[0].1 {
-            return Err(Error::InvalidArgument(format!(
-                "the step's device destinations overlap: layer {}'s [{:#x}, {:#x}) and layer {}'s [{:#x}, {:#x})",
-                w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// One submission of a step (a layer's copies) and the (result slot, bytes) of its transfers.
@@ -495,25 +422,13 @@ impl Engine {
         stream: StreamHandle,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<StreamTicket> {
-        if layers.len() > MAX_STEP_LAYERS {
-            return Err(Error::InvalidArgument(format!(
-                "a step of {} layers (at most {MAX_STEP_LAYERS})",
-                layers.len()
-            )));
-        }
+        crate::step::check(layers, stream)?;
         let mut lists: Vec<&[Region<'_>]> = Vec::new();
         let mut slots: Vec<KeyRead<'_>> = Vec::new();
         let mut bounds: Vec<LayerEnd> = Vec::with_capacity(layers.len());
-        for (l, layer) in layers.iter().enumerate() {
-            if let Some(signal) = &layer.done {
-                signal.check().map_err(|e| Error::InvalidArgument(format!("layer {l}: {e}")))?;
-            }
-            layer.reads.flatten(&mut lists, &mut slots)?;
+        for layer in layers {
+            flatten(&layer.reads, &mut lists, &mut slots)?;
             bounds.push(LayerEnd { slot_end: slots.len(), signal: layer.done });
-        }
-        check_disjoint(&lists, layers, &bounds, &slots)?;
-        if stream == 0 && bounds.iter().any(|b| b.signal.is_some()) {
-            return Err(Error::InvalidArgument("stream 0 has no place for the layers' signals".into()));
         }
         self.gpu.counters().bound_steps.fetch_add(1, Relaxed);
         self.gpu.counters().bound_step_layers.fetch_add(layers.len() as u64, Relaxed);
