@@ -140,6 +140,59 @@ fn stream_bound_reads_through_the_owner_without_a_gpu() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A step through the owner without a GPU: stream 0 reads every layer, blocking, results layer
+/// after layer; a bad step (overlapping device destinations, a signal on stream 0, too many
+/// layers) is refused whole before anything is asked of the owner.
+#[test]
+fn steps_through_the_owner_without_a_gpu() {
+    use kvtide::{StepLayer, StepReads, StreamSignal, MAX_STEP_LAYERS};
+    let e = engine();
+    let (owner, dir) = owner(&e, "step");
+    let path = owner.unix_path().expect("unix").display().to_string();
+    let unix = RemoteStore::connect_with(&path, ClientOptions::default()).expect("unix");
+    let tcp =
+        RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), ClientOptions::default()).expect("tcp");
+    unix.put(b"l0", &[1u8; 100], PutOptions::UPSERT).expect("put");
+    unix.put(b"l1", &[2u8; 200], PutOptions::UPSERT).expect("put");
+    for store in [&unix, &tcp] {
+        let (mut a, mut b, mut c) = (vec![0u8; 100], vec![0u8; 50], vec![0u8; 8]);
+        let l0_keys: [&[u8]; 2] = [b"l0", b"missing"];
+        let l0_dsts = vec![vec![Region::host(&mut a)], vec![Region::host(&mut c)]];
+        let l1_bufs = [Region::host(&mut b)];
+        let l1_frags = vec![vec![kvtide::Fragment::new(b"l1".to_vec(), 150, 0, 50)]];
+        let layers = [
+            StepLayer { reads: StepReads::Objects { keys: &l0_keys, dsts: &l0_dsts }, done: None },
+            StepLayer { reads: StepReads::Ranges { buffers: &l1_bufs, fragments: &l1_frags }, done: None },
+        ];
+        // SAFETY: stream 0 reads before returning; the buffers outlive the call.
+        let ticket = unsafe { store.step_on_stream(&layers, 0) }.expect("stream 0");
+        assert_eq!(ticket.results().expect("ended"), vec![Ok(100), Err(StoreError::NotFound), Ok(50)]);
+        drop((l0_dsts, l1_bufs));
+        assert_eq!((a, b), (vec![1u8; 100], vec![2u8; 50]));
+        // Refused whole: a signal on stream 0, overlapping device destinations, too many layers.
+        let dst = [vec![bogus_device_region()]];
+        let keys: [&[u8]; 1] = [b"l0"];
+        let signalled = [StepLayer {
+            reads: StepReads::Objects { keys: &keys, dsts: &dst },
+            done: Some(StreamSignal::RecordEvent(1)),
+        }];
+        let plain = StepLayer { reads: StepReads::Objects { keys: &keys, dsts: &dst }, done: None };
+        let too_many = vec![plain; MAX_STEP_LAYERS + 1];
+        for (what, layers, stream) in [
+            ("signal on stream 0", &signalled[..], 0),
+            ("overlap", &[plain, plain][..], 0x1234),
+            ("too many", &too_many[..], 0x1234),
+        ] {
+            // SAFETY: refused before anything is enqueued.
+            let refused = unsafe { store.step_on_stream(layers, stream) };
+            assert!(matches!(refused, Err(Error::Store(StoreError::InvalidArgument(_)))), "{what}: {refused:?}");
+        }
+    }
+    drop((unix, tcp));
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::process::Command;
@@ -437,6 +490,81 @@ mod cuda {
         assert_eq!(ticket.wait(Duration::from_secs(10)).expect("ended"), vec![Ok(len)]);
         assert_eq!(bounded.stream_host_bytes(), 0);
         drop(bounded);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+            assert!(std::time::Instant::now() < deadline, "leases still held");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop((unix, tcp));
+        drop(owner);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A step through the owner, same host and TCP: four layers behind a long kernel, each
+    /// layer's event recorded after its copies; a second stream waits on each event in turn and
+    /// copies the layer right then, so every copy shows the layer's whole KV.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn steps_through_the_owner_signal_each_layer_after_its_copies() {
+        use kvtide::cuda::{CudaEvent, CudaStream};
+        use kvtide::{StepLayer, StepReads, StreamSignal};
+        use std::time::Duration;
+        let e = engine();
+        let (owner, dir) = owner(&e, "step-gpu");
+        let path = owner.unix_path().expect("unix").display().to_string();
+        let unix = RemoteStore::connect_with(&path, ClientOptions::default()).expect("unix");
+        let tcp = RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), ClientOptions::default())
+            .expect("tcp");
+        let device = gpu();
+        let (layers, per_layer, len) = (4usize, 2usize, 128usize << 10);
+        let keys: Vec<Vec<Vec<u8>>> =
+            (0..layers).map(|l| (0..per_layer).map(|k| format!("step/{l}/{k}").into_bytes()).collect()).collect();
+        for key in keys.iter().flatten() {
+            e.put(key, &value_for(key, 5, len), PutOptions::UPSERT).expect("put");
+        }
+        let key_refs: Vec<Vec<&[u8]>> = keys.iter().map(|l| l.iter().map(Vec::as_slice).collect()).collect();
+        let layer_bytes = per_layer * len;
+        for (name, store) in [("unix", &unix), ("tcp", &tcp)] {
+            store.prepare_gpu(0).expect("prepare");
+            let pages = device.alloc(layers * layer_bytes).expect("alloc");
+            pages.fill(GUARD).expect("fill");
+            let check = device.alloc(layers * layer_bytes).expect("alloc");
+            let dsts: Vec<Vec<Vec<Region<'_>>>> = (0..layers)
+                .map(|l| {
+                    (0..per_layer).map(|k| vec![dev(&pages, (l * layer_bytes + k * len) as u64, len as u64)]).collect()
+                })
+                .collect();
+            let events: Vec<CudaEvent> = (0..layers).map(|_| CudaEvent::new(&device, false).expect("event")).collect();
+            let step: Vec<StepLayer<'_, '_>> = (0..layers)
+                .map(|l| StepLayer {
+                    reads: StepReads::Objects { keys: &key_refs[l], dsts: &dsts[l] },
+                    done: Some(StreamSignal::RecordEvent(events[l].handle())),
+                })
+                .collect();
+            let stream = CudaStream::new(&device).expect("stream");
+            let other = CudaStream::new(&device).expect("stream");
+            stream.spin(20_000_000).expect("spin");
+            // SAFETY: the pages and events outlive the stream's work (synchronised below).
+            let ticket = unsafe { store.step_on_stream(&step, stream.handle()) }.expect("step");
+            for (l, event) in events.iter().enumerate() {
+                other.wait_event(event, false).expect("wait");
+                let at = (l * layer_bytes) as u64;
+                // SAFETY: both live allocations; the range lies inside them.
+                unsafe { other.copy_device(check.addr() + at, pages.addr() + at, layer_bytes) }.expect("copy");
+            }
+            other.synchronize().expect("sync");
+            let results = ticket.wait(Duration::from_secs(10)).expect("ended");
+            assert_eq!(results, vec![Ok(len); layers * per_layer], "{name}");
+            let got = read_back(&check);
+            for (l, layer) in keys.iter().enumerate() {
+                for (k, key) in layer.iter().enumerate() {
+                    let at = l * layer_bytes + k * len;
+                    assert!(got[at..at + len] == value_for(key, 5, len)[..], "{name}: layer {l} key {k}");
+                }
+            }
+            assert_eq!(ticket.keys_pinned(), 0);
+        }
+        assert_eq!(tcp.stream_host_bytes(), 0);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst) != 0 {
             assert!(std::time::Instant::now() < deadline, "leases still held");

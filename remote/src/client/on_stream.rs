@@ -13,7 +13,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use kvtide::{checks, Error as StoreError, Fragment, Store, StreamCompleter, StreamHandle, StreamTicket};
+use kvtide::{
+    checks, Error as StoreError, Fragment, StepLayer, StepReads, Store, StreamCompleter, StreamHandle, StreamSignal,
+    StreamTicket,
+};
 use kvtide_transport::{InFlight, Region, Transfer, Transport};
 
 use super::conn::{Conn, LEASE_MARGIN};
@@ -29,9 +32,8 @@ const WATCH_INTERVAL: Duration = Duration::from_micros(200);
 
 /// A stream-bound read in flight.
 struct Bound {
-    inflight: InFlight,
-    /// The result slot of each submitted transfer.
-    slot_of: Vec<usize>,
+    /// Each submission (one per layer of a step) and the result slot of each of its transfers.
+    parts: Vec<(InFlight, Vec<usize>)>,
     results: Vec<std::result::Result<usize, StoreError>>,
     completer: Option<StreamCompleter>,
     /// The connection holding the leases, and their ids (None: the bytes are in `buffers`).
@@ -81,7 +83,7 @@ fn watch_loop(inner: Weak<Inner>) {
         }
         let mut still = Vec::with_capacity(reads.len());
         for mut read in reads.drain(..) {
-            if read.inflight.poll() {
+            if read.parts.iter_mut().all(|(inflight, _)| inflight.poll()) {
                 finish(&store, read);
                 continue;
             }
@@ -103,9 +105,11 @@ fn watch_loop(inner: Weak<Inner>) {
 
 /// The stream passed a read's copies: its leases go back, then its ticket ends.
 fn finish(inner: &Inner, mut read: Bound) {
-    for (slot, outcome) in read.slot_of.iter().zip(read.inflight.take_results()) {
-        if let Err(e) = outcome {
-            read.results[*slot] = Err(e.into());
+    for (inflight, slot_of) in &mut read.parts {
+        for (slot, outcome) in slot_of.iter().zip(inflight.take_results()) {
+            if let Err(e) = outcome {
+                read.results[*slot] = Err(e.into());
+            }
         }
     }
     if let Some((mut conn, rid, leases)) = read.held.take() {
@@ -210,20 +214,13 @@ impl RemoteStore {
             let results = self.batch_get_into_multi_buffers(keys, dsts);
             return Ok(StreamTicket::ended(results.into_iter().map(|r| r.map_err(into_store)).collect()));
         }
-        let wanted: Vec<Wanted<'_, '_>> = keys
-            .iter()
-            .zip(dsts)
-            .enumerate()
-            .map(|(i, (key, regions))| {
-                let total = regions.iter().map(|r| r.len() as u64).sum();
-                let piece = Piece { slot: i, offset: 0, list: i, regions: regions.clone() };
-                Wanted { key, check: LenCheck::Exactly(total), pieces: vec![piece] }
-            })
-            .collect();
+        let mut wanted = Vec::new();
+        let mut results = Vec::new();
+        objects_wanted(keys, dsts, 0, &mut wanted, &mut results);
         let lists: Vec<&[Region<'_>]> = dsts.iter().map(Vec::as_slice).collect();
-        let results = (0..keys.len()).map(|_| Err(StoreError::Internal("slot never read"))).collect();
+        let one = [LayerEnd { slot_end: results.len(), signal: None }];
         // SAFETY: forwarded contract.
-        unsafe { self.read_on_stream(wanted, results, &lists, stream) }
+        unsafe { self.read_on_stream(wanted, results, &lists, &one, stream) }
     }
 
     /// `Engine::get_into_ranges_on_stream` through the owner, as
@@ -250,29 +247,68 @@ impl RemoteStore {
             let results = self.get_into_ranges(buffers, fragments).into_iter().flatten();
             return Ok(StreamTicket::ended(results.map(|r| r.map_err(into_store)).collect()));
         }
-        let mut wanted: Vec<Wanted<'_, '_>> = Vec::new();
+        let mut wanted = Vec::new();
         let mut index = std::collections::HashMap::new();
         let mut results = Vec::new();
-        for (b, frags) in fragments.iter().enumerate() {
-            for frag in frags {
-                let slot = results.len();
-                // A fragment whose destination range is bad never reaches the owner.
-                match buffers[b].slice(frag.dst_offset, frag.len) {
-                    Ok(dst) => {
-                        let w = *index.entry(frag.key.as_slice()).or_insert_with(|| {
-                            wanted.push(Wanted { key: &frag.key, check: LenCheck::Any, pieces: Vec::new() });
-                            wanted.len() - 1
-                        });
-                        wanted[w].pieces.push(Piece { slot, offset: frag.src_offset, list: b, regions: vec![dst] });
-                        results.push(Err(StoreError::Internal("slot never read")));
+        ranges_wanted(buffers, fragments, 0, &mut wanted, &mut index, &mut results);
+        let lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
+        let one = [LayerEnd { slot_end: results.len(), signal: None }];
+        // SAFETY: forwarded contract.
+        unsafe { self.read_on_stream(wanted, results, &lists, &one, stream) }
+    }
+
+    /// `Engine::step_on_stream` through the owner: every layer's keys leased in one request
+    /// (over the Unix socket; over TCP read into host buffers in one pass), then per layer its
+    /// copies and its signal on `stream`. Refused whole, before anything is leased, as the
+    /// engine refuses a step (`kvtide::check_step`). The ticket has one result per key (or
+    /// fragment), layer after layer. Stream 0 (no signals) reads the layers one after another,
+    /// blocking.
+    ///
+    /// # Safety
+    /// As `Engine::step_on_stream`.
+    pub unsafe fn step_on_stream(&self, layers: &[StepLayer<'_, '_>], stream: StreamHandle) -> Result<StreamTicket> {
+        kvtide::check_step(layers, stream)?;
+        if stream == 0 {
+            let mut results = Vec::new();
+            for layer in layers {
+                match layer.reads {
+                    StepReads::Objects { keys, dsts } => results.extend(self.batch_get_into_multi_buffers(keys, dsts)),
+                    StepReads::Ranges { buffers, fragments } => {
+                        results.extend(self.get_into_ranges(buffers, fragments).into_iter().flatten())
                     }
-                    Err(e) => results.push(Err(e.into())),
                 }
             }
+            return Ok(StreamTicket::ended(results.into_iter().map(|r| r.map_err(into_store)).collect()));
         }
-        let lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
+        let mut wanted = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        let mut results = Vec::new();
+        let mut lists: Vec<&[Region<'_>]> = Vec::new();
+        let mut ends = Vec::with_capacity(layers.len());
+        for layer in layers {
+            match layer.reads {
+                StepReads::Objects { keys, dsts } => {
+                    checks::one_list_per_key(keys.len(), dsts.len(), "destination")?;
+                    objects_wanted(keys, dsts, lists.len(), &mut wanted, &mut results);
+                    lists.extend(dsts.iter().map(Vec::as_slice));
+                }
+                StepReads::Ranges { buffers, fragments } => {
+                    if fragments.len() > buffers.len() {
+                        return Err(StoreError::InvalidArgument(format!(
+                            "fragments for {} buffers but only {} buffers",
+                            fragments.len(),
+                            buffers.len()
+                        ))
+                        .into());
+                    }
+                    ranges_wanted(buffers, fragments, lists.len(), &mut wanted, &mut index, &mut results);
+                    lists.extend(buffers.iter().map(std::slice::from_ref));
+                }
+            }
+            ends.push(LayerEnd { slot_end: results.len(), signal: layer.done });
+        }
         // SAFETY: forwarded contract.
-        unsafe { self.read_on_stream(wanted, results, &lists, stream) }
+        unsafe { self.read_on_stream(wanted, results, &lists, &ends, stream) }
     }
 
     /// # Safety
@@ -283,6 +319,7 @@ impl RemoteStore {
         wanted: Vec<Wanted<'_, '_>>,
         mut results: Vec<std::result::Result<usize, StoreError>>,
         lists: &[&[Region<'_>]],
+        layers: &[LayerEnd],
         stream: StreamHandle,
     ) -> Result<StreamTicket> {
         let slots = results.len();
@@ -308,7 +345,8 @@ impl RemoteStore {
                 todo.push(w);
             }
         }
-        if todo.is_empty() {
+        let signals = layers.iter().any(|l| l.signal.is_some());
+        if todo.is_empty() && !signals {
             return Ok(StreamTicket::ended(results));
         }
         let limit = self.inner.pool.options.max_tickets_in_flight;
@@ -317,13 +355,23 @@ impl RemoteStore {
             return Err(StoreError::Busy { limit }.into());
         }
         // SAFETY: forwarded contract.
-        match unsafe { self.lease_and_submit(&todo, &mut results, &*transport, stream) } {
-            Ok(Submitted { inflight, slot_of, held, buffers, ttl_ms }) => {
+        match unsafe { self.lease_and_submit(&todo, &mut results, &*transport, layers, stream) } {
+            Ok(Submitted { parts, held, buffers, .. }) if parts.is_empty() => {
+                // Nothing enqueued (or only signals): the leases and buffers go back now.
+                if let Some((mut conn, rid, leases)) = held {
+                    if conn.send_release(rid, leases).is_ok() {
+                        self.inner.pool.checkin(conn);
+                    }
+                }
+                drop(buffers);
+                self.inner.tickets_in_flight.fetch_sub(1, Ordering::AcqRel);
+                Ok(StreamTicket::ended(results))
+            }
+            Ok(Submitted { parts, held, buffers, ttl_ms }) => {
                 let (ticket, completer) = StreamTicket::pending(slots);
                 completer.set_pinned(held.as_ref().map_or(0, |(_, _, l)| l.len()));
                 let read = Bound {
-                    inflight,
-                    slot_of,
+                    parts,
                     results,
                     completer: Some(completer),
                     held,
@@ -350,6 +398,7 @@ impl RemoteStore {
         todo: &[Wanted<'_, '_>],
         results: &mut [std::result::Result<usize, StoreError>],
         transport: &dyn Transport,
+        layers: &[LayerEnd],
         stream: StreamHandle,
     ) -> Result<Submitted> {
         let submit = transport.on_stream().ok_or(StoreError::CudaUnavailable("no stream-bound transport"))?;
@@ -369,15 +418,20 @@ impl RemoteStore {
                 (None, Some(self.read_into_host(todo, results, &mut copies)?), ttl_ms)
             }
         };
-        let gates = vec![None; copies.transfers.len()];
         // SAFETY: the host bytes are leased to `held`'s connection (or are `buffers`), both kept
         // until the stream passed the copies; the destinations were checked and are the
-        // caller's until then (this call's contract).
-        match unsafe { submit.submit_on_stream(stream, &copies.transfers, &gates) } {
-            Ok(inflight) => Ok(Submitted { inflight, slot_of: copies.slot_of, held, buffers, ttl_ms }),
-            // Nothing was enqueued: the leases go back with the connection.
-            Err(e) => Err(StoreError::from(e).into()),
+        // caller's until then (this call's contract), the signals' events and words too.
+        let parts = unsafe { submit_layers(submit, stream, layers, copies, results) };
+        if parts.is_empty() && layers.len() == 1 && layers[0].signal.is_none() {
+            // A plain read whose one submission failed: nothing was enqueued, and the call
+            // fails as a whole (its keys' errors are the submission's).
+            if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+                if results.iter().all(|r| r.is_err()) {
+                    return Err(e.clone().into());
+                }
+            }
         }
+        Ok(Submitted { parts, held, buffers, ttl_ms })
     }
 
     /// Leases every object of `todo` in the owner's arena on `conn` and plans a copy of each
@@ -484,8 +538,8 @@ type Held = (Conn, u64, Vec<u64>);
 /// What `lease_and_submit` enqueued: the copies in flight, the result slot of each, and what
 /// must stay until the stream passed them (the leases or the host buffers), with the TTL.
 struct Submitted {
-    inflight: InFlight,
-    slot_of: Vec<usize>,
+    /// One submission per layer that enqueued copies, with the result slot of each transfer.
+    parts: Vec<(InFlight, Vec<usize>)>,
     held: Option<Held>,
     buffers: Option<HostBytes>,
     ttl_ms: u64,
@@ -511,6 +565,108 @@ impl Copies {
         self.slot_of.push(slot);
         results[slot] = Ok(len as usize);
     }
+}
+
+/// Where a step's layer ends among its result slots, and its signal.
+#[derive(Clone, Copy)]
+struct LayerEnd {
+    slot_end: usize,
+    signal: Option<StreamSignal>,
+}
+
+/// Objects read whole: object i of `keys` into `dsts[i]` (list `first_list + i`), result slots
+/// appended to `results`.
+fn objects_wanted<'a, 'r>(
+    keys: &[&'a [u8]],
+    dsts: &[Vec<Region<'r>>],
+    first_list: usize,
+    wanted: &mut Vec<Wanted<'a, 'r>>,
+    results: &mut Vec<std::result::Result<usize, StoreError>>,
+) {
+    for (i, (key, regions)) in keys.iter().zip(dsts).enumerate() {
+        let total = regions.iter().map(|r| r.len() as u64).sum();
+        let piece = Piece { slot: results.len(), offset: 0, list: first_list + i, regions: regions.clone() };
+        wanted.push(Wanted { key, check: LenCheck::Exactly(total), pieces: vec![piece] });
+        results.push(Err(StoreError::Internal("slot never read")));
+    }
+}
+
+/// Fragments of objects into buffers (buffer b is list `first_list + b`): one wanted object per
+/// key across the call (`index`), a piece per fragment. A fragment whose destination range is
+/// bad gets its error and never reaches the owner.
+fn ranges_wanted<'a, 'r>(
+    buffers: &[Region<'r>],
+    fragments: &'a [Vec<Fragment>],
+    first_list: usize,
+    wanted: &mut Vec<Wanted<'a, 'r>>,
+    index: &mut std::collections::HashMap<&'a [u8], usize>,
+    results: &mut Vec<std::result::Result<usize, StoreError>>,
+) {
+    for (b, frags) in fragments.iter().enumerate() {
+        for frag in frags {
+            let slot = results.len();
+            match buffers[b].slice(frag.dst_offset, frag.len) {
+                Ok(dst) => {
+                    let w = *index.entry(frag.key.as_slice()).or_insert_with(|| {
+                        wanted.push(Wanted { key: &frag.key, check: LenCheck::Any, pieces: Vec::new() });
+                        wanted.len() - 1
+                    });
+                    let piece = Piece { slot, offset: frag.src_offset, list: first_list + b, regions: vec![dst] };
+                    wanted[w].pieces.push(piece);
+                    results.push(Err(StoreError::Internal("slot never read")));
+                }
+                Err(e) => results.push(Err(e.into())),
+            }
+        }
+    }
+}
+
+/// Enqueues each layer's copies (those of its result slots) and then its signal. A layer whose
+/// copies cannot be enqueued fails its slots and is still signalled; a signal that fails fails
+/// its layer's slots.
+///
+/// # Safety
+/// As `StreamSubmit::submit_on_stream` and `StreamSubmit::signal`.
+unsafe fn submit_layers(
+    submit: &dyn kvtide_transport::StreamSubmit,
+    stream: StreamHandle,
+    layers: &[LayerEnd],
+    copies: Copies,
+    results: &mut [std::result::Result<usize, StoreError>],
+) -> Vec<(InFlight, Vec<usize>)> {
+    // Copies are planned per object; a layer's are those of its slots.
+    let mut order: Vec<usize> = (0..copies.transfers.len()).collect();
+    order.sort_by_key(|&i| copies.slot_of[i]);
+    let mut parts = Vec::with_capacity(layers.len());
+    let (mut next, mut first_slot) = (0, 0);
+    for layer in layers {
+        let start = next;
+        while next < order.len() && copies.slot_of[order[next]] < layer.slot_end {
+            next += 1;
+        }
+        if start < next {
+            let transfers: Vec<Transfer> = order[start..next].iter().map(|&i| copies.transfers[i].clone()).collect();
+            let slot_of: Vec<usize> = order[start..next].iter().map(|&i| copies.slot_of[i]).collect();
+            let gates = vec![None; transfers.len()];
+            // SAFETY: forwarded contract.
+            match unsafe { submit.submit_on_stream(stream, &transfers, &gates) } {
+                Ok(inflight) => parts.push((inflight, slot_of)),
+                Err(e) => {
+                    let e = StoreError::from(e);
+                    slot_of.iter().for_each(|&s| results[s] = Err(e.clone()));
+                }
+            }
+        }
+        if let Some(signal) = layer.signal {
+            // SAFETY: forwarded contract.
+            if let Err(e) = unsafe { submit.signal(stream, signal) } {
+                let e = StoreError::from(e);
+                results[first_slot..layer.slot_end].iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
+            }
+        }
+        first_slot = layer.slot_end;
+    }
+    parts
 }
 
 impl Conn {
