@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, RwLock};
 
-use kvtide::{Engine, Fragment, PutOptions, Store as _, StoreBuilder};
+use kvtide::{Engine, Fragment, PutOptions, StepLayer, StepReads, Store as _, StoreBuilder};
 use kvtide_remote::{ClientOptions, ClusterOptions, ClusterStore, Error as R, RemoteStore, Token};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -747,6 +747,92 @@ impl PyStore {
         Ok(StreamTicket::new(ticket, bufs))
     }
 
+    /// One inference step's reads in one call: `layers` is a list of `(keys, dsts)` (object i
+    /// of a layer scattered across its `dsts[i]`, as `batch_get_into_multi_buffers`). Every
+    /// layer's keys are leased at once; then, layer after layer, its copies are enqueued on
+    /// `stream` followed by its signal: `events[l]` recorded (a `torch.cuda.Event`, e.g. with
+    /// `external=True` for a graph's external wait) or `flags[l] = (word, value)` written
+    /// (`cuStreamWriteValue32`; `word` an address or a tensor). A graph whose layer l waits on
+    /// signal l then runs as each layer's KV lands. Returns a `StreamTicket` with one result per
+    /// key, layer after layer. A bad step (overlapping destinations, a bad signal, a capturing
+    /// stream) raises before anything is enqueued.
+    #[pyo3(signature = (layers, stream, events=None, flags=None))]
+    fn step_on_stream(
+        &self,
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        stream: &Bound<'_, PyAny>,
+        events: Option<&Bound<'_, PyAny>>,
+        flags: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StreamTicket> {
+        let stream = crate::gpu::stream_handle(stream)?;
+        let mut keys: Vec<Vec<Vec<u8>>> = Vec::new();
+        let mut bufs: Vec<Vec<Vec<Buf>>> = Vec::new();
+        for layer in layers.try_iter().map_err(|_| invalid("layers: expected a list of (keys, dsts)"))? {
+            let (k, d): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                layer?.extract().map_err(|_| invalid("layers: each one (keys, dsts)"))?;
+            keys.push(buffers::keys(&k)?);
+            bufs.push(nested(&d, Use::Destination)?);
+        }
+        let signals = crate::gpu::step_signals(keys.len(), events, flags)?;
+        let regions: Vec<Vec<Vec<_>>> =
+            bufs.iter().map(|layer| layer.iter().map(|l| l.iter().map(Buf::region).collect()).collect()).collect();
+        let b = self.backend()?;
+        let ticket = py
+            .detach(move || {
+                let key_refs: Vec<Vec<&[u8]>> = keys.iter().map(|l| l.iter().map(Vec::as_slice).collect()).collect();
+                let step: Vec<StepLayer<'_, '_>> = key_refs
+                    .iter()
+                    .zip(&regions)
+                    .zip(&signals)
+                    .map(|((keys, dsts), done)| StepLayer { reads: StepReads::Objects { keys, dsts }, done: *done })
+                    .collect();
+                run_step(&b, &step, stream)
+            })
+            .map_err(|e| to_py(&e))?;
+        Ok(StreamTicket::new(ticket, bufs.into_iter().flatten().flatten().collect()))
+    }
+
+    /// `step_on_stream` of byte ranges: `layers` is a list of `(buffers, fragments)`, each as
+    /// `get_into_ranges` takes them. One result per fragment, layer after layer.
+    #[pyo3(signature = (layers, stream, events=None, flags=None))]
+    fn step_ranges_on_stream(
+        &self,
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        stream: &Bound<'_, PyAny>,
+        events: Option<&Bound<'_, PyAny>>,
+        flags: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StreamTicket> {
+        let stream = crate::gpu::stream_handle(stream)?;
+        let mut bufs: Vec<Vec<Buf>> = Vec::new();
+        let mut frags: Vec<Vec<Vec<Fragment>>> = Vec::new();
+        for layer in layers.try_iter().map_err(|_| invalid("layers: expected a list of (buffers, fragments)"))? {
+            let (b, f): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                layer?.extract().map_err(|_| invalid("layers: each one (buffers, fragments)"))?;
+            bufs.push(buffers::buffers(&b, Use::Destination)?);
+            frags.push(self::fragments(&f)?);
+        }
+        let signals = crate::gpu::step_signals(bufs.len(), events, flags)?;
+        let regions: Vec<Vec<_>> = bufs.iter().map(|l| l.iter().map(Buf::region).collect()).collect();
+        let b = self.backend()?;
+        let ticket = py
+            .detach(move || {
+                let step: Vec<StepLayer<'_, '_>> = regions
+                    .iter()
+                    .zip(&frags)
+                    .zip(&signals)
+                    .map(|((buffers, fragments), done)| StepLayer {
+                        reads: StepReads::Ranges { buffers, fragments },
+                        done: *done,
+                    })
+                    .collect();
+                run_step(&b, &step, stream)
+            })
+            .map_err(|e| to_py(&e))?;
+        Ok(StreamTicket::new(ticket, bufs.into_iter().flatten().collect()))
+    }
+
     /// Closes the store: the embedded engine shuts down (a clean shutdown writes DRAM-only
     /// objects to the SSD tier when it has one); a remote store drops its connections. Later
     /// calls raise `ShuttingDown`. Closing twice is harmless.
@@ -841,6 +927,19 @@ type KeyBuffers = Vec<PyResult<Vec<Buf>>>;
 
 /// One entry per key: a buffer (`nested` false) or a list of buffers (`nested` true). A bad
 /// buffer is that key's error; only a malformed outer list fails the call.
+/// A step on the store behind `backend`.
+fn run_step(backend: &Backend, step: &[StepLayer<'_, '_>], stream: u64) -> Result<kvtide::StreamTicket, R> {
+    match backend {
+        // SAFETY: the stream is the caller's (CUDA checks the handle before use), the
+        // destinations are held by the returned ticket until the stream passed the copies, and
+        // the events and flag words are the caller's, which it keeps while the step runs.
+        Backend::Embedded(e) => lift(unsafe { e.step_on_stream(step, stream) }),
+        // SAFETY: as above.
+        Backend::Remote(r) => unsafe { r.step_on_stream(step, stream) },
+        Backend::Cluster(_) => Err(not_on_cluster("step_on_stream")),
+    }
+}
+
 fn per_key_buffers(obj: &Bound<'_, PyAny>, usage: Use, nested: bool) -> PyResult<KeyBuffers> {
     let mut out = Vec::new();
     for item in obj.try_iter().map_err(|_| invalid("expected one buffer (or buffer list) per key"))? {

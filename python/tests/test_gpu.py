@@ -194,3 +194,49 @@ def test_mooncake_stream_bound_reads_on_a_torch_stream(owner, k):
     mc.unregister_buffer(dst.data_ptr())
     mc.batch_remove([k(f"mc/l{layer}/{half}") for layer in range(layers) for half in range(2)])
     mc.close()
+
+
+def test_step_on_stream_one_call_per_step_under_one_graph(gstore, k):
+    """The seed-000 step with the step call: a graph captured once whose layer l waits on event
+    l (external) and computes on the layer's KV; per step ONE step_on_stream reads every layer
+    and records every event, then the graph replays. Every byte is checked for four steps, and
+    a flags variant writes one word per layer that the compute stream waits on."""
+    layers, page = 4, 256 << 10
+    kv = [torch.zeros(page, dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    out = [torch.zeros(page, dtype=torch.int32, device="cuda") for _ in range(layers)]
+    events = [torch.cuda.Event(external=True) for _ in range(layers)]
+    load, compute = torch.cuda.Stream(), torch.cuda.Stream()
+    for e in events:
+        e.record(load)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(compute):
+        with torch.cuda.graph(graph, stream=compute):
+            for layer in range(layers):
+                compute.wait_event(events[layer])
+                out[layer].copy_(kv[layer].to(torch.int32) * 2)
+    steps = 4
+    for step in range(steps):
+        for layer in range(layers):
+            gstore.put(k(f"st{step}/l{layer}"), pattern(page, 100 * step + layer))
+    for step in range(steps):
+        t = gstore.step_on_stream([([k(f"st{step}/l{layer}")], [[kv[layer]]]) for layer in range(layers)], load,
+                                  events=events)
+        with torch.cuda.stream(compute):
+            graph.replay()
+        compute.synchronize()
+        for layer in range(layers):
+            expected = pattern(page, 100 * step + layer).to(torch.int32).cuda() * 2
+            assert torch.equal(out[layer], expected), f"step {step} layer {layer}"
+        assert t.wait(10_000) == [page] * layers
+    # Flags: one int32 word per layer; the compute stream waits until the step wrote each.
+    words = torch.zeros(layers, dtype=torch.int32, device="cuda")
+    for layer in range(layers):
+        kv[layer].zero_()
+    t = gstore.step_on_stream([([k(f"st0/l{layer}")], [[kv[layer]]]) for layer in range(layers)], load,
+                              flags=[(words[layer].data_ptr(), layer + 1) for layer in range(layers)])
+    load.synchronize()
+    assert words.tolist() == [1, 2, 3, 4]
+    for layer in range(layers):
+        assert torch.equal(kv[layer].cpu(), pattern(page, layer)), f"flags layer {layer}"
+    assert t.wait(10_000) == [page] * layers
+    gstore.batch_remove([k(f"st{s_}/l{l_}") for s_ in range(steps) for l_ in range(layers)])

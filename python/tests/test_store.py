@@ -372,6 +372,35 @@ def test_stream_bound_needs_cuda(store, k):
     store.remove(k("gpu"))
 
 
+def test_step_on_stream_with_stream_zero_and_its_refusals(store, k):
+    """A step on stream 0 reads every layer before returning, results layer after layer, for
+    whole objects and for ranges; signals need a stream, a layer has one signal, one per layer;
+    without CUDA a real stream is refused. The copies on a stream are checked on the GPU
+    machine (test_gpu.py)."""
+    store.put(k("a"), b"abc")
+    store.put(k("b"), b"defgh")
+    a, b, c = np.zeros(3, np.uint8), np.zeros(5, np.uint8), np.zeros(2, np.uint8)
+    t = store.step_on_stream([([k("a")], [[a]]), ([k("b"), k("missing")], [[b], [c]])], 0)
+    res = t.results()
+    assert res[:2] == [3, 5] and isinstance(res[2], kvtide.NotFound)
+    assert a.tobytes() == b"abc" and b.tobytes() == b"defgh"
+    dst = np.zeros(4, np.uint8)
+    t = store.step_ranges_on_stream([([dst], [[(k("a"), 1, 0, 2)]]), ([dst], [[(k("b"), 3, 2, 2)]])], 0)
+    assert t.results() == [2, 2] and dst.tobytes() == b"bcgh"
+    with pytest.raises(kvtide.InvalidArgument, match="stream 0"):
+        store.step_on_stream([([k("a")], [[a]])], 0, events=[12345])
+    with pytest.raises(kvtide.InvalidArgument, match="one per layer"):
+        store.step_on_stream([([k("a")], [[a]])], 0, events=[1, 2])
+    with pytest.raises(kvtide.InvalidArgument, match="one signal per layer"):
+        store.step_on_stream([([k("a")], [[a]])], 0x5EED, events=[1], flags=[(64, 1)])
+    with pytest.raises(kvtide.InvalidArgument, match="aligned"):
+        store.step_on_stream([([k("a")], [[a]])], 0x5EED, flags=[(65, 1)])
+    if not cuda_devices():
+        with pytest.raises(kvtide.KvtideError):
+            store.step_on_stream([([k("a")], [[a]])], 0x5EED, events=[7])
+    store.batch_remove([k("a"), k("b")])
+
+
 def test_client_variables_are_not_refused_as_settings(monkeypatch, owner):
     """KVTIDE_ADDRESS (the adapters' variable) and this suite's own variables are not settings:
     neither the embedded engine nor the owner refuses to start because they are set."""
