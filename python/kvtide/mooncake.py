@@ -1121,6 +1121,40 @@ class MooncakeDistributedStore:
 
         return StreamReadHandle(ticket, shape)
 
+    def batch_get_into_multi_buffers_step_on_stream(self, layer_keys, layer_buffer_ptrs, layer_sizes, stream_ptr,
+                                                    events=None, flags=None):
+        """Every layer of an inference step in one call (one lease round trip): per layer ``l``
+        its keys, buffers and sizes as ``batch_get_into_multi_buffers_on_stream`` takes them,
+        its copies enqueued on ``stream_ptr`` in layer order, each followed by its signal:
+        ``events[l]`` recorded (a ``torch.cuda.Event`` or a ``CUevent``) or ``flags[l] = (ptr,
+        value)`` written. Returns a ``StreamReadHandle`` whose ``wait`` gives one list of ints
+        per layer. A bad step (list lengths, overlapping destinations, a bad signal, a
+        capturing stream) answers a code for every key without enqueueing anything."""
+        n = len(layer_keys)
+        shape = [len(k) for k in layer_keys]
+        failed = lambda code: StreamReadHandle.done([[code] * c for c in shape])  # noqa: E731
+        if self._store is None or not (n == len(layer_buffer_ptrs) == len(layer_sizes)):
+            return failed(INVALID_PARAMS)
+        layers = []
+        for keys, ptrs, sizes in zip(layer_keys, layer_buffer_ptrs, layer_sizes):
+            lists = _scatter_lists(keys, ptrs, sizes)
+            if lists is None:
+                return failed(INVALID_PARAMS)
+            layers.append((keys, lists))
+        try:
+            ticket = self._store.step_on_stream(layers, _uint(stream_ptr, "stream_ptr"), events=events, flags=flags)
+        except _KvtideError as e:
+            return failed(error_code(e))
+
+        def per_layer(flat):
+            codes, at = [], 0
+            for c in shape:
+                codes.append(_ints(flat[at:at + c]))
+                at += c
+            return codes
+
+        return StreamReadHandle(ticket, per_layer)
+
     # ---- existence, size, removal -----------------------------------------------------------
 
     def is_exist(self, key):

@@ -183,6 +183,20 @@ def test_mooncake_stream_bound_reads_on_a_torch_stream(owner, k):
         assert torch.equal(kv[layer], expected), f"layer {layer}"
         assert handles[layer].wait(10_000) == [page, page]
         assert handles[layer].keys_pinned() == 0
+    # The step call: every layer in one call, each layer's event recorded after its copies.
+    for layer in range(layers):
+        kv[layer].zero_()
+    h = mc.batch_get_into_multi_buffers_step_on_stream(
+        [[k(f"mc/l{layer}/0"), k(f"mc/l{layer}/1")] for layer in range(layers)],
+        [[[kv[layer].data_ptr()], [kv[layer].data_ptr() + page]] for layer in range(layers)],
+        [[[page], [page]] for _ in range(layers)], load.cuda_stream, events=events)
+    for layer in range(layers):
+        compute.wait_event(events[layer])
+    compute.synchronize()
+    for layer in range(layers):
+        expected = torch.cat([pattern(page, 10 * layer), pattern(page, 10 * layer + 1)]).cuda()
+        assert torch.equal(kv[layer], expected), f"step layer {layer}"
+    assert h.wait(10_000) == [[page, page]] * layers
     # Ranges: the second half of layer 0's first page into a registered device buffer.
     dst = torch.zeros(page, dtype=torch.uint8, device="cuda")
     assert mc.register_buffer(dst.data_ptr(), page) == 0

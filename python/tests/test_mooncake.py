@@ -347,6 +347,29 @@ def test_stream_bound_calls_with_stream_zero_are_the_blocking_calls(mc, k):
     mc.remove(k("s"))
 
 
+def test_step_on_stream_answers_per_layer_and_refuses_bad_steps(mc, k):
+    """The step call with stream 0 reads every layer (one list of ints per layer); bad list
+    lengths and signals on stream 0 answer a code per key; the copies on a stream are checked on
+    the GPU machine."""
+    a, ap = buf(300, 1)
+    b, bp = buf(200, 2)
+    assert mc.put_from(k("l0"), ap, 300) == 0 and mc.put_from(k("l1"), bp, 200) == 0
+    x, xp = buf(300)
+    y, yp = buf(200)
+    z, zp = buf(10)
+    x[:] = 0
+    y[:] = 0
+    h = mc.batch_get_into_multi_buffers_step_on_stream([[k("l0")], [k("l1"), k("absent")]], [[[xp]], [[yp], [zp]]],
+                                                       [[[300]], [[200], [10]]], 0)
+    assert h.is_done() and h.wait() == [[300], [200, OBJECT_NOT_FOUND]]
+    assert np.array_equal(x, a) and np.array_equal(y, b)
+    bad = mc.batch_get_into_multi_buffers_step_on_stream([[k("l0")]], [[[xp]]], [[[300], [1]]], 0)
+    assert bad.wait() == [[INVALID_PARAMS]]
+    signal_on_zero = mc.batch_get_into_multi_buffers_step_on_stream([[k("l0")]], [[[xp]]], [[[300]]], 0, events=[7])
+    assert signal_on_zero.wait() == [[INVALID_PARAMS]]
+    mc.batch_remove([k("l0"), k("l1")])
+
+
 # ---- ReplicateConfig, SoftPinAction, config validation -----------------------------------------
 
 
