@@ -83,6 +83,51 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// A batch of leases asked for at once and handed out shard by shard as each shard answers
+/// (`Engine::lease_batch_as_landed`). Dropping it waits for the shards still to answer and
+/// releases what they granted.
+pub struct LandingLeases<'e> {
+    engine: &'e Engine,
+    fanout: router::Fanout<Result<ReadGrant>>,
+    invalid: Vec<(usize, Result<ObjectLease>)>,
+    expires_at: Instant,
+}
+
+impl LandingLeases<'_> {
+    /// The next shard's leases, as (index into the caller's keys, lease or error) pairs: the
+    /// invalid keys first, then the shards in the order they answered. None once all came.
+    pub fn next_landed(&mut self) -> Option<Vec<(usize, Result<ObjectLease>)>> {
+        if !self.invalid.is_empty() {
+            return Some(std::mem::take(&mut self.invalid));
+        }
+        let (shard, answers) = self.fanout.next_landed()?;
+        let engine = self.engine;
+        let holder = || LeaseHolder::Shard(Arc::clone(&engine.shards[shard].inbox));
+        Some(
+            answers
+                .into_iter()
+                .map(|(i, grant)| (i, grant.and_then(|g| g).map(|g| engine.object_lease(g, self.expires_at, holder()))))
+                .collect(),
+        )
+    }
+}
+
+impl LandingLeases<'_> {
+    /// True once every group was handed out (`next_landed` would give None).
+    pub fn is_done(&self) -> bool {
+        self.invalid.is_empty() && self.fanout.is_empty()
+    }
+}
+
+impl Drop for LandingLeases<'_> {
+    fn drop(&mut self) {
+        // Leases granted after the caller stopped asking go back at once.
+        while let Some(group) = self.next_landed() {
+            drop(group);
+        }
+    }
+}
+
 /// The shard `key` lives on in an engine of `shards` shards (a read index's reader looks it up
 /// in that shard's region).
 pub fn shard_of_key(key: &[u8], shards: usize) -> usize {
@@ -249,6 +294,29 @@ impl Engine {
     }
 
     /// `lease_batch`; `early`: granted as their loads start.
+    /// `lease_batch` whose leases come shard by shard as each shard answers
+    /// (`LandingLeases::next_landed`): a caller that sends each object on as soon as it is
+    /// leased (the owner serving a batch read) starts on the shard whose loads ended first
+    /// instead of waiting for the slowest. Invalid keys come first, in a group of their own.
+    pub fn lease_batch_as_landed(&self, keys: &[&[u8]], ttl_ms: u64) -> LandingLeases<'_> {
+        let ttl = Duration::from_millis(ttl_ms);
+        let mut invalid = Vec::new();
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.validate_key(key) {
+                Ok(()) => valid.push((i, *key, ())),
+                Err(e) => invalid.push((i, Err(e))),
+            }
+        }
+        let fanout = self.fan_out(valid, |items, reply| Request::LeaseRead {
+            keys: items.into_iter().map(|(k, ())| k).collect(),
+            ttl: Some(ttl + LEASE_EXPIRY_GRACE),
+            early: false,
+            reply,
+        });
+        LandingLeases { engine: self, fanout, invalid, expires_at: Instant::now() + ttl }
+    }
+
     fn lease_batch_with(&self, keys: &[&[u8]], ttl_ms: u64, early: bool) -> Vec<Result<ObjectLease>> {
         let ttl = Duration::from_millis(ttl_ms);
         let mut out: Vec<Result<ObjectLease>> =

@@ -38,8 +38,8 @@ pub use chunks::{
 pub use completion::Completion;
 pub use config::{parse_bytes, DramGroup, GpuGroup, RestoreGroup, RuntimeGroup, SsdGroup, StoreBuilder, StreamGroup};
 pub use engine::{
-    shard_of_key, Engine, Following, LeasePart, LeasePlan, ObjectLease, PendingPut, PendingPuts, PutStream,
-    RestoreMode, RestoreOptions, RestoreReport, StreamCompleter, StreamStatus, StreamTicket, SubBatchState,
+    shard_of_key, Engine, Following, LandingLeases, LeasePart, LeasePlan, ObjectLease, PendingPut, PendingPuts,
+    PutStream, RestoreMode, RestoreOptions, RestoreReport, StreamCompleter, StreamStatus, StreamTicket, SubBatchState,
     SubBatchTrace,
 };
 pub use error::{Error, OpenError, Result};

@@ -2696,6 +2696,82 @@ fn dram_batches_come_in_parts_a_client_may_hold_while_the_next_is_leased() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// An SSD-resident part spans one sub-batch per shard; each shard's grants go out as soon as
+/// that shard's loads ended. Shard 0's disk is busy with another reader's loads, shard 1's is
+/// idle: shard 1's keys come first, in a frame of their own the client may hold, then shard 0's.
+#[test]
+fn an_ssd_part_goes_out_shard_by_shard_as_each_shard_lands() {
+    use kvtide_remote::protocol::{GrantsPart, NextPart};
+    let dir = temp_dir("landed");
+    let faults = kvtide::SimFaults { latency_us: 500, us_per_mib: 20_000, ..kvtide::SimFaults::default() };
+    let e = sim_ssd_engine(32 << 20, 31, faults, |b| b.shards(2).promote_on_hit(false));
+    let owner = owner(&e, &dir, any_port());
+    let len = 256 << 10;
+    let on_shard = |shard: usize, prefix: &str, n: usize| -> Vec<Vec<u8>> {
+        (0..)
+            .map(|i| format!("{prefix}/{i}").into_bytes())
+            .filter(|k| kvtide::shard_of_key(k, 2) == shard)
+            .take(n)
+            .collect()
+    };
+    let (slow, fast, busy) = (on_shard(0, "slow", 4), on_shard(1, "fast", 4), on_shard(0, "busy", 10));
+    for k in slow.iter().chain(&fast) {
+        e.put(k, &value_for(k, 1, len), PutOptions::INSERT).expect("put");
+    }
+    for k in &busy {
+        e.put(k, &vec![9u8; 1 << 20], PutOptions::INSERT).expect("put busy");
+    }
+    for i in 0..64u64 {
+        e.put(format!("filler/{i}").as_bytes(), &vec![3u8; 1 << 20], PutOptions::INSERT).expect("filler");
+    }
+    e.sync_shards().expect("sync");
+    // Shard 0's disk: 10 MiB of another reader's loads, about a quarter of a second.
+    let busy_engine = Arc::clone(&e);
+    let reader = std::thread::spawn(move || {
+        let refs: Vec<&[u8]> = busy.iter().map(Vec::as_slice).collect();
+        let leases = busy_engine.lease_batch(&refs, 30_000);
+        assert!(leases.iter().all(Result::is_ok), "the busy reader's loads");
+    });
+    std::thread::sleep(Duration::from_millis(40));
+    let keys: Vec<&Vec<u8>> = slow.iter().chain(&fast).collect();
+    let mut raw = Raw::unix(&owner);
+    raw.handshake(true);
+    let items = keys.iter().map(|k| GetItem { key: k, check: LenCheck::Any }).collect();
+    raw.request(&Request::GetParts { items }, 1);
+    let mut frames: Vec<(Vec<usize>, NextPart)> = Vec::new();
+    let mut held: Vec<u64> = Vec::new();
+    loop {
+        let (h, payload) = raw.recv().expect("a part");
+        assert_eq!(h.op, Op::GrantsPart);
+        let part = GrantsPart::decode(&payload, 1 << 16, keys.len(), 1 << 40).expect("part");
+        let indices: Vec<usize> = part.grants.iter().map(|(i, _)| *i as usize).collect();
+        let leases: Vec<u64> = part.grants.iter().map(|(_, g)| g.as_ref().expect("granted").lease).collect();
+        frames.push((indices, part.next));
+        raw.request(&Request::Release { leases: std::mem::take(&mut held) }, 1);
+        held = leases;
+        if part.next == NextPart::None {
+            raw.request(&Request::Release { leases: std::mem::take(&mut held) }, 1);
+            break;
+        }
+    }
+    reader.join().expect("busy reader");
+    let fast_first: Vec<usize> = (slow.len()..keys.len()).collect();
+    let slow_last: Vec<usize> = (0..slow.len()).collect();
+    let sorted = |v: &[usize]| {
+        let mut v = v.to_vec();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(frames.len(), 2, "one frame per shard: {frames:?}");
+    assert_eq!(sorted(&frames[0].0), fast_first, "the idle shard's keys first: {frames:?}");
+    assert_eq!(frames[0].1, NextPart::WhileHeld, "held while the other shard lands");
+    assert_eq!(sorted(&frames[1].0), slow_last, "{frames:?}");
+    drop(raw);
+    wait_idle(&owner);
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Waits until `gauge` reads `want` (10 s at most).
 fn wait_gauge(gauge: &std::sync::atomic::AtomicU64, want: u64, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);

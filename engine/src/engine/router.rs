@@ -179,9 +179,56 @@ impl<R> Fanout<R> {
         self.parts.iter().map(|p| p.indices.len()).sum()
     }
 
+    /// True when no shard's answer is left to take (`next_landed` gives None).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
     /// True when every shard has answered (or can no longer): `gather` would not block.
     pub(crate) fn answered(&self) -> bool {
         self.parts.iter().all(|p| p.reply.as_ref().map_or(true, |rx| !rx.is_empty()))
+    }
+
+    /// Waits for the first shard still to answer and gives its (caller index, result) pairs
+    /// and its shard (None once every shard answered). A shard that is gone gives its items
+    /// the error.
+    pub(crate) fn next_landed(&mut self) -> Option<(usize, Vec<(usize, Result<R>)>)> {
+        if self.parts.is_empty() {
+            return None;
+        }
+        let at = {
+            let mut select = Select::new();
+            let mut owners = Vec::with_capacity(self.parts.len());
+            for (p, part) in self.parts.iter().enumerate() {
+                match &part.reply {
+                    Ok(rx) => {
+                        select.recv(rx);
+                        owners.push(p);
+                    }
+                    // Could not be sent: answered now, with its error.
+                    Err(_) => return self.take_part(p),
+                }
+            }
+            owners.get(select.ready()).copied().unwrap_or(0)
+        };
+        self.take_part(at)
+    }
+
+    /// Part `p`'s answer (it has one, or failed to be sent), removed from the fanout.
+    fn take_part(&mut self, p: usize) -> Option<(usize, Vec<(usize, Result<R>)>)> {
+        let FanoutPart { shard, indices, reply } = self.parts.swap_remove(p);
+        let reply = reply.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown));
+        let answers = match reply {
+            Ok(replies) => {
+                let mut replies = replies.into_iter();
+                indices
+                    .into_iter()
+                    .map(|i| (i, replies.next().ok_or(Error::Internal("a shard answered fewer items"))))
+                    .collect()
+            }
+            Err(e) => indices.into_iter().map(|i| (i, Err(e.clone()))).collect(),
+        };
+        Some((shard, answers))
     }
 
     /// Waits for every shard; calls `each(caller index, shard, result)` once per item. A shard

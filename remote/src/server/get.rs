@@ -92,37 +92,54 @@ impl Connection<'_> {
     /// `Busy`), and records the leases. Per index, its grant or error.
     pub(super) fn lease_items(&mut self, items: &[GetItem<'_>], indices: &[usize]) -> Vec<(u32, Result<Grant>)> {
         let engine = Arc::clone(&self.shared.engine);
+        let (room, mut grants) = self.lease_room(indices);
+        let keys: Vec<&[u8]> = indices[..room].iter().map(|&i| items[i].key).collect();
+        let leased = engine.lease_batch(&keys, u64::from(self.config().lease_ttl_ms));
+        let granted: Vec<(u32, Result<Grant>)> =
+            indices.iter().zip(leased).map(|(&i, lease)| (i as u32, self.grant_lease(&items[i], lease))).collect();
+        grants.splice(0..0, granted);
+        grants
+    }
+
+    /// The indices within the connection's lease limit (how many, from the front), and `Busy`
+    /// for the rest.
+    fn lease_room(&self, indices: &[usize]) -> (usize, Vec<(u32, Result<Grant>)>) {
         let max = self.config().max_leases_per_connection as usize;
         let room = max.saturating_sub(self.leases.len()).min(indices.len());
-        let keys: Vec<&[u8]> = indices[..room].iter().map(|&i| items[i].key).collect();
-        let mut leased = engine.lease_batch(&keys, u64::from(self.config().lease_ttl_ms)).into_iter();
-        let mut grants = Vec::with_capacity(indices.len());
-        for &i in indices {
-            let item = &items[i];
-            let Some(lease) = leased.next() else {
+        let busy: Vec<(u32, Result<Grant>)> = indices[room..]
+            .iter()
+            .map(|&i| {
                 self.shared.counters.busy_replies.fetch_add(1, Ordering::Relaxed);
-                grants.push((i as u32, Err(StoreError::Busy { limit: max }.into())));
-                continue;
-            };
-            let granted = lease.and_then(|lease| {
-                item.check.check(lease.len())?;
-                let offset = self.offset_of(&lease)?;
-                Ok((lease, offset))
-            });
-            match granted {
-                Ok((lease, offset)) => {
-                    let id = self.next_lease;
-                    self.next_lease += 1;
-                    let len = lease.len();
-                    self.leases.insert(id, lease);
-                    self.shared.counters.leases_granted.fetch_add(1, Ordering::Relaxed);
-                    self.shared.counters.leases_outstanding.fetch_add(1, Ordering::Relaxed);
-                    grants.push((i as u32, Ok(Grant { lease: id, offset, len })));
-                }
-                Err(e) => grants.push((i as u32, Err(e.into()))),
+                (i as u32, Err(StoreError::Busy { limit: max }.into()))
+            })
+            .collect();
+        (room, busy)
+    }
+
+    /// `item`'s grant from its lease: its length checked, its place in the arena, the lease
+    /// recorded under a new id.
+    fn grant_lease(
+        &mut self,
+        item: &GetItem<'_>,
+        lease: std::result::Result<ObjectLease, StoreError>,
+    ) -> Result<Grant> {
+        let granted = lease.and_then(|lease| {
+            item.check.check(lease.len())?;
+            let offset = self.offset_of(&lease)?;
+            Ok((lease, offset))
+        });
+        match granted {
+            Ok((lease, offset)) => {
+                let id = self.next_lease;
+                self.next_lease += 1;
+                let len = lease.len();
+                self.leases.insert(id, lease);
+                self.shared.counters.leases_granted.fetch_add(1, Ordering::Relaxed);
+                self.shared.counters.leases_outstanding.fetch_add(1, Ordering::Relaxed);
+                Ok(Grant { lease: id, offset, len })
             }
+            Err(e) => Err(e.into()),
         }
-        grants
     }
 
     /// `GetParts`: the items leased part by part as the engine's restore pipeline splits them
@@ -173,29 +190,58 @@ impl Connection<'_> {
                 }
             }
             let (in_dram, alone) = (parts[p].in_dram, parts[p].alone);
-            let mut grants = self.lease_items(items, &parts[p].keys);
-            if !alone {
-                let no_room = |g: &Result<Grant>| matches!(g, Err(e) if e.as_store() == Some(&StoreError::NoSpace));
-                for &(i, _) in grants.iter().filter(|(_, g)| no_room(g)) {
-                    parts.push(Part { keys: vec![i as usize], in_dram: false, alone: true });
+            // An SSD-resident part spans up to one sub-batch per shard: each shard's grants go
+            // out in a frame of their own as soon as that shard's loads ended, so the client
+            // copies the first to land while the others still load.
+            let indices = parts[p].keys.clone();
+            let (room, mut busy) = if in_dram || alone { (0, Vec::new()) } else { self.lease_room(&indices) };
+            let keys: Vec<&[u8]> = indices[..room].iter().map(|&i| items[i].key).collect();
+            let mut landing = (!in_dram && !alone)
+                .then(|| engine.lease_batch_as_landed(&keys, u64::from(self.config().lease_ttl_ms)));
+            loop {
+                let (mut grants, more) = match landing.as_mut() {
+                    None => (self.lease_items(items, &indices), false),
+                    Some(landing) => match landing.next_landed() {
+                        Some(group) => {
+                            let grants = group
+                                .into_iter()
+                                .map(|(j, lease)| (indices[j] as u32, self.grant_lease(&items[indices[j]], lease)))
+                                .collect();
+                            (grants, !landing.is_done())
+                        }
+                        None => (Vec::new(), false),
+                    },
+                };
+                if !more {
+                    grants.append(&mut busy);
                 }
-                grants.retain(|(_, g)| !no_room(g));
-            }
-            grants.append(&mut refused);
-            let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
-            // The client may keep this part while it waits for the next when this part alone
-            // would not hold the next one up.
-            let next = match parts.get(p + 1) {
-                None => NextPart::None,
-                Some(following) if must_wait(&VecDeque::from([(ids.clone(), in_dram)]), following) => {
-                    NextPart::AfterRelease
+                if !alone {
+                    let no_room = |g: &Result<Grant>| matches!(g, Err(e) if e.as_store() == Some(&StoreError::NoSpace));
+                    for &(i, _) in grants.iter().filter(|(_, g)| no_room(g)) {
+                        parts.push(Part { keys: vec![i as usize], in_dram: false, alone: true });
+                    }
+                    grants.retain(|(_, g)| !no_room(g));
                 }
-                Some(_) => NextPart::WhileHeld,
-            };
-            self.reply(rid, Reply::GrantsPart(&GrantsPart { ttl_ms, next, grants }));
-            self.io.flush()?;
-            if !ids.is_empty() {
-                held.push_back((ids, in_dram));
+                grants.append(&mut refused);
+                let ids: Vec<u64> = grants.iter().filter_map(|(_, g)| g.as_ref().ok().map(|g| g.lease)).collect();
+                // The client may keep this part while it waits for the next when this part alone
+                // would not hold the next one up (more of the same part always follows at once).
+                let next = match parts.get(p + 1) {
+                    _ if more => NextPart::WhileHeld,
+                    None => NextPart::None,
+                    Some(following) if must_wait(&VecDeque::from([(ids.clone(), in_dram)]), following) => {
+                        NextPart::AfterRelease
+                    }
+                    Some(_) => NextPart::WhileHeld,
+                };
+                self.reply(rid, Reply::GrantsPart(&GrantsPart { ttl_ms, next, grants }));
+                self.io.flush()?;
+                if !ids.is_empty() {
+                    held.push_back((ids, in_dram));
+                }
+                if !more {
+                    break;
+                }
             }
             p += 1;
         }
