@@ -170,6 +170,9 @@ impl Hasher for IndexHasher {
     }
 }
 
+/// One shard's answer taken on its own: the shard, and (caller index, result) per item.
+pub(crate) type Landed<R> = (usize, Vec<(usize, Result<R>)>);
+
 /// One shard's bucket: the caller indices and the items with their keys.
 type Bucket<P> = (Vec<usize>, Vec<(Box<[u8]>, P)>);
 
@@ -192,7 +195,7 @@ impl<R> Fanout<R> {
     /// Waits for the first shard still to answer and gives its (caller index, result) pairs
     /// and its shard (None once every shard answered). A shard that is gone gives its items
     /// the error.
-    pub(crate) fn next_landed(&mut self) -> Option<(usize, Vec<(usize, Result<R>)>)> {
+    pub(crate) fn next_landed(&mut self) -> Option<Landed<R>> {
         if self.parts.is_empty() {
             return None;
         }
@@ -215,7 +218,7 @@ impl<R> Fanout<R> {
     }
 
     /// Part `p`'s answer (it has one, or failed to be sent), removed from the fanout.
-    fn take_part(&mut self, p: usize) -> Option<(usize, Vec<(usize, Result<R>)>)> {
+    fn take_part(&mut self, p: usize) -> Option<Landed<R>> {
         let FanoutPart { shard, indices, reply } = self.parts.swap_remove(p);
         let reply = reply.and_then(|rx| rx.recv().map_err(|_| Error::ShuttingDown));
         let answers = match reply {
