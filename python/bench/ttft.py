@@ -22,7 +22,9 @@ does not depend on the values). A prompt is an N-token prefix plus one last toke
     that layer's event (the eager forward, per-layer events), so layer i computes while later
     layers load;
   - `graph`: the same reads, then ONE replay of a CUDA graph of the last token's forward captured
-    once, whose layers wait on those events (external event waits): the seed-000 pattern.
+    once, whose layers wait on those events (external event waits): the seed-000 pattern;
+  - `step` and `graph-step`: `layerwise` and `graph` with every layer's read and its event in
+    ONE `step_ranges_on_stream` call (one lease round trip per step).
 - floor: the same bytes in pinned host memory copied to the GPU with one raw copy
   (`tensor.copy_(pinned, non_blocking=True)`), then the forward (`floor`); and per layer on the
   load stream overlapped with the forward like `layerwise` (`floor-layerwise`).
@@ -347,6 +349,28 @@ LAYOUTS = {"hnd": HndLayout, "paged": PagedLayout}
 # The load path: lookup, read, check the per-fragment results, use what loaded, recompute the rest
 
 
+class StepTicket:
+    """A step call's one ticket (results layer after layer) as per-layer tickets."""
+
+    def __init__(self, ticket, counts):
+        self.ticket, self.counts = ticket, counts
+
+    def per_layer(self):
+        return [_LayerOfStep(self, i) for i in range(len(self.counts))]
+
+
+class _LayerOfStep:
+    def __init__(self, step, i):
+        self.step, self.i = step, i
+
+    def wait(self, timeout_ms):
+        results = self.step.ticket.wait(timeout_ms)
+        if results is None:
+            return None
+        start = sum(self.step.counts[:self.i])
+        return results[start:start + self.step.counts[self.i]]
+
+
 class Prompt:
     """One prompt: its tokens (N prefix + 1 last), its KV geometry, its objects' names, a layout's
     fragments, and the model calls that produce the first token's logits."""
@@ -429,6 +453,12 @@ class Prompt:
             self.events[l].record(self.load_stream)
         return tickets
 
+    def issue_step(self, store, G):
+        """Every layer's read and its event in ONE step call (one lease round trip)."""
+        layers = [([self.layout.dst[l]], [self.frags_for(l, G)]) for l in range(self.g.L)]
+        ticket = store.step_ranges_on_stream(layers, self.load_stream, events=self.events)
+        return StepTicket(ticket, [len(self.frags_for(l, G)) for l in range(self.g.L)])
+
     def check_tickets(self, tickets, G):
         results = []
         for t in tickets:
@@ -438,12 +468,13 @@ class Prompt:
             results.append(r)
         return self.valid_pages(results, G)
 
-    def load_layerwise(self, store, hooks, evict=None):
-        """Per-layer stream-bound reads, the eager forward waiting per layer on their events."""
+    def load_layerwise(self, store, hooks, evict=None, step=False):
+        """Per-layer stream-bound reads (or one step call), the eager forward waiting per layer
+        on their events."""
         G = min(store.prefix_hits(self.lookup_keys), self.g.P)
         if evict:
             evict()
-        tickets = self.issue_layerwise(store, G)
+        tickets = self.issue_step(store, G).per_layer() if step else self.issue_layerwise(store, G)
         ks, vs = self.layout.model_views(G)
         with hooks.armed(self.events, (lambda l: self.layout.gather(l, G)) if self.layout.name == "paged" else None):
             if G == self.g.P:
@@ -479,12 +510,12 @@ class Prompt:
         stream.synchronize()
         self.graph = (graph, stream, logits, tok)
 
-    def load_graph(self, store):
+    def load_graph(self, store, step=False):
         graph, stream, logits, tok = self.graph
         G = min(store.prefix_hits(self.lookup_keys), self.g.P)
         if G < self.g.P:
             return self.load_batch(store)
-        tickets = self.issue_layerwise(store, G)
+        tickets = self.issue_step(store, G).per_layer() if step else self.issue_layerwise(store, G)
         with torch.cuda.stream(stream):
             graph.replay()
         stream.synchronize()
@@ -832,6 +863,7 @@ def run_layout(args, name, device, model, hooks, tokens, geo, lname, ref_kv, ref
         record(f"{sname}-batch", lambda: pr.load_batch(s), reps_for(sname), store=st)
         if cuda and (sname != "ssd" or geo.total <= args.ssd_layerwise_max_bytes):
             record(f"{sname}-layerwise", lambda: pr.load_layerwise(s, hooks), reps_for(sname), store=st)
+            record(f"{sname}-step", lambda: pr.load_layerwise(s, hooks, step=True), reps_for(sname), store=st)
     if cuda and not args.no_graph and lname == args.layouts[0]:
         try:
             layout.clear()
@@ -845,6 +877,7 @@ def run_layout(args, name, device, model, hooks, tokens, geo, lname, ref_kv, ref
             for sname, s in layout_stores.items():
                 if sname != "ssd":  # from SSD the reads, not the launches, are the time
                     record(f"{sname}-graph", lambda: pr.load_graph(s), reps_for(sname))
+                    record(f"{sname}-graph-step", lambda: pr.load_graph(s, step=True), reps_for(sname))
             pr.graph = None
 
     if smallest and args.evict_test:
