@@ -105,6 +105,9 @@ pub struct ShardCounters {
     /// their segment failed); their objects were made dirty again or left the cache.
     pub ssd_records_lost: AtomicU64,
     pub restore_waits: AtomicU64,
+    /// Loads of early leases (stream-bound and step reads) queued behind the restore budget:
+    /// granted at once, their disk reads started as earlier loads end.
+    pub deferred_loads: AtomicU64,
     pub recovered_objects: AtomicU64,
     pub recovery_discarded: AtomicU64,
     pub compactions: AtomicU64,
@@ -179,6 +182,7 @@ pub struct ShardStats {
     pub ssd_evictions: u64,
     pub ssd_records_lost: u64,
     pub restore_waits: u64,
+    pub deferred_loads: u64,
     pub recovered_objects: u64,
     pub recovery_discarded: u64,
     pub compactions: u64,
@@ -254,6 +258,7 @@ impl ShardCounters {
             ssd_evictions: r(&self.ssd_evictions),
             ssd_records_lost: r(&self.ssd_records_lost),
             restore_waits: r(&self.restore_waits),
+            deferred_loads: r(&self.deferred_loads),
             recovered_objects: r(&self.recovered_objects),
             recovery_discarded: r(&self.recovery_discarded),
             compactions: r(&self.compactions),
@@ -387,6 +392,7 @@ impl Stats {
             t.ssd_evictions += s.ssd_evictions;
             t.ssd_records_lost += s.ssd_records_lost;
             t.restore_waits += s.restore_waits;
+            t.deferred_loads += s.deferred_loads;
             t.recovered_objects += s.recovered_objects;
             t.recovery_discarded += s.recovery_discarded;
             t.compactions += s.compactions;

@@ -731,3 +731,58 @@ fn a_bad_step_is_refused_before_anything_is_leased_or_enqueued() {
     assert!(host == value_for(&f.keys[0][0], 7, STEP_LEN));
     wait_idle(&f.store);
 }
+
+/// A step whose SSD-resident keys add up to more than the shard's restore budget: every key is
+/// leased before the call returns (no wait for earlier loads to end), the loads past the budget
+/// are queued behind it and start as earlier ones end, and every byte lands once the stream ran.
+#[test]
+fn a_step_past_the_restore_budget_is_leased_at_once_and_its_loads_queue() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = StoreBuilder::new()
+        .dram_bytes(16 << 20)
+        .shards(1)
+        .pin_threads(false)
+        .ssd_bytes(64 << 20)
+        .ssd_segment_bytes(8 << 20)
+        .restore_budget_bytes(1 << 20)
+        .simulated_ssd(21, kvtide::SimFaults { us_per_mib: 20_000, ..kvtide::SimFaults::default() })
+        .open()
+        .expect("open");
+    let key = |i: u64| format!("deep/{i}").into_bytes();
+    let len = 512 << 10;
+    let (layers, per_layer) = (4usize, 2usize);
+    for i in 0..(layers * per_layer) as u64 {
+        s.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    for i in 0..40u64 {
+        s.put(format!("filler/{i}").as_bytes(), &vec![1u8; len], PutOptions::INSERT).expect("filler");
+    }
+    s.sync_shards().expect("sync");
+    let keys: Vec<Vec<u8>> = (0..(layers * per_layer) as u64).map(key).collect();
+    let key_refs: Vec<Vec<&[u8]>> = keys.chunks(per_layer).map(|c| c.iter().map(Vec::as_slice).collect()).collect();
+    let dev = device_buffer(layers * per_layer * len, 0xEE);
+    let dsts: Vec<Vec<Vec<Region<'static>>>> = (0..layers)
+        .map(|l| (0..per_layer).map(|k| vec![device_region(dev, (l * per_layer + k) * len, len)]).collect())
+        .collect();
+    let step: Vec<StepLayer<'_, '_>> = (0..layers)
+        .map(|l| StepLayer {
+            reads: StepReads::Objects { keys: &key_refs[l], dsts: &dsts[l] },
+            done: Some(StreamSignal::RecordEvent(1 + l as u64)),
+        })
+        .collect();
+    let waits = s.stats().total.restore_waits;
+    // SAFETY: leaked destinations; the stream is run below.
+    let ticket = unsafe { s.step_on_stream_via(&step, 9, Some(Arc::clone(&transport))) }.expect("step");
+    let t = s.stats().total;
+    assert_eq!(ticket.keys_pinned(), layers * per_layer, "every key leased before the call returned");
+    assert_eq!(t.restore_waits, waits, "no lease waited for the budget");
+    assert!(t.deferred_loads >= (layers * per_layer) as u64 - 2, "loads past the 1 MiB budget queued: {t:?}");
+    assert_eq!(s.stats().gpu.stream_bound_gated_keys, (layers * per_layer) as u64);
+    streams.run_to_end(9);
+    assert_eq!(wait_ended(&ticket), vec![Ok(len); layers * per_layer]);
+    for (i, k) in keys.iter().enumerate() {
+        assert!(dev[i * len..(i + 1) * len] == value_for(k, i as u64, len)[..], "key {i}");
+    }
+    wait_idle(&s);
+}

@@ -160,6 +160,11 @@ pub(crate) struct SsdState {
     borrowed_bytes: u64,
     space_waiters: VecDeque<SpaceWaiter>,
     loading_bytes: u64,
+    /// Loads of early leases made while `loading_bytes` was at the restore budget: their
+    /// memory is allocated and their readers hold leases on it, and their disk reads start in
+    /// order as earlier loads end (`start_deferred_loads`). At most `deferred_limit` bytes.
+    deferred_loads: VecDeque<usize>,
+    deferred_bytes: u64,
     /// The load filling each object's DRAM copy (readers join it), by object slot: kept here
     /// rather than in every object record, as only objects in flight have one.
     pub(super) loads_by_object: std::collections::HashMap<u32, usize>,
@@ -201,6 +206,11 @@ pub(crate) fn largest_value_bytes(
 }
 
 impl SsdState {
+    /// Most bytes of deferred loads at once: four restore budgets.
+    fn deferred_limit(&self) -> u64 {
+        self.config.restore_budget_bytes.saturating_mul(4)
+    }
+
     /// None when the slice cannot even hold the scratch blocks.
     pub(crate) fn new(config: SsdConfig, allocator: &mut OffsetAllocator, slice: &ArenaSlice) -> Option<SsdState> {
         let staging_bytes = staging_bytes_for(allocator.capacity_bytes());
@@ -231,6 +241,8 @@ impl SsdState {
             borrowed_bytes: 0,
             space_waiters: VecDeque::new(),
             loading_bytes: 0,
+            deferred_loads: VecDeque::new(),
+            deferred_bytes: 0,
             loads_by_object: std::collections::HashMap::new(),
             flush_queue: None,
             flush_best: None,
@@ -877,6 +889,8 @@ impl ShardCore {
     /// Queues the read of `location` into `allocation` (already taken from the allocator) for
     /// object `id`: in pieces, with a `Landing` early readers follow, when `progressive`. None
     /// (and the allocation returned) if the buffer is outside the slice; else the load's tag.
+    /// Starts the load of object `id` into `allocation` (its disk read now, or, `deferred`,
+    /// once earlier loads left room in the restore budget).
     fn submit_load(
         &mut self,
         id: u32,
@@ -884,21 +898,45 @@ impl ShardCore {
         allocation: Allocation,
         waiters: Vec<(usize, usize)>,
         progressive: bool,
+        deferred: bool,
     ) -> Option<usize> {
-        let Some(ptr) = self.slice.ptr_at(self.allocator.offset_of(&allocation), location.record_bytes) else {
+        if self.slice.ptr_at(self.allocator.offset_of(&allocation), location.record_bytes).is_none() {
             self.allocator.free(allocation);
             return None;
-        };
-        let identity = self.record_identity(id);
+        }
         let Some(ssd) = self.ssd.as_mut() else {
             self.allocator.free(allocation);
             return None;
         };
         self.counters.bytes_used.fetch_add(self.allocator.len_of(&allocation), RELAXED);
-        ssd.loading_bytes += location.record_bytes;
         let landing = progressive.then(|| Arc::new(Landing::default()));
         let op = CoreOp::Load { id, location, allocation: Some(allocation), waiters, landing, early: Vec::new() };
         let token = ssd.ops.insert(op);
+        ssd.loads_by_object.insert(id, token);
+        self.objects[id as usize].io_refs += 1;
+        self.counters.loads.fetch_add(1, RELAXED);
+        if deferred {
+            ssd.deferred_loads.push_back(token);
+            ssd.deferred_bytes += location.record_bytes;
+            self.counters.deferred_loads.fetch_add(1, RELAXED);
+        } else {
+            self.start_load_io(token);
+        }
+        Some(token)
+    }
+
+    /// Hands load `token`'s disk read to the tier.
+    fn start_load_io(&mut self, token: usize) {
+        let Some(CoreOp::Load { id, location, allocation: Some(allocation), landing, .. }) =
+            self.ssd.as_ref().and_then(|s| s.ops.get(token))
+        else {
+            return;
+        };
+        let (id, location, progressive) = (*id, *location, landing.is_some());
+        let Some(ptr) = self.slice.ptr_at(self.allocator.offset_of(allocation), location.record_bytes) else { return };
+        let identity = self.record_identity(id);
+        let Some(ssd) = self.ssd.as_mut() else { return };
+        ssd.loading_bytes += location.record_bytes;
         if progressive {
             let piece_bytes = ssd.config.load_piece_bytes;
             // SAFETY: as below; the value bytes a `LoadProgress` reports are only read (by early
@@ -909,10 +947,25 @@ impl ShardCore {
             // operation (nothing else references it) until the tier's `Loaded` event for it.
             unsafe { ssd.tier.load(location, ptr, identity, token as u64) };
         }
-        ssd.loads_by_object.insert(id, token);
-        self.objects[id as usize].io_refs += 1;
-        self.counters.loads.fetch_add(1, RELAXED);
-        Some(token)
+    }
+
+    /// Starts deferred loads, oldest first, while the restore budget has room (at least one
+    /// when nothing loads).
+    fn start_deferred_loads(&mut self) {
+        loop {
+            let Some(ssd) = self.ssd.as_mut() else { return };
+            let Some(&token) = ssd.deferred_loads.front() else { return };
+            let bytes = match ssd.ops.get(token) {
+                Some(CoreOp::Load { location, .. }) => location.record_bytes,
+                _ => 0,
+            };
+            if ssd.loading_bytes > 0 && ssd.loading_bytes + bytes > ssd.config.restore_budget_bytes {
+                return;
+            }
+            ssd.deferred_loads.pop_front();
+            ssd.deferred_bytes -= bytes;
+            self.start_load_io(token);
+        }
     }
 
     /// The in-flight load filling object `id`'s DRAM copy, by its operation tag.
@@ -948,7 +1001,12 @@ impl ShardCore {
             self.resolve_read(pending, slot, Err(Error::Internal("SSD object without an SSD tier")));
             return true;
         };
-        if ssd.loading_bytes > 0 && ssd.loading_bytes + location.record_bytes > ssd.config.restore_budget_bytes {
+        let over_budget =
+            ssd.loading_bytes > 0 && ssd.loading_bytes + location.record_bytes > ssd.config.restore_budget_bytes;
+        // An early lease does not wait for the budget: its load is queued (within a bound) and
+        // its reader waits on the load's gate instead of for its grant.
+        let defer = over_budget && early && ssd.deferred_bytes + location.record_bytes <= ssd.deferred_limit();
+        if over_budget && !defer {
             self.counters.restore_waits.fetch_add(1, RELAXED);
             return false;
         }
@@ -962,7 +1020,7 @@ impl ShardCore {
         };
         // The eviction above may have reclaimed memory but never this object (it has no DRAM).
         let waiters = if early { Vec::new() } else { vec![(pending, slot)] };
-        let Some(token) = self.submit_load(id, location, allocation, waiters, early) else {
+        let Some(token) = self.submit_load(id, location, allocation, waiters, early, defer) else {
             self.resolve_read(pending, slot, Err(Error::Internal("load buffer outside slice")));
             return true;
         };
@@ -1031,6 +1089,7 @@ impl ShardCore {
                 ssd.loading_bytes -= location.record_bytes;
                 let checked = result.and(Err(Error::Internal("a load ended without verification")));
                 self.finish_load(FinishedLoad { id, location, allocation, waiters, landing, early }, checked);
+                self.start_deferred_loads();
             }
         }
     }
@@ -1048,6 +1107,7 @@ impl ShardCore {
             LoadFailure::Corrupted(why) => Error::Corrupted(why),
         });
         self.finish_load(FinishedLoad { id, location, allocation, waiters, landing, early }, checked);
+        self.start_deferred_loads();
     }
 
     /// A placed record that will never be written: a hole in its segment (see
