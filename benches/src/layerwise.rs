@@ -15,7 +15,7 @@
 //!   enqueued with a `cuStreamWriteValue32` of its flag behind it, so the host's enqueueing
 //!   overlaps the GPU's work;
 //! - step + graph (`step`, `step_flg`): the same two, with every layer's read and its event
-//!   record (or flag write) in ONE `step_on_stream` call (one lease round trip for the step);
+//!   record (or flag write) in ONE `step_on_stream` call (every lease request sent at once);
 //!   `step_us` is that call's host time per layer.
 //!
 //! Each is reported against ideal = first load + sum over layers of max(load, compute), with
@@ -250,7 +250,7 @@ impl Rig<'_> {
     }
 
     /// The seed's pattern with the step call: every layer's read and its event record in ONE
-    /// `step_on_stream` (one lease round trip), then one launch of the graph waiting on the
+    /// `step_on_stream` (every lease request sent at once), then one launch of the graph waiting on the
     /// events. (step time, host time of the step call.)
     fn graph_step(&self, graph: &kvtide::cuda::CudaGraph) -> Result<(Duration, Duration), String> {
         let started = Instant::now();

@@ -1123,7 +1123,7 @@ class MooncakeDistributedStore:
 
     def batch_get_into_multi_buffers_step_on_stream(self, layer_keys, layer_buffer_ptrs, layer_sizes, stream_ptr,
                                                     events=None, flags=None):
-        """Every layer of an inference step in one call (one lease round trip): per layer ``l``
+        """Every layer of an inference step in one call (every lease request sent at once): per layer ``l``
         its keys, buffers and sizes as ``batch_get_into_multi_buffers_on_stream`` takes them,
         its copies enqueued on ``stream_ptr`` in layer order, each followed by its signal:
         ``events[l]`` recorded (a ``torch.cuda.Event`` or a ``CUevent``) or ``flags[l] = (ptr,

@@ -245,57 +245,54 @@ struct WatchPart {
     owners: Vec<(usize, usize)>,
 }
 
-/// Enqueues each layer's transfers (those whose owner slot lies in the layer) and then its
-/// signal. A layer whose copies could not be enqueued fails its slots and is still signalled
-/// (a device waiting on it must not wait forever); a signal that fails fails its layer's slots.
+/// A layer's planned copies: the transfers, the gate each waits on, and each one's (result
+/// slot, bytes it reports).
+struct LayerCopies<'a> {
+    transfers: &'a [Transfer],
+    gates: &'a [Option<Arc<dyn Gate>>],
+    owners: &'a [(usize, usize)],
+}
+
+/// Enqueues a layer's copies and then its signal. A layer whose copies could not be enqueued
+/// fails its slots and is still signalled (a device waiting on it must not wait forever); a
+/// signal that fails fails the layer's slots (`slots`).
 ///
 /// # Safety
 /// As `StreamSubmit::submit_on_stream` and `StreamSubmit::signal`.
-unsafe fn submit_layers(
+unsafe fn submit_layer(
     submitter: &dyn kvtide_transport::StreamSubmit,
     stream: StreamHandle,
-    layers: &[LayerEnd],
-    transfers: &[Transfer],
-    gates: &[Option<Arc<dyn Gate>>],
-    owners: &[(usize, usize)],
+    slots: std::ops::Range<usize>,
+    signal: Option<StreamSignal>,
+    copies: LayerCopies<'_>,
     results: &mut [Result<usize>],
-) -> Vec<WatchPart> {
-    let mut parts = Vec::with_capacity(layers.len());
-    let mut t = 0;
-    let mut first_slot = 0;
-    for layer in layers {
-        // Transfers are planned in slot order, so a layer's are contiguous.
-        let start = t;
-        while t < transfers.len() && owners[t].0 < layer.slot_end {
-            t += 1;
-        }
-        let layer_owners = &owners[start..t];
-        if start < t {
-            // SAFETY: forwarded contract.
-            match unsafe { submitter.submit_on_stream(stream, &transfers[start..t], &gates[start..t]) } {
-                Ok(inflight) => parts.push(WatchPart { inflight, owners: layer_owners.to_vec() }),
-                Err(e) => {
-                    let e = Error::from(e);
-                    layer_owners.iter().for_each(|&(s, _)| results[s] = Err(e.clone()));
-                    // Its gates would be waited on by nothing: open them failed.
-                    gates[start..t].iter().flatten().for_each(|g| g.open(false));
-                }
-            }
-        }
-        if let Some(signal) = layer.signal {
-            // SAFETY: forwarded contract.
-            if let Err(e) = unsafe { submitter.signal(stream, signal) } {
+) -> Option<WatchPart> {
+    let LayerCopies { transfers, gates, owners } = copies;
+    let mut part = None;
+    if !transfers.is_empty() {
+        // SAFETY: forwarded contract.
+        match unsafe { submitter.submit_on_stream(stream, transfers, gates) } {
+            Ok(inflight) => part = Some(WatchPart { inflight, owners: owners.to_vec() }),
+            Err(e) => {
                 let e = Error::from(e);
-                for r in &mut results[first_slot..layer.slot_end] {
-                    if r.is_ok() || matches!(r, Err(Error::Internal(_))) {
-                        *r = Err(e.clone());
-                    }
+                owners.iter().for_each(|&(s, _)| results[s] = Err(e.clone()));
+                // Its gates would be waited on by nothing: open them failed.
+                gates.iter().flatten().for_each(|g| g.open(false));
+            }
+        }
+    }
+    if let Some(signal) = signal {
+        // SAFETY: forwarded contract.
+        if let Err(e) = unsafe { submitter.signal(stream, signal) } {
+            let e = Error::from(e);
+            for r in &mut results[slots] {
+                if r.is_ok() || matches!(r, Err(Error::Internal(_))) {
+                    *r = Err(e.clone());
                 }
             }
         }
-        first_slot = layer.slot_end;
     }
-    parts
+    part
 }
 
 impl Engine {
@@ -390,8 +387,9 @@ impl Engine {
         unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
     }
 
-    /// One step's reads in one call: every layer's keys leased in one round trip through the
-    /// shards, then, in layer order, each layer's copies enqueued on `stream` followed by its
+    /// One step's reads in one call: every layer's lease requests sent to the shards at once,
+    /// then, in layer order, as each layer's grants come in, its copies enqueued on `stream`
+    /// followed by its
     /// `done` signal (the caller's event recorded, or its flag word written), so a graph whose
     /// layer i waits on signal i runs each layer as soon as its KV landed while the host is
     /// gone. The ticket has one result per key (or fragment), layer after layer; it ends once the
@@ -464,8 +462,10 @@ impl Engine {
         unsafe { self.read_layers_on_stream(lists, slots, &one, stream, transport) }
     }
 
-    /// The stream-bound read of `slots` into `lists` in layers: every key leased at once, then
-    /// per layer (`layers[i].slot_end` ends its slots) its copies and its signal.
+    /// The stream-bound read of `slots` into `lists` in layers (`layers[i].slot_end` ends layer
+    /// i's slots): every layer's lease requests are sent at once, then, layer after layer, the
+    /// call waits for that layer's grants, plans and enqueues its copies and its signal, so the
+    /// first layer's copies start while the shards still lease the later layers.
     ///
     /// # Safety
     /// As `step_on_stream`.
@@ -492,42 +492,66 @@ impl Engine {
         let mut results: Vec<Result<usize>> = (0..slots.len()).map(|_| pending()).collect();
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
         self.read_host_slots(lists, slots, &routes, &mut results);
-        // Device destinations: one lease per key, granted early for objects still loading.
-        let (keys, key_of) = self.gpu_keys(slots, &routes, &mut results);
+        // Device destinations: one lease per key of each layer, granted early for objects still
+        // loading; every layer's requests go out before the first layer is waited for.
+        let mut first = 0;
+        let mut sent = Vec::with_capacity(layers.len());
+        for layer in layers {
+            let range = first..layer.slot_end;
+            let (keys, key_of) = self.gpu_keys(&slots[range.clone()], &routes, &mut results[range.clone()]);
+            let leases = self.send_leases_with(keys.iter().enumerate().map(|(k, key)| (k, *key)), true);
+            sent.push((range, key_of, leases));
+            first = layer.slot_end;
+        }
         let checked_at = Instant::now();
-        let (grants, leases) = self.send_leases_with(keys.iter().enumerate().map(|(k, key)| (k, *key)), true).wait();
-        let leased_at = Instant::now();
-        let list_error = check_gpu_lists(transport.as_ref(), lists, slots, &key_of);
-        let GatedTransfers { transfers, gates, owners, key_gate, loading } =
-            plan_gated(|| Ok(submitter.gate(ordinal)?), lists, slots, &key_of, &grants, &list_error, &mut results);
-        let pinned = leases.len();
         counters.bound_reads.fetch_add(1, Relaxed);
-        counters.bound_gated_keys.fetch_add(loading.len() as u64, Relaxed);
-        let signals = layers.iter().any(|l| l.signal.is_some());
-        if transfers.is_empty() && !signals {
-            drop(leases);
-            return Ok(finish_now(results, &counters));
-        }
-        // The loads' ends open the gates (on the shard that finishes each load).
-        for (k, l) in &loading {
-            if let Some(gate) = key_gate.get(k) {
-                let gate = Arc::clone(gate);
-                let expected = l.value_offset;
-                l.landing.on_end(Box::new(move |outcome| gate.open(outcome == Ok(expected))));
+        let mut step = StepState::default();
+        let mut leased_at = None;
+        for ((range, key_of, leases), layer) in sent.into_iter().zip(layers) {
+            let (grants, leases) = leases.wait();
+            leased_at.get_or_insert_with(Instant::now);
+            let layer_slots = &slots[range.clone()];
+            let list_error = check_gpu_lists(transport.as_ref(), lists, layer_slots, &key_of);
+            let GatedTransfers { transfers, gates, owners, key_gate, loading } = plan_gated(
+                || Ok(submitter.gate(ordinal)?),
+                lists,
+                layer_slots,
+                &key_of,
+                &grants,
+                &list_error,
+                &mut results[range.clone()],
+            );
+            counters.bound_gated_keys.fetch_add(loading.len() as u64, Relaxed);
+            // The loads' ends open the gates (on the shard that finishes each load).
+            for (k, l) in &loading {
+                if let Some(gate) = key_gate.get(k) {
+                    let gate = Arc::clone(gate);
+                    let expected = l.value_offset;
+                    l.landing.on_end(Box::new(move |outcome| gate.open(outcome == Ok(expected))));
+                }
             }
+            let owners: Vec<(usize, usize)> = owners.into_iter().map(|(s, n)| (range.start + s, n)).collect();
+            let copies = LayerCopies { transfers: &transfers, gates: &gates, owners: &owners };
+            // SAFETY: every transfer's host bytes are leased until the watch below saw the stream
+            // pass the copies (or, when nothing of the layer was enqueued, need no lease); the
+            // destinations passed the transport's check and the caller keeps them, and the
+            // signals' events and words, valid for as long (this function's contract).
+            let part = unsafe { submit_layer(submitter, stream, range.clone(), layer.signal, copies, &mut results) };
+            step.pinned += leases.len();
+            step.leases.push(leases.into_held());
+            step.parts.extend(part);
+            step.gates.extend(key_gate.into_values());
+            step.loading.extend(loading.into_values());
         }
-        let planned_at = Instant::now();
-        // SAFETY: every transfer's host bytes are leased until the watch below saw the stream
-        // pass the copies; the destinations passed the transport's check and the caller keeps
-        // them, and the signals' events and words, valid for as long (this function's contract).
-        let parts = unsafe { submit_layers(submitter, stream, layers, &transfers, &gates, &owners, &mut results) };
-        counters.record_bound_call([started, checked_at, leased_at, planned_at, Instant::now()]);
-        if parts.is_empty() {
+        let leased_at = leased_at.unwrap_or(checked_at);
+        counters.record_bound_call([started, checked_at, leased_at, leased_at, Instant::now()]);
+        if step.parts.is_empty() {
             // Nothing was enqueued (or only signals): the leases can go now.
-            key_gate.values().for_each(|g| g.open(false));
-            drop(leases);
+            step.gates.iter().for_each(|g| g.open(false));
+            drop(step.leases);
             return Ok(finish_now(results, &counters));
         }
+        let StepState { parts, gates, loading, leases, pinned } = step;
         let ticket = StreamTicket::new(slots.len());
         ticket.shared.pinned.store(pinned, Relaxed);
         counters.bound_in_flight.fetch_add(1, Relaxed);
@@ -536,9 +560,9 @@ impl Engine {
             parts,
             finished: false,
             results: Some(results),
-            loading: loading.into_values().collect(),
-            gates: key_gate.into_values().collect(),
-            leases: Some(leases.into_held()),
+            loading,
+            gates,
+            leases: Some(leases),
             pinned,
             shared: Arc::clone(&ticket.shared),
             counters,
@@ -552,6 +576,16 @@ impl Engine {
         drop(self.shards[shard].inbox.send(Request::Task(Box::new(watch))));
         Ok(ticket)
     }
+}
+
+/// What a layered read gathers over its layers for its watch.
+#[derive(Default)]
+struct StepState {
+    parts: Vec<WatchPart>,
+    gates: Vec<Arc<dyn Gate>>,
+    loading: Vec<Loading>,
+    leases: Vec<HeldLeases>,
+    pinned: usize,
 }
 
 impl Engine {
@@ -729,7 +763,8 @@ struct StreamWatch {
     results: Option<Vec<Result<usize>>>,
     loading: Vec<Loading>,
     gates: Vec<Arc<dyn Gate>>,
-    leases: Option<HeldLeases>,
+    /// Each layer's leases.
+    leases: Option<Vec<HeldLeases>>,
     pinned: usize,
     shared: Arc<Shared>,
     counters: Arc<GpuCounters>,
