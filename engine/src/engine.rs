@@ -293,7 +293,6 @@ impl Engine {
         self.lease_batch_with(keys, ttl_ms, true)
     }
 
-    /// `lease_batch`; `early`: granted as their loads start.
     /// `lease_batch` whose leases come shard by shard as each shard answers
     /// (`LandingLeases::next_landed`): a caller that sends each object on as soon as it is
     /// leased (the owner serving a batch read) starts on the shard whose loads ended first
@@ -317,6 +316,7 @@ impl Engine {
         LandingLeases { engine: self, fanout, invalid, expires_at: Instant::now() + ttl }
     }
 
+    /// `lease_batch`; `early`: granted as their loads start.
     fn lease_batch_with(&self, keys: &[&[u8]], ttl_ms: u64, early: bool) -> Vec<Result<ObjectLease>> {
         let ttl = Duration::from_millis(ttl_ms);
         let mut out: Vec<Result<ObjectLease>> =

@@ -786,3 +786,36 @@ fn a_step_past_the_restore_budget_is_leased_at_once_and_its_loads_queue() {
     }
     wait_idle(&s);
 }
+
+/// A failed load in a later layer of a step fails that layer's key (its copies skipped behind
+/// the gate), not a key of an earlier layer: the gated keys' results are the step's slots.
+#[test]
+fn a_failed_load_in_a_later_layer_fails_its_own_key() {
+    let streams = Arc::new(SimStreams::default());
+    let transport: Arc<dyn Transport> = Arc::new(SimTransport(Arc::clone(&streams)));
+    let s = ssd_store(13, kvtide::SimFaults { read_eio_ppm: 1_000_000, ..kvtide::SimFaults::default() });
+    let key = |i: u64| format!("kv/{i}").into_bytes();
+    let len = 512 << 10;
+    for i in 0..40u64 {
+        s.put(&key(i), &value_for(&key(i), i, len), PutOptions::INSERT).expect("put");
+    }
+    s.sync_shards().expect("sync");
+    // Layer 0: key 39, in DRAM; layer 1: key 0, on SSD only, whose load fails.
+    let dev = device_buffer(2 * len, 0xEE);
+    let (k39, k0) = (key(39), key(0));
+    let (l0, l1): ([&[u8]; 1], [&[u8]; 1]) = ([&k39], [&k0]);
+    let (d0, d1) = (vec![vec![device_region(dev, 0, len)]], vec![vec![device_region(dev, len, len)]]);
+    let step = [
+        StepLayer { reads: StepReads::Objects { keys: &l0, dsts: &d0 }, done: Some(StreamSignal::RecordEvent(1)) },
+        StepLayer { reads: StepReads::Objects { keys: &l1, dsts: &d1 }, done: Some(StreamSignal::RecordEvent(2)) },
+    ];
+    // SAFETY: leaked destinations; the stream is run below.
+    let ticket = unsafe { s.step_on_stream_via(&step, 5, Some(Arc::clone(&transport))) }.expect("step");
+    streams.run_to_end(5);
+    let r = wait_ended(&ticket);
+    assert_eq!(r[0], Ok(len), "the DRAM key of layer 0 keeps its result: {r:?}");
+    assert!(matches!(r[1], Err(Error::Io(_))), "layer 1's failed load fails its own key: {r:?}");
+    assert_eq!(&dev[..len], &value_for(&key(39), 39, len)[..]);
+    assert!(dev[len..].iter().all(|&x| x == 0xEE), "the failed key's destination is untouched");
+    wait_idle(&s);
+}

@@ -194,6 +194,8 @@ impl Drop for StreamCompleter {
 /// A key whose object was still loading when it was leased: the gate its load opens.
 struct Loading {
     landing: Arc<Landing>,
+    /// The gate its copies wait on: opened failed, they were skipped.
+    gate: Arc<dyn Gate>,
     /// Where the value starts in the record image, as the copies assume.
     value_offset: u64,
     slots: Vec<usize>,
@@ -541,8 +543,15 @@ impl Engine {
             step.leases.push(leases.into_held());
             step.parts.extend(part);
             step.gates.extend(key_gate.into_values());
-            step.loading.extend(loading.into_values());
+            // The layer's slots were counted from its first: shifted to the step's.
+            step.loading.extend(loading.into_values().map(|mut l| {
+                l.slots.iter_mut().for_each(|s| *s += range.start);
+                l
+            }));
         }
+        // Phases: checking the stream and sending every layer's leases; waiting for the first
+        // layer's grants; the rest (planning and enqueueing, layer by layer, with the later
+        // layers' waits) counted as enqueueing.
         let leased_at = leased_at.unwrap_or(checked_at);
         counters.record_bound_call([started, checked_at, leased_at, leased_at, Instant::now()]);
         if step.parts.is_empty() {
@@ -728,7 +737,12 @@ fn plan_gated(
                     plan.key_gate.entry(k).or_insert_with(|| Arc::clone(&g));
                     plan.loading
                         .entry(k)
-                        .or_insert_with(|| Loading { landing: Arc::clone(landing), value_offset, slots: Vec::new() })
+                        .or_insert_with(|| Loading {
+                            landing: Arc::clone(landing),
+                            gate: Arc::clone(&g),
+                            value_offset,
+                            slots: Vec::new(),
+                        })
                         .slots
                         .push(s);
                     gate = Some(g);
@@ -796,6 +810,9 @@ impl StreamWatch {
                 // A failed load (or a record of another layout) fails its slots: its gate told
                 // the device to skip their pages.
                 let error = match l.landing.outcome_now() {
+                    // The gate was forced failed (a watch dropped at shutdown) before the load
+                    // ended well: the copies were skipped all the same.
+                    Some(Ok(_)) if l.gate.state() == Some(false) => Some(Error::ShuttingDown),
                     Some(Ok(offset)) if offset == l.value_offset => None,
                     Some(Ok(_)) => Some(Error::Io(
                         "the record on SSD has an older layout than stream-bound reads copy from; read it again \

@@ -536,9 +536,11 @@ impl<'e> RestorePipeline<'e> {
             }
             sub.trace.transfer_start_us = start_us;
             sub.trace.enter(if stop { SubBatchState::Draining } else { SubBatchState::Transferring }, start_us);
-            engine.restore.ready_wait_us.fetch_add(sub.trace.ready_wait_us(), Ordering::Relaxed);
+            if !stop {
+                engine.restore.ready_wait_us.fetch_add(sub.trace.ready_wait_us(), Ordering::Relaxed);
+            }
         }
-        for sub in &mut landed {
+        for sub in landed.iter_mut().filter(|_| !stop) {
             let grants = &sub.grants;
             sub.trace.failed_keys =
                 sub.keys.iter().filter(|&i| matches!(grants.get(i), Some(Err(e)) if load_failed(e))).count();
@@ -981,7 +983,15 @@ fn sub_batch_size(objects: &[(usize, u64)], opts: &RestoreOptions) -> (u64, usiz
 /// A lease refused because the object's load failed (not because the key is missing or
 /// there was no room: those are not the sub-batch's failure).
 fn load_failed(e: &Error) -> bool {
-    !matches!(e, Error::NotFound | Error::NoSpace | Error::Cancelled | Error::InvalidArgument(_))
+    !matches!(
+        e,
+        Error::NotFound
+            | Error::NoSpace
+            | Error::Cancelled
+            | Error::InvalidArgument(_)
+            | Error::Busy { .. }
+            | Error::ShuttingDown
+    )
 }
 
 fn is_cancelled(r: &Result<usize>) -> bool {

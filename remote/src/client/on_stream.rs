@@ -418,11 +418,12 @@ impl RemoteStore {
                 (None, Some(self.read_into_host(todo, results, &mut copies)?), ttl_ms)
             }
         };
+        let planned = !copies.transfers.is_empty();
         // SAFETY: the host bytes are leased to `held`'s connection (or are `buffers`), both kept
         // until the stream passed the copies; the destinations were checked and are the
         // caller's until then (this call's contract), the signals' events and words too.
         let parts = unsafe { submit_layers(submit, stream, layers, copies, results) };
-        if parts.is_empty() && layers.len() == 1 && layers[0].signal.is_none() {
+        if planned && parts.is_empty() && layers.len() == 1 && layers[0].signal.is_none() {
             // A plain read whose one submission failed: nothing was enqueued, and the call
             // fails as a whole (its keys' errors are the submission's).
             if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {

@@ -86,10 +86,10 @@ pub(crate) unsafe fn signal(
     signal: StreamSignal,
 ) -> Result<(), TransportError> {
     signal.check()?;
-    if stream == 0 {
-        return Err(TransportError::Stream { stream, why: "0 is not a stream".into() });
-    }
-    transport.device(0)?.bind()?;
+    // The stream's GPU, current while the signal is enqueued (this also refuses stream 0 and a
+    // capturing stream).
+    let ordinal = check_stream(transport, stream)?;
+    transport.device(ordinal)?.bind()?;
     let raw = stream as usize as sys::CUstream;
     let status = match signal {
         StreamSignal::RecordEvent(event) => {

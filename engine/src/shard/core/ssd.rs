@@ -886,11 +886,10 @@ impl ShardCore {
         }
     }
 
-    /// Queues the read of `location` into `allocation` (already taken from the allocator) for
-    /// object `id`: in pieces, with a `Landing` early readers follow, when `progressive`. None
+    /// Starts the load of `location` into `allocation` (already taken from the allocator) for
+    /// object `id`: in pieces, with a `Landing` early readers follow, when `progressive`; its
+    /// disk read now, or, `deferred`, once earlier loads left room in the restore budget. None
     /// (and the allocation returned) if the buffer is outside the slice; else the load's tag.
-    /// Starts the load of object `id` into `allocation` (its disk read now, or, `deferred`,
-    /// once earlier loads left room in the restore budget).
     fn submit_load(
         &mut self,
         id: u32,
@@ -1001,8 +1000,9 @@ impl ShardCore {
             self.resolve_read(pending, slot, Err(Error::Internal("SSD object without an SSD tier")));
             return true;
         };
-        let over_budget =
-            ssd.loading_bytes > 0 && ssd.loading_bytes + location.record_bytes > ssd.config.restore_budget_bytes;
+        // Queued loads go first: while any waits, a new load counts as over the budget.
+        let over_budget = !ssd.deferred_loads.is_empty()
+            || (ssd.loading_bytes > 0 && ssd.loading_bytes + location.record_bytes > ssd.config.restore_budget_bytes);
         // An early lease does not wait for the budget: its load is queued (within a bound) and
         // its reader waits on the load's gate instead of for its grant.
         let defer = over_budget && early && ssd.deferred_bytes + location.record_bytes <= ssd.deferred_limit();
@@ -1087,9 +1087,10 @@ impl ShardCore {
             CoreOp::Load { id, location, allocation, waiters, landing, early } => {
                 // Loads end with `Loaded`; a plain `Done` for one is a tier bug: fail it.
                 ssd.loading_bytes -= location.record_bytes;
+                // Queued loads take the freed budget before the reads that wait for it.
+                self.start_deferred_loads();
                 let checked = result.and(Err(Error::Internal("a load ended without verification")));
                 self.finish_load(FinishedLoad { id, location, allocation, waiters, landing, early }, checked);
-                self.start_deferred_loads();
             }
         }
     }
@@ -1102,12 +1103,13 @@ impl ShardCore {
             return;
         };
         ssd.loading_bytes -= location.record_bytes;
+        // Queued loads take the freed budget before the reads that wait for it.
+        self.start_deferred_loads();
         let checked = result.map_err(|failure| match failure {
             LoadFailure::Io(failure) => Error::Io(failure.to_string()),
             LoadFailure::Corrupted(why) => Error::Corrupted(why),
         });
         self.finish_load(FinishedLoad { id, location, allocation, waiters, landing, early }, checked);
-        self.start_deferred_loads();
     }
 
     /// A placed record that will never be written: a hole in its segment (see
