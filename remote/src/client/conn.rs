@@ -150,6 +150,9 @@ struct PartCopies {
     in_part: Vec<usize>,
     leases: Vec<u64>,
     arrived: Instant,
+    /// When its host targets were copied (it was placed): with no GPU copies, when the part
+    /// was done with its leased bytes, however long it is then kept.
+    placed: Instant,
     ttl: Duration,
 }
 
@@ -487,6 +490,7 @@ impl Conn {
                 in_part,
                 leases,
                 arrived,
+                placed: Instant::now(),
                 ttl: Duration::from_millis(u64::from(part.ttl_ms)),
             };
             // The kept part goes back now: the owner leases the part after this one once every
@@ -534,17 +538,21 @@ impl Conn {
     /// Waits for a part's GPU copies, checks its results against the lease TTL and releases
     /// its leases.
     fn finish_part<T>(&mut self, rid: u64, part: PartCopies, results: &mut [Option<Result<T>>]) -> WResult<()> {
-        let PartCopies { inflight, slots, in_part, leases, arrived, ttl } = part;
+        let PartCopies { inflight, slots, in_part, leases, arrived, placed, ttl } = part;
+        // When the part's copies were done: its GPU copies once waited for; without any, once
+        // it was placed (a part kept while a slower shard lands may be released much later).
+        let mut done = placed;
         if let Some(inflight) = inflight {
             for (slot, outcome) in slots.into_iter().zip(inflight.wait()) {
                 if let Err(e) = outcome {
                     results[slot] = Some(Err(StoreError::from(e).into()));
                 }
             }
+            done = Instant::now();
         }
         // The owner keeps leased bytes in place until the TTL; a copy that finished later
         // than that cannot be trusted.
-        if arrived.elapsed() + LEASE_MARGIN >= ttl {
+        if done.saturating_duration_since(arrived) + LEASE_MARGIN >= ttl {
             for &slot in &in_part {
                 if let Some(r @ Ok(_)) = &mut results[slot] {
                     *r = Err(StoreError::LeaseExpired.into());
