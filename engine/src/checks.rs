@@ -36,6 +36,14 @@ pub fn one_list_per_key(keys: usize, lists: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// `get_into_ranges` and its stream-bound forms take one fragment list per buffer at most.
+pub fn fragment_lists(buffers: usize, lists: usize) -> Result<()> {
+    if lists > buffers {
+        return Err(Error::InvalidArgument(format!("fragments for {lists} buffers but only {buffers} buffers")));
+    }
+    Ok(())
+}
+
 /// The bytes `regions` cover together.
 pub fn total_len(regions: &[Region<'_>]) -> Result<u64> {
     regions

@@ -215,13 +215,7 @@ fn flatten<'k, 'r>(
             slots.extend(keys.iter().enumerate().map(|(i, key)| KeyRead { key, list: base + i, want: Want::Whole }));
         }
         StepReads::Ranges { buffers, fragments } => {
-            if fragments.len() > buffers.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "fragments for {} buffers but only {} buffers",
-                    fragments.len(),
-                    buffers.len()
-                )));
-            }
+            checks::fragment_lists(buffers.len(), fragments.len())?;
             lists.extend(buffers.iter().map(std::slice::from_ref));
             for (b, frags) in fragments.iter().enumerate() {
                 for frag in frags {
@@ -370,13 +364,7 @@ impl Engine {
         stream: StreamHandle,
         transport: Option<Arc<dyn Transport>>,
     ) -> Result<StreamTicket> {
-        if fragments.len() > buffers.len() {
-            return Err(Error::InvalidArgument(format!(
-                "fragments for {} buffers but only {} buffers",
-                fragments.len(),
-                buffers.len()
-            )));
-        }
+        checks::fragment_lists(buffers.len(), fragments.len())?;
         let lists: Vec<&[Region<'_>]> = buffers.iter().map(std::slice::from_ref).collect();
         let mut slots = Vec::new();
         for (b, frags) in fragments.iter().enumerate() {

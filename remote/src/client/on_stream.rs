@@ -235,14 +235,7 @@ impl RemoteStore {
         fragments: &[Vec<Fragment>],
         stream: StreamHandle,
     ) -> Result<StreamTicket> {
-        if fragments.len() > buffers.len() {
-            return Err(StoreError::InvalidArgument(format!(
-                "fragments for {} buffers but only {} buffers",
-                fragments.len(),
-                buffers.len()
-            ))
-            .into());
-        }
+        checks::fragment_lists(buffers.len(), fragments.len())?;
         if stream == 0 {
             let results = self.get_into_ranges(buffers, fragments).into_iter().flatten();
             return Ok(StreamTicket::ended(results.map(|r| r.map_err(into_store)).collect()));
@@ -293,14 +286,7 @@ impl RemoteStore {
                     lists.extend(dsts.iter().map(Vec::as_slice));
                 }
                 StepReads::Ranges { buffers, fragments } => {
-                    if fragments.len() > buffers.len() {
-                        return Err(StoreError::InvalidArgument(format!(
-                            "fragments for {} buffers but only {} buffers",
-                            fragments.len(),
-                            buffers.len()
-                        ))
-                        .into());
-                    }
+                    checks::fragment_lists(buffers.len(), fragments.len())?;
                     ranges_wanted(buffers, fragments, lists.len(), &mut wanted, &mut index, &mut results);
                     lists.extend(buffers.iter().map(std::slice::from_ref));
                 }
