@@ -456,10 +456,7 @@ impl Store for RemoteStore {
     }
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
-        if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
-            return refused;
-        }
-        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)), None)
+        self.batch_get_cancellable(keys, dsts, None)
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
@@ -570,12 +567,12 @@ impl CancellableRead for RemoteStore {
         &self,
         keys: &[&[u8]],
         dsts: &[Vec<Region<'_>>],
-        cancel: &Arc<AtomicBool>,
+        cancel: Option<&Arc<AtomicBool>>,
     ) -> Vec<Result<usize>> {
         if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
             return refused;
         }
-        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)), Some(cancel))
+        self.inner.read_batch(keys, dsts, |regions| Ok(LenCheck::Exactly(total_len(regions)?)), cancel)
     }
 }
 

@@ -12,7 +12,7 @@ use kvtide::{checks, BatchTicket, Error as StoreError, Region, Store, Ticket};
 
 use crate::error::{Error, Result};
 
-/// A batch read that stops early when `cancel` is set: the keys it had delivered keep their
+/// A batch read that stops early when `cancel` (if any) is set: the keys it had delivered keep their
 /// results, the others report `Cancelled`, and nothing touches their destinations after it
 /// returned.
 pub(crate) trait CancellableRead {
@@ -20,7 +20,7 @@ pub(crate) trait CancellableRead {
         &self,
         keys: &[&[u8]],
         dsts: &[Vec<Region<'_>>],
-        cancel: &Arc<AtomicBool>,
+        cancel: Option<&Arc<AtomicBool>>,
     ) -> Vec<Result<usize>>;
 }
 
@@ -51,7 +51,7 @@ where
             owned_keys.iter().map(|_| Err(StoreError::Cancelled.into())).collect()
         } else {
             let keys: Vec<&[u8]> = owned_keys.iter().map(Vec::as_slice).collect();
-            store.batch_get_cancellable(&keys, &dsts, &completion.cancel_flag())
+            store.batch_get_cancellable(&keys, &dsts, Some(&completion.cancel_flag()))
         };
         worker_in_flight.fetch_sub(1, Ordering::AcqRel);
         completion.complete(results);

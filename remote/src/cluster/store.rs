@@ -663,14 +663,7 @@ impl Store for ClusterStore {
     }
 
     fn batch_get_into_multi_buffers(&self, keys: &[&[u8]], dsts: &[Vec<Region<'_>>]) -> Vec<Result<usize>> {
-        if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
-            return refused;
-        }
-        let call = |store: &RemoteStore, items: &[usize]| {
-            let sub: Vec<Vec<Region<'_>>> = items.iter().map(|&i| dsts[i].clone()).collect();
-            store.batch_get_into_multi_buffers(&key_list(keys, items), &sub)
-        };
-        self.inner.read(keys, &call, &is_not_found)
+        self.batch_get_cancellable(keys, dsts, None)
     }
 
     fn get_into_ranges(&self, buffers: &[Region<'_>], fragments: &[Vec<Fragment>]) -> Vec<Vec<Result<usize>>> {
@@ -841,7 +834,7 @@ impl CancellableRead for ClusterStore {
         &self,
         keys: &[&[u8]],
         dsts: &[Vec<Region<'_>>],
-        cancel: &Arc<AtomicBool>,
+        cancel: Option<&Arc<AtomicBool>>,
     ) -> Vec<Result<usize>> {
         if let Err(refused) = lists_per_key(keys.len(), dsts.len(), "destination") {
             return refused;
