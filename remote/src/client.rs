@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use kvtide::checks::{self, total_len};
 use kvtide::{Error as StoreError, Fragment, PutOptions, Stats, Store, Ticket};
-use kvtide_transport::{Region, Transfer};
+use kvtide_transport::Region;
 
 use crate::error::{Error, Result};
 use crate::fast_read::{self, FastRead, FastTarget};
@@ -37,6 +37,7 @@ use crate::protocol::{
     decode_exists, decode_key_page, GetItem, LenCheck, Limits, Op, ProtocolError, RangeItem, Request,
 };
 
+mod arena;
 mod arguments;
 mod batch;
 mod conn;
@@ -66,6 +67,27 @@ pub struct ReadIndexCounts {
     pub read: u64,
     /// Reads looked up there and then leased.
     pub leased: u64,
+}
+
+/// How a `RemoteStore` reads the owner's bytes (`RemoteStore::data_plane`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataPlane {
+    /// Copied out of the owner's arena, mapped read-only (Unix socket).
+    SharedMemory,
+    /// Read out of the owner's arena with one-sided UCX gets (`ClientOptions::ucx_transports`).
+    Ucx,
+    /// Sent by the owner over the socket.
+    Socket,
+}
+
+impl DataPlane {
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPlane::SharedMemory => "shared-memory",
+            DataPlane::Ucx => "ucx",
+            DataPlane::Socket => "socket",
+        }
+    }
 }
 
 /// A store served by a `kvtide-owner` process, over a Unix socket (with shared memory) or TCP.
@@ -162,6 +184,17 @@ impl RemoteStore {
     /// True when reads may use the owner's read index (mapped, the owner alive).
     pub fn uses_read_index(&self) -> bool {
         self.inner.pool.read_index().is_some()
+    }
+
+    /// How this client's reads reach the owner's bytes, as of the last connection it opened.
+    pub fn data_plane(&self) -> DataPlane {
+        if self.uses_shared_memory() {
+            DataPlane::SharedMemory
+        } else if self.inner.pool.ucx_ready.load(Ordering::Relaxed) {
+            DataPlane::Ucx
+        } else {
+            DataPlane::Socket
+        }
     }
 
     /// True when gets copy straight from the owner's shared memory.
@@ -477,9 +510,10 @@ impl Store for RemoteStore {
         );
         let shm = self.uses_shared_memory();
         let todo = if shm { self.ranges_indexed(buffers, fragments, todo, &mut results) } else { todo };
+        let leased = shm || self.data_plane() == DataPlane::Ucx;
         let max_items = self.inner.pool.max_batch(&limits);
         for chunk in todo.chunks(max_items) {
-            let outcome = if shm {
+            let outcome = if leased {
                 self.ranges_via_leases(buffers, fragments, chunk)
             } else {
                 self.ranges_via_stream(buffers, fragments, chunk, &limits)
@@ -677,7 +711,7 @@ impl RemoteStore {
         let outcome = self.inner.pool.call("get_into_ranges", |conn, rid| {
             // Leased in parts, as batch gets are, so SSD-heavy ranges stream through DRAM.
             let items = keys.iter().map(|key| GetItem { key, check: LenCheck::Any }).collect();
-            conn.get_in_parts(rid, items, chunk.len(), &self.inner.gpu, |k, grant, mapping| {
+            conn.get_in_parts(rid, items, chunk.len(), &self.inner.gpu, |k, grant, arena| {
                 frags_of[k]
                     .iter()
                     .map(|&n| {
@@ -686,14 +720,17 @@ impl RemoteStore {
                         let placed = grant.clone().and_then(|g| {
                             kvtide_transport::region::check_range("object", frag.src_offset, frag.len, g.len)?;
                             let dst = buffers[b].slice(frag.dst_offset, frag.len)?;
+                            let src = g.offset + frag.src_offset;
                             if gpu::names_device(std::slice::from_ref(&dst)) {
-                                let host = mapping.addr_of(g.offset + frag.src_offset, frag.len)?;
-                                return Ok((frag.len as usize, Some(Transfer::in_order(host, frag.len, &[dst]))));
+                                // SAFETY: leased until the part is released; the device buffer
+                                // was checked by check_destinations.
+                                let copy = unsafe { arena.to_device(&self.inner.gpu, src, frag.len, &[dst]) }?;
+                                return Ok((frag.len as usize, copy));
                             }
                             // SAFETY: dst is a checked slice of a caller buffer lent writable for
                             // this call; the source is leased to this connection until the part
                             // is released.
-                            unsafe { mapping.copy_out(g.offset + frag.src_offset, frag.len, dst.addr() as *mut u8)? };
+                            unsafe { arena.copy_out(src, frag.len, dst.addr() as *mut u8)? };
                             Ok((frag.len as usize, None))
                         });
                         Placed::of(n, placed)

@@ -24,10 +24,11 @@ mod server;
 mod settings;
 mod shm;
 mod sock;
+mod ucx;
 mod wire;
 
 pub use auth::Token;
-pub use client::{ClientOptions, HoldGranted, ReadIndexCounts, RemotePutStream, RemoteStore};
+pub use client::{ClientOptions, DataPlane, HoldGranted, ReadIndexCounts, RemotePutStream, RemoteStore};
 pub use cluster::{ClusterOptions, ClusterStore};
 pub use error::{Error, Result};
 pub use http::{HttpServer, HttpState};
@@ -38,6 +39,7 @@ pub use settings::{
     Invocation, OwnerGroup, OwnerSettings, ResolvedOwner, Source,
 };
 pub use sock::raise_descriptor_limit;
+pub use ucx::{ucx_available, Transports as UcxTransports, UcxError, UCX_PLANE_VERSION};
 
 /// The same-host read path, for the fuzz target.
 #[doc(hidden)]

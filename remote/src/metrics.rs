@@ -124,6 +124,8 @@ pub struct OwnerCounters {
     pub direct_put_bytes: AtomicU64,
     /// Connections whose ask to put from their memory was refused (they put through the window).
     pub direct_puts_refused: AtomicU64,
+    /// TCP connections given the UCX plane (`UcxAttach` answered).
+    pub ucx_attached: AtomicU64,
     /// Reads clients made through the read index and reported (`IndexReads`), of objects still
     /// there when the report came.
     pub index_reads: AtomicU64,

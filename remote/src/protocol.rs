@@ -169,6 +169,9 @@ wire_ops! {
         /// Reads this client made through the read index, for the owner's hit counts and
         /// eviction policy. No reply.
         IndexReads = 32, Other, decode_index_reads;
+        /// Asks for the owner's UCX data plane (authenticated TCP connection): a `UcxReady`
+        /// reply carries the owner's worker address and the arena's remote key.
+        UcxAttach = 33, Other, decode_ucx_attach;
     }
     streamed {
         /// A put whose head (`PutHead`) and key the owner reads itself, then its value.
@@ -199,6 +202,8 @@ wire_ops! {
         KeyPage = 77;
         /// The read index: its size, its memfd attached (`SCM_RIGHTS`).
         IndexMap = 78;
+        /// The owner's UCX plane: version, arena range, worker address and remote key.
+        UcxReady = 79;
     }
 }
 
@@ -817,6 +822,10 @@ pub enum Request<'a> {
     GetParts {
         items: Vec<GetItem<'a>>,
     },
+    /// The client's UCX plane version.
+    UcxAttach {
+        version: u32,
+    },
     /// Keys that start with `prefix` (possibly empty), from `cursor`, at most `limit`.
     ScanKeys {
         prefix: &'a [u8],
@@ -898,6 +907,7 @@ impl<'a> Request<'a> {
                 encode_keys(buf, keys);
             }
             Request::PutWindow | Request::ReadIndex => {}
+            Request::UcxAttach { version } => buf.put_u32(*version),
             Request::PutDirect { probe, nonce } => {
                 buf.put_u64(*probe);
                 buf.extend_from_slice(nonce);
@@ -1023,6 +1033,10 @@ fn decode_put_window<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>>
 
 fn decode_read_index<'a>(_: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
     Ok(Request::ReadIndex)
+}
+
+fn decode_ucx_attach<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
+    Ok(Request::UcxAttach { version: r.u32()? })
 }
 
 fn decode_put_direct<'a>(r: &mut Reader<'a>, _: &Limits) -> PResult<Request<'a>> {
@@ -1391,6 +1405,64 @@ pub fn decode_index_map(payload: &[u8], max_bytes: u64) -> PResult<u64> {
         return Err(ProtocolError::Invalid { what: "read index size" });
     }
     Ok(bytes)
+}
+
+/// Most bytes of a UCX worker address or packed remote key in a `UcxReady`.
+pub const MAX_UCX_BLOB_BYTES: usize = 64 << 10;
+
+/// A `UcxReady` reply: the owner's UCX plane. The digest covers every field before it, so a
+/// blob damaged or cut on its way is refused before UCX is asked to unpack it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UcxReady {
+    pub version: u32,
+    /// The arena's address in the owner and its length: grants' offsets count from `base`.
+    pub base: u64,
+    pub len: u64,
+    pub worker_address: Vec<u8>,
+    pub rkey: Vec<u8>,
+}
+
+impl UcxReady {
+    pub fn encode(&self, buf: &mut Vec<u8>) {
+        let start = buf.len();
+        buf.put_u32(self.version);
+        buf.put_u64(self.base);
+        buf.put_u64(self.len);
+        buf.put_u32(self.worker_address.len() as u32);
+        buf.extend_from_slice(&self.worker_address);
+        buf.put_u32(self.rkey.len() as u32);
+        buf.extend_from_slice(&self.rkey);
+        let digest = xxhash_rust::xxh3::xxh3_64(&buf[start..]);
+        buf.put_u64(digest);
+    }
+
+    /// Decodes and checks a `UcxReady` payload (blobs present, at most `MAX_UCX_BLOB_BYTES`,
+    /// the arena range not wrapping, the digest right).
+    pub fn decode(payload: &[u8]) -> PResult<UcxReady> {
+        let mut r = Reader::new(payload);
+        let version = r.u32()?;
+        let base = r.u64()?;
+        let len = r.u64()?;
+        let mut blob = |what| -> PResult<Vec<u8>> {
+            let n = r.u32()? as usize;
+            if n == 0 || n > MAX_UCX_BLOB_BYTES {
+                return Err(ProtocolError::Invalid { what });
+            }
+            Ok(r.take(n, what)?.to_vec())
+        };
+        let worker_address = blob("UCX worker address")?;
+        let rkey = blob("UCX remote key")?;
+        let covered = payload.len() - r.remaining();
+        let digest = r.u64()?;
+        r.finish("UCX plane")?;
+        if digest != xxhash_rust::xxh3::xxh3_64(&payload[..covered]) {
+            return Err(ProtocolError::Invalid { what: "UCX plane digest" });
+        }
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(ProtocolError::Invalid { what: "UCX arena range" });
+        }
+        Ok(UcxReady { version, base, len, worker_address, rkey })
+    }
 }
 
 /// One part of a `GetParts` answer: the grants of some of its items, by item index.
@@ -1768,6 +1840,7 @@ mod tests {
             Request::RemoveBatch { keys: vec![b"x", b"yy"], force: true },
             Request::PutWindow,
             Request::ReadIndex,
+            Request::UcxAttach { version: 7 },
             Request::GetParts {
                 items: vec![
                     GetItem { key: b"a", check: LenCheck::Any },

@@ -24,7 +24,7 @@ use kvtide_remote::protocol::{
     Hello, HelloOk, LenCheck, Limits, Op, PutHead, PutItem, RangeItem, Request, ValueSource, HEADER_BYTES,
     HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROBE_BYTES, PROTOCOL_VERSION,
 };
-use kvtide_remote::{ClientOptions, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
+use kvtide_remote::{ClientOptions, DataPlane, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
 use support::{options, recv_with_fd, temp_dir, token, unix_client, wait_idle, window_client};
 
 fn engine(dram_bytes: u64) -> Arc<Engine> {
@@ -345,6 +345,58 @@ fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
     for d in [dir, dir2, dir3] {
         let _ = std::fs::remove_dir_all(d);
     }
+}
+
+/// An owner serving the UCX plane over UCX's tcp transport on loopback (`tcp` is allowed
+/// explicitly), token-authenticated; None when libucp cannot be loaded here, which fails the
+/// test under CI (`.ci/run` installs UCX).
+fn ucx_owner(engine: &Arc<Engine>, dir: &Path) -> Option<Owner> {
+    if let Err(why) = kvtide_remote::ucx_available() {
+        assert!(std::env::var_os("CI").is_none(), "CI must have UCX: {why}");
+        eprintln!("skipped: {why}");
+        return None;
+    }
+    let config = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        tcp: Some(any_port()),
+        tcp_token: Some(token()),
+        shutdown_grace_ms: 2_000,
+        ucx_transports: Some("tcp".into()),
+        ucx_allow_tcp: true,
+        ..OwnerConfig::default()
+    };
+    Some(Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane"))
+}
+
+fn ucx_options() -> ClientOptions {
+    ClientOptions { ucx_transports: Some("tcp".into()), ucx_allow_tcp: true, ..options() }
+}
+
+fn ucx_client(owner: &Owner) -> RemoteStore {
+    let addr = owner.tcp_addr().expect("tcp");
+    let store = RemoteStore::connect_with(&addr.to_string(), ucx_options()).expect("connect over tcp with UCX");
+    assert_eq!(store.data_plane(), DataPlane::Ucx, "attached to the UCX plane");
+    store
+}
+
+/// Every operation over the UCX plane (leases on the TCP connection, bytes by one-sided UCX
+/// gets) matches the embedded engine byte for byte and per key, and every lease goes back.
+#[test]
+fn every_operation_matches_the_embedded_engine_over_the_ucx_plane() {
+    let embedded = engine(64 << 20);
+    let expected = script(&*embedded);
+    let dir = temp_dir("every-op-ucx");
+    let ucx_engine = engine(64 << 20);
+    let Some(owner) = ucx_owner(&ucx_engine, &dir) else { return };
+    let store = ucx_client(&owner);
+    assert_same("ucx", &expected, &script(&store));
+    assert!(owner.counters().ucx_attached.load(Ordering::SeqCst) > 0);
+    assert!(owner.counters().leases_granted.load(Ordering::SeqCst) > 0, "reads went through leases");
+    wait_idle(&owner);
+    assert_eq!(owner.counters().leases_outstanding.load(Ordering::SeqCst), 0, "every lease back");
+    drop(store);
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Over a Unix socket with the arena mapped, a read of one key into a small host buffer comes

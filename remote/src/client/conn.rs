@@ -19,6 +19,7 @@ use kvtide::checks::total_len;
 use kvtide::Error as StoreError;
 use kvtide_transport::{Direction, Region, Transfer};
 
+use super::arena::Arena;
 use super::gpu;
 use crate::error::{Error, Result};
 use crate::protocol::{
@@ -95,6 +96,8 @@ pub(super) struct Conn {
     pub(super) hello: HelloOk,
     pub(super) limits: Limits,
     pub(super) shm: Option<Arc<ShmMapping>>,
+    /// The owner's arena over the UCX plane (a TCP connection that attached to it).
+    pub(super) ucx: Option<Arc<crate::ucx::UcxArena>>,
     pub(super) window: WindowState,
     pub(super) direct: DirectState,
     /// Failed midway through a batch whose earlier requests took effect: never reused.
@@ -200,6 +203,7 @@ pub(super) fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping
         limits,
         hello,
         shm,
+        ucx: None,
         window: WindowState::Untried,
         direct: DirectState::Untried,
         broken: false,
@@ -256,6 +260,16 @@ impl Iterator for RegionParts<'_, '_> {
 }
 
 impl Conn {
+    /// Where this connection reads granted ranges from: the arena mapping, the UCX plane, or
+    /// neither (the owner then streams every byte).
+    pub(super) fn arena(&self) -> Option<Arena> {
+        match (&self.shm, &self.ucx) {
+            (Some(m), _) => Some(Arena::Mapped(Arc::clone(m))),
+            (None, Some(u)) => Some(Arena::Ucx(Arc::clone(u))),
+            (None, None) => None,
+        }
+    }
+
     /// Reads a reply header for request `rid`.
     pub(super) fn read_reply_header(&mut self, rid: u64) -> WResult<FrameHeader> {
         let h = self.io.read_header(&self.limits)?;
@@ -375,7 +389,7 @@ impl Conn {
         timeout: Duration,
         gpu: &gpu::ClientGpu,
     ) -> WResult<Result<Vec<ReadResult>>> {
-        if self.shm.is_some() && !streams_small_reads(batch) {
+        if self.arena().is_some() && !streams_small_reads(batch) {
             return self.read_grant_parts(rid, batch, gpu);
         }
         let items: Vec<GetItem<'_>> = batch.iter().map(|(key, check, _)| GetItem { key, check: *check }).collect();
@@ -409,17 +423,18 @@ impl Conn {
     ) -> WResult<Result<Vec<ReadResult>>> {
         let items = batch.iter().map(|(key, check, _)| GetItem { key, check: *check }).collect();
         let slots = batch.len();
-        self.get_in_parts(rid, items, slots, gpu, |i, grant, mapping| {
+        self.get_in_parts(rid, items, slots, gpu, |i, grant, arena| {
             let (_, check, target) = &mut batch[i];
             let placed = grant.and_then(|g| {
                 check.check(g.len)?;
                 match target {
                     Target::Regions(regions) if gpu::names_device(regions) => {
-                        let host = mapping.addr_of(g.offset, g.len)?;
-                        let transfer = Transfer::in_order(host, g.len, &gpu::covering(regions, g.len)?);
-                        Ok(((g.len as usize, None), Some(transfer)))
+                        // SAFETY: leased to this connection until the part is released; the
+                        // device pieces were checked by check_destinations.
+                        let transfer = unsafe { arena.to_device(gpu, g.offset, g.len, regions) }?;
+                        Ok(((g.len as usize, None), transfer))
                     }
-                    _ => copy_grant(mapping, g.offset, g.len, target).map(|r| (r, None)),
+                    _ => copy_grant(arena, g.offset, g.len, target).map(|r| (r, None)),
                 }
             });
             vec![Placed::of(i, placed)]
@@ -437,10 +452,10 @@ impl Conn {
         items: Vec<GetItem<'_>>,
         slots: usize,
         gpu: &gpu::ClientGpu,
-        mut place: impl FnMut(usize, Result<Grant>, &ShmMapping) -> Vec<Placed<T>>,
+        mut place: impl FnMut(usize, Result<Grant>, &Arena) -> Vec<Placed<T>>,
     ) -> WResult<Result<Vec<Result<T>>>> {
-        let Some(mapping) = self.shm.clone() else {
-            return Err(ProtocolError::Invalid { what: "grants without shared memory" }.into());
+        let Some(arena) = self.arena() else {
+            return Err(ProtocolError::Invalid { what: "grants without shared memory or the UCX plane" }.into());
         };
         let count = items.len();
         self.send(rid, &Request::GetParts { items })?;
@@ -457,7 +472,7 @@ impl Conn {
                 return Ok(Ok(self.stop_cancelled(results)));
             }
             let part = self.read_reply(rid, Op::GrantsPart, "grants", |conn, payload| {
-                Ok(GrantsPart::decode(payload, conn.limits.max_items, count, mapping.len())?)
+                Ok(GrantsPart::decode(payload, conn.limits.max_items, count, arena.len())?)
             })?;
             let arrived = Instant::now();
             let part = match part {
@@ -476,7 +491,7 @@ impl Conn {
                 if let Ok(g) = &grant {
                     leases.push(g.lease);
                 }
-                for Placed { slot, result, device: copy } in place(i, grant, &mapping) {
+                for Placed { slot, result, device: copy } in place(i, grant, &arena) {
                     if let Some(copy) = copy {
                         device.push((slot, copy));
                     }
@@ -504,7 +519,9 @@ impl Conn {
                 }
             }
             if !device.is_empty() {
-                gpu.pin(mapping.memory(), true);
+                if let Some(mapping) = arena.mapping() {
+                    gpu.pin(mapping.memory(), true);
+                }
                 let (indices, transfers): (Vec<usize>, Vec<Transfer>) = device.into_iter().unzip();
                 // SAFETY: the host bytes are leased to this connection until `finish_part`
                 // releases them, after the copies completed (or the connection drops, which
@@ -887,7 +904,7 @@ pub(super) fn reply_of<T>(
 }
 
 /// Copies a granted object out of the shared arena into `target`.
-pub(super) fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &mut Target<'_>) -> ReadResult {
+pub(super) fn copy_grant(arena: &Arena, offset: u64, len: u64, target: &mut Target<'_>) -> ReadResult {
     match target {
         Target::Regions(regions) => {
             let room = total_len(regions)?;
@@ -896,10 +913,10 @@ pub(super) fn copy_grant(mapping: &ShmMapping, offset: u64, len: u64, target: &m
             }
             // SAFETY: the destinations are caller memory lent writable for this call; the source
             // is leased to this connection until we release it, after this copy.
-            unsafe { mapping.copy_out_across(offset, len, regions)? };
+            unsafe { arena.copy_out_across(offset, len, regions)? };
             Ok((len as usize, None))
         }
         // SAFETY: as above.
-        Target::Owned(_) => Ok((len as usize, Some(unsafe { mapping.copy_out_vec(offset, len)? }))),
+        Target::Owned(_) => Ok((len as usize, Some(unsafe { arena.copy_out_vec(offset, len)? }))),
     }
 }

@@ -233,7 +233,7 @@ impl RemoteStore {
         results: &mut [Result<u64>],
     ) -> (Vec<Option<u64>>, Option<WireError>) {
         // Without the arena mapped the grants carry lengths only (offset 0).
-        let arena_bytes = conn.shm.as_ref().map_or(u64::MAX, |m| m.len());
+        let arena_bytes = conn.arena().map_or(u64::MAX, |a| a.len());
         let key_lens: Vec<usize> = valid.iter().map(|&i| keys[i].len()).collect();
         let max_items = (conn.limits.max_items as usize).max(1);
         let mut leases: Vec<Option<u64>> = vec![None; keys.len()];

@@ -44,6 +44,15 @@ pub struct ClientOptions {
     /// How long a call polls for the owner's reply before it blocks, so a quick reply costs no
     /// thread wake-up. Default 50 µs on hosts with 8 or more CPUs, else 0.
     pub spin_us: u64,
+    /// Read over the owner's UCX data plane with these transports (`UcxTransports::parse`), on
+    /// TCP connections: the owner grants leases on the connection and this client reads the
+    /// granted ranges with one-sided UCX gets. When the owner serves no plane, speaks another
+    /// version or UCX cannot start here, reads stay on the TCP path (warned once per owner
+    /// instance; `RemoteStore::data_plane` says which). None (default): the TCP path.
+    pub ucx_transports: Option<String>,
+    /// Allow `tcp` among `ucx_transports` (UCX's tcp transport lets any host that reaches this
+    /// process's UCX port read and write its memory: loopback and trusted networks only).
+    pub ucx_allow_tcp: bool,
 }
 
 impl Default for ClientOptions {
@@ -61,14 +70,16 @@ impl Default for ClientOptions {
             max_stream_host_bytes: 1 << 30,
             gpu: kvtide::GpuGroup::default(),
             spin_us: crate::wire::default_spin_us(),
+            ucx_transports: None,
+            ucx_allow_tcp: false,
         }
     }
 }
 
 impl ClientOptions {
     /// Defaults, overridden by `KVTIDE_TOKEN_FILE` (token for TCP owners),
-    /// `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX` and `KVTIDE_DIRECT_PUTS`
-    /// (0/1).
+    /// `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX`, `KVTIDE_DIRECT_PUTS`
+    /// (0/1), `KVTIDE_UCX_TRANSPORTS` (a transport list, or "off") and `KVTIDE_UCX_ALLOW_TCP` (0/1).
     pub fn from_env() -> Result<ClientOptions> {
         let mut o = ClientOptions::default();
         if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
@@ -86,6 +97,12 @@ impl ClientOptions {
         }
         if let Ok(v) = std::env::var("KVTIDE_DIRECT_PUTS") {
             o.direct_puts = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
+        if let Ok(v) = std::env::var("KVTIDE_UCX_TRANSPORTS") {
+            o.ucx_transports = (!v.trim().is_empty() && v.trim() != "off").then(|| v.trim().to_string());
+        }
+        if let Ok(v) = std::env::var("KVTIDE_UCX_ALLOW_TCP") {
+            o.ucx_allow_tcp = matches!(v.trim(), "1" | "true" | "yes" | "on");
         }
         Ok(o)
     }

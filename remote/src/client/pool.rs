@@ -12,17 +12,19 @@
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+
+use kvtide::Error as StoreError;
 
 use super::conn::{hello_conn, reply_of, Conn, Releases};
 use super::index_reads::IndexReadLog;
 use super::options::{ClientOptions, Endpoint};
 use crate::error::{Error, Result};
 use crate::protocol::{
-    decode_mac, Hello, HelloOk, Limits, Op, ProtocolError, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED, HELLO_WANT_SHM,
-    NONCE_BYTES,
+    decode_mac, Hello, HelloOk, Limits, Op, ProtocolError, Request, UcxReady, HELLO_AUTH_REQUIRED, HELLO_SHM_ATTACHED,
+    HELLO_WANT_SHM, NONCE_BYTES,
 };
 use crate::shm::ShmMapping;
 use crate::sock::{self, Stream};
@@ -44,6 +46,18 @@ pub(super) struct Pool {
     pub(super) releases: Arc<Releases>,
     /// Reads through the read index not yet reported to the owner.
     index_reads: IndexReadLog,
+    /// The UCX plane this client uses, when `ucx_transports` is set.
+    ucx: Mutex<UcxState>,
+    /// The last connection opened reads over the UCX plane.
+    pub(super) ucx_ready: AtomicBool,
+}
+
+/// The client's UCX context (made at the first attach) and the owner instance whose plane was
+/// refused or failed here (not asked again until the owner restarts).
+#[derive(Default)]
+struct UcxState {
+    context: Option<Arc<crate::ucx::Context>>,
+    refused_instance: Option<u64>,
 }
 
 impl Pool {
@@ -60,7 +74,13 @@ impl Pool {
             last_max_leases: AtomicU64::new(u64::MAX),
             releases: Arc::default(),
             index_reads: IndexReadLog::default(),
+            ucx: Mutex::default(),
+            ucx_ready: AtomicBool::new(false),
         };
+        if let Some(list) = &pool.options.ucx_transports {
+            crate::ucx::Transports::parse(list, pool.options.ucx_allow_tcp)
+                .map_err(|e| StoreError::InvalidArgument(e.to_string()))?;
+        }
         let conn = pool.open()?;
         pool.checkin(conn);
         Ok(pool)
@@ -216,6 +236,11 @@ impl Pool {
         if self.options.read_index {
             conn.ask_read_index().map_err(|e| e.into_error("read index", self.options.connect_timeout_ms))?;
         }
+        if matches!(self.endpoint, Endpoint::Tcp(_)) && self.options.ucx_transports.is_some() {
+            conn.ucx =
+                self.attach_ucx(&mut conn).map_err(|e| e.into_error("UCX attach", self.options.connect_timeout_ms))?;
+            self.ucx_ready.store(conn.ucx.is_some(), Ordering::Relaxed);
+        }
         *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.hello.limits());
         self.last_max_leases.store(conn.hello.max_leases.into(), Ordering::Relaxed);
         Ok(conn)
@@ -281,6 +306,45 @@ impl Pool {
             }
         }
         Ok(Ok((hello, mapping)))
+    }
+
+    /// Attaches `conn` to the owner's UCX plane: its reader, or None (warned) when the owner
+    /// refuses, its answer does not check out or UCX cannot connect; the connection then reads
+    /// over TCP. Only a failure of the connection itself is an error.
+    fn attach_ucx(&self, conn: &mut Conn) -> WResult<Option<Arc<crate::ucx::UcxArena>>> {
+        let instance = conn.hello.instance_id;
+        let mut state = self.ucx.lock().unwrap_or_else(|p| p.into_inner());
+        if state.refused_instance == Some(instance) {
+            return Ok(None);
+        }
+        let request = Request::UcxAttach { version: crate::ucx::UCX_PLANE_VERSION };
+        // Decoded below, so a damaged answer leaves the connection in step and on TCP.
+        let answer = conn.request(0, &request, Op::UcxReady, "the UCX plane", |_, p| Ok(p.to_vec()))?;
+        let attached = answer
+            .map_err(|e| e.to_string())
+            .and_then(|payload| UcxReady::decode(&payload).map_err(|e| format!("its answer: {e}")))
+            .and_then(|ready| {
+                let context = match &state.context {
+                    Some(c) => Arc::clone(c),
+                    None => {
+                        let list = self.options.ucx_transports.as_deref().unwrap_or_default();
+                        let transports = crate::ucx::Transports::parse(list, self.options.ucx_allow_tcp)
+                            .and_then(|t| crate::ucx::client_context(&t))
+                            .map_err(|e| e.to_string())?;
+                        state.context = Some(Arc::clone(&transports));
+                        transports
+                    }
+                };
+                crate::ucx::UcxArena::connect(&context, &ready, self.timeout()).map_err(|e| e.to_string())
+            });
+        match attached {
+            Ok(arena) => Ok(Some(Arc::new(arena))),
+            Err(why) => {
+                tracing::warn!(owner = %self.endpoint, reason = %why, "not reading over the UCX plane; reads stay on TCP");
+                state.refused_instance = Some(instance);
+                Ok(None)
+            }
+        }
     }
 
     /// The limits of the owner as of the last handshake (connecting if there was none).

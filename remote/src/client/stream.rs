@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use kvtide::{check_chunk_count, chunk_count, chunk_pair, cut_chunks, ChunkHandle, ChunkPlace, ChunkSink};
 use kvtide::{Error as StoreError, Fragment, Store};
-use kvtide_transport::{Direction, Region, Transfer};
+use kvtide_transport::Region;
 
+use super::arena::Arena;
 use super::arguments::{check_destination, check_source};
 use super::conn::{source_slices, Conn, Pace, LEASE_MARGIN};
 use super::gpu::{BouncePair, ClientGpu};
@@ -27,7 +28,6 @@ use crate::protocol::{
     decode_error_frame, decode_grants, decode_object, GetItem, LenCheck, Op, ProtocolError, PutChunkHead, Request,
     WHOLE_REQUEST,
 };
-use crate::shm::ShmMapping;
 use crate::wire::{WResult, WireError};
 
 /// Chunks per range request of a streaming read: the window of chunks in flight.
@@ -36,7 +36,7 @@ const STREAM_GROUP_CHUNKS: usize = 4;
 /// What the first reply to a progressive get said.
 enum First {
     /// Leased in the shared arena.
-    Grant { offset: u64, len: u64, lease: u64, ttl: Duration, sent: Instant, mapping: Arc<ShmMapping> },
+    Grant { offset: u64, len: u64, lease: u64, ttl: Duration, sent: Instant, arena: Arena },
     /// Streamed: `len` bytes of `Data` frames follow.
     Object { len: u64 },
 }
@@ -54,7 +54,7 @@ impl Conn {
     /// length.
     /// With `follow`, the owner streams an unsealed progressive put of the key as it lands.
     fn start_progressive(&mut self, rid: u64, key: &[u8], room: u64, follow: bool) -> WResult<Result<First>> {
-        let lease = self.shm.is_some() && !follow;
+        let lease = self.arena().is_some() && !follow;
         let request = if follow {
             Request::GetFollow { key }
         } else {
@@ -63,9 +63,9 @@ impl Conn {
         self.push(rid, &request);
         let sent = Instant::now();
         self.io.flush()?;
-        if let (true, Some(mapping)) = (lease, self.shm.clone()) {
+        if let (true, Some(arena)) = (lease, self.arena()) {
             let granted = self.read_reply(rid, Op::Grants, "grants", |conn, payload| {
-                Ok(decode_grants(payload, conn.limits.max_items, mapping.len())?)
+                Ok(decode_grants(payload, conn.limits.max_items, arena.len())?)
             })?;
             let (ttl_ms, grants) = match granted {
                 Ok(granted) => granted,
@@ -84,14 +84,7 @@ impl Conn {
                 return Ok(Err(e.into()));
             }
             let ttl = Duration::from_millis(u64::from(ttl_ms));
-            return Ok(Ok(First::Grant {
-                offset: grant.offset,
-                len: grant.len,
-                lease: grant.lease,
-                ttl,
-                sent,
-                mapping,
-            }));
+            return Ok(Ok(First::Grant { offset: grant.offset, len: grant.len, lease: grant.lease, ttl, sent, arena }));
         }
         let h = self.read_reply_header(rid)?;
         let payload = self.io.read_payload(h.payload_len)?;
@@ -138,10 +131,10 @@ impl Conn {
         sink: &ChunkSink<Error>,
         gpu: Option<&ClientGpu>,
     ) -> WResult<()> {
-        let First::Grant { offset, lease, ttl, sent, mapping, .. } = first else {
+        let First::Grant { offset, lease, ttl, sent, arena, .. } = first else {
             return Err(ProtocolError::Invalid { what: "a grant" }.into());
         };
-        if let Some(gpu) = gpu {
+        if let (Some(gpu), Some(mapping)) = (gpu, arena.mapping()) {
             gpu.pin(mapping.memory(), true);
         }
         for i in 0..sink.len() {
@@ -153,29 +146,21 @@ impl Conn {
             let copied = if n == 0 {
                 Ok(())
             } else if let Some(gpu) = gpu {
-                // Straight from the (registered, read-only) arena mapping to the GPU.
-                match mapping.addr_of(offset + range.start, n) {
-                    Ok(host) => {
-                        let transfer = Transfer {
-                            host,
-                            host_len: n,
-                            pieces: super::gpu::pieces_of(std::slice::from_ref(dst), range.start, n),
-                        };
-                        // SAFETY: the source lies in the arena leased to this connection until
-                        // the release below; the device destination was checked by the
-                        // transport and is lent writable while the handle runs.
-                        unsafe { gpu.copy(Direction::HostToDevice, &[transfer]) }
-                            .pop()
-                            .unwrap_or(Err(StoreError::Internal("a copy result was missing").into()))
-                    }
-                    Err(e) => Err(e),
+                // Straight from the (registered, read-only) arena mapping to the GPU, or
+                // through a bounce over UCX.
+                match dst.slice(range.start, n) {
+                    // SAFETY: the source lies in the arena leased to this connection until the
+                    // release below; the device destination was checked by the transport and is
+                    // lent writable while the handle runs.
+                    Ok(piece) => unsafe { arena.to_device_now(gpu, offset + range.start, n, &[piece]) },
+                    Err(e) => Err(e.into()),
                 }
             } else {
                 // SAFETY: the destination is caller memory lent writable for as long as the
                 // handle runs (a `'static` region, checked by check_destination); the range lies
                 // inside it (the object fits, checked against the grant); the source is leased to
                 // this connection until the release below.
-                unsafe { mapping.copy_out(offset + range.start, n, (dst.addr() + range.start) as *mut u8) }
+                unsafe { arena.copy_out(offset + range.start, n, (dst.addr() + range.start) as *mut u8) }
             };
             match copied {
                 Ok(()) if sent.elapsed() + LEASE_MARGIN < *ttl => sink.done(i),

@@ -96,6 +96,15 @@ pub struct OwnerConfig {
     /// client that asks again at once costs no thread wake-up. Default 50 µs on hosts with 8
     /// or more CPUs, else 0.
     pub spin_us: u64,
+    /// Serve the UCX data plane over these transports (`UcxTransports::parse`: RDMA transports,
+    /// and `tcp` only with `ucx_allow_tcp`): authenticated TCP clients then read granted ranges
+    /// of the arena with one-sided UCX gets. None (default): no UCX plane.
+    pub ucx_transports: Option<String>,
+    /// Allow `tcp` among `ucx_transports`. UCX's tcp transport serves one-sided reads and writes
+    /// in software at whatever address a peer names, unchecked: any host that reaches the
+    /// owner's UCX port can then read and write the owner's memory. Only for tests on loopback
+    /// and trusted networks. Default false.
+    pub ucx_allow_tcp: bool,
 }
 
 impl OwnerConfig {
@@ -157,6 +166,8 @@ impl Default for OwnerConfig {
             shutdown_grace_ms: 10_000,
             stop_budget_ms: 25_000,
             spin_us: crate::wire::default_spin_us(),
+            ucx_transports: None,
+            ucx_allow_tcp: false,
         }
     }
 }
@@ -210,6 +221,12 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
     }
     if c.put_window_bytes != 0 && (c.put_window_bytes < 64 << 10 || c.put_window_bytes > 1 << 34) {
         return bad(format!("put_window_bytes = {} must be 0 or in 64 KiB..=16 GiB", c.put_window_bytes));
+    }
+    if let Some(list) = &c.ucx_transports {
+        if c.tcp.is_none() {
+            return bad("the UCX plane (ucx_transports) needs a TCP address: clients attach over TCP".into());
+        }
+        crate::ucx::Transports::parse(list, c.ucx_allow_tcp).map_err(|e| OwnerError::Config(e.to_string()))?;
     }
     if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
         return bad("max_unauthenticated_connections must be positive when serving TCP".into());

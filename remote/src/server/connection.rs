@@ -53,6 +53,7 @@ impl<'s> Connection<'s> {
                     next_lease: 1,
                     puts: HashMap::new(),
                     unix,
+                    ucx: false,
                     slot,
                 };
                 match conn.handshake(accepted_at) {
@@ -77,6 +78,7 @@ impl<'s> Connection<'s> {
                     next_lease: p.next_lease,
                     puts: HashMap::new(),
                     unix: p.unix,
+                    ucx: p.ucx,
                     slot: p.slot,
                 })
             }
@@ -90,9 +92,9 @@ impl<'s> Connection<'s> {
             Ok(Outcome::Idle { since }) if self.puts.is_empty() => {
                 let deadline = since + self.idle_timeout();
                 let shared = self.shared;
-                let Connection { leases, window, client_memory, io, next_lease, unix, slot, .. } = self;
+                let Connection { leases, window, client_memory, io, next_lease, unix, ucx, slot, .. } = self;
                 slot.park_handle();
-                shared.parker.park(Parked { leases, window, client_memory, io, next_lease, unix, deadline, slot });
+                shared.parker.park(Parked { leases, window, client_memory, io, next_lease, unix, ucx, deadline, slot });
             }
             Ok(_) => end(self, Ok(())),
             Err(WireError::Deadline) => {
@@ -128,6 +130,8 @@ pub(super) struct Connection<'s> {
     /// with open puts keeps its thread (it is never parked).
     pub(super) puts: HashMap<u64, PutStream<'s>>,
     pub(super) unix: bool,
+    /// The client attached to the UCX plane (`UcxAttach`): it reads granted ranges itself.
+    pub(super) ucx: bool,
     pub(super) slot: Slot,
 }
 
@@ -350,6 +354,7 @@ impl Connection<'_> {
             Request::IndexReads { .. } => {}
             Request::PutWindow => self.open_window(rid)?,
             Request::ReadIndex => self.send_read_index(rid)?,
+            Request::UcxAttach { version } => self.attach_ucx(rid, version),
             Request::PutOpen { key, total_len, chunk_bytes, upsert, pin } => {
                 self.put_open(rid, key, total_len, chunk_bytes, PutOptions { upsert, pin })
             }

@@ -36,7 +36,7 @@ impl Connection<'_> {
     /// bounded like every lease) and its grant carries the length with offset 0: a connection
     /// that cannot map the arena learns nothing of where objects lie in it.
     pub(super) fn grant(&mut self, rid: u64, items: &[GetItem<'_>]) {
-        let mapped = self.check_shared().is_ok();
+        let mapped = self.check_arena_reads().is_ok();
         let all: Vec<usize> = (0..items.len()).collect();
         let grants: Vec<Result<Grant>> = self
             .lease_items(items, &all)
@@ -85,6 +85,38 @@ impl Connection<'_> {
             return Err(StoreError::InvalidArgument("no shared memory here".into()));
         }
         Ok(())
+    }
+
+    /// Whether this connection's client reads granted ranges of the arena itself: a Unix client
+    /// with the arena mapped, or one attached to the UCX plane.
+    pub(super) fn check_arena_reads(&self) -> std::result::Result<(), StoreError> {
+        if self.ucx {
+            return Ok(());
+        }
+        self.check_shared()
+    }
+
+    /// `UcxAttach`: the UCX plane's address and the arena's remote key, to a TCP client past
+    /// the handshake (so authenticated wherever a token is required) that speaks this version.
+    pub(super) fn attach_ucx(&mut self, rid: u64, version: u32) {
+        let refused = |why: String| StoreError::InvalidArgument(why);
+        let outcome = match &self.shared.ucx {
+            _ if self.unix => Err(refused("a Unix client reads the shared arena, not the UCX plane".into())),
+            None => Err(refused("this owner serves no UCX data plane".into())),
+            Some(_) if version != crate::ucx::UCX_PLANE_VERSION => Err(refused(format!(
+                "UCX plane version {version} is not spoken here (this owner speaks {})",
+                crate::ucx::UCX_PLANE_VERSION
+            ))),
+            Some(export) => Ok(export.ready().clone()),
+        };
+        match outcome {
+            Ok(ready) => {
+                self.ucx = true;
+                self.shared.counters.ucx_attached.fetch_add(1, Ordering::Relaxed);
+                self.reply(rid, Reply::UcxReady(&ready));
+            }
+            Err(e) => self.reply_error(rid, &e.into()),
+        }
     }
 
     /// Leases `items[i]` for each `i` in `indices`, together (one request per shard, so
@@ -148,7 +180,7 @@ impl Connection<'_> {
     /// but `PARTS_HELD - 1` of the parts it holds, so a batch larger than DRAM streams through
     /// it while the next part loads as the client copies the last one.
     pub(super) fn grant_parts(&mut self, rid: u64, items: &[GetItem<'_>]) -> WResult<Flow> {
-        if let Err(e) = self.check_shared() {
+        if let Err(e) = self.check_arena_reads() {
             self.reply_error(rid, &e.into());
             return Ok(Flow::Continue);
         }

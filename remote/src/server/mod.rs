@@ -215,6 +215,7 @@ impl Shared {
         let arena_bytes = arena.len_bytes() as u64;
         let shm_fd = if config.share_arena && config.unix_socket.is_some() { shared_arena_fd(&engine) } else { None };
         let index_fd = if shm_fd.is_some() { shared_index_fd(&engine) } else { None };
+        let ucx = start_ucx(&config, arena_base, arena_bytes)?;
         let mut id = [0u8; 8];
         sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
         let limits = Limits {
@@ -245,10 +246,38 @@ impl Shared {
             arena_bytes,
             shm_fd,
             index_fd,
+            ucx,
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             counters,
             config,
         }))
+    }
+}
+
+/// The UCX plane over the configured transports (checked by `validate`), or None: not
+/// configured, or UCX cannot be loaded or started here (warned: clients keep the TCP path).
+fn start_ucx(
+    config: &OwnerConfig,
+    arena_base: usize,
+    arena_bytes: u64,
+) -> std::result::Result<Option<crate::ucx::UcxExport>, OwnerError> {
+    let Some(list) = &config.ucx_transports else { return Ok(None) };
+    let transports =
+        crate::ucx::Transports::parse(list, config.ucx_allow_tcp).map_err(|e| OwnerError::Config(e.to_string()))?;
+    if transports.has_tcp() {
+        tracing::warn!(
+            "the UCX plane runs over tcp: any host that reaches its port can read and write this process's memory \
+             (ucx_allow_tcp); use it only on loopback or a trusted network"
+        );
+    }
+    // SAFETY: the arena is mapped for the engine's life, and the engine outlives `Shared`,
+    // which holds the export.
+    match unsafe { crate::ucx::UcxExport::start(transports, arena_base as *mut u8, arena_bytes as usize) } {
+        Ok(export) => Ok(Some(export)),
+        Err(e) => {
+            tracing::warn!(error = %e, "NOT serving the UCX data plane; TCP clients read over the socket");
+            Ok(None)
+        }
     }
 }
 

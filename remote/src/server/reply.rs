@@ -10,7 +10,7 @@
 use crate::error::{Error, Result};
 use crate::protocol::{
     begin_frame, encode_error_frame, encode_exists, encode_grants, encode_key_page, encode_object, encode_statuses,
-    end_frame, Grant, GrantsPart, HelloOk, Op, MAC_BYTES,
+    end_frame, Grant, GrantsPart, HelloOk, Op, UcxReady, MAC_BYTES,
 };
 use crate::wire::FrameIo;
 
@@ -44,6 +44,8 @@ pub(super) enum Reply<'r> {
     Window { bytes: u64 },
     /// `IndexMap`: the read index's length (its memfd rides on the flush).
     IndexMap { bytes: u64 },
+    /// `UcxReady`: the owner's UCX plane.
+    UcxReady(&'r UcxReady),
     /// `KeyPage`: one page of a `ScanKeys`.
     KeyPage(&'r kvtide::KeyPage),
 }
@@ -66,6 +68,7 @@ impl Reply<'_> {
             Reply::Statuses(_) => Op::Statuses,
             Reply::Window { .. } => Op::Window,
             Reply::IndexMap { .. } => Op::IndexMap,
+            Reply::UcxReady(_) => Op::UcxReady,
             Reply::KeyPage(_) => Op::KeyPage,
         }
     }
@@ -84,6 +87,7 @@ impl Reply<'_> {
             Reply::Stats(text) => out.extend_from_slice(text.as_bytes()),
             Reply::Statuses(statuses) => encode_statuses(out, statuses),
             Reply::Window { bytes } | Reply::IndexMap { bytes } => out.extend_from_slice(&bytes.to_le_bytes()),
+            Reply::UcxReady(ready) => ready.encode(out),
             Reply::KeyPage(page) => encode_key_page(out, page),
         }
     }

@@ -42,6 +42,8 @@ pub(super) struct Shared {
     /// A read-only descriptor of the engine's read index and its length, handed out only with
     /// the arena (`ReadIndex`).
     pub(super) index_fd: Option<(OwnedFd, u64)>,
+    /// The UCX data plane, when configured and UCX is present.
+    pub(super) ucx: Option<crate::ucx::UcxExport>,
     /// CPUs this process may run on.
     pub(super) cores: usize,
     pub(super) counters: Arc<OwnerCounters>,
@@ -142,6 +144,7 @@ pub(super) struct Parked {
     pub(super) io: FrameIo,
     pub(super) next_lease: u64,
     pub(super) unix: bool,
+    pub(super) ucx: bool,
     /// Closed if no request arrives by then.
     pub(super) deadline: Instant,
     pub(super) slot: Slot,

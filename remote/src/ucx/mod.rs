@@ -1,0 +1,345 @@
+//! The UCX data plane: one-sided reads of the owner's arena by remote clients, over whichever
+//! network transport UCX finds (RDMA verbs on a cluster, its TCP transport here).
+//!
+//! Owns the UCX handles (each freed by its owner's `Drop`, in the order UCX requires), the
+//! transports a plane may use (`Transports`: network ones only, never shared memory or CMA into
+//! the owner's address space), the owner's export of its arena (`export.rs`: registered for
+//! remote reads only, served by one progress thread) and a client's reader of it (`reader.rs`:
+//! gets straight into the caller's host memory). Never decides what may be read: a client reads
+//! only ranges the owner granted it on the control connection, under a lease, as a same-host
+//! client copies them out of the arena mapping.
+
+mod export;
+mod ffi;
+mod reader;
+
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+pub(crate) use export::UcxExport;
+pub(crate) use reader::UcxArena;
+
+/// A client's UCX context (one per `RemoteStore`; each connection has its own worker).
+pub(crate) fn client_context(transports: &Transports) -> UResult<Arc<Context>> {
+    Context::new(transports, false)
+}
+
+use ffi::{Handle, Status, Ucp};
+
+/// Version of the UCX plane's attach exchange (`UcxAttach` / `UcxReady`); a peer speaking
+/// another is answered with an error and the client keeps the TCP path.
+pub const UCX_PLANE_VERSION: u32 = 1;
+
+/// A failure of the UCX plane. Every one leaves the client on the TCP path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UcxError {
+    /// libucp is missing or too old.
+    #[error("the UCX data plane is not available: {0}")]
+    Unavailable(String),
+    /// A UCX call failed.
+    #[error("UCX {call} failed: {status}")]
+    Call { call: &'static str, status: String },
+    /// A transport list this plane does not allow.
+    #[error("UCX transports {0:?} are not allowed: {1}")]
+    Transports(String, &'static str),
+    /// A get did not complete in time (the endpoint was closed, so nothing lands later).
+    #[error("a UCX read did not complete within {timeout_ms} ms")]
+    Timeout { timeout_ms: u64 },
+    /// A get asked for bytes outside the exported arena.
+    #[error("a UCX read outside the owner's arena")]
+    OutOfBounds,
+}
+
+impl From<UcxError> for crate::Error {
+    fn from(e: UcxError) -> Self {
+        match e {
+            UcxError::Timeout { timeout_ms } => crate::Error::Timeout { op: "UCX read", timeout_ms },
+            other => crate::Error::Disconnected(other.to_string()),
+        }
+    }
+}
+
+pub(crate) type UResult<T> = std::result::Result<T, UcxError>;
+
+fn ucp() -> UResult<&'static Ucp> {
+    Ucp::get().map_err(|e| UcxError::Unavailable(e.to_string()))
+}
+
+fn check(ucp: &Ucp, call: &'static str, status: Status) -> UResult<()> {
+    if status == ffi::UCS_OK {
+        Ok(())
+    } else {
+        Err(UcxError::Call { call, status: ucp.describe(status) })
+    }
+}
+
+/// True when this process can load libucp (for tests and the owner's start-up message).
+pub fn ucx_available() -> std::result::Result<(), String> {
+    ucp().map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// The UCX transports a plane may use: UCX names (`UCX_TLS` syntax, comma-separated), checked
+/// against the network transports. Shared-memory transports (`sm`, `posix`, `sysv`, `cma`, `knem`,
+/// `xpmem`, `cuda_ipc`) would let a peer reach into this process's address space, and `all`
+/// or an exclusion list (`^...`) could select them, so both are refused. `tcp` moves one-sided
+/// reads in software: the serving side copies from whatever address a peer names, without
+/// checking it against a registration, so it is allowed only when `allow_tcp` says so.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transports(String);
+
+/// UCX's network transport names (and aliases) that hardware checks against registrations.
+const RDMA_TRANSPORTS: &[&str] = &[
+    "ib",
+    "rc",
+    "rc_v",
+    "rc_x",
+    "rc_verbs",
+    "rc_mlx5",
+    "dc",
+    "dc_x",
+    "dc_mlx5",
+    "ud",
+    "ud_v",
+    "ud_x",
+    "ud_verbs",
+    "ud_mlx5",
+    "cuda_copy",
+    "gdr_copy",
+    "rocm_copy",
+];
+
+impl Transports {
+    /// The RDMA transports (what an owner serves by default).
+    pub fn rdma() -> Transports {
+        Transports("rc,dc,ud".to_string())
+    }
+
+    /// Checks `list`; `tcp` in it needs `allow_tcp`.
+    pub fn parse(list: &str, allow_tcp: bool) -> UResult<Transports> {
+        let names: Vec<&str> = list.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
+        if names.is_empty() {
+            return Err(UcxError::Transports(list.into(), "the list is empty"));
+        }
+        for name in &names {
+            if *name == "tcp" {
+                if !allow_tcp {
+                    return Err(UcxError::Transports(
+                        list.into(),
+                        "tcp serves one-sided reads in software without checking them against the registration; \
+                         allow it explicitly (ucx_allow_tcp) only on a trusted network",
+                    ));
+                }
+            } else if !RDMA_TRANSPORTS.contains(name) {
+                return Err(UcxError::Transports(
+                    list.into(),
+                    "only network transports are allowed (ib, rc, dc, ud and their variants, cuda_copy, gdr_copy, tcp)",
+                ));
+            }
+        }
+        Ok(Transports(names.join(",")))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn has_tcp(&self) -> bool {
+        self.0.split(',').any(|n| n == "tcp")
+    }
+}
+
+/// A UCX context limited to `transports`, with RMA (and wake-ups when `wakeup`).
+pub(crate) struct Context {
+    ucp: &'static Ucp,
+    raw: Handle,
+}
+
+// SAFETY: a UCP context is thread-safe for the calls made on it here (memory mapping and rkey
+// packing happen before any worker serves, worker creation is serialised by its callers).
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    pub(crate) fn new(transports: &Transports, wakeup: bool) -> UResult<Arc<Context>> {
+        let ucp = ucp()?;
+        let mut config: Handle = std::ptr::null_mut();
+        // SAFETY: null prefix and file read the environment's defaults; writes one handle.
+        check(ucp, "ucp_config_read", unsafe {
+            (ucp.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config)
+        })?;
+        let tls = CString::new(transports.as_str()).map_err(|_| UcxError::Transports(transports.0.clone(), "a NUL"))?;
+        // SAFETY: `config` is live; both strings are NUL-terminated and outlive the call.
+        let modified = unsafe { (ucp.ucp_config_modify)(config, c"TLS".as_ptr(), tls.as_ptr()) };
+        let mut features = ffi::UCP_FEATURE_RMA;
+        if wakeup {
+            features |= ffi::UCP_FEATURE_WAKEUP;
+        }
+        let params = ffi::Params {
+            field_mask: ffi::UCP_PARAM_FIELD_FEATURES | ffi::UCP_PARAM_FIELD_NAME,
+            features,
+            request_size: 0,
+            request_init: std::ptr::null(),
+            request_cleanup: std::ptr::null(),
+            tag_sender_mask: 0,
+            mt_workers_shared: 0,
+            estimated_num_eps: 0,
+            estimated_num_ppn: 0,
+            name: c"kvtide".as_ptr(),
+        };
+        let mut raw: Handle = std::ptr::null_mut();
+        let init = if modified == ffi::UCS_OK {
+            // SAFETY: `params` and `config` are live; writes one handle.
+            unsafe { (ucp.ucp_init_version)(ffi::UCP_API_MAJOR, ffi::UCP_API_MINOR, &params, config, &mut raw) }
+        } else {
+            modified
+        };
+        // SAFETY: `config` came from ucp_config_read and is released once.
+        unsafe { (ucp.ucp_config_release)(config) };
+        check(ucp, "ucp_init", init)?;
+        Ok(Arc::new(Context { ucp, raw }))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every worker and memory region holds an Arc of this context, so none is left.
+        unsafe { (self.ucp.ucp_cleanup)(self.raw) };
+    }
+}
+
+/// A worker of a context (`UCS_THREAD_MODE_SERIALIZED`: callers hold it one at a time).
+pub(crate) struct Worker {
+    ctx: Arc<Context>,
+    raw: Handle,
+}
+
+// SAFETY: a serialized-mode worker may be used from any thread, one at a time: `UcxExport` uses it
+// from its progress thread only, `UcxArena` under its mutex.
+unsafe impl Send for Worker {}
+
+impl Worker {
+    pub(crate) fn new(ctx: &Arc<Context>) -> UResult<Worker> {
+        let params = ffi::WorkerParams {
+            field_mask: ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+            thread_mode: ffi::UCS_THREAD_MODE_SERIALIZED,
+            cpu_mask: [0; 16],
+            events: 0,
+            user_data: std::ptr::null_mut(),
+            event_fd: -1,
+            flags: 0,
+            name: std::ptr::null(),
+            am_alignment: 0,
+            client_id: 0,
+        };
+        let mut raw: Handle = std::ptr::null_mut();
+        // SAFETY: a live context and params; writes one handle.
+        check(ctx.ucp, "ucp_worker_create", unsafe { (ctx.ucp.ucp_worker_create)(ctx.raw, &params, &mut raw) })?;
+        Ok(Worker { ctx: Arc::clone(ctx), raw })
+    }
+
+    /// The worker's address, to hand to peers.
+    pub(crate) fn address(&self) -> UResult<Vec<u8>> {
+        let ucp = self.ctx.ucp;
+        let mut addr: Handle = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: a live worker; writes a pointer and a length.
+        check(ucp, "ucp_worker_get_address", unsafe { (ucp.ucp_worker_get_address)(self.raw, &mut addr, &mut len) })?;
+        // SAFETY: UCX gave `len` readable bytes at `addr`, released right after the copy.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        // SAFETY: the address this worker gave, released once.
+        unsafe { (ucp.ucp_worker_release_address)(self.raw, addr) };
+        Ok(bytes)
+    }
+
+    /// Runs the worker's pending work once; the number of events it handled.
+    pub(crate) fn progress(&self) -> u32 {
+        // SAFETY: a live worker, used by one thread at a time (the type's contract).
+        unsafe { (self.ctx.ucp.ucp_worker_progress)(self.raw) }
+    }
+
+    /// The descriptor that becomes readable when the armed worker has work.
+    pub(crate) fn event_fd(&self) -> UResult<i32> {
+        let mut fd = -1;
+        // SAFETY: a live worker of a context with wake-ups; writes one int.
+        check(self.ctx.ucp, "ucp_worker_get_efd", unsafe { (self.ctx.ucp.ucp_worker_get_efd)(self.raw, &mut fd) })?;
+        Ok(fd)
+    }
+
+    /// Arms the event descriptor: false when work is already pending (progress again first).
+    pub(crate) fn arm(&self) -> UResult<bool> {
+        // SAFETY: a live worker of a context with wake-ups.
+        let status = unsafe { (self.ctx.ucp.ucp_worker_arm)(self.raw) };
+        if status == ffi::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        check(self.ctx.ucp, "ucp_worker_arm", status).map(|()| true)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: endpoints of this worker are closed before it (their owners hold it).
+        unsafe { (self.ctx.ucp.ucp_worker_destroy)(self.raw) };
+    }
+}
+
+/// Host memory registered with a context for remote reads only.
+pub(crate) struct MemRegion {
+    ctx: Arc<Context>,
+    raw: Handle,
+}
+
+// SAFETY: a memory handle is an immutable registration; UCX allows using it from any thread.
+unsafe impl Send for MemRegion {}
+// SAFETY: as above.
+unsafe impl Sync for MemRegion {}
+
+impl MemRegion {
+    /// Registers `[addr, addr + len)`: readable by remote peers, never writable by them.
+    ///
+    /// # Safety
+    /// The range must stay mapped until this region is dropped.
+    pub(crate) unsafe fn read_only(ctx: &Arc<Context>, addr: *mut u8, len: usize) -> UResult<MemRegion> {
+        let params = ffi::MemMapParams {
+            field_mask: ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | ffi::UCP_MEM_MAP_PARAM_FIELD_PROT,
+            address: addr.cast::<c_void>(),
+            length: len,
+            flags: 0,
+            prot: ffi::UCP_MEM_MAP_PROT_LOCAL_READ
+                | ffi::UCP_MEM_MAP_PROT_LOCAL_WRITE
+                | ffi::UCP_MEM_MAP_PROT_REMOTE_READ,
+            memory_type: 0,
+        };
+        let mut raw: Handle = std::ptr::null_mut();
+        // SAFETY: a live context; the range is mapped (the caller's contract); writes one handle.
+        check(ctx.ucp, "ucp_mem_map", unsafe { (ctx.ucp.ucp_mem_map)(ctx.raw, &params, &mut raw) })?;
+        Ok(MemRegion { ctx: Arc::clone(ctx), raw })
+    }
+
+    /// The packed remote key peers unpack to read this region.
+    pub(crate) fn packed_rkey(&self) -> UResult<Vec<u8>> {
+        let ucp = self.ctx.ucp;
+        let mut buf: Handle = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: a live context and handle; writes a pointer and a length.
+        check(ucp, "ucp_rkey_pack", unsafe { (ucp.ucp_rkey_pack)(self.ctx.raw, self.raw, &mut buf, &mut len) })?;
+        // SAFETY: UCX gave `len` readable bytes at `buf`, released right after the copy.
+        let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
+        // SAFETY: the buffer ucp_rkey_pack gave, released once.
+        unsafe { (ucp.ucp_rkey_buffer_release)(buf) };
+        Ok(bytes)
+    }
+}
+
+impl Drop for MemRegion {
+    fn drop(&mut self) {
+        // SAFETY: a live registration, unmapped once; no peer can use it after its worker is gone.
+        let status = unsafe { (self.ctx.ucp.ucp_mem_unmap)(self.ctx.raw, self.raw) };
+        if status != ffi::UCS_OK {
+            tracing::warn!(status = %self.ctx.ucp.describe(status), "ucp_mem_unmap failed");
+        }
+    }
+}

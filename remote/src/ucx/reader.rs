@@ -1,0 +1,187 @@
+//! A client's reader of an owner's arena over UCX: one worker, one endpoint to the owner's
+//! worker and the arena's unpacked remote key, per connection.
+//!
+//! Owns the gets: each read posts one get per piece and waits for all of them, progressing its
+//! own worker; a read past its deadline closes the endpoint (so nothing lands later) and every
+//! later read fails. Never reads outside the arena range the owner gave (checked before a get is
+//! posted), and never reports a read whose gets did not all complete.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::ffi::{self, Handle};
+use super::{Context, UResult, UcxError, Worker};
+use crate::protocol::UcxReady;
+
+/// How long closing an endpoint may wait for UCX to finish with it.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// An owner's arena, read over UCX.
+pub(crate) struct UcxArena {
+    base: u64,
+    len: u64,
+    timeout: Duration,
+    link: Mutex<Link>,
+}
+
+struct Link {
+    /// None once the endpoint was closed (a read timed out or failed).
+    ep: Option<(Handle, Handle)>,
+    worker: Worker,
+}
+
+// SAFETY: the endpoint and remote key are used only under the mutex, with their worker
+// (serialized mode: one thread at a time).
+unsafe impl Send for Link {}
+
+impl UcxArena {
+    /// Connects a new worker of `ctx` to the owner's plane that `ready` describes.
+    pub(crate) fn connect(ctx: &Arc<Context>, ready: &UcxReady, timeout: Duration) -> UResult<UcxArena> {
+        let worker = Worker::new(ctx)?;
+        let ucp = ctx.ucp;
+        let params = ffi::EpParams {
+            field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+            address: ready.worker_address.as_ptr().cast(),
+            err_mode: ffi::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler_cb: std::ptr::null(),
+            err_handler_arg: std::ptr::null_mut(),
+            user_data: std::ptr::null_mut(),
+            flags: 0,
+            sockaddr: ffi::SockAddr { addr: std::ptr::null(), addrlen: 0 },
+            conn_request: std::ptr::null_mut(),
+            name: std::ptr::null(),
+            local_sockaddr: ffi::SockAddr { addr: std::ptr::null(), addrlen: 0 },
+        };
+        let mut ep: Handle = std::ptr::null_mut();
+        // SAFETY: a live worker; the address bytes came from the owner's ucp_worker_get_address
+        // (the UcxReady digest checked they arrived whole) and outlive the call.
+        super::check(ucp, "ucp_ep_create", unsafe { (ucp.ucp_ep_create)(worker.raw, &params, &mut ep) })?;
+        let mut rkey: Handle = std::ptr::null_mut();
+        // SAFETY: a live endpoint; the key bytes came from the owner's ucp_rkey_pack (checked
+        // whole as above).
+        let unpacked = unsafe { (ucp.ucp_ep_rkey_unpack)(ep, ready.rkey.as_ptr().cast(), &mut rkey) };
+        let mut link = Link { ep: Some((ep, std::ptr::null_mut())), worker };
+        if let Err(e) = super::check(ucp, "ucp_ep_rkey_unpack", unpacked) {
+            link.close();
+            return Err(e);
+        }
+        link.ep = Some((ep, rkey));
+        Ok(UcxArena { base: ready.base, len: ready.len, timeout, link: Mutex::new(link) })
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Reads each `(arena offset, destination address, length)` piece; all of them, or an error.
+    ///
+    /// # Safety
+    /// Each destination must be writable host memory of its length, lent for this call.
+    pub(crate) unsafe fn read(&self, pieces: &[(u64, u64, u64)]) -> UResult<()> {
+        for &(offset, _, n) in pieces {
+            if offset.checked_add(n).is_none_or(|end| end > self.len) {
+                return Err(UcxError::OutOfBounds);
+            }
+        }
+        let mut link = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((ep, rkey)) = link.ep else {
+            return Err(UcxError::Call { call: "ucp_get_nbx", status: "the endpoint was closed".into() });
+        };
+        let ucp = link.worker.ctx.ucp;
+        let param = ffi::RequestParam::with_flags(0);
+        let mut pending = Vec::new();
+        let mut failed = None;
+        for &(offset, dst, n) in pieces {
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: live endpoint and key; the remote range lies in the registered arena
+            // (checked above); the destination is writable for `n` bytes (the caller's contract)
+            // and is not reported read before the get completed.
+            let request = unsafe { (ucp.ucp_get_nbx)(ep, dst as *mut _, n as usize, self.base + offset, rkey, &param) };
+            match ffi::status_of_ptr(request) {
+                Ok(None) => {}
+                Ok(Some(req)) => pending.push(req),
+                Err(status) => {
+                    failed = Some(UcxError::Call { call: "ucp_get_nbx", status: ucp.describe(status) });
+                    break;
+                }
+            }
+        }
+        let outcome = link.wait_all(pending, Instant::now() + self.timeout, self.timeout);
+        match (failed, outcome) {
+            (None, Ok(())) => Ok(()),
+            (Some(e), _) | (None, Err(e)) => {
+                // An endpoint that failed once is not trusted with later reads.
+                link.close();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Link {
+    /// Progresses until every request completed; past `deadline` the endpoint is closed (its
+    /// requests then complete with an error). The first failure, if any.
+    fn wait_all(&mut self, mut pending: Vec<Handle>, deadline: Instant, timeout: Duration) -> UResult<()> {
+        let ucp = self.worker.ctx.ucp;
+        let mut first: Option<UcxError> = None;
+        while !pending.is_empty() {
+            self.worker.progress();
+            pending.retain(|&req| {
+                // SAFETY: a live request of this worker, freed once when complete.
+                let status = unsafe { (ucp.ucp_request_check_status)(req) };
+                if status == ffi::UCS_INPROGRESS {
+                    return true;
+                }
+                // SAFETY: completed; freed once.
+                unsafe { (ucp.ucp_request_free)(req) };
+                if status != ffi::UCS_OK && first.is_none() {
+                    first = Some(UcxError::Call { call: "ucp_get_nbx", status: ucp.describe(status) });
+                }
+                false
+            });
+            if !pending.is_empty() && Instant::now() > deadline && self.ep.is_some() {
+                first.get_or_insert(UcxError::Timeout { timeout_ms: timeout.as_millis() as u64 });
+                // Closing fails the requests still in flight; they complete in the next rounds.
+                self.close();
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Destroys the remote key and force-closes the endpoint (idempotent).
+    fn close(&mut self) {
+        let Some((ep, rkey)) = self.ep.take() else { return };
+        let ucp = self.worker.ctx.ucp;
+        if !rkey.is_null() {
+            // SAFETY: the key unpacked on this endpoint, destroyed once, before the endpoint.
+            unsafe { (ucp.ucp_rkey_destroy)(rkey) };
+        }
+        let param = ffi::RequestParam::with_flags(ffi::UCP_EP_CLOSE_FLAG_FORCE);
+        // SAFETY: a live endpoint (error mode PEER, so a forced close is allowed), closed once.
+        let request = unsafe { (ucp.ucp_ep_close_nbx)(ep, &param) };
+        if let Ok(Some(req)) = ffi::status_of_ptr(request) {
+            let deadline = Instant::now() + CLOSE_WAIT;
+            loop {
+                self.worker.progress();
+                // SAFETY: a live request of this worker.
+                if unsafe { (ucp.ucp_request_check_status)(req) } != ffi::UCS_INPROGRESS {
+                    // SAFETY: completed; freed once.
+                    unsafe { (ucp.ucp_request_free)(req) };
+                    break;
+                }
+                if Instant::now() > deadline {
+                    tracing::warn!("a UCX endpoint did not close in time; its request is left to the worker");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
