@@ -273,7 +273,7 @@ impl OwnerCollector {
     fn encode_owner(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         use Kind::{Counter, Gauge};
         let (c, r) = (&self.counters, load);
-        let owner: [(&str, &str, Kind, u64); 15] = [
+        let owner: [(&str, &str, Kind, u64); 16] = [
             ("kvtide_owner_connection_threads", "threads serving connections now", Gauge, r(&c.connection_threads)),
             (
                 "kvtide_owner_connections_parked",
@@ -307,6 +307,7 @@ impl OwnerCollector {
                 Counter,
                 r(&c.index_read_reports),
             ),
+            ("kvtide_owner_ucx_attached", "TCP connections given the UCX plane", Counter, r(&c.ucx_attached)),
             ("kvtide_owner_batch_requests", "batched requests", Counter, r(&c.batch_requests)),
             ("kvtide_owner_batch_items", "items of batched requests", Counter, r(&c.batch_items)),
         ];

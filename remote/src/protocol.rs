@@ -1860,6 +1860,41 @@ mod tests {
     }
 
     #[test]
+    fn a_ucx_plane_answer_is_checked_whole_before_use() {
+        let ready = UcxReady {
+            version: 1,
+            base: 0x7f00_0000_0000,
+            len: 1 << 30,
+            worker_address: vec![7; 90],
+            rkey: vec![9; 40],
+        };
+        let mut buf = Vec::new();
+        ready.encode(&mut buf);
+        assert_eq!(UcxReady::decode(&buf), Ok(ready.clone()));
+        for cut in 0..buf.len() {
+            assert!(UcxReady::decode(&buf[..cut]).is_err(), "cut at {cut}");
+        }
+        for at in 0..buf.len() {
+            let mut bad = buf.clone();
+            bad[at] ^= 0x20;
+            assert!(UcxReady::decode(&bad).is_err(), "a flipped byte at {at} was accepted");
+        }
+        let mut long = buf.clone();
+        long.push(0);
+        assert!(UcxReady::decode(&long).is_err());
+        for broken in [
+            UcxReady { worker_address: Vec::new(), ..ready.clone() },
+            UcxReady { rkey: vec![1; MAX_UCX_BLOB_BYTES + 1], ..ready.clone() },
+            UcxReady { len: 0, ..ready.clone() },
+            UcxReady { base: u64::MAX - 5, ..ready.clone() },
+        ] {
+            let mut b = Vec::new();
+            broken.encode(&mut b);
+            assert!(UcxReady::decode(&b).is_err(), "{broken:?}");
+        }
+    }
+
+    #[test]
     fn counts_are_checked_before_allocating() {
         let mut buf = Vec::new();
         buf.put_u32(u32::MAX);

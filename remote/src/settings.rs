@@ -117,6 +117,15 @@ kvtide::settings_group! {
         /// what does not fit is logged and absent after the restart. At least 1000. SIGHUP
         /// applies a new value.
         stop_budget_ms: u64 = OwnerConfig::default().stop_budget_ms, Count, eg "15000";
+        /// The UCX data plane for TCP clients: "off" (default), "rdma" (rc, dc and ud: one-sided
+        /// reads checked by the NIC against the arena's read-only registration) or a UCX
+        /// transport list (network transports only; `tcp` needs `ucx_allow_tcp`).
+        ucx: String = "off".into(), Text, eg "rdma";
+        /// Allow `tcp` in `ucx`. UCX's tcp transport serves one-sided reads and writes in
+        /// software at any address a peer names: every host that reaches the owner's UCX port
+        /// can read and write the owner's memory. Loopback and trusted networks only (default
+        /// false).
+        ucx_allow_tcp: bool = false, Bool, eg "true";
     }
 }
 
@@ -585,6 +594,12 @@ impl OwnerSettings {
             shutdown_grace_ms: o.shutdown_grace_ms,
             stop_budget_ms: o.stop_budget_ms,
             spin_us: o.spin_us,
+            ucx_transports: match o.ucx.trim() {
+                v if off(v) => None,
+                "rdma" => Some(crate::ucx::Transports::rdma().as_str().to_string()),
+                list => Some(list.to_string()),
+            },
+            ucx_allow_tcp: o.ucx_allow_tcp,
             ..OwnerConfig::default()
         };
         let mut token_file = None;

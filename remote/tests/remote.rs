@@ -21,7 +21,7 @@ use common::value_for;
 use kvtide::{Engine, Error as StoreError, Fragment, PutOptions, Region, RegionError, Store, StoreBuilder};
 use kvtide_remote::protocol::{
     decode_error_frame, decode_grants, decode_object, decode_statuses, frame, ClientSegments, FrameHeader, GetItem,
-    Hello, HelloOk, LenCheck, Limits, Op, PutHead, PutItem, RangeItem, Request, ValueSource, HEADER_BYTES,
+    Hello, HelloOk, LenCheck, Limits, Op, PutHead, PutItem, RangeItem, Request, UcxReady, ValueSource, HEADER_BYTES,
     HELLO_SHM_ATTACHED, HELLO_WANT_SHM, MAGIC, NONCE_BYTES, PROBE_BYTES, PROTOCOL_VERSION,
 };
 use kvtide_remote::{ClientOptions, DataPlane, Error, Owner, OwnerConfig, OwnerError, RemoteStore, Token};
@@ -363,9 +363,12 @@ fn ucx_owner(engine: &Arc<Engine>, dir: &Path) -> Option<Owner> {
         shutdown_grace_ms: 2_000,
         ucx_transports: Some("tcp".into()),
         ucx_allow_tcp: true,
+        ucx_program: Some(support::owner_binary()),
         ..OwnerConfig::default()
     };
-    Some(Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane"))
+    let owner = Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane");
+    assert_eq!(owner.ucx_plane(), Some((true, 0)), "the plane's process runs");
+    Some(owner)
 }
 
 fn ucx_options() -> ClientOptions {
@@ -397,6 +400,240 @@ fn every_operation_matches_the_embedded_engine_over_the_ucx_plane() {
     drop(store);
     drop(owner);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The plane's address and keys go only to a TCP connection past its handshake, in this
+/// plane's version; a client whose owner serves no plane, or refuses it, reads over TCP.
+#[test]
+fn the_ucx_plane_is_given_only_after_authentication_and_in_its_version() {
+    let dir = temp_dir("ucx-refusals");
+    let engine = engine(32 << 20);
+    let Some(guarded) = ucx_owner(&engine, &dir) else { return };
+    let attached = || guarded.counters().ucx_attached.load(Ordering::SeqCst);
+    let attach = |version| Request::UcxAttach { version };
+
+    // Before the token proof: refused, the connection closed.
+    let mut raw = Raw::tcp(&guarded);
+    raw.handshake(false);
+    raw.request(&attach(kvtide_remote::UCX_PLANE_VERSION), 1);
+    assert!(matches!(raw.expect_error(), Error::Unauthorized(_) | Error::Protocol(_)));
+    raw.expect_closed();
+    // Over the Unix socket (which maps the arena instead).
+    let mut raw = Raw::unix(&guarded);
+    raw.handshake(false);
+    raw.request(&attach(kvtide_remote::UCX_PLANE_VERSION), 1);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(m)) if m.contains("Unix")));
+    assert_eq!(attached(), 0, "no plane given");
+
+    // Past the handshake (an owner without a token, on loopback): another version is refused
+    // and the connection goes on; this version gets a plane that checks out.
+    let open_dir = temp_dir("ucx-open");
+    let open = Owner::start(
+        Arc::clone(&engine),
+        OwnerConfig {
+            unix_socket: None,
+            tcp: Some(any_port()),
+            allow_unauthenticated_loopback: true,
+            ucx_transports: Some("tcp".into()),
+            ucx_allow_tcp: true,
+            ucx_program: Some(support::owner_binary()),
+            ..OwnerConfig::default()
+        },
+    )
+    .expect("start an open owner");
+    let mut raw = Raw::tcp(&open);
+    raw.handshake(false);
+    raw.request(&attach(kvtide_remote::UCX_PLANE_VERSION + 1), 1);
+    assert!(matches!(raw.expect_error(), Error::Store(StoreError::InvalidArgument(m)) if m.contains("version")));
+    raw.request(&attach(kvtide_remote::UCX_PLANE_VERSION), 2);
+    let (h, payload) = raw.recv().expect("the plane");
+    assert_eq!((h.op, h.request_id), (Op::UcxReady, 2));
+    let ready = UcxReady::decode(&payload).expect("a plane that checks out");
+    assert_eq!(ready.version, kvtide_remote::UCX_PLANE_VERSION);
+    assert!(ready.len >= 32 << 20 && !ready.rkey.is_empty() && !ready.worker_address.is_empty());
+    assert_eq!(open.counters().ucx_attached.load(Ordering::SeqCst), 1);
+    drop(open);
+
+    // An owner without the plane: the client reads over TCP.
+    let plain_dir = temp_dir("ucx-plain");
+    let plain = owner(&engine, &plain_dir, any_port());
+    let store = RemoteStore::connect_with(&plain.tcp_addr().expect("tcp").to_string(), ucx_options()).expect("connect");
+    assert_eq!(store.data_plane(), DataPlane::Socket);
+    store.put(b"k", b"over tcp", PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"k").expect("get"), b"over tcp");
+    drop(store);
+    wait_idle(&plain);
+    for d in [dir, open_dir, plain_dir] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// A client asking for transports that are not network ones, or for tcp without allowing it,
+/// is refused at connect; so is an owner configured that way.
+#[test]
+fn ucx_transports_that_reach_into_memory_are_refused() {
+    let dir = temp_dir("ucx-config");
+    let engine = engine(16 << 20);
+    let base = OwnerConfig { unix_socket: None, tcp: Some(any_port()), tcp_token: Some(token()), ..Default::default() };
+    for (list, allow_tcp) in
+        [("tcp", false), ("sm", true), ("posix,tcp", true), ("^ib", true), ("all", true), ("", true)]
+    {
+        let config = OwnerConfig { ucx_transports: Some(list.into()), ucx_allow_tcp: allow_tcp, ..base.clone() };
+        match Owner::start(Arc::clone(&engine), config) {
+            Err(OwnerError::Config(why)) => assert!(why.contains("UCX transports"), "{list}: {why}"),
+            Err(e) => panic!("{list}: {e}"),
+            Ok(_) => panic!("{list:?} (allow tcp {allow_tcp}) was accepted"),
+        }
+    }
+    let no_tcp = OwnerConfig {
+        unix_socket: Some(dir.join("owner.sock")),
+        tcp: None,
+        tcp_token: None,
+        ucx_transports: Some("rc".into()),
+        ..base.clone()
+    };
+    assert!(matches!(Owner::start(Arc::clone(&engine), no_tcp), Err(OwnerError::Config(m)) if m.contains("TCP")));
+    let owner = owner(&engine, &dir, any_port());
+    let addr = owner.tcp_addr().expect("tcp").to_string();
+    for (list, allow_tcp) in [("tcp", false), ("cma", true), ("xpmem", true)] {
+        let o = ClientOptions { ucx_transports: Some(list.into()), ucx_allow_tcp: allow_tcp, ..options() };
+        match RemoteStore::connect_with(&addr, o) {
+            Err(Error::Store(StoreError::InvalidArgument(why))) => assert!(why.contains("UCX transports"), "{why}"),
+            Err(e) => panic!("{list}: {e}"),
+            Ok(_) => panic!("client {list:?} accepted"),
+        }
+    }
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The owner restarts on the same port: the client's UCX endpoint and remote key belong to the
+/// old owner; its next call reconnects, attaches to the new plane and reads the new bytes.
+#[test]
+fn a_ucx_client_reattaches_after_an_owner_restart() {
+    let dir = temp_dir("ucx-restart");
+    let first_engine = engine(32 << 20);
+    let Some(first) = ucx_owner(&first_engine, &dir) else { return };
+    let port = first.tcp_addr().expect("tcp");
+    let store = ucx_client(&first);
+    let one = value_for(b"x", 1, 3 << 20);
+    store.put(b"x", &one, PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"x").expect("get"), one);
+    first.shutdown();
+    first_engine.shutdown();
+    drop(first);
+    assert!(matches!(store.get(b"x"), Err(Error::Disconnected(_))));
+
+    let second_engine = engine(32 << 20);
+    let config = OwnerConfig {
+        unix_socket: None,
+        tcp: Some(port),
+        tcp_token: Some(token()),
+        ucx_transports: Some("tcp".into()),
+        ucx_allow_tcp: true,
+        ucx_program: Some(support::owner_binary()),
+        ..OwnerConfig::default()
+    };
+    let second = Owner::start(Arc::clone(&second_engine), config).expect("restart");
+    assert_eq!(store.get(b"x"), Err(Error::Store(StoreError::NotFound)));
+    let two = value_for(b"x", 2, (3 << 20) + 5);
+    store.put(b"x", &two, PutOptions::INSERT).expect("put after restart");
+    assert_eq!(store.get(b"x").expect("get after restart"), two);
+    assert_eq!(store.data_plane(), DataPlane::Ucx, "attached to the new plane");
+    assert!(second.counters().ucx_attached.load(Ordering::SeqCst) > 0);
+    wait_idle(&second);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Child process: reads a large object over the UCX plane in a loop until killed.
+#[test]
+#[ignore = "run by a_ucx_client_killed_mid_read_leaves_nothing_held as a child process"]
+fn ucx_child_reader() {
+    let Ok(addr) = std::env::var("KVTIDE_UCX_CHILD_ADDR") else { return };
+    let store = RemoteStore::connect_with(&addr, ucx_options()).expect("child connect");
+    assert_eq!(store.data_plane(), DataPlane::Ucx);
+    let mut buf = vec![0u8; 16 << 20];
+    for i in 0.. {
+        store.get_into(b"big", Region::host(&mut buf)).expect("child read");
+        if i == 2 {
+            println!("READING");
+            std::io::stdout().flush().expect("flush");
+        }
+    }
+}
+
+/// A UCX client killed while its reads are in flight: the owner drops its leases, its UCX
+/// plane keeps serving, and the next client reads the right bytes.
+#[test]
+fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
+    let dir = temp_dir("ucx-killed");
+    let engine = engine(64 << 20);
+    let Some(owner) = ucx_owner(&engine, &dir) else { return };
+    let big = value_for(b"big", 3, 16 << 20);
+    ucx_client(&owner).put(b"big", &big, PutOptions::INSERT).expect("put");
+    for _ in 0..2 {
+        let mut child = Command::new(std::env::current_exe().expect("test binary"))
+            .args(["--exact", "ucx_child_reader", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("KVTIDE_UCX_CHILD_ADDR", owner.tcp_addr().expect("tcp").to_string())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn child");
+        let stdout = child.stdout.take().expect("stdout");
+        let reading = BufReader::new(stdout).lines().any(|l| l.map(|l| l.contains("READING")).unwrap_or(false));
+        assert!(reading, "the child read over UCX");
+        std::thread::sleep(Duration::from_millis(30));
+        child.kill().expect("kill child");
+        child.wait().expect("reap child");
+        wait_idle(&owner);
+        // UCX 1.13 may abort the plane's process when a peer vanishes mid-get over tcp: the
+        // owner restarts it and never goes down itself.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while owner.ucx_plane().is_some_and(|(up, _)| !up) {
+            assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let store = ucx_client(&owner);
+    assert_eq!(store.get(b"big").expect("get after the kills"), big);
+
+    // The plane's process killed: the owner restarts it; a client attached to the old one
+    // fails that read (never returns bytes it did not read) and attaches to the new one.
+    let (_, restarts) = owner.ucx_plane().expect("a plane");
+    kill_ucx_plane_process();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while owner.ucx_plane() != Some((true, restarts + 1)) {
+        assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut buf = vec![0u8; 16 << 20];
+    match store.get_into(b"big", Region::host(&mut buf)) {
+        Ok(n) => assert_eq!(&buf[..n], &big[..], "a read that succeeded has the right bytes"),
+        Err(e) => assert!(matches!(e, Error::Disconnected(_) | Error::Timeout { .. }), "{e:?}"),
+    }
+    assert_eq!(store.get(b"big").expect("read again"), big);
+    assert_eq!(ucx_client(&owner).get(b"big").expect("a new client"), big);
+    drop(store);
+    wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Kills this process's UCX plane child (`kvtide-owner __ucx-plane`).
+fn kill_ucx_plane_process() {
+    let me = std::process::id().to_string();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // Field 4 of stat, after the parenthesised name, is the parent's pid.
+        let parent = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string));
+        let plane = cmdline.split(|&b| b == 0).any(|arg| arg == kvtide_remote::UCX_PLANE_ARG.as_bytes());
+        if plane && parent.as_deref() == Some(me.as_str()) {
+            let pid: i32 = entry.file_name().to_string_lossy().parse().expect("pid");
+            // SAFETY: kill with a pid and a signal.
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+            return;
+        }
+    }
+    panic!("no UCX plane process found");
 }
 
 /// Over a Unix socket with the arena mapped, a read of one key into a small host buffer comes

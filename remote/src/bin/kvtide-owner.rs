@@ -19,6 +19,10 @@ use kvtide_remote::{
 };
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(kvtide_remote::UCX_PLANE_ARG) {
+        std::process::exit(kvtide_remote::ucx_plane_main(&args[2..]));
+    }
     if let Err(e) = run() {
         // Printed once, on stderr (the log goes there too, so it is not logged as well).
         eprintln!("kvtide-owner: {e}");

@@ -142,7 +142,9 @@ impl Pool {
     }
 
     pub(super) fn checkin(&self, conn: Conn) {
-        if conn.broken {
+        // A UCX endpoint that failed once is closed: the connection goes, and the next one
+        // attaches again (to the owner's restarted plane, say).
+        if conn.broken || conn.ucx.as_ref().is_some_and(|u| u.is_closed()) {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());

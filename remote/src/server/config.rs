@@ -105,6 +105,10 @@ pub struct OwnerConfig {
     /// owner's UCX port can then read and write the owner's memory. Only for tests on loopback
     /// and trusted networks. Default false.
     pub ucx_allow_tcp: bool,
+    /// The `kvtide-owner` program that runs the UCX plane's process (`kvtide-owner __ucx-plane`:
+    /// UCX never runs in the owner's own process). None: this program when it is
+    /// `kvtide-owner`, else a `kvtide-owner` beside it.
+    pub ucx_program: Option<PathBuf>,
 }
 
 impl OwnerConfig {
@@ -168,6 +172,7 @@ impl Default for OwnerConfig {
             spin_us: crate::wire::default_spin_us(),
             ucx_transports: None,
             ucx_allow_tcp: false,
+            ucx_program: None,
         }
     }
 }

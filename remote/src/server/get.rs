@@ -107,7 +107,9 @@ impl Connection<'_> {
                 "UCX plane version {version} is not spoken here (this owner speaks {})",
                 crate::ucx::UCX_PLANE_VERSION
             ))),
-            Some(export) => Ok(export.ready().clone()),
+            Some(export) => export
+                .ready()
+                .ok_or_else(|| refused("the UCX plane process is restarting; reads stay on TCP for now".into())),
         };
         match outcome {
             Ok(ready) => {

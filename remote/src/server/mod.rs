@@ -122,6 +122,12 @@ impl Owner {
         &self.shared.counters
     }
 
+    /// The UCX plane's state: None when this owner serves none, else whether its process runs
+    /// now and how many times it was restarted after it died.
+    pub fn ucx_plane(&self) -> Option<(bool, u64)> {
+        self.shared.ucx.as_ref().map(|u| (u.ready().is_some(), u.restarts()))
+    }
+
     /// The engine and the counters `/metrics` reads.
     pub(crate) fn metrics_sources(&self) -> (Arc<Engine>, Arc<OwnerCounters>) {
         (Arc::clone(&self.shared.engine), Arc::clone(&self.shared.counters))
@@ -215,7 +221,7 @@ impl Shared {
         let arena_bytes = arena.len_bytes() as u64;
         let shm_fd = if config.share_arena && config.unix_socket.is_some() { shared_arena_fd(&engine) } else { None };
         let index_fd = if shm_fd.is_some() { shared_index_fd(&engine) } else { None };
-        let ucx = start_ucx(&config, arena_base, arena_bytes)?;
+        let ucx = start_ucx(&config, &engine)?;
         let mut id = [0u8; 8];
         sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
         let limits = Limits {
@@ -254,31 +260,48 @@ impl Shared {
     }
 }
 
-/// The UCX plane over the configured transports (checked by `validate`), or None: not
-/// configured, or UCX cannot be loaded or started here (warned: clients keep the TCP path).
-fn start_ucx(
-    config: &OwnerConfig,
-    arena_base: usize,
-    arena_bytes: u64,
-) -> std::result::Result<Option<crate::ucx::UcxExport>, OwnerError> {
+/// The UCX plane over the configured transports (checked by `validate`), served by its own
+/// process, or None: not configured, or it cannot start here (warned: clients keep the TCP path).
+fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<Option<crate::ucx::UcxExport>, OwnerError> {
     let Some(list) = &config.ucx_transports else { return Ok(None) };
     let transports =
         crate::ucx::Transports::parse(list, config.ucx_allow_tcp).map_err(|e| OwnerError::Config(e.to_string()))?;
     if transports.has_tcp() {
         tracing::warn!(
-            "the UCX plane runs over tcp: any host that reaches its port can read and write this process's memory \
-             (ucx_allow_tcp); use it only on loopback or a trusted network"
+            "the UCX plane runs over tcp: any host that reaches its port can read and write the plane process's \
+             memory (the arena, read-only, and UCX's state; ucx_allow_tcp): loopback or a trusted network only"
         );
     }
-    // SAFETY: the arena is mapped for the engine's life, and the engine outlives `Shared`,
-    // which holds the export.
-    match unsafe { crate::ucx::UcxExport::start(transports, arena_base as *mut u8, arena_bytes as usize) } {
+    let arena = engine.arena();
+    let started = ucx_program(config).and_then(|program| {
+        let fd = crate::shm::check_sealed(arena.memfd(), arena.len_bytes() as u64)
+            .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
+            .map_err(|e| format!("the arena cannot be shared read-only: {e}"))?;
+        crate::ucx::UcxExport::start(program, transports, fd, arena.len_bytes() as u64).map_err(|e| e.to_string())
+    });
+    match started {
         Ok(export) => Ok(Some(export)),
         Err(e) => {
             tracing::warn!(error = %e, "NOT serving the UCX data plane; TCP clients read over the socket");
             Ok(None)
         }
     }
+}
+
+/// The program that runs the UCX plane's process.
+fn ucx_program(config: &OwnerConfig) -> std::result::Result<std::path::PathBuf, String> {
+    if let Some(p) = &config.ucx_program {
+        return Ok(p.clone());
+    }
+    let me = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    if me.file_name().is_some_and(|n| n == "kvtide-owner") {
+        return Ok(me);
+    }
+    let beside = me.with_file_name("kvtide-owner");
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    Err("the UCX plane runs in a kvtide-owner process: set ucx_program to the kvtide-owner binary".into())
 }
 
 /// A read-only descriptor of the engine's arena to hand Unix clients, or None (with a warning)

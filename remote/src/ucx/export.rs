@@ -1,86 +1,192 @@
-//! The owner's side of the UCX plane: its arena registered for remote reads, and the thread that
-//! progresses its worker.
+//! The owner's side of the UCX plane: the helper process that serves it (`helper.rs`), started,
+//! watched and restarted here.
 //!
-//! Owns the owner's UCX context, its one worker (on its progress thread, which sleeps on the
-//! worker's event descriptor when idle), the arena's registration (read-only for peers) and the
-//! `UcxReady` it hands to authenticated clients. Never grants anything: which ranges a client
-//! may read is decided by leases on the control connection.
+//! Owns the helper's life (spawned with only the arena's read-only descriptor, UCX's own
+//! environment and a pipe on stdin whose close stops it; restarted after a pause when it dies)
+//! and the `UcxReady` of the running helper, which authenticated clients are given. Never runs
+//! UCX in the owner's process and never grants anything: which ranges a client may read is
+//! decided by leases on the control connection.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::io::BufReader;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use super::{Context, MemRegion, Transports, UResult, UcxError, Worker, UCX_PLANE_VERSION};
+use super::helper::{read_ready, ARENA_FD, UCX_PLANE_ARG};
+use super::{Transports, UResult, UcxError};
 use crate::protocol::UcxReady;
 
-/// How long the progress thread sleeps between checks of its stop flag when idle.
-const IDLE_POLL_MS: i32 = 100;
+/// How often the watcher looks at the helper, and the pause before a restart.
+const WATCH_MS: u64 = 100;
+const RESTART_PAUSE_MS: u64 = 500;
 
-/// The owner's UCX plane (dropped: the progress thread stops, then the registration goes).
-pub(crate) struct UcxExport {
+/// How to start the helper.
+struct Launch {
+    program: PathBuf,
+    transports: Transports,
+    arena_fd: OwnedFd,
+    arena_bytes: u64,
+}
+
+/// The running helper: its process, its stdin (closed to stop it) and what it serves.
+struct Running {
+    child: Child,
+    /// Never written: closing it tells the helper to stop.
+    stdin: ChildStdin,
     ready: UcxReady,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-    // Dropped after the thread is joined (the worker lives on it).
-    _region: MemRegion,
-    _ctx: Arc<Context>,
+}
+
+struct State {
+    running: Mutex<Option<Running>>,
+    stopping: AtomicBool,
+    stopped: Condvar,
+    restarts: AtomicU64,
+}
+
+/// The owner's UCX plane (dropped: the helper is stopped).
+pub(crate) struct UcxExport {
+    state: Arc<State>,
+    watcher: Option<JoinHandle<()>>,
 }
 
 impl UcxExport {
-    /// Registers `[base, base + len)` for remote reads over `transports` and starts serving.
-    ///
-    /// # Safety
-    /// The range must stay mapped until the export is dropped.
-    pub(crate) unsafe fn start(transports: Transports, base: *mut u8, len: usize) -> UResult<UcxExport> {
-        let ctx = Context::new(&transports, true)?;
-        // SAFETY: the caller keeps the range mapped for the export's life; the region is
-        // dropped with it.
-        let region = unsafe { MemRegion::read_only(&ctx, base, len) }?;
-        let rkey = region.packed_rkey()?;
-        let worker = Worker::new(&ctx)?;
-        let worker_address = worker.address()?;
-        let fd = worker.event_fd()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopping = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name("kvtide-ucx".into())
-            .spawn(move || serve(&worker, fd, &stopping))
+    /// Starts the helper `program` (`kvtide-owner`) serving the arena behind `arena_fd` (a
+    /// read-only descriptor of `arena_bytes`) over `transports`, and a thread that restarts it.
+    pub(crate) fn start(
+        program: PathBuf,
+        transports: Transports,
+        arena_fd: OwnedFd,
+        arena_bytes: u64,
+    ) -> UResult<UcxExport> {
+        let launch = Launch { program, transports, arena_fd, arena_bytes };
+        let running = spawn(&launch)?;
+        tracing::info!(
+            transports = launch.transports.as_str(),
+            arena_bytes,
+            pid = running.child.id(),
+            "UCX data plane serving the arena from its own process"
+        );
+        let state = Arc::new(State {
+            running: Mutex::new(Some(running)),
+            stopping: AtomicBool::new(false),
+            stopped: Condvar::new(),
+            restarts: AtomicU64::new(0),
+        });
+        let watched = Arc::clone(&state);
+        let watcher = std::thread::Builder::new()
+            .name("kvtide-ucx-watch".into())
+            .spawn(move || watch(&watched, &launch))
             .map_err(|e| UcxError::Call { call: "spawn", status: e.to_string() })?;
-        let ready = UcxReady { version: UCX_PLANE_VERSION, base: base as u64, len: len as u64, worker_address, rkey };
-        tracing::info!(transports = transports.as_str(), arena_bytes = len, "UCX data plane serving the arena");
-        Ok(UcxExport { ready, stop, thread: Some(thread), _region: region, _ctx: ctx })
+        Ok(UcxExport { state, watcher: Some(watcher) })
     }
 
-    /// What an authenticated client is given.
-    pub(crate) fn ready(&self) -> &UcxReady {
-        &self.ready
+    /// What an authenticated client is given, while the helper runs.
+    pub(crate) fn ready(&self) -> Option<UcxReady> {
+        self.state.running.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|r| r.ready.clone())
+    }
+
+    /// Times the helper was restarted after it died.
+    pub(crate) fn restarts(&self) -> u64 {
+        self.state.restarts.load(Ordering::Relaxed)
     }
 }
 
 impl Drop for UcxExport {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        self.state.stopping.store(true, Ordering::Release);
+        self.state.stopped.notify_all();
+        if let Some(watcher) = self.watcher.take() {
+            let _ = watcher.join();
         }
     }
 }
 
-/// Progresses `worker` until `stop`: software transports (tcp) serve peers' reads here, and
-/// every transport's connection set-up does.
-fn serve(worker: &Worker, fd: i32, stop: &AtomicBool) {
-    while !stop.load(Ordering::Acquire) {
-        while worker.progress() > 0 {}
-        match worker.arm() {
-            Ok(false) => continue,
-            Ok(true) => {}
-            Err(e) => {
-                tracing::error!(error = %e, "the UCX plane stopped serving");
+/// Starts the helper and reads what it serves.
+fn spawn(launch: &Launch) -> UResult<Running> {
+    let fail = |what: String| UcxError::Call { call: "the UCX plane process", status: what };
+    let mut command = Command::new(&launch.program);
+    command
+        .arg(UCX_PLANE_ARG)
+        .arg(launch.arena_bytes.to_string())
+        .arg(launch.transports.as_str())
+        .arg(if launch.transports.has_tcp() { "1" } else { "0" })
+        .env_clear()
+        .envs(std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k == "PATH" || k == "LD_LIBRARY_PATH"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let fd = launch.arena_fd.as_raw_fd();
+    // SAFETY: between fork and exec only dup2 runs (async-signal-safe); it gives the child the
+    // arena's read-only descriptor as fd 3 (without close-on-exec), nothing else.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::dup2(fd, ARENA_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|e| fail(format!("{}: {e}", launch.program.display())))?;
+    let stdin = child.stdin.take().ok_or_else(|| fail("no stdin".into()))?;
+    let stdout = child.stdout.take().ok_or_else(|| fail("no stdout".into()))?;
+    match read_ready(&mut BufReader::new(stdout)) {
+        Ok(ready) if ready.len == launch.arena_bytes => Ok(Running { child, stdin, ready }),
+        outcome => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(fail(outcome.err().unwrap_or_else(|| "it served another length".into())))
+        }
+    }
+}
+
+/// Restarts the helper whenever it dies, until the export is dropped (then stops it: stdin
+/// closed, and killed if it is still there after a grace).
+fn watch(state: &State, launch: &Launch) {
+    let mut running = state.running.lock().unwrap_or_else(|p| p.into_inner());
+    while !state.stopping.load(Ordering::Acquire) {
+        let exited = match running.as_mut().map(|r| r.child.try_wait()) {
+            Some(Ok(Some(status))) => Some(status.to_string()),
+            Some(Err(e)) => Some(e.to_string()),
+            Some(Ok(None)) => None,
+            None => Some("not running".into()),
+        };
+        if let Some(why) = exited {
+            *running = None;
+            tracing::error!(reason = %why, "the UCX plane process ended; restarting it");
+            running = state
+                .stopped
+                .wait_timeout(running, Duration::from_millis(RESTART_PAUSE_MS))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if state.stopping.load(Ordering::Acquire) {
+                break;
+            }
+            match spawn(launch) {
+                Ok(r) => {
+                    state.restarts.fetch_add(1, Ordering::Relaxed);
+                    *running = Some(r);
+                }
+                Err(e) => tracing::error!(error = %e, "cannot restart the UCX plane process"),
+            }
+            continue;
+        }
+        running =
+            state.stopped.wait_timeout(running, Duration::from_millis(WATCH_MS)).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    if let Some(mut r) = running.take() {
+        drop(r.stdin);
+        for _ in 0..20 {
+            if matches!(r.child.try_wait(), Ok(Some(_))) {
                 return;
             }
+            std::thread::sleep(Duration::from_millis(WATCH_MS / 2));
         }
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one live pollfd; the descriptor is the worker's, open while it lives.
-        unsafe { libc::poll(&mut pfd, 1, IDLE_POLL_MS) };
+        let _ = r.child.kill();
+        let _ = r.child.wait();
     }
 }

@@ -34,11 +34,11 @@ pub(crate) const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub(crate) const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
 pub(crate) const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
 pub(crate) const UCP_MEM_MAP_PROT_LOCAL_READ: c_uint = 1 << 0;
-pub(crate) const UCP_MEM_MAP_PROT_LOCAL_WRITE: c_uint = 1 << 1;
 pub(crate) const UCP_MEM_MAP_PROT_REMOTE_READ: c_uint = 1 << 8;
 
 pub(crate) const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
 pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
+pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
 /// `UCP_ERR_HANDLING_MODE_PEER`: a lost peer fails the endpoint's requests.
 pub(crate) const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub(crate) const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
@@ -158,12 +158,14 @@ macro_rules! ucp_api {
         /// libucp's entry points used here.
         #[allow(non_snake_case)]
         pub(crate) struct Ucp {
+            #[cfg(feature = "ucx")]
             _lib: libloading::Library,
             /// `ucs_status_string`, from libucs (loaded with libucp).
             status_string: unsafe extern "C" fn(Status) -> *const c_char,
             $( pub(crate) $name: unsafe extern "C" fn($($arg),*) -> $ret, )*
         }
 
+        #[cfg(feature = "ucx")]
         impl Ucp {
             /// # Safety
             /// `lib` must be libucp of UCX 1.x, whose symbols have the signatures above.
@@ -240,6 +242,12 @@ impl Ucp {
     }
 }
 
+#[cfg(not(feature = "ucx"))]
+fn load() -> Result<Ucp, String> {
+    Err("kvtide-remote was built without its `ucx` feature".into())
+}
+
+#[cfg(feature = "ucx")]
 fn load() -> Result<Ucp, String> {
     let open = |names: &[&str]| {
         let mut last = String::new();

@@ -2,21 +2,23 @@
 //! network transport UCX finds (RDMA verbs on a cluster, its TCP transport here).
 //!
 //! Owns the UCX handles (each freed by its owner's `Drop`, in the order UCX requires), the
-//! transports a plane may use (`Transports`: network ones only, never shared memory or CMA into
-//! the owner's address space), the owner's export of its arena (`export.rs`: registered for
-//! remote reads only, served by one progress thread) and a client's reader of it (`reader.rs`:
-//! gets straight into the caller's host memory). Never decides what may be read: a client reads
+//! transports a plane may use (`Transports`: network ones only, never shared memory or CMA), the
+//! process that serves the owner's arena (`helper.rs`: a read-only mapping registered for remote
+//! reads; `export.rs` starts and restarts it, so UCX never runs in the owner's address space) and
+//! a client's reader of it (`reader.rs`: gets straight into the caller's host memory). Never decides what may be read: a client reads
 //! only ranges the owner granted it on the control connection, under a lease, as a same-host
 //! client copies them out of the arena mapping.
 
 mod export;
 mod ffi;
+mod helper;
 mod reader;
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
 
 pub(crate) use export::UcxExport;
+pub use helper::{ucx_plane_main, UCX_PLANE_ARG};
 pub(crate) use reader::UcxArena;
 
 /// A client's UCX context (one per `RemoteStore`; each connection has its own worker).
@@ -73,9 +75,9 @@ fn check(ucp: &Ucp, call: &'static str, status: Status) -> UResult<()> {
     }
 }
 
-/// True when this process can load libucp (for tests and the owner's start-up message).
-pub fn ucx_available() -> std::result::Result<(), String> {
-    ucp().map(|_| ()).map_err(|e| e.to_string())
+/// The (major, minor) version of libucp when this process can load it, else why not.
+pub fn ucx_available() -> std::result::Result<(u32, u32), String> {
+    ucp().map(Ucp::version).map_err(|e| e.to_string())
 }
 
 /// The UCX transports a plane may use: UCX names (`UCX_TLS` syntax, comma-separated), checked
@@ -308,9 +310,7 @@ impl MemRegion {
             address: addr.cast::<c_void>(),
             length: len,
             flags: 0,
-            prot: ffi::UCP_MEM_MAP_PROT_LOCAL_READ
-                | ffi::UCP_MEM_MAP_PROT_LOCAL_WRITE
-                | ffi::UCP_MEM_MAP_PROT_REMOTE_READ,
+            prot: ffi::UCP_MEM_MAP_PROT_LOCAL_READ | ffi::UCP_MEM_MAP_PROT_REMOTE_READ,
             memory_type: 0,
         };
         let mut raw: Handle = std::ptr::null_mut();
@@ -340,6 +340,64 @@ impl Drop for MemRegion {
         let status = unsafe { (self.ctx.ucp.ucp_mem_unmap)(self.ctx.raw, self.raw) };
         if status != ffi::UCS_OK {
             tracing::warn!(status = %self.ctx.ucp.describe(status), "ucp_mem_unmap failed");
+        }
+    }
+}
+
+/// How long the progress loop sleeps between checks of its stop flag when idle.
+const IDLE_POLL_MS: i32 = 100;
+
+/// Progresses `worker` until `stop`, sleeping on its event descriptor `fd` when idle: software
+/// transports (tcp) serve peers' reads here, and every transport's connection set-up does.
+pub(crate) fn serve(worker: &Worker, fd: i32, stop: &std::sync::atomic::AtomicBool) {
+    use std::sync::atomic::Ordering;
+    while !stop.load(Ordering::Acquire) {
+        while worker.progress() > 0 {}
+        match worker.arm() {
+            Ok(false) => continue,
+            Ok(true) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "the UCX plane stopped serving");
+                return;
+            }
+        }
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one live pollfd; the descriptor is the worker's, open while it lives.
+        unsafe { libc::poll(&mut pfd, 1, IDLE_POLL_MS) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_network_transports_pass_and_tcp_only_when_allowed() {
+        assert_eq!(Transports::parse(" rc, dc ,ud", false).map(|t| t.as_str().to_string()), Ok("rc,dc,ud".into()));
+        assert!(Transports::parse("rc_mlx5,cuda_copy,gdr_copy", false).is_ok());
+        assert!(Transports::parse("tcp", true).is_ok_and(|t| t.has_tcp()));
+        assert!(!Transports::rdma().has_tcp());
+        for (list, allow) in [
+            ("tcp", false),
+            ("rc,tcp", false),
+            ("sm", true),
+            ("shm", true),
+            ("posix", true),
+            ("sysv", true),
+            ("cma", true),
+            ("knem", true),
+            ("xpmem", true),
+            ("cuda_ipc", true),
+            ("self", true),
+            ("all", true),
+            ("^sm", true),
+            ("", true),
+            (",", true),
+        ] {
+            assert!(
+                matches!(Transports::parse(list, allow), Err(UcxError::Transports(..))),
+                "{list:?} allow tcp {allow}"
+            );
         }
     }
 }

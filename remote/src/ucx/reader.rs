@@ -40,10 +40,12 @@ impl UcxArena {
         let worker = Worker::new(ctx)?;
         let ucp = ctx.ucp;
         let params = ffi::EpParams {
-            field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+            field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
             address: ready.worker_address.as_ptr().cast(),
             err_mode: ffi::UCP_ERR_HANDLING_MODE_PEER,
-            err_handler_cb: std::ptr::null(),
+            err_handler_cb: peer_failed as *const _,
             err_handler_arg: std::ptr::null_mut(),
             user_data: std::ptr::null_mut(),
             flags: 0,
@@ -71,6 +73,11 @@ impl UcxArena {
 
     pub(crate) fn len(&self) -> u64 {
         self.len
+    }
+
+    /// True once a read failed and the endpoint was closed: every later read fails.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.link.lock().unwrap_or_else(|p| p.into_inner()).ep.is_none()
     }
 
     /// Reads each `(arena offset, destination address, length)` piece; all of them, or an error.
@@ -119,6 +126,10 @@ impl UcxArena {
         }
     }
 }
+
+/// A lost peer: nothing to do here (its requests fail, and the read that sees them closes the
+/// endpoint); installed so UCX does not log the loss as an unhandled error.
+extern "C" fn peer_failed(_arg: *mut std::ffi::c_void, _ep: Handle, _status: ffi::Status) {}
 
 impl Link {
     /// Progresses until every request completed; past `deadline` the endpoint is closed (its
