@@ -74,6 +74,7 @@ mod restore_rounds;
 mod ssd;
 mod start;
 mod stream;
+mod ucx_perftest;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -140,6 +141,11 @@ enum Command {
 }
 
 fn main() {
+    // `remote --transport ucx` starts its owner's UCX plane process from this binary.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(kvtide_remote::UCX_PLANE_ARG) {
+        std::process::exit(kvtide_remote::ucx_plane_main(&argv[2..]));
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Dram(args) => dram::run(&args),

@@ -3,6 +3,8 @@
 //! value size and client count. In the same run: Redis (`redis-server`, SET/GET through a small
 //! RESP client, over TCP and over its Unix socket) with the same sizes, client counts, keys and
 //! durations, and a plain `memcpy` of the same bytes, the limit of the shared-memory get path.
+//! With `--transport ucx`: kvtide over its UCX plane against its own TCP path and raw UCX
+//! (`ucx_perftest -t ucp_get`, one process pair per client, the same transports and sizes).
 //!
 //! Each client is a thread with its own connection. Put phase: each client upserts its own keys
 //! in turn. Get phase: each client reads every key of the working set in turn into a reused
@@ -62,6 +64,16 @@ pub struct RemoteArgs {
     /// SVG file.
     #[arg(long)]
     pub plot: Option<std::path::PathBuf>,
+    /// `all`: shared memory, Unix and TCP (and Redis); `ucx`: the UCX plane, TCP and raw
+    /// `ucx_perftest` gets.
+    #[arg(long, default_value = "all", value_parser = ["all", "ucx"])]
+    pub transport: String,
+    /// UCX transports of the plane and of `ucx_perftest` (`UCX_TLS`); tcp is allowed here.
+    #[arg(long, default_value = "tcp")]
+    pub ucx_tls: String,
+    /// The `ucx_perftest` binary (Debian: ucx-utils).
+    #[arg(long, default_value = "ucx_perftest")]
+    pub ucx_perftest: String,
 }
 
 /// Arguments of the hidden `remote-owner` subcommand (the owner process of `remote`).
@@ -78,6 +90,9 @@ pub struct RemoteOwnerArgs {
     /// Connections served at once (the owner's default when left out).
     #[arg(long)]
     pub max_connections: Option<usize>,
+    /// Serve the UCX plane over these transports (tcp allowed).
+    #[arg(long)]
+    pub ucx: Option<String>,
 }
 
 /// Runs the owner until its stdin closes; prints `READY <tcp addr>` once serving.
@@ -93,6 +108,10 @@ pub fn run_owner(args: &RemoteOwnerArgs) -> Result<(), String> {
         // Loopback benchmark: the token handshake costs one round trip per connection only.
         allow_unauthenticated_loopback: true,
         max_connections: args.max_connections.unwrap_or(OwnerConfig::default().max_connections),
+        ucx_transports: args.ucx.clone(),
+        ucx_allow_tcp: true,
+        // This binary hosts the plane's process (`main` hands it the argument).
+        ucx_program: Some(std::env::current_exe().map_err(|e| e.to_string())?),
         ..OwnerConfig::default()
     };
     if args.max_connections.is_some() {
@@ -234,6 +253,8 @@ enum System {
     /// The same Unix socket with `shared_memory: false`: values stream through the socket.
     KvtideUnix(String),
     KvtideTcp(String),
+    /// TCP control connection, bytes over the UCX plane with these transports.
+    KvtideUcx(String, String),
     RedisTcp(SocketAddr),
     RedisUnix(PathBuf),
 }
@@ -244,6 +265,7 @@ impl System {
             System::KvtideShm(_) => "kvtide unix+shm",
             System::KvtideUnix(_) => "kvtide unix",
             System::KvtideTcp(_) => "kvtide tcp",
+            System::KvtideUcx(..) => "kvtide ucx",
             System::RedisTcp(_) => "redis tcp",
             System::RedisUnix(_) => "redis unix",
         }
@@ -267,6 +289,18 @@ impl System {
             System::KvtideTcp(addr) => {
                 Box::new(Kvtide(RemoteStore::connect_with(addr, ClientOptions::default()).map_err(|e| e.to_string())?))
             }
+            System::KvtideUcx(addr, tls) => {
+                let options = ClientOptions {
+                    ucx_transports: Some(tls.clone()),
+                    ucx_allow_tcp: true,
+                    ..ClientOptions::default()
+                };
+                let store = RemoteStore::connect_with(addr, options).map_err(|e| e.to_string())?;
+                if store.data_plane() != kvtide_remote::DataPlane::Ucx {
+                    return Err("the client did not attach to the owner's UCX plane".into());
+                }
+                Box::new(Kvtide(store))
+            }
             System::RedisTcp(addr) => {
                 let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
                 s.set_nodelay(true).map_err(|e| e.to_string())?;
@@ -279,11 +313,11 @@ impl System {
 
 /// One phase's merged results.
 #[derive(Default, Clone)]
-struct Phase {
-    ops: u64,
-    bytes: u64,
-    secs: f64,
-    hist: Histogram,
+pub(crate) struct Phase {
+    pub(crate) ops: u64,
+    pub(crate) bytes: u64,
+    pub(crate) secs: f64,
+    pub(crate) hist: Histogram,
 }
 
 impl Phase {
@@ -295,12 +329,12 @@ impl Phase {
     }
 }
 
-struct Row {
-    size: u64,
-    clients: usize,
-    system: &'static str,
-    put: Option<Phase>,
-    get: Phase,
+pub(crate) struct Row {
+    pub(crate) size: u64,
+    pub(crate) clients: usize,
+    pub(crate) system: &'static str,
+    pub(crate) put: Option<Phase>,
+    pub(crate) get: Phase,
 }
 
 fn key_of(size: u64, k: usize) -> Vec<u8> {
@@ -517,6 +551,9 @@ fn start_owner(args: &RemoteArgs, dir: &Path) -> Result<OwnerProcess, String> {
     if let Some(s) = args.shards {
         cmd.arg("--shards").arg(s.to_string());
     }
+    if args.transport == "ucx" {
+        cmd.arg("--ucx").arg(&args.ucx_tls);
+    }
     let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
     let stdout = child.stdout.take().ok_or("no stdout")?;
     let mut line = String::new();
@@ -541,7 +578,9 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
     if args.batch == 0 {
         return Err("--batch must be positive".into());
     }
-    let redis = if args.skip_redis || args.batch > 1 { None } else { Some(start_redis(&args.redis_server, &dir)?) };
+    let ucx = args.transport == "ucx";
+    let redis =
+        if ucx || args.skip_redis || args.batch > 1 { None } else { Some(start_redis(&args.redis_server, &dir)?) };
     let duration = Duration::from_secs_f64(args.duration_secs.max(0.1));
     println!(
         "## remote: sizes {}, clients {:?}, {} keys per call, {} s per phase, working set {}, owner DRAM {}, {} CPUs",
@@ -554,8 +593,11 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     let unix = format!("unix:{}", owner.unix.display());
-    let mut systems =
-        vec![System::KvtideShm(unix.clone()), System::KvtideUnix(unix), System::KvtideTcp(owner.tcp.to_string())];
+    let mut systems = if ucx {
+        vec![System::KvtideUcx(owner.tcp.to_string(), args.ucx_tls.clone()), System::KvtideTcp(owner.tcp.to_string())]
+    } else {
+        vec![System::KvtideShm(unix.clone()), System::KvtideUnix(unix), System::KvtideTcp(owner.tcp.to_string())]
+    };
     if let Some(r) = &redis {
         systems.push(System::RedisUnix(r.unix.clone()));
         systems.push(System::RedisTcp(r.tcp));
@@ -572,6 +614,13 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
             for system in &systems {
                 eprintln!("  {} x{clients} {} ...", system.name(), fmt_bytes(size));
                 rows.push(measure(system, size, clients, keys, args.batch, duration)?);
+            }
+            if ucx {
+                let kvtide_rate = rows
+                    .iter()
+                    .find(|r| r.size == size && r.clients == clients && r.system == "kvtide ucx")
+                    .map_or(100.0, |r| r.get.ops_per_sec());
+                rows.push(crate::ucx_perftest::get_row(args, size, clients, kvtide_rate, duration)?);
             }
             let after = memcpy_row(size, clients, args.batch, args.working_set, duration)?;
             rows.push(if after.get.ops_per_sec() > before.get.ops_per_sec() { after } else { before });
@@ -652,6 +701,10 @@ fn print_table(rows: &[Row], json: bool) {
             );
         }
     }
+    if rows.iter().any(|r| r.system == crate::ucx_perftest::SYSTEM) {
+        print_ucx_ratios(rows);
+        return;
+    }
     println!();
     println!("Ratios (same run; > 1 means kvtide is faster):");
     println!("| value | clients | shm get / memcpy | shm put / memcpy into a working set | shm get / redis unix get | tcp get / redis tcp get | shm put / redis unix put | tcp put / redis tcp put |");
@@ -678,6 +731,33 @@ fn print_table(rows: &[Row], json: bool) {
             ratio(get("kvtide tcp"), get("redis tcp")),
             ratio(put("kvtide unix+shm"), put("redis unix")),
             ratio(put("kvtide tcp"), put("redis tcp")),
+        );
+    }
+}
+
+/// The UCX plane's ratios: kvtide over UCX against raw UCX gets and against its own TCP path.
+fn print_ucx_ratios(rows: &[Row]) {
+    println!();
+    println!("Ratios (same run; get throughput):");
+    println!("| value | clients | kvtide ucx / ucx_perftest ucp_get | kvtide ucx / kvtide tcp |");
+    println!("|---|---|---:|---:|");
+    let get = |size: u64, clients: usize, system: &str| {
+        rows.iter().find(|r| r.size == size && r.clients == clients && r.system == system).map(|r| r.get.gb_per_sec())
+    };
+    let mut cells: Vec<(u64, usize)> = rows.iter().map(|r| (r.size, r.clients)).collect();
+    cells.dedup();
+    for (size, clients) in cells {
+        let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+            _ => "–".into(),
+        };
+        let ucx = get(size, clients, "kvtide ucx");
+        println!(
+            "| {} | {} | {} | {} |",
+            fmt_bytes(size),
+            clients,
+            ratio(ucx, get(size, clients, crate::ucx_perftest::SYSTEM)),
+            ratio(ucx, get(size, clients, "kvtide tcp")),
         );
     }
 }

@@ -21,9 +21,10 @@ pub(crate) use export::UcxExport;
 pub use helper::{ucx_plane_main, UCX_PLANE_ARG};
 pub(crate) use reader::UcxArena;
 
-/// A client's UCX context (one per `RemoteStore`; each connection has its own worker).
+/// A client's UCX context (one per `RemoteStore`; each connection has its own worker, which a
+/// read sleeps on once its gets take longer than a spin).
 pub(crate) fn client_context(transports: &Transports) -> UResult<Arc<Context>> {
-    Context::new(transports, false)
+    Context::new(transports, true)
 }
 
 use ffi::{Handle, Status, Ucp};

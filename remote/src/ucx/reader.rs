@@ -15,6 +15,11 @@ use crate::protocol::UcxReady;
 
 /// How long closing an endpoint may wait for UCX to finish with it.
 const CLOSE_WAIT: Duration = Duration::from_secs(2);
+/// A read progresses its worker in a loop this long, then sleeps on its event descriptor (so
+/// many waiting readers do not take the CPUs the gets need).
+const SPIN: Duration = Duration::from_micros(50);
+/// Longest sleep between looks at the deadline.
+const SLEEP_MS: i32 = 5;
 
 /// An owner's arena, read over UCX.
 pub(crate) struct UcxArena {
@@ -137,8 +142,11 @@ impl Link {
     fn wait_all(&mut self, mut pending: Vec<Handle>, deadline: Instant, timeout: Duration) -> UResult<()> {
         let ucp = self.worker.ctx.ucp;
         let mut first: Option<UcxError> = None;
+        let spin_until = Instant::now() + SPIN;
         while !pending.is_empty() {
-            self.worker.progress();
+            if self.worker.progress() == 0 && Instant::now() > spin_until {
+                self.sleep();
+            }
             pending.retain(|&req| {
                 // SAFETY: a live request of this worker, freed once when complete.
                 let status = unsafe { (ucp.ucp_request_check_status)(req) };
@@ -159,6 +167,16 @@ impl Link {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Sleeps until the worker has events (or a few milliseconds passed).
+    fn sleep(&self) {
+        let Ok(fd) = self.worker.event_fd() else { return };
+        if let Ok(true) = self.worker.arm() {
+            let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one live pollfd; the descriptor is the worker's, open while it lives.
+            unsafe { libc::poll(&mut pfd, 1, SLEEP_MS) };
+        }
     }
 
     /// Destroys the remote key and force-closes the endpoint (idempotent).
