@@ -49,6 +49,7 @@ from kvtide._kvtide import (  # noqa: F401
     connect,
     connect_cluster,
     cuda_built,
+    ucx_version,
 )
 
 

@@ -604,7 +604,7 @@ class MooncakeDistributedStore:
         segment = _uint(global_segment_size, "global_segment_size")
         local = _uint(local_buffer_size, "local_buffer_size")
         return self._setup(local_hostname, segment, local, master_server_addr, bool(enable_ssd_offload),
-                           ssd_offload_path, dummy=False)
+                           ssd_offload_path, dummy=False, protocol=protocol)
 
     def _setup_dict(self, config):
         cfg = {str(k): str(v) for k, v in config.items()}
@@ -622,11 +622,14 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         ssd = _parse_bool(cfg.get("enable_ssd_offload"), False)
         return self._setup(cfg["local_hostname"], segment, local, cfg.get("master_server_addr", "127.0.0.1:50051"),
-                           ssd, cfg.get("ssd_offload_path", ""), dummy=False)
+                           ssd, cfg.get("ssd_offload_path", ""), dummy=False, protocol=cfg.get("protocol", "tcp"))
 
-    def _setup(self, hostname, segment_bytes, local_bytes, address, ssd, ssd_path, dummy):
+    def _setup(self, hostname, segment_bytes, local_bytes, address, ssd, ssd_path, dummy, protocol="tcp"):
         if not hostname:
             return INVALID_PARAMS
+        # protocol="rdma": reads over the owner's UCX plane on its RDMA transports (over TCP, with
+        # a warning, where the owner serves none or this host has no RDMA device).
+        ucx = "rdma" if str(protocol).strip().lower() == "rdma" else None
         try:
             if address in ("", "embedded"):
                 settings = {"dram_bytes": max(segment_bytes, 16 << 20)}
@@ -634,9 +637,9 @@ class MooncakeDistributedStore:
                     settings["ssd_dir"] = ssd_path
                 store = kvtide.Store(env=True, **settings)
             elif address.startswith(("etcd://", "etcds://")):
-                store = kvtide.connect_cluster(*_cluster_address(address))
+                store = kvtide.connect_cluster(*_cluster_address(address), ucx=ucx)
             else:
-                store = kvtide.connect(address)
+                store = kvtide.connect(address, ucx=ucx)
         except kvtide.KvtideError as e:
             return error_code(e) if not isinstance(e, kvtide.InvalidArgument) else INVALID_PARAMS
         port_socket = None

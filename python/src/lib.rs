@@ -24,6 +24,13 @@ fn cuda_built() -> bool {
     cfg!(feature = "cuda")
 }
 
+/// The UCX library this process can load for the UCX data plane, as "major.minor", or None
+/// (then `connect(..., ucx=...)` reads over TCP, with a warning).
+#[pyfunction]
+fn ucx_version() -> Option<String> {
+    kvtide_remote::ucx_available().ok().map(|(major, minor)| format!("{major}.{minor}"))
+}
+
 #[pymodule]
 fn _kvtide(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyStore>()?;
@@ -35,6 +42,7 @@ fn _kvtide(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::connect, m)?)?;
     m.add_function(wrap_pyfunction!(store::connect_cluster, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_built, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     Ok(())

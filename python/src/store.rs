@@ -202,6 +202,18 @@ impl PyStore {
         })
     }
 
+    /// How reads reach the bytes: "embedded" (this process), "shared-memory" (the owner's arena
+    /// mapped here), "ucx" (one-sided UCX gets from the owner's arena), "socket" (sent by the
+    /// owner), or "cluster" (per owner, one of the remote ones).
+    #[getter]
+    fn data_plane(&self) -> PyResult<&'static str> {
+        Ok(match &*self.backend()? {
+            Backend::Embedded(_) => "embedded",
+            Backend::Remote(r) => r.data_plane().name(),
+            Backend::Cluster(_) => "cluster",
+        })
+    }
+
     /// How this client used the same-host paths of its owner: `{"index_reads": n,
     /// "index_misses": n, "direct_put_bytes": n}` (reads served by the owner's read index
     /// without a request, reads looked up there and then leased, put bytes the owner read
@@ -996,6 +1008,21 @@ fn nested(obj: &Bound<'_, PyAny>, usage: Use) -> PyResult<Vec<Vec<Buf>>> {
     Ok(out)
 }
 
+/// The `ucx` and `ucx_allow_tcp` keywords: "off" (or "") clears the transports, "rdma" names
+/// the RDMA ones, anything else is a UCX transport list (checked at connect).
+fn set_ucx(o: &mut ClientOptions, ucx: Option<String>, allow_tcp: Option<bool>) {
+    if let Some(list) = ucx {
+        o.ucx_transports = match list.trim() {
+            "" | "off" => None,
+            "rdma" => Some(kvtide_remote::UcxTransports::rdma().as_str().to_string()),
+            other => Some(other.to_string()),
+        };
+    }
+    if let Some(v) = allow_tcp {
+        o.ucx_allow_tcp = v;
+    }
+}
+
 /// `connect_cluster(etcd, cluster_name, *, replication=1, token=None, token_file=None, ...)`: a
 /// store over every owner registered in the kvtide cluster `cluster_name` on the etcd endpoints
 /// `etcd` ("etcd://HOST:PORT[,HOST:PORT...]"). Owners on this host are reached by their Unix
@@ -1003,7 +1030,7 @@ fn nested(obj: &Bound<'_, PyAny>, usage: Use) -> PyResult<Vec<Vec<Buf>>> {
 #[pyfunction]
 #[pyo3(signature = (etcd, cluster_name, *, replication=1, token=None, token_file=None, timeout_ms=None,
     connect_timeout_ms=None, shared_memory=None, refresh_ms=None, retry_ms=None, wait_for_members_ms=None,
-    etcd_user=None, etcd_password=None, etcd_ca_file=None, etcd_timeout_ms=None))]
+    etcd_user=None, etcd_password=None, etcd_ca_file=None, etcd_timeout_ms=None, ucx=None, ucx_allow_tcp=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn connect_cluster(
     py: Python<'_>,
@@ -1022,6 +1049,8 @@ pub fn connect_cluster(
     etcd_password: Option<String>,
     etcd_ca_file: Option<String>,
     etcd_timeout_ms: Option<u64>,
+    ucx: Option<String>,
+    ucx_allow_tcp: Option<bool>,
 ) -> PyResult<PyStore> {
     let cluster_error = |e: kvtide_remote::cluster::ClusterError| match e {
         kvtide_remote::cluster::ClusterError::Etcd(kvtide_remote::cluster::EtcdError::Unreachable { .. }) => {
@@ -1032,6 +1061,7 @@ pub fn connect_cluster(
     let mut o = ClusterOptions::new(&etcd, &cluster_name).map_err(cluster_error)?;
     o.replication = replication;
     o.client = ClientOptions::from_env().map_err(|e| to_py(&e))?;
+    set_ucx(&mut o.client, ucx, ucx_allow_tcp);
     if let Some(token) = token {
         let bytes = if let Ok(s) = token.extract::<String>() { s.into_bytes() } else { buffers::key(token)? };
         o.client.token = Some(Token::new(&bytes).map_err(|e| invalid(format!("token: {e}")))?);
@@ -1073,12 +1103,13 @@ pub fn connect_cluster(
 
 /// `connect(address, *, token=None, token_file=None, timeout_ms=30000, ...)`: a store served by
 /// `kvtide-owner` at `address` ("unix:/path/owner.sock", a socket path, or "host:port").
-/// `KVTIDE_TOKEN_FILE`, `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX` and
-/// `KVTIDE_DIRECT_PUTS` apply first.
+/// `KVTIDE_TOKEN_FILE`, `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX`,
+/// `KVTIDE_DIRECT_PUTS`, `KVTIDE_UCX_TRANSPORTS` and `KVTIDE_UCX_ALLOW_TCP` apply first. `ucx`:
+/// read over the owner's UCX plane with these transports ("rdma", a UCX list, or "off").
 #[pyfunction]
 #[pyo3(signature = (address, *, token=None, token_file=None, timeout_ms=None, connect_timeout_ms=None,
     shared_memory=None, read_index=None, direct_puts=None, max_idle_connections=None, max_tickets_in_flight=None, max_stream_handles=None,
-    max_stream_host_bytes=None, spin_us=None, gpu_staging=None))]
+    max_stream_host_bytes=None, spin_us=None, gpu_staging=None, ucx=None, ucx_allow_tcp=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn connect(
     py: Python<'_>,
@@ -1096,9 +1127,12 @@ pub fn connect(
     max_stream_host_bytes: Option<u64>,
     spin_us: Option<u64>,
     gpu_staging: Option<bool>,
+    ucx: Option<String>,
+    ucx_allow_tcp: Option<bool>,
 ) -> PyResult<PyStore> {
     // The variables first (ClientOptions::from_env), then the keywords.
     let mut o = ClientOptions::from_env().map_err(|e| to_py(&e))?;
+    set_ucx(&mut o, ucx, ucx_allow_tcp);
     if let Some(token) = token {
         let bytes = if let Ok(s) = token.extract::<String>() { s.into_bytes() } else { buffers::key(token)? };
         o.token = Some(Token::new(&bytes).map_err(|e| invalid(format!("token: {e}")))?);

@@ -100,11 +100,27 @@ class Owner:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+# The session's owner serves its UCX plane over UCX's tcp transport (loopback here), so every
+# store test also runs with reads over UCX.
+UCX_ARGS = ("--ucx", "tcp", "--ucx-allow-tcp", "true")
+
+
 @pytest.fixture(scope="session")
 def owner():
-    o = Owner()
+    o = Owner(extra=UCX_ARGS)
     yield o
     o.stop()
+
+
+def ucx_store(owner):
+    """A client of `owner` reading over its UCX plane (asserted); skipped where UCX is not
+    installed, except under CI (which installs it)."""
+    if kvtide.ucx_version() is None:
+        assert not os.environ.get("CI"), "CI must have UCX (libucx0)"
+        pytest.skip("UCX is not installed here")
+    s = owner.connect("tcp", ucx="tcp", ucx_allow_tcp=True)
+    assert s.data_plane == "ucx", f"the client reads over {s.data_plane}, not the UCX plane"
+    return s
 
 
 def embedded_store(**kw):
@@ -113,12 +129,14 @@ def embedded_store(**kw):
     return kvtide.Store(**settings)
 
 
-@pytest.fixture(params=["embedded", "unix", "tcp"])
+@pytest.fixture(params=["embedded", "unix", "tcp", "ucx"])
 def store(request, owner):
-    """The same tests against the embedded engine and the owner over both transports. Each
-    test's keys are its own (the owner is shared): use the `k` fixture."""
+    """The same tests against the embedded engine and the owner over its transports (TCP with
+    the UCX plane too). Each test's keys are its own (the owner is shared): use the `k` fixture."""
     if request.param == "embedded":
         s = embedded_store()
+    elif request.param == "ucx":
+        s = ucx_store(owner)
     else:
         s = owner.connect(request.param)
     yield s

@@ -6,6 +6,7 @@ checkout, keeps it."""
 
 import ctypes
 import gc
+import os
 import re
 import struct
 import threading
@@ -33,7 +34,7 @@ def setup_args(address, local=16 << 20):
     return ("localhost", "P2PHANDSHAKE", 64 << 20, local, "tcp", "", address)
 
 
-@pytest.fixture(params=["embedded", "unix", "tcp"])
+@pytest.fixture(params=["embedded", "unix", "tcp", "ucx"])
 def mc(request, owner, monkeypatch):
     s = MooncakeDistributedStore()
     if request.param == "embedded":
@@ -44,9 +45,18 @@ def mc(request, owner, monkeypatch):
         rc = s.setup(*setup_args(owner.unix))
     else:
         monkeypatch.setenv("KVTIDE_TOKEN_FILE", owner.token_file)
+        if request.param == "ucx":
+            if kvtide.ucx_version() is None:
+                assert not os.environ.get("CI"), "CI must have UCX (libucx0)"
+                pytest.skip("UCX is not installed here")
+            # The owner's plane runs over UCX's tcp transport here (conftest.UCX_ARGS).
+            monkeypatch.setenv("KVTIDE_UCX_TRANSPORTS", "tcp")
+            monkeypatch.setenv("KVTIDE_UCX_ALLOW_TCP", "1")
         rc = s.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
                       "master_server_addr": owner.tcp})
     assert rc == 0
+    if request.param == "ucx":
+        assert s._store.data_plane == "ucx"
     yield s
     assert s.close() == 0
     assert s.close() == 0, "close is idempotent"
@@ -457,6 +467,20 @@ def test_pins_and_leases(mc, k):
 
 
 # ---- setup, hostname, lifecycle ------------------------------------------------------------------
+
+
+def test_protocol_rdma_reads_over_the_ucx_plane_where_it_can(owner, monkeypatch, k):
+    """protocol="rdma" asks for the owner's UCX plane on RDMA transports: this owner serves its
+    plane over tcp only (conftest.UCX_ARGS), so the client says why and reads over TCP, with the
+    same bytes."""
+    monkeypatch.setenv("KVTIDE_TOKEN_FILE", owner.token_file)
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 64 << 20, 16 << 20, "rdma", "", owner.tcp) == 0
+    assert s._store.data_plane == "socket"
+    value = bytes(range(256)) * 1000
+    assert s.put(k("rdma"), value) == 0
+    assert s.get(k("rdma")) == value
+    assert s.close() == 0
 
 
 def test_setup_forms_sizes_and_hostname(monkeypatch, tmp_path):
