@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvtide
+from conftest import ucx_store
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -21,12 +22,20 @@ def pattern(n, seed):
     return torch.arange(n, dtype=torch.int64).mul_(2654435761).add_(seed).remainder_(251).to(torch.uint8)
 
 
-@pytest.fixture(params=["embedded", "unix"])
+def connected(owner, kind):
+    """The owner over its Unix socket (the arena mapped) or over TCP with the UCX plane (the
+    bytes land in a pinned bounce, then go to the GPU)."""
+    if kind == "ucx":
+        return ucx_store(owner)
+    return owner.connect("unix")
+
+
+@pytest.fixture(params=["embedded", "unix", "ucx"])
 def gstore(request, owner):
     if request.param == "embedded":
         s = kvtide.Store(dram_bytes="1GiB", shards=4)
     else:
-        s = owner.connect("unix")
+        s = connected(owner, request.param)
     yield s
     s.close()
 
@@ -81,9 +90,9 @@ def test_staged_reads_into_a_paged_kv_tensor(k):
     store.close()
 
 
-@pytest.mark.parametrize("kind", ["embedded", "unix"])
+@pytest.mark.parametrize("kind", ["embedded", "unix", "ucx"])
 def test_stream_bound_reads_feed_one_captured_graph(owner, k, kind):
-    store = kvtide.Store(dram_bytes="1GiB", shards=4) if kind == "embedded" else owner.connect("unix")
+    store = kvtide.Store(dram_bytes="1GiB", shards=4) if kind == "embedded" else connected(owner, kind)
     layers, page = 4, 256 << 10
     kv = torch.zeros((layers, page), dtype=torch.uint8, device="cuda")
     out = torch.zeros((layers, page), dtype=torch.int32, device="cuda")
