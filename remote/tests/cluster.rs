@@ -496,6 +496,34 @@ fn every_store_operation_through_the_cluster_matches_the_embedded_engine() {
     drop(owners);
 }
 
+/// Owners serving the UCX plane (over UCX's tcp transport, loopback): a cluster client over TCP
+/// with the plane attaches to every owner's and matches the embedded engine.
+fn a_cluster_client_reads_over_each_owners_ucx_plane() {
+    if let Err(why) = kvtide_remote::ucx_available() {
+        assert!(std::env::var_os("CI").is_none(), "CI must have UCX: {why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let ucx = ["--ucx", "tcp", "--ucx-allow-tcp", "true"];
+    let Some((root, etcd, owners, _)) = three_owners_with("ucx", 1, &ucx) else { return };
+    let mut o = options(&etcd, "ucx", &root, 1);
+    o.unix_on_same_host = false;
+    o.client.ucx_transports = Some("tcp".into());
+    o.client.ucx_allow_tcp = true;
+    let cluster = ClusterStore::connect(o).expect("connect over TCP with the UCX plane");
+    wait_members(&cluster, &["a", "b", "c"], Duration::from_secs(60));
+    script_matches(&cluster, &engine());
+    let mut planes = BTreeSet::new();
+    for k in 0..60 {
+        let key = format!("k/{k:03}").into_bytes();
+        let member = cluster.owner_of(&key).expect("an owner");
+        assert_eq!(member.data_plane(), kvtide_remote::DataPlane::Ucx, "key {k}");
+        planes.insert(cluster.placement(&key)[0].clone());
+    }
+    assert_eq!(planes.len(), 3, "keys on every owner, each read over its plane");
+    drop(owners);
+}
+
 fn replication_two_survives_sigkill_of_any_one_owner() {
     // Write-through: an owner killed and restarted still has what it acknowledged, so killing
     // the owners one after the other is one failure at a time (without it, the restarted
@@ -834,6 +862,7 @@ const TESTS: &[(&str, fn())] = &[
     ("clients_and_owners_ride_out_an_etcd_restart", clients_and_owners_ride_out_an_etcd_restart),
     ("bad_cluster_input_gives_clear_errors", bad_cluster_input_gives_clear_errors),
     ("the_owner_exports_its_membership_in_metrics", the_owner_exports_its_membership_in_metrics),
+    ("a_cluster_client_reads_over_each_owners_ucx_plane", a_cluster_client_reads_over_each_owners_ucx_plane),
 ];
 
 fn main() {
