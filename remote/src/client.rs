@@ -197,6 +197,12 @@ impl RemoteStore {
         }
     }
 
+    /// Why this client's last connection was left on TCP though it asked for the UCX plane (the
+    /// owner serves none or refused it, its answer did not check out, or UCX could not connect).
+    pub fn ucx_refusal(&self) -> Option<String> {
+        self.inner.pool.ucx.lock().unwrap_or_else(|p| p.into_inner()).last_refusal.clone()
+    }
+
     /// True when gets copy straight from the owner's shared memory.
     pub fn uses_shared_memory(&self) -> bool {
         self.inner.pool.mapping.read().unwrap_or_else(|p| p.into_inner()).is_some()

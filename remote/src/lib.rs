@@ -39,7 +39,10 @@ pub use settings::{
     Invocation, OwnerGroup, OwnerSettings, ResolvedOwner, Source,
 };
 pub use sock::raise_descriptor_limit;
-pub use ucx::{ucx_available, ucx_plane_main, Transports as UcxTransports, UcxError, UCX_PLANE_ARG, UCX_PLANE_VERSION};
+pub use ucx::{
+    ucx_available, ucx_plane_main, Transports as UcxTransports, UcxError, UcxPlaneState, UCX_PLANE_ARG,
+    UCX_PLANE_VERSION,
+};
 
 /// The same-host read path, for the fuzz target.
 #[doc(hidden)]

@@ -367,7 +367,8 @@ fn ucx_owner(engine: &Arc<Engine>, dir: &Path) -> Option<Owner> {
         ..OwnerConfig::default()
     };
     let owner = Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane");
-    assert_eq!(owner.ucx_plane(), Some((true, 0)), "the plane's process runs");
+    let plane = owner.ucx_plane().expect("a plane");
+    assert!(plane.serving && plane.pid.is_some() && plane.restarts == 0, "the plane's process runs: {plane:?}");
     Some(owner)
 }
 
@@ -375,11 +376,20 @@ fn ucx_options() -> ClientOptions {
     ClientOptions { ucx_transports: Some("tcp".into()), ucx_allow_tcp: true, ..options() }
 }
 
+/// A client attached to `owner`'s UCX plane; one that lands while the plane's process restarts
+/// (after a test killed a peer or the process) reads over TCP, so a new one is made until one
+/// attaches (10 s at most).
 fn ucx_client(owner: &Owner) -> RemoteStore {
-    let addr = owner.tcp_addr().expect("tcp");
-    let store = RemoteStore::connect_with(&addr.to_string(), ucx_options()).expect("connect over tcp with UCX");
-    assert_eq!(store.data_plane(), DataPlane::Ucx, "attached to the UCX plane");
-    store
+    let addr = owner.tcp_addr().expect("tcp").to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let store = RemoteStore::connect_with(&addr, ucx_options()).expect("connect over tcp with UCX");
+        if store.data_plane() == DataPlane::Ucx {
+            return store;
+        }
+        assert!(Instant::now() < deadline, "not attached: {:?}", store.ucx_refusal());
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Every operation over the UCX plane (leases on the TCP connection, bytes by one-sided UCX
@@ -550,8 +560,16 @@ fn a_ucx_client_reattaches_after_an_owner_restart() {
 #[ignore = "run by a_ucx_client_killed_mid_read_leaves_nothing_held as a child process"]
 fn ucx_child_reader() {
     let Ok(addr) = std::env::var("KVTIDE_UCX_CHILD_ADDR") else { return };
-    let store = RemoteStore::connect_with(&addr, ucx_options()).expect("child connect");
-    assert_eq!(store.data_plane(), DataPlane::Ucx);
+    let mut store = RemoteStore::connect_with(&addr, ucx_options()).expect("child connect");
+    // The plane's process may be restarting (an earlier child's death can abort it): this client
+    // then reads over TCP; the child waits for a client on the plane.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.data_plane() != DataPlane::Ucx {
+        assert!(Instant::now() < deadline, "child: {:?}", store.ucx_refusal());
+        assert_eq!(store.get(b"big").expect("child read over TCP").len(), 16 << 20);
+        std::thread::sleep(Duration::from_millis(200));
+        store = RemoteStore::connect_with(&addr, ucx_options()).expect("child connect");
+    }
     let mut buf = vec![0u8; 16 << 20];
     for i in 0.. {
         store.get_into(b"big", Region::host(&mut buf)).expect("child read");
@@ -588,7 +606,7 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
         // UCX 1.13 may abort the plane's process when a peer vanishes mid-get over tcp: the
         // owner restarts it and never goes down itself.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while owner.ucx_plane().is_some_and(|(up, _)| !up) {
+        while owner.ucx_plane().is_some_and(|p| !p.serving) {
             assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -598,10 +616,10 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
 
     // The plane's process killed: the owner restarts it; a client attached to the old one
     // fails that read (never returns bytes it did not read) and attaches to the new one.
-    let (_, restarts) = owner.ucx_plane().expect("a plane");
-    kill_ucx_plane_process();
+    let restarts = owner.ucx_plane().expect("a plane").restarts;
+    kill_ucx_plane_process(&owner);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while owner.ucx_plane() != Some((true, restarts + 1)) {
+    while owner.ucx_plane().is_none_or(|p| !p.serving || p.restarts <= restarts) {
         assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -612,28 +630,51 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
     }
     assert_eq!(store.get(b"big").expect("read again"), big);
     assert_eq!(ucx_client(&owner).get(b"big").expect("a new client"), big);
-    drop(store);
+
+    // A plane process that stops answering (SIGSTOP): the read fails at the client's deadline
+    // without a byte reported, and its endpoint and connection go (so do their leases). Once the
+    // process runs again (UCX 1.13 may then abort it, for the get it owes the closed endpoint, and
+    // the owner restarts it) the next read is right, and a new client attaches.
+    let addr = owner.tcp_addr().expect("tcp").to_string();
+    let quick =
+        RemoteStore::connect_with(&addr, ClientOptions { timeout_ms: 1_000, ..ucx_options() }).expect("connect");
+    assert_eq!(quick.get(b"big").expect("before the stop"), big);
+    let pid = ucx_plane_pid(&owner);
+    // SAFETY: kill with a pid and a signal.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stalled = quick.get_into(b"big", Region::host(&mut buf));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(matches!(stalled, Err(Error::Timeout { .. } | Error::Disconnected(_))), "{stalled:?}");
+    wait_idle(&owner);
+    assert_eq!(quick.get(b"big").expect("after the process runs again"), big);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while owner.ucx_plane().is_some_and(|p| !p.serving) {
+        assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(ucx_client(&owner).get(b"big").expect("a client after the stall"), big);
+    drop((store, quick));
     wait_idle(&owner);
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Kills this process's UCX plane child (`kvtide-owner __ucx-plane`).
-fn kill_ucx_plane_process() {
-    let me = std::process::id().to_string();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        // Field 4 of stat, after the parenthesised name, is the parent's pid.
-        let parent = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string));
-        let plane = cmdline.split(|&b| b == 0).any(|arg| arg == kvtide_remote::UCX_PLANE_ARG.as_bytes());
-        if plane && parent.as_deref() == Some(me.as_str()) {
-            let pid: i32 = entry.file_name().to_string_lossy().parse().expect("pid");
-            // SAFETY: kill with a pid and a signal.
-            assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
-            return;
+/// Kills `owner`'s UCX plane process.
+fn kill_ucx_plane_process(owner: &Owner) {
+    // SAFETY: kill with a pid and a signal.
+    assert_eq!(unsafe { libc::kill(ucx_plane_pid(owner), libc::SIGKILL) }, 0);
+}
+
+/// The pid of `owner`'s UCX plane process (waiting for one that serves, 10 s at most).
+fn ucx_plane_pid(owner: &Owner) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = owner.ucx_plane().and_then(|p| p.pid) {
+            return pid as i32;
         }
+        assert!(Instant::now() < deadline, "no UCX plane process");
+        std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("no UCX plane process found");
 }
 
 /// Over a Unix socket with the arena mapped, a read of one key into a small host buffer comes

@@ -14,7 +14,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtide::Error as StoreError;
 
@@ -29,6 +29,10 @@ use crate::protocol::{
 use crate::shm::ShmMapping;
 use crate::sock::{self, Stream};
 use crate::wire::{FrameIo, WResult, WireError};
+
+/// How long a client that was refused the UCX plane (or could not reach it) reads over TCP
+/// before a new connection asks again.
+const UCX_RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// The connections to one owner: the idle ones, how to make more, and what they share.
 pub(super) struct Pool {
@@ -47,7 +51,7 @@ pub(super) struct Pool {
     /// Reads through the read index not yet reported to the owner.
     index_reads: IndexReadLog,
     /// The UCX plane this client uses, when `ucx_transports` is set.
-    ucx: Mutex<UcxState>,
+    pub(super) ucx: Mutex<UcxState>,
     /// The last connection opened reads over the UCX plane.
     pub(super) ucx_ready: AtomicBool,
 }
@@ -55,9 +59,13 @@ pub(super) struct Pool {
 /// The client's UCX context (made at the first attach) and the owner instance whose plane was
 /// refused or failed here (not asked again until the owner restarts).
 #[derive(Default)]
-struct UcxState {
+pub(super) struct UcxState {
     context: Option<Arc<crate::ucx::Context>>,
-    refused_instance: Option<u64>,
+    /// The owner instance whose plane was refused or failed here, and when: not asked again
+    /// for `UCX_RETRY_AFTER` (the plane's process may be restarting).
+    refused: Option<(u64, Instant)>,
+    /// Why the last attach left a connection on TCP.
+    pub(super) last_refusal: Option<String>,
 }
 
 impl Pool {
@@ -118,7 +126,14 @@ impl Pool {
     }
 
     pub(super) fn checkout(&self) -> Option<Conn> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
+        loop {
+            let conn = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            // A UCX endpoint that failed while the connection sat idle (its peer process
+            // restarted or stalled): the connection goes, and the next one attaches again.
+            if conn.ucx.as_ref().is_none_or(|u| u.is_usable()) {
+                return Some(conn);
+            }
+        }
     }
 
     /// Confirms the releases sent up to `through` (`Releases::last_sent` before a request):
@@ -171,6 +186,7 @@ impl Pool {
         mut f: impl FnMut(&mut Conn, u64) -> WResult<Result<T>>,
     ) -> Result<(Conn, u64, T)> {
         let mut pooled = self.checkout();
+        let mut ucx_retried = false;
         loop {
             let reused = pooled.is_some();
             let mut conn = match pooled.take() {
@@ -181,6 +197,12 @@ impl Pool {
             // Reads through the index reach the owner ahead of this request, in its write.
             self.index_reads.push_to(&mut conn, rid);
             match f(&mut conn, rid) {
+                // The UCX endpoint failed during the call (the plane's process died or stalled):
+                // its reads failed without a byte reported, so the call runs once more on a new
+                // connection, which attaches anew (or reads over TCP while the plane restarts).
+                Ok(Ok(_)) if !ucx_retried && conn.ucx.as_ref().is_some_and(|u| u.is_closed()) => {
+                    ucx_retried = true;
+                }
                 Ok(Ok(answer)) => return Ok((conn, rid, answer)),
                 Ok(Err(refused)) => {
                     self.checkin(conn);
@@ -316,7 +338,7 @@ impl Pool {
     fn attach_ucx(&self, conn: &mut Conn) -> WResult<Option<Arc<crate::ucx::UcxArena>>> {
         let instance = conn.hello.instance_id;
         let mut state = self.ucx.lock().unwrap_or_else(|p| p.into_inner());
-        if state.refused_instance == Some(instance) {
+        if state.refused.is_some_and(|(i, at)| i == instance && at.elapsed() < UCX_RETRY_AFTER) {
             return Ok(None);
         }
         let request = Request::UcxAttach { version: crate::ucx::UCX_PLANE_VERSION };
@@ -340,10 +362,15 @@ impl Pool {
                 crate::ucx::UcxArena::connect(&context, &ready, self.timeout()).map_err(|e| e.to_string())
             });
         match attached {
-            Ok(arena) => Ok(Some(Arc::new(arena))),
+            Ok(arena) => {
+                state.refused = None;
+                state.last_refusal = None;
+                Ok(Some(Arc::new(arena)))
+            }
             Err(why) => {
                 tracing::warn!(owner = %self.endpoint, reason = %why, "not reading over the UCX plane; reads stay on TCP");
-                state.refused_instance = Some(instance);
+                state.refused = Some((instance, Instant::now()));
+                state.last_refusal = Some(why);
                 Ok(None)
             }
         }

@@ -122,10 +122,9 @@ impl Owner {
         &self.shared.counters
     }
 
-    /// The UCX plane's state: None when this owner serves none, else whether its process runs
-    /// now and how many times it was restarted after it died.
-    pub fn ucx_plane(&self) -> Option<(bool, u64)> {
-        self.shared.ucx.as_ref().map(|u| (u.ready().is_some(), u.restarts()))
+    /// The UCX plane's process (None when this owner serves no plane).
+    pub fn ucx_plane(&self) -> Option<crate::ucx::UcxPlaneState> {
+        self.shared.ucx.as_ref().map(|u| u.state())
     }
 
     /// The engine and the counters `/metrics` reads.

@@ -25,6 +25,17 @@ use crate::protocol::UcxReady;
 const WATCH_MS: u64 = 100;
 const RESTART_PAUSE_MS: u64 = 500;
 
+/// The UCX plane's process as the owner sees it (`Owner::ucx_plane`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UcxPlaneState {
+    /// The process runs and clients are given its address.
+    pub serving: bool,
+    /// Its pid while it runs.
+    pub pid: Option<u32>,
+    /// Times it was started again after it ended.
+    pub restarts: u64,
+}
+
 /// How to start the helper.
 struct Launch {
     program: PathBuf,
@@ -64,35 +75,64 @@ impl UcxExport {
         arena_bytes: u64,
     ) -> UResult<UcxExport> {
         let launch = Launch { program, transports, arena_fd, arena_bytes };
-        let running = spawn(&launch)?;
-        tracing::info!(
-            transports = launch.transports.as_str(),
-            arena_bytes,
-            pid = running.child.id(),
-            "UCX data plane serving the arena from its own process"
-        );
         let state = Arc::new(State {
-            running: Mutex::new(Some(running)),
+            running: Mutex::new(None),
             stopping: AtomicBool::new(false),
             stopped: Condvar::new(),
             restarts: AtomicU64::new(0),
         });
         let watched = Arc::clone(&state);
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        // The watcher starts every helper, the first too: a helper dies with the thread that
+        // started it (PR_SET_PDEATHSIG), and the watcher lives as long as the export.
         let watcher = std::thread::Builder::new()
             .name("kvtide-ucx-watch".into())
-            .spawn(move || watch(&watched, &launch))
+            .spawn(move || {
+                let first = spawn(&launch);
+                let ok = first.is_ok();
+                match first {
+                    Ok(running) => {
+                        tracing::info!(
+                            transports = launch.transports.as_str(),
+                            arena_bytes = launch.arena_bytes,
+                            pid = running.child.id(),
+                            "UCX data plane serving the arena from its own process"
+                        );
+                        *watched.running.lock().unwrap_or_else(|p| p.into_inner()) = Some(running);
+                        let _ = started_tx.send(Ok(()));
+                    }
+                    Err(e) => {
+                        let _ = started_tx.send(Err(e));
+                    }
+                }
+                if ok {
+                    watch(&watched, &launch);
+                }
+            })
             .map_err(|e| UcxError::Call { call: "spawn", status: e.to_string() })?;
+        let started = started_rx
+            .recv()
+            .unwrap_or_else(|_| Err(UcxError::Call { call: "spawn", status: "the watcher ended".into() }));
+        if let Err(e) = started {
+            let _ = watcher.join();
+            return Err(e);
+        }
         Ok(UcxExport { state, watcher: Some(watcher) })
     }
 
-    /// What an authenticated client is given, while the helper runs.
+    /// What an authenticated client is given, while the helper runs (looked at now, so a
+    /// helper that just died is not handed out until its successor serves).
     pub(crate) fn ready(&self) -> Option<UcxReady> {
-        self.state.running.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|r| r.ready.clone())
+        let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
+        let r = running.as_mut()?;
+        matches!(r.child.try_wait(), Ok(None)).then(|| r.ready.clone())
     }
 
-    /// Times the helper was restarted after it died.
-    pub(crate) fn restarts(&self) -> u64 {
-        self.state.restarts.load(Ordering::Relaxed)
+    /// The helper's state now.
+    pub(crate) fn state(&self) -> UcxPlaneState {
+        let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = running.as_mut().and_then(|r| matches!(r.child.try_wait(), Ok(None)).then(|| r.child.id()));
+        UcxPlaneState { serving: pid.is_some(), pid, restarts: self.state.restarts.load(Ordering::Relaxed) }
     }
 }
 

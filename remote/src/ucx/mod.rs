@@ -18,6 +18,7 @@ use std::ffi::{c_void, CString};
 use std::sync::Arc;
 
 pub(crate) use export::UcxExport;
+pub use export::UcxPlaneState;
 pub use helper::{ucx_plane_main, UCX_PLANE_ARG};
 pub(crate) use reader::UcxArena;
 

@@ -32,6 +32,8 @@ pub(crate) struct UcxArena {
 struct Link {
     /// None once the endpoint was closed (a read timed out or failed).
     ep: Option<(Handle, Handle)>,
+    /// Set by UCX's error callback when the endpoint's peer is lost.
+    peer_lost: Box<std::sync::atomic::AtomicBool>,
     worker: Worker,
 }
 
@@ -44,6 +46,7 @@ impl UcxArena {
     pub(crate) fn connect(ctx: &Arc<Context>, ready: &UcxReady, timeout: Duration) -> UResult<UcxArena> {
         let worker = Worker::new(ctx)?;
         let ucp = ctx.ucp;
+        let peer_lost = Box::new(std::sync::atomic::AtomicBool::new(false));
         let params = ffi::EpParams {
             field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -51,7 +54,8 @@ impl UcxArena {
             address: ready.worker_address.as_ptr().cast(),
             err_mode: ffi::UCP_ERR_HANDLING_MODE_PEER,
             err_handler_cb: peer_failed as *const _,
-            err_handler_arg: std::ptr::null_mut(),
+            // The flag is boxed in the link, which outlives the endpoint (closed in its drop).
+            err_handler_arg: (&*peer_lost as *const std::sync::atomic::AtomicBool).cast_mut().cast(),
             user_data: std::ptr::null_mut(),
             flags: 0,
             sockaddr: ffi::SockAddr { addr: std::ptr::null(), addrlen: 0 },
@@ -67,7 +71,7 @@ impl UcxArena {
         // SAFETY: a live endpoint; the key bytes came from the owner's ucp_rkey_pack (checked
         // whole as above).
         let unpacked = unsafe { (ucp.ucp_ep_rkey_unpack)(ep, ready.rkey.as_ptr().cast(), &mut rkey) };
-        let mut link = Link { ep: Some((ep, std::ptr::null_mut())), worker };
+        let mut link = Link { ep: Some((ep, std::ptr::null_mut())), peer_lost, worker };
         if let Err(e) = super::check(ucp, "ucp_ep_rkey_unpack", unpacked) {
             link.close();
             return Err(e);
@@ -83,6 +87,17 @@ impl UcxArena {
     /// True once a read failed and the endpoint was closed: every later read fails.
     pub(crate) fn is_closed(&self) -> bool {
         self.link.lock().unwrap_or_else(|p| p.into_inner()).ep.is_none()
+    }
+
+    /// False when the endpoint was closed or UCX reported its peer lost (after one round of
+    /// the worker's pending work, which delivers that report).
+    pub(crate) fn is_usable(&self) -> bool {
+        let mut link = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        link.worker.progress();
+        if link.peer_lost.load(std::sync::atomic::Ordering::Acquire) {
+            link.close();
+        }
+        link.ep.is_some()
     }
 
     /// Reads each `(arena offset, destination address, length)` piece; all of them, or an error.
@@ -132,9 +147,16 @@ impl UcxArena {
     }
 }
 
-/// A lost peer: nothing to do here (its requests fail, and the read that sees them closes the
-/// endpoint); installed so UCX does not log the loss as an unhandled error.
-extern "C" fn peer_failed(_arg: *mut std::ffi::c_void, _ep: Handle, _status: ffi::Status) {}
+/// A lost peer: flags it (its requests fail, and the read that sees them, or the pool's check
+/// of an idle connection, closes the endpoint); also keeps UCX from logging the loss as an
+/// unhandled error.
+extern "C" fn peer_failed(arg: *mut std::ffi::c_void, _ep: Handle, _status: ffi::Status) {
+    if !arg.is_null() {
+        // SAFETY: `arg` is the link's boxed flag, alive until the endpoint is closed (UCX calls
+        // this only for a live endpoint).
+        unsafe { &*(arg as *const std::sync::atomic::AtomicBool) }.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
 
 impl Link {
     /// Progresses until every request completed; past `deadline` the endpoint is closed (its
