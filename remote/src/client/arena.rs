@@ -6,6 +6,7 @@
 //! through a pinned bounce the gets land in). Never decides what may be read: every range it is
 //! given was granted under a lease and is checked against the arena's length here.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use kvtide::Error as StoreError;
@@ -16,6 +17,9 @@ use crate::error::{Error, Result};
 use crate::shm::ShmMapping;
 use crate::ucx::UcxArena;
 
+/// UCX gets collected for one `flush`: (arena offset, destination address, length).
+type Pending = RefCell<Vec<(u64, u64, u64)>>;
+
 /// Where a connection reads granted ranges from.
 #[derive(Clone)]
 pub(super) enum Arena {
@@ -23,13 +27,16 @@ pub(super) enum Arena {
     Mapped(Arc<ShmMapping>),
     /// The owner's arena read with one-sided UCX gets (TCP control connection).
     Ucx(Arc<UcxArena>),
+    /// As `Ucx`, with the gets of host copies collected and posted together by `flush` (the
+    /// objects and fragments of one part in flight at once).
+    UcxBatch(Arc<UcxArena>, Pending),
 }
 
 impl Arena {
     pub(super) fn len(&self) -> u64 {
         match self {
             Arena::Mapped(m) => m.len(),
-            Arena::Ucx(u) => u.len(),
+            Arena::Ucx(u) | Arena::UcxBatch(u, _) => u.len(),
         }
     }
 
@@ -37,21 +44,66 @@ impl Arena {
     pub(super) fn mapping(&self) -> Option<&Arc<ShmMapping>> {
         match self {
             Arena::Mapped(m) => Some(m),
-            Arena::Ucx(_) => None,
+            Arena::Ucx(_) | Arena::UcxBatch(..) => None,
         }
     }
 
-    /// Copies `len` bytes at `offset` of the arena to `dst`.
+    /// This arena with its UCX host copies collected until `flush` (a mapped one as it is).
+    pub(super) fn batched(self) -> Arena {
+        match self {
+            Arena::Ucx(u) => Arena::UcxBatch(u, RefCell::default()),
+            other => other,
+        }
+    }
+
+    /// Posts the collected gets and waits for them: Ok when every one completed (nothing was
+    /// collected, or the arena copies at once), else the error that fails every copy collected.
+    pub(super) fn flush(&self) -> Result<()> {
+        let Arena::UcxBatch(u, pending) = self else { return Ok(()) };
+        let pieces = std::mem::take(&mut *pending.borrow_mut());
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: every piece was collected by `copy_out`/`copy_out_across`, whose callers lent
+        // its destination writable and its range leased until after this flush (their contract).
+        unsafe { u.read(&pieces) }.map_err(Error::from)
+    }
+
+    /// Reads `pieces` now (UCX) or collects them (`UcxBatch`).
+    ///
+    /// # Safety
+    /// As `copy_out`, for each piece; with `UcxBatch` until the next `flush` returned.
+    unsafe fn get(u: &UcxArena, pending: Option<&Pending>, pieces: Vec<(u64, u64, u64)>) -> Result<()> {
+        for &(offset, _, n) in &pieces {
+            if offset.checked_add(n).is_none_or(|end| end > u.len()) {
+                return Err(Error::Protocol(format!("grant [{offset}, +{n}) lies outside the {}-byte arena", u.len())));
+            }
+        }
+        match pending {
+            Some(p) => {
+                p.borrow_mut().extend(pieces);
+                Ok(())
+            }
+            // SAFETY: forwarded contract.
+            None => unsafe { u.read(&pieces) }.map_err(Error::from),
+        }
+    }
+
+    /// Copies `len` bytes at `offset` of the arena to `dst` (with `UcxBatch`, at the next
+    /// `flush`).
     ///
     /// # Safety
     /// `[dst, dst + len)` must be valid host memory for writes, and the range must be covered by
-    /// a lease the owner granted and has not released.
+    /// a lease the owner granted and has not released (with `UcxBatch`: both until the next
+    /// `flush` returned).
     pub(super) unsafe fn copy_out(&self, offset: u64, len: u64, dst: *mut u8) -> Result<()> {
         match self {
             // SAFETY: forwarded contract.
             Arena::Mapped(m) => unsafe { m.copy_out(offset, len, dst) },
-            // SAFETY: forwarded contract; the reader checks the range against the arena.
-            Arena::Ucx(u) => unsafe { u.read(&[(offset, dst as u64, len)]) }.map_err(Error::from),
+            // SAFETY: forwarded contract.
+            Arena::Ucx(u) => unsafe { Arena::get(u, None, vec![(offset, dst as u64, len)]) },
+            // SAFETY: forwarded contract.
+            Arena::UcxBatch(u, p) => unsafe { Arena::get(u, Some(p), vec![(offset, dst as u64, len)]) },
         }
     }
 
@@ -64,7 +116,7 @@ impl Arena {
         match self {
             // SAFETY: forwarded contract.
             Arena::Mapped(m) => unsafe { m.copy_out_across(offset, len, regions) },
-            Arena::Ucx(u) => {
+            Arena::Ucx(u) | Arena::UcxBatch(u, _) => {
                 let mut pieces = Vec::with_capacity(regions.len());
                 let mut pos = 0;
                 for r in regions {
@@ -78,23 +130,33 @@ impl Arena {
                 if pos != len {
                     return Err(StoreError::BufferTooSmall { object_bytes: len, buffer_bytes: pos }.into());
                 }
+                let pending = match self {
+                    Arena::UcxBatch(_, p) => Some(p),
+                    _ => None,
+                };
                 // SAFETY: forwarded contract; each piece lies in its region.
-                unsafe { u.read(&pieces) }.map_err(Error::from)
+                unsafe { Arena::get(u, pending, pieces) }
             }
         }
     }
 
-    /// `len` bytes at `offset` in a new vector.
+    /// `len` bytes at `offset` in a new vector, read now (never collected: the vector is
+    /// this call's).
     ///
     /// # Safety
     /// The range must be leased as `copy_out` says.
     pub(super) unsafe fn copy_out_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
         let n = usize::try_from(len).map_err(|_| Error::Protocol(format!("{len} bytes do not fit memory")))?;
         let mut v = Vec::<u8>::with_capacity(n);
-        // SAFETY: v has room for len bytes; copy_out writes exactly those or fails (then set_len
+        // SAFETY: v has room for len bytes; the copy writes exactly those or fails (then set_len
         // is not reached).
         unsafe {
-            self.copy_out(offset, len, v.as_mut_ptr())?;
+            match self {
+                Arena::Mapped(m) => m.copy_out(offset, len, v.as_mut_ptr())?,
+                Arena::Ucx(u) | Arena::UcxBatch(u, _) => {
+                    Arena::get(u, None, vec![(offset, v.as_mut_ptr() as u64, len)])?
+                }
+            }
             v.set_len(n);
         }
         Ok(v)
@@ -117,12 +179,12 @@ impl Arena {
         let regions = gpu::covering(regions, len)?;
         match self {
             Arena::Mapped(m) => Ok(Some(Transfer::in_order(m.addr_of(offset, len)?, len, &regions))),
-            Arena::Ucx(_) => {
+            Arena::Ucx(u) | Arena::UcxBatch(u, _) => {
                 let n = usize::try_from(len).map_err(|_| Error::Protocol(format!("{len} bytes do not fit memory")))?;
                 let bounce = gpu.take_bounce(gpu::ordinal_of(&regions), n);
-                // SAFETY: the bounce holds at least n writable bytes, ours until given back;
-                // the range's lease is the caller's contract.
-                let landed = unsafe { self.copy_out(offset, len, bounce.ptr()) };
+                // SAFETY: the bounce holds at least n writable bytes, ours until given back (the
+                // get is made now, never collected); the range's lease is the caller's contract.
+                let landed = unsafe { Arena::get(u, None, vec![(offset, bounce.ptr() as u64, len)]) };
                 let copied = landed.and_then(|()| {
                     let transfer = Transfer::in_order(bounce.ptr() as u64, len, &regions);
                     // SAFETY: the bounce holds the bytes and is untouched until the copy

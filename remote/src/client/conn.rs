@@ -454,7 +454,7 @@ impl Conn {
         gpu: &gpu::ClientGpu,
         mut place: impl FnMut(usize, Result<Grant>, &Arena) -> Vec<Placed<T>>,
     ) -> WResult<Result<Vec<Result<T>>>> {
-        let Some(arena) = self.arena() else {
+        let Some(arena) = self.arena().map(Arena::batched) else {
             return Err(ProtocolError::Invalid { what: "grants without shared memory or the UCX plane" }.into());
         };
         let count = items.len();
@@ -497,6 +497,15 @@ impl Conn {
                     }
                     in_part.push(slot);
                     results[slot] = Some(result);
+                }
+            }
+            // The part's UCX gets, in flight together; a failure fails every copy of the part
+            // (none of its destinations is reported written).
+            if let Err(e) = arena.flush() {
+                for &slot in &in_part {
+                    if let Some(r @ Ok(_)) = &mut results[slot] {
+                        *r = Err(e.clone());
+                    }
                 }
             }
             let mut copies = PartCopies {
