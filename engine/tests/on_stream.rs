@@ -778,7 +778,10 @@ fn a_step_past_the_restore_budget_is_leased_at_once_and_its_loads_queue() {
     assert_eq!(ticket.keys_pinned(), layers * per_layer, "every key leased before the call returned");
     assert_eq!(t.restore_waits, waits, "no lease waited for the budget");
     assert!(t.deferred_loads >= (layers * per_layer) as u64 - 2, "loads past the 1 MiB budget queued: {t:?}");
-    assert_eq!(s.stats().gpu.stream_bound_gated_keys, (layers * per_layer) as u64);
+    // A key whose load ended before its layer was enqueued needs no gate (a slow machine can
+    // let the first ones land); the last layer's loads queue behind three layers' and are gated.
+    let gated = s.stats().gpu.stream_bound_gated_keys;
+    assert!(gated >= per_layer as u64 && gated <= (layers * per_layer) as u64, "gated keys: {gated}");
     streams.run_to_end(9);
     assert_eq!(wait_ended(&ticket), vec![Ok(len); layers * per_layer]);
     for (i, k) in keys.iter().enumerate() {

@@ -7,7 +7,7 @@
 
 use kvtide_remote::protocol::{
     decode_error_frame, decode_exists, decode_grants, decode_object, split_frames, FrameHeader, HelloOk, Limits, Op,
-    PutHead, Request, HEADER_BYTES, PUT_HEAD_BYTES,
+    PutHead, Request, UcxReady, HEADER_BYTES, MAX_UCX_BLOB_BYTES, PUT_HEAD_BYTES,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -47,6 +47,17 @@ fuzz_target!(|data: &[u8]| {
             Op::ExistsReply => {
                 if let Ok(found) = decode_exists(payload, limits.max_items) {
                     assert!(found.len() <= limits.max_items as usize);
+                }
+            }
+            Op::UcxReady => {
+                // What a client hands UCX: only a plane that decodes whole, digest and all.
+                if let Ok(ready) = UcxReady::decode(payload) {
+                    assert!(!ready.worker_address.is_empty() && ready.worker_address.len() <= MAX_UCX_BLOB_BYTES);
+                    assert!(!ready.rkey.is_empty() && ready.rkey.len() <= MAX_UCX_BLOB_BYTES);
+                    assert!(ready.len > 0 && ready.base.checked_add(ready.len).is_some());
+                    let mut again = Vec::new();
+                    ready.encode(&mut again);
+                    assert_eq!(again, payload);
                 }
             }
             Op::Error | Op::Abort => drop(decode_error_frame(payload)),
