@@ -24,6 +24,8 @@ use crate::protocol::UcxReady;
 /// How often the watcher looks at the helper, and the pause before a restart.
 const WATCH_MS: u64 = 100;
 const RESTART_PAUSE_MS: u64 = 500;
+/// How long a starting helper may take to say what it serves.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The UCX plane's process as the owner sees it (`Owner::ucx_plane`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,7 +176,14 @@ fn spawn(launch: &Launch) -> UResult<Running> {
     let mut child = command.spawn().map_err(|e| fail(format!("{}: {e}", launch.program.display())))?;
     let stdin = child.stdin.take().ok_or_else(|| fail("no stdin".into()))?;
     let stdout = child.stdout.take().ok_or_else(|| fail("no stdout".into()))?;
-    match read_ready(&mut BufReader::new(stdout)) {
+    // Its first line, within START_TIMEOUT: a helper stuck in UCX's start-up is killed (its
+    // stdout then ends, and the reading thread with it).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(read_ready(&mut BufReader::new(stdout)));
+    });
+    let outcome = rx.recv_timeout(START_TIMEOUT).unwrap_or_else(|_| Err("it did not start in time".into()));
+    match outcome {
         Ok(ready) if ready.len == launch.arena_bytes => Ok(Running { child, stdin, ready }),
         outcome => {
             let _ = child.kill();

@@ -80,7 +80,9 @@ fn run(args: &[String]) -> Result<(), UcxError> {
 /// Reads the helper's first line: its `UcxReady`.
 pub(super) fn read_ready(stdout: &mut impl BufRead) -> Result<UcxReady, String> {
     let mut line = String::new();
-    stdout.read_line(&mut line).map_err(|e| e.to_string())?;
+    // Hex of a `UcxReady`: at most two blobs of MAX_UCX_BLOB_BYTES and a few fields.
+    let most = 4 * crate::protocol::MAX_UCX_BLOB_BYTES as u64 + 256;
+    stdout.take(most).read_line(&mut line).map_err(|e| e.to_string())?;
     let hex = line.trim();
     if hex.is_empty() || !hex.len().is_multiple_of(2) || hex.len() > 4 * crate::protocol::MAX_UCX_BLOB_BYTES {
         return Err("the UCX plane process did not start".into());
@@ -91,4 +93,23 @@ pub(super) fn read_ready(stdout: &mut impl BufRead) -> Result<UcxReady, String> 
         .collect::<Result<Vec<u8>, _>>()
         .map_err(|e| e.to_string())?;
     UcxReady::decode(&bytes).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_helpers_line_is_checked_and_bounded() {
+        let ready = UcxReady { version: 1, base: 4096, len: 1 << 20, worker_address: vec![1; 30], rkey: vec![2; 20] };
+        let mut encoded = Vec::new();
+        ready.encode(&mut encoded);
+        let hex: String = encoded.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(read_ready(&mut format!("{hex}\n").as_bytes()), Ok(ready));
+        for bad in ["", "\n", "zz\n", "abc\n", &format!("{}\n", &hex[..hex.len() - 2])] {
+            assert!(read_ready(&mut bad.as_bytes()).is_err(), "{bad:?}");
+        }
+        let endless = "ab".repeat(4 * crate::protocol::MAX_UCX_BLOB_BYTES);
+        assert!(read_ready(&mut endless.as_bytes()).is_err(), "an overlong line is refused");
+    }
 }
