@@ -28,6 +28,11 @@ impl Stream {
         matches!(self, Stream::Unix(_))
     }
 
+    /// True for a TCP connection to a loopback address.
+    pub(crate) fn is_loopback(&self) -> bool {
+        matches!(self, Stream::Tcp(s) if s.peer_addr().is_ok_and(|a| a.ip().is_loopback()))
+    }
+
     /// The process id of a Unix peer as the kernel recorded it at connect (`SO_PEERCRED`); None
     /// over TCP, or when the peer's process is not visible in this pid namespace.
     pub(crate) fn peer_pid(&self) -> Option<libc::pid_t> {

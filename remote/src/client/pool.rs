@@ -338,6 +338,13 @@ impl Pool {
     fn attach_ucx(&self, conn: &mut Conn) -> WResult<Option<Arc<crate::ucx::UcxArena>>> {
         let instance = conn.hello.instance_id;
         let mut state = self.ucx.lock().unwrap_or_else(|p| p.into_inner());
+        // UCX unpacks the worker address and remote key as it finds them: they are taken only
+        // from an owner that proved it knows the token, or one on this host's loopback.
+        if conn.hello.flags & HELLO_AUTH_REQUIRED == 0 && !conn.io.stream().is_loopback() {
+            state.last_refusal =
+                Some("the owner did not prove a token (the UCX plane is taken only from one that does)".into());
+            return Ok(None);
+        }
         if state.refused.is_some_and(|(i, at)| i == instance && at.elapsed() < UCX_RETRY_AFTER) {
             return Ok(None);
         }

@@ -47,11 +47,12 @@ impl UcxArena {
         let worker = Worker::new(ctx)?;
         let ucp = ctx.ucp;
         let peer_lost = Box::new(std::sync::atomic::AtomicBool::new(false));
+        let address = padded(&ready.worker_address);
         let params = ffi::EpParams {
             field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
-            address: ready.worker_address.as_ptr().cast(),
+            address: address.as_ptr().cast(),
             err_mode: ffi::UCP_ERR_HANDLING_MODE_PEER,
             err_handler_cb: peer_failed as *const _,
             // The flag is boxed in the link, which outlives the endpoint (closed in its drop).
@@ -65,12 +66,14 @@ impl UcxArena {
         };
         let mut ep: Handle = std::ptr::null_mut();
         // SAFETY: a live worker; the address bytes came from the owner's ucp_worker_get_address
-        // (the UcxReady digest checked they arrived whole) and outlive the call.
+        // (the UcxReady digest checked they arrived whole, from an owner that proved the token or
+        // on loopback) and outlive the call; UCX takes no length, so they are followed by zeros.
         super::check(ucp, "ucp_ep_create", unsafe { (ucp.ucp_ep_create)(worker.raw, &params, &mut ep) })?;
         let mut rkey: Handle = std::ptr::null_mut();
-        // SAFETY: a live endpoint; the key bytes came from the owner's ucp_rkey_pack (checked
-        // whole as above).
-        let unpacked = unsafe { (ucp.ucp_ep_rkey_unpack)(ep, ready.rkey.as_ptr().cast(), &mut rkey) };
+        let key = padded(&ready.rkey);
+        // SAFETY: a live endpoint; the key bytes came from the owner's ucp_rkey_pack (checked as
+        // above, and followed by zeros).
+        let unpacked = unsafe { (ucp.ucp_ep_rkey_unpack)(ep, key.as_ptr().cast(), &mut rkey) };
         let mut link = Link { ep: Some((ep, std::ptr::null_mut())), peer_lost, worker };
         if let Err(e) = super::check(ucp, "ucp_ep_rkey_unpack", unpacked) {
             link.close();
@@ -146,6 +149,18 @@ impl UcxArena {
         }
     }
 }
+
+/// `blob` followed by zeros: UCX parses a worker address or a packed key without a length, so
+/// a blob shorter than its contents claim runs into zeros of this buffer, not past it.
+fn padded(blob: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(blob.len() + BLOB_PADDING);
+    v.extend_from_slice(blob);
+    v.resize(blob.len() + BLOB_PADDING, 0);
+    v
+}
+
+/// Zeros after a blob handed to UCX.
+const BLOB_PADDING: usize = 4096;
 
 /// A lost peer: flags it (its requests fail, and the read that sees them, or the pool's check
 /// of an idle connection, closes the endpoint); also keeps UCX from logging the loss as an
