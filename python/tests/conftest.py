@@ -118,9 +118,17 @@ def ucx_store(owner):
     if kvtide.ucx_version() is None:
         assert not os.environ.get("CI"), "CI must have UCX (libucx0)"
         pytest.skip("UCX is not installed here")
-    s = owner.connect("tcp", ucx="tcp", ucx_allow_tcp=True)
-    assert s.data_plane == "ucx", f"the client reads over {s.data_plane}, not the UCX plane"
-    return s
+    # UCX 1.13 aborts the plane's process when a tcp peer vanishes mid-get (a test that cancels or
+    # closes a read in flight); the owner restarts it, and a client that lands meanwhile reads over
+    # TCP. A new client is made until one attaches.
+    deadline = time.time() + 15
+    while True:
+        s = owner.connect("tcp", ucx="tcp", ucx_allow_tcp=True)
+        if s.data_plane == "ucx":
+            return s
+        s.close()
+        assert time.time() < deadline, f"the client reads over {s.data_plane}, not the UCX plane"
+        time.sleep(0.1)
 
 
 def embedded_store(**kw):
