@@ -84,7 +84,8 @@ fuzz_target!(|data: &[u8]| {
         | Request::PutAbort { .. }
         | Request::PutWindow
         | Request::ReadIndex
-        | Request::PutDirect { .. } => {}
+        | Request::PutDirect { .. }
+        | Request::UcxAttach { .. } => {}
     }
     let mut again = Vec::new();
     request.encode(&mut again);
