@@ -1011,12 +1011,8 @@ fn nested(obj: &Bound<'_, PyAny>, usage: Use) -> PyResult<Vec<Vec<Buf>>> {
 /// The `ucx` and `ucx_allow_tcp` keywords: "off" (or "") clears the transports, "rdma" names
 /// the RDMA ones, anything else is a UCX transport list (checked at connect).
 fn set_ucx(o: &mut ClientOptions, ucx: Option<String>, allow_tcp: Option<bool>) {
-    if let Some(list) = ucx {
-        o.ucx_transports = match list.trim() {
-            "" | "off" => None,
-            "rdma" => Some(kvtide_remote::UcxTransports::rdma().as_str().to_string()),
-            other => Some(other.to_string()),
-        };
+    if let Some(value) = ucx {
+        o.ucx_transports = kvtide_remote::UcxTransports::from_setting(&value);
     }
     if let Some(v) = allow_tcp {
         o.ucx_allow_tcp = v;

@@ -594,11 +594,7 @@ impl OwnerSettings {
             shutdown_grace_ms: o.shutdown_grace_ms,
             stop_budget_ms: o.stop_budget_ms,
             spin_us: o.spin_us,
-            ucx_transports: match o.ucx.trim() {
-                v if off(v) => None,
-                "rdma" => Some(crate::ucx::Transports::rdma().as_str().to_string()),
-                list => Some(list.to_string()),
-            },
+            ucx_transports: crate::ucx::Transports::from_setting(&o.ucx),
             ucx_allow_tcp: o.ucx_allow_tcp,
             ..OwnerConfig::default()
         };

@@ -356,20 +356,24 @@ fn ucx_owner(engine: &Arc<Engine>, dir: &Path) -> Option<Owner> {
         eprintln!("skipped: {why}");
         return None;
     }
-    let config = OwnerConfig {
-        unix_socket: Some(dir.join("owner.sock")),
-        tcp: Some(any_port()),
+    let config = OwnerConfig { unix_socket: Some(dir.join("owner.sock")), ..ucx_config(any_port()) };
+    let owner = Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane");
+    let plane = owner.ucx_plane().expect("a plane");
+    assert!(plane.serving && plane.pid.is_some() && plane.restarts == 0, "the plane's process runs: {plane:?}");
+    Some(owner)
+}
+
+/// A token-authenticated TCP owner on `tcp` whose UCX plane runs over UCX's tcp transport.
+fn ucx_config(tcp: SocketAddr) -> OwnerConfig {
+    OwnerConfig {
+        tcp: Some(tcp),
         tcp_token: Some(token()),
         shutdown_grace_ms: 2_000,
         ucx_transports: Some("tcp".into()),
         ucx_allow_tcp: true,
         ucx_program: Some(support::owner_binary()),
         ..OwnerConfig::default()
-    };
-    let owner = Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane");
-    let plane = owner.ucx_plane().expect("a plane");
-    assert!(plane.serving && plane.pid.is_some() && plane.restarts == 0, "the plane's process runs: {plane:?}");
-    Some(owner)
+    }
 }
 
 fn ucx_options() -> ClientOptions {
@@ -469,6 +473,8 @@ fn the_ucx_plane_is_given_only_after_authentication_and_in_its_version() {
     let plain = owner(&engine, &plain_dir, any_port());
     let store = RemoteStore::connect_with(&plain.tcp_addr().expect("tcp").to_string(), ucx_options()).expect("connect");
     assert_eq!(store.data_plane(), DataPlane::Socket);
+    let why = store.ucx_refusal().expect("a reason");
+    assert!(why.contains("serves no UCX data plane"), "{why}");
     store.put(b"k", b"over tcp", PutOptions::INSERT).expect("put");
     assert_eq!(store.get(b"k").expect("get"), b"over tcp");
     drop(store);
@@ -535,15 +541,7 @@ fn a_ucx_client_reattaches_after_an_owner_restart() {
     assert!(matches!(store.get(b"x"), Err(Error::Disconnected(_))));
 
     let second_engine = engine(32 << 20);
-    let config = OwnerConfig {
-        unix_socket: None,
-        tcp: Some(port),
-        tcp_token: Some(token()),
-        ucx_transports: Some("tcp".into()),
-        ucx_allow_tcp: true,
-        ucx_program: Some(support::owner_binary()),
-        ..OwnerConfig::default()
-    };
+    let config = OwnerConfig { unix_socket: None, ..ucx_config(port) };
     let second = Owner::start(Arc::clone(&second_engine), config).expect("restart");
     assert_eq!(store.get(b"x"), Err(Error::Store(StoreError::NotFound)));
     let two = value_for(b"x", 2, (3 << 20) + 5);

@@ -79,7 +79,7 @@ impl Default for ClientOptions {
 impl ClientOptions {
     /// Defaults, overridden by `KVTIDE_TOKEN_FILE` (token for TCP owners),
     /// `KVTIDE_TIMEOUT_MS`, `KVTIDE_SHARED_MEMORY`, `KVTIDE_READ_INDEX`, `KVTIDE_DIRECT_PUTS`
-    /// (0/1), `KVTIDE_UCX_TRANSPORTS` (a transport list, or "off") and `KVTIDE_UCX_ALLOW_TCP` (0/1).
+    /// (0/1), `KVTIDE_UCX_TRANSPORTS` ("rdma", a transport list, or "off") and `KVTIDE_UCX_ALLOW_TCP` (0/1).
     pub fn from_env() -> Result<ClientOptions> {
         let mut o = ClientOptions::default();
         if let Ok(path) = std::env::var("KVTIDE_TOKEN_FILE") {
@@ -99,7 +99,7 @@ impl ClientOptions {
             o.direct_puts = !matches!(v.trim(), "0" | "false" | "no" | "off");
         }
         if let Ok(v) = std::env::var("KVTIDE_UCX_TRANSPORTS") {
-            o.ucx_transports = (!v.trim().is_empty() && v.trim() != "off").then(|| v.trim().to_string());
+            o.ucx_transports = crate::ucx::Transports::from_setting(&v);
         }
         if let Ok(v) = std::env::var("KVTIDE_UCX_ALLOW_TCP") {
             o.ucx_allow_tcp = matches!(v.trim(), "1" | "true" | "yes" | "on");

@@ -162,6 +162,10 @@ impl Pool {
         if conn.broken || conn.ucx.as_ref().is_some_and(|u| u.is_closed()) {
             return;
         }
+        // A TCP connection left off the plane while the plane is in use again (see `open`).
+        if conn.ucx.is_none() && self.options.ucx_transports.is_some() && self.ucx_ready.load(Ordering::Relaxed) {
+            return;
+        }
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < self.options.max_idle_connections {
             idle.push(conn);
@@ -263,6 +267,11 @@ impl Pool {
         if matches!(self.endpoint, Endpoint::Tcp(_)) && self.options.ucx_transports.is_some() {
             conn.ucx =
                 self.attach_ucx(&mut conn).map_err(|e| e.into_error("UCX attach", self.options.connect_timeout_ms))?;
+            if conn.ucx.is_some() {
+                // Calls that choose the leased path from `ucx_ready` (ranges) must find only
+                // attached connections: those opened while the plane was refused go first.
+                self.idle.lock().unwrap_or_else(|p| p.into_inner()).retain(|c| c.ucx.is_some());
+            }
             self.ucx_ready.store(conn.ucx.is_some(), Ordering::Relaxed);
         }
         *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.hello.limits());

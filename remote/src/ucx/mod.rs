@@ -143,6 +143,17 @@ impl Transports {
         Ok(Transports(names.join(",")))
     }
 
+    /// A setting's value as the transport list it names: "off" or empty is none, "rdma" the
+    /// RDMA transports, anything else a list (checked by `parse` where it is used). The one
+    /// reading of `[owner] ucx`, `KVTIDE_UCX_TRANSPORTS` and Python's `ucx=`.
+    pub fn from_setting(value: &str) -> Option<String> {
+        match value.trim() {
+            v if v.is_empty() || v.eq_ignore_ascii_case("off") => None,
+            v if v.eq_ignore_ascii_case("rdma") => Some(Transports::rdma().0),
+            list => Some(list.to_string()),
+        }
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -379,6 +390,11 @@ mod tests {
         assert!(Transports::parse("rc_mlx5,cuda_copy,gdr_copy", false).is_ok());
         assert!(Transports::parse("tcp", true).is_ok_and(|t| t.has_tcp()));
         assert!(!Transports::rdma().has_tcp());
+        for (value, named) in
+            [("off", None), (" ", None), ("OFF", None), ("rdma", Some("rc,dc,ud")), (" tcp ", Some("tcp"))]
+        {
+            assert_eq!(Transports::from_setting(value).as_deref(), named, "{value:?}");
+        }
         for (list, allow) in [
             ("tcp", false),
             ("rc,tcp", false),
