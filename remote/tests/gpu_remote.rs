@@ -1,6 +1,7 @@
 //! GPU destinations and sources through the owner (feature `cuda`): a same-host client copies
 //! leased objects from the owner's arena straight into its GPU and puts from its GPU through
-//! the put window; a TCP client takes a host buffer in between; a second process does the same.
+//! the put window; a TCP client takes a host buffer in between (over the socket, or one-sided
+//! gets from the owner's UCX plane where libucp loads); a second process does the same.
 //! The tests marked `needs a CUDA device` run on the lent H200; the others run in CI.
 
 #[path = "../../engine/tests/common/mod.rs"]
@@ -35,7 +36,49 @@ fn owner(engine: &Arc<Engine>, tag: &str) -> (Owner, std::path::PathBuf) {
         put_window_bytes: 16 << 20,
         ..OwnerConfig::default()
     };
+    // The UCX plane over UCX's tcp transport on loopback, wherever libucp loads.
+    let config = match kvtide_remote::ucx_available() {
+        Ok(_) => OwnerConfig {
+            ucx_transports: Some("tcp".into()),
+            ucx_allow_tcp: true,
+            ucx_program: Some(owner_binary()),
+            ..config
+        },
+        Err(why) => {
+            eprintln!("no UCX plane: {why}");
+            config
+        }
+    };
     (Owner::start(Arc::clone(engine), config).expect("owner"), dir)
+}
+
+/// The `kvtide-owner` binary that hosts the UCX plane's process: the one cargo built, else the
+/// one on PATH (the GPU machine runs a copied test binary).
+fn owner_binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kvtide-owner"));
+    if built.exists() {
+        built
+    } else {
+        "kvtide-owner".into()
+    }
+}
+
+/// A TCP client of `owner` reading over its UCX plane (made again until it attaches, 10 s at
+/// most); None where the owner has no plane (libucp missing here).
+fn ucx_client(owner: &Owner) -> Option<RemoteStore> {
+    use kvtide_remote::DataPlane;
+    owner.ucx_plane()?;
+    let addr = owner.tcp_addr().expect("tcp").to_string();
+    let options = ClientOptions { ucx_transports: Some("tcp".into()), ucx_allow_tcp: true, ..ClientOptions::default() };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let store = RemoteStore::connect_with(&addr, options.clone()).expect("connect with UCX");
+        if store.data_plane() == DataPlane::Ucx {
+            return Some(store);
+        }
+        assert!(std::time::Instant::now() < deadline, "not attached: {:?}", store.ucx_refusal());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// A region that claims to be GPU memory at an address no GPU allocated.
@@ -199,7 +242,7 @@ mod cuda {
     use std::sync::Arc;
 
     use super::common::value_for;
-    use super::{engine, owner};
+    use super::{engine, owner, ucx_client};
     use kvtide::cuda::{CudaDevice, CudaTransport, DeviceBuffer};
     use kvtide::{Error as StoreError, Fragment, MemoryKind, PutOptions, Region, Store};
     use kvtide_remote::{ClientOptions, Error, RemoteStore};
@@ -382,7 +425,11 @@ mod cuda {
         round_trip(&direct, "direct");
         round_trip(&staged, "staged");
         round_trip(&tcp, "tcp");
-        drop((direct, staged, tcp));
+        let ucx = ucx_client(&owner);
+        if let Some(ucx) = &ucx {
+            round_trip(ucx, "ucx");
+        }
+        drop((direct, staged, tcp, ucx));
         e.sync_shards().expect("sync");
         std::thread::sleep(std::time::Duration::from_millis(200));
         assert!(e.stats().held_resources().is_zero(), "{:?}", e.stats().held_resources());
@@ -410,7 +457,10 @@ mod cuda {
             e.put(k, &value_for(k, 3, len), PutOptions::UPSERT).expect("put");
         }
         let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-        for (name, store) in [("unix", &unix), ("tcp", &tcp)] {
+        let ucx = ucx_client(&owner);
+        let mut stores = vec![("unix", &unix), ("tcp", &tcp)];
+        stores.extend(ucx.as_ref().map(|u| ("ucx", u)));
+        for (name, store) in stores {
             store.prepare_gpu(0).expect("prepare");
             let pages = device.alloc(keys.len() * len).expect("alloc");
             pages.fill(GUARD).expect("fill");
@@ -429,8 +479,12 @@ mod cuda {
             other.wait_event(&ready, false).expect("wait");
             // SAFETY: both live allocations of the same size.
             unsafe { other.copy_device(check.addr(), pages.addr(), keys.len() * len) }.expect("copy");
-            if name == "tcp" {
-                assert_eq!(store.stream_host_bytes(), (keys.len() * len) as u64, "held until the stream passes");
+            if name != "unix" {
+                assert_eq!(
+                    store.stream_host_bytes(),
+                    (keys.len() * len) as u64,
+                    "{name}: held until the stream passes"
+                );
             }
             if name == "unix" {
                 assert_eq!(ticket.status(), StreamStatus::Pending, "{name}");
@@ -473,6 +527,7 @@ mod cuda {
             drop(captured.end_capture().expect("end capture"));
         }
         assert_eq!(tcp.stream_host_bytes(), 0, "host buffers go back once the stream passed");
+        assert_eq!(ucx.as_ref().map_or(0, |u| u.stream_host_bytes()), 0, "ucx: host buffers go back");
         // A TCP client holds at most max_stream_host_bytes of objects waiting for its stream.
         let options = ClientOptions { max_stream_host_bytes: len as u64, ..ClientOptions::default() };
         let bounded = RemoteStore::connect_with(&owner.tcp_addr().expect("tcp").to_string(), options).expect("tcp");
@@ -495,7 +550,7 @@ mod cuda {
             assert!(std::time::Instant::now() < deadline, "leases still held");
             std::thread::sleep(Duration::from_millis(10));
         }
-        drop((unix, tcp));
+        drop((unix, tcp, ucx));
         drop(owner);
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -524,7 +579,10 @@ mod cuda {
         }
         let key_refs: Vec<Vec<&[u8]>> = keys.iter().map(|l| l.iter().map(Vec::as_slice).collect()).collect();
         let layer_bytes = per_layer * len;
-        for (name, store) in [("unix", &unix), ("tcp", &tcp)] {
+        let ucx = ucx_client(&owner);
+        let mut stores = vec![("unix", &unix), ("tcp", &tcp)];
+        stores.extend(ucx.as_ref().map(|u| ("ucx", u)));
+        for (name, store) in stores {
             store.prepare_gpu(0).expect("prepare");
             let pages = device.alloc(layers * layer_bytes).expect("alloc");
             pages.fill(GUARD).expect("fill");
@@ -565,12 +623,13 @@ mod cuda {
             assert_eq!(ticket.keys_pinned(), 0);
         }
         assert_eq!(tcp.stream_host_bytes(), 0);
+        assert_eq!(ucx.as_ref().map_or(0, |u| u.stream_host_bytes()), 0);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while owner.counters().leases_outstanding.load(std::sync::atomic::Ordering::SeqCst) != 0 {
             assert!(std::time::Instant::now() < deadline, "leases still held");
             std::thread::sleep(Duration::from_millis(10));
         }
-        drop((unix, tcp));
+        drop((unix, tcp, ucx));
         drop(owner);
         let _ = std::fs::remove_dir_all(dir);
     }
