@@ -3031,7 +3031,7 @@ fn dram_batches_come_in_parts_a_client_may_hold_while_the_next_is_leased() {
 fn an_ssd_part_goes_out_shard_by_shard_as_each_shard_lands() {
     use kvtide_remote::protocol::{GrantsPart, NextPart};
     let dir = temp_dir("landed");
-    let faults = kvtide::SimFaults { latency_us: 500, us_per_mib: 20_000, ..kvtide::SimFaults::default() };
+    let faults = kvtide::SimFaults { latency_us: 500, us_per_mib: 40_000, ..kvtide::SimFaults::default() };
     let e = sim_ssd_engine(32 << 20, 31, faults, |b| b.shards(2).promote_on_hit(false));
     let owner = owner(&e, &dir, any_port());
     let len = 256 << 10;
@@ -3053,14 +3053,20 @@ fn an_ssd_part_goes_out_shard_by_shard_as_each_shard_lands() {
         e.put(format!("filler/{i}").as_bytes(), &vec![3u8; 1 << 20], PutOptions::INSERT).expect("filler");
     }
     e.sync_shards().expect("sync");
-    // Shard 0's disk: 10 MiB of another reader's loads, about a quarter of a second.
+    // Shard 0's disk: 10 MiB of another reader's loads, about 0.4 s; the read below starts once
+    // the first of them landed (not after a fixed sleep, which a loaded machine outlasts).
+    let loads_before = e.stats().total.loads;
     let busy_engine = Arc::clone(&e);
     let reader = std::thread::spawn(move || {
         let refs: Vec<&[u8]> = busy.iter().map(Vec::as_slice).collect();
         let leases = busy_engine.lease_batch(&refs, 30_000);
         assert!(leases.iter().all(Result::is_ok), "the busy reader's loads");
     });
-    std::thread::sleep(Duration::from_millis(40));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while e.stats().total.loads == loads_before {
+        assert!(Instant::now() < deadline, "the busy reader's loads never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let keys: Vec<&Vec<u8>> = slow.iter().chain(&fast).collect();
     let mut raw = Raw::unix(&owner);
     raw.handshake(true);
