@@ -214,6 +214,17 @@ impl PyStore {
         })
     }
 
+    /// Why this client reads over the socket though it asked for the UCX plane (the owner
+    /// serves none, or said why its plane is not serving, or UCX could not connect here); None
+    /// when it reads over the plane, did not ask for it, or is embedded or a cluster client.
+    #[getter]
+    fn ucx_refusal(&self) -> PyResult<Option<String>> {
+        Ok(match &*self.backend()? {
+            Backend::Remote(r) => r.ucx_refusal(),
+            Backend::Embedded(_) | Backend::Cluster(_) => None,
+        })
+    }
+
     /// How this client used the same-host paths of its owner: `{"index_reads": n,
     /// "index_misses": n, "direct_put_bytes": n}` (reads served by the owner's read index
     /// without a request, reads looked up there and then leased, put bytes the owner read

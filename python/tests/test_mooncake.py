@@ -485,6 +485,10 @@ def test_protocol_rdma_reads_over_the_ucx_plane_where_it_can(owner, monkeypatch,
     s = MooncakeDistributedStore()
     assert s.setup("localhost", "P2PHANDSHAKE", 64 << 20, 16 << 20, "rdma", "", owner.tcp) == 0
     assert s._store.data_plane == "socket"
+    if kvtide.ucx_version() is not None:
+        # Without an RDMA NIC here: "UCX found no device for the transports ..."; with one: the
+        # tcp-only plane cannot be reached over RDMA.
+        assert s._store.ucx_refusal, "the client says why it is not on the plane"
     value = bytes(range(256)) * 1000
     assert s.put(k("rdma"), value) == 0
     assert s.get(k("rdma")) == value

@@ -523,6 +523,41 @@ fn ucx_transports_that_reach_into_memory_are_refused() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// An owner asked for the plane over RDMA on a host without an RDMA NIC (CI's and this
+/// project's machines) serves over TCP and says why: in its state, and to every client that
+/// asks for the plane, whose reads stay right over the socket. On a host with a NIC the plane
+/// serves instead, and the client attaches.
+#[test]
+fn rdma_on_a_host_without_a_nic_says_why_and_reads_stay_on_tcp() {
+    if let Err(why) = kvtide_remote::ucx_available() {
+        assert!(std::env::var_os("CI").is_none(), "CI must have UCX: {why}");
+        return;
+    }
+    let dir = temp_dir("ucx-no-nic");
+    let engine = engine(16 << 20);
+    let config = OwnerConfig { ucx_transports: Some("rdma".into()), ucx_allow_tcp: false, ..ucx_config(any_port()) };
+    let owner = Owner::start(Arc::clone(&engine), config).expect("the owner starts without its plane");
+    let addr = owner.tcp_addr().expect("tcp").to_string();
+    let options = ClientOptions { ucx_transports: Some("rdma".into()), ..options() };
+    let store = RemoteStore::connect_with(&addr, options).expect("connect");
+    let value = value_for(b"k", 1, 300_000);
+    store.put(b"k", &value, PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"k").expect("get"), value);
+    if owner.ucx_plane().is_some() {
+        eprintln!("this host has an RDMA device: the plane serves");
+        assert_eq!(store.data_plane(), DataPlane::Ucx, "{:?}", store.ucx_refusal());
+    } else {
+        assert_eq!(store.data_plane(), DataPlane::Socket);
+        let why = store.ucx_refusal().expect("the client knows why it is not on the plane");
+        assert!(why.contains("not serving") && why.contains("no device for the transports"), "{why}");
+        assert!(why.contains("rc,dc,ud"), "names the transports: {why}");
+    }
+    drop(store);
+    wait_idle(&owner);
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The owner restarts on the same port: the client's UCX endpoint and remote key belong to the
 /// old owner; its next call reconnects, attaches to the new plane and reads the new bytes.
 #[test]

@@ -44,7 +44,7 @@ pub struct ClientOptions {
     /// How long a call polls for the owner's reply before it blocks, so a quick reply costs no
     /// thread wake-up. Default 50 µs on hosts with 8 or more CPUs, else 0.
     pub spin_us: u64,
-    /// Read over the owner's UCX data plane with these transports (`UcxTransports::parse`), on
+    /// Read over the owner's UCX data plane with these transports ("rdma" or a list, `UcxTransports::parse`), on
     /// TCP connections: the owner grants leases on the connection and this client reads the
     /// granted ranges with one-sided UCX gets. When the owner serves no plane, speaks another
     /// version or UCX cannot start here, reads stay on the TCP path (warned once per owner

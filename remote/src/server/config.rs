@@ -96,7 +96,7 @@ pub struct OwnerConfig {
     /// client that asks again at once costs no thread wake-up. Default 50 µs on hosts with 8
     /// or more CPUs, else 0.
     pub spin_us: u64,
-    /// Serve the UCX data plane over these transports (`UcxTransports::parse`: RDMA transports,
+    /// Serve the UCX data plane over these transports (`UcxTransports::parse`: "rdma" or RDMA transports,
     /// and `tcp` only with `ucx_allow_tcp`): authenticated TCP clients then read granted ranges
     /// of the arena with one-sided UCX gets. None (default): no UCX plane.
     pub ucx_transports: Option<String>,

@@ -102,7 +102,10 @@ impl Connection<'_> {
         let refused = |why: String| StoreError::InvalidArgument(why);
         let outcome = match &self.shared.ucx {
             _ if self.unix => Err(refused("a Unix client reads the shared arena, not the UCX plane".into())),
-            None => Err(refused("this owner serves no UCX data plane".into())),
+            None => Err(refused(match &self.shared.ucx_not_serving {
+                Some(why) => format!("this owner's UCX data plane is not serving: {why}"),
+                None => "this owner serves no UCX data plane".into(),
+            })),
             Some(_) if version != crate::ucx::UCX_PLANE_VERSION => Err(refused(format!(
                 "UCX plane version {version} is not spoken here (this owner speaks {})",
                 crate::ucx::UCX_PLANE_VERSION

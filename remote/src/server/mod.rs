@@ -220,7 +220,10 @@ impl Shared {
         let arena_bytes = arena.len_bytes() as u64;
         let shm_fd = if config.share_arena && config.unix_socket.is_some() { shared_arena_fd(&engine) } else { None };
         let index_fd = if shm_fd.is_some() { shared_index_fd(&engine) } else { None };
-        let ucx = start_ucx(&config, &engine)?;
+        let (ucx, ucx_not_serving) = match start_ucx(&config, &engine)? {
+            Ok(export) => (export, None),
+            Err(why) => (None, Some(why)),
+        };
         let mut id = [0u8; 8];
         sock::random_bytes(&mut id).map_err(|e| OwnerError::Io(format!("getrandom: {e}")))?;
         let limits = Limits {
@@ -252,6 +255,7 @@ impl Shared {
             shm_fd,
             index_fd,
             ucx,
+            ucx_not_serving,
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             counters,
             config,
@@ -260,9 +264,11 @@ impl Shared {
 }
 
 /// The UCX plane over the configured transports (checked by `validate`), served by its own
-/// process, or None: not configured, or it cannot start here (warned: clients keep the TCP path).
-fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<Option<crate::ucx::UcxExport>, OwnerError> {
-    let Some(list) = &config.ucx_transports else { return Ok(None) };
+/// process; None when not configured; why not when it cannot start here (warned: clients keep
+/// the TCP path, and are told why when they ask for the plane).
+type UcxStart = std::result::Result<Option<crate::ucx::UcxExport>, String>;
+fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<UcxStart, OwnerError> {
+    let Some(list) = &config.ucx_transports else { return Ok(Ok(None)) };
     let transports =
         crate::ucx::Transports::parse(list, config.ucx_allow_tcp).map_err(|e| OwnerError::Config(e.to_string()))?;
     if transports.has_tcp() {
@@ -279,10 +285,10 @@ fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<Optio
         crate::ucx::UcxExport::start(program, transports, fd, arena.len_bytes() as u64).map_err(|e| e.to_string())
     });
     match started {
-        Ok(export) => Ok(Some(export)),
+        Ok(export) => Ok(Ok(Some(export))),
         Err(e) => {
             tracing::warn!(error = %e, "NOT serving the UCX data plane; TCP clients read over the socket");
-            Ok(None)
+            Ok(Err(e))
         }
     }
 }

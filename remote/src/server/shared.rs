@@ -44,6 +44,9 @@ pub(super) struct Shared {
     pub(super) index_fd: Option<(OwnedFd, u64)>,
     /// The UCX data plane, when configured and UCX is present.
     pub(super) ucx: Option<crate::ucx::UcxExport>,
+    /// Why the configured UCX plane is not serving (it could not start here), told to clients
+    /// that ask for it.
+    pub(super) ucx_not_serving: Option<String>,
     /// CPUs this process may run on.
     pub(super) cores: usize,
     pub(super) counters: Arc<OwnerCounters>,

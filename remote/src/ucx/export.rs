@@ -150,7 +150,7 @@ impl Drop for UcxExport {
 
 /// Starts the helper and reads what it serves.
 fn spawn(launch: &Launch) -> UResult<Running> {
-    let fail = |what: String| UcxError::Call { call: "the UCX plane process", status: what };
+    let fail = UcxError::Plane;
     let mut command = Command::new(&launch.program);
     command
         .arg(UCX_PLANE_ARG)
@@ -159,6 +159,8 @@ fn spawn(launch: &Launch) -> UResult<Running> {
         .arg(if launch.transports.has_tcp() { "1" } else { "0" })
         .env_clear()
         .envs(std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k == "PATH" || k == "LD_LIBRARY_PATH"))
+        // UCX logs to stdout by default, where the helper answers the owner.
+        .env("UCX_LOG_FILE", std::env::var("UCX_LOG_FILE").unwrap_or_else(|_| "stderr".into()))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

@@ -14,6 +14,7 @@ pub(crate) type Handle = *mut c_void;
 
 pub(crate) const UCS_OK: Status = 0;
 pub(crate) const UCS_INPROGRESS: Status = 1;
+pub(crate) const UCS_ERR_NO_DEVICE: Status = -14;
 pub(crate) const UCS_ERR_BUSY: Status = -15;
 /// Statuses are encoded in pointers in `[UCS_ERR_LAST, 0)`.
 const UCS_ERR_LAST: isize = -100;

@@ -17,6 +17,12 @@ use crate::protocol::UcxReady;
 
 /// The argument that starts the helper in `kvtide-owner`.
 pub const UCX_PLANE_ARG: &str = "__ucx-plane";
+/// The first line of a helper that could not serve starts with this, then says why.
+const ERROR_PREFIX: &str = "error: ";
+/// Lines the owner skips before the helper's answer (UCX's log lines).
+const MAX_OTHER_LINES: usize = 64;
+/// The most of that reason the owner keeps.
+const MAX_REASON_BYTES: usize = 1024;
 /// The descriptor the arena arrives on.
 pub(super) const ARENA_FD: i32 = 3;
 
@@ -26,6 +32,8 @@ pub fn ucx_plane_main(args: &[String]) -> i32 {
     match run(args) {
         Ok(()) => 0,
         Err(e) => {
+            // The owner reads why from the first line of stdout (and logs it); stderr is its.
+            println!("{ERROR_PREFIX}{}", e.to_string().replace('\n', " "));
             eprintln!("kvtide UCX plane: {e}");
             1
         }
@@ -77,22 +85,38 @@ fn run(args: &[String]) -> Result<(), UcxError> {
     Ok(())
 }
 
-/// Reads the helper's first line: its `UcxReady`.
+/// Reads the helper's `UcxReady` (or its reason for not serving) from its stdout: the first
+/// line that is either, past at most `MAX_OTHER_LINES` others (UCX's own log lines, should
+/// `UCX_LOG_FILE` send them there), all within a bounded number of bytes.
 pub(super) fn read_ready(stdout: &mut impl BufRead) -> Result<UcxReady, String> {
-    let mut line = String::new();
     // Hex of a `UcxReady`: at most two blobs of MAX_UCX_BLOB_BYTES and a few fields.
     let most = 4 * crate::protocol::MAX_UCX_BLOB_BYTES as u64 + 256;
-    stdout.take(most).read_line(&mut line).map_err(|e| e.to_string())?;
-    let hex = line.trim();
-    if hex.is_empty() || !hex.len().is_multiple_of(2) || hex.len() > 4 * crate::protocol::MAX_UCX_BLOB_BYTES {
-        return Err("the UCX plane process did not start".into());
+    let mut reader = stdout.take(most + MAX_OTHER_LINES as u64 * 4096);
+    for _ in 0..=MAX_OTHER_LINES {
+        let mut line = String::new();
+        (&mut reader).take(most).read_line(&mut line).map_err(|e| e.to_string())?;
+        if line.is_empty() {
+            break;
+        }
+        if let Some(reason) = line.strip_prefix(ERROR_PREFIX) {
+            let reason: String = reason.trim().chars().filter(|c| !c.is_control()).take(MAX_REASON_BYTES).collect();
+            return Err(if reason.is_empty() { "it gave no reason".into() } else { reason });
+        }
+        let hex = line.trim();
+        if hex.is_empty() || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            continue;
+        }
+        if !hex.len().is_multiple_of(2) || hex.len() > 4 * crate::protocol::MAX_UCX_BLOB_BYTES {
+            return Err("its address line is malformed".into());
+        }
+        let bytes = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+            .collect::<Result<Vec<u8>, _>>()
+            .map_err(|e| e.to_string())?;
+        return UcxReady::decode(&bytes).map_err(|e| e.to_string());
     }
-    let bytes = (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
-        .collect::<Result<Vec<u8>, _>>()
-        .map_err(|e| e.to_string())?;
-    UcxReady::decode(&bytes).map_err(|e| e.to_string())
+    Err("the UCX plane process did not start".into())
 }
 
 #[cfg(test)]
@@ -106,7 +130,16 @@ mod tests {
         ready.encode(&mut encoded);
         let hex: String = encoded.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(read_ready(&mut format!("{hex}\n").as_bytes()), Ok(ready));
-        for bad in ["", "\n", "zz\n", "abc\n", &format!("{}\n", &hex[..hex.len() - 2])] {
+        let long = format!("{ERROR_PREFIX}{}\u{1b}[0m\n", "x".repeat(5000));
+        assert_eq!(read_ready(&mut long.as_bytes()), Err("x".repeat(MAX_REASON_BYTES)), "its reason, bounded");
+        let no_device = format!("{ERROR_PREFIX}{}\n", UcxError::NoDevice("rc,dc,ud".into()));
+        assert!(read_ready(&mut no_device.as_bytes()).is_err_and(|e| e.contains("no device for the transports")));
+        let after_logs =
+            format!("[1.2] [vm:1] ucp_context.c:1014 UCX WARN transports 'rc' are not available\n\n{hex}\n");
+        assert!(read_ready(&mut after_logs.as_bytes()).is_ok(), "UCX's log lines before the answer are skipped");
+        let endless = "[log]\n".repeat(1000);
+        assert!(read_ready(&mut endless.as_bytes()).is_err(), "only so many");
+        for bad in ["", "\n", "zz\n", "abc\n", "\u{e9}\n", "0\u{e9}0\n", &format!("{}\n", &hex[..hex.len() - 2])] {
             assert!(read_ready(&mut bad.as_bytes()).is_err(), "{bad:?}");
         }
         let endless = "ab".repeat(4 * crate::protocol::MAX_UCX_BLOB_BYTES);

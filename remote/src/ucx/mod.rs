@@ -43,6 +43,15 @@ pub enum UcxError {
     /// A UCX call failed.
     #[error("UCX {call} failed: {status}")]
     Call { call: &'static str, status: String },
+    /// None of the transports has a device on this host (rc, dc and ud need an RDMA NIC).
+    #[error(
+        "UCX found no device for the transports {0:?} on this host (rc, dc and ud need an RDMA NIC that \
+         UCX can open; `ucx_info -d` lists the devices UCX sees)"
+    )]
+    NoDevice(String),
+    /// The plane's process did not start or serve (its own reason, where it gave one).
+    #[error("the UCX plane process did not start: {0}")]
+    Plane(String),
     /// A transport list this plane does not allow.
     #[error("UCX transports {0:?} are not allowed: {1}")]
     Transports(String, &'static str),
@@ -118,8 +127,12 @@ impl Transports {
         Transports("rc,dc,ud".to_string())
     }
 
-    /// Checks `list`; `tcp` in it needs `allow_tcp`.
+    /// Checks `list` ("rdma" names the RDMA transports, as in settings); `tcp` in it needs
+    /// `allow_tcp`.
     pub fn parse(list: &str, allow_tcp: bool) -> UResult<Transports> {
+        if list.trim().eq_ignore_ascii_case("rdma") {
+            return Ok(Transports::rdma());
+        }
         let names: Vec<&str> = list.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
         if names.is_empty() {
             return Err(UcxError::Transports(list.into(), "the list is empty"));
@@ -211,6 +224,9 @@ impl Context {
         };
         // SAFETY: `config` came from ucp_config_read and is released once.
         unsafe { (ucp.ucp_config_release)(config) };
+        if init == ffi::UCS_ERR_NO_DEVICE {
+            return Err(UcxError::NoDevice(transports.0.clone()));
+        }
         check(ucp, "ucp_init", init)?;
         Ok(Arc::new(Context { ucp, raw }))
     }
@@ -390,6 +406,8 @@ mod tests {
         assert!(Transports::parse("rc_mlx5,cuda_copy,gdr_copy", false).is_ok());
         assert!(Transports::parse("tcp", true).is_ok_and(|t| t.has_tcp()));
         assert!(!Transports::rdma().has_tcp());
+        assert_eq!(Transports::parse(" RDMA ", false), Ok(Transports::rdma()), "the settings' alias");
+        assert!(Transports::parse("rdma,tcp", true).is_err(), "an alias, not a transport");
         for (value, named) in
             [("off", None), (" ", None), ("OFF", None), ("rdma", Some("rc,dc,ud")), (" tcp ", Some("tcp"))]
         {
