@@ -65,6 +65,7 @@ fn owner_binary() -> std::path::PathBuf {
 
 /// A TCP client of `owner` reading over its UCX plane (made again until it attaches, 10 s at
 /// most); None where the owner has no plane (libucp missing here).
+#[cfg(feature = "cuda")]
 fn ucx_client(owner: &Owner) -> Option<RemoteStore> {
     use kvtide_remote::DataPlane;
     owner.ucx_plane()?;
