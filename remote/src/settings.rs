@@ -117,9 +117,10 @@ kvtide::settings_group! {
         /// what does not fit is logged and absent after the restart. At least 1000. SIGHUP
         /// applies a new value.
         stop_budget_ms: u64 = OwnerConfig::default().stop_budget_ms, Count, eg "15000";
-        /// The UCX data plane for TCP clients: "off" (default), "rdma" (rc, dc and ud: one-sided
-        /// reads checked by the NIC against the arena's read-only registration) or a UCX
-        /// transport list (network transports only; `tcp` needs `ucx_allow_tcp`).
+        /// The UCX data plane for TCP clients: "off" (default), "rdma" (rc, dc and ud: RDMA
+        /// reads of the arena's read-only registration, served from a confined process; see
+        /// docs/owner.md for what a UCX peer reaches) or a UCX transport list (network
+        /// transports only; `tcp` needs `ucx_allow_tcp`).
         ucx: String = "off".into(), Text, eg "rdma";
         /// Allow `tcp` in `ucx`. UCX's tcp transport serves one-sided reads and writes in
         /// software at any address a peer names: every host that reaches the owner's UCX port

@@ -664,9 +664,10 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
     assert_eq!(store.get(b"big").expect("read again"), big);
     assert_eq!(ucx_client(&owner).get(b"big").expect("a new client"), big);
 
-    // A plane process that stops answering (SIGSTOP): the read fails at the client's deadline
-    // without a byte reported, and its endpoint and connection go (so do their leases). Once the
-    // process runs again (UCX 1.13 may then abort it, for the get it owes the closed endpoint, and
+    // A plane process that stops answering (SIGSTOP): the read over the plane fails at the
+    // client's deadline without a byte reported, its endpoint and connection go (so do their
+    // leases), and the call runs once more over TCP (the plane is not asked again for a while):
+    // right bytes, or an error, never others. Once the process runs again (UCX 1.13 may then abort it, for the get it owes the closed endpoint, and
     // the owner restarts it) the next read is right, and a new client attaches.
     let addr = owner.tcp_addr().expect("tcp").to_string();
     let quick =
@@ -678,9 +679,30 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
     let stalled = quick.get_into(b"big", Region::host(&mut buf));
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    assert!(matches!(stalled, Err(Error::Timeout { .. } | Error::Disconnected(_))), "{stalled:?}");
+    match stalled {
+        Ok(n) => {
+            assert_eq!(&buf[..n], &big[..], "read again over TCP: the right bytes");
+            assert!(quick.ucx_refusal().is_some_and(|why| why.contains("failed")), "{:?}", quick.ucx_refusal());
+        }
+        Err(e) => assert!(matches!(e, Error::Timeout { .. } | Error::Disconnected(_)), "{e:?}"),
+    }
     wait_idle(&owner);
     assert_eq!(quick.get(b"big").expect("after the process runs again"), big);
+    // A client that attaches while the plane's process is stopped: its first read of the plane
+    // (made at attach, since creating an endpoint sends nothing) gets no answer, so it reads
+    // over TCP and says why.
+    let pid = ucx_plane_pid(&owner);
+    // SAFETY: kill with a pid and a signal.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let late = RemoteStore::connect_with(&addr, ucx_options()).map(|s| (s.get(b"big"), s));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let (got, late) = late.expect("connect while the plane is stopped");
+    assert_eq!(got.expect("read over TCP"), big);
+    assert_eq!(late.data_plane(), DataPlane::Socket);
+    let why = late.ucx_refusal().unwrap_or_default();
+    assert!(why.contains("cannot be reached"), "{why}");
+    drop(late);
     let deadline = Instant::now() + Duration::from_secs(10);
     while owner.ucx_plane().is_some_and(|p| !p.serving) {
         assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
@@ -689,6 +711,54 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
     assert_eq!(ucx_client(&owner).get(b"big").expect("a client after the stall"), big);
     drop((store, quick));
     wait_idle(&owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The plane's process is confined before UCX starts in it: run as the plane confines itself,
+/// `kvtide-owner` cannot read or write files outside the system's, open a Unix-domain socket or
+/// run a program (what a peer that took over the process would try next: the token file, the
+/// owner's socket, a shell), while UCX's network sockets and system files stay usable; the
+/// serving plane's process runs under the seccomp filter with no_new_privs.
+#[test]
+fn the_ucx_plane_process_is_confined() {
+    let dir = temp_dir("ucx-confined");
+    let secret = dir.join("token");
+    std::fs::write(&secret, b"secret").expect("write");
+    let out = Command::new(support::owner_binary())
+        .arg(kvtide_remote::UCX_PLANE_CONFINED_ARG)
+        .arg(&secret)
+        .output()
+        .expect("run the check");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let verdict = |what: &str| {
+        text.lines().find_map(|l| l.strip_prefix(&format!("{what} "))).unwrap_or_else(|| panic!("{what}: {text}"))
+    };
+    let landlock = verdict("landlock").starts_with("Ok");
+    let seccomp = verdict("seccomp").starts_with("Ok");
+    eprintln!("{text}");
+    if landlock {
+        assert_eq!(verdict("read"), "denied", "{text}");
+        assert_eq!(verdict("write"), "denied", "{text}");
+        assert!(!dir.join("token.written").exists());
+    }
+    if seccomp {
+        assert_eq!(verdict("unix-socket"), "denied", "{text}");
+    }
+    if landlock || seccomp {
+        assert_eq!(verdict("exec"), "denied", "{text}");
+    }
+    assert_eq!(verdict("inet-socket"), "ALLOWED", "{text}");
+    assert_eq!(verdict("system-read"), "ALLOWED", "{text}");
+    let engine = engine(16 << 20);
+    let Some(owner) = ucx_owner(&engine, &dir) else { return };
+    let status = std::fs::read_to_string(format!("/proc/{}/status", ucx_plane_pid(&owner))).expect("status");
+    assert!(status.contains("NoNewPrivs:\t1"), "{status}");
+    if seccomp {
+        assert!(status.contains("Seccomp:\t2"), "{status}");
+    }
+    assert_eq!(ucx_client(&owner).get(b"absent"), Err(Error::Store(StoreError::NotFound)));
+    drop(owner);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -23,6 +23,9 @@ fn main() {
     if args.get(1).map(String::as_str) == Some(kvtide_remote::UCX_PLANE_ARG) {
         std::process::exit(kvtide_remote::ucx_plane_main(&args[2..]));
     }
+    if args.get(1).map(String::as_str) == Some(kvtide_remote::UCX_PLANE_CONFINED_ARG) {
+        std::process::exit(kvtide_remote::ucx_plane_confinement_check(&args[2..]));
+    }
     if let Err(e) = run() {
         // Printed once, on stderr (the log goes there too, so it is not logged as well).
         eprintln!("kvtide-owner: {e}");

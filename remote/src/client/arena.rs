@@ -147,7 +147,14 @@ impl Arena {
     /// The range must be leased as `copy_out` says.
     pub(super) unsafe fn copy_out_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
         let n = usize::try_from(len).map_err(|_| Error::Protocol(format!("{len} bytes do not fit memory")))?;
-        let mut v = Vec::<u8>::with_capacity(n);
+        // The length is the owner's: checked against the arena before anything is allocated,
+        // and an allocation that fails is an error, not an abort.
+        match self {
+            Arena::Mapped(m) => m.addr_of(offset, len).map(drop)?,
+            Arena::Ucx(u) | Arena::UcxBatch(u, _) => u.check(offset, len)?,
+        }
+        let mut v = Vec::<u8>::new();
+        v.try_reserve_exact(n).map_err(|e| Error::Protocol(format!("{len} bytes granted: {e}")))?;
         // SAFETY: v has room for len bytes; the copy writes exactly those or fails (then set_len
         // is not reached).
         unsafe {

@@ -57,7 +57,7 @@ pub(super) struct Pool {
 }
 
 /// The client's UCX context (made at the first attach) and the owner instance whose plane was
-/// refused or failed here (not asked again until the owner restarts).
+/// refused or failed here (not asked again for `UCX_RETRY_AFTER`).
 #[derive(Default)]
 pub(super) struct UcxState {
     context: Option<Arc<crate::ucx::Context>>,
@@ -206,6 +206,14 @@ impl Pool {
                 // connection, which attaches anew (or reads over TCP while the plane restarts).
                 Ok(Ok(_)) if !ucx_retried && conn.ucx.as_ref().is_some_and(|u| u.is_closed()) => {
                     ucx_retried = true;
+                    // Not asked again for a while: the retry, and the calls after it, read over
+                    // TCP (a plane that stopped answering would fail every one of them).
+                    let mut state = self.ucx.lock().unwrap_or_else(|p| p.into_inner());
+                    state.refused = Some((conn.hello.instance_id, Instant::now()));
+                    state.last_refusal = Some(format!(
+                        "a read over the UCX plane failed; reads go over TCP for {} s before it is tried again",
+                        UCX_RETRY_AFTER.as_secs()
+                    ));
                 }
                 Ok(Ok(answer)) => return Ok((conn, rid, answer)),
                 Ok(Err(refused)) => {

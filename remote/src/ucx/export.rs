@@ -165,11 +165,17 @@ fn spawn(launch: &Launch) -> UResult<Running> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     let fd = launch.arena_fd.as_raw_fd();
-    // SAFETY: between fork and exec only dup2 runs (async-signal-safe); it gives the child the
-    // arena's read-only descriptor as fd 3 (without close-on-exec), nothing else.
+    if fd <= 2 {
+        // The child's stdin, stdout and stderr are set up over these before pre_exec runs.
+        return Err(fail(format!("the arena's descriptor is {fd}, one of the standard streams")));
+    }
+    // SAFETY: between fork and exec only dup2 and fcntl run (async-signal-safe); they give the
+    // child the arena's read-only descriptor as fd 3 without close-on-exec, nothing else (dup2
+    // onto itself leaves the flag, so then it is cleared by hand).
     unsafe {
         command.pre_exec(move || {
-            if libc::dup2(fd, ARENA_FD) < 0 {
+            let done = if fd == ARENA_FD { libc::fcntl(fd, libc::F_SETFD, 0) } else { libc::dup2(fd, ARENA_FD) };
+            if done < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -198,7 +204,8 @@ fn spawn(launch: &Launch) -> UResult<Running> {
 /// Restarts the helper whenever it dies, until the export is dropped (then stops it: stdin
 /// closed, and killed if it is still there after a grace).
 fn watch(state: &State, launch: &Launch) {
-    let mut running = state.running.lock().unwrap_or_else(|p| p.into_inner());
+    let lock = || state.running.lock().unwrap_or_else(|p| p.into_inner());
+    let mut running = lock();
     while !state.stopping.load(Ordering::Acquire) {
         let exited = match running.as_mut().map(|r| r.child.try_wait()) {
             Some(Ok(Some(status))) => Some(status.to_string()),
@@ -217,7 +224,12 @@ fn watch(state: &State, launch: &Launch) {
             if state.stopping.load(Ordering::Acquire) {
                 break;
             }
-            match spawn(launch) {
+            // Unlocked while it starts (up to START_TIMEOUT): attaches are answered meanwhile
+            // (refused: restarting). One that started as the export stops is stopped below.
+            drop(running);
+            let started = spawn(launch);
+            running = lock();
+            match started {
                 Ok(r) => {
                     state.restarts.fetch_add(1, Ordering::Relaxed);
                     *running = Some(r);

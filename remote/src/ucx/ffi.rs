@@ -23,6 +23,7 @@ pub(crate) const UCP_API_MAJOR: c_uint = 1;
 pub(crate) const UCP_API_MINOR: c_uint = 13;
 
 pub(crate) const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
+pub(crate) const UCP_PARAM_FIELD_MT_WORKERS_SHARED: u64 = 1 << 5;
 pub(crate) const UCP_PARAM_FIELD_NAME: u64 = 1 << 8;
 pub(crate) const UCP_FEATURE_RMA: u64 = 1 << 1;
 pub(crate) const UCP_FEATURE_WAKEUP: u64 = 1 << 4;

@@ -53,6 +53,15 @@ fn run(args: &[String]) -> Result<(), UcxError> {
     if base == libc::MAP_FAILED {
         return Err(UcxError::Call { call: "mmap", status: std::io::Error::last_os_error().to_string() });
     }
+    // Before UCX loads (and starts threads): what a peer that writes this process's memory
+    // could do next is kept to this process (docs/owner.md).
+    let confinement = super::sandbox::confine();
+    match (&confinement.landlock, &confinement.seccomp) {
+        (Ok(abi), Ok(())) => eprintln!("kvtide UCX plane: confined (Landlock ABI {abi}, seccomp)"),
+        (landlock, seccomp) => {
+            eprintln!("kvtide UCX plane: NOT fully confined: Landlock {landlock:?}, seccomp {seccomp:?}")
+        }
+    }
     let ctx = Context::new(&transports, true)?;
     // SAFETY: the mapping stays until the process exits (never unmapped).
     let region = unsafe { MemRegion::read_only(&ctx, base.cast(), len) }?;

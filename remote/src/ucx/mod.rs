@@ -13,6 +13,7 @@ mod export;
 mod ffi;
 mod helper;
 mod reader;
+mod sandbox;
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
@@ -20,6 +21,9 @@ use std::sync::Arc;
 pub(crate) use export::UcxExport;
 pub use export::UcxPlaneState;
 pub use helper::{ucx_plane_main, UCX_PLANE_ARG};
+pub use sandbox::self_check as ucx_plane_confinement_check;
+/// The argument that runs `ucx_plane_confinement_check` in `kvtide-owner`.
+pub const UCX_PLANE_CONFINED_ARG: &str = "__ucx-plane-confined";
 pub(crate) use reader::UcxArena;
 
 /// A client's UCX context (one per `RemoteStore`; each connection has its own worker, which a
@@ -55,6 +59,9 @@ pub enum UcxError {
     /// A transport list this plane does not allow.
     #[error("UCX transports {0:?} are not allowed: {1}")]
     Transports(String, &'static str),
+    /// The plane did not answer from here (UCX connects only when an endpoint is first used).
+    #[error("the UCX plane cannot be reached from this host: {0}")]
+    Unreachable(String),
     /// A get did not complete in time (the endpoint was closed, so nothing lands later).
     #[error("a UCX read did not complete within {timeout_ms} ms")]
     Timeout { timeout_ms: u64 },
@@ -182,8 +189,9 @@ pub(crate) struct Context {
     raw: Handle,
 }
 
-// SAFETY: a UCP context is thread-safe for the calls made on it here (memory mapping and rkey
-// packing happen before any worker serves, worker creation is serialised by its callers).
+// SAFETY: every context is made with `mt_workers_shared` (UCX locks it for workers made, used
+// and destroyed on different threads); memory mapping and rkey packing happen in the plane's
+// process before its one worker serves.
 unsafe impl Send for Context {}
 // SAFETY: as above.
 unsafe impl Sync for Context {}
@@ -204,13 +212,17 @@ impl Context {
             features |= ffi::UCP_FEATURE_WAKEUP;
         }
         let params = ffi::Params {
-            field_mask: ffi::UCP_PARAM_FIELD_FEATURES | ffi::UCP_PARAM_FIELD_NAME,
+            field_mask: ffi::UCP_PARAM_FIELD_FEATURES
+                | ffi::UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                | ffi::UCP_PARAM_FIELD_NAME,
             features,
             request_size: 0,
             request_init: std::ptr::null(),
             request_cleanup: std::ptr::null(),
             tag_sender_mask: 0,
-            mt_workers_shared: 0,
+            // A client's connections each have a worker of one context, used (created,
+            // progressed, destroyed) from their own threads: UCX then locks the context.
+            mt_workers_shared: 1,
             estimated_num_eps: 0,
             estimated_num_ppn: 0,
             name: c"kvtide".as_ptr(),

@@ -15,6 +15,8 @@ use crate::protocol::UcxReady;
 
 /// How long closing an endpoint may wait for UCX to finish with it.
 const CLOSE_WAIT: Duration = Duration::from_secs(2);
+/// The most the first read of a new endpoint may take (within the client's timeout).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// A read progresses its worker in a loop this long, then sleeps on its event descriptor (so
 /// many waiting readers do not take the CPUs the gets need).
 const SPIN: Duration = Duration::from_micros(50);
@@ -80,7 +82,20 @@ impl UcxArena {
             return Err(e);
         }
         link.ep = Some((ep, rkey));
-        Ok(UcxArena { base: ready.base, len: ready.len, timeout, link: Mutex::new(link) })
+        let arena = UcxArena { base: ready.base, len: ready.len, timeout, link: Mutex::new(link) };
+        // Creating the endpoint sent nothing: one byte read now shows the plane answers from
+        // here (a port that a firewall drops, an interface this host cannot route to), so an
+        // unreachable plane leaves the connection on TCP instead of failing its reads later.
+        // The byte is arena bytes, which an attached client may read (docs/owner.md).
+        if arena.len > 0 {
+            let mut byte = 0u8;
+            let within = timeout.min(PROBE_TIMEOUT);
+            // SAFETY: one writable byte of this frame, lent for the call.
+            unsafe { arena.read_within(&[(0, &mut byte as *mut u8 as u64, 1)], within) }.map_err(|e| {
+                UcxError::Unreachable(format!("a first read did not complete within {} ms: {e}", within.as_millis()))
+            })?;
+        }
+        Ok(arena)
     }
 
     pub(crate) fn len(&self) -> u64 {
@@ -103,15 +118,30 @@ impl UcxArena {
         link.ep.is_some()
     }
 
+    /// `len` bytes at `offset` lie inside the exported arena.
+    pub(crate) fn check(&self, offset: u64, len: u64) -> UResult<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(UcxError::OutOfBounds),
+        }
+    }
+
     /// Reads each `(arena offset, destination address, length)` piece; all of them, or an error.
     ///
     /// # Safety
     /// Each destination must be writable host memory of its length, lent for this call.
     pub(crate) unsafe fn read(&self, pieces: &[(u64, u64, u64)]) -> UResult<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.read_within(pieces, self.timeout) }
+    }
+
+    /// `read` with its own time limit.
+    ///
+    /// # Safety
+    /// As `read`.
+    unsafe fn read_within(&self, pieces: &[(u64, u64, u64)], timeout: Duration) -> UResult<()> {
         for &(offset, _, n) in pieces {
-            if offset.checked_add(n).is_none_or(|end| end > self.len) {
-                return Err(UcxError::OutOfBounds);
-            }
+            self.check(offset, n)?;
         }
         let mut link = self.link.lock().unwrap_or_else(|p| p.into_inner());
         let Some((ep, rkey)) = link.ep else {
@@ -138,7 +168,7 @@ impl UcxArena {
                 }
             }
         }
-        let outcome = link.wait_all(pending, Instant::now() + self.timeout, self.timeout);
+        let outcome = link.wait_all(pending, Instant::now() + timeout, timeout);
         match (failed, outcome) {
             (None, Ok(())) => Ok(()),
             (Some(e), _) | (None, Err(e)) => {
@@ -202,6 +232,12 @@ impl Link {
                 // Closing fails the requests still in flight; they complete in the next rounds.
                 self.close();
             }
+            if !pending.is_empty() && Instant::now() > deadline + 2 * CLOSE_WAIT {
+                // The forced close purges every request of its endpoint; should UCX not, the
+                // requests are left to the worker (never freed here) rather than waited on.
+                tracing::error!(requests = pending.len(), "UCX gets still pending after their endpoint was closed");
+                return Err(first.unwrap_or(UcxError::Timeout { timeout_ms: timeout.as_millis() as u64 }));
+            }
         }
         first.map_or(Ok(()), Err)
     }
@@ -220,10 +256,6 @@ impl Link {
     fn close(&mut self) {
         let Some((ep, rkey)) = self.ep.take() else { return };
         let ucp = self.worker.ctx.ucp;
-        if !rkey.is_null() {
-            // SAFETY: the key unpacked on this endpoint, destroyed once, before the endpoint.
-            unsafe { (ucp.ucp_rkey_destroy)(rkey) };
-        }
         let param = ffi::RequestParam::with_flags(ffi::UCP_EP_CLOSE_FLAG_FORCE);
         // SAFETY: a live endpoint (error mode PEER, so a forced close is allowed), closed once.
         let request = unsafe { (ucp.ucp_ep_close_nbx)(ep, &param) };
@@ -242,6 +274,12 @@ impl Link {
                     break;
                 }
             }
+        }
+        // The key goes after its endpoint: the forced close purged the gets that used it.
+        if !rkey.is_null() {
+            // SAFETY: the key unpacked on this endpoint, destroyed once; no get of it is posted
+            // any more (the endpoint is closed) and the purged ones completed with an error.
+            unsafe { (ucp.ucp_rkey_destroy)(rkey) };
         }
     }
 }
