@@ -520,7 +520,10 @@ impl Store for RemoteStore {
         let max_items = self.inner.pool.max_batch(&limits);
         for chunk in todo.chunks(max_items) {
             let outcome = if leased {
+                // None: the call's connection reads neither the arena nor the plane (its attach
+                // was refused meanwhile): the bytes come over the stream.
                 self.ranges_via_leases(buffers, fragments, chunk)
+                    .unwrap_or_else(|| self.ranges_via_stream(buffers, fragments, chunk, &limits))
             } else {
                 self.ranges_via_stream(buffers, fragments, chunk, &limits)
             };
@@ -697,7 +700,7 @@ impl RemoteStore {
         buffers: &[Region<'_>],
         fragments: &[Vec<Fragment>],
         chunk: &[(usize, usize)],
-    ) -> Vec<Result<usize>> {
+    ) -> Option<Vec<Result<usize>>> {
         let mut keys: Vec<&[u8]> = Vec::new();
         let mut key_of = Vec::with_capacity(chunk.len());
         let mut index = std::collections::HashMap::new();
@@ -715,9 +718,12 @@ impl RemoteStore {
             frags_of[k].push(n);
         }
         let outcome = self.inner.pool.call("get_into_ranges", |conn, rid| {
+            if conn.arena().is_none() {
+                return Ok(Ok(None));
+            }
             // Leased in parts, as batch gets are, so SSD-heavy ranges stream through DRAM.
             let items = keys.iter().map(|key| GetItem { key, check: LenCheck::Any }).collect();
-            conn.get_in_parts(rid, items, chunk.len(), &self.inner.gpu, |k, grant, arena| {
+            let parts = conn.get_in_parts(rid, items, chunk.len(), &self.inner.gpu, |k, grant, arena| {
                 frags_of[k]
                     .iter()
                     .map(|&n| {
@@ -742,11 +748,12 @@ impl RemoteStore {
                         Placed::of(n, placed)
                     })
                     .collect()
-            })
+            });
+            parts.map(|answer| answer.map(Some))
         });
         match outcome {
             Ok(r) => r,
-            Err(e) => vec![Err(e); chunk.len()],
+            Err(e) => Some(vec![Err(e); chunk.len()]),
         }
     }
 

@@ -703,6 +703,30 @@ fn a_ucx_client_killed_mid_read_leaves_nothing_held() {
     let why = late.ucx_refusal().unwrap_or_default();
     assert!(why.contains("cannot be reached"), "{why}");
     drop(late);
+    // Ranges whose leased read over the plane stalls: the call runs once more on a connection
+    // that is not on the plane (the client keeps off it for a while), over the stream.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ranged = loop {
+        let c =
+            RemoteStore::connect_with(&addr, ClientOptions { timeout_ms: 1_000, ..ucx_options() }).expect("connect");
+        if c.data_plane() == DataPlane::Ucx {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "not attached: {:?}", c.ucx_refusal());
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let pid = ucx_plane_pid(&owner);
+    let mut out = vec![0u8; 8192];
+    let frags =
+        vec![vec![Fragment::new(b"big".to_vec(), 1000, 0, 4096), Fragment::new(b"big".to_vec(), 9 << 20, 4096, 4096)]];
+    // SAFETY: kill with a pid and a signal.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let got = ranged.get_into_ranges(&[Region::host(&mut out)], &frags);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert_eq!(got, vec![vec![Ok(4096), Ok(4096)]], "{:?}", ranged.ucx_refusal());
+    assert!(out[..4096] == big[1000..5096] && out[4096..] == big[9 << 20..(9 << 20) + 4096]);
+    drop(ranged);
     let deadline = Instant::now() + Duration::from_secs(10);
     while owner.ucx_plane().is_some_and(|p| !p.serving) {
         assert!(Instant::now() < deadline, "the UCX plane's process was not restarted");
