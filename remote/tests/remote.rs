@@ -786,6 +786,47 @@ fn the_ucx_plane_process_is_confined() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// The local addresses of the TCP sockets process `pid` listens on (hex, as /proc/net has them).
+fn listening_addresses(pid: u32) -> Vec<String> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
+        .collect();
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]) {
+                out.push(f[1].to_string());
+            }
+        }
+    }
+    out
+}
+
+/// UCX's tcp transport serves any address a peer names, so with an owner on loopback both the
+/// plane's process and the client listen on the loopback interface only (UCX_NET_DEVICES=lo):
+/// no host on the network reaches either.
+#[test]
+fn ucx_over_tcp_to_a_loopback_owner_listens_on_loopback_only() {
+    let dir = temp_dir("ucx-lo");
+    let engine = engine(16 << 20);
+    let Some(owner) = ucx_owner(&engine, &dir) else { return };
+    let store = ucx_client(&owner);
+    store.put(b"k", b"v", PutOptions::INSERT).expect("put");
+    assert_eq!(store.get(b"k").expect("get"), b"v");
+    let loopback = |a: &String| a.starts_with("0100007F:") || a.starts_with("00000000000000000000000001000000:");
+    let plane = listening_addresses(ucx_plane_pid(&owner) as u32);
+    assert!(!plane.is_empty(), "the plane listens");
+    assert!(plane.iter().all(loopback), "the plane listens beyond loopback: {plane:?}");
+    let mine = listening_addresses(std::process::id());
+    assert!(mine.iter().all(loopback), "this process (the client) listens beyond loopback: {mine:?}");
+    drop(store);
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Kills `owner`'s UCX plane process.
 fn kill_ucx_plane_process(owner: &Owner) {
     // SAFETY: kill with a pid and a signal.

@@ -377,7 +377,7 @@ impl Pool {
                     None => {
                         let list = self.options.ucx_transports.as_deref().unwrap_or_default();
                         let transports = crate::ucx::Transports::parse(list, self.options.ucx_allow_tcp)
-                            .and_then(|t| crate::ucx::client_context(&t))
+                            .and_then(|t| crate::ucx::client_context(&t, conn.io.stream().is_loopback()))
                             .map_err(|e| e.to_string())?;
                         state.context = Some(Arc::clone(&transports));
                         transports

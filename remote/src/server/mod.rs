@@ -271,7 +271,10 @@ fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<UcxSt
     let Some(list) = &config.ucx_transports else { return Ok(Ok(None)) };
     let transports =
         crate::ucx::Transports::parse(list, config.ucx_allow_tcp).map_err(|e| OwnerError::Config(e.to_string()))?;
-    if transports.has_tcp() {
+    let on_loopback = config.tcp.is_some_and(|a| a.ip().is_loopback());
+    if transports.loopback_devices(on_loopback).is_some() {
+        tracing::info!("the UCX plane runs over tcp on the loopback interface only (UCX_NET_DEVICES=lo)");
+    } else if transports.has_tcp() {
         tracing::warn!(
             "the UCX plane runs over tcp: any host that reaches its port can read and write the plane process's \
              memory (the arena, read-only, and UCX's state; ucx_allow_tcp): loopback or a trusted network only"
@@ -282,7 +285,9 @@ fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<UcxSt
         let fd = crate::shm::check_sealed(arena.memfd(), arena.len_bytes() as u64)
             .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
             .map_err(|e| format!("the arena cannot be shared read-only: {e}"))?;
-        crate::ucx::UcxExport::start(program, transports, fd, arena.len_bytes() as u64).map_err(|e| e.to_string())
+        let loopback = config.tcp.is_some_and(|a| a.ip().is_loopback());
+        crate::ucx::UcxExport::start(program, transports, fd, arena.len_bytes() as u64, loopback)
+            .map_err(|e| e.to_string())
     });
     match started {
         Ok(export) => Ok(Ok(Some(export))),

@@ -44,6 +44,8 @@ struct Launch {
     transports: Transports,
     arena_fd: OwnedFd,
     arena_bytes: u64,
+    /// The owner listens on loopback only: so does a tcp-only plane.
+    loopback: bool,
 }
 
 /// The running helper: its process, its stdin (closed to stop it) and what it serves.
@@ -75,8 +77,9 @@ impl UcxExport {
         transports: Transports,
         arena_fd: OwnedFd,
         arena_bytes: u64,
+        loopback: bool,
     ) -> UResult<UcxExport> {
-        let launch = Launch { program, transports, arena_fd, arena_bytes };
+        let launch = Launch { program, transports, arena_fd, arena_bytes, loopback };
         let state = Arc::new(State {
             running: Mutex::new(None),
             stopping: AtomicBool::new(false),
@@ -161,6 +164,7 @@ fn spawn(launch: &Launch) -> UResult<Running> {
         .envs(std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k == "PATH" || k == "LD_LIBRARY_PATH"))
         // UCX logs to stdout by default, where the helper answers the owner.
         .env("UCX_LOG_FILE", std::env::var("UCX_LOG_FILE").unwrap_or_else(|_| "stderr".into()))
+        .envs(launch.transports.loopback_devices(launch.loopback).map(|d| ("UCX_NET_DEVICES", d)))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

@@ -28,8 +28,10 @@ pub(crate) use reader::UcxArena;
 
 /// A client's UCX context (one per `RemoteStore`; each connection has its own worker, which a
 /// read sleeps on once its gets take longer than a spin).
-pub(crate) fn client_context(transports: &Transports) -> UResult<Arc<Context>> {
-    Context::new(transports, true)
+/// Over `tcp` alone to an owner on loopback, UCX opens its tcp transport on `lo` only
+/// (unless `UCX_NET_DEVICES` says otherwise): its port then takes no peer from the network.
+pub(crate) fn client_context(transports: &Transports, owner_on_loopback: bool) -> UResult<Arc<Context>> {
+    Context::new(transports, true, transports.loopback_devices(owner_on_loopback))
 }
 
 use ffi::{Handle, Status, Ucp};
@@ -181,6 +183,13 @@ impl Transports {
     pub fn has_tcp(&self) -> bool {
         self.0.split(',').any(|n| n == "tcp")
     }
+
+    /// `Some("lo")` for `tcp` alone when the other side is on loopback and `UCX_NET_DEVICES` is
+    /// not set: UCX's tcp transport (which serves any address a peer names) then listens on
+    /// the loopback interface only. With other transports the devices stay UCX's choice.
+    pub(crate) fn loopback_devices(&self, loopback: bool) -> Option<&'static str> {
+        (loopback && self.0 == "tcp" && std::env::var_os("UCX_NET_DEVICES").is_none()).then_some("lo")
+    }
 }
 
 /// A UCX context limited to `transports`, with RMA (and wake-ups when `wakeup`).
@@ -197,7 +206,8 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
-    pub(crate) fn new(transports: &Transports, wakeup: bool) -> UResult<Arc<Context>> {
+    /// `net_devices`: the devices UCX may use (`NET_DEVICES`), else its environment's.
+    pub(crate) fn new(transports: &Transports, wakeup: bool, net_devices: Option<&str>) -> UResult<Arc<Context>> {
         let ucp = ucp()?;
         let mut config: Handle = std::ptr::null_mut();
         // SAFETY: null prefix and file read the environment's defaults; writes one handle.
@@ -206,7 +216,14 @@ impl Context {
         })?;
         let tls = CString::new(transports.as_str()).map_err(|_| UcxError::Transports(transports.0.clone(), "a NUL"))?;
         // SAFETY: `config` is live; both strings are NUL-terminated and outlive the call.
-        let modified = unsafe { (ucp.ucp_config_modify)(config, c"TLS".as_ptr(), tls.as_ptr()) };
+        let mut modified = unsafe { (ucp.ucp_config_modify)(config, c"TLS".as_ptr(), tls.as_ptr()) };
+        if let Some(devices) = net_devices {
+            let devices = CString::new(devices).map_err(|_| UcxError::Transports(devices.into(), "a NUL"))?;
+            if modified == ffi::UCS_OK {
+                // SAFETY: as above.
+                modified = unsafe { (ucp.ucp_config_modify)(config, c"NET_DEVICES".as_ptr(), devices.as_ptr()) };
+            }
+        }
         let mut features = ffi::UCP_FEATURE_RMA;
         if wakeup {
             features |= ffi::UCP_FEATURE_WAKEUP;
