@@ -98,6 +98,9 @@ pub(super) struct Conn {
     pub(super) shm: Option<Arc<ShmMapping>>,
     /// The owner's arena over the UCX plane (a TCP connection that attached to it).
     pub(super) ucx: Option<Arc<crate::ucx::UcxArena>>,
+    /// When this connection asked for the UCX plane and was left on TCP: it is not kept past
+    /// the pool's retry interval, so a later connection asks again.
+    pub(super) off_plane_since: Option<std::time::Instant>,
     pub(super) window: WindowState,
     pub(super) direct: DirectState,
     /// Failed midway through a batch whose earlier requests took effect: never reused.
@@ -204,6 +207,7 @@ pub(super) fn hello_conn(io: FrameIo, hello: HelloOk, shm: Option<Arc<ShmMapping
         hello,
         shm,
         ucx: None,
+        off_plane_since: None,
         window: WindowState::Untried,
         direct: DirectState::Untried,
         broken: false,

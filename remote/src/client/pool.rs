@@ -130,7 +130,10 @@ impl Pool {
             let conn = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
             // A UCX endpoint that failed while the connection sat idle (its peer process
             // restarted or stalled): the connection goes, and the next one attaches again.
-            if conn.ucx.as_ref().is_none_or(|u| u.is_usable()) {
+            // One left off the plane for longer than the retry interval goes too: the next
+            // connection asks for the plane again.
+            let stale = conn.off_plane_since.is_some_and(|at| at.elapsed() >= UCX_RETRY_AFTER);
+            if !stale && conn.ucx.as_ref().is_none_or(|u| u.is_usable()) {
                 return Some(conn);
             }
         }
@@ -162,8 +165,12 @@ impl Pool {
         if conn.broken || conn.ucx.as_ref().is_some_and(|u| u.is_closed()) {
             return;
         }
-        // A TCP connection left off the plane while the plane is in use again (see `open`).
+        // A TCP connection left off the plane while the plane is in use again (see `open`), or
+        // for longer than the retry interval (a new connection asks for the plane again).
         if conn.ucx.is_none() && self.options.ucx_transports.is_some() && self.ucx_ready.load(Ordering::Relaxed) {
+            return;
+        }
+        if conn.off_plane_since.is_some_and(|at| at.elapsed() >= UCX_RETRY_AFTER) {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
@@ -281,6 +288,9 @@ impl Pool {
                 self.idle.lock().unwrap_or_else(|p| p.into_inner()).retain(|c| c.ucx.is_some());
             }
             self.ucx_ready.store(conn.ucx.is_some(), Ordering::Relaxed);
+            if conn.ucx.is_none() {
+                conn.off_plane_since = Some(Instant::now());
+            }
         }
         *self.last_limits.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.hello.limits());
         self.last_max_leases.store(conn.hello.max_leases.into(), Ordering::Relaxed);
@@ -354,7 +364,8 @@ impl Pool {
     /// over TCP. Only a failure of the connection itself is an error.
     fn attach_ucx(&self, conn: &mut Conn) -> WResult<Option<Arc<crate::ucx::UcxArena>>> {
         let instance = conn.hello.instance_id;
-        let mut state = self.ucx.lock().unwrap_or_else(|p| p.into_inner());
+        let lock = || self.ucx.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock();
         // UCX unpacks the worker address and remote key as it finds them: they are taken only
         // from an owner that proved it knows the token, or one on this host's loopback.
         if conn.hello.flags & HELLO_AUTH_REQUIRED == 0 && !conn.io.stream().is_loopback() {
@@ -365,6 +376,9 @@ impl Pool {
         if state.refused.is_some_and(|(i, at)| i == instance && at.elapsed() < UCX_RETRY_AFTER) {
             return Ok(None);
         }
+        // Not held over the round trip and the first read of the plane (seconds, when it does
+        // not answer): other connections open meanwhile.
+        drop(state);
         let request = Request::UcxAttach { version: crate::ucx::UCX_PLANE_VERSION };
         // Decoded below, so a damaged answer leaves the connection in step and on TCP.
         let answer = conn.request(0, &request, Op::UcxReady, "the UCX plane", |_, p| Ok(p.to_vec()))?;
@@ -372,19 +386,23 @@ impl Pool {
             .map_err(|e| e.to_string())
             .and_then(|payload| UcxReady::decode(&payload).map_err(|e| format!("its answer: {e}")))
             .and_then(|ready| {
-                let context = match &state.context {
-                    Some(c) => Arc::clone(c),
-                    None => {
-                        let list = self.options.ucx_transports.as_deref().unwrap_or_default();
-                        let transports = crate::ucx::Transports::parse(list, self.options.ucx_allow_tcp)
-                            .and_then(|t| crate::ucx::client_context(&t, conn.io.stream().is_loopback()))
-                            .map_err(|e| e.to_string())?;
-                        state.context = Some(Arc::clone(&transports));
-                        transports
+                let context = {
+                    let mut state = lock();
+                    match &state.context {
+                        Some(c) => Arc::clone(c),
+                        None => {
+                            let list = self.options.ucx_transports.as_deref().unwrap_or_default();
+                            let context = crate::ucx::Transports::parse(list, self.options.ucx_allow_tcp)
+                                .and_then(|t| crate::ucx::client_context(&t, conn.io.stream().is_loopback()))
+                                .map_err(|e| e.to_string())?;
+                            state.context = Some(Arc::clone(&context));
+                            context
+                        }
                     }
                 };
                 crate::ucx::UcxArena::connect(&context, &ready, self.timeout()).map_err(|e| e.to_string())
             });
+        let mut state = lock();
         match attached {
             Ok(arena) => {
                 state.refused = None;

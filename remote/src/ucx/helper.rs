@@ -53,8 +53,10 @@ fn run(args: &[String]) -> Result<(), UcxError> {
     if base == libc::MAP_FAILED {
         return Err(UcxError::Call { call: "mmap", status: std::io::Error::last_os_error().to_string() });
     }
-    // Before UCX loads (and starts threads): what a peer that writes this process's memory
+    // libucp loaded first (the confinement then lets its directory be read, for UCX's
+    // modules), before UCX starts threads: what a peer that writes this process's memory
     // could do next is kept to this process (docs/owner.md).
+    super::ucx_available().map_err(UcxError::Unavailable)?;
     let confinement = super::sandbox::confine();
     match (&confinement.landlock, &confinement.seccomp) {
         (Ok(abi), Ok(())) => eprintln!("kvtide UCX plane: confined (Landlock ABI {abi}, seccomp)"),

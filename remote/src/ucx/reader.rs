@@ -88,12 +88,21 @@ impl UcxArena {
         // unreachable plane leaves the connection on TCP instead of failing its reads later.
         // The byte is arena bytes, which an attached client may read (docs/owner.md).
         if arena.len > 0 {
-            let mut byte = 0u8;
+            let byte = Box::new(0u8);
             let within = timeout.min(PROBE_TIMEOUT);
-            // SAFETY: one writable byte of this frame, lent for the call.
-            unsafe { arena.read_within(&[(0, &mut byte as *mut u8 as u64, 1)], within) }.map_err(|e| {
-                UcxError::Unreachable(format!("a first read did not complete within {} ms: {e}", within.as_millis()))
-            })?;
+            let at = Box::into_raw(byte);
+            // SAFETY: one writable heap byte, lent for the call.
+            match unsafe { arena.read_within(&[(0, at as u64, 1)], within) } {
+                // SAFETY: the byte from Box::into_raw above, the get done.
+                Ok(()) => drop(unsafe { Box::from_raw(at) }),
+                // Left allocated: a get UCX did not purge could still land in it.
+                Err(e) => {
+                    return Err(UcxError::Unreachable(format!(
+                        "a first read did not complete within {} ms: {e}",
+                        within.as_millis()
+                    )))
+                }
+            }
         }
         Ok(arena)
     }
@@ -259,6 +268,7 @@ impl Link {
         let param = ffi::RequestParam::with_flags(ffi::UCP_EP_CLOSE_FLAG_FORCE);
         // SAFETY: a live endpoint (error mode PEER, so a forced close is allowed), closed once.
         let request = unsafe { (ucp.ucp_ep_close_nbx)(ep, &param) };
+        let mut closed = true;
         if let Ok(Some(req)) = ffi::status_of_ptr(request) {
             let deadline = Instant::now() + CLOSE_WAIT;
             loop {
@@ -271,12 +281,14 @@ impl Link {
                 }
                 if Instant::now() > deadline {
                     tracing::warn!("a UCX endpoint did not close in time; its request is left to the worker");
+                    closed = false;
                     break;
                 }
             }
         }
-        // The key goes after its endpoint: the forced close purged the gets that used it.
-        if !rkey.is_null() {
+        // The key goes after its endpoint: the forced close purged the gets that used it. A
+        // close that did not finish may leave gets that use it: then it is left (leaked).
+        if closed && !rkey.is_null() {
             // SAFETY: the key unpacked on this endpoint, destroyed once; no get of it is posted
             // any more (the endpoint is closed) and the purged ones completed with an error.
             unsafe { (ucp.ucp_rkey_destroy)(rkey) };
