@@ -815,7 +815,7 @@ fn listening_addresses(pid: u32) -> Vec<String> {
 
 /// UCX's tcp transport serves any address a peer names, so with an owner on loopback both the
 /// plane's process and the client listen on the loopback interface only (UCX_NET_DEVICES=lo):
-/// no host on the network reaches either.
+/// no host on the network reaches either. The plane runs with kvtide's tcp settings.
 #[test]
 fn ucx_over_tcp_to_a_loopback_owner_listens_on_loopback_only() {
     let dir = temp_dir("ucx-lo");
@@ -825,6 +825,12 @@ fn ucx_over_tcp_to_a_loopback_owner_listens_on_loopback_only() {
     store.put(b"k", b"v", PutOptions::INSERT).expect("put");
     assert_eq!(store.get(b"k").expect("get"), b"v");
     let loopback = |a: &String| a.starts_with("0100007F:") || a.starts_with("00000000000000000000000001000000:");
+    let environ = std::fs::read(format!("/proc/{}/environ", ucx_plane_pid(&owner))).expect("environ");
+    let environ: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+    for (name, value) in kvtide_remote::UCX_TCP_SETTINGS {
+        let set = format!("UCX_{name}={value}");
+        assert!(environ.contains(&set.as_bytes()), "the plane's tcp settings: {set}");
+    }
     let plane = listening_addresses(ucx_plane_pid(&owner) as u32);
     assert!(!plane.is_empty(), "the plane listens");
     assert!(plane.iter().all(loopback), "the plane listens beyond loopback: {plane:?}");

@@ -64,8 +64,8 @@ fn run(args: &[String]) -> Result<(), UcxError> {
             eprintln!("kvtide UCX plane: NOT fully confined: Landlock {landlock:?}, seccomp {seccomp:?}")
         }
     }
-    // The owner set UCX_NET_DEVICES where the plane serves loopback only.
-    let ctx = Context::new(&transports, true, None)?;
+    // The owner set UCX_NET_DEVICES (loopback only) and the tcp settings in its environment.
+    let ctx = Context::new(&transports, true, &[])?;
     // SAFETY: the mapping stays until the process exits (never unmapped).
     let region = unsafe { MemRegion::read_only(&ctx, base.cast(), len) }?;
     let worker = Worker::new(&ctx)?;
