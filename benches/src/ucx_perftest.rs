@@ -42,19 +42,10 @@ pub(crate) fn get_row(
     let command = |port: u16| {
         let mut c = Command::new(&args.ucx_perftest);
         c.env("UCX_TLS", &args.ucx_tls).args(["-p", &port.to_string()]).stdin(Stdio::null());
-        // kvtide's plane and clients over tcp alone to a loopback owner use `lo` only: so does
-        // the baseline (UCX would otherwise stripe over every interface).
-        if args.ucx_tls == "tcp" && std::env::var_os("UCX_NET_DEVICES").is_none() {
-            c.env("UCX_NET_DEVICES", "lo");
-        }
-        // And the tcp settings kvtide's plane and clients use (its segment size).
-        if args.ucx_tls.split(',').any(|t| t == "tcp") {
-            for (name, value) in kvtide_remote::UCX_TCP_SETTINGS {
-                let var = format!("UCX_{name}");
-                if std::env::var_os(&var).is_none() {
-                    c.env(var, value);
-                }
-            }
+        // The settings kvtide's plane serves with for this bench's owner on loopback (lo only
+        // over tcp alone, its tcp segment size): the best this baseline does here too.
+        if let Ok(transports) = kvtide_remote::UcxTransports::parse(&args.ucx_tls, true) {
+            c.envs(transports.serving_env(true));
         }
         c
     };

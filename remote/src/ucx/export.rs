@@ -164,8 +164,7 @@ fn spawn(launch: &Launch) -> UResult<Running> {
         .envs(std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k == "PATH" || k == "LD_LIBRARY_PATH"))
         // UCX logs to stdout by default, where the helper answers the owner.
         .env("UCX_LOG_FILE", std::env::var("UCX_LOG_FILE").unwrap_or_else(|_| "stderr".into()))
-        .envs(launch.transports.loopback_devices(launch.loopback).map(|d| ("UCX_NET_DEVICES".to_string(), d)))
-        .envs(launch.transports.tcp_settings().into_iter().map(|(k, v)| (format!("UCX_{k}"), v)))
+        .envs(launch.transports.serving_env(launch.loopback))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

@@ -111,8 +111,8 @@ pub fn ucx_available() -> std::result::Result<(u32, u32), String> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Transports(String);
 
-/// See `Transports::tcp_settings`.
-pub const TCP_SETTINGS: &[(&str, &str)] = &[("TCP_TX_SEG_SIZE", "64k"), ("TCP_RX_SEG_SIZE", "64k")];
+/// UCX's tcp settings the plane serves with (`Transports::serving_env`).
+const TCP_SETTINGS: &[(&str, &str)] = &[("TCP_TX_SEG_SIZE", "64k"), ("TCP_RX_SEG_SIZE", "64k")];
 
 /// UCX's network transport names (and aliases) that hardware checks against registrations.
 const RDMA_TRANSPORTS: &[&str] = &[
@@ -189,20 +189,27 @@ impl Transports {
         self.0.split(',').any(|n| n == "tcp")
     }
 
+    /// The UCX variables (full names) a process serving the plane over these transports gets
+    /// beyond its environment's, for an owner on loopback or not: `loopback_devices`, and
+    /// `TCP_SETTINGS` over `tcp` (64 KiB segments instead of 8 KiB, so a get's bytes go out in an
+    /// eighth of the fragments: a 1 MiB get over loopback, about 4 against 1.9 GB/s,
+    /// docs/benchmarks.md; the serving side's are the ones that count, a client keeps UCX's,
+    /// measured the same). Each only where the environment does not set it. `kvtide-bench`
+    /// gives its `ucx_perftest` baseline the same.
+    pub fn serving_env(&self, loopback: bool) -> Vec<(String, &'static str)> {
+        let devices = self.loopback_devices(loopback).map(|d| ("NET_DEVICES", d));
+        let tcp = if self.has_tcp() { TCP_SETTINGS } else { &[] };
+        devices
+            .into_iter()
+            .chain(tcp.iter().copied())
+            .map(|(name, value)| (format!("UCX_{name}"), value))
+            .filter(|(var, _)| std::env::var_os(var).is_none())
+            .collect()
+    }
+
     /// `Some("lo")` for `tcp` alone when the other side is on loopback and `UCX_NET_DEVICES` is
     /// not set: UCX's tcp transport (which serves any address a peer names) then listens on
     /// the loopback interface only. With other transports the devices stay UCX's choice.
-    /// UCX's tcp transport settings the plane's process serves with where the environment does
-    /// not set them: 64 KiB segments instead of 8 KiB, so a get's bytes go out in an eighth of
-    /// the fragments (a 1 MiB get over loopback: about 4 against 1.9 GB/s, docs/benchmarks.md).
-    /// The serving side's are the ones that count; a client keeps UCX's (measured the same).
-    pub(crate) fn tcp_settings(&self) -> Vec<(&'static str, &'static str)> {
-        if !self.has_tcp() {
-            return Vec::new();
-        }
-        TCP_SETTINGS.iter().copied().filter(|(name, _)| std::env::var_os(format!("UCX_{name}")).is_none()).collect()
-    }
-
     pub(crate) fn loopback_devices(&self, loopback: bool) -> Option<&'static str> {
         (loopback && self.0 == "tcp" && std::env::var_os("UCX_NET_DEVICES").is_none()).then_some("lo")
     }
@@ -454,10 +461,16 @@ mod tests {
         assert!(Transports::parse("tcp", true).is_ok_and(|t| t.has_tcp()));
         assert!(!Transports::rdma().has_tcp());
         assert_eq!(Transports::parse(" RDMA ", false), Ok(Transports::rdma()), "the settings' alias");
-        assert!(Transports::rdma().tcp_settings().is_empty(), "RDMA transports keep UCX's settings");
-        if std::env::var_os("UCX_TCP_TX_SEG_SIZE").is_none() && std::env::var_os("UCX_TCP_RX_SEG_SIZE").is_none() {
-            let tcp = Transports::parse("tcp", true).map(|t| t.tcp_settings());
-            assert_eq!(tcp, Ok(TCP_SETTINGS.to_vec()));
+        assert!(Transports::rdma().serving_env(true).is_empty(), "RDMA transports keep UCX's settings");
+        if ["UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE", "UCX_NET_DEVICES"]
+            .iter()
+            .all(|v| std::env::var_os(v).is_none())
+        {
+            let tcp = Transports::parse("tcp", true).expect("tcp");
+            let seg = [("UCX_TCP_TX_SEG_SIZE".to_string(), "64k"), ("UCX_TCP_RX_SEG_SIZE".to_string(), "64k")];
+            assert_eq!(tcp.serving_env(false), seg.to_vec());
+            assert_eq!(tcp.serving_env(true)[0], ("UCX_NET_DEVICES".to_string(), "lo"));
+            assert_eq!(tcp.serving_env(true)[1..], seg[..]);
         }
         assert!(Transports::parse("rdma,tcp", true).is_err(), "an alias, not a transport");
         for (value, named) in
