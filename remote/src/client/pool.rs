@@ -34,6 +34,12 @@ use crate::wire::{FrameIo, WResult, WireError};
 /// before a new connection asks again.
 const UCX_RETRY_AFTER: Duration = Duration::from_secs(2);
 
+/// True for a connection that asked for the UCX plane, was left on TCP and has been for the
+/// retry interval: it is not reused, so a new connection asks again.
+fn off_plane_too_long(conn: &Conn) -> bool {
+    conn.off_plane_since.is_some_and(|at| at.elapsed() >= UCX_RETRY_AFTER)
+}
+
 /// The connections to one owner: the idle ones, how to make more, and what they share.
 pub(super) struct Pool {
     pub(super) endpoint: Endpoint,
@@ -132,8 +138,7 @@ impl Pool {
             // restarted or stalled): the connection goes, and the next one attaches again.
             // One left off the plane for longer than the retry interval goes too: the next
             // connection asks for the plane again.
-            let stale = conn.off_plane_since.is_some_and(|at| at.elapsed() >= UCX_RETRY_AFTER);
-            if !stale && conn.ucx.as_ref().is_none_or(|u| u.is_usable()) {
+            if !off_plane_too_long(&conn) && conn.ucx.as_ref().is_none_or(|u| u.is_usable()) {
                 return Some(conn);
             }
         }
@@ -167,10 +172,8 @@ impl Pool {
         }
         // A TCP connection left off the plane while the plane is in use again (see `open`), or
         // for longer than the retry interval (a new connection asks for the plane again).
-        if conn.ucx.is_none() && self.options.ucx_transports.is_some() && self.ucx_ready.load(Ordering::Relaxed) {
-            return;
-        }
-        if conn.off_plane_since.is_some_and(|at| at.elapsed() >= UCX_RETRY_AFTER) {
+        let plane_in_use = self.options.ucx_transports.is_some() && self.ucx_ready.load(Ordering::Relaxed);
+        if (conn.ucx.is_none() && plane_in_use) || off_plane_too_long(&conn) {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());

@@ -145,9 +145,8 @@ fn landlock(readable: &[String]) -> Result<i64, String> {
     }
     // SAFETY: a descriptor the kernel just returned, owned here only.
     let ruleset = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let writable = WRITABLE_DEVICES.iter().map(|p| (p.to_string(), FS_WRITE_FILE));
-    for (path, extra) in readable.iter().map(|p| (p.clone(), 0)).chain(writable) {
-        let path = path.as_str();
+    let writable = WRITABLE_DEVICES.iter().map(|&p| (p, FS_WRITE_FILE));
+    for (path, extra) in readable.iter().map(|p| (p.as_str(), 0)).chain(writable) {
         let Ok(c) = CString::new(path) else { continue };
         // SAFETY: a NUL-terminated path; O_PATH opens nothing for reading.
         let raw = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
