@@ -423,20 +423,25 @@ fn cancellation_drains_and_releases() {
     fill(&store, 16, MIB);
     let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
     let cancel = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&cancel);
-    let canceller = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(8));
-        flag.store(true, Ordering::Release);
-    });
     let opts = RestoreOptions {
-        cancel: Some(cancel),
+        cancel: Some(Arc::clone(&cancel)),
         trace: true,
         host_transport: Some(Arc::new(Throttled { inner: MemcpyTransport, bytes_per_sec: 256 << 20 })),
         ..store.restore_options()
     };
     let mut bufs = buffers(16, MIB);
-    let report = restore(&store, &keys, &mut bufs, &opts);
-    canceller.join().expect("canceller");
+    let report = std::thread::scope(|scope| {
+        // Cancelled once a sub-batch holds staging credits (it is loading), however slow the
+        // machine: a fixed delay could land before the first load or after the last.
+        scope.spawn(|| {
+            let started = std::time::Instant::now();
+            while store.stats().restore.credits_held_bytes == 0 && started.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            cancel.store(true, Ordering::Release);
+        });
+        restore(&store, &keys, &mut bufs, &opts)
+    });
     let delivered = report.results.iter().filter(|r| r.is_ok()).count();
     assert!(delivered < 16, "cancel stops the restore early");
     for (i, r) in report.results.iter().enumerate() {
