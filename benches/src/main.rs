@@ -48,9 +48,14 @@
 //!   stream-bound + one CUDA graph, from DRAM and from SSD. Baselines in the same run: ideal =
 //!   first load + sum of max(load, compute) per layer, and load-only.
 //!
+//! - `bound-host`: the host time of stream-bound reads of a paged step (per layer call and per
+//!   key) against a stream transport that enqueues nothing, so no GPU is needed. Baseline in the
+//!   same run: a `batch_exists` of the same keys.
+//!
 //! Every subcommand uses a fixed RNG seed (`--seed`) so runs are repeatable.
 
 mod alloc_churn;
+mod bound_host;
 mod cluster;
 mod dram;
 mod eviction;
@@ -135,6 +140,9 @@ enum Command {
     StartToListen(start::StartArgs),
     /// One batch read through the Rust API: the baseline of python/bench/overhead.py.
     PyCall(pycall::PyCallArgs),
+    /// The host time of stream-bound reads per layer call, with a stream that enqueues
+    /// nothing (no GPU), vs a batch_exists of the same keys.
+    BoundHost(bound_host::BoundHostArgs),
     /// The owner process `remote` starts (internal).
     #[command(hide = true)]
     RemoteOwner(remote::RemoteOwnerArgs),
@@ -163,6 +171,7 @@ fn main() {
         Command::StartToListen(args) => start::run(&args),
         Command::RemoteOwner(args) => remote::run_owner(&args),
         Command::PyCall(args) => pycall::run(&args),
+        Command::BoundHost(args) => bound_host::run(&args),
         #[cfg(feature = "cuda")]
         Command::Gpu(args) => gpu::run(&args),
         #[cfg(feature = "cuda")]

@@ -28,6 +28,7 @@ use crate::shard::{ReadGrant, Request, ShardThread, WriteGrant};
 
 mod batch_get;
 pub(crate) mod gpu;
+mod key_index;
 mod on_stream;
 mod open;
 mod parallel;

@@ -16,7 +16,7 @@ byte. Stores: 4 shards with GPU staging (the default stream-bound units and 128 
 shard, and 4 shards without staging.
 
 usage (GPU machine, the kvtide wheel): python3 python/bench/paged_reads.py [--layers 16]
-    [--pages 512] [--half-bytes 65536] [--reps 5]
+    [--pages 512] [--half-bytes 65536] [--reps 5] [--stores 0,1,2,3]
 """
 import argparse
 import json
@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--pages", type=int, default=512)
     ap.add_argument("--half-bytes", type=int, default=64 * 1024, help="K (or V) of one page")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--stores", type=lambda v: [int(i) for i in v.split(",")],
+                    default=list(range(len(STORES))), help="which of the stores (indices, comma-separated)")
     args = ap.parse_args()
     L, P, half = args.layers, args.pages, args.half_bytes
     obj = 2 * half
@@ -77,7 +79,7 @@ def main():
         print(f"{name}: {ms:.2f} ms ({total / ms / 1e6:.1f} GB/s) host {host_ms:.2f} ms {extra}", flush=True)
 
     report("raw one copy", *timed(raw))
-    for settings in STORES:
+    for settings in [STORES[i] for i in args.stores]:
         store = kvtide.Store(dram_bytes=total + 512 * MiB, pin_threads=False,
                              **{"gpu_staging": True, **settings})
         for l in range(L):

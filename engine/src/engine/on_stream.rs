@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use kvtide_transport::{Gate, InFlight, Region, StreamHandle, StreamSignal, Transfer, Transport};
 
 use super::gpu::GpuCounters;
+use super::key_index::KeyIndex;
 use super::read::{plan_pieces, KeyRead, ReadTargets, Want};
 use super::router::{ByIndex, HeldLeases};
 use super::transports::{KeepAwake, Route};
@@ -612,8 +613,7 @@ impl Engine {
         routes: &[Route],
         results: &mut [Result<usize>],
     ) -> (Vec<&'k [u8]>, Vec<usize>) {
-        let mut key_index: HashMap<&[u8], usize> = HashMap::new();
-        let mut keys: Vec<&'k [u8]> = Vec::new();
+        let mut key_index = KeyIndex::with_capacity(slots.len());
         let mut key_of: Vec<usize> = vec![usize::MAX; slots.len()];
         for (s, slot) in slots.iter().enumerate() {
             if routes[slot.list] != Route::Gpu {
@@ -623,12 +623,9 @@ impl Engine {
                 results[s] = Err(e);
                 continue;
             }
-            key_of[s] = *key_index.entry(slot.key).or_insert_with(|| {
-                keys.push(slot.key);
-                keys.len() - 1
-            });
+            key_of[s] = key_index.index_of(slot.key).0;
         }
-        (keys, key_of)
+        (key_index.into_keys(), key_of)
     }
 }
 

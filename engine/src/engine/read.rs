@@ -20,9 +20,9 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kvtide_transport::{Direction, EarlyStart, MemoryKind, Piece, Region, Transfer};
-use xxhash_rust::xxh3::Xxh3Builder;
 
 use super::gpu::Timing;
+use super::key_index::KeyIndex;
 use super::router::{by_index, ByIndex};
 use super::transports::{KeepAwake, Route, Transports};
 use super::{parallel, Engine, LeaseSet};
@@ -295,9 +295,8 @@ impl Engine {
         // Range slots of one key share its lease (and its transfer); other slots lease on their
         // own, which costs no hashing on the batch reads' hot path.
         let share = slots.iter().any(|slot| matches!(slot.want, Want::Range { .. }));
-        let mut key_index: HashMap<&[u8], usize, Xxh3Builder> =
-            HashMap::with_capacity_and_hasher(if share { slots.len() } else { 0 }, Xxh3Builder::new());
-        let mut keys: Vec<&[u8]> = Vec::with_capacity(slots.len());
+        let mut key_index = KeyIndex::with_capacity(if share { slots.len() } else { 0 });
+        let mut keys: Vec<&[u8]> = Vec::with_capacity(if share { 0 } else { slots.len() });
         let mut key_of_slot: Vec<usize> = vec![usize::MAX; slots.len()];
         // Without sharing, each key has one slot.
         let mut slot_of_key: Vec<usize> = Vec::with_capacity(if share { 0 } else { slots.len() });
@@ -307,15 +306,15 @@ impl Engine {
                 continue;
             }
             key_of_slot[s] = if share {
-                *key_index.entry(slot.key).or_insert_with(|| {
-                    keys.push(slot.key);
-                    keys.len() - 1
-                })
+                key_index.index_of(slot.key).0
             } else {
                 keys.push(slot.key);
                 slot_of_key.push(s);
                 keys.len() - 1
             };
+        }
+        if share {
+            keys = key_index.into_keys();
         }
         // A read whose first bytes may start moving before its destinations are checked leases
         // its first round in parts, each added to the early start as it is granted.

@@ -24,6 +24,7 @@ use kvtide_tiers::dram::Arena;
 use kvtide_transport::{Direction, InFlight, MemoryKind, Piece, Region, Transfer};
 
 use super::gpu::GpuCounters;
+use super::key_index::KeyIndex;
 use super::progressive::Unsealed;
 use super::transports::{Route, Transports};
 use super::Engine;
@@ -478,10 +479,11 @@ impl Engine {
             .sum();
         check_chunk_count(chunks)?;
         let mut plan = ReadPlan::new();
-        let mut key_index: std::collections::HashMap<&[u8], usize> = std::collections::HashMap::new();
+        let mut key_index = KeyIndex::with_capacity(fragments.iter().map(Vec::len).sum());
         for (b, (region, frags)) in buffers.iter().zip(fragments).enumerate() {
             for f in frags {
-                let k = *key_index.entry(f.key.as_slice()).or_insert_with(|| {
+                let (k, added) = key_index.index_of(f.key.as_slice());
+                if added {
                     plan.keys.push(KeyState {
                         key: f.key.as_slice().into(),
                         shard: if f.key.is_empty() { 0 } else { self.shard_of(&f.key) },
@@ -491,8 +493,7 @@ impl Engine {
                         error: None,
                         chunks_left: 0,
                     });
-                    plan.keys.len() - 1
-                });
+                }
                 let error = self
                     .validate_key(&f.key)
                     .and_then(|()| checks[b].clone().map_or(Ok(()), Err))
