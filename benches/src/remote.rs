@@ -74,6 +74,9 @@ pub struct RemoteArgs {
     /// The `ucx_perftest` binary (Debian: ucx-utils).
     #[arg(long, default_value = "ucx_perftest")]
     pub ucx_perftest: String,
+    /// UCX workers of the owner's plane (0: the owner's default, one per CPU up to 16).
+    #[arg(long, default_value_t = 0)]
+    pub ucx_workers: usize,
 }
 
 /// Arguments of the hidden `remote-owner` subcommand (the owner process of `remote`).
@@ -93,6 +96,9 @@ pub struct RemoteOwnerArgs {
     /// Serve the UCX plane over these transports (tcp allowed).
     #[arg(long)]
     pub ucx: Option<String>,
+    /// UCX workers of the plane (0: the owner's default).
+    #[arg(long, default_value_t = 0)]
+    pub ucx_workers: usize,
 }
 
 /// Runs the owner until its stdin closes; prints `READY <tcp addr>` once serving.
@@ -110,6 +116,7 @@ pub fn run_owner(args: &RemoteOwnerArgs) -> Result<(), String> {
         max_connections: args.max_connections.unwrap_or(OwnerConfig::default().max_connections),
         ucx_transports: args.ucx.clone(),
         ucx_allow_tcp: true,
+        ucx_workers: args.ucx_workers,
         // This binary hosts the plane's process (`main` hands it the argument).
         ucx_program: Some(std::env::current_exe().map_err(|e| e.to_string())?),
         ..OwnerConfig::default()
@@ -552,7 +559,7 @@ fn start_owner(args: &RemoteArgs, dir: &Path) -> Result<OwnerProcess, String> {
         cmd.arg("--shards").arg(s.to_string());
     }
     if args.transport == "ucx" {
-        cmd.arg("--ucx").arg(&args.ucx_tls);
+        cmd.arg("--ucx").arg(&args.ucx_tls).arg("--ucx-workers").arg(args.ucx_workers.to_string());
     }
     let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().map_err(|e| e.to_string())?;
     let stdout = child.stdout.take().ok_or("no stdout")?;

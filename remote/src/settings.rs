@@ -127,6 +127,9 @@ kvtide::settings_group! {
         /// can read and write the owner's memory. Loopback and trusted networks only (default
         /// false).
         ucx_allow_tcp: bool = false, Bool, eg "true";
+        /// UCX workers of the plane's process, each on its own thread; attaching clients are
+        /// handed one each, in turn. 0 (default): one per CPU, at most 16. At most 64.
+        ucx_workers: usize = 0, Count, eg "8";
     }
 }
 
@@ -597,6 +600,7 @@ impl OwnerSettings {
             spin_us: o.spin_us,
             ucx_transports: crate::ucx::Transports::from_setting(&o.ucx),
             ucx_allow_tcp: o.ucx_allow_tcp,
+            ucx_workers: o.ucx_workers,
             ..OwnerConfig::default()
         };
         let mut token_file = None;

@@ -796,6 +796,12 @@ fn the_ucx_plane_process_is_confined() {
 
 /// The local addresses of the TCP sockets process `pid` listens on (hex, as /proc/net has them).
 fn listening_addresses(pid: u32) -> Vec<String> {
+    tcp_sockets(pid, "0A")
+}
+
+/// The local addresses (hex, as /proc/net/tcp writes them) of process `pid`'s TCP sockets in
+/// `state` ("0A": listening, "01": established).
+fn tcp_sockets(pid: u32, state: &str) -> Vec<String> {
     let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .expect("fds")
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -805,12 +811,54 @@ fn listening_addresses(pid: u32) -> Vec<String> {
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
             let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]) {
+            if f.len() > 9 && f[3] == state && inodes.iter().any(|i| i == f[9]) {
                 out.push(f[1].to_string());
             }
         }
     }
     out
+}
+
+/// A plane of several workers hands attaching clients one each, in turn: with three workers,
+/// three clients' reads are served through three different listening ports of the plane's
+/// process (a worker each), and every read is right.
+#[test]
+fn the_ucx_planes_workers_each_serve_their_share_of_the_clients() {
+    let dir = temp_dir("ucx-workers");
+    if let Err(why) = kvtide_remote::ucx_available() {
+        assert!(std::env::var_os("CI").is_none(), "CI must have UCX: {why}");
+        return;
+    }
+    let engine = engine(16 << 20);
+    let config = OwnerConfig { unix_socket: Some(dir.join("owner.sock")), ucx_workers: 3, ..ucx_config(any_port()) };
+    let owner = Owner::start(Arc::clone(&engine), config).expect("start owner with three UCX workers");
+    let plane = owner.ucx_plane().expect("a plane");
+    assert_eq!(plane.workers, 3, "{plane:?}");
+    let clients: Vec<RemoteStore> = (0..3).map(|_| ucx_client(&owner)).collect();
+    let value = |i: usize| vec![i as u8 + 1; 256 << 10];
+    for (i, c) in clients.iter().enumerate() {
+        c.put(format!("k{i}").as_bytes(), &value(i), PutOptions::INSERT).expect("put");
+    }
+    for c in &clients {
+        for i in 0..3 {
+            let mut buf = vec![0u8; 256 << 10];
+            assert_eq!(c.get_into(format!("k{i}").as_bytes(), Region::host(&mut buf)).expect("get"), 256 << 10);
+            assert_eq!(buf, value(i));
+        }
+    }
+    let pid = ucx_plane_pid(&owner) as u32;
+    let listening = listening_addresses(pid);
+    let port = |a: &String| a.rsplit(':').next().map(str::to_string);
+    let served: std::collections::BTreeSet<String> = tcp_sockets(pid, "01")
+        .iter()
+        .filter(|a| listening.iter().any(|l| port(l) == port(a)))
+        .filter_map(port)
+        .collect();
+    assert_eq!(served.len(), 3, "the clients' connections reach three workers' ports: {served:?} of {listening:?}");
+    drop(clients);
+    wait_idle(&owner);
+    drop(owner);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// UCX's tcp transport serves any address a peer names, so with an owner on loopback both the

@@ -105,6 +105,10 @@ pub struct OwnerConfig {
     /// owner's UCX port can then read and write the owner's memory. Only for tests on loopback
     /// and trusted networks. Default false.
     pub ucx_allow_tcp: bool,
+    /// UCX workers of the plane's process, each on its own thread; attaching clients are handed
+    /// one each, in turn (over tcp a worker's thread sends every byte its clients read). 0
+    /// (default): one per CPU, at most 16. At most `MAX_UCX_WORKERS`.
+    pub ucx_workers: usize,
     /// The `kvtide-owner` program that runs the UCX plane's process (`kvtide-owner __ucx-plane`:
     /// UCX never runs in the owner's own process). None: this program when it is
     /// `kvtide-owner`, else a `kvtide-owner` beside it.
@@ -171,6 +175,7 @@ impl Default for OwnerConfig {
             stop_budget_ms: 25_000,
             spin_us: crate::wire::default_spin_us(),
             ucx_transports: None,
+            ucx_workers: 0,
             ucx_allow_tcp: false,
             ucx_program: None,
         }
@@ -232,6 +237,9 @@ pub(super) fn validate(c: &OwnerConfig) -> std::result::Result<(), OwnerError> {
             return bad("the UCX plane (ucx_transports) needs a TCP address: clients attach over TCP".into());
         }
         crate::ucx::Transports::parse(list, c.ucx_allow_tcp).map_err(|e| OwnerError::Config(e.to_string()))?;
+    }
+    if c.ucx_workers > crate::ucx::MAX_UCX_WORKERS {
+        return bad(format!("ucx_workers = {} is more than {}", c.ucx_workers, crate::ucx::MAX_UCX_WORKERS));
     }
     if c.tcp.is_some() && c.max_unauthenticated_connections == 0 {
         return bad("max_unauthenticated_connections must be positive when serving TCP".into());

@@ -285,7 +285,8 @@ fn start_ucx(config: &OwnerConfig, engine: &Engine) -> std::result::Result<UcxSt
         let fd = crate::shm::check_sealed(arena.memfd(), arena.len_bytes() as u64)
             .and_then(|()| crate::shm::reopen_read_only(arena.memfd()))
             .map_err(|e| format!("the arena cannot be shared read-only: {e}"))?;
-        crate::ucx::UcxExport::start(program, transports, fd, arena.len_bytes() as u64, on_loopback)
+        let workers = crate::ucx::plane_workers(config.ucx_workers);
+        crate::ucx::UcxExport::start(program, transports, fd, arena.len_bytes() as u64, on_loopback, workers)
             .map_err(|e| e.to_string())
     });
     match started {

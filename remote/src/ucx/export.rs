@@ -36,6 +36,9 @@ pub struct UcxPlaneState {
     pub pid: Option<u32>,
     /// Times it was started again after it ended.
     pub restarts: u64,
+    /// Its UCX workers (each on its own thread) while it runs; attaching clients are handed
+    /// one each, in turn.
+    pub workers: usize,
 }
 
 /// How to start the helper.
@@ -46,6 +49,8 @@ struct Launch {
     arena_bytes: u64,
     /// The owner listens on loopback only: so does a tcp-only plane.
     loopback: bool,
+    /// UCX workers the helper serves with.
+    workers: usize,
 }
 
 /// The running helper: its process, its stdin (closed to stop it) and what it serves.
@@ -53,7 +58,10 @@ struct Running {
     child: Child,
     /// Never written: closing it tells the helper to stop.
     stdin: ChildStdin,
-    ready: UcxReady,
+    /// One per worker.
+    ready: Vec<UcxReady>,
+    /// The worker the next attaching client is handed.
+    next: usize,
 }
 
 struct State {
@@ -71,15 +79,17 @@ pub(crate) struct UcxExport {
 
 impl UcxExport {
     /// Starts the helper `program` (`kvtide-owner`) serving the arena behind `arena_fd` (a
-    /// read-only descriptor of `arena_bytes`) over `transports`, and a thread that restarts it.
+    /// read-only descriptor of `arena_bytes`) over `transports` with `workers` UCX workers, and
+    /// a thread that restarts it.
     pub(crate) fn start(
         program: PathBuf,
         transports: Transports,
         arena_fd: OwnedFd,
         arena_bytes: u64,
         loopback: bool,
+        workers: usize,
     ) -> UResult<UcxExport> {
-        let launch = Launch { program, transports, arena_fd, arena_bytes, loopback };
+        let launch = Launch { program, transports, arena_fd, arena_bytes, loopback, workers };
         let state = Arc::new(State {
             running: Mutex::new(None),
             stopping: AtomicBool::new(false),
@@ -101,6 +111,7 @@ impl UcxExport {
                             transports = launch.transports.as_str(),
                             arena_bytes = launch.arena_bytes,
                             pid = running.child.id(),
+                            workers = running.ready.len(),
                             "UCX data plane serving the arena from its own process"
                         );
                         *watched.running.lock().unwrap_or_else(|p| p.into_inner()) = Some(running);
@@ -126,18 +137,30 @@ impl UcxExport {
     }
 
     /// What an authenticated client is given, while the helper runs (looked at now, so a
-    /// helper that just died is not handed out until its successor serves).
+    /// helper that just died is not handed out until its successor serves): its workers in
+    /// turn, so clients spread over their threads.
     pub(crate) fn ready(&self) -> Option<UcxReady> {
         let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
         let r = running.as_mut()?;
-        matches!(r.child.try_wait(), Ok(None)).then(|| r.ready.clone())
+        if !matches!(r.child.try_wait(), Ok(None)) {
+            return None;
+        }
+        let ready = r.ready.get(r.next % r.ready.len().max(1)).cloned();
+        r.next = r.next.wrapping_add(1);
+        ready
     }
 
     /// The helper's state now.
     pub(crate) fn state(&self) -> UcxPlaneState {
         let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
-        let pid = running.as_mut().and_then(|r| matches!(r.child.try_wait(), Ok(None)).then(|| r.child.id()));
-        UcxPlaneState { serving: pid.is_some(), pid, restarts: self.state.restarts.load(Ordering::Relaxed) }
+        let (pid, workers) = match running.as_mut() {
+            Some(r) => match r.child.try_wait() {
+                Ok(None) => (Some(r.child.id()), r.ready.len()),
+                _ => (None, 0),
+            },
+            None => (None, 0),
+        };
+        UcxPlaneState { serving: pid.is_some(), pid, restarts: self.state.restarts.load(Ordering::Relaxed), workers }
     }
 }
 
@@ -160,6 +183,7 @@ fn spawn(launch: &Launch) -> UResult<Running> {
         .arg(launch.arena_bytes.to_string())
         .arg(launch.transports.as_str())
         .arg(if launch.transports.has_tcp() { "1" } else { "0" })
+        .arg(launch.workers.to_string())
         .env_clear()
         .envs(std::env::vars().filter(|(k, _)| k.starts_with("UCX_") || k == "PATH" || k == "LD_LIBRARY_PATH"))
         // UCX logs to stdout by default, where the helper answers the owner.
@@ -196,11 +220,13 @@ fn spawn(launch: &Launch) -> UResult<Running> {
     });
     let outcome = rx.recv_timeout(START_TIMEOUT).unwrap_or_else(|_| Err("it did not start in time".into()));
     match outcome {
-        Ok(ready) if ready.len == launch.arena_bytes => Ok(Running { child, stdin, ready }),
+        Ok(ready) if ready.iter().all(|r| r.len == launch.arena_bytes) && ready.len() <= launch.workers => {
+            Ok(Running { child, stdin, ready, next: 0 })
+        }
         outcome => {
             let _ = child.kill();
             let _ = child.wait();
-            Err(fail(outcome.err().unwrap_or_else(|| "it served another length".into())))
+            Err(fail(outcome.err().unwrap_or_else(|| "it served another length or more workers than asked".into())))
         }
     }
 }

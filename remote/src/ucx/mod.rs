@@ -42,6 +42,20 @@ use ffi::{Handle, Status, Ucp};
 /// another is answered with an error and the client keeps the TCP path.
 pub const UCX_PLANE_VERSION: u32 = 1;
 
+/// The most UCX workers (threads) the plane's process serves with (`OwnerConfig::ucx_workers`).
+pub const MAX_UCX_WORKERS: usize = 64;
+/// Workers when the configuration leaves it to the host: one per CPU, at most this many.
+const AUTO_UCX_WORKERS: usize = 16;
+
+/// The plane's workers for a configured count (0: one per CPU of this host, at most
+/// `AUTO_UCX_WORKERS`).
+pub(crate) fn plane_workers(configured: usize) -> usize {
+    match configured {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()).min(AUTO_UCX_WORKERS),
+        n => n.min(MAX_UCX_WORKERS),
+    }
+}
+
 /// A failure of the UCX plane. Every one leaves the client on the TCP path.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UcxError {
@@ -223,7 +237,7 @@ pub(crate) struct Context {
 
 // SAFETY: every context is made with `mt_workers_shared` (UCX locks it for workers made, used
 // and destroyed on different threads); memory mapping and rkey packing happen in the plane's
-// process before its one worker serves.
+// process before its workers serve.
 unsafe impl Send for Context {}
 // SAFETY: as above.
 unsafe impl Sync for Context {}
