@@ -40,7 +40,7 @@ pub struct RemoteArgs {
     /// Bytes of distinct values per cell (keys = this / size, at least 2 per client).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub working_set: u64,
-    /// DRAM pool of the owner.
+    /// DRAM pool of the owner (raised where a shard could not hold a cell's working set).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub dram_bytes: u64,
     /// Owner shards (default: one per CPU).
@@ -550,11 +550,31 @@ impl Drop for OwnerProcess {
     }
 }
 
+/// The owner's DRAM: `--dram-bytes`, raised so that every shard could hold a cell's whole
+/// working set and one upsert in flight per client of the largest value. Keys hash unevenly
+/// and an upsert holds its new copy beside the old until it commits, so with many shards (one
+/// per CPU) and large values a pool sized for the working set alone evicts keys the gets then
+/// miss.
+fn owner_dram_bytes(args: &RemoteArgs) -> u64 {
+    let shards = args.shards.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())) as u64;
+    let clients = args.clients.iter().copied().max().unwrap_or(1);
+    let need = args
+        .sizes
+        .iter()
+        .map(|&size| {
+            let keys = ((args.working_set / size.max(1)) as usize).max(2 * clients * args.batch);
+            shards * (keys + clients * args.batch) as u64 * size
+        })
+        .max()
+        .unwrap_or(0);
+    args.dram_bytes.max(need)
+}
+
 fn start_owner(args: &RemoteArgs, dir: &Path) -> Result<OwnerProcess, String> {
     let unix = dir.join("owner.sock");
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = Command::new(exe);
-    cmd.arg("remote-owner").arg("--unix").arg(&unix).arg("--dram-bytes").arg(args.dram_bytes.to_string());
+    cmd.arg("remote-owner").arg("--unix").arg(&unix).arg("--dram-bytes").arg(owner_dram_bytes(args).to_string());
     if let Some(s) = args.shards {
         cmd.arg("--shards").arg(s.to_string());
     }
@@ -596,7 +616,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
         args.batch,
         args.duration_secs,
         fmt_bytes(args.working_set),
-        fmt_bytes(args.dram_bytes),
+        fmt_bytes(owner_dram_bytes(args)),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     let unix = format!("unix:{}", owner.unix.display());
