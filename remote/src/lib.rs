@@ -41,7 +41,7 @@ pub use settings::{
 pub use sock::raise_descriptor_limit;
 pub use ucx::{
     ucx_available, ucx_plane_confinement_check, ucx_plane_main, Transports as UcxTransports, UcxError, UcxPlaneState,
-    UCX_PLANE_ARG, UCX_PLANE_CONFINED_ARG, UCX_PLANE_VERSION,
+    MAX_UCX_WORKERS, UCX_PLANE_ARG, UCX_PLANE_CONFINED_ARG, UCX_PLANE_VERSION,
 };
 
 /// The same-host read path, for the fuzz target.

@@ -509,6 +509,14 @@ fn ucx_transports_that_reach_into_memory_are_refused() {
         ..base.clone()
     };
     assert!(matches!(Owner::start(Arc::clone(&engine), no_tcp), Err(OwnerError::Config(m)) if m.contains("TCP")));
+    let too_many = OwnerConfig {
+        ucx_transports: Some("rc".into()),
+        ucx_workers: kvtide_remote::MAX_UCX_WORKERS + 1,
+        ..base.clone()
+    };
+    assert!(
+        matches!(Owner::start(Arc::clone(&engine), too_many), Err(OwnerError::Config(m)) if m.contains("ucx_workers"))
+    );
     let owner = owner(&engine, &dir, any_port());
     let addr = owner.tcp_addr().expect("tcp").to_string();
     for (list, allow_tcp) in [("tcp", false), ("cma", true), ("xpmem", true)] {
