@@ -62,8 +62,18 @@ impl Gate for NullGate {
     }
 }
 
-/// A stream transport that enqueues nothing: each submission is complete when made.
-struct NullStream;
+/// A stream transport that enqueues nothing: each submission is complete when made. It notes
+/// when the first submission of a call came (how long the GPU would have waited for work).
+#[derive(Default)]
+struct NullStream {
+    first_submit: std::sync::Mutex<Option<Instant>>,
+}
+
+impl NullStream {
+    fn take_first_submit(&self) -> Option<Instant> {
+        self.first_submit.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
 
 impl Transport for NullStream {
     fn name(&self) -> &'static str {
@@ -105,6 +115,7 @@ impl StreamSubmit for NullStream {
         transfers: &[Transfer],
         _gates: &[Option<Arc<dyn Gate>>],
     ) -> Result<InFlight, TransportError> {
+        self.first_submit.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(Instant::now);
         Ok(InFlight::completed(vec![Ok(()); transfers.len()], Summary::default()))
     }
     unsafe fn signal(&self, _stream: StreamHandle, _signal: StreamSignal) -> Result<(), TransportError> {
@@ -150,7 +161,8 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
                 .collect()
         })
         .collect();
-    let transport: Arc<dyn Transport> = Arc::new(NullStream);
+    let null = Arc::new(NullStream::default());
+    let transport: Arc<dyn Transport> = Arc::clone(&null) as Arc<dyn Transport>;
     let value = vec![0x5Au8; args.object_bytes as usize];
     println!(
         "{:>6} {:>10} {:>12} {:>10} {:>12} {:>10} {:>10}",
@@ -200,6 +212,8 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
             }
             took
         });
+        let mut first_us: Vec<f64> = Vec::new();
+        null.take_first_submit();
         let step = time_reps(args.reps, || {
             let step_layers: Vec<StepLayer<'_, '_>> = (0..layers)
                 .map(|l| StepLayer {
@@ -215,10 +229,14 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
             let ticket = unsafe { engine.step_on_stream_via(&step_layers, STREAM, Some(Arc::clone(&transport))) }
                 .expect("step read");
             let took = t0.elapsed();
+            if let Some(first) = null.take_first_submit() {
+                first_us.push(first.duration_since(t0).as_secs_f64() * 1e6);
+            }
             let results = ticket.wait(Duration::from_secs(10)).expect("the watch ended");
             assert!(results.iter().all(|r| r.as_ref().is_ok_and(|&n| n as u64 == half)), "a fragment failed");
             took
         });
+        first_us.remove(0); // the warm-up's
         let base = median(&exists);
         for (name, times) in [("exists", &exists), ("layerwise", &layerwise), ("step", &step)] {
             let per_layer = median(times) / layers as f64;
@@ -233,6 +251,13 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
                 quantile(times, 0.9) / layers as f64,
             );
         }
+        println!(
+            "{:>6} {:>10} first layer enqueued after {:.1} us of the step call's {:.1} (medians)",
+            shards,
+            "step",
+            median(&first_us),
+            median(&step)
+        );
     }
     println!("us/layer: host time of the form's calls for the whole step, per layer (median); ratio: against exists");
     Ok(())

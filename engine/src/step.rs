@@ -42,7 +42,7 @@ pub fn check(layers: &[StepLayer<'_, '_>], stream: StreamHandle) -> Result<()> {
         return Err(Error::InvalidArgument(format!("a step of {} layers (at most {MAX_STEP_LAYERS})", layers.len())));
     }
     // (start, end, layer) of every device byte range written.
-    let mut spans: Vec<(u64, u64, usize)> = Vec::new();
+    let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(step_spans(layers));
     let device = |r: &Region<'_>| matches!(r.kind(), MemoryKind::Device { .. });
     for (l, layer) in layers.iter().enumerate() {
         if let Some(signal) = &layer.done {
@@ -67,7 +67,8 @@ pub fn check(layers: &[StepLayer<'_, '_>], stream: StreamHandle) -> Result<()> {
             }
         }
     }
-    spans.sort_unstable();
+    // By start alone: two spans of one start overlap whichever comes first (neither is empty).
+    spans.sort_unstable_by_key(|&(start, _, _)| start);
     for w in spans.windows(2) {
         if w[1].0 < w[0].1 {
             return Err(Error::InvalidArgument(format!(
@@ -77,4 +78,50 @@ pub fn check(layers: &[StepLayer<'_, '_>], stream: StreamHandle) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The most device spans `check` collects for `layers` (each destination region or fragment).
+fn step_spans(layers: &[StepLayer<'_, '_>]) -> usize {
+    layers
+        .iter()
+        .map(|l| match l.reads {
+            StepReads::Objects { dsts, .. } => dsts.iter().map(Vec::len).sum(),
+            StepReads::Ranges { fragments, .. } => fragments.iter().map(Vec::len).sum::<usize>(),
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(addr: u64, len: usize) -> Region<'static> {
+        // SAFETY: the check reads addresses and lengths only; nothing is dereferenced.
+        unsafe { Region::from_raw(addr, len, MemoryKind::Device { ordinal: 0 }) }
+    }
+
+    fn ranges(buffers: &[Region<'static>], fragments: &[Vec<Fragment>]) -> Result<()> {
+        let layers = [StepLayer { reads: StepReads::Ranges { buffers, fragments }, done: None }];
+        check(&layers, 7)
+    }
+
+    #[test]
+    fn fragments_that_share_device_bytes_are_refused_in_any_order() {
+        let buffer = [device(1 << 20, 1 << 16)];
+        let frag = |dst: u64, len: u64| Fragment::new(b"k".to_vec(), 0, dst, len);
+        // A shuffled page table: pages 3, 0, 2, 1 of 4 KiB each.
+        let pages: Vec<Fragment> = [3u64, 0, 2, 1].iter().map(|p| frag(p * 4096, 4096)).collect();
+        assert!(ranges(&buffer, std::slice::from_ref(&pages)).is_ok(), "disjoint pages pass");
+        let empty_beside = [pages.clone(), vec![frag(0, 0)]].concat();
+        assert!(ranges(&buffer, &[empty_beside]).is_ok(), "an empty fragment writes nothing");
+        for bad in [
+            vec![frag(4096, 4096), frag(4096, 1)],             // the same start
+            vec![frag(8192, 4096), frag(0, 8193)],             // one byte into the next page
+            vec![frag(0, 4096), frag(100, 10), frag(9000, 1)], // inside another
+            vec![frag(12288, 4096), frag(0, 16384)],           // around every other
+        ] {
+            let e = ranges(&buffer, std::slice::from_ref(&bad)).expect_err("overlap");
+            assert!(matches!(&e, Error::InvalidArgument(why) if why.contains("overlap")), "{bad:?}: {e}");
+        }
+    }
 }

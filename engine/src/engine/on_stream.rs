@@ -378,10 +378,9 @@ impl Engine {
         unsafe { self.read_on_stream(&lists, &slots, stream, transport) }
     }
 
-    /// One step's reads in one call: every layer's lease requests sent to the shards at once,
-    /// then, in layer order, as each layer's grants come in, its copies enqueued on `stream`
-    /// followed by its
-    /// `done` signal (the caller's event recorded, or its flag word written), so a graph whose
+    /// One step's reads in one call: the first layer's lease requests, then, once its copies
+    /// are enqueued, every later layer's at once; in layer order, as each layer's grants come
+    /// in, its copies enqueued on `stream` followed by its `done` signal (the caller's event recorded, or its flag word written), so a graph whose
     /// layer i waits on signal i runs each layer as soon as its KV landed while the host is
     /// gone. The ticket has one result per key (or fragment), layer after layer; it ends once the
     /// engine saw the stream pass the last copies. A layer whose reads all fail is still
@@ -454,9 +453,10 @@ impl Engine {
     }
 
     /// The stream-bound read of `slots` into `lists` in layers (`layers[i].slot_end` ends layer
-    /// i's slots): every layer's lease requests are sent at once, then, layer after layer, the
-    /// call waits for that layer's grants, plans and enqueues its copies and its signal, so the
-    /// first layer's copies start while the shards still lease the later layers.
+    /// i's slots): the first layer's lease requests go out alone and its copies are enqueued as
+    /// soon as it is leased and planned; then every later layer's requests go out at once, and,
+    /// layer after layer, the call waits for that layer's grants, plans and enqueues its copies
+    /// and its signal. The device starts on the first layer while this thread leases the rest.
     ///
     /// # Safety
     /// As `step_on_stream`.
@@ -485,20 +485,32 @@ impl Engine {
         self.read_host_slots(lists, slots, &routes, &mut results);
         // Device destinations: one lease per key of each layer, granted early for objects still
         // loading; every layer's requests go out before the first layer is waited for.
-        let mut first = 0;
-        let mut sent = Vec::with_capacity(layers.len());
-        for layer in layers {
-            let range = first..layer.slot_end;
+        // The first layer's requests go out alone, so its copies are enqueued as soon as it is
+        // leased and planned (DRAM-resident keys are leased on this thread, through the shards'
+        // published indexes); every later layer's go out together right after, before the first
+        // layer's grants are waited for.
+        let starts: Vec<usize> = std::iter::once(0).chain(layers.iter().map(|l| l.slot_end)).collect();
+        let send = |l: usize, results: &mut [Result<usize>]| {
+            let range = starts[l]..layers[l].slot_end;
             let (keys, key_of) = self.gpu_keys(&slots[range.clone()], &routes, &mut results[range.clone()]);
             let leases = self.send_leases_with(keys.iter().enumerate().map(|(k, key)| (k, *key)), true);
-            sent.push((range, key_of, leases));
-            first = layer.slot_end;
+            (range, key_of, leases)
+        };
+        let mut sent = std::collections::VecDeque::with_capacity(layers.len());
+        if !layers.is_empty() {
+            sent.push_back(send(0, &mut results));
         }
         let checked_at = Instant::now();
         counters.bound_reads.fetch_add(1, Relaxed);
         let mut step = StepState::default();
         let mut leased_at = None;
-        for ((range, key_of, leases), layer) in sent.into_iter().zip(layers) {
+        for (l, layer) in layers.iter().enumerate() {
+            if l == 1 {
+                for later in 1..layers.len() {
+                    sent.push_back(send(later, &mut results));
+                }
+            }
+            let Some((range, key_of, leases)) = sent.pop_front() else { break };
             let (grants, leases) = leases.wait();
             leased_at.get_or_insert_with(Instant::now);
             let layer_slots = &slots[range.clone()];
