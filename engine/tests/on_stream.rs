@@ -62,6 +62,8 @@ enum Did {
 struct SimStreams {
     queues: Mutex<HashMap<StreamHandle, VecDeque<Op>>>,
     gates_made: std::sync::atomic::AtomicUsize,
+    /// Transfers handed to `submit_on_stream`, all submissions together.
+    transfers: std::sync::atomic::AtomicUsize,
     did: Mutex<Vec<Did>>,
 }
 
@@ -177,6 +179,7 @@ impl StreamSubmit for SimTransport {
         transfers: &[Transfer],
         gates: &[Option<Arc<dyn Gate>>],
     ) -> Result<InFlight, TransportError> {
+        self.0.transfers.fetch_add(transfers.len(), Ordering::Relaxed);
         let mut queues = self.0.queues.lock().expect("lock");
         let queue = queues.entry(stream).or_default();
         // Objects in DRAM first, then each loading one behind its gate (as the CUDA transport).
@@ -353,6 +356,33 @@ fn per_key_failures_and_range_reads_on_a_stream() {
     assert_eq!(&out[100..150], &value_for(b"b", 0, 500)[..50]);
     assert!(out[150..200].iter().all(|&x| x == 0x11), "the bad fragment wrote nothing");
     assert_eq!(&out[200..250], &value_for(b"a", 0, 1000)[900..950]);
+
+    // A page's K then V (the object's next bytes into the same buffer) share one transfer; the
+    // same key's bytes from elsewhere in the object, or into another buffer, do not.
+    let paged = device_buffer(2048, 0x22);
+    let other = device_buffer(16, 0x33);
+    let frags = vec![
+        vec![
+            Fragment::new(b"a".to_vec(), 0, 1024, 500),
+            Fragment::new(b"a".to_vec(), 500, 0, 500),
+            Fragment::new(b"a".to_vec(), 0, 1600, 10),
+        ],
+        vec![Fragment::new(b"a".to_vec(), 10, 0, 16)],
+    ];
+    let buffers = [device_region(paged, 0, 2048), device_region(other, 0, 16)];
+    let before = streams.transfers.load(Ordering::Relaxed);
+    // SAFETY: as above.
+    let ticket = unsafe { s.get_into_ranges_on_stream_via(&buffers, &frags, 11, Some(Arc::clone(&transport))) }
+        .expect("enqueued");
+    assert_eq!(streams.transfers.load(Ordering::Relaxed) - before, 3, "K and V of one page: one transfer");
+    streams.run_to_end(11);
+    assert_eq!(wait_ended(&ticket), vec![Ok(500), Ok(500), Ok(10), Ok(16)]);
+    let a = value_for(b"a", 0, 1000);
+    assert_eq!(&paged[1024..1524], &a[..500]);
+    assert_eq!(&paged[..500], &a[500..]);
+    assert_eq!(&paged[1600..1610], &a[..10]);
+    assert_eq!(&other[..], &a[10..26]);
+    assert!(paged[500..1024].iter().all(|&x| x == 0x22), "nothing between the pages");
     // Call-level errors: fragments for a buffer that is not there; a list per key.
     // SAFETY: nothing is enqueued by failing calls.
     unsafe {

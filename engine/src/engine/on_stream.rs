@@ -236,18 +236,26 @@ struct LayerEnd {
     signal: Option<StreamSignal>,
 }
 
-/// One submission of a step (a layer's copies) and the (result slot, bytes) of its transfers.
-struct WatchPart {
-    inflight: InFlight,
-    owners: Vec<(usize, usize)>,
+/// A result slot a transfer delivers, and the bytes the slot reports when it lands. Range slots
+/// of one key into one buffer, one after the other (a page's K and V), share a transfer.
+#[derive(Clone, Copy, Debug)]
+struct Owner {
+    transfer: usize,
+    slot: usize,
+    bytes: usize,
 }
 
-/// A layer's planned copies: the transfers, the gate each waits on, and each one's (result
-/// slot, bytes it reports).
+/// One submission of a step (a layer's copies) and the slots of its transfers.
+struct WatchPart {
+    inflight: InFlight,
+    owners: Vec<Owner>,
+}
+
+/// A layer's planned copies: the transfers, the gate each waits on, and the slots they deliver.
 struct LayerCopies<'a> {
     transfers: &'a [Transfer],
     gates: &'a [Option<Arc<dyn Gate>>],
-    owners: &'a [(usize, usize)],
+    owners: &'a [Owner],
 }
 
 /// Enqueues a layer's copies and then its signal. A layer whose copies could not be enqueued
@@ -272,7 +280,7 @@ unsafe fn submit_layer(
             Ok(inflight) => part = Some(WatchPart { inflight, owners: owners.to_vec() }),
             Err(e) => {
                 let e = Error::from(e);
-                owners.iter().for_each(|&(s, _)| results[s] = Err(e.clone()));
+                owners.iter().for_each(|o| results[o.slot] = Err(e.clone()));
                 // Its gates would be waited on by nothing: open them failed.
                 gates.iter().flatten().for_each(|g| g.open(false));
             }
@@ -533,7 +541,7 @@ impl Engine {
                     l.landing.on_end(Box::new(move |outcome| gate.open(outcome == Ok(expected))));
                 }
             }
-            let owners: Vec<(usize, usize)> = owners.into_iter().map(|(s, n)| (range.start + s, n)).collect();
+            let owners: Vec<Owner> = owners.into_iter().map(|o| Owner { slot: range.start + o.slot, ..o }).collect();
             let copies = LayerCopies { transfers: &transfers, gates: &gates, owners: &owners };
             // SAFETY: every transfer's host bytes are leased until the watch below saw the stream
             // pass the copies (or, when nothing of the layer was enqueued, need no lease); the
@@ -667,14 +675,16 @@ fn check_gpu_lists(
 struct GatedTransfers {
     transfers: Vec<Transfer>,
     gates: Vec<Option<Arc<dyn Gate>>>,
-    /// (result slot, bytes it reports) of each transfer.
-    owners: Vec<(usize, usize)>,
+    /// The slots the transfers deliver.
+    owners: Vec<Owner>,
     key_gate: HashMap<usize, Arc<dyn Gate>>,
     loading: HashMap<usize, Loading>,
 }
 
-/// Plans one transfer per (key, slot); range slots of one key share its gate. A slot that
-/// cannot be planned gets its error in `results`.
+/// Plans one transfer per (key, slot), except that a slot of the same key and buffer as the
+/// slot just planned joins its transfer (a page's K and V halves: one transfer, half the
+/// transfers to plan and free); range slots of one key share its gate. A slot that cannot be
+/// planned gets its error in `results`, and joins nothing.
 fn plan_gated(
     new_gate: impl Fn() -> Result<Arc<dyn Gate>>,
     lists: &[&[Region<'_>]],
@@ -691,6 +701,8 @@ fn plan_gated(
         key_gate: HashMap::new(),
         loading: HashMap::new(),
     };
+    // (key, destination list, transfer) of the transfer planned last.
+    let mut joins: Option<(usize, usize, usize)> = None;
     for (s, slot) in slots.iter().enumerate() {
         let k = key_of[s];
         if k == usize::MAX {
@@ -751,11 +763,29 @@ fn plan_gated(
             }
         }
         pieces.retain(|p| p.len > 0);
-        plan.transfers.push(Transfer { host, host_len: grant.len, pieces });
-        plan.gates.push(gate);
-        plan.owners.push((s, reported));
+        let transfer = match joins {
+            // The key's next bytes into the same buffer: one transfer, one staged span.
+            Some((key, list, t))
+                if key == k && list == slot.list && starts_at(&pieces, plan.transfers[t].span().end) =>
+            {
+                plan.transfers[t].pieces.extend(pieces);
+                t
+            }
+            _ => {
+                plan.transfers.push(Transfer { host, host_len: grant.len, pieces });
+                plan.gates.push(gate);
+                plan.transfers.len() - 1
+            }
+        };
+        joins = Some((k, slot.list, transfer));
+        plan.owners.push(Owner { transfer, slot: s, bytes: reported });
     }
     plan
+}
+
+/// Whether `pieces` begin at host offset `end` (and so continue a transfer's span).
+fn starts_at(pieces: &[kvtide_transport::Piece], end: u64) -> bool {
+    pieces.iter().map(|p| p.host_offset).min() == Some(end)
 }
 
 /// A ticket for a read that submitted nothing to a stream.
@@ -796,10 +826,14 @@ impl StreamWatch {
             self.parts.iter_mut().map(|p| p.inflight.take_results()).collect();
         if let Some(mut results) = self.results.take() {
             for (part, outcomes) in self.parts.iter().zip(outcomes) {
-                for (&(s, reported), outcome) in part.owners.iter().zip(outcomes) {
+                for o in &part.owners {
+                    let outcome = match outcomes.get(o.transfer) {
+                        Some(outcome) => outcome.clone().map(|()| o.bytes).map_err(Error::from),
+                        None => Err(Error::Internal("a transfer's result was missing")),
+                    };
                     // A slot failed at the call (its layer's signal) keeps that error.
-                    if results[s].is_ok() || matches!(results[s], Err(Error::Internal(_))) {
-                        results[s] = outcome.map(|()| reported).map_err(Error::from);
+                    if results[o.slot].is_ok() || matches!(results[o.slot], Err(Error::Internal(_))) {
+                        results[o.slot] = outcome;
                     }
                 }
             }
@@ -855,8 +889,8 @@ impl StreamWatch {
             "a stream-bound read's stream did not pass its copies in time; leases released"
         );
         for part in &self.parts {
-            for &(s, _) in &part.owners {
-                results[s] = Err(Error::StreamExpired { ttl_ms: self.ttl_ms });
+            for o in &part.owners {
+                results[o.slot] = Err(Error::StreamExpired { ttl_ms: self.ttl_ms });
             }
         }
         // A stream waiting on a load that never ends is let through (the copies then skip).
