@@ -388,10 +388,11 @@ impl Engine {
 
     /// One step's reads in one call: the first layer's lease requests, then, once its copies
     /// are enqueued, every later layer's at once; in layer order, as each layer's grants come
-    /// in, its copies enqueued on `stream` followed by its `done` signal (the caller's event recorded, or its flag word written), so a graph whose
-    /// layer i waits on signal i runs each layer as soon as its KV landed while the host is
-    /// gone. The ticket has one result per key (or fragment), layer after layer; it ends once the
-    /// engine saw the stream pass the last copies. A layer whose reads all fail is still
+    /// in, its copies enqueued on `stream` followed by its `done` signal (the caller's event
+    /// recorded, or its flag word written), so a graph whose layer i waits on signal i runs each
+    /// layer as soon as its KV landed while the host is gone. The ticket has one result per key
+    /// (or fragment), layer after layer; it ends once the engine saw the stream pass the last
+    /// copies. A layer whose reads all fail is still
     /// signalled, so nothing waits on the device forever; its keys report their errors.
     ///
     /// Refused before anything is leased or enqueued (`InvalidArgument`, `StreamCapturing`,
@@ -492,11 +493,10 @@ impl Engine {
         let routes: Vec<Route> = lists.iter().map(|l| Route::of(l)).collect();
         self.read_host_slots(lists, slots, &routes, &mut results);
         // Device destinations: one lease per key of each layer, granted early for objects still
-        // loading; every layer's requests go out before the first layer is waited for.
-        // The first layer's requests go out alone, so its copies are enqueued as soon as it is
-        // leased and planned (DRAM-resident keys are leased on this thread, through the shards'
-        // published indexes); every later layer's go out together right after, before the first
-        // layer's grants are waited for.
+        // loading. The first layer's requests go out alone, so its copies are enqueued as soon
+        // as it is leased and planned (DRAM-resident keys are leased on this thread, through the
+        // shards' published indexes); every later layer's go out together once the first
+        // layer's copies are enqueued.
         let starts: Vec<usize> = std::iter::once(0).chain(layers.iter().map(|l| l.slot_end)).collect();
         let send = |l: usize, results: &mut [Result<usize>]| {
             let range = starts[l]..layers[l].slot_end;
