@@ -351,12 +351,18 @@ fn every_operation_matches_the_embedded_engine_over_tcp_and_unix_shm() {
 /// explicitly), token-authenticated; None when libucp cannot be loaded here, which fails the
 /// test under CI (`.ci/run` installs UCX).
 fn ucx_owner(engine: &Arc<Engine>, dir: &Path) -> Option<Owner> {
+    ucx_owner_with(engine, dir, |_| {})
+}
+
+/// `ucx_owner` with `configure` applied to its configuration.
+fn ucx_owner_with(engine: &Arc<Engine>, dir: &Path, configure: impl FnOnce(&mut OwnerConfig)) -> Option<Owner> {
     if let Err(why) = kvtide_remote::ucx_available() {
         assert!(std::env::var_os("CI").is_none(), "CI must have UCX: {why}");
         eprintln!("skipped: {why}");
         return None;
     }
-    let config = OwnerConfig { unix_socket: Some(dir.join("owner.sock")), ..ucx_config(any_port()) };
+    let mut config = OwnerConfig { unix_socket: Some(dir.join("owner.sock")), ..ucx_config(any_port()) };
+    configure(&mut config);
     let owner = Owner::start(Arc::clone(engine), config).expect("start owner with the UCX plane");
     let plane = owner.ucx_plane().expect("a plane");
     assert!(plane.serving && plane.pid.is_some() && plane.restarts == 0, "the plane's process runs: {plane:?}");
@@ -833,13 +839,8 @@ fn tcp_sockets(pid: u32, state: &str) -> Vec<String> {
 #[test]
 fn the_ucx_planes_workers_each_serve_their_share_of_the_clients() {
     let dir = temp_dir("ucx-workers");
-    if let Err(why) = kvtide_remote::ucx_available() {
-        assert!(std::env::var_os("CI").is_none(), "CI must have UCX: {why}");
-        return;
-    }
     let engine = engine(16 << 20);
-    let config = OwnerConfig { unix_socket: Some(dir.join("owner.sock")), ucx_workers: 3, ..ucx_config(any_port()) };
-    let owner = Owner::start(Arc::clone(&engine), config).expect("start owner with three UCX workers");
+    let Some(owner) = ucx_owner_with(&engine, &dir, |c| c.ucx_workers = 3) else { return };
     let plane = owner.ucx_plane().expect("a plane");
     assert_eq!(plane.workers, 3, "{plane:?}");
     let clients: Vec<RemoteStore> = (0..3).map(|_| ucx_client(&owner)).collect();

@@ -153,14 +153,15 @@ impl UcxExport {
     /// The helper's state now.
     pub(crate) fn state(&self) -> UcxPlaneState {
         let mut running = self.state.running.lock().unwrap_or_else(|p| p.into_inner());
-        let (pid, workers) = match running.as_mut() {
-            Some(r) => match r.child.try_wait() {
-                Ok(None) => (Some(r.child.id()), r.ready.len()),
-                _ => (None, 0),
-            },
-            None => (None, 0),
-        };
-        UcxPlaneState { serving: pid.is_some(), pid, restarts: self.state.restarts.load(Ordering::Relaxed), workers }
+        let serving = running
+            .as_mut()
+            .and_then(|r| matches!(r.child.try_wait(), Ok(None)).then(|| (r.child.id(), r.ready.len())));
+        UcxPlaneState {
+            serving: serving.is_some(),
+            pid: serving.map(|(pid, _)| pid),
+            restarts: self.state.restarts.load(Ordering::Relaxed),
+            workers: serving.map_or(0, |(_, workers)| workers),
+        }
     }
 }
 

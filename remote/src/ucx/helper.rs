@@ -121,10 +121,7 @@ fn run(args: &[String]) -> Result<(), UcxError> {
                 worker_address,
                 rkey: rkey.clone(),
             };
-            let mut encoded = Vec::new();
-            ready.encode(&mut encoded);
-            lines.extend(encoded.iter().map(|b| format!("{b:02x}")));
-            lines.push('\n');
+            lines.push_str(&ready_line(&ready));
         }
         lines.push_str(END_LINE);
         lines.push('\n');
@@ -142,6 +139,15 @@ fn run(args: &[String]) -> Result<(), UcxError> {
     });
     drop(region);
     answered
+}
+
+/// A worker's `UcxReady` as the helper writes it: hex, one line.
+fn ready_line(ready: &UcxReady) -> String {
+    let mut encoded = Vec::new();
+    ready.encode(&mut encoded);
+    let mut line: String = encoded.iter().map(|b| format!("{b:02x}")).collect();
+    line.push('\n');
+    line
 }
 
 /// Reads what the helper serves from its stdout: a `UcxReady` per worker, then `END_LINE`, or
@@ -202,11 +208,7 @@ mod tests {
             worker_address: vec![worker; 30],
             rkey: vec![2; 20],
         };
-        let hex_of = |r: &UcxReady| {
-            let mut encoded = Vec::new();
-            r.encode(&mut encoded);
-            encoded.iter().map(|b| format!("{b:02x}")).collect::<String>()
-        };
+        let hex_of = |r: &UcxReady| ready_line(r).trim_end().to_string();
         let hex = hex_of(&ready(1));
         assert_eq!(read_ready(&mut format!("{hex}\n{END_LINE}\n").as_bytes()), Ok(vec![ready(1)]));
         let three = format!("{hex}\n{}\n{}\n{END_LINE}\n", hex_of(&ready(2)), hex_of(&ready(3)));
