@@ -24,7 +24,7 @@ use kvtide::{
 };
 
 use crate::restore::NullTransfer;
-use crate::util::{fmt_bytes, parse_size};
+use crate::util::{fmt_bytes, parse_size, shuffled_slots};
 
 /// The "GPU" the null transport claims the destinations are on.
 const ORDINAL: u32 = 0;
@@ -147,7 +147,7 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
             unsafe { Region::from_raw(b.as_ptr() as u64, b.len(), MemoryKind::Device { ordinal: ORDINAL }) }
         })
         .collect();
-    let block_of: Vec<u64> = shuffled(pages);
+    let block_of: Vec<u64> = shuffled_slots(pages as u64, 1);
     let keys: Vec<Vec<Vec<u8>>> =
         (0..layers).map(|l| (0..pages).map(|p| format!("paged/L{l}/p{p}").into_bytes()).collect()).collect();
     let fragments: Vec<Vec<Fragment>> = (0..layers)
@@ -169,7 +169,7 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
     let value = vec![0x5Au8; args.object_bytes as usize];
     println!(
         "{:>6} {:>10} {:>12} {:>10} {:>12} {:>10} {:>10}",
-        "shards", "form", "us/layer", "ns/key", "ratio", "p10", "p90"
+        "shards", "form", "us/layer", "ns/object", "ratio", "p10", "p90"
     );
     for &shards in &args.shards {
         let engine: Engine = StoreBuilder::new()
@@ -177,10 +177,10 @@ pub fn run(args: &BoundHostArgs) -> Result<(), String> {
             .shards(shards)
             .pin_threads(false)
             .open()
-            .expect("open the store");
+            .map_err(|e| format!("open the store: {e}"))?;
         for layer in &keys {
             for key in layer {
-                engine.put(key, &value, PutOptions::UPSERT).expect("put");
+                engine.put(key, &value, PutOptions::UPSERT).map_err(|e| format!("put: {e}"))?;
             }
         }
         let exists = time_reps(args.reps, || {
@@ -280,13 +280,4 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s[((s.len() - 1) as f64 * q).round() as usize]
-}
-
-/// 0..n in a fixed shuffled order (a block table).
-fn shuffled(n: usize) -> Vec<u64> {
-    use rand::seq::SliceRandom;
-    use rand::SeedableRng;
-    let mut v: Vec<u64> = (0..n as u64).collect();
-    v.shuffle(&mut rand::rngs::StdRng::seed_from_u64(1));
-    v
 }

@@ -23,7 +23,7 @@ use kvtide::cuda::plan::BulkCopy;
 use kvtide::cuda::{BaselineMode, CudaDevice, CudaTransport, DeviceBuffer, PinnedBuffer};
 use kvtide::{Engine, MemoryKind, PutOptions, Region, Store, StoreBuilder};
 
-use crate::util::{fmt_bytes, json_str, parse_size};
+use crate::util::{fmt_bytes, json_str, parse_size, shuffled_slots};
 
 /// Arguments of `kvtide-bench gpu`.
 #[derive(clap::Args, Debug, Clone)]
@@ -204,19 +204,6 @@ fn print_timelines(method: &str, timelines: Vec<kvtide::cuda::profile::Timeline>
         med(|t| t.noticed_us),
         med(|t| t.fills as f64),
     );
-}
-
-/// Page p (object-major) goes to pool slot `slots[p]`: a fixed shuffle of `pages` slots.
-pub(crate) fn shuffled_slots(pages: u64, seed: u64) -> Vec<u64> {
-    let mut slots: Vec<u64> = (0..pages).collect();
-    let mut state = seed | 1;
-    for i in (1..slots.len()).rev() {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        slots.swap(i, (state % (i as u64 + 1)) as usize);
-    }
-    slots
 }
 
 /// The destination pages of `objects` objects of `pages_per_object` pages each: page j of

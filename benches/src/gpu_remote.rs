@@ -21,7 +21,8 @@ use kvtide::cuda::{BaselineMode, CudaTransport};
 use kvtide::{PutOptions, Store, StoreBuilder};
 use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
-use crate::gpu::{expected_pool, page_regions, shuffled_slots, Layout};
+use crate::gpu::{expected_pool, page_regions, Layout};
+use crate::util::shuffled_slots;
 use crate::util::{fmt_bytes, parse_size};
 
 /// Arguments of `kvtide-bench gpu-remote`.

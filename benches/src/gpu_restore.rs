@@ -26,8 +26,9 @@ use kvtide::{PutOptions, Region, RestoreMode, RestoreOptions, SimFaults, Store, 
 
 use kvtide_remote::{ClientOptions, Owner, OwnerConfig, RemoteStore};
 
-use crate::gpu::{expected_pool, page_regions, shuffled_slots};
+use crate::gpu::{expected_pool, page_regions};
 use crate::restore::{demoting_store, push_to_ssd, NullTransfer};
+use crate::util::shuffled_slots;
 use crate::util::{fmt_bytes, parse_size};
 
 /// Arguments of `kvtide-bench gpu-restore`.

@@ -105,6 +105,19 @@ pub fn steps(steps: u64, what: &str) -> indicatif::ProgressBar {
     bar
 }
 
+/// Page p (object-major) goes to pool slot `slots[p]`: a fixed shuffle of `pages` slots.
+pub(crate) fn shuffled_slots(pages: u64, seed: u64) -> Vec<u64> {
+    let mut slots: Vec<u64> = (0..pages).collect();
+    let mut state = seed | 1;
+    for i in (1..slots.len()).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        slots.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    slots
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
